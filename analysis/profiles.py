@@ -1,0 +1,215 @@
+"""Row-norm profiles, MP thresholds and excesses (DESIGN.md section 1).
+
+A `NormProfile` holds, for every layer and projection, the L2 and L1 norms of the rows of
+W_Q, W_K, W_V and of the *columns* of W_O, head-major:
+
+    q: [L, H, d]     k: [L, Hkv, d]     v: [L, Hkv, d]     o: [L, H, d]
+
+It is computed once per model (from memory with `profile_model`, or from safetensors files
+with `analysis.streaming.profile_checkpoint`). Everything that depends on the threshold z is
+an array operation on these cached norms: the per-population mean and std are memoized, so
+moving z costs one subtraction per row and never touches the weights again.
+
+Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0).
+Population scope "layer": the rows of one projection of one layer; scope "model": the rows
+of one projection across all layers. A population whose norms are all equal (std = 0) has
+tau equal to that common norm and no row in excess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from analysis.adapters import Adapter, HeadWeights, adapter_for
+from analysis.errors import CancelledError, InputError
+
+PROJECTIONS = ("q", "k", "v", "o")
+ORDS = (1, 2)
+SCOPES = ("layer", "model")
+DEFAULT_Z = 2.0
+Z_MAX = 10.0  # beyond this every row of a real model is in the bulk; the mask is pure tie-break
+
+Progress = Callable[[float, str], None]
+ShouldStop = Callable[[], bool]
+
+
+def check_z(z: float) -> float:
+    """Validate a threshold z; return it as a float. InputError for NaN, negative, huge."""
+    try:
+        value = float(z)
+    except (TypeError, ValueError):
+        raise InputError(f"z must be a number between 0 and {Z_MAX:g}; got {z!r}.") from None
+    if math.isnan(value) or math.isinf(value):
+        raise InputError(f"z must be a finite number between 0 and {Z_MAX:g}; got {value}.")
+    if value < 0:
+        raise InputError(
+            f"z = {value:g} is negative: the threshold would fall inside the bulk and count "
+            f"ordinary rows as outliers. Use a z between 0 and {Z_MAX:g} (the default is {DEFAULT_Z:g})."
+        )
+    if value > Z_MAX:
+        raise InputError(
+            f"z = {value:g} is too large: every row would be in the bulk and every head would score 0. "
+            f"Use a z between 0 and {Z_MAX:g} (the paper uses 1.5 to 2.5)."
+        )
+    return value
+
+
+def check_scope(scope: str) -> str:
+    """Validate a population scope name."""
+    if scope not in SCOPES:
+        raise InputError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}.")
+    return scope
+
+
+def check_ord(ord: int) -> int:
+    """Validate a norm order (1 or 2)."""
+    if ord not in ORDS:
+        raise InputError(f"norm order must be 1 (L1) or 2 (L2); got {ord!r}.")
+    return int(ord)
+
+
+@dataclass
+class NormProfile:
+    """Head-major row norms of one model; see the module docstring for shapes.
+
+    `l2[p]` / `l1[p]` for p in PROJECTIONS. Norms are float64 numpy arrays. The stats cache
+    (population mean/std keyed by ord, scope, projection) is filled lazily.
+    """
+
+    l2: dict[str, np.ndarray]
+    l1: dict[str, np.ndarray]
+    source: str = ""
+    _stats: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for table in (self.l2, self.l1):
+            missing = [p for p in PROJECTIONS if p not in table]
+            if missing:
+                raise InputError(f"a norm profile needs projections {PROJECTIONS}; missing {missing}.")
+        q, k, v, o = (self.l2[p] for p in PROJECTIONS)
+        if q.ndim != 3 or q.shape != o.shape or k.shape != v.shape or k.shape[0] != q.shape[0]:
+            raise InputError(
+                "norm arrays must be q/o [L, H, d] and k/v [L, Hkv, d]; got "
+                f"q {q.shape}, k {k.shape}, v {v.shape}, o {o.shape}."
+            )
+        if q.shape[1] % k.shape[1] != 0:
+            raise InputError(f"H = {q.shape[1]} query heads is not a multiple of Hkv = {k.shape[1]}.")
+
+    @property
+    def n_layers(self) -> int:
+        return self.l2["q"].shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.l2["q"].shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.l2["k"].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.l2["q"].shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def norms(self, ord: int = 2) -> dict[str, np.ndarray]:
+        """The norm arrays for L2 (ord=2) or L1 (ord=1)."""
+        return self.l2 if check_ord(ord) == 2 else self.l1
+
+    def stats(self, ord: int = 2, scope: str = "layer") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per projection (mean [L], std [L]) of the population; memoized.
+
+        With scope "model" the one model-wide value is broadcast to every layer.
+        """
+        key = (check_ord(ord), check_scope(scope))
+        if key not in self._stats:
+            self._stats[key] = {p: population_stats(n, scope) for p, n in self.norms(ord).items()}
+        return self._stats[key]
+
+    def thresholds(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer") -> dict[str, np.ndarray]:
+        """tau per projection, each [L]."""
+        z = check_z(z)
+        return {p: mean + z * std for p, (mean, std) in self.stats(ord, scope).items()}
+
+    def excess(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer") -> dict[str, np.ndarray]:
+        """e = max(0, n - tau) per projection, same shapes as the norms."""
+        taus = self.thresholds(z, ord=ord, scope=scope)
+        return {p: row_excess(n, taus[p]) for p, n in self.norms(ord).items()}
+
+
+def population_stats(norms: np.ndarray, scope: str) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and population std of norms [L, units, d] per layer (scope "layer") or model-wide.
+
+    Returns (mean [L], std [L]). A population with all-equal norms gets its exact common
+    value as mean and std 0, so floating-point noise cannot put a row above tau.
+    """
+    n_layers = norms.shape[0]
+    flat = norms.reshape(n_layers, -1) if scope == "layer" else norms.reshape(1, -1)  # [P, rows]
+    mean = flat.mean(axis=1)  # [P]
+    std = flat.std(axis=1)  # [P]
+    constant = flat.max(axis=1) == flat.min(axis=1)  # [P]
+    mean = np.where(constant, flat[:, 0], mean)  # [P]
+    std = np.where(constant, 0.0, std)  # [P]
+    if scope == "model":
+        mean = np.repeat(mean, n_layers)  # [L]
+        std = np.repeat(std, n_layers)  # [L]
+    return mean, std
+
+
+def row_excess(norms: np.ndarray, tau: np.ndarray) -> np.ndarray:
+    """max(0, n - tau) for norms [L, units, d] and tau [L]."""
+    return np.maximum(norms - tau[:, None, None], 0.0)  # [L, units, d]
+
+
+def row_norms(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """L2 and L1 norms over the last axis of rows [units, d, width], in float64.
+
+    Returns (l2 [units, d], l1 [units, d]) as numpy arrays.
+    """
+    wide = rows.detach().to(torch.float64)  # [units, d, width]
+    l2 = torch.linalg.vector_norm(wide, ord=2, dim=-1)  # [units, d]
+    l1 = torch.linalg.vector_norm(wide, ord=1, dim=-1)  # [units, d]
+    return l2.numpy(), l1.numpy()
+
+
+def head_norms(hw: HeadWeights) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{projection: (l2 [units, d], l1 [units, d])} of one layer's head-major weights."""
+    # q [H, d, D], k/v [Hkv, d, D], o [H, d, D_out]: every norm runs over the last axis
+    return {p: row_norms(getattr(hw, p)) for p in PROJECTIONS}
+
+
+def profile_from_layers(layers: list[dict[str, tuple[np.ndarray, np.ndarray]]], source: str = "") -> NormProfile:
+    """Stack per-layer {projection: (l2 [units, d], l1 [units, d])} into a NormProfile."""
+    l2 = {p: np.stack([layer[p][0] for layer in layers]) for p in PROJECTIONS}  # [L, units, d]
+    l1 = {p: np.stack([layer[p][1] for layer in layers]) for p in PROJECTIONS}  # [L, units, d]
+    return NormProfile(l2=l2, l1=l1, source=source)
+
+
+def profile_model(
+    model: torch.nn.Module,
+    *,
+    adapter: Adapter | None = None,
+    source: str = "",
+    progress: Progress | None = None,
+    should_stop: ShouldStop | None = None,
+) -> NormProfile:
+    """Row norms of every layer of an in-memory model, read once through its adapter."""
+    adapter = adapter or adapter_for(model)
+    n_layers = adapter.geometry(model).n_layers
+    layers = []
+    with torch.no_grad():
+        for layer in range(n_layers):
+            if should_stop is not None and should_stop():
+                raise CancelledError("Profiling was cancelled; run it again to get the profile.")
+            layers.append(head_norms(adapter.read_heads(model, layer)))
+            if progress is not None:
+                progress((layer + 1) / n_layers, f"row norms of layer {layer + 1}/{n_layers}")
+    return profile_from_layers(layers, source=source)

@@ -1,0 +1,726 @@
+"""Head scorers: one interface, every criterion (DESIGN.md section 1).
+
+A scorer is constructed with its parameters and has one verb, `score(target, ...)`, which
+returns a `HeadScores`: a [L, H] float array (higher = more important, pruned last), the
+scorer's name and parameters, what it cost (forward / backward passes over calibration
+sequences, seconds), and the plain-magnitude tie-break the mask code uses.
+
+`target` is a `NormProfile` (weight-only scorers: MP, MP-G, Magnitude, Random), an in-memory
+model (`nn.Module`), or a `LoadedModel` (which also brings the tokenizer and the model kind
+the calibration scorers need).
+
+Head-level aggregation shared by every criterion: a head collects its own Q rows and O
+columns, plus the K/V rows of its KV group (MP-G alone divides the group part by G).
+
+Weight-only:   MP, MP-G, Magnitude (L1/L2), Random (seeded permutation).
+Calibration:   Wanda-Head and SparseGPT-Head (forward passes; input statistics from pre-hooks
+               on the adapter's projection modules), Gradient-Head, head-gate importance
+               (Michel et al.) and its integrated variant (Captum IntegratedGradients over the
+               gates), which need a language-model loss. Hybrid = min-max(Magnitude) +
+               min-max(MP) + min-max(Wanda). The ablation oracle wraps a precomputed [L, H]
+               loss-increase array from the evaluation sweep.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from analysis.adapters import Adapter, HeadWeights, adapter_for
+from analysis.errors import CancelledError, InputError, UnsupportedModelError
+from analysis.geometry import HeadGeometry
+from analysis.masking import head_mask
+from analysis.profiles import (
+    DEFAULT_Z,
+    NormProfile,
+    Progress,
+    ShouldStop,
+    check_ord,
+    check_scope,
+    check_z,
+    profile_model,
+)
+
+LM_KINDS = ("causal-lm", "masked-lm")
+MLM_PROBABILITY = 0.15
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoringCost:
+    """What a scorer spent. Passes are counted per calibration sequence (batch-size independent)."""
+
+    forward_passes: int = 0
+    backward_passes: int = 0
+    calibration_sequences: int = 0
+    calibration_tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(forward_passes=self.forward_passes, backward_passes=self.backward_passes,
+                    calibration_sequences=self.calibration_sequences,
+                    calibration_tokens=self.calibration_tokens, seconds=round(self.seconds, 4))
+
+
+@dataclass
+class HeadScores:
+    """Scores [L, H] (higher = more important) with metadata; see the module docstring."""
+
+    name: str
+    scores: np.ndarray  # [L, H] float64
+    params: dict = field(default_factory=dict)
+    cost: ScoringCost = field(default_factory=ScoringCost)
+    tiebreak: np.ndarray | None = None  # [L, H] plain magnitude, breaks ties in the ranking
+
+    def __post_init__(self) -> None:
+        self.scores = np.asarray(self.scores, dtype=np.float64)
+        if self.scores.ndim != 2:
+            raise InputError(f"head scores must be a [layers, heads] array; got shape {self.scores.shape}.")
+        if self.tiebreak is not None:
+            self.tiebreak = np.asarray(self.tiebreak, dtype=np.float64)
+            if self.tiebreak.shape != self.scores.shape:
+                raise InputError(f"tie-break shape {self.tiebreak.shape} != score shape {self.scores.shape}.")
+
+    @property
+    def zero_count(self) -> int:
+        """Heads with score exactly 0 (for MP: "in the bulk"; the tie-break orders them)."""
+        return int(np.count_nonzero(self.scores == 0))
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, params=self.params, cost=self.cost.as_dict(),
+                    zero_score_heads=self.zero_count, scores=self.scores.tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure head-level aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row values {q,o: [L, H, d], k,v: [L, Hkv, d]} -> (own [L, H], group [L, Hkv]).
+
+    own = sum over the head's Q rows and O columns; group = sum over the group's K and V rows.
+    """
+    own = rows["q"].sum(axis=-1) + rows["o"].sum(axis=-1)  # [L, H]
+    group = rows["k"].sum(axis=-1) + rows["v"].sum(axis=-1)  # [L, Hkv]
+    return own, group
+
+
+def mp_aggregate(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """MP: own + the full group sum of the head's KV group. Returns [L, H]."""
+    own, group = head_and_group_sums(rows)
+    G = own.shape[1] // group.shape[1]
+    return own + np.repeat(group, G, axis=1)  # [L, H]
+
+
+def mpg_aggregate(rows: dict[str, np.ndarray], a_q: float = 1.0, a_kv: float = 1.0) -> np.ndarray:
+    """MP-G: a_q * own + a_kv * group / G. Returns [L, H]; equals mp_aggregate when G = 1, a = 1."""
+    own, group = head_and_group_sums(rows)
+    G = own.shape[1] // group.shape[1]
+    return a_q * own + a_kv * np.repeat(group, G, axis=1) / G  # [L, H]
+
+
+def combine_projection_scores(q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """Per-head q,o [H] and per-group k,v [Hkv] contributions -> [H] (group part repeated)."""
+    G = q.shape[0] // k.shape[0]
+    return q + o + np.repeat(k + v, G)  # [H]
+
+
+def min_max(x: np.ndarray) -> np.ndarray:
+    """Scale to [0, 1] over all heads; a constant array maps to zeros."""
+    lo, hi = float(np.min(x)), float(np.max(x))
+    return np.zeros_like(x) if hi == lo else (x - lo) / (hi - lo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and calibration data
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Subject:
+    """A model to score: module, adapter, geometry, kind ("causal-lm" | "masked-lm" | "encoder")."""
+
+    model: nn.Module
+    adapter: Adapter
+    geometry: HeadGeometry
+    kind: str
+    tokenizer: object = None
+
+
+def model_kind(model: nn.Module) -> str:
+    """Best guess of a bare model's kind from the generic Hugging Face API (no class names)."""
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and can_generate():
+        return "causal-lm"
+    get_out = getattr(model, "get_output_embeddings", None)
+    if callable(get_out) and get_out() is not None:
+        return "masked-lm" if not getattr(model.config, "is_decoder", False) else "causal-lm"
+    return "encoder"
+
+
+def as_subject(target) -> Subject:
+    """LoadedModel or nn.Module -> Subject; InputError for a bare NormProfile."""
+    if isinstance(target, Subject):
+        return target
+    if isinstance(target, NormProfile):
+        raise InputError("This scorer needs the model itself (it runs calibration text through it), "
+                         "not only its weight profile. Pass the loaded model.")
+    model = target if isinstance(target, nn.Module) else getattr(target, "model", None)  # LoadedModel.model
+    if not isinstance(model, nn.Module):
+        raise InputError(f"Cannot score a {type(target).__name__}; pass a loaded model or a NormProfile.")
+    if target is model:
+        adapter = adapter_for(model)
+        return Subject(model, adapter, adapter.geometry(model), model_kind(model), None)
+    return Subject(model, target.adapter, target.geometry, target.kind, target.tokenizer)
+
+
+def as_profile(target) -> NormProfile:
+    """NormProfile as is; a model (or LoadedModel) is profiled once through its adapter."""
+    if isinstance(target, NormProfile):
+        return target
+    subject = as_subject(target)
+    return profile_model(subject.model, adapter=subject.adapter)
+
+
+def calibration_ids(tokenizer, n_sequences: int = 8, seq_len: int = 128, text: str | None = None) -> torch.Tensor:
+    """Token ids [n_sequences, seq_len] cut from the calibration text (the built-in split by default).
+
+    InputError when the text has fewer than n_sequences * seq_len tokens.
+    """
+    n_sequences, seq_len = int(n_sequences), int(seq_len)
+    if n_sequences < 1 or seq_len < 2:
+        raise InputError(f"Calibration needs at least 1 sequence of at least 2 tokens; got "
+                         f"{n_sequences} x {seq_len}.")
+    if tokenizer is None:
+        raise InputError("Calibration needs the model's tokenizer; load the model with load_model(...).")
+    need = n_sequences * seq_len
+    if text is None:
+        from analysis.text import calibration_text
+
+        text = calibration_text(max_chars=need * 12)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < need:
+        raise InputError(f"The calibration text has {len(ids)} tokens but {n_sequences} sequences of "
+                         f"{seq_len} tokens need {need}. Give a longer text, or lower the number or length "
+                         "of the calibration sequences.")
+    return torch.tensor(ids[:need], dtype=torch.long).reshape(n_sequences, seq_len)  # [n, T]
+
+
+def check_calibration(ids) -> torch.Tensor:
+    """Validate a calibration batch: integer tensor [n, T] with T >= 2."""
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 or ids.is_floating_point():
+        raise InputError(f"Calibration ids must be an integer tensor [sequences, tokens] with at least 2 "
+                         f"tokens; got shape {list(ids.shape)}.")
+    return ids.long()
+
+
+def sequence_losses(subject: Subject, ids: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+    """Mean token NLL of each sequence of ids [B, T] -> [B] (keeps the graph).
+
+    Causal LMs predict the next token; masked LMs get a seeded 15% of positions masked (at
+    least one) and are scored at those positions only.
+    """
+    if subject.kind == "causal-lm":
+        logits = subject.model(input_ids=ids).logits  # [B, T, V]
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
+        return nll.mean(dim=1)  # [B]
+    if subject.kind == "masked-lm":
+        mask_id = getattr(subject.tokenizer, "mask_token_id", None)
+        if mask_id is None:
+            raise InputError("Masked-LM calibration needs the tokenizer's mask token; load the model "
+                             "with load_model(...) so its tokenizer comes along.")
+        g = torch.Generator().manual_seed(seed)
+        chosen = torch.rand(ids.shape, generator=g) < MLM_PROBABILITY  # [B, T]
+        chosen[:, 0] |= ~chosen.any(dim=1)
+        masked = ids.masked_fill(chosen, mask_id)  # [B, T]
+        logits = subject.model(input_ids=masked).logits  # [B, T, V]
+        nll = F.cross_entropy(logits.transpose(1, 2), ids, reduction="none")  # [B, T]
+        return (nll * chosen).sum(dim=1) / chosen.sum(dim=1)  # [B]
+    raise UnsupportedModelError(
+        f"This scorer needs a language-model loss, and a {subject.kind!r} model has no LM head. "
+        "Use MP, MP-G, Magnitude, Wanda-Head, SparseGPT-Head or Random for this model.")
+
+
+def batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Split ids [n, T] into consecutive [<=batch_size, T] chunks."""
+    return list(torch.split(ids, max(1, int(batch_size)), dim=0))
+
+
+def _tick(progress: Progress | None, should_stop: ShouldStop | None, fraction: float, message: str) -> None:
+    if should_stop is not None and should_stop():
+        raise CancelledError("Scoring was cancelled; start it again to get scores.")
+    if progress is not None:
+        progress(min(1.0, fraction), message)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scorer interface
+# ---------------------------------------------------------------------------------------------
+
+
+class Scorer:
+    """Base class. Subclasses set `name`, store their parameters, implement `_compute`."""
+
+    name: ClassVar[str] = ""
+    needs_calibration: ClassVar[bool] = False
+    needs_gradients: ClassVar[bool] = False
+
+    def params(self) -> dict:
+        """The constructor parameters, as recorded in HeadScores.params."""
+        return {}
+
+    def score(self, target, *, calibration=None, progress: Progress | None = None,
+              should_stop: ShouldStop | None = None) -> HeadScores:
+        """Score every head of `target`. `calibration`: token ids [n, T] (else built from the
+        built-in calibration split with the LoadedModel's tokenizer)."""
+        start = time.perf_counter()
+        cost = ScoringCost()
+        scores, tiebreak = self._compute(target, calibration, cost, progress, should_stop)
+        cost.seconds = time.perf_counter() - start
+        return HeadScores(self.name, scores, self.params(), cost, tiebreak)
+
+    def _compute(self, target, calibration, cost, progress, should_stop) -> tuple[np.ndarray, np.ndarray | None]:
+        raise NotImplementedError
+
+
+class CalibrationScorer(Scorer):
+    """Shared parameters and plumbing of scorers that run calibration text through the model."""
+
+    needs_calibration = True
+
+    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4):
+        self.n_sequences, self.seq_len, self.batch_size = int(n_sequences), int(seq_len), int(batch_size)
+        if self.n_sequences < 1 or self.seq_len < 2 or self.batch_size < 1:
+            raise InputError("Calibration needs n_sequences >= 1, seq_len >= 2 and batch_size >= 1; got "
+                             f"{n_sequences}, {seq_len}, {batch_size}.")
+
+    def params(self) -> dict:
+        return dict(n_sequences=self.n_sequences, seq_len=self.seq_len)
+
+    def _calibration(self, subject: Subject, calibration, cost: ScoringCost) -> torch.Tensor:
+        if calibration is None:
+            ids = calibration_ids(subject.tokenizer, self.n_sequences, self.seq_len)
+        else:
+            ids = check_calibration(calibration)
+        cost.calibration_sequences = int(ids.shape[0])
+        cost.calibration_tokens = int(ids.numel())
+        return ids
+
+    def _compute(self, target, calibration, cost, progress, should_stop):
+        subject = as_subject(target)
+        ids = self._calibration(subject, calibration, cost)
+        scores = self._calibrate(subject, ids, cost, progress, should_stop)
+        return scores, magnitude_tiebreak(subject)
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop) -> np.ndarray:
+        raise NotImplementedError
+
+
+def magnitude_tiebreak(subject: Subject) -> np.ndarray:
+    """Plain L2 magnitude [L, H] of a model, the tie-break for data-driven scores."""
+    return mp_aggregate(profile_model(subject.model, adapter=subject.adapter).l2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-only scorers
+# ---------------------------------------------------------------------------------------------
+
+
+class MPScorer(Scorer):
+    """Magnitude Profile: sum of row-norm excesses over the head's Q/O and its group's K/V rows."""
+
+    name = "mp"
+
+    def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2):
+        self.z, self.scope, self.ord = check_z(z), check_scope(scope), check_ord(ord)
+
+    def params(self) -> dict:
+        return dict(z=self.z, scope=self.scope, ord=self.ord)
+
+    def aggregate(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        return mp_aggregate(rows)
+
+    def _compute(self, target, calibration, cost, progress, should_stop):
+        profile = as_profile(target)
+        scores = self.aggregate(profile.excess(self.z, ord=self.ord, scope=self.scope))  # [L, H]
+        return scores, self.aggregate(profile.norms(self.ord))
+
+
+class MPGScorer(MPScorer):
+    """MP-G (GQA-aware): a_q * own excess + a_kv * group excess / G."""
+
+    name = "mp-g"
+
+    def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, a_q: float = 1.0,
+                 a_kv: float = 1.0):
+        super().__init__(z, scope, ord)
+        self.a_q, self.a_kv = _check_weight("a_q", a_q), _check_weight("a_kv", a_kv)
+
+    def params(self) -> dict:
+        return {**super().params(), "a_q": self.a_q, "a_kv": self.a_kv}
+
+    def aggregate(self, rows):
+        return mpg_aggregate(rows, self.a_q, self.a_kv)
+
+
+def _check_weight(name: str, value: float) -> float:
+    value = float(value)
+    if not np.isfinite(value) or value < 0:
+        raise InputError(f"{name} must be a finite weight >= 0; got {value}.")
+    return value
+
+
+class MagnitudeScorer(Scorer):
+    """Sum of the L2 (or L1) norms of the head's Q rows, O columns and its group's K/V rows."""
+
+    name = "magnitude"
+
+    def __init__(self, ord: int = 2):
+        self.ord = check_ord(ord)
+
+    def params(self) -> dict:
+        return dict(ord=self.ord)
+
+    def _compute(self, target, calibration, cost, progress, should_stop):
+        profile = as_profile(target)
+        scores = mp_aggregate(profile.norms(self.ord))  # [L, H]
+        return scores, scores
+
+
+class RandomScorer(Scorer):
+    """A seeded random permutation of 0 .. L*H-1: the floor every scorer must beat."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+
+    def params(self) -> dict:
+        return dict(seed=self.seed)
+
+    def _compute(self, target, calibration, cost, progress, should_stop):
+        L, H = _grid(target)
+        ranks = np.random.default_rng(self.seed).permutation(L * H)  # [L*H]
+        return ranks.reshape(L, H).astype(np.float64), None
+
+
+def _grid(target) -> tuple[int, int]:
+    """(L, H) of a profile or model."""
+    if isinstance(target, NormProfile):
+        return target.n_layers, target.n_heads
+    g = as_subject(target).geometry
+    return g.n_layers, g.n_heads
+
+
+class AblationOracle(Scorer):
+    """The real loss increase when each head alone is removed, precomputed by the ablation sweep."""
+
+    name = "ablation"
+
+    def __init__(self, loss_increase):
+        self.loss_increase = np.asarray(loss_increase, dtype=np.float64)  # [L, H]
+        if self.loss_increase.ndim != 2 or not np.isfinite(self.loss_increase).all():
+            raise InputError("The ablation oracle needs a finite [layers, heads] array of loss increases "
+                             "(run the ablation sweep first).")
+
+    def params(self) -> dict:
+        return {}
+
+    def _compute(self, target, calibration, cost, progress, should_stop):
+        if target is not None and _grid(target) != self.loss_increase.shape:
+            raise InputError(f"The ablation sweep has shape {self.loss_increase.shape} but the model has "
+                             f"{_grid(target)} heads; rerun the sweep on this model.")
+        return self.loss_increase.copy(), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Input-statistics scorers (forward passes only)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class InputStats:
+    """Per layer: attention input (Q/K/V's input) and O's input statistics.
+
+    att / out: sums of squares [D] / [H*d] (full=False) or X^T X [D, D] / [H*d, H*d] (full=True).
+    """
+
+    att: list
+    out: list
+    tokens: int = 0
+
+
+@contextmanager
+def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
+    """Forward pre-hooks on each layer's Q (or fused QKV) and O projections accumulating input stats."""
+    L = subject.geometry.n_layers
+    stats = InputStats(att=[None] * L, out=[None] * L)
+    handles = []
+
+    def make_hook(layer: int, slot: str):
+        def hook(module, args):
+            x = args[0].detach()
+            x = x.reshape(-1, x.shape[-1]).float()  # [tokens, width]
+            acc = (x.T @ x) if full else (x * x).sum(dim=0)  # [width, width] or [width]
+            table = getattr(stats, slot)
+            table[layer] = acc.double() if table[layer] is None else table[layer] + acc.double()
+            if slot == "att" and layer == 0:
+                stats.tokens += x.shape[0]
+        return hook
+
+    try:
+        for layer in range(L):
+            mods = subject.adapter.projection_modules(subject.model, layer)
+            first = mods["q"] if "q" in mods else mods["qkv"]
+            handles.append(first.register_forward_pre_hook(make_hook(layer, "att")))
+            handles.append(mods["o"].register_forward_pre_hook(make_hook(layer, "out")))
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: ScoringCost,
+                progress: Progress | None, should_stop: ShouldStop | None, full: bool) -> InputStats:
+    """Forward the calibration ids [n, T] in batches under `collect_inputs`."""
+    chunks = batches(ids, batch_size)
+    with collect_inputs(subject, full) as stats, torch.no_grad():
+        for i, chunk in enumerate(chunks):
+            _tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}")
+            subject.model(input_ids=chunk)
+            cost.forward_passes += int(chunk.shape[0])
+    _tick(progress, should_stop, 1.0, "calibration done")
+    return stats
+
+
+class WandaHeadScorer(CalibrationScorer):
+    """sum |W_ij| * ||X_j||_2 over the head's Q/K/V rows (X = attention input) and O columns
+    (X = O's input, the per-head attention output)."""
+
+    name = "wanda"
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop):
+        stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=False)
+        rows = []
+        for layer in range(subject.geometry.n_layers):
+            hw = subject.adapter.read_heads(subject.model, layer, subject.geometry)
+            x_att = stats.att[layer].sqrt()  # [D]
+            x_out = stats.out[layer].sqrt().reshape(subject.geometry.n_heads, -1)  # [H, d]
+            rows.append(wanda_layer(hw, x_att, x_out))
+        return np.stack(rows)  # [L, H]
+
+
+def wanda_layer(hw: HeadWeights, x_att: torch.Tensor, x_out: torch.Tensor) -> np.ndarray:
+    """Wanda-Head of one layer. x_att [D] input norms of Q/K/V; x_out [H, d] input norms of O."""
+    w = {p: getattr(hw, p).double().abs() for p in ("q", "k", "v", "o")}  # q/o [H, d, *], k/v [Hkv, d, D]
+    q, k, v = ((w[p] * x_att).sum(dim=(1, 2)) for p in ("q", "k", "v"))  # [H], [Hkv], [Hkv]
+    o = (w["o"].sum(dim=2) * x_out).sum(dim=1)  # [H]
+    return combine_projection_scores(q.numpy(), k.numpy(), v.numpy(), o.numpy())
+
+
+class SparseGPTHeadScorer(CalibrationScorer):
+    """OBS saliency w_ij^2 / [H^-1]_jj^2, H = X^T X / tokens + damping * mean(diag) * I, per head."""
+
+    name = "sparsegpt"
+
+    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, damping: float = 0.01):
+        super().__init__(n_sequences, seq_len, batch_size)
+        self.damping = _check_weight("damping", damping)
+
+    def params(self) -> dict:
+        return {**super().params(), "damping": self.damping}
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop):
+        stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=True)
+        rows = []
+        for layer in range(subject.geometry.n_layers):
+            hw = subject.adapter.read_heads(subject.model, layer, subject.geometry)
+            h_att = inverse_hessian_diag(stats.att[layer] / stats.tokens, self.damping)  # [D]
+            h_out = inverse_hessian_diag(stats.out[layer] / stats.tokens, self.damping)  # [H*d]
+            rows.append(sparsegpt_layer(hw, h_att, h_out.reshape(subject.geometry.n_heads, -1)))
+        return np.stack(rows)  # [L, H]
+
+
+def inverse_hessian_diag(xtx: torch.Tensor, damping: float) -> torch.Tensor:
+    """diag((X^T X + lambda I)^-1) for xtx [n, n], lambda = damping * mean(diag) (1e-8 if zero)."""
+    diag_mean = float(xtx.diagonal().mean())
+    lam = damping * diag_mean if diag_mean > 0 else 1e-8
+    hessian = xtx + lam * torch.eye(xtx.shape[0], dtype=xtx.dtype)  # [n, n]
+    return torch.cholesky_inverse(torch.linalg.cholesky(hessian)).diagonal()  # [n]
+
+
+def sparsegpt_layer(hw: HeadWeights, hinv_att: torch.Tensor, hinv_out: torch.Tensor) -> np.ndarray:
+    """SparseGPT-Head of one layer. hinv_att [D]; hinv_out [H, d] (diagonals of inverse Hessians)."""
+    w2 = {p: getattr(hw, p).double() ** 2 for p in ("q", "k", "v", "o")}
+    q, k, v = ((w2[p] / hinv_att**2).sum(dim=(1, 2)) for p in ("q", "k", "v"))  # [H], [Hkv], [Hkv]
+    o = (w2["o"] / hinv_out[..., None] ** 2).sum(dim=(1, 2))  # [H]
+    return combine_projection_scores(q.numpy(), k.numpy(), v.numpy(), o.numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss-gradient scorers
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def weights_requiring_grad(params: list[nn.Parameter]) -> Iterator[None]:
+    """Temporarily let `params` require grad (restored in finally); grads go through autograd.grad."""
+    before = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, flag in zip(params, before):
+            p.requires_grad_(flag)
+
+
+class GradientHeadScorer(CalibrationScorer):
+    """sum |w_ij * g_ij| over the head's Q/K/V rows and O columns, g = d(mean LM loss)/dw."""
+
+    name = "gradient"
+    needs_gradients = True
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop):
+        L = subject.geometry.n_layers
+        roles = [subject.adapter.projection_modules(subject.model, layer) for layer in range(L)]
+        weights = [(layer, role, mod.weight) for layer in range(L) for role, mod in roles[layer].items()]
+        grads = [torch.zeros_like(w, dtype=torch.float64) for _, _, w in weights]
+        chunks = batches(ids, self.batch_size)
+        with weights_requiring_grad([w for _, _, w in weights]), torch.enable_grad():
+            for i, chunk in enumerate(chunks):
+                _tick(progress, should_stop, i / len(chunks), f"gradient batch {i + 1}/{len(chunks)}")
+                loss = sequence_losses(subject, chunk).sum() / ids.shape[0]  # mean over all sequences
+                for acc, g in zip(grads, torch.autograd.grad(loss, [w for _, _, w in weights])):
+                    acc += g.double()
+                cost.forward_passes += int(chunk.shape[0])
+                cost.backward_passes += int(chunk.shape[0])
+        rows = []
+        for layer in range(L):
+            saliency = {f"{role}.weight": (w.detach().double() * g).abs()
+                        for (lay, role, w), g in zip(weights, grads) if lay == layer}
+            hw = subject.adapter.heads_from_tensors(saliency, subject.geometry)  # |w*g| head-major
+            q, k, v, o = (getattr(hw, p).sum(dim=(1, 2)).numpy() for p in ("q", "k", "v", "o"))
+            rows.append(combine_projection_scores(q, k, v, o))
+        _tick(progress, should_stop, 1.0, "gradients done")
+        return np.stack(rows)  # [L, H]
+
+
+class HeadGateScorer(CalibrationScorer):
+    """Michel et al. (2019): sum over calibration sequences of |dL/d gate_h| at gates = 1."""
+
+    name = "gate"
+    needs_gradients = True
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop):
+        g = subject.geometry
+        total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)  # [L, H]
+        chunks = batches(ids, self.batch_size)
+        with torch.enable_grad():
+            for i, chunk in enumerate(chunks):
+                _tick(progress, should_stop, i / len(chunks), f"gate-gradient batch {i + 1}/{len(chunks)}")
+                gates = torch.ones(chunk.shape[0], g.n_layers, g.n_heads, requires_grad=True)  # [B, L, H]
+                with head_mask(subject.model, gates, adapter=subject.adapter):
+                    losses = sequence_losses(subject, chunk)  # [B]
+                (grad,) = torch.autograd.grad(losses.sum(), gates)  # [B, L, H]
+                total += grad.abs().sum(dim=0).double()
+                cost.forward_passes += int(chunk.shape[0])
+                cost.backward_passes += int(chunk.shape[0])
+        _tick(progress, should_stop, 1.0, "gate gradients done")
+        return (total / ids.shape[0]).numpy()
+
+
+class IntegratedGateScorer(CalibrationScorer):
+    """Head-gate attribution integrated from gates 0 to 1 (Captum IntegratedGradients).
+
+    Score = minus the head's attribution of the mean calibration loss: the head's share of the
+    loss drop from "every head off" to "every head on". Heads that raise the loss score < 0.
+    """
+
+    name = "gate-ig"
+    needs_gradients = True
+
+    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, n_steps: int = 4):
+        super().__init__(n_sequences, seq_len, batch_size)
+        self.n_steps = int(n_steps)
+        if self.n_steps < 1:
+            raise InputError(f"Integrated gradients need n_steps >= 1; got {n_steps}.")
+
+    def params(self) -> dict:
+        return {**super().params(), "n_steps": self.n_steps}
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop):
+        from captum.attr import IntegratedGradients
+
+        g = subject.geometry
+        total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)  # [L, H]
+        chunks = batches(ids, self.batch_size)
+        for i, chunk in enumerate(chunks):
+            _tick(progress, should_stop, i / len(chunks), f"integrated-gradient batch {i + 1}/{len(chunks)}")
+
+            def forward(gates: torch.Tensor, chunk=chunk) -> torch.Tensor:
+                # gates [S, L, H]: one scaled gate vector per integration step
+                steps = gates.shape[0]
+                with head_mask(subject.model, gates, adapter=subject.adapter):
+                    losses = sequence_losses(subject, chunk.repeat(steps, 1))  # [S*B]
+                return losses.reshape(steps, -1).mean(dim=1)  # [S]
+
+            ones = torch.ones(1, g.n_layers, g.n_heads)  # [1, L, H]
+            with torch.enable_grad():
+                attr = IntegratedGradients(forward).attribute(
+                    ones, baselines=torch.zeros_like(ones), n_steps=self.n_steps, internal_batch_size=1)
+            total += attr[0].detach().double() * chunk.shape[0]  # [L, H]
+            cost.forward_passes += int(chunk.shape[0]) * self.n_steps
+            cost.backward_passes += int(chunk.shape[0]) * self.n_steps
+        _tick(progress, should_stop, 1.0, "integrated gradients done")
+        return (-total / ids.shape[0]).numpy()
+
+
+class HybridScorer(CalibrationScorer):
+    """min-max(Magnitude) + min-max(MP at z) + min-max(Wanda-Head), weights 1.0 each."""
+
+    name = "hybrid"
+
+    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, z: float = DEFAULT_Z,
+                 scope: str = "layer"):
+        super().__init__(n_sequences, seq_len, batch_size)
+        self.z, self.scope = check_z(z), check_scope(scope)
+
+    def params(self) -> dict:
+        return {**super().params(), "z": self.z, "scope": self.scope}
+
+    def _calibrate(self, subject, ids, cost, progress, should_stop):
+        profile = profile_model(subject.model, adapter=subject.adapter)
+        magnitude = mp_aggregate(profile.l2)  # [L, H]
+        mp = mp_aggregate(profile.excess(self.z, scope=self.scope))  # [L, H]
+        wanda = WandaHeadScorer(self.n_sequences, self.seq_len, self.batch_size)
+        wanda_scores = wanda._calibrate(subject, ids, cost, progress, should_stop)  # [L, H]
+        return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)
+
+
+SCORERS: dict[str, type[Scorer]] = {
+    cls.name: cls
+    for cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
+                GradientHeadScorer, HeadGateScorer, IntegratedGateScorer, HybridScorer, AblationOracle)
+}
+
+
+def get_scorer(name: str, **params) -> Scorer:
+    """Instantiate a registered scorer by name; InputError naming the choices otherwise."""
+    cls = SCORERS.get(name)
+    if cls is None:
+        raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
+    return cls(**params)
