@@ -1,0 +1,46 @@
+"""Shared test fixtures: the hub is offline for every test, and the real built-in models are
+loaded once per test session.
+
+`smollm2` converts the GGUF file into a plain checkpoint on first use. The cache folder is
+$HEADSCOPE_TEST_CACHE, else a fixed folder under the system temp dir, so repeated test runs on
+one machine convert once (a fresh machine converts, which exercises the conversion; set
+HEADSCOPE_TEST_FRESH_CACHE=1 to force it into a per-session temp folder).
+"""
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# huggingface_hub reads these once at import: set them before any test module imports it.
+os.environ.update(_OFFLINE)
+
+
+@pytest.fixture(autouse=True)
+def _hub_offline(monkeypatch):
+    """No test may reach a model hub (a test could unset them; this restores them)."""
+    for key, value in _OFFLINE.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture(scope="session")
+def builtin_cache_dir(tmp_path_factory) -> Path:
+    if os.environ.get("HEADSCOPE_TEST_FRESH_CACHE"):
+        return tmp_path_factory.mktemp("headscope-cache")
+    default = Path(tempfile.gettempdir()) / f"headscope-test-cache-{os.getuid()}"
+    return Path(os.environ.get("HEADSCOPE_TEST_CACHE") or default)
+
+
+@pytest.fixture(scope="session")
+def smollm2(builtin_cache_dir):
+    """The built-in SmolLM2-135M (LoadedModel), loaded offline from its PyPI package."""
+    from analysis.models import load_model
+    return load_model("smollm2-135m", cache_dir=builtin_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm(builtin_cache_dir):
+    """The built-in all-MiniLM-L6-v2 encoder (LoadedModel)."""
+    from analysis.models import load_model
+    return load_model("minilm-l6", cache_dir=builtin_cache_dir)
