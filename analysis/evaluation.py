@@ -1,0 +1,512 @@
+"""Evaluation of a (head-masked) model on real text: the evidence behind every score.
+
+Three metrics, one per `LoadedModel.kind` (dispatch table `EVALUATORS`):
+- "causal-lm": perplexity = exp(mean token NLL), with a sliding window of `window` tokens moved
+  by `stride` as in the Hugging Face perplexity guide: every token after the first is scored
+  exactly once, with up to `window - 1` tokens of context. Logits are computed only at the
+  scored positions (`logits_to_keep`), windows of the same shape are batched.
+- "masked-lm": pseudo-perplexity (Salazar et al. 2020): each non-special token is masked in
+  turn and scored from the rest; the base model runs on the masked copies and the LM head is
+  applied only at the masked position (a forward hook slices the base model's output).
+- "encoder" (no LM head): embedding fidelity = mean cosine similarity of the mean-pooled
+  embedding to the dense model's, per chunk of text (1.0 = unchanged).
+
+Every metric runs under any head mask through `analysis.masking.head_mask`; gates [B, L, H]
+evaluate B masks in the same batched forward passes (inputs laid out mask-major, as the
+masking contract says). Long text is split into windows/chunks that fit the model's context.
+
+Also here: `sparsity_curve`, perplexity vs head sparsity for any [L, H] score array.
+
+Bad input (documented handling): empty or whitespace-only text, non-UTF-8 bytes, text with
+fewer than two tokens, gates or masks of the wrong shape -> `InputError` saying what to do.
+Text longer than the context is windowed, never truncated to the context; `max_tokens` caps
+the amount of text evaluated (the first `max_tokens` tokens).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .adapters import adapter_for
+from .errors import CancelledError, InputError
+from .masking import as_gates, gates_from_mask, head_mask
+
+Progress = Callable[[float, str], None] | None
+ShouldStop = Callable[[], bool] | None
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_CAUSAL_WINDOW = 512
+DEFAULT_MLM_WINDOW = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Small shared helpers (also used by ablation, roles, redundancy, attribution)
+# ---------------------------------------------------------------------------------------------
+
+def check_stop(should_stop: ShouldStop, what: str = "Evaluation") -> None:
+    """Raise CancelledError when the user's cancel callback says so."""
+    if should_stop is not None and should_stop():
+        raise CancelledError(f"{what} was cancelled; start it again to get a result.")
+
+
+def report(progress: Progress, fraction: float, message: str) -> None:
+    if progress is not None:
+        progress(float(min(max(fraction, 0.0), 1.0)), message)
+
+
+def as_text(text: str | bytes) -> str:
+    """User text -> str. InputError for non-UTF-8 bytes, non-text, empty or blank text."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InputError(f"The text is not valid UTF-8 (bad byte at position {err.start}); "
+                             "save it as UTF-8 or paste it as plain text.") from None
+    if not isinstance(text, str):
+        raise InputError(f"Expected text (str or UTF-8 bytes), got {type(text).__name__}.")
+    if not text.strip():
+        raise InputError("The text is empty; paste some text or use the built-in evaluation text.")
+    return text
+
+
+def default_text() -> str:
+    """The built-in evaluation text (held-out Wikipedia paragraphs)."""
+    from .text import evaluation_text
+    return evaluation_text()
+
+
+def token_ids(tokenizer, text: str | bytes, *, max_tokens: int | None = None,
+              add_special_tokens: bool = True, min_tokens: int = 2) -> torch.Tensor:
+    """Tokenize user text -> ids [N] (the first `max_tokens` tokens). InputError if N < min_tokens."""
+    text = as_text(text)
+    if max_tokens is not None and max_tokens < min_tokens:
+        raise InputError(f"max_tokens = {max_tokens} is too small; use at least {min_tokens}.")
+    cut = text if max_tokens is None else text[: max(64, 24 * max_tokens)]  # avoid tokenizing a whole corpus
+    ids = tokenizer(cut, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
+    if max_tokens is not None and len(ids) < max_tokens and len(cut) < len(text):
+        ids = tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
+    ids = torch.as_tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)  # [N]
+    if ids.numel() < min_tokens:
+        raise InputError(f"The text gives {ids.numel()} token(s); evaluation needs at least {min_tokens}. "
+                         "Use a longer text.")
+    return ids
+
+
+def gate_batch(model, gates=None, pruned=None) -> torch.Tensor | None:
+    """Normalize a mask argument to gates [B, L, H] (or None for the dense model).
+
+    gates: float [L, H] / [B, L, H], 1 = keep, 0 = prune (fractions allowed).
+    pruned: bool [L, H] / [B, L, H], True = pruned (converted with gates_from_mask).
+    InputError for both at once or the wrong shape."""
+    if gates is not None and pruned is not None:
+        raise InputError("Pass either gates (1 = keep) or pruned (True = pruned), not both.")
+    if pruned is not None:
+        gates = gates_from_mask(pruned)
+    if gates is None:
+        return None
+    g = as_gates(gates, adapter_for(model).geometry(model))          # [L, H] or [B, L, H]
+    return g.unsqueeze(0) if g.dim() == 2 else g                      # [B, L, H]
+
+
+def context_length(model, default: int = 512) -> int:
+    """The model's maximum sequence length (max_position_embeddings or equivalent)."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def _masked(model, gates: torch.Tensor | None):
+    """head_mask for a gate batch, or a no-op context for the dense model."""
+    import contextlib
+    return contextlib.nullcontext(model) if gates is None else head_mask(model, gates)
+
+
+def _chunks(n: int, size: int) -> list[range]:
+    return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One metric value per mask. `values[b]` belongs to gate row b (one row for a single mask)."""
+    metric: str                # "perplexity" | "pseudo-perplexity" | "embedding-fidelity"
+    values: np.ndarray         # [B]
+    mean_nll: np.ndarray | None  # [B] mean token NLL (nats) for LM metrics, None for fidelity
+    n_tokens: int              # tokens scored (LM) or tokens embedded (fidelity)
+    higher_is_better: bool
+
+    @property
+    def value(self) -> float:
+        """The metric of the first (usually only) mask."""
+        return float(self.values[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal LM perplexity
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Window:
+    begin: int     # first token of the window (absolute)
+    end: int       # one past the last token
+    n_target: int  # the last n_target tokens of the window are scored
+
+
+def causal_windows(n_tokens: int, window: int, stride: int) -> list[Window]:
+    """The HF-guide sliding windows over n_tokens: each token after the first scored once."""
+    if window < 2 or stride < 1 or stride > window:
+        raise InputError(f"Window {window} / stride {stride} are invalid: need window >= 2 and "
+                         "1 <= stride <= window.")
+    out, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + window, n_tokens)
+        n_target = end - max(prev_end, begin + 1)  # token `begin` has no prediction inside the window
+        if n_target > 0:
+            out.append(Window(begin, end, n_target))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+def _accepts(model, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class CausalPerplexity:
+    """exp(mean NLL) of a causal LM over a token stream with sliding windows; one verb: measure."""
+    metric = "perplexity"
+    higher_is_better = False
+
+    def __init__(self, window: int | None = None, stride: int | None = None, batch_size: int = 8):
+        self.window, self.stride, self.batch_size = window, stride, max(1, int(batch_size))
+
+    def prepare(self, tokenizer, text, max_tokens: int | None) -> torch.Tensor:
+        return token_ids(tokenizer, text, max_tokens=max_tokens)      # [N]
+
+    def plan(self, model, n_tokens: int) -> list[Window]:
+        window = self.window or min(context_length(model), DEFAULT_CAUSAL_WINDOW)
+        window = min(window, context_length(model))
+        stride = self.stride or window
+        return causal_windows(n_tokens, window, min(stride, window))
+
+    @torch.no_grad()
+    def nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
+            progress: Progress = None, should_stop: ShouldStop = None) -> tuple[np.ndarray, int]:
+        """Summed token NLL per mask [B] (float64) and the number of scored tokens.
+
+        ids: [N] token ids; gates: [B, L, H] or None (dense, B = 1)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)      # [N]
+        if ids.numel() < 2:
+            raise InputError("Perplexity needs at least two tokens; use a longer text.")
+        windows = self.plan(model, ids.numel())
+        B = 1 if gates is None else gates.shape[0]
+        keep_arg = _accepts(model, "logits_to_keep")
+        groups: dict[tuple[int, int], list[Window]] = {}
+        for w in windows:
+            groups.setdefault((w.end - w.begin, w.n_target), []).append(w)
+        mask_chunks = _chunks(B, self.batch_size)
+        jobs = [(key, ws[r.start:r.stop], mr) for key, ws in groups.items()
+                for r in _chunks(len(ws), max(1, self.batch_size // min(B, self.batch_size)))
+                for mr in mask_chunks]
+        total = torch.zeros(B, dtype=torch.float64)                    # [B]
+        for j, ((length, m), ws, mr) in enumerate(jobs):
+            check_stop(should_stop, "Perplexity")
+            x = torch.stack([ids[w.begin:w.end] for w in ws])          # [k, T]
+            y = x[:, length - m:]                                       # [k, m] targets
+            g = None if gates is None else gates[mr.start:mr.stop]      # [b, L, H]
+            b = 1 if g is None else g.shape[0]
+            xb = x.repeat(b, 1)                                         # [b*k, T] mask-major
+            with _masked(model, g):
+                if keep_arg:
+                    logits = model(input_ids=xb, use_cache=False, logits_to_keep=m + 1).logits[:, :-1]  # [b*k, m, V]
+                else:
+                    logits = model(input_ids=xb, use_cache=False).logits[:, length - m - 1:-1]      # [b*k, m, V]
+            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.repeat(b, 1).reshape(-1),
+                                  reduction="none").double()           # [b*k*m]
+            total[mr.start:mr.stop] += nll.reshape(b, -1).sum(1)        # [b]
+            report(progress, (j + 1) / len(jobs), f"perplexity: window batch {j + 1}/{len(jobs)}")
+        return total.numpy(), int(sum(w.n_target for w in windows))
+
+    def measure(self, model, ids, gates=None, *, progress: Progress = None,
+                should_stop: ShouldStop = None) -> Evaluation:
+        total, n = self.nll(model, ids, gates, progress=progress, should_stop=should_stop)
+        mean = total / n                                                # [B]
+        return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked LM pseudo-perplexity
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MaskedChunk:
+    ids: torch.Tensor        # [T] token ids with special tokens
+    positions: torch.Tensor  # [m] positions to mask and score (non-special)
+
+
+def _slice_output_hook(positions: torch.Tensor):
+    """Forward hook for the base model: keep only row r's hidden state at positions[r]."""
+    def hook(module, args, output):
+        hidden = output[0]                                             # [R, T, D]
+        picked = hidden[torch.arange(hidden.shape[0]), positions].unsqueeze(1)  # [R, 1, D]
+        if isinstance(output, tuple):
+            return (picked, *output[1:])
+        output[next(iter(output.keys()))] = picked
+        return output
+    return hook
+
+
+class PseudoPerplexity:
+    """Pseudo-perplexity of a masked LM (Salazar et al.); one verb: measure.
+
+    Logits only at the masked positions: a forward hook on `model.base_model` cuts its output
+    to the masked position of each row before the (position-wise) LM head runs."""
+    metric = "pseudo-perplexity"
+    higher_is_better = False
+
+    def __init__(self, window: int | None = None, batch_size: int = 32, **_):
+        self.window, self.batch_size = window, max(1, int(batch_size))
+
+    def prepare(self, tokenizer, text, max_tokens: int | None) -> list[MaskedChunk]:
+        if tokenizer.mask_token_id is None:
+            raise InputError("This tokenizer has no [MASK] token, so pseudo-perplexity is undefined.")
+        ids = token_ids(tokenizer, text, max_tokens=max_tokens, add_special_tokens=False, min_tokens=2)  # [N]
+        n_special = len(tokenizer.build_inputs_with_special_tokens([]))
+        size = max(1, (self.window or DEFAULT_MLM_WINDOW) - n_special)
+        chunks = []
+        for r in _chunks(ids.numel(), size):
+            full = tokenizer.build_inputs_with_special_tokens(ids[r.start:r.stop].tolist())
+            special = tokenizer.get_special_tokens_mask(full, already_has_special_tokens=True)
+            positions = torch.tensor([i for i, s in enumerate(special) if not s], dtype=torch.long)  # [m]
+            chunks.append(MaskedChunk(torch.as_tensor(full, dtype=torch.long), positions))
+        self.mask_token_id = tokenizer.mask_token_id
+        return chunks
+
+    @torch.no_grad()
+    def nll(self, model, chunks: Sequence[MaskedChunk], gates: torch.Tensor | None = None, *,
+            mask_token_id: int | None = None, progress: Progress = None,
+            should_stop: ShouldStop = None) -> tuple[np.ndarray, int]:
+        """Summed pseudo-NLL per mask [B] (float64) and the number of scored tokens."""
+        mask_id = mask_token_id if mask_token_id is not None else getattr(self, "mask_token_id", None)
+        if mask_id is None:
+            raise InputError("Pseudo-perplexity needs the tokenizer's mask token id.")
+        base = model.base_model
+        if base is model:
+            raise InputError("This model has no LM head; use embedding fidelity instead.")
+        B = 1 if gates is None else gates.shape[0]
+        jobs = []   # (chunk, positions slice)
+        per = max(1, self.batch_size // min(B, self.batch_size))
+        for c in chunks:
+            for r in _chunks(c.positions.numel(), per):
+                for mr in _chunks(B, self.batch_size):
+                    jobs.append((c, c.positions[r.start:r.stop], mr))
+        total = torch.zeros(B, dtype=torch.float64)                    # [B]
+        for j, (c, pos, mr) in enumerate(jobs):
+            check_stop(should_stop, "Pseudo-perplexity")
+            k = pos.numel()
+            x = c.ids.repeat(k, 1)                                     # [k, T]
+            x[torch.arange(k), pos] = mask_id                          # one masked token per row
+            y = c.ids[pos]                                             # [k]
+            g = None if gates is None else gates[mr.start:mr.stop]      # [b, L, H]
+            b = 1 if g is None else g.shape[0]
+            handle = base.register_forward_hook(_slice_output_hook(pos.repeat(b)))
+            try:
+                with _masked(model, g):
+                    logits = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1)
+                                   ).logits[:, 0]                      # [b*k, V]
+            finally:
+                handle.remove()
+            nll = F.cross_entropy(logits.float(), y.repeat(b), reduction="none").double()  # [b*k]
+            total[mr.start:mr.stop] += nll.reshape(b, k).sum(1)         # [b]
+            report(progress, (j + 1) / len(jobs), f"pseudo-perplexity: batch {j + 1}/{len(jobs)}")
+        return total.numpy(), int(sum(c.positions.numel() for c in chunks))
+
+    def measure(self, model, chunks, gates=None, *, progress: Progress = None,
+                should_stop: ShouldStop = None, mask_token_id: int | None = None) -> Evaluation:
+        if not chunks or sum(c.positions.numel() for c in chunks) == 0:
+            raise InputError("The text has no tokens to score; use a longer text.")
+        total, n = self.nll(model, chunks, gates, mask_token_id=mask_token_id, progress=progress,
+                            should_stop=should_stop)
+        mean = total / n                                                # [B]
+        return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoders without an LM head: embedding fidelity
+# ---------------------------------------------------------------------------------------------
+
+class EmbeddingFidelity:
+    """Mean cosine of the mean-pooled embedding vs the dense model's, per chunk; one verb: measure."""
+    metric = "embedding-fidelity"
+    higher_is_better = True
+
+    def __init__(self, window: int | None = None, batch_size: int = 16, **_):
+        self.window, self.batch_size = window, max(1, int(batch_size))
+
+    def prepare(self, tokenizer, text, max_tokens: int | None) -> list[torch.Tensor]:
+        ids = token_ids(tokenizer, text, max_tokens=max_tokens, add_special_tokens=False, min_tokens=1)  # [N]
+        n_special = len(tokenizer.build_inputs_with_special_tokens([]))
+        size = max(1, (self.window or DEFAULT_MLM_WINDOW) - n_special)
+        return [torch.as_tensor(tokenizer.build_inputs_with_special_tokens(ids[r.start:r.stop].tolist()),
+                                dtype=torch.long) for r in _chunks(ids.numel(), size)]
+
+    @torch.no_grad()
+    def embed(self, model, chunks: Sequence[torch.Tensor], gates: torch.Tensor | None = None, *,
+              progress: Progress = None, should_stop: ShouldStop = None) -> torch.Tensor:
+        """Mean-pooled embeddings [B, n_chunks, D] (B = 1 for the dense model)."""
+        B = 1 if gates is None else gates.shape[0]
+        out = [[None] * len(chunks) for _ in range(B)]
+        groups: dict[int, list[int]] = {}
+        for i, c in enumerate(chunks):
+            groups.setdefault(c.numel(), []).append(i)
+        per = max(1, self.batch_size // min(B, self.batch_size))
+        jobs = [(idx[r.start:r.stop], mr) for idx in groups.values() for r in _chunks(len(idx), per)
+                for mr in _chunks(B, self.batch_size)]
+        for j, (idx, mr) in enumerate(jobs):
+            check_stop(should_stop, "Embedding fidelity")
+            x = torch.stack([chunks[i] for i in idx])                 # [k, T]
+            g = None if gates is None else gates[mr.start:mr.stop]     # [b, L, H]
+            b = 1 if g is None else g.shape[0]
+            with _masked(model, g):
+                hidden = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1))[0]  # [b*k, T, D]
+            pooled = hidden.float().mean(1).reshape(b, len(idx), -1)   # [b, k, D]
+            for bi in range(b):
+                for ki, i in enumerate(idx):
+                    out[mr.start + bi][i] = pooled[bi, ki]
+            report(progress, (j + 1) / len(jobs), f"embedding fidelity: batch {j + 1}/{len(jobs)}")
+        return torch.stack([torch.stack(row) for row in out])         # [B, n_chunks, D]
+
+    def measure(self, model, chunks, gates=None, *, progress: Progress = None,
+                should_stop: ShouldStop = None, **_) -> Evaluation:
+        if not chunks:
+            raise InputError("The text has no tokens to embed; use a longer text.")
+        half = (lambda f, m: report(progress, 0.5 * f, m)) if progress else None
+        dense = self.embed(model, chunks, None, progress=half, should_stop=should_stop)[0]  # [n, D]
+        rest = (lambda f, m: report(progress, 0.5 + 0.5 * f, m)) if progress else None
+        masked = dense.unsqueeze(0) if gates is None else self.embed(
+            model, chunks, gates, progress=rest, should_stop=should_stop)                  # [B, n, D]
+        cos = F.cosine_similarity(masked.double(), dense.double().unsqueeze(0), dim=-1)     # [B, n]
+        return Evaluation(self.metric, cos.mean(1).numpy(), None,
+                          int(sum(c.numel() for c in chunks)), self.higher_is_better)
+
+
+# kind -> evaluator class (LoadedModel.kind)
+EVALUATORS = {
+    "causal-lm": CausalPerplexity,
+    "masked-lm": PseudoPerplexity,
+    "encoder": EmbeddingFidelity,
+}
+
+
+def evaluator_for(kind: str, **options):
+    try:
+        return EVALUATORS[kind](**options)
+    except KeyError:
+        raise InputError(f"No evaluation for model kind {kind!r}; known kinds: {', '.join(EVALUATORS)}.") from None
+
+
+def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
+             max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
+             stride: int | None = None, batch_size: int = 8, progress: Progress = None,
+             should_stop: ShouldStop = None) -> Evaluation:
+    """Evaluate `loaded` (a LoadedModel) on `text` under a head mask, with the metric of its kind.
+
+    text: str or UTF-8 bytes; None = the built-in evaluation text. Only the first `max_tokens`
+    tokens are used (None = all). gates: float [L, H] or [B, L, H] (1 keep, 0 prune) or
+    pruned: bool [L, H] / [B, L, H]; B masks share batched forward passes and give
+    `Evaluation.values[b]`. window/stride: causal sliding window (default min(context, 512),
+    stride = window); for masked LMs and encoders `window` is the chunk length (default 128).
+    batch_size: sequences per forward pass. Raises InputError for bad text or masks,
+    CancelledError when should_stop() returns True."""
+    model = loaded.model
+    g = gate_batch(model, gates, pruned)                               # [B, L, H] | None
+    ev = evaluator_for(loaded.kind, window=window, stride=stride, batch_size=batch_size)
+    inputs = ev.prepare(loaded.tokenizer, default_text() if text is None else text, max_tokens)
+    return ev.measure(model, inputs, g, progress=progress, should_stop=should_stop)
+
+
+def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
+               max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
+               stride: int | None = None, batch_size: int = 8, progress: Progress = None,
+               should_stop: ShouldStop = None) -> float | np.ndarray:
+    """Perplexity of `loaded` on `text` under a head mask (STABLE SIGNATURE, used by scoring).
+
+    Causal LMs: sliding-window perplexity; masked LMs: pseudo-perplexity. Encoders without an LM
+    head have no perplexity: InputError pointing to `evaluate` (embedding fidelity).
+    Arguments as in `evaluate`. Returns a float for one mask ([L, H] or none), an array [B] for
+    gates/pruned of shape [B, L, H]."""
+    if loaded.kind not in ("causal-lm", "masked-lm"):
+        raise InputError(f"A {loaded.kind} model has no LM head, so it has no perplexity; use "
+                         "evaluate() for its embedding fidelity to the dense model.")
+    single = all(m is None or np.ndim(m) == 2 for m in (gates, pruned))
+    ev = evaluate(loaded, text, gates=gates, pruned=pruned, max_tokens=max_tokens, window=window,
+                  stride=stride, batch_size=batch_size, progress=progress, should_stop=should_stop)
+    return ev.value if single else ev.values
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparsity curves
+# ---------------------------------------------------------------------------------------------
+
+def lowest_scores_mask(scores: np.ndarray, sparsity: float) -> np.ndarray:
+    """Trivial default mask_fn: prune the floor(s * L * H) lowest scores (ties by flat index)."""
+    s = np.asarray(scores, dtype=np.float64)                           # [L, H]
+    k = int(math.floor(sparsity * s.size + 1e-9))
+    order = np.argsort(s.reshape(-1), kind="stable")                   # [L*H]
+    pruned = np.zeros(s.size, dtype=bool)
+    pruned[order[:k]] = True
+    return pruned.reshape(s.shape)                                     # [L, H]
+
+
+@dataclass(frozen=True)
+class SparsityCurve:
+    sparsities: np.ndarray   # [S] requested fractions of heads pruned
+    n_pruned: np.ndarray     # [S] heads actually pruned by mask_fn
+    values: np.ndarray       # [S] metric at each sparsity
+    metric: str
+    higher_is_better: bool
+
+
+def sparsity_levels(max_sparsity: float = 0.6, step: float = 0.1) -> np.ndarray:
+    """0, step, 2*step, ... up to max_sparsity (inclusive, rounded to avoid float drift)."""
+    if not (0 < step <= 1) or not (0 <= max_sparsity < 1):
+        raise InputError(f"Sparsity step {step} / maximum {max_sparsity} are invalid: need 0 < step <= 1 "
+                         "and 0 <= maximum < 1.")
+    n = int(math.floor(max_sparsity / step + 1e-9))
+    return np.round(np.arange(n + 1) * step, 10)
+
+
+def sparsity_curve(loaded, scores, text: str | bytes | None = None, *, sparsities=None,
+                   max_sparsity: float = 0.6, step: float = 0.1,
+                   mask_fn: Callable[[np.ndarray, float], np.ndarray] | None = None,
+                   progress: Progress = None, should_stop: ShouldStop = None,
+                   **eval_options) -> SparsityCurve:
+    """The metric of `loaded` vs head sparsity for one [L, H] score array.
+
+    mask_fn(scores, sparsity) -> bool [L, H] (True = pruned) builds each mask (pass
+    analysis.masks' policy; default: prune the lowest scores). All masks are evaluated in the
+    same batched passes. eval_options go to `evaluate` (max_tokens, window, batch_size, ...)."""
+    geometry = adapter_for(loaded.model).geometry(loaded.model)
+    s = np.asarray(scores, dtype=np.float64)
+    if s.shape != (geometry.n_layers, geometry.n_heads):
+        raise InputError(f"Scores must have shape [{geometry.n_layers}, {geometry.n_heads}] (layers x heads); "
+                         f"got {list(s.shape)}.")
+    levels = sparsity_levels(max_sparsity, step) if sparsities is None else np.asarray(sparsities, dtype=float)
+    mask_fn = mask_fn or lowest_scores_mask
+    masks = np.stack([np.asarray(mask_fn(s, float(x)), dtype=bool) for x in levels])  # [S, L, H]
+    ev = evaluate(loaded, text, pruned=masks, progress=progress, should_stop=should_stop, **eval_options)
+    return SparsityCurve(levels, masks.reshape(len(levels), -1).sum(1), ev.values, ev.metric,
+                         ev.higher_is_better)
