@@ -169,15 +169,20 @@ def row_excess(norms: np.ndarray, tau: np.ndarray) -> np.ndarray:
     return np.maximum(norms - tau[:, None, None], 0.0)  # [L, units, d]
 
 
-def row_norms(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """L2 and L1 norms over the last axis of rows [units, d, width], in float64.
+def row_norms(rows: torch.Tensor, chunk_elements: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+    """L2 and L1 norms over the last axis of rows [units, d, width] -> (l2 [units, d], l1 [units, d]).
 
-    Returns (l2 [units, d], l1 [units, d]) as numpy arrays.
+    Computed in float32 (float64 stays float64; half types are upcast a chunk of units at a
+    time, so a bf16 tensor never exists whole in float32), returned as float64 numpy arrays.
     """
-    wide = rows.detach().to(torch.float64)  # [units, d, width]
-    l2 = torch.linalg.vector_norm(wide, ord=2, dim=-1)  # [units, d]
-    l1 = torch.linalg.vector_norm(wide, ord=1, dim=-1)  # [units, d]
-    return l2.numpy(), l1.numpy()
+    per_unit = max(1, rows[0].numel())
+    step = max(1, chunk_elements // per_unit)
+    l2, l1 = [], []
+    for part in torch.split(rows.detach(), step, dim=0):  # [<=step, d, width]
+        x = part if part.dtype in (torch.float32, torch.float64) else part.float()
+        l2.append(torch.linalg.vector_norm(x, ord=2, dim=-1))  # [<=step, d]
+        l1.append(torch.linalg.vector_norm(x, ord=1, dim=-1))  # [<=step, d]
+    return torch.cat(l2).double().numpy(), torch.cat(l1).double().numpy()
 
 
 def head_norms(hw: HeadWeights) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -203,13 +208,20 @@ def profile_model(
 ) -> NormProfile:
     """Row norms of every layer of an in-memory model, read once through its adapter."""
     adapter = adapter or adapter_for(model)
-    n_layers = adapter.geometry(model).n_layers
+    geometry = adapter.geometry(model)
     layers = []
     with torch.no_grad():
-        for layer in range(n_layers):
+        for layer in range(geometry.n_layers):
             if should_stop is not None and should_stop():
                 raise CancelledError("Profiling was cancelled; run it again to get the profile.")
-            layers.append(head_norms(adapter.read_heads(model, layer)))
+            layers.append(head_norms(weight_views(model, adapter, layer, geometry)))
             if progress is not None:
-                progress((layer + 1) / n_layers, f"row norms of layer {layer + 1}/{n_layers}")
+                progress((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
     return profile_from_layers(layers, source=source)
+
+
+def weight_views(model: torch.nn.Module, adapter: Adapter, layer: int, geometry) -> HeadWeights:
+    """Head-major *views* of a layer's projection weights (no copy, unlike read_heads; read only)."""
+    tensors = {f"{role}.weight": module.weight
+               for role, module in adapter.projection_modules(model, layer).items()}
+    return adapter.heads_from_tensors(tensors, geometry)

@@ -47,6 +47,7 @@ from analysis.profiles import (
     check_z,
     profile_model,
 )
+from analysis.text import calibration_text, tokenize
 
 LM_KINDS = ("causal-lm", "masked-lm")
 MLM_PROBABILITY = 0.15
@@ -206,16 +207,13 @@ def calibration_ids(tokenizer, n_sequences: int = 8, seq_len: int = 128, text: s
     if tokenizer is None:
         raise InputError("Calibration needs the model's tokenizer; load the model with load_model(...).")
     need = n_sequences * seq_len
-    if text is None:
-        from analysis.text import calibration_text
-
-        text = calibration_text(max_chars=need * 12)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < need:
-        raise InputError(f"The calibration text has {len(ids)} tokens but {n_sequences} sequences of "
+    text = calibration_text(max_chars=need * 12) if text is None else text
+    ids = tokenize(tokenizer, text, max_tokens=need)[0]  # [T]
+    if ids.numel() < need:
+        raise InputError(f"The calibration text has {ids.numel()} tokens but {n_sequences} sequences of "
                          f"{seq_len} tokens need {need}. Give a longer text, or lower the number or length "
                          "of the calibration sequences.")
-    return torch.tensor(ids[:need], dtype=torch.long).reshape(n_sequences, seq_len)  # [n, T]
+    return ids[:need].long().reshape(n_sequences, seq_len)  # [n, T]
 
 
 def check_calibration(ids) -> torch.Tensor:
