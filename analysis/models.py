@@ -390,8 +390,9 @@ def _load_weights(auto_cls, source: str, name: str, is_local: bool, dtype, trust
     except OSError as err:
         if not is_local:
             raise _hub_error(name, err) from err
-        raise ModelLoadError(f"Cannot load the weights of '{name}' ({_first_line(err)}). The folder "
-                             f"needs model.safetensors (or sharded *.safetensors with an index).") from err
+        raise ModelLoadError(f"Cannot load the weights of '{name}' ({_first_line(err)}). Copy the model's "
+                             f"weights (model.safetensors, or the *.safetensors shards with their index) "
+                             f"into the folder.") from err
     except _DAMAGED_FILE_ERRORS as err:
         fix = f"delete the cache folder {source} to rebuild it" if name in BUILTIN_MODELS else "copy it again"
         raise ModelLoadError(f"The weights file of '{name}' is damaged or truncated ({_first_line(err)}); "
