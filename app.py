@@ -1,0 +1,76 @@
+"""headscope: the Streamlit entry point. Navigation over pages/ and the sidebar model picker.
+
+Run with `streamlit run app.py` (or `bash scripts/run_app.sh`). The view (model, scorer, z,
+sparsity, page) lives in the URL's query parameters via `components.state`, so a view can be
+shared and reloaded; the model picked in the sidebar is shared by every page.
+"""
+import streamlit as st
+
+from components import shell, state
+
+try:
+    from analysis.models import BUILTIN_MODELS
+except Exception:  # noqa: BLE001 - shown as a plain text box until analysis.models exists
+    BUILTIN_MODELS = {}
+
+OTHER = "other"
+PAGES = {
+    "model": dict(path="pages/model.py", title="Model", icon=":material/memory:"),
+    "profiles": dict(path="pages/profiles.py", title="Profiles", icon=":material/bar_chart:"),
+    "prune": dict(path="pages/prune.py", title="Prune", icon=":material/content_cut:"),
+    "compare": dict(path="pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
+    "heads": dict(path="pages/heads.py", title="Heads", icon=":material/grid_view:"),
+    "export": dict(path="pages/export.py", title="Export", icon=":material/download:"),
+}
+
+
+def _label(choice: str) -> str:
+    if choice == OTHER:
+        return "Other: Hugging Face id or local folder"
+    builtin = BUILTIN_MODELS[choice]
+    return f"{builtin.title} (built-in)"
+
+
+def model_picker() -> None:
+    """Sidebar: built-in models or any id/folder, plus the trust_remote_code switch (off)."""
+    st.sidebar.header("Model")
+    current = str(state.get("model") or "")
+    choices = [*BUILTIN_MODELS, OTHER]
+    choice = st.sidebar.selectbox(
+        "Model", choices, format_func=_label, label_visibility="collapsed",
+        key=state.widget_key("model_choice", value=current if current in BUILTIN_MODELS else OTHER))
+    if choice == OTHER:
+        typed = st.sidebar.text_input(
+            "Hugging Face id or local folder", placeholder="org/model or /path/to/folder",
+            key=state.widget_key("model_text", value="" if current in BUILTIN_MODELS else current),
+            help="A folder with config.json, *.safetensors and the tokenizer files, or a hub id that "
+                 "is in the local Hugging Face cache (this machine may be offline).")
+        name = typed.strip()
+    else:
+        name = choice
+        st.sidebar.caption(BUILTIN_MODELS[choice].description)
+    trust = st.sidebar.toggle("trust_remote_code", key=state.widget_key("trust", value=state.trust()),
+                              help="Run Python code shipped with the model. Off by default; turn on only "
+                                   "for models whose code you trust. Never taken from a shared link.")
+    state.set_trust(trust)
+    if trust:
+        st.sidebar.warning("Custom model code will run on this machine.")
+    if name != current:
+        state.set("model", name)
+
+
+st.set_page_config(page_title="headscope", page_icon=":material/visibility:", layout="wide")
+state.init()
+pages = {name: st.Page(p["path"], title=p["title"], icon=p["icon"], url_path=name, default=(name == "model"))
+         for name, p in PAGES.items()}
+current = st.navigation(list(pages.values()))
+state.follow_url_page(current, pages)
+state.set("page", next(name for name, page in pages.items() if page.title == current.title))
+for note in state.url_notes():
+    st.warning(note)
+model_picker()
+state.sync_url()
+st.sidebar.divider()
+st.sidebar.caption("headscope: see, score and cut the attention heads of transformer models.")
+with shell.inside_app():
+    current.run()

@@ -1,0 +1,161 @@
+"""Cached calls into `analysis/`: the model by name, its norm profile once, scores by parameters.
+
+- `load(name, trust)`: `st.cache_resource`, one shared LoadedModel per (name, trust). Nobody
+  mutates it: masks are hooks inside `analysis.masking.head_mask`, surgery works on a copy.
+- `profile(name, trust)`: `st.cache_resource`, the row norms, computed once per model. Moving z
+  or the sparsity never recomputes them (everything z-dependent is an array op on this).
+- `scores(name, trust, scorer, params)`: `st.cache_data`, keyed by model name, scorer and its
+  parameters (a sorted tuple of pairs).
+
+Arguments starting with "_" (progress and stop callbacks) are not part of a cache key.
+Progress inside a cached function writes to a bar created outside it; `progress_bar` turns off
+Streamlit's element capture for those writes so cache hits do not replay stale bars.
+
+`optional(module)` imports an analysis module that may not have landed yet; pages show
+`unavailable(...)` instead of a result when it returns None.
+"""
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Callable
+
+import streamlit as st
+
+from analysis.errors import HeadscopeError
+
+from . import state
+from .errors import show_exception
+
+try:  # Streamlit internal: lets a progress bar outside a cached function be updated from inside it
+    from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _in_cached
+except Exception:  # noqa: BLE001
+    _in_cached = None
+
+Progress = Callable[[float, str], None]
+
+
+# -- modules that may not exist yet ------------------------------------------------------------
+
+def optional(module: str) -> ModuleType | None:
+    """`import analysis.<module>`, or None when it is missing or does not import cleanly yet."""
+    try:
+        return importlib.import_module(f"analysis.{module}")
+    except Exception:  # noqa: BLE001 - a module being written may fail in any way
+        return None
+
+
+def unavailable(feature: str, module: str) -> None:
+    """The honest note shown instead of a result whose analysis module has not landed."""
+    st.info(f"{feature} is not available yet: it needs `analysis/{module}.py`, which this "
+            "version of headscope does not have. Nothing is shown rather than a made-up result.")
+
+
+def params_key(params: dict) -> tuple:
+    """A hashable, order-independent cache key for a parameter dict."""
+    return tuple(sorted((k, v) for k, v in params.items()))
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+@contextmanager
+def progress_bar(label: str):
+    """Yields a `progress(fraction, message)` callback drawing a bar; the bar is removed afterwards."""
+    slot = st.empty()
+    bar = slot.progress(0.0, text=label)
+
+    def report(fraction: float, message: str) -> None:
+        token = _in_cached.set(False) if _in_cached is not None else None
+        try:
+            bar.progress(min(max(float(fraction), 0.0), 1.0), text=f"{label}: {message}")
+        finally:
+            if token is not None:
+                _in_cached.reset(token)
+
+    try:
+        yield report
+    finally:
+        slot.empty()
+
+
+def stop_button(label: str = "Stop"):
+    """A Stop button in its own slot (returned, to be emptied when the work ends).
+
+    A click reruns the page, which interrupts the work; the flag it sets makes the rerun's
+    `should_stop()` true, so work that starts again on that rerun ends at once as cancelled."""
+    slot = st.empty()
+    slot.button(label, on_click=state.request_stop, key=state.WIDGET_PREFIX + "stop." + label,
+                help="Stop the computation that is running; finished results stay cached.")
+    return slot
+
+
+# -- cached calls ------------------------------------------------------------------------------
+
+@st.cache_resource(show_spinner=False, max_entries=3)
+def load(name: str, trust: bool = False, _progress: Progress | None = None):
+    """The shared LoadedModel for `name` (never mutate it)."""
+    from analysis import models
+    return models.load_model(name, trust_remote_code=trust, progress=_progress)
+
+
+@st.cache_resource(show_spinner=False, max_entries=3)
+def profile(name: str, trust: bool = False, _progress: Progress | None = None, _should_stop=None):
+    """Row norms of every layer, computed once per model."""
+    from analysis import profiles
+    lm = load(name, trust)
+    return profiles.profile_model(lm.model, adapter=lm.adapter, source=name, progress=_progress,
+                                  should_stop=_should_stop)
+
+
+def model_or_stop():
+    """Load the current view's model with a progress bar; on failure show how to fix it and stop."""
+    name = state.get("model")
+    if not name:
+        st.info("Pick a model in the sidebar: a built-in, a Hugging Face id, or a local folder.")
+        st.stop()
+    try:
+        with progress_bar(f"Loading {name}") as report:
+            return load(name, state.trust(), _progress=report)
+    except HeadscopeError as err:
+        st.error(str(err))
+    except Exception as err:  # noqa: BLE001
+        show_exception(err, f"Loading {name}")
+    st.stop()
+
+
+def profile_or_stop():
+    """The current model's norm profile (computed once, with progress); stops the page on failure."""
+    name = state.get("model")
+    try:
+        with progress_bar("Computing row norms") as report:
+            return profile(name, state.trust(), _progress=report)
+    except Exception as err:  # noqa: BLE001
+        show_exception(err, "Computing row norms")
+    st.stop()
+
+
+def cached_call(fn: Callable[..., Any], *args, label: str, stoppable: bool = False, **kwargs):
+    """Call a cached function with a progress bar (and a Stop button); show failures, return None.
+
+    The callbacks go in as `_progress` / `_should_stop`, outside the cache key."""
+    slot = stop_button() if stoppable else None
+    try:
+        with progress_bar(label) as report:
+            if stoppable:
+                return fn(*args, _progress=report, _should_stop=state.should_stop, **kwargs)
+            return fn(*args, _progress=report, **kwargs)
+    except Exception as err:  # noqa: BLE001
+        show_exception(err, label)
+        return None
+    finally:
+        if slot is not None:
+            slot.empty()
+            state.clear_stop()
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def param_count(name: str, trust: bool = False) -> int:
+    """Parameters of the loaded model (shared tensors counted once)."""
+    lm = load(name, trust)
+    return sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())

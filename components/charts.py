@@ -1,0 +1,145 @@
+"""Plotly figure builders: pure functions from arrays to figures (no Streamlit, no computation).
+
+Every builder takes results that `analysis/` computed and only draws them:
+- `layer_head_heatmap`: any [L, H] (or [L, H_kv]) array, layer on y, head on x;
+- `mask_heatmap`: kept/pruned cells ([L, H] bool) with the score on hover; z is 1 for pruned;
+- `norm_histogram`: one population's row norms with the mean and mean + z*std lines and the
+  outlier rows marked;
+- `head_bars`: one value per head of a layer (e.g. the per-head excess);
+- `curves`: lines such as perplexity vs sparsity, one per scorer.
+"""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+
+KEPT_COLOR = "#dbe9f6"
+PRUNED_COLOR = "#c0392b"
+MEAN_COLOR = "#2c3e50"
+TAU_COLOR = "#e67e22"
+_HEIGHT_PER_LAYER = 18
+
+
+def _layer_height(n_layers: int) -> int:
+    return int(min(900, max(260, 90 + _HEIGHT_PER_LAYER * n_layers)))
+
+
+def _axes(fig: go.Figure, n_layers: int, n_cols: int, x_title: str = "head") -> go.Figure:
+    fig.update_xaxes(title_text=x_title, tickmode="linear", dtick=1 if n_cols <= 32 else max(1, n_cols // 16))
+    fig.update_yaxes(title_text="layer", autorange="reversed", tickmode="linear",
+                     dtick=1 if n_layers <= 16 else 2)
+    fig.update_layout(height=_layer_height(n_layers), margin=dict(l=50, r=20, t=50, b=40))
+    return fig
+
+
+def _group_lines(fig: go.Figure, n_layers: int, n_heads: int, group_size: int) -> None:
+    """Dotted vertical lines between KV groups (GQA), so shared K/V heads are visible."""
+    if group_size <= 1:
+        return
+    for x in np.arange(group_size, n_heads, group_size) - 0.5:
+        fig.add_shape(type="line", x0=x, x1=x, y0=-0.5, y1=n_layers - 0.5,
+                      line=dict(color="#555", width=1, dash="dot"))
+
+
+def layer_head_heatmap(values: np.ndarray, title: str, *, colorbar: str = "", x_title: str = "head",
+                       group_size: int = 1, colorscale: str = "Viridis") -> go.Figure:
+    """Heatmap of values [L, C] (C = heads or KV groups)."""
+    values = np.asarray(values, dtype=float)
+    n_layers, n_cols = values.shape
+    fig = go.Figure(go.Heatmap(
+        z=values, x=np.arange(n_cols), y=np.arange(n_layers), colorscale=colorscale,
+        colorbar=dict(title=colorbar),
+        hovertemplate=f"layer %{{y}}, {x_title} %{{x}}<br>{colorbar or 'value'} %{{z:.4g}}<extra></extra>"))
+    fig.update_layout(title=title)
+    _group_lines(fig, n_layers, n_cols, group_size)
+    return _axes(fig, n_layers, n_cols, x_title)
+
+
+def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = None,
+                 score_name: str = "score", group_size: int = 1) -> go.Figure:
+    """Kept/pruned heads: z = 1 where pruned, 0 where kept; hover shows the head's score."""
+    pruned = np.asarray(pruned, dtype=bool)
+    n_layers, n_heads = pruned.shape
+    n_pruned = int(pruned.sum())
+    status = np.where(pruned, "pruned", "kept")
+    fig = go.Figure(go.Heatmap(
+        z=pruned.astype(np.int8), x=np.arange(n_heads), y=np.arange(n_layers), zmin=0, zmax=1,
+        colorscale=[[0.0, KEPT_COLOR], [0.5, KEPT_COLOR], [0.5, PRUNED_COLOR], [1.0, PRUNED_COLOR]],
+        showscale=False, xgap=1, ygap=1, customdata=np.asarray(scores, dtype=float), text=status,
+        hovertemplate=f"layer %{{y}}, head %{{x}}: %{{text}}<br>{score_name} %{{customdata:.4g}}<extra></extra>"))
+    fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned")
+    _group_lines(fig, n_layers, n_heads, group_size)
+    return _axes(fig, n_layers, n_heads)
+
+
+def norm_histogram(norms: np.ndarray, mean: float, tau: float, *, title: str, z: float,
+                   row_labels: list[str] | None = None, bins: int = 60) -> go.Figure:
+    """Histogram of one population's row norms; vertical lines at the mean and tau = mean + z*std;
+    rows above tau (the outliers) drawn as red markers under the bars, labelled on hover."""
+    norms = np.asarray(norms, dtype=float).ravel()
+    labels = np.asarray(row_labels if row_labels is not None else [f"row {i}" for i in range(norms.size)])
+    outliers = norms > tau
+    fig = go.Figure(go.Histogram(x=norms, nbinsx=bins, name="rows", marker_color="#7f9cbf",
+                                 hovertemplate="norm %{x}<br>%{y} rows<extra></extra>"))
+    fig.add_trace(go.Scatter(x=norms[outliers], y=np.zeros(int(outliers.sum())), mode="markers",
+                             name=f"outliers ({int(outliers.sum())})", text=labels[outliers],
+                             marker=dict(color=PRUNED_COLOR, symbol="triangle-up", size=10),
+                             hovertemplate="%{text}<br>norm %{x:.4g}<extra></extra>"))
+    fig.add_vline(x=mean, line=dict(color=MEAN_COLOR, dash="dash"),
+                  annotation_text=f"mean {mean:.3g}", annotation_position="top left")
+    fig.add_vline(x=tau, line=dict(color=TAU_COLOR, width=2),
+                  annotation_text=f"mean + {z:g}·std = {tau:.3g}", annotation_position="top right")
+    fig.update_layout(title=title, height=340, bargap=0.05, xaxis_title="row norm", yaxis_title="rows",
+                      margin=dict(l=50, r=20, t=60, b=40), legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def head_bars(values: np.ndarray, *, title: str, y_title: str, labels: list[str] | None = None) -> go.Figure:
+    """One bar per head (or group) of a layer."""
+    values = np.asarray(values, dtype=float)
+    x = labels if labels is not None else [str(i) for i in range(values.size)]
+    fig = go.Figure(go.Bar(x=x, y=values, marker_color=TAU_COLOR,
+                           hovertemplate="%{x}: %{y:.4g}<extra></extra>"))
+    fig.update_layout(title=title, height=300, xaxis_title="head", yaxis_title=y_title,
+                      margin=dict(l=50, r=20, t=50, b=40))
+    return fig
+
+
+def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, log_y: bool = False,
+           marker_x: float | None = None) -> go.Figure:
+    """Lines {name: (x, y)}; optional vertical marker (e.g. the current sparsity or z)."""
+    fig = go.Figure()
+    for name, (x, y) in series.items():
+        fig.add_trace(go.Scatter(x=np.asarray(x, dtype=float), y=np.asarray(y, dtype=float), name=name,
+                                 mode="lines+markers"))
+    if marker_x is not None:
+        fig.add_vline(x=marker_x, line=dict(color="#999", dash="dot"))
+    fig.update_layout(title=title, height=360, xaxis_title=x_title, yaxis_title=y_title,
+                      margin=dict(l=50, r=20, t=50, b=40))
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def matrix_heatmap(values: np.ndarray, labels: list[str], *, title: str, fmt: str = ".2f",
+                   zmin: float | None = None, zmax: float | None = None) -> go.Figure:
+    """A square labelled matrix (Jaccard overlaps, rank correlations) with the numbers written in."""
+    values = np.asarray(values, dtype=float)
+    fig = go.Figure(go.Heatmap(z=values, x=labels, y=labels, zmin=zmin, zmax=zmax, colorscale="Blues",
+                               text=[[format(v, fmt) for v in row] for row in values],
+                               texttemplate="%{text}", hovertemplate="%{y} vs %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=title, height=120 + 45 * len(labels), margin=dict(l=80, r=20, t=50, b=60))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def attention_heatmap(weights: np.ndarray, tokens: list[str], *, title: str) -> go.Figure:
+    """One head's attention pattern [T, T] (query rows, key columns) over the sentence's tokens."""
+    weights = np.asarray(weights, dtype=float)
+    idx = [f"{i}:{t}" for i, t in enumerate(tokens)]
+    fig = go.Figure(go.Heatmap(z=weights, x=idx, y=idx, colorscale="Greys", zmin=0,
+                               hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=title, height=min(800, 200 + 18 * len(tokens)), margin=dict(l=80, r=20, t=50, b=80))
+    fig.update_yaxes(autorange="reversed", title_text="query token")
+    fig.update_xaxes(title_text="key token")
+    return fig

@@ -1,0 +1,143 @@
+"""Teaching text, folded away by default: what each page shows and why (DESIGN.md section 1).
+
+Each function renders one `st.expander` (collapsed). Numbers passed in are results computed by
+`analysis/` (means, stds, thresholds); this module only formats them into the formulas.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+LABEL = "How to read this"
+
+
+def _fold(title: str, body: str) -> None:
+    with st.expander(f"{LABEL}: {title}", expanded=False):
+        st.markdown(body)
+
+
+def structured_pruning() -> None:
+    _fold("structured vs unstructured pruning", """
+**Unstructured** pruning zeroes individual weights anywhere in a matrix. It can remove many
+weights with little damage, but the matrices keep their shape, so the model is only faster on
+hardware and kernels that exploit sparsity.
+
+**Structured** pruning removes whole units - here, whole **attention heads**. A pruned head's
+query rows, its output-projection columns and (when every query head sharing them is gone) its
+key/value rows disappear, so the attention layers become genuinely smaller and faster on any
+hardware. The cost: a head is a coarse unit, so choosing *which* heads to remove matters.
+
+headscope ranks every head of every layer on one global list (least important first) and
+prunes the first ⌊sparsity × L × H⌋ of them.
+""")
+
+
+def model_geometry(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    G = n_heads // n_kv_heads
+    kind = "multi-head (MHA)" if G == 1 else ("multi-query (MQA)" if n_kv_heads == 1 else "grouped-query (GQA)")
+    _fold("the head geometry", f"""
+Each of the **L = {n_layers}** layers has **H = {n_heads}** query heads of width **d = {head_dim}**
+and **H_kv = {n_kv_heads}** key/value heads, so **G = H / H_kv = {G}** query heads share each K/V head:
+this is **{kind}** attention. Head h uses rows h·d … (h+1)·d−1 of W_Q and the same *columns* of
+W_O; KV group g = h // G uses rows g·d … (g+1)·d−1 of W_K and W_V.
+""")
+
+
+def mp_formula(*, z: float, layer: int, projection: str, mean: float, std: float, tau: float,
+               n_outliers: int, n_rows: int, scope: str = "layer") -> None:
+    population = f"the {n_rows} rows of {projection.upper()} in layer {layer}" if scope == "layer" else \
+        f"the {n_rows} rows of {projection.upper()} across all layers"
+    what = "columns of W_O" if projection == "o" else f"rows of W_{projection.upper()}"
+    _fold("the Magnitude Profile (MP) score", f"""
+For every row i of W_Q, W_K, W_V (and every *column* of W_O) take its norm nᵢ = ‖W[i,:]‖₂.
+Within a population - here {population} - the threshold is
+
+  **τ = mean(n) + z · std(n) = {mean:.4g} + {z:g} × {std:.4g} = {tau:.4g}**
+
+and a row's **excess** is eᵢ = max(0, nᵢ − τ). Right now **{n_outliers} of {n_rows}** {what}
+lie above τ; all the others ("the bulk") have excess 0.
+
+The MP score of query head h adds up the excess of everything it owns:
+
+  **S(h) = Σ over h's rows (e^Q + e^O) + Σ over its KV group's rows (e^K + e^V)**
+
+A head with S = 0 has no outlier row at this z. Heads are ranked globally by ascending S;
+heads in the bulk (S = 0) go first, ordered by their plain magnitude, then by (layer, head).
+Lower z → lower τ → more outliers and fewer zero-score heads; higher z → more ties.
+""")
+
+
+def gqa(n_heads: int, n_kv_heads: int) -> None:
+    G = n_heads // n_kv_heads
+    if G == 1:
+        note = ("This model is multi-head (G = 1): every head has its own K/V rows, so MP-G "
+                "gives exactly the same scores as MP.")
+    else:
+        note = (f"In this model G = {G}: one K/V head serves {G} query heads. Plain MP adds the "
+                f"group's full K/V excess to *each* of those {G} heads, counting it {G} times, so one "
+                f"outlier K/V row makes the whole group look important, while pruning one of its query "
+                f"heads does not remove any K/V rows (they go only when all {G} are pruned).")
+    _fold("why grouped-query attention needs MP-G", f"""
+{note}
+
+**MP-G** gives each query head its share of the group instead:
+
+  **S(h) = a_q · Σ_h (e^Q + e^O) + a_kv · E_kv(g(h)) / G**,  E_kv(g) = Σ over group g's rows (e^K + e^V)
+
+with a_q = a_kv = 1 by default. For multi-head attention (G = 1) MP-G equals MP exactly.
+""")
+
+
+def scorers() -> None:
+    _fold("the scorers", """
+- **MP / MP-G**: outlier excess of the weight rows (no data needed).
+- **Magnitude**: plain sum of the head's row norms (no threshold).
+- **Random**: a seeded permutation - the floor any scorer must beat.
+- **Wanda-Head / SparseGPT-Head**: weights times input activations / OBS saliency, from calibration text.
+- **Gradient-Head, head-gate importance**: how much the loss reacts to the head (needs an LM head).
+- **Hybrid**: min-max-normalized Magnitude + MP + Wanda.
+All of them share the same ranking and masking code; only the score differs.
+""")
+
+
+def evaluation() -> None:
+    _fold("checking a mask", """
+A mask is checked by running text through the model with the pruned heads switched off (a gate
+of 0 on each head's slice of the output projection's input - the same function as zeroing its
+weights; the shared cached model is never changed).
+- Causal LMs: **perplexity** = exp(mean token negative log-likelihood), sliding window with a stride.
+- Masked LMs: **pseudo-perplexity** (each token masked in turn).
+- Encoders without an LM head: **fidelity**, the mean cosine similarity of the pooled embedding to the dense model's.
+Lower perplexity is better; compare against the dense model's value shown next to it.
+""")
+
+
+def comparison() -> None:
+    _fold("comparing scorers", """
+At one sparsity every scorer prunes the same number of heads; they differ in *which* ones.
+- **Jaccard overlap** of two masks = |pruned by both| / |pruned by either| (1 = identical choice).
+- **Spearman rank correlation** of two score arrays over all L × H heads (1 = same order).
+- **Perplexity vs sparsity** curves show which choice hurts the model least as more heads go.
+""")
+
+
+def heads_page() -> None:
+    _fold("ablation, roles and redundancy", """
+- **Single-head ablation**: the loss increase when that head alone is switched off - the ground
+  truth the cheap scorers try to predict (one forward pass per head, so it takes a while).
+- **Role tags** name recognisable behaviours (e.g. attending to the previous token, to the first
+  token, or to repeated tokens), measured from the head's attention pattern.
+- **Redundancy groups** are heads whose outputs are strongly correlated: pruning all but one of a
+  group loses little.
+The attention pattern shows, for each query token (row), how much weight the head puts on each
+key token (column); causal models attend only to earlier tokens.
+""")
+
+
+def export() -> None:
+    _fold("exporting", """
+- The **mask JSON** records which heads are pruned, with the scorer, its parameters and the
+  sparsity, so the choice can be reproduced.
+- The **pruned model** is built on a copy: each layer's projections are physically shrunk to the
+  kept heads (per-layer head counts), and it gives the same outputs as the masked model.
+  Removing heads shrinks the attention parameters and FLOPs; the MLPs are untouched.
+""")

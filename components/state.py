@@ -1,0 +1,197 @@
+"""The app's view state: the ONE module that owns session-state keys and the URL's query parameters.
+
+The shared view is five fields, kept in `st.session_state` under "hs.<field>" and mirrored into
+the URL's query parameters on every run so a view can be shared and reloaded:
+
+    model     built-in name, Hugging Face id or local folder   (?model=smollm2-135m)
+    scorer    scorer name                                     (?scorer=mp)
+    z         MP threshold multiplier, 0 .. Z_MAX             (?z=2.0)
+    sparsity  fraction of heads to prune, 0 .. 1              (?sparsity=0.3)
+    page      the page's url path                             (?page=prune)
+
+On a session's first run the URL is read once (bad values are replaced by the default and
+reported with how to fix them). Widgets never own these values: a widget gets its own key,
+seeded from the canonical value when it (re)appears, and the page writes the widget's value
+back with `set` - so values survive switching pages (Streamlit drops the keys of widgets that
+are not shown). trust_remote_code is session-only and never read from a URL.
+
+Other keys this module owns: the stop flag of long work, and `remember`/`recall` slots that
+keep a button's result on screen across reruns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import streamlit as st
+
+try:
+    from analysis.models import DEFAULT_MODEL
+except Exception:  # noqa: BLE001 - analysis.models may not have landed yet
+    DEFAULT_MODEL = "smollm2-135m"
+try:
+    from analysis.profiles import DEFAULT_Z, Z_MAX
+except Exception:  # noqa: BLE001
+    DEFAULT_Z, Z_MAX = 2.0, 10.0
+
+DEFAULT_SCORER = "mp"
+DEFAULT_SPARSITY = 0.3
+PREFIX = "hs."
+WIDGET_PREFIX = "hs.w."
+_URL_READ = PREFIX + "url_read"
+_STOP = PREFIX + "stop"
+_MEMO = PREFIX + "memo."
+_NOTES = PREFIX + "url_notes"
+_TRUST = PREFIX + "trust"
+
+
+def _text(raw: str) -> str:
+    value = str(raw).strip()
+    if not value:
+        raise ValueError("it is empty")
+    return value
+
+
+def _number(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError("it is not a number") from None
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise ValueError(f"it is outside {lo:g} .. {hi:g}")
+        return value
+    return parse
+
+
+@dataclass(frozen=True)
+class Field:
+    default: Any
+    parse: Callable[[str], Any]     # URL text -> value; ValueError says why it is bad
+    fmt: Callable[[Any], str] = str
+
+
+FIELDS: dict[str, Field] = {
+    "model": Field(DEFAULT_MODEL, _text),
+    "scorer": Field(DEFAULT_SCORER, _text),
+    "z": Field(float(DEFAULT_Z), _number(0.0, float(Z_MAX)), lambda v: f"{float(v):g}"),
+    "sparsity": Field(DEFAULT_SPARSITY, _number(0.0, 1.0), lambda v: f"{float(v):g}"),
+    "page": Field("", _text),
+}
+
+
+def _key(name: str) -> str:
+    if name not in FIELDS:
+        raise KeyError(f"unknown view field {name!r}; known: {', '.join(FIELDS)}")
+    return PREFIX + name
+
+
+def init() -> None:
+    """Call once per run, first thing: seed defaults, and on the session's first run read the URL."""
+    ss = st.session_state
+    for name, field in FIELDS.items():
+        ss.setdefault(_key(name), field.default)
+    if ss.get(_URL_READ):
+        return
+    ss[_URL_READ] = True
+    notes = []
+    for name, field in FIELDS.items():
+        if name not in st.query_params:
+            continue
+        raw = st.query_params[name]
+        try:
+            ss[_key(name)] = field.parse(raw)
+        except ValueError as why:
+            notes.append(f"The link's {name}={raw!r} was ignored because {why}; using {field.fmt(field.default)}. "
+                         f"Fix the `{name}=` part of the URL or pick a value with the controls.")
+    ss[_NOTES] = notes
+
+
+def url_notes() -> list[str]:
+    """Problems found in the URL on the first run (shown once by app.py, then cleared)."""
+    return st.session_state.pop(_NOTES, [])
+
+
+def get(name: str) -> Any:
+    return st.session_state.get(_key(name), FIELDS[name].default)
+
+
+def set(name: str, value: Any) -> None:  # noqa: A001 - the verb of this module
+    """Store a view value and mirror it into the URL (written only when it changes)."""
+    st.session_state[_key(name)] = value
+    text = FIELDS[name].fmt(value)
+    if st.query_params.get(name) != text:
+        st.query_params[name] = text
+
+
+def sync_url() -> None:
+    """Write every view field into the URL (called each run: page switches may drop parameters)."""
+    for name in FIELDS:
+        set(name, get(name))
+
+
+def widget_key(name: str, *, value: Any = None) -> str:
+    """Key for the widget that edits view field `name` (or any page-local name), seeded when absent.
+
+    For a view field the seed is its canonical value; for a local name, `value`."""
+    key = WIDGET_PREFIX + name
+    if key not in st.session_state:
+        st.session_state[key] = get(name) if name in FIELDS else value
+    return key
+
+
+def reset_widget(name: str) -> None:
+    """Forget a widget's own value so it is seeded again from the canonical one."""
+    st.session_state.pop(WIDGET_PREFIX + name, None)
+
+
+def follow_url_page(current, pages: dict) -> None:
+    """On the first run, a `?page=` naming another page switches to it (keeping the parameters)."""
+    ss = st.session_state
+    if ss.get(PREFIX + "page_followed"):
+        return
+    ss[PREFIX + "page_followed"] = True
+    wanted = str(get("page") or "")
+    if wanted and wanted in pages and pages[wanted].url_path != current.url_path:
+        st.switch_page(pages[wanted], query_params=dict(st.query_params))
+
+
+# -- trust_remote_code (session only) ----------------------------------------------------------
+
+def trust() -> bool:
+    return bool(st.session_state.get(_TRUST, False))
+
+
+def set_trust(value: bool) -> None:
+    st.session_state[_TRUST] = bool(value)
+
+
+# -- stopping long work ------------------------------------------------------------------------
+
+def request_stop() -> None:
+    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it."""
+    st.session_state[_STOP] = True
+
+
+def should_stop() -> bool:
+    return bool(st.session_state.get(_STOP, False))
+
+
+def clear_stop() -> None:
+    st.session_state[_STOP] = False
+
+
+# -- results kept across reruns ----------------------------------------------------------------
+
+def remember(slot: str, value: Any) -> None:
+    """Keep a value (e.g. the parameters of the last button-triggered computation) for later runs."""
+    st.session_state[_MEMO + slot] = value
+
+
+def recall(slot: str, default: Any = None) -> Any:
+    return st.session_state.get(_MEMO + slot, default)
+
+
+def forget(slot: str) -> None:
+    st.session_state.pop(_MEMO + slot, None)

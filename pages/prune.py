@@ -1,0 +1,9 @@
+"""Prune page (being built)."""
+import streamlit as st
+
+from components import shell
+
+shell.ensure_app()
+
+st.title("Prune")
+st.info("This page is not available yet.")

@@ -1,0 +1,126 @@
+"""Helpers for the app tests: a tiny model folder the picker can load, AppTest runs, chart decoding.
+
+- `tiny_model_dir(path, ...)`: saves a seeded tiny Llama (tests/_tiny.py) plus a trivial
+  character-level tokenizer, so `load_model(path)` works offline in well under a second.
+- `new_app(model, page=..., **params)`: an AppTest of app.py opened on `page` with the view's
+  query parameters set (as a shared link would), after one run.
+- `figure(at, i)`: the i-th plotly chart's figure as a dict, numpy arrays decoded from base64
+  `bdata`; `heatmap_z(fig)` the first heatmap's z as an array.
+- `texts(at)`: every markdown/caption/metric/error/... text on the page, for assertions.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "app.py")
+TIMEOUT = 60
+
+
+def trivial_tokenizer():
+    """One token per printable ASCII character (ids 0..94), plus <unk> and </s>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {chr(i): i - 32 for i in range(32, 127)}
+    vocab.update({"<unk>": 95, "</s>": 96})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+def tiny_model_dir(path: Path, model_type: str = "llama", **overrides) -> Path:
+    """Save a tiny random model (default 4 layers x 4 heads, 2 KV heads) with a tokenizer to `path`."""
+    from tests._tiny import tiny_model
+    overrides.setdefault("num_hidden_layers", 4)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_model(model_type, **overrides).save_pretrained(path)
+    trivial_tokenizer().save_pretrained(path)
+    return path
+
+
+def new_app(model: str | None = None, page: str | None = None, run: bool = True, **params):
+    """AppTest of app.py with ?model=...&page=...&<params> set, run once (unless run=False)."""
+    from streamlit.testing.v1 import AppTest
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    if model is not None:
+        at.query_params["model"] = str(model)
+    if page is not None:
+        at.query_params["page"] = page
+    for key, value in params.items():
+        at.query_params[key] = str(value)
+    return at.run() if run else at
+
+
+def _decode(obj):
+    """Replace plotly's {"dtype", "bdata", "shape"} typed arrays by numpy arrays, recursively."""
+    if isinstance(obj, dict):
+        if "bdata" in obj and "dtype" in obj:
+            arr = np.frombuffer(base64.b64decode(obj["bdata"]), dtype=np.dtype(obj["dtype"]))
+            shape = obj.get("shape")
+            if shape:
+                dims = [int(s) for s in str(shape).split(",")] if isinstance(shape, str) else list(shape)
+                arr = arr.reshape(dims)
+            return arr
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def figure(at, index: int = 0) -> dict:
+    """The index-th plotly chart on the page, as a decoded figure dict."""
+    return _decode(json.loads(at.get("plotly_chart")[index].proto.spec))
+
+
+def figures(at) -> list[dict]:
+    return [_decode(json.loads(el.proto.spec)) for el in at.get("plotly_chart")]
+
+
+def figure_titled(at, needle: str) -> dict:
+    """The first chart whose title contains `needle` (AssertionError listing titles otherwise)."""
+    figs = figures(at)
+    for fig in figs:
+        if needle in title_of(fig):
+            return fig
+    raise AssertionError(f"no chart titled with {needle!r}; titles: {[title_of(f) for f in figs]}")
+
+
+def title_of(fig: dict) -> str:
+    title = fig.get("layout", {}).get("title", "")
+    return title.get("text", "") if isinstance(title, dict) else str(title)
+
+
+def heatmap_z(fig: dict) -> np.ndarray:
+    for trace in fig["data"]:
+        if trace.get("type") == "heatmap":
+            return np.asarray(trace["z"])
+    raise AssertionError("the figure has no heatmap trace")
+
+
+def texts(at) -> str:
+    """All visible text of common elements, joined by newlines."""
+    parts = []
+    for kind in ("title", "header", "subheader", "markdown", "caption", "text", "error", "warning", "info",
+                 "success", "code", "exception"):
+        for el in at.get(kind):
+            parts.append(str(getattr(el, "value", "") or getattr(el, "body", "") or ""))
+    for m in at.get("metric"):
+        parts.append(f"{m.label}: {m.value}")
+    return "\n".join(parts)
+
+
+def errors(at) -> list[str]:
+    return [str(e.value) for e in at.error]
+
+
+def metric(at, label: str) -> str:
+    for m in at.get("metric"):
+        if m.label == label:
+            return m.value
+    raise AssertionError(f"no metric {label!r}; have {[m.label for m in at.get('metric')]}")
