@@ -1,0 +1,143 @@
+"""Row-norm profiles: hand-computed thresholds and excesses, scopes, zero-std populations,
+z validation, and profiles of real (tiny) models against norms taken straight from the
+Hugging Face parameters."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.errors import InputError
+from analysis.profiles import NormProfile, check_z, profile_model
+from tests._scoring_fixtures import constant_profile, hand_profile
+from tests._tiny import tiny_model
+
+
+def test_layer_thresholds_by_hand():
+    taus = hand_profile().thresholds(0.5)
+    np.testing.assert_allclose(taus["q"], [2.5, 3.5 + 0.5 * math.sqrt(1.75), 0.1], rtol=1e-15)
+    np.testing.assert_allclose(taus["o"], [2.5, 4.0, 0.1], rtol=1e-15)
+    np.testing.assert_allclose(taus["k"], [2.5, 2.0, 0.1], rtol=1e-15)
+    np.testing.assert_allclose(taus["v"], [2.0, 1.0, 0.1], rtol=1e-15)
+
+
+def test_excess_by_hand():
+    e = hand_profile().excess(0.5)
+    np.testing.assert_array_equal(e["q"][0], [[0, 0, 0, 0], [0.5, 0.5, 0.5, 0.5]])
+    np.testing.assert_array_equal(e["o"][0], [[0, 0, 0.5, 0.5], [0, 0, 0.5, 0.5]])
+    np.testing.assert_array_equal(e["k"][0], [[0, 0, 0.5, 0.5]])
+    for p in "qkvo":  # layer 1: every row in the bulk; layer 2: zero std; v of layer 0: zero std
+        assert not e[p][1:].any(), p
+    assert not e["v"][0].any()
+
+
+def test_excess_at_z_zero_is_above_the_mean():
+    e = hand_profile().excess(0.0)
+    np.testing.assert_allclose(e["q"][1], [[0, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]])
+    np.testing.assert_array_equal(e["o"][0], [[0, 0, 1, 1], [0, 0, 1, 1]])
+
+
+def test_model_scope_pools_all_layers():
+    profile = hand_profile()
+    q = [1] * 4 + [3] * 4 + [0] + [4] * 7 + [0.1] * 8  # the 24 Q rows of the three layers
+    mean = sum(q) / 24
+    std = math.sqrt(sum((x - mean) ** 2 for x in q) / 24)
+    taus = profile.thresholds(1.0, scope="model")
+    np.testing.assert_allclose(taus["q"], [mean + std] * 3, rtol=1e-14)
+    expected = np.maximum(np.array(q).reshape(3, 2, 4) - (mean + std), 0)
+    np.testing.assert_allclose(profile.excess(1.0, scope="model")["q"], expected, rtol=1e-14)
+
+
+@pytest.mark.parametrize("value", [2.5895367670496596, 0.1, 7.0])
+def test_zero_std_population_has_no_excess_even_with_float_drift(value):
+    # 12 equal copies of 2.5895... average to slightly *less* than the value in float64: a
+    # naive mean + z*std would put every row a hair above tau.
+    profile = constant_profile(value)
+    for z in (0.0, 0.5, 2.0):
+        e = profile.excess(z)
+        for p in "qkvo":
+            assert not e[p].any(), (p, z)
+    mean, std = profile.stats()["q"]
+    assert mean[0] == value and std[0] == 0.0
+
+
+def test_l1_norms_use_their_own_population():
+    profile = hand_profile(l1_scale=2.0)
+    np.testing.assert_allclose(profile.thresholds(0.5, ord=1)["q"][0], 5.0)
+    np.testing.assert_allclose(profile.excess(0.5, ord=1)["q"][0, 1], [1, 1, 1, 1])
+
+
+def test_changing_z_reuses_cached_statistics():
+    profile = hand_profile()
+    first = profile.stats()
+    profile.excess(0.5)
+    profile.excess(2.5)
+    assert profile.stats() is first  # no second pass over the norms
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), 1e6, 10.5, "two", None])
+def test_bad_z_is_an_input_error(bad):
+    with pytest.raises(InputError):
+        check_z(bad)
+    with pytest.raises(InputError):
+        hand_profile().excess(bad)
+
+
+def test_bad_scope_and_ord():
+    with pytest.raises(InputError):
+        hand_profile().excess(1.0, scope="global")
+    with pytest.raises(InputError):
+        hand_profile().excess(1.0, ord=3)
+
+
+def test_malformed_profile_is_rejected():
+    good = hand_profile()
+    with pytest.raises(InputError):
+        NormProfile(l2={"q": good.l2["q"]}, l1=good.l1)
+    with pytest.raises(InputError):  # 2 query heads cannot share 3 KV heads
+        bad = dict(good.l2, k=np.ones((3, 3, 4)), v=np.ones((3, 3, 4)))
+        NormProfile(l2=bad, l1=bad)
+
+
+def _expected_llama_norms(model, layer):
+    """Norms straight from the Hugging Face Linear weights (rows of q/k/v, columns of o)."""
+    attn = model.model.layers[layer].self_attn
+    d = model.config.head_dim
+    q = attn.q_proj.weight.detach().double().reshape(-1, d, attn.q_proj.weight.shape[1])
+    k = attn.k_proj.weight.detach().double().reshape(-1, d, attn.k_proj.weight.shape[1])
+    v = attn.v_proj.weight.detach().double().reshape(-1, d, attn.v_proj.weight.shape[1])
+    o = attn.o_proj.weight.detach().double().t().reshape(-1, d, attn.o_proj.weight.shape[0])
+    return {p: (t.norm(dim=-1).numpy(), t.abs().sum(dim=-1).numpy()) for p, t in zip("qkvo", (q, k, v, o))}
+
+
+def test_profile_of_tiny_llama_matches_raw_weights():
+    model = tiny_model("llama")
+    profile = profile_model(model)
+    assert (profile.n_layers, profile.n_heads, profile.n_kv_heads, profile.head_dim) == (2, 4, 2, 8)
+    for layer in range(2):
+        expected = _expected_llama_norms(model, layer)
+        for p in "qkvo":
+            np.testing.assert_allclose(profile.l2[p][layer], expected[p][0], rtol=1e-6)
+            np.testing.assert_allclose(profile.l1[p][layer], expected[p][1], rtol=1e-6)
+
+
+def test_profile_of_gpt2_transposes_conv1d():
+    model = tiny_model("gpt2")
+    profile = profile_model(model)
+    D = model.config.n_embd
+    d = D // model.config.n_head
+    attn = model.transformer.h[1].attn
+    w = attn.c_attn.weight.detach().double()  # [D, 3D] (in, out)
+    q_rows = w[:, :D].t().reshape(-1, d, D)  # [H, d, D]
+    o_cols = attn.c_proj.weight.detach().double().reshape(-1, d, D)  # Conv1D rows = O's columns
+    np.testing.assert_allclose(profile.l2["q"][1], q_rows.norm(dim=-1).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(profile.l2["o"][1], o_cols.norm(dim=-1).numpy(), rtol=1e-6)
+
+
+def test_profile_does_not_change_the_model():
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile_model(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(before[k], v), k
