@@ -1,0 +1,69 @@
+"""Benchmark: loading the built-in SmolLM2 through `load_model` vs a bare `from_pretrained`.
+
+Both sides read the same converted plain checkpoint (model + tokenizer); `load_model` adds the
+config checks, the adapter lookup and the meta-device memory estimate. The runs alternate
+(A B, B A, ...) in one process so both see the same machine load; medians are compared.
+Also prints the one-time GGUF -> safetensors conversion cost, measured in a fresh cache folder.
+
+    .venv/bin/python bench/bench_load.py [--repeats 7]
+Target: load_model / from_pretrained <= 1.2x.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from analysis.models import load_model  # noqa: E402
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    hf_logging.disable_progress_bar()
+
+    with tempfile.TemporaryDirectory(prefix="headscope-bench-") as cache:
+        convert = _timed(lambda: load_model("smollm2-135m", cache_dir=cache))
+        folder = Path(cache) / "models" / "smollm2-135m"
+
+        def ours():
+            load_model("smollm2-135m", cache_dir=cache)
+
+        def bare():
+            AutoModelForCausalLM.from_pretrained(folder).eval()
+            AutoTokenizer.from_pretrained(folder)
+
+        ours(), bare()  # warm both (imports, page cache)
+        times = {"load_model": [], "from_pretrained": []}
+        for i in range(args.repeats):
+            order = [("load_model", ours), ("from_pretrained", bare)]
+            for label, fn in order if i % 2 == 0 else order[::-1]:
+                times[label].append(_timed(fn))
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["load_model"] / med["from_pretrained"]
+    print(f"one-time conversion (GGUF -> safetensors, first load_model): {convert:.1f} s")
+    for label, values in times.items():
+        print(f"{label:>16}: median {med[label] * 1000:.0f} ms  "
+              f"(runs: {', '.join(f'{v * 1000:.0f}' for v in values)})")
+    print(f"ratio load_model / from_pretrained: {ratio:.2f}x (target <= 1.2x) "
+          f"-> {'OK' if ratio <= 1.2 else 'ABOVE TARGET'}")
+
+
+if __name__ == "__main__":
+    main()
