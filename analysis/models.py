@@ -175,7 +175,11 @@ def estimate_model_bytes(config, dtype: torch.dtype = torch.float32, *, trust_re
 
 
 def _check_memory(config, dtype, available_bytes, name, trust_remote_code) -> None:
-    need = estimate_model_bytes(config, dtype, trust_remote_code=trust_remote_code)
+    try:
+        need = estimate_model_bytes(config, dtype, trust_remote_code=trust_remote_code)
+    except Exception as err:  # a config transformers cannot build a model from
+        raise ModelLoadError(f"Cannot build '{name}' from its config.json ({_first_line(err)}). Check that "
+                             f"config.json is the model's original, unedited file.") from err
     free = psutil.virtual_memory().available if available_bytes is None else int(available_bytes)
     if need > free:
         raise ModelLoadError(
