@@ -159,3 +159,67 @@ def param_count(name: str, trust: bool = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
     lm = load(name, trust)
     return sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+
+
+# -- scores, masks, evaluation -----------------------------------------------------------------
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def has_qkv_bias(name: str, trust: bool = False) -> bool:
+    """Whether the attention projections carry biases (for the parameter count of a mask)."""
+    lm = load(name, trust)
+    return lm.adapter.read_heads(lm.model, 0).q_bias is not None
+
+
+def scorer_class(scorer: str):
+    """The registered scorer class, or None (unknown name or scoring not available)."""
+    scoring = optional("scoring")
+    return None if scoring is None else scoring.SCORERS.get(scorer)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def scores(name: str, trust: bool, scorer: str, params: tuple, _progress=None, _should_stop=None):
+    """HeadScores of `scorer` with `params` (a params_key tuple) on model `name`.
+
+    Weight-only scorers read the cached norm profile (never the weights again); calibration
+    scorers get the loaded model."""
+    from analysis import scoring
+    instance = scoring.get_scorer(scorer, **dict(params))
+    target = load(name, trust) if type(instance).needs_calibration else profile(name, trust)
+    return instance.score(target, progress=_progress, should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def evaluate_masks(name: str, trust: bool, pruned, text: str | None, max_tokens: int,
+                   _progress=None, _should_stop=None):
+    """`analysis.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
+    from analysis import evaluation
+    return evaluation.evaluate(load(name, trust), text, pruned=pruned, max_tokens=max_tokens,
+                               progress=_progress, should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def z_sweep(name: str, trust: bool, sparsity: float, options: tuple, max_tokens: int,
+            _progress=None, _should_stop=None):
+    """`analysis.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
+    from analysis import sweep
+    lm = load(name, trust)
+    calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
+    return sweep.sweep_z(profile(name, trust), sparsity, calib, held_out, metric=metric,
+                         higher_is_better=higher, evaluate_all=True, progress=_progress,
+                         should_stop=_should_stop, **dict(options))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: tuple, levels: tuple,
+                   max_tokens: int, _progress=None, _should_stop=None):
+    """Metric vs sparsity for one scorer, masks from `analysis.masks.plan_mask` with `policy`."""
+    from analysis import evaluation, masks
+    lm = load(name, trust)
+    head_scores = scores(name, trust, scorer, params)
+    pol = dict(policy)
+
+    def mask_fn(_, s):
+        return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
+
+    return evaluation.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
+                                     max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)

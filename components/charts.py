@@ -20,7 +20,7 @@ TAU_COLOR = "#e67e22"
 _HEIGHT_PER_LAYER = 18
 
 
-def _layer_height(n_layers: int) -> int:
+def layer_height(n_layers: int) -> int:
     return int(min(900, max(260, 90 + _HEIGHT_PER_LAYER * n_layers)))
 
 
@@ -28,7 +28,7 @@ def _axes(fig: go.Figure, n_layers: int, n_cols: int, x_title: str = "head") -> 
     fig.update_xaxes(title_text=x_title, tickmode="linear", dtick=1 if n_cols <= 32 else max(1, n_cols // 16))
     fig.update_yaxes(title_text="layer", autorange="reversed", tickmode="linear",
                      dtick=1 if n_layers <= 16 else 2)
-    fig.update_layout(height=_layer_height(n_layers), margin=dict(l=50, r=20, t=50, b=40))
+    fig.update_layout(height=layer_height(n_layers), margin=dict(l=50, r=20, t=50, b=40))
     return fig
 
 
@@ -94,13 +94,14 @@ def norm_histogram(norms: np.ndarray, mean: float, tau: float, *, title: str, z:
     return fig
 
 
-def head_bars(values: np.ndarray, *, title: str, y_title: str, labels: list[str] | None = None) -> go.Figure:
-    """One bar per head (or group) of a layer."""
+def head_bars(values: np.ndarray, *, title: str, y_title: str, labels: list[str] | None = None,
+              x_title: str = "head", height: int = 300) -> go.Figure:
+    """One bar per head (or group, or layer)."""
     values = np.asarray(values, dtype=float)
     x = labels if labels is not None else [str(i) for i in range(values.size)]
     fig = go.Figure(go.Bar(x=x, y=values, marker_color=TAU_COLOR,
                            hovertemplate="%{x}: %{y:.4g}<extra></extra>"))
-    fig.update_layout(title=title, height=300, xaxis_title="head", yaxis_title=y_title,
+    fig.update_layout(title=title, height=height, xaxis_title=x_title, yaxis_title=y_title,
                       margin=dict(l=50, r=20, t=50, b=40))
     return fig
 

@@ -66,6 +66,19 @@ Lower z → lower τ → more outliers and fewer zero-score heads; higher z → 
 """)
 
 
+def mp_score(*, z: float, n_zero: int | None, n_heads: int) -> None:
+    zero = "" if n_zero is None else (f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among "
+                                      "them the tie-break (plain magnitude, then layer and head) decides.")
+    _fold("the MP score and the ranking", f"""
+Each row norm n is compared with its population's threshold **τ = mean(n) + {z:g} · std(n)**;
+the excess is e = max(0, n − τ). A head's MP score sums the excess of its Q rows and O columns
+and of its KV group's K and V rows (MP-G divides the group part by G).
+
+All L × H heads are ranked together by ascending score, and the first ⌊sparsity × L × H⌋ are
+pruned; when every query head of a KV group is pruned, the group's K/V rows go too.{zero}
+""")
+
+
 def gqa(n_heads: int, n_kv_heads: int) -> None:
     G = n_heads // n_kv_heads
     if G == 1:

@@ -6,7 +6,7 @@ the URL's query parameters on every run so a view can be shared and reloaded:
     model     built-in name, Hugging Face id or local folder   (?model=smollm2-135m)
     scorer    scorer name                                     (?scorer=mp)
     z         MP threshold multiplier, 0 .. Z_MAX             (?z=2.0)
-    sparsity  fraction of heads to prune, 0 .. 1              (?sparsity=0.3)
+    sparsity  fraction of heads to prune, 0 .. 0.95             (?sparsity=0.3)
     page      the page's url path                             (?page=prune)
 
 On a session's first run the URL is read once (bad values are replaced by the default and
@@ -37,6 +37,7 @@ except Exception:  # noqa: BLE001
 
 DEFAULT_SCORER = "mp"
 DEFAULT_SPARSITY = 0.3
+SPARSITY_MAX = 0.95  # analysis.masks refuses 1.0 (every head pruned)
 PREFIX = "hs."
 WIDGET_PREFIX = "hs.w."
 _URL_READ = PREFIX + "url_read"
@@ -76,7 +77,7 @@ FIELDS: dict[str, Field] = {
     "model": Field(DEFAULT_MODEL, _text),
     "scorer": Field(DEFAULT_SCORER, _text),
     "z": Field(float(DEFAULT_Z), _number(0.0, float(Z_MAX)), lambda v: f"{float(v):g}"),
-    "sparsity": Field(DEFAULT_SPARSITY, _number(0.0, 1.0), lambda v: f"{float(v):g}"),
+    "sparsity": Field(DEFAULT_SPARSITY, _number(0.0, SPARSITY_MAX), lambda v: f"{float(v):g}"),
     "page": Field("", _text),
 }
 

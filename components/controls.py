@@ -1,0 +1,125 @@
+"""Widgets shared by several pages: scorer choice and parameters, mask policy, evaluation text.
+
+Scorer parameters are read from the scorer class's constructor signature (analysis.scoring),
+so a new scorer parameter shows up without changing the pages; this module only knows how to
+draw a widget for a parameter name. z is the shared view slider and is passed in, not drawn.
+"""
+from __future__ import annotations
+
+import inspect
+
+import streamlit as st
+
+from . import cache, state
+
+SCORER_LABELS = {
+    "mp": "MP (Magnitude Profile)",
+    "mp-g": "MP-G (GQA-aware MP)",
+    "magnitude": "Magnitude",
+    "random": "Random (floor)",
+    "wanda": "Wanda-Head",
+    "sparsegpt": "SparseGPT-Head",
+    "gradient": "Gradient-Head",
+    "gate": "Head-gate importance",
+    "gate-ig": "Head-gate, integrated gradients",
+    "hybrid": "Hybrid (Magnitude + MP + Wanda)",
+}
+# Scorers that cannot be picked freely (the ablation oracle needs the Heads page's sweep).
+HIDDEN_SCORERS = ("ablation",)
+SPARSITY_STEP = 0.01
+
+# parameter name -> widget factory (label, default) -> value
+_PARAM_WIDGETS = {
+    "scope": lambda key, default, where: where.radio(
+        "Population", ["layer", "model"], horizontal=True, key=key,
+        help="Threshold per projection of each layer, or per projection across all layers."),
+    "ord": lambda key, default, where: where.radio("Norm", [2, 1], format_func=lambda o: f"L{o}",
+                                                   horizontal=True, key=key),
+    "a_q": lambda key, default, where: where.number_input("a_q (own Q/O weight)", 0.0, 10.0, step=0.1, key=key),
+    "a_kv": lambda key, default, where: where.number_input("a_kv (shared K/V weight)", 0.0, 10.0, step=0.1,
+                                                           key=key),
+    "seed": lambda key, default, where: where.number_input("Seed", 0, 2**31 - 1, step=1, key=key),
+    "n_sequences": lambda key, default, where: where.number_input("Calibration sequences", 1, 64, step=1, key=key),
+    "seq_len": lambda key, default, where: where.number_input("Tokens per sequence", 8, 1024, step=8, key=key),
+    "damping": lambda key, default, where: where.number_input("Damping", 1e-6, 1.0, format="%.4f", key=key),
+    "n_steps": lambda key, default, where: where.number_input("Integration steps", 1, 64, step=1, key=key),
+}
+
+
+def scorer_names() -> list[str]:
+    scoring = cache.optional("scoring")
+    return [] if scoring is None else [n for n in scoring.SCORERS if n not in HIDDEN_SCORERS]
+
+
+def label(name: str) -> str:
+    return SCORER_LABELS.get(name, name)
+
+
+def scorer_choice(where=st, *, key: str = "scorer") -> str | None:
+    """The shared scorer selectbox (view field `scorer`); None when scoring is not available."""
+    names = scorer_names()
+    if not names:
+        return None
+    if state.get("scorer") not in names:
+        st.warning(f"Unknown scorer {state.get('scorer')!r} (from the link?); choose one of "
+                   f"{', '.join(names)}. Showing {names[0]}.")
+        state.set("scorer", names[0])
+        state.reset_widget(key)
+    choice = where.selectbox("Scorer", names, format_func=label, key=state.widget_key(key))
+    state.set("scorer", choice)
+    return choice
+
+
+def constructor_defaults(scorer: str) -> dict:
+    """{parameter: default} of the scorer's constructor."""
+    cls = cache.scorer_class(scorer)
+    if cls is None:
+        return {}
+    sig = inspect.signature(cls.__init__)
+    return {n: p.default for n, p in sig.parameters.items()
+            if n != "self" and p.default is not inspect.Parameter.empty}
+
+
+def scorer_params(scorer: str, z: float, *, where=st, prefix: str = "param") -> dict:
+    """Widgets for the scorer's parameters (except z and batch size); returns the full params dict."""
+    params = {}
+    for name, default in constructor_defaults(scorer).items():
+        if name == "z":
+            params["z"] = float(z)
+        elif name in _PARAM_WIDGETS:
+            key = state.widget_key(f"{prefix}.{name}", value=default)
+            params[name] = _PARAM_WIDGETS[name](key, default, where)
+    return params
+
+
+def policy_controls(where=st, *, prefix: str = "policy") -> dict:
+    """Mask policy widgets -> kwargs for analysis.masks.plan_mask (policy, min_per_layer)."""
+    masks = cache.optional("masks")
+    policies = list(masks.POLICIES) if masks is not None else ["global"]
+    policy = where.selectbox("Policy", policies, key=state.widget_key(f"{prefix}.policy", value=policies[0]),
+                             help="global: the k lowest heads anywhere; min-per-layer: the same, but keep at "
+                                  "least m heads in every layer; uniform: the same number in every layer.")
+    out = dict(policy=policy)
+    if policy == "min-per-layer":
+        out["min_per_layer"] = int(where.number_input("Keep at least m heads per layer", 0, 1024, step=1,
+                                                      key=state.widget_key(f"{prefix}.min", value=1)))
+    return out
+
+
+def text_source(*, prefix: str) -> str | None:
+    """Built-in held-out Wikipedia text (None, attribution shown) or the user's own text (cleaned).
+
+    Raises InputError (shown by the caller) for empty own text."""
+    choice = st.radio("Text", ["built-in", "own"], horizontal=True,
+                      format_func={"built-in": "Built-in Wikipedia (held-out split)", "own": "My own text"}.get,
+                      key=state.widget_key(f"{prefix}.text_source", value="built-in"))
+    text_mod = cache.optional("text")
+    if choice == "built-in":
+        if text_mod is not None:
+            st.caption(text_mod.WIKI_ATTRIBUTION)
+        return None
+    raw = st.text_area("Your text", height=120, key=state.widget_key(f"{prefix}.text", value=""),
+                       placeholder="Paste a few paragraphs of plain text.")
+    if text_mod is None:
+        return raw
+    return text_mod.clean_user_text(raw)
