@@ -79,13 +79,13 @@ def progress_bar(label: str):
         slot.empty()
 
 
-def stop_button(label: str = "Stop"):
+def stop_button(work: str, label: str = "Stop"):
     """A Stop button in its own slot (returned, to be emptied when the work ends).
 
     A click reruns the page, which interrupts the work; the flag it sets makes the rerun's
     `should_stop()` true, so work that starts again on that rerun ends at once as cancelled."""
     slot = st.empty()
-    slot.button(label, on_click=state.request_stop, key=state.WIDGET_PREFIX + "stop." + label,
+    slot.button(label, on_click=state.request_stop, key=state.WIDGET_PREFIX + "stop." + work,
                 help="Stop the computation that is running; finished results stay cached.")
     return slot
 
@@ -139,7 +139,7 @@ def cached_call(fn: Callable[..., Any], *args, label: str, stoppable: bool = Fal
     """Call a cached function with a progress bar (and a Stop button); show failures, return None.
 
     The callbacks go in as `_progress` / `_should_stop`, outside the cache key."""
-    slot = stop_button() if stoppable else None
+    slot = stop_button(label) if stoppable else None
     try:
         with progress_bar(label) as report:
             if stoppable:

@@ -1,9 +1,112 @@
-"""Compare page (being built)."""
+"""Compare page: several scorers at one sparsity - their masks side by side, mask overlap (Jaccard),
+score rank correlation (Spearman), and metric-vs-sparsity curves."""
+import numpy as np
 import streamlit as st
+from scipy.stats import spearmanr
 
-from components import shell
+from components import cache, charts, controls, explain, shell, state
+from components.errors import shown_errors
 
 shell.ensure_app()
 
-st.title("Compare")
-st.info("This page is not available yet.")
+st.title("Compare scorers")
+lm = cache.model_or_stop()
+g = lm.geometry
+scoring, masks = cache.optional("scoring"), cache.optional("masks")
+if scoring is None or masks is None:
+    cache.unavailable("Comparing scorers", "scoring" if scoring is None else "masks")
+    st.stop()
+
+names = controls.scorer_names()
+c1, c2, c3 = st.columns([2, 1.5, 1.5])
+chosen = c1.multiselect("Scorers", names, format_func=controls.label,
+                        key=state.widget_key("compare.scorers", value=[n for n in ("mp", "mp-g", "magnitude", "random")
+                                                                          if n in names]))
+z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"))
+state.set("z", z)
+sparsity = c3.slider("Sparsity", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP, key=state.widget_key("sparsity"))
+state.set("sparsity", sparsity)
+with st.expander("Mask policy", expanded=False):
+    policy = controls.policy_controls(prefix="compare.policy")
+if len(chosen) < 2:
+    st.info("Pick at least two scorers to compare.")
+    st.stop()
+
+results = {}
+for name in chosen:
+    params = {k: (float(z) if k == "z" else v) for k, v in controls.constructor_defaults(name).items()
+              if k != "batch_size"}
+    key = cache.params_key(params)
+    if cache.scorer_class(name).needs_calibration and state.recall(f"scored.{lm.name}.{name}") != key:
+        if st.button(f"Compute {controls.label(name)} (calibration text; takes a while)", key=f"compare.compute.{name}"):
+            if cache.cached_call(cache.scores, lm.name, state.trust(), name, key, label=controls.label(name),
+                                 stoppable=True) is not None:
+                state.remember(f"scored.{lm.name}.{name}", key)
+                st.rerun()
+        continue
+    hs = cache.cached_call(cache.scores, lm.name, state.trust(), name, key, label=controls.label(name))
+    if hs is not None:
+        results[name] = (key, hs)
+st.caption("Each scorer runs with its default parameters (z from the slider); tune one scorer on the Prune page.")
+if len(results) < 2:
+    st.info("At least two scorers need scores before they can be compared.")
+    st.stop()
+
+with shown_errors("Comparing masks"):
+    plans = {n: masks.plan_mask(hs, sparsity, group_size=g.group_size, **policy) for n, (_, hs) in results.items()}
+    labels = [controls.label(n) for n in plans]
+    n_pruned = next(iter(plans.values())).n_pruned
+    st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned)")
+    cols = st.columns(min(len(plans), 4))
+    for i, (name, plan) in enumerate(plans.items()):
+        cols[i % len(cols)].plotly_chart(
+            charts.mask_heatmap(plan.pruned, results[name][1].scores, score_name=controls.label(name),
+                                title=f"{controls.label(name)}: {plan.n_pruned} pruned", group_size=g.group_size),
+            width="stretch", key=f"compare.mask.{name}")
+
+    flat = {n: p.pruned.reshape(-1) for n, p in plans.items()}                        # [L*H] each
+    jaccard = np.array([[(flat[a] & flat[b]).sum() / max(1, (flat[a] | flat[b]).sum()) for b in flat] for a in flat])
+    rho = np.array([[spearmanr(results[a][1].scores.reshape(-1), results[b][1].scores.reshape(-1)).statistic
+                     if a != b else 1.0 for b in results] for a in results])
+    left, right = st.columns(2)
+    left.plotly_chart(charts.matrix_heatmap(jaccard, labels, title="Mask overlap (Jaccard)", zmin=0, zmax=1),
+                      width="stretch", key="compare.jaccard")
+    right.plotly_chart(charts.matrix_heatmap(np.nan_to_num(rho), labels, title="Score rank correlation (Spearman)",
+                                             zmin=-1, zmax=1), width="stretch", key="compare.spearman")
+explain.comparison()
+
+st.subheader("Quality vs sparsity")
+evaluation = cache.optional("evaluation")
+if evaluation is None:
+    cache.unavailable("Perplexity curves", "evaluation")
+else:
+    c1, c2 = st.columns(2)
+    max_s = c1.slider("Up to sparsity", 0.1, 0.9, step=0.1, key=state.widget_key("compare.max_s", value=0.5))
+    tokens = int(c2.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
+                                 key=state.widget_key("compare.tokens", value=256)))
+    text_mod = cache.optional("text")
+    if text_mod is not None:
+        st.caption(text_mod.WIKI_ATTRIBUTION)
+    levels = tuple(float(x) for x in evaluation.sparsity_levels(max_s, 0.1))
+    curve_key = (lm.name, tuple((n, results[n][0]) for n in results), cache.params_key(policy), levels, tokens)
+    if st.button("Compute the curves", key="compare.curves"):
+        curves = {}
+        for name, (key, _) in results.items():
+            curve = cache.cached_call(cache.sparsity_curve, lm.name, state.trust(), name, key,
+                                      cache.params_key(policy), levels, tokens, label=f"Curve of {controls.label(name)}",
+                                      stoppable=True)
+            if curve is None:
+                break
+            curves[name] = curve
+        else:
+            state.remember("compare.curves", (curve_key, curves))
+    remembered = state.recall("compare.curves")
+    if remembered and remembered[0] == curve_key:
+        curves = remembered[1]
+        metric = next(iter(curves.values())).metric
+        st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
+                                      title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
+                                      log_y=metric.endswith("perplexity"), marker_x=sparsity),
+                        width="stretch", key="compare.curve_chart")
+    elif remembered:
+        st.caption("The settings changed since the curves were computed; press the button again.")
