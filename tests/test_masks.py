@@ -1,0 +1,160 @@
+"""Masks: exactly floor(s*L*H) heads for every s, deterministic tie-breaks, the KV-group rule,
+the two policies, summaries counted by hand, and bad sparsity values."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from analysis.errors import InputError
+from analysis.masks import (
+    attention_costs,
+    check_sparsity,
+    plan_mask,
+    rank_heads,
+    summarize_mask,
+)
+from analysis.scoring import MPGScorer, MPScorer
+from tests._scoring_fixtures import HAND_ORDER_Z05, hand_profile, random_profile
+
+SPARSITIES = [f"{i / 40:.3f}" for i in range(40)] + ["0.125", "0.29", "0.3", "0.7", "0.999"]
+
+
+def _exact_k(s: str, n: int) -> int:
+    return int(Fraction(s) * n)  # floor of the exact decimal
+
+
+@pytest.mark.parametrize("shape,G", [((30, 9), 3), ((3, 2), 2), ((7, 5), 1), ((10, 10), 5)])
+def test_global_mask_prunes_exactly_floor_s_l_h(shape, G):
+    rng = np.random.default_rng(0)
+    scores = rng.random(shape)
+    for s in SPARSITIES:
+        plan = plan_mask(scores, float(s), group_size=G)
+        assert plan.n_pruned == _exact_k(s, scores.size), s
+        # the pruned heads are the k lowest scores
+        if plan.n_pruned:
+            assert scores[plan.pruned].max() < scores[~plan.pruned].min()
+
+
+def test_same_inputs_same_mask_and_hand_tie_break():
+    profile = hand_profile()
+    scores = MPScorer(z=0.5).score(profile)
+    assert rank_heads(scores.scores, scores.tiebreak).tolist() == HAND_ORDER_Z05
+    first = plan_mask(scores, 0.5, group_size=2)
+    again = plan_mask(MPScorer(z=0.5).score(hand_profile()), 0.5, group_size=2)
+    assert np.array_equal(first.pruned, again.pruned) and np.array_equal(first.order, again.order)
+    # k = 3: both heads of layer 2 (smallest magnitude, tie -> head 0 first), then head 0 of layer 1
+    assert first.pruned.tolist() == [[False, False], [True, False], [True, True]]
+
+
+def test_without_tiebreak_ties_go_by_layer_then_head():
+    scores = np.zeros((3, 2))
+    scores[0, 0] = 1.0
+    assert rank_heads(scores).tolist() == [1, 2, 3, 4, 5, 0]
+
+
+def test_kv_rows_pruned_only_when_the_group_is_empty():
+    rng = np.random.default_rng(1)
+    scores = rng.random((6, 6))
+    for s in ("0.2", "0.5", "0.8"):
+        plan = plan_mask(scores, float(s), group_size=3)
+        groups = plan.pruned.reshape(6, 2, 3)
+        assert np.array_equal(plan.kv_pruned, groups.all(axis=-1))
+    # a group with 2 of its 3 heads pruned keeps K/V
+    scores = np.array([[0.0, 0.1, 9.0, 5.0, 6.0, 7.0]])
+    plan = plan_mask(scores, 0.34, group_size=3)
+    assert plan.pruned.tolist() == [[True, True, False, False, False, False]]
+    assert plan.kv_pruned.tolist() == [[False, False]]
+    plan = plan_mask(scores, 0.5, group_size=3)  # 3 heads: 0, 1 and 3 -> still no group empty
+    assert plan.kv_pruned.tolist() == [[False, False]]
+    plan = plan_mask(np.array([[0.0, 0.1, 0.2, 5.0, 6.0, 7.0]]), 0.5, group_size=3)
+    assert plan.kv_pruned.tolist() == [[True, False]]
+
+
+def test_keep_at_least_m_per_layer():
+    scores = np.array([[0.0, 0.1, 0.2, 0.3], [5.0, 6.0, 7.0, 8.0]])
+    plan = plan_mask(scores, 0.5, policy="min-per-layer", min_per_layer=2)
+    assert plan.n_pruned == 4
+    assert plan.pruned.tolist() == [[True, True, False, False], [True, True, False, False]]
+    rng = np.random.default_rng(2)
+    big = rng.random((8, 6))
+    for s in ("0.1", "0.4", "0.66"):
+        plan = plan_mask(big, float(s), policy="min-per-layer", min_per_layer=2)
+        assert plan.n_pruned == _exact_k(s, 48)
+        assert ((~plan.pruned).sum(axis=1) >= 2).all()
+    with pytest.raises(InputError, match="impossible"):
+        plan_mask(big, 0.7, policy="min-per-layer", min_per_layer=2)
+    with pytest.raises(InputError):
+        plan_mask(big, 0.1, policy="min-per-layer", min_per_layer=7)
+
+
+def test_uniform_per_layer():
+    rng = np.random.default_rng(3)
+    scores = rng.random((5, 8))
+    for s in ("0.125", "0.3", "0.5"):
+        plan = plan_mask(scores, float(s), policy="uniform")
+        per_layer = int(Fraction(s) * 8)
+        assert (plan.pruned.sum(axis=1) == per_layer).all()
+        for layer in range(5):  # the lowest-scoring heads of each layer
+            lowest = np.argsort(scores[layer])[:per_layer]
+            assert plan.pruned[layer, lowest].all()
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), "half", None])
+def test_bad_sparsity_is_an_input_error(bad):
+    with pytest.raises(InputError):
+        check_sparsity(bad)
+    with pytest.raises(InputError):
+        plan_mask(np.ones((2, 2)), bad)
+
+
+def test_sparsity_one_says_every_head():
+    with pytest.raises(InputError, match="every head"):
+        plan_mask(np.ones((2, 2)), 1.0)
+
+
+def test_bad_scores_and_policy():
+    with pytest.raises(InputError, match="NaN"):
+        plan_mask(np.array([[1.0, np.nan]]), 0.5)
+    with pytest.raises(InputError):
+        plan_mask(np.ones(4), 0.5)
+    with pytest.raises(InputError, match="policy"):
+        plan_mask(np.ones((2, 2)), 0.5, policy="random")
+    with pytest.raises(InputError):
+        plan_mask(np.ones((2, 4)), 0.5, group_size=3)
+
+
+def test_summary_by_hand():
+    # L = 2, H = 4, Hkv = 2 (G = 2), d = 2, D = 8, T = 10
+    scores = np.array([[0.0, 0.0, 0.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    plan = plan_mask(scores, 0.375, group_size=2)  # k = 3: heads 0, 1, 2 of layer 0
+    summary = summarize_mask(plan, scores, head_dim=2, hidden=8, seq_len=10)
+    assert summary.pruned_per_layer == [3, 0] and summary.n_pruned == 3
+    assert summary.zero_score_heads == 3 and summary.zero_score_pruned == 3
+    assert summary.kv_heads == 4 and summary.kv_heads_removed == 1 and summary.kv_removed_per_layer == [1, 0]
+    assert summary.empty_layers == []
+    head_params, group_params = 2 * 8 + 2 * 8, 2 * (2 * 8)  # Q rows + O columns; K + V rows
+    assert summary.params_removed == 3 * head_params + 1 * group_params
+    assert summary.attention_params == 2 * (4 * head_params + 2 * group_params)
+    head_flops = 2 * 10 * 8 * 2 + 2 * 10 * 10 * 2 + 2 * 10 * 10 * 2 + 2 * 10 * 2 * 8
+    group_flops = 2 * (2 * 10 * 8 * 2)
+    assert summary.attention_flops_removed == 3 * head_flops + group_flops
+    assert summary.flops_removed_fraction == pytest.approx((3 * head_flops + group_flops)
+                                                           / (2 * (4 * head_flops + 2 * group_flops)))
+    assert attention_costs(2, 8, 10, bias=True)["head_params"] == head_params + 2
+    d = summary.as_dict()
+    assert d["n_pruned"] == 3 and 0 < d["params_removed_fraction"] < 1
+
+
+def test_summary_reports_emptied_layers():
+    scores = np.array([[0.0, 0.0], [5.0, 6.0]])
+    plan = plan_mask(scores, 0.5)
+    assert summarize_mask(plan, head_dim=1, hidden=2).empty_layers == [0]
+
+
+def test_mask_follows_z_on_real_profile():
+    profile = random_profile(L=6, H=8, Hkv=2)
+    masks = {z: plan_mask(MPGScorer(z=z).score(profile), 0.25, group_size=4).pruned for z in (0.5, 2.5)}
+    assert all(m.sum() == 12 for m in masks.values())
+    # at a high z most heads are in the bulk: fewer nonzero scores than at a low z
+    assert MPGScorer(z=2.5).score(profile).zero_count > MPGScorer(z=0.5).score(profile).zero_count
