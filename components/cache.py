@@ -48,8 +48,8 @@ def optional(module: str) -> ModuleType | None:
 
 def unavailable(feature: str, module: str) -> None:
     """The honest note shown instead of a result whose analysis module has not landed."""
-    st.info(f"{feature} is not available yet: it needs `analysis/{module}.py`, which this "
-            "version of headscope does not have. Nothing is shown rather than a made-up result.")
+    st.info(f"Not available yet: {feature} needs `analysis/{module}.py`, which this version of "
+            "headscope does not have. Nothing is shown rather than a made-up result.")
 
 
 def params_key(params: dict) -> tuple:
@@ -223,3 +223,11 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
 
     return evaluation.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
                                      max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+    """`analysis.ablation.head_ablation`: the loss change when each head alone is removed."""
+    from analysis import ablation as ablation_mod
+    return ablation_mod.head_ablation(load(name, trust), text, max_tokens=max_tokens, progress=_progress,
+                                      should_stop=_should_stop)
