@@ -64,6 +64,16 @@ def ablation_gates(geometry: HeadGeometry, layer: int, *, groups: bool) -> torch
     return gates
 
 
+def layer_list(geometry: HeadGeometry, layers=None) -> list[int]:
+    """Sorted unique layer indices to sweep (default all); InputError when out of range."""
+    if layers is None:
+        return list(range(geometry.n_layers))
+    out = sorted({int(l) for l in layers})
+    if not out or out[0] < 0 or out[-1] >= geometry.n_layers:
+        raise InputError(f"Layers {list(layers)} are not valid; pick from 0 to {geometry.n_layers - 1}.")
+    return out
+
+
 def as_sequences(ids) -> torch.Tensor:
     """ids [T] or [n, T] -> [n, T] (InputError when fewer than two tokens per sequence)."""
     x = torch.as_tensor(ids, dtype=torch.long)
@@ -91,16 +101,18 @@ def _loss_of(model, x: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def naive_sweep(model, ids, *, groups: bool = True, progress: Progress = None,
+def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progress = None,
                 should_stop: ShouldStop = None) -> AblationResult:
-    """Reference: one full forward per ablated head (and per KV group), same loss as the fast sweep."""
+    """Reference: one full forward per ablated head (and per KV group), same loss as the fast sweep.
+
+    layers: which layers to sweep (default all); rows of other layers are NaN."""
     x = as_sequences(ids)                                                # [n, T]
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
     t0 = time.perf_counter()
     base = _loss_of(model, x)
-    rows = [(l, ablation_gates(geo, l, groups=groups)) for l in range(geo.n_layers)]
-    out = np.zeros((geo.n_layers, rows[0][1].shape[0]))                 # [L, R]
+    rows = [(l, ablation_gates(geo, l, groups=groups)) for l in layer_list(geo, layers)]
+    out = np.full((geo.n_layers, rows[0][1].shape[0]), np.nan)          # [L, R]
     total = sum(g.shape[0] for _, g in rows)
     done = 0
     for l, gates in rows:
@@ -266,7 +278,9 @@ class FastAblation:
         self.groups = groups
 
     @torch.no_grad()
-    def sweep(self, model, ids, *, progress: Progress = None, should_stop: ShouldStop = None) -> AblationResult:
+    def sweep(self, model, ids, *, layers=None, progress: Progress = None,
+              should_stop: ShouldStop = None) -> AblationResult:
+        """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN)."""
         x = as_sequences(ids)                                            # [n, T]
         n, T = x.shape
         adapter = adapter_for(model)
@@ -278,22 +292,24 @@ class FastAblation:
         base = float(token_nll(logits[:, :-1], x[:, 1:]).sum() / x[:, 1:].numel())
         chain = cap.tail(logits)
         if chain is None or not torch.allclose(self._apply(chain, cap.last_out), logits, atol=1e-5, rtol=1e-4):
-            result = naive_sweep(model, x, groups=self.groups, progress=progress, should_stop=should_stop)
+            result = naive_sweep(model, x, groups=self.groups, layers=layers, progress=progress,
+                                 should_stop=should_stop)
             return AblationResult(result.base_loss, result.head_delta, result.group_delta, result.n_tokens,
                                   result.metric, "naive (tail after the last layer is not replayable)",
                                   result.timings)
         layer_inputs = [_input_of(a, k).detach().clone() for a, k in cap.calls]  # L x [n, T, D]
-        layers = adapter.layers(model)
-        one, two = (probe_calls(model, layers, x[:1].repeat(b, 1)) for b in (1, 2))
+        blocks = adapter.layers(model)
+        one, two = (probe_calls(model, blocks, x[:1].repeat(b, 1)) for b in (1, 2))
         batched = [batch_paths(c1, c2) for c1, c2 in zip(one, two)]    # which call tensors carry the batch
         timings["prefix"] = time.perf_counter() - t0
         targets = x[:, 1:]                                               # [n, T-1]
         R = ablation_gates(geo, 0, groups=self.groups).shape[0]
-        out = np.zeros((geo.n_layers, R))                                # [L, R]
+        out = np.full((geo.n_layers, R), np.nan)                         # [L, R]
+        todo = layer_list(geo, layers)
         rows_per_pass = max(1, self.batch_size // n)
-        work = [(geo.n_layers - l) for l in range(geo.n_layers)]
+        work = {l: geo.n_layers - l for l in todo}
         done = 0
-        for l in range(geo.n_layers):
+        for l in todo:
             gates = ablation_gates(geo, l, groups=self.groups)           # [R, L, H]
             for start in range(0, R, rows_per_pass):
                 check_stop(should_stop, "Ablation sweep")
@@ -305,14 +321,14 @@ class FastAblation:
                     for j in range(l, geo.n_layers):
                         args, kwargs = repeat_batched(cap.calls[j], batched[j], r)
                         args, kwargs = _with_input(args, kwargs, hidden)
-                        hidden = _first(layers[j](*args, **kwargs))      # [r*n, T, D]
+                        hidden = _first(blocks[j](*args, **kwargs))      # [r*n, T, D]
                 t2 = time.perf_counter()
                 nll = self._tail_nll(chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
                 out[l, start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).numpy() - base
                 timings["layers"] += t2 - t1
                 timings["lm_head"] += time.perf_counter() - t2
             done += work[l]
-            report(progress, done / sum(work), f"ablation sweep: layer {l + 1}/{geo.n_layers}")
+            report(progress, done / sum(work.values()), f"ablation sweep: layer {l + 1}/{geo.n_layers}")
         timings["total"] = time.perf_counter() - t0
         H = geo.n_heads
         return AblationResult(base, out[:, :H], out[:, H:] if R > H else None, int(targets.numel()),

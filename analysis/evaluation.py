@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from .adapters import adapter_for
 from .errors import CancelledError, InputError
 from .masking import as_gates, gates_from_mask, head_mask
+from .models import mean_pool
+from .text import clean_user_text, evaluation_text, tokenize
 
 Progress = Callable[[float, str], None] | None
 ShouldStop = Callable[[], bool] | None
@@ -61,40 +63,35 @@ def report(progress: Progress, fraction: float, message: str) -> None:
 
 
 def as_text(text: str | bytes) -> str:
-    """User text -> str. InputError for non-UTF-8 bytes, non-text, empty or blank text."""
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise InputError(f"The text is not valid UTF-8 (bad byte at position {err.start}); "
-                             "save it as UTF-8 or paste it as plain text.") from None
-    if not isinstance(text, str):
-        raise InputError(f"Expected text (str or UTF-8 bytes), got {type(text).__name__}.")
-    if not text.strip():
-        raise InputError("The text is empty; paste some text or use the built-in evaluation text.")
-    return text
+    """User text -> clean str (text.clean_user_text): InputError for non-UTF-8 bytes or blank text."""
+    return clean_user_text(text)
 
 
 def default_text() -> str:
     """The built-in evaluation text (held-out Wikipedia paragraphs)."""
-    from .text import evaluation_text
     return evaluation_text()
 
 
 def token_ids(tokenizer, text: str | bytes, *, max_tokens: int | None = None,
               add_special_tokens: bool = True, min_tokens: int = 2) -> torch.Tensor:
-    """Tokenize user text -> ids [N] (the first `max_tokens` tokens). InputError if N < min_tokens."""
+    """Tokenize user text -> ids [N] (the first `max_tokens` tokens). InputError if N < min_tokens.
+
+    With special tokens this is `text.tokenize`; without (for re-chunking with specials per
+    chunk) the same growing-prefix idea, so a long text is never tokenized whole."""
     text = as_text(text)
-    if max_tokens is not None and max_tokens < min_tokens:
-        raise InputError(f"max_tokens = {max_tokens} is too small; use at least {min_tokens}.")
-    cut = text if max_tokens is None else text[: max(64, 24 * max_tokens)]  # avoid tokenizing a whole corpus
-    ids = tokenizer(cut, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
-    if max_tokens is not None and len(ids) < max_tokens and len(cut) < len(text):
-        ids = tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
-    ids = torch.as_tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)  # [N]
+    if add_special_tokens:
+        ids = tokenize(tokenizer, text, max_tokens)[0]                  # [N]
+    else:
+        chars = len(text) if max_tokens is None else 8 * max_tokens + 256
+        while True:
+            ids = tokenizer(text[:chars], add_special_tokens=False, verbose=False)["input_ids"]
+            if max_tokens is None or chars >= len(text) or len(ids) >= max_tokens + 32:
+                break
+            chars *= 2
+        ids = torch.as_tensor(ids[:max_tokens], dtype=torch.long)        # [N]
     if ids.numel() < min_tokens:
-        raise InputError(f"The text gives {ids.numel()} token(s); evaluation needs at least {min_tokens}. "
-                         "Use a longer text.")
+        raise InputError(f"The text gives {ids.numel()} token(s); this evaluation needs at least "
+                         f"{min_tokens}. Use a longer text.")
     return ids
 
 
@@ -257,6 +254,30 @@ class MaskedChunk:
     positions: torch.Tensor  # [m] positions to mask and score (non-special)
 
 
+def special_template(tokenizer) -> tuple[list[int], list[int]]:
+    """The special ids a tokenizer puts before and after one sequence, e.g. ([CLS], [SEP]).
+
+    Learned from a probe word (tokenizers in transformers 5 no longer expose
+    build_inputs_with_special_tokens)."""
+    full = list(tokenizer("hello world", verbose=False)["input_ids"])
+    bare = list(tokenizer("hello world", add_special_tokens=False, verbose=False)["input_ids"])
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    return [], []
+
+
+def special_chunks(tokenizer, ids: torch.Tensor, window: int) -> list[MaskedChunk]:
+    """Split ids [N] into chunks of at most `window` tokens including the special tokens."""
+    prefix, suffix = special_template(tokenizer)
+    size = max(1, window - len(prefix) - len(suffix))
+    out = []
+    for r in _chunks(ids.numel(), size):
+        full = torch.as_tensor(prefix + ids[r.start:r.stop].tolist() + suffix, dtype=torch.long)  # [T]
+        out.append(MaskedChunk(full, torch.arange(len(prefix), len(prefix) + len(r))))
+    return out
+
+
 def _slice_output_hook(positions: torch.Tensor):
     """Forward hook for the base model: keep only row r's hidden state at positions[r]."""
     def hook(module, args, output):
@@ -284,16 +305,8 @@ class PseudoPerplexity:
         if tokenizer.mask_token_id is None:
             raise InputError("This tokenizer has no [MASK] token, so pseudo-perplexity is undefined.")
         ids = token_ids(tokenizer, text, max_tokens=max_tokens, add_special_tokens=False, min_tokens=2)  # [N]
-        n_special = len(tokenizer.build_inputs_with_special_tokens([]))
-        size = max(1, (self.window or DEFAULT_MLM_WINDOW) - n_special)
-        chunks = []
-        for r in _chunks(ids.numel(), size):
-            full = tokenizer.build_inputs_with_special_tokens(ids[r.start:r.stop].tolist())
-            special = tokenizer.get_special_tokens_mask(full, already_has_special_tokens=True)
-            positions = torch.tensor([i for i, s in enumerate(special) if not s], dtype=torch.long)  # [m]
-            chunks.append(MaskedChunk(torch.as_tensor(full, dtype=torch.long), positions))
         self.mask_token_id = tokenizer.mask_token_id
-        return chunks
+        return special_chunks(tokenizer, ids, self.window or DEFAULT_MLM_WINDOW)
 
     @torch.no_grad()
     def nll(self, model, chunks: Sequence[MaskedChunk], gates: torch.Tensor | None = None, *,
@@ -358,10 +371,7 @@ class EmbeddingFidelity:
 
     def prepare(self, tokenizer, text, max_tokens: int | None) -> list[torch.Tensor]:
         ids = token_ids(tokenizer, text, max_tokens=max_tokens, add_special_tokens=False, min_tokens=1)  # [N]
-        n_special = len(tokenizer.build_inputs_with_special_tokens([]))
-        size = max(1, (self.window or DEFAULT_MLM_WINDOW) - n_special)
-        return [torch.as_tensor(tokenizer.build_inputs_with_special_tokens(ids[r.start:r.stop].tolist()),
-                                dtype=torch.long) for r in _chunks(ids.numel(), size)]
+        return [c.ids for c in special_chunks(tokenizer, ids, self.window or DEFAULT_MLM_WINDOW)]
 
     @torch.no_grad()
     def embed(self, model, chunks: Sequence[torch.Tensor], gates: torch.Tensor | None = None, *,
@@ -382,7 +392,7 @@ class EmbeddingFidelity:
             b = 1 if g is None else g.shape[0]
             with _masked(model, g):
                 hidden = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1))[0]  # [b*k, T, D]
-            pooled = hidden.float().mean(1).reshape(b, len(idx), -1)   # [b, k, D]
+            pooled = mean_pool(hidden.float()).reshape(b, len(idx), -1)  # [b, k, D]
             for bi in range(b):
                 for ki, i in enumerate(idx):
                     out[mr.start + bi][i] = pooled[bi, ki]
