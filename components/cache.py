@@ -231,3 +231,38 @@ def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progres
     from analysis import ablation as ablation_mod
     return ablation_mod.head_ablation(load(name, trust), text, max_tokens=max_tokens, progress=_progress,
                                       should_stop=_should_stop)
+
+
+def view_mask(lm):
+    """The mask of the current view (scorer, z, sparsity; parameters and policy from the Prune page
+    when they were set there for this model and scorer, else the scorer's defaults).
+
+    Returns (head_scores, plan, params, policy), or None after showing why there is no mask."""
+    from analysis import masks
+    from . import controls
+    scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
+    cls = scorer_class(scorer)
+    if cls is None:
+        st.error(f"Unknown scorer {scorer!r}; pick one on the Prune page.")
+        return None
+    last = state.recall("mask") or {}
+    if last.get("model") == lm.name and last.get("scorer") == scorer:
+        params, policy = dict(last["params"]), dict(last["policy"])
+    else:
+        params = {k: v for k, v in controls.constructor_defaults(scorer).items() if k != "batch_size"}
+        policy = dict(policy="global")
+    if "z" in params:
+        params["z"] = z
+    key = params_key(params)
+    if cls.needs_calibration and state.recall(f"scored.{lm.name}.{scorer}") != key:
+        st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
+        return None
+    head_scores = cached_call(scores, lm.name, state.trust(), scorer, key, label=f"Scoring with {controls.label(scorer)}")
+    if head_scores is None:
+        return None
+    try:
+        plan = masks.plan_mask(head_scores, sparsity, group_size=lm.geometry.group_size, **policy)
+    except Exception as err:  # noqa: BLE001
+        show_exception(err, "Building the mask")
+        return None
+    return head_scores, plan, params, policy

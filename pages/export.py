@@ -1,9 +1,70 @@
-"""Export page (being built)."""
+"""Export page: download the current mask as JSON; export the pruned model (zeroed, physically
+pruned, stock-loadable, ONNX) into a folder under the output root. Exports work on a copy."""
+import os
+from pathlib import Path
+
 import streamlit as st
 
-from components import shell
+from components import cache, charts, controls, explain, shell, state
+from components.errors import shown_errors
 
 shell.ensure_app()
 
+OUTPUT_ROOT = Path(os.environ.get("HEADSCOPE_EXPORT_ROOT") or Path(__file__).resolve().parents[1] / "out" / "exports")
+FORMAT_HELP = {
+    "zeroed": "original shapes, pruned heads zeroed: loads anywhere, not smaller",
+    "pruned": "physically smaller, with head_layout.json (load with analysis.export.load_pruned)",
+    "stock": "physically smaller, loads with stock from_pretrained (needs the same head count in every layer: "
+             "use the uniform policy)",
+    "onnx": "model.onnx of the physically smaller model, for ONNX Runtime",
+}
+
 st.title("Export")
-st.info("This page is not available yet.")
+lm = cache.model_or_stop()
+g = lm.geometry
+explain.export()
+if cache.optional("scoring") is None or cache.optional("masks") is None:
+    cache.unavailable("Exporting a mask", "scoring" if cache.optional("scoring") is None else "masks")
+    st.stop()
+
+built = cache.view_mask(lm)
+if built is None:
+    st.stop()
+head_scores, plan, params, policy = built
+scorer, sparsity = state.get("scorer"), float(state.get("sparsity"))
+st.caption(f"Current mask: {controls.label(scorer)} with {params or 'no parameters'}, sparsity {sparsity:g}, "
+           f"policy {policy['policy']}: **{plan.n_pruned} of {g.n_total_heads} heads pruned**. Change it on the "
+           "Prune page.")
+st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
+                                    group_size=g.group_size), width="stretch", key="export.mask")
+
+export_mod = cache.optional("export")
+if export_mod is None:
+    cache.unavailable("Mask JSON and model export", "export")
+    st.stop()
+
+st.subheader("Mask JSON")
+with shown_errors("Writing the mask JSON"):
+    record = export_mod.mask_record(plan.pruned, geometry=g, model=lm.name, model_type=lm.adapter.model_type,
+                                    scores=head_scores, sparsity=sparsity, policy=policy["policy"])
+    st.download_button("Download mask.json", record.to_json(), file_name="mask.json", mime="application/json",
+                       key="export.mask_json")
+
+st.subheader("Pruned model")
+c1, c2 = st.columns([1, 2])
+fmt = c1.selectbox("Format", list(export_mod.FORMATS), format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
+                   key=state.widget_key("export.format", value=export_mod.FORMATS[0]))
+folder = c2.text_input(f"Folder inside {OUTPUT_ROOT}",
+                       key=state.widget_key("export.folder", value=f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{fmt}"))
+overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
+if st.button("Export", type="primary", key="export.run"):
+    state.forget("export.last")
+    with shown_errors("Exporting"):
+        with cache.progress_bar(f"Exporting ({fmt})") as report:
+            result = export_mod.export(fmt, lm.model, plan.pruned, OUTPUT_ROOT, folder, record=record,
+                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report)
+        state.remember("export.last", result)
+last = state.recall("export.last")
+if last is not None:
+    st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
+    st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
