@@ -1,0 +1,234 @@
+"""Model surgery: physically remove pruned heads from a copy of a model.
+
+`prune_heads(model, pruned)` deep-copies the model and, per layer, keeps only the Q rows and O
+columns of the kept query heads and the K/V rows of the KV heads they still use, so the copy has
+smaller projections and per-layer head counts and computes what the masked model computes
+(`analysis.masking.head_mask` with the same mask). The input model is never changed.
+
+GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):
+- a KV group whose query heads are all pruned loses its K/V rows;
+- if every kept group keeps the same number c of query heads, the layer keeps the group
+  structure (H' = c * H_kv' query heads, G' = c);
+- otherwise (uneven groups, e.g. 2 + 1) no group structure expresses the layer, so K/V are
+  expanded: one KV head per kept query head (a copy of its group's K/V rows), G' = 1. That
+  costs K/V parameters and KV-cache memory; `HeadLayout.kv_cache_report()` says how much.
+  kv_policy "expand" does this in every layer (uniform layers for a stock export), "strict"
+  refuses instead.
+- a layer with no heads left keeps only O's bias: its attention outputs exactly that bias.
+
+`HeadLayout` records, per layer, the kept original query heads and, for each new KV head, the
+original KV head it copies; it is saved as head_layout.json next to a pruned checkpoint and is
+all `apply_layout` needs to rebuild the smaller shapes on a freshly built model.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .adapters import Adapter, HeadWeights, adapter_for
+from .errors import InputError
+from .geometry import HeadGeometry
+
+KV_POLICIES = ("auto", "expand", "strict")
+LAYOUT_FORMAT = 1
+
+
+@dataclass
+class HeadLayout:
+    """Which heads a pruned model keeps. heads[l]: kept original query heads (ascending);
+    kv_heads[l]: for each KV head of the pruned layer, the original KV head it holds."""
+    model_type: str
+    n_heads: int                     # original H
+    n_kv_heads: int                  # original H_kv
+    head_dim: int                    # d (unchanged by pruning)
+    heads: list[list[int]]           # [L][H'_l]
+    kv_heads: list[list[int]]        # [L][H_kv'_l]
+    kv_policy: str = "auto"
+    format: int = field(default=LAYOUT_FORMAT)
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.heads)
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def layer_counts(self, layer: int) -> tuple[int, int]:
+        """(H'_l, H_kv'_l) of one pruned layer."""
+        return len(self.heads[layer]), len(self.kv_heads[layer])
+
+    def kv_expanded(self, layer: int) -> bool:
+        """True where the layer holds more KV heads than distinct original groups (copies)."""
+        return len(self.kv_heads[layer]) > len(set(self.kv_heads[layer]))
+
+    @property
+    def empty_layers(self) -> list[int]:
+        return [layer for layer, kept in enumerate(self.heads) if not kept]
+
+    @property
+    def is_identity(self) -> bool:
+        return all(self.layer_counts(layer) == (self.n_heads, self.n_kv_heads) for layer in range(self.n_layers))
+
+    def uniform_counts(self) -> tuple[int, int] | None:
+        """(H', H_kv') when every layer has the same non-zero counts, else None."""
+        counts = {self.layer_counts(layer) for layer in range(self.n_layers)}
+        if len(counts) != 1:
+            return None
+        (h, kv), = counts
+        return (h, kv) if h > 0 else None
+
+    def pruned_mask(self) -> np.ndarray:
+        """The boolean mask [L, H] (True = pruned) this layout keeps the complement of."""
+        pruned = np.ones((self.n_layers, self.n_heads), dtype=bool)   # [L, H]
+        for layer, kept in enumerate(self.heads):
+            pruned[layer, kept] = False
+        return pruned
+
+    def kv_cache_report(self) -> dict:
+        """KV heads per layer before/after and KV-cache elements per token (K and V, all layers)."""
+        before = [self.n_kv_heads] * self.n_layers
+        after = [len(kv) for kv in self.kv_heads]
+        per_token = lambda heads: 2 * sum(heads) * self.head_dim  # noqa: E731  K and V rows
+        return {"kv_heads_before": before, "kv_heads_after": after,
+                "expanded_layers": [layer for layer in range(self.n_layers) if self.kv_expanded(layer)],
+                "cache_values_per_token_before": per_token(before),
+                "cache_values_per_token_after": per_token(after),
+                "cache_ratio": per_token(after) / per_token(before)}
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HeadLayout":
+        """Rebuild and validate a layout (InputError naming what is wrong)."""
+        try:
+            layout = cls(model_type=str(data["model_type"]), n_heads=int(data["n_heads"]),
+                         n_kv_heads=int(data["n_kv_heads"]), head_dim=int(data["head_dim"]),
+                         heads=[[int(h) for h in row] for row in data["heads"]],
+                         kv_heads=[[int(g) for g in row] for row in data["kv_heads"]],
+                         kv_policy=str(data.get("kv_policy", "auto")), format=int(data.get("format", 1)))
+        except (KeyError, TypeError, ValueError) as err:
+            raise InputError(f"head_layout.json is incomplete or malformed ({err!r}); export the pruned "
+                             f"model again.") from err
+        layout.validate()
+        return layout
+
+    @classmethod
+    def from_json(cls, text: str) -> "HeadLayout":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InputError(f"head_layout.json is not valid JSON ({err}); export the pruned model again.") from err
+        return cls.from_dict(data)
+
+    def validate(self) -> None:
+        if self.format > LAYOUT_FORMAT:
+            raise InputError(f"head_layout.json has format {self.format}; this headscope reads up to "
+                             f"{LAYOUT_FORMAT}. Update headscope.")
+        if len(self.heads) != len(self.kv_heads) or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            raise InputError("head_layout.json: heads/kv_heads disagree with the head counts; export again.")
+        for layer, (heads, kv) in enumerate(zip(self.heads, self.kv_heads)):
+            ok = (heads == sorted(set(heads)) and all(0 <= h < self.n_heads for h in heads)
+                  and all(0 <= g < self.n_kv_heads for g in kv) and (not heads or len(heads) % len(kv) == 0)
+                  and (heads or not kv))
+            if ok and heads:
+                per_kv = len(heads) // len(kv)
+                ok = all(self._group(h) == kv[i // per_kv] for i, h in enumerate(heads))
+            if not ok:
+                raise InputError(f"head_layout.json: layer {layer} is inconsistent (heads {heads}, KV heads "
+                                 f"{kv}); export the pruned model again.")
+
+    def _group(self, head: int) -> int:
+        return head // self.group_size
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_mask(cls, pruned, geometry: HeadGeometry, model_type: str, kv_policy: str = "auto") -> "HeadLayout":
+        """The layout that keeps the complement of `pruned` [L, H] under `kv_policy`."""
+        if kv_policy not in KV_POLICIES:
+            raise InputError(f"Unknown KV policy {kv_policy!r}; choose one of {', '.join(KV_POLICIES)}.")
+        p = np.asarray(pruned, dtype=bool)
+        L, H, G = geometry.n_layers, geometry.n_heads, geometry.group_size
+        if p.shape != (L, H):
+            raise InputError(f"Mask must have shape [{L}, {H}] (layers x heads); got {list(p.shape)}.")
+        heads, kv_heads = [], []
+        for layer in range(L):
+            kept = [int(h) for h in np.flatnonzero(~p[layer])]
+            per_group = np.bincount([h // G for h in kept], minlength=geometry.n_kv_heads)   # [H_kv]
+            groups = [int(g) for g in np.flatnonzero(per_group)]
+            even = len(set(per_group[groups].tolist())) <= 1
+            if kv_policy == "strict" and not even:
+                raise InputError(f"Layer {layer} keeps an uneven number of query heads per KV group "
+                                 f"({per_group.tolist()}); the 'strict' KV policy refuses to expand K/V. "
+                                 f"Use kv_policy='auto' or change the mask.")
+            expand = G > 1 and kept and (kv_policy == "expand" or not even)
+            heads.append(kept)
+            kv_heads.append([h // G for h in kept] if expand else groups)
+        layout = cls(model_type=model_type, n_heads=H, n_kv_heads=geometry.n_kv_heads,
+                     head_dim=geometry.head_dim, heads=heads, kv_heads=kv_heads, kv_policy=kv_policy)
+        layout.validate()
+        return layout
+
+
+def select_heads(hw: HeadWeights, heads: list[int], kv_heads: list[int]) -> HeadWeights:
+    """The head-major weights of the kept heads: q/o rows `heads`, k/v rows `kv_heads` (repeats
+    allowed: an expanded KV head is a copy). Shapes [H', d, D], [H_kv', d, D], O's bias as is."""
+    q_idx = torch.as_tensor(heads, dtype=torch.long)          # [H']
+    kv_idx = torch.as_tensor(kv_heads, dtype=torch.long)      # [H_kv']
+    pick = lambda t, idx: None if t is None else t.index_select(0, idx).clone()  # noqa: E731
+    return HeadWeights(q=pick(hw.q, q_idx), k=pick(hw.k, kv_idx), v=pick(hw.v, kv_idx), o=pick(hw.o, q_idx),
+                       q_bias=pick(hw.q_bias, q_idx), k_bias=pick(hw.k_bias, kv_idx),
+                       v_bias=pick(hw.v_bias, kv_idx),
+                       o_bias=None if hw.o_bias is None else hw.o_bias.clone())
+
+
+def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | None = None) -> nn.Module:
+    """Reshape `model` IN PLACE to `layout`, keeping the selected heads' current weights.
+
+    On a model that still has the original shapes (a copy you own, or one freshly built from the
+    original config before loading a pruned checkpoint's weights). Returns `model`."""
+    adapter = adapter or adapter_for(model)
+    adapter.surgery_spec()                      # UnsupportedModelError before touching anything
+    geometry = adapter.geometry(model)
+    if (geometry.n_layers, geometry.n_heads, geometry.n_kv_heads, geometry.head_dim) != (
+            layout.n_layers, layout.n_heads, layout.n_kv_heads, layout.head_dim):
+        raise InputError(f"The head layout is for {layout.n_layers} layers x {layout.n_heads} heads "
+                         f"({layout.n_kv_heads} KV, head size {layout.head_dim}) but the model has "
+                         f"{geometry.n_layers} x {geometry.n_heads} ({geometry.n_kv_heads} KV, "
+                         f"{geometry.head_dim}). Use the config saved with the pruned checkpoint.")
+    for layer in range(layout.n_layers):
+        n_heads, n_kv = layout.layer_counts(layer)
+        if (n_heads, n_kv) == (geometry.n_heads, geometry.n_kv_heads):
+            continue                            # nothing removed or copied in this layer
+        hw = select_heads(adapter.read_heads(model, layer, geometry), layout.heads[layer], layout.kv_heads[layer])
+        adapter.replace_projections(model, layer, hw, n_heads, n_kv)
+        if n_heads == 0:
+            adapter.empty_attention(model, layer, geometry.head_dim)
+        else:
+            adapter.set_head_inputs(model, layer, layout.heads[layer], geometry.n_heads, geometry.head_dim)
+    return model
+
+
+def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,
+                kv_policy: str = "auto") -> tuple[nn.Module, HeadLayout]:
+    """A physically smaller deep copy of `model` without the heads where pruned [L, H] is True.
+
+    The copy computes what `head_mask(model, 1 - pruned)` computes; `model` is not changed.
+    Returns (pruned_model, layout)."""
+    adapter = adapter or adapter_for(model)
+    adapter.surgery_spec()
+    geometry = adapter.geometry(model)
+    layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
+    twin = copy.deepcopy(model)
+    return apply_layout(twin, layout, adapter=adapter), layout
