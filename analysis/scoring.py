@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from analysis.ablation import FastAblation, head_ablation
 from analysis.adapters import Adapter, HeadWeights, adapter_for
 from analysis.errors import CancelledError, InputError, UnsupportedModelError
 from analysis.geometry import HeadGeometry
@@ -424,24 +425,57 @@ def _grid(target) -> tuple[int, int]:
 
 
 class AblationOracle(Scorer):
-    """The real loss increase when each head alone is removed, precomputed by the ablation sweep."""
+    """The real loss increase when each head alone is removed (analysis.ablation's sweep).
+
+    Either wraps a precomputed [L, H] loss-increase array (`loss_increase`, e.g. from the
+    Heads page's sweep), or runs the sweep on the calibration split: the fast single-head
+    sweep on calibration ids for causal LMs, the batched-mask sweep of `head_ablation` for
+    masked LMs and encoders. Forward passes are counted as masked full passes, one per
+    removed head plus the dense one, per calibration sequence (the fast sweep shares prefixes
+    and does less work than that).
+    """
 
     name = "ablation"
+    needs_calibration = True
 
-    def __init__(self, loss_increase):
-        self.loss_increase = np.asarray(loss_increase, dtype=np.float64)  # [L, H]
-        if self.loss_increase.ndim != 2 or not np.isfinite(self.loss_increase).all():
-            raise InputError("The ablation oracle needs a finite [layers, heads] array of loss increases "
-                             "(run the ablation sweep first).")
+    def __init__(self, loss_increase=None, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 16):
+        self.calibration = CalibrationScorer(n_sequences, seq_len, batch_size)
+        self.loss_increase = None
+        if loss_increase is not None:
+            self.loss_increase = np.asarray(loss_increase, dtype=np.float64)  # [L, H]
+            if self.loss_increase.ndim != 2 or not np.isfinite(self.loss_increase).all():
+                raise InputError("The ablation oracle needs a finite [layers, heads] array of loss increases "
+                                 "(run the ablation sweep first).")
 
     def params(self) -> dict:
-        return {}
+        return {"precomputed": True} if self.loss_increase is not None else self.calibration.params()
 
     def _compute(self, target, calibration, cost, progress, should_stop):
+        if self.loss_increase is None:
+            return self._sweep(as_subject(target), calibration, cost, progress, should_stop), None
         if target is not None and _grid(target) != self.loss_increase.shape:
             raise InputError(f"The ablation sweep has shape {self.loss_increase.shape} but the model has "
                              f"{_grid(target)} heads; rerun the sweep on this model.")
         return self.loss_increase.copy(), None
+
+    def _sweep(self, subject, calibration, cost, progress, should_stop) -> np.ndarray:
+        cal = self.calibration
+        if subject.kind == "causal-lm":
+            ids = cal._calibration(subject, calibration, cost)
+            result = FastAblation(cal.batch_size, groups=False).sweep(
+                subject.model, ids, progress=progress, should_stop=should_stop)
+        else:
+            if subject.tokenizer is None:
+                raise InputError("The ablation sweep of a non-causal model needs its tokenizer; pass the "
+                                 "LoadedModel from load_model(...).")
+            need = cal.n_sequences * cal.seq_len
+            result = head_ablation(subject, calibration_text(max_chars=need * 12), max_tokens=need,
+                                   seq_len=cal.seq_len, groups=False, batch_size=cal.batch_size,
+                                   progress=progress, should_stop=should_stop)
+            cost.calibration_tokens = int(result.n_tokens)
+        n_seq = max(1, cost.calibration_sequences or cal.n_sequences)
+        cost.forward_passes = n_seq * (1 + subject.geometry.n_total_heads)
+        return np.asarray(result.head_delta, dtype=np.float64)  # [L, H]
 
 
 # ---------------------------------------------------------------------------------------------

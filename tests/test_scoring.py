@@ -122,6 +122,18 @@ def test_ablation_oracle_passes_the_sweep_through():
         AblationOracle(np.array([[np.nan, 1.0]]))
 
 
+def test_ablation_oracle_runs_the_sweep_on_calibration():
+    model, ids = tiny_model("llama"), tiny_input_ids(3, 10)
+    s = AblationOracle().score(model, calibration=ids)
+    dense = _loss(model, ids)
+    for layer in range(2):
+        for h in range(4):
+            gates = torch.ones(2, 4)
+            gates[layer, h] = 0.0
+            assert s.scores[layer, h] == pytest.approx(_loss(model, ids, gates) - dense, abs=2e-6)
+    assert s.params == dict(n_sequences=8, seq_len=128) and s.cost.forward_passes == 3 * 9
+
+
 def test_head_scores_validation():
     with pytest.raises(InputError):
         HeadScores("x", np.ones(3))
