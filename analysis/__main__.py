@@ -1,0 +1,8 @@
+"""`python -m analysis ...`: the headless CLI (see analysis/cli.py)."""
+
+import sys
+
+from analysis.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Headless command line: `python -m analysis <command> ...` with JSON or CSV output.
+
+Commands built in here:
+    score   scores of one scorer for every head           (JSON: metadata + [L, H] scores; CSV: layer,head,score)
+    mask    the mask at a sparsity, with its summary      (CSV: layer,head,score,rank,pruned)
+    sweep   MP / MP-G metric vs z at a fixed sparsity     (CSV: one row per z)
+
+Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
+model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
+the model (weight-only scorers only: mp, mp-g, magnitude, random).
+
+Other modules add commands (evaluate, export, ...) without editing this file: each module
+listed in PLUGIN_MODULES that defines `register_cli(register)` is imported and called with
+`register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where payload
+is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
+
+Progress bars go to stderr (tqdm), results to stdout or --out; user errors print one line
+and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import inspect
+import io
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from analysis.errors import HeadscopeError, InputError
+from analysis.masks import POLICIES, plan_mask, summarize_mask
+from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
+
+PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export")
+WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
+
+# command-line option (dest) -> scorer constructor parameter
+SCORER_OPTIONS = {
+    "z": "z", "scope": "scope", "ord": "ord", "a_q": "a_q", "a_kv": "a_kv", "seed": "seed",
+    "n_sequences": "n_sequences", "seq_len": "seq_len", "batch_size": "batch_size",
+    "n_steps": "n_steps", "damping": "damping",
+}
+
+Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Runner
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Runner) -> None:
+    """Add a subcommand (used by this module and by plugins' `register_cli`)."""
+    COMMANDS[name] = Command(name, help, add_arguments, run)
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress and output
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[float, str], None]]:
+    """A progress(fraction, message) callback drawing a tqdm bar on stderr; closed in finally."""
+    bar = tqdm(total=1000, desc=description, file=sys.stderr, disable=not enabled, leave=False,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+
+    def report(fraction: float, message: str) -> None:
+        bar.n = int(1000 * min(max(fraction, 0.0), 1.0))
+        bar.set_postfix_str(message[:60], refresh=False)
+        bar.refresh()
+
+    try:
+        yield report
+    finally:
+        bar.close()
+
+
+def to_jsonable(value):
+    """numpy / nested containers -> plain JSON types."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def render(payload, rows: list | None, fmt: str) -> str:
+    """JSON of the payload, or CSV of the rows."""
+    if fmt == "json":
+        return json.dumps(to_jsonable(payload), indent=2) + "\n"
+    if not rows:
+        raise InputError("This command has no table to write as CSV; use --format json.")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(to_jsonable(rows))
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared options and sources
+# ---------------------------------------------------------------------------------------------
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, streaming: bool = True) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--model", default=None,
+                       help="built-in name (smollm2-135m, minilm-l6), local folder or cached hub id "
+                            "(default: smollm2-135m)")
+    if streaming:
+        group.add_argument("--checkpoint", default=None,
+                           help="safetensors checkpoint folder to profile by streaming (weight-only scorers)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code")
+    parser.add_argument("--cache-dir", default=None, help="headscope cache folder for built-ins")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("json", "csv"), default="json")
+    parser.add_argument("--out", default=None, help="write here instead of stdout")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str = "mp-g") -> None:
+    from analysis.scoring import SCORERS
+
+    parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default)
+    parser.add_argument("--z", type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")
+    parser.add_argument("--scope", choices=SCOPES, default="layer", help="threshold population")
+    parser.add_argument("--ord", type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")
+    parser.add_argument("--a-q", dest="a_q", type=float, default=None, help="MP-G weight of Q/O excess")
+    parser.add_argument("--a-kv", dest="a_kv", type=float, default=None, help="MP-G weight of K/V excess")
+    parser.add_argument("--seed", type=int, default=None, help="random scorer seed")
+    parser.add_argument("--n-sequences", dest="n_sequences", type=int, default=None,
+                        help="calibration sequences (calibration scorers)")
+    parser.add_argument("--seq-len", dest="seq_len", type=int, default=None, help="calibration sequence length")
+    parser.add_argument("--batch-size", dest="batch_size", type=int, default=None)
+    parser.add_argument("--n-steps", dest="n_steps", type=int, default=None, help="integrated-gradient steps")
+    parser.add_argument("--damping", type=float, default=None, help="SparseGPT damping fraction")
+    parser.add_argument("--ablation-file", default=None,
+                        help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
+
+
+def scorer_from(ns: argparse.Namespace):
+    """Build the chosen scorer from the options its constructor accepts."""
+    from analysis.scoring import SCORERS
+
+    cls = SCORERS[ns.scorer]
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {param: getattr(ns, option) for option, param in SCORER_OPTIONS.items()
+              if param in accepted and getattr(ns, option, None) is not None}
+    if ns.scorer == "ablation" and getattr(ns, "ablation_file", None):
+        kwargs["loss_increase"] = read_array(ns.ablation_file)
+    return cls(**kwargs)
+
+
+def read_array(path: str) -> np.ndarray:
+    """A [L, H] array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    try:
+        if path.endswith(".npy"):
+            return np.load(path)
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as err:
+        raise InputError(f"Could not read {path}: {err}. Give a .npy file or a JSON list of lists.") from err
+    return np.asarray(data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data, dtype=float)
+
+
+def load_source(ns: argparse.Namespace, report):
+    """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint."""
+    if getattr(ns, "checkpoint", None):
+        from analysis.adapters import adapter_for
+        from analysis.streaming import checkpoint_folder, load_config, profile_checkpoint
+
+        config = load_config(checkpoint_folder(ns.checkpoint))
+        geometry = adapter_for(config).geometry(config)
+        profile = profile_checkpoint(ns.checkpoint, progress=report)
+        return profile, None, dict(source=ns.checkpoint, **geometry.as_dict())
+    from analysis.models import DEFAULT_MODEL, load_model
+
+    loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
+                        cache_dir=ns.cache_dir, progress=report)
+    return loaded, loaded, dict(source=loaded.name, kind=loaded.kind, **loaded.geometry.as_dict())
+
+
+def compute_scores(ns: argparse.Namespace):
+    """(HeadScores, LoadedModel | None, info) for the score / mask commands."""
+    if getattr(ns, "checkpoint", None) and ns.scorer not in WEIGHT_ONLY:
+        raise InputError(f"--checkpoint streams weights only; the {ns.scorer!r} scorer needs the model. "
+                         f"Use one of {', '.join(WEIGHT_ONLY)}, or --model to load it.")
+    scorer = scorer_from(ns)
+    with progress_bar("loading", not ns.quiet) as report:
+        target, loaded, info = load_source(ns, report)
+    if scorer.needs_calibration or loaded is None:
+        score_target = target
+    else:
+        from analysis.profiles import profile_model
+
+        score_target = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
+    with progress_bar(f"scoring ({ns.scorer})", not ns.quiet) as report:
+        scores = scorer.score(score_target, progress=report)
+    return scores, loaded, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in commands
+# ---------------------------------------------------------------------------------------------
+
+
+def _score_arguments(parser):
+    add_source_arguments(parser)
+    add_scorer_arguments(parser)
+    add_output_arguments(parser)
+
+
+def run_score(ns):
+    scores, _, info = compute_scores(ns)
+    rows = [dict(layer=layer, head=head, score=float(scores.scores[layer, head]))
+            for layer in range(scores.scores.shape[0]) for head in range(scores.scores.shape[1])]
+    return dict(model=info, **scores.as_dict()), rows
+
+
+def _mask_arguments(parser):
+    _score_arguments(parser)
+    parser.add_argument("--sparsity", type=float, required=True, help="fraction of heads to prune, in [0, 1)")
+    parser.add_argument("--policy", choices=POLICIES, default="global")
+    parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
+    parser.add_argument("--flops-seq-len", dest="flops_seq_len", type=int, default=512,
+                        help="sequence length for the attention FLOP count")
+
+
+def run_mask(ns):
+    scores, loaded, info = compute_scores(ns)
+    plan = plan_mask(scores, ns.sparsity, group_size=info["group_size"], policy=ns.policy, min_per_layer=ns.min_per_layer)
+    bias = loaded is not None and loaded.adapter.read_heads(loaded.model, 0).q_bias is not None  # unknown when streamed
+    summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
+                             seq_len=ns.flops_seq_len, bias=bias)
+    rank = np.empty(plan.order.size, dtype=int)  # [L*H]
+    rank[plan.order] = np.arange(plan.order.size)
+    H = plan.pruned.shape[1]
+    rows = [dict(layer=flat // H, head=flat % H, score=float(scores.scores.flat[flat]), rank=int(rank[flat]),
+                 pruned=bool(plan.pruned.flat[flat])) for flat in range(plan.order.size)]
+    payload = dict(model=info, scorer=scores.name, params=scores.params, cost=scores.cost.as_dict(),
+                   sparsity=ns.sparsity, policy=ns.policy, summary=summary.as_dict(),
+                   pruned=plan.pruned.astype(int), kv_pruned=plan.kv_pruned.astype(int))
+    return payload, rows
+
+
+def _sweep_arguments(parser):
+    add_source_arguments(parser, streaming=False)
+    parser.add_argument("--scorer", choices=("mp", "mp-g"), default="mp-g")
+    parser.add_argument("--scope", choices=SCOPES, default="layer")
+    parser.add_argument("--ord", type=int, choices=ORDS, default=2)
+    parser.add_argument("--a-q", dest="a_q", type=float, default=1.0)
+    parser.add_argument("--a-kv", dest="a_kv", type=float, default=1.0)
+    parser.add_argument("--sparsity", type=float, required=True)
+    parser.add_argument("--z-values", dest="z_values", default=None,
+                        help="comma-separated z values (default 0.5, 0.75, ..., 3.0)")
+    parser.add_argument("--policy", choices=POLICIES, default="global")
+    parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
+    parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=512,
+                        help="tokens of each split to evaluate")
+    parser.add_argument("--evaluate-all", dest="evaluate_all", action="store_true",
+                        help="evaluation split for every z, not only the suggested one")
+    add_output_arguments(parser)
+
+
+def parse_floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--z-values must be comma-separated numbers, e.g. 1.5,2,2.5; got {text!r}.") from None
+
+
+def run_sweep(ns):
+    from analysis.profiles import profile_model
+    from analysis.sweep import split_evaluators, sweep_z
+
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    profile = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
+    calibration, evaluation, metric, higher = split_evaluators(loaded, max_tokens=ns.max_tokens)
+    zs = parse_floats(ns.z_values) if ns.z_values else None
+    with progress_bar("z sweep", not ns.quiet) as report:
+        result = sweep_z(profile, ns.sparsity, calibration, evaluation, zs=zs, scorer=ns.scorer,
+                         scope=ns.scope, ord=ns.ord, a_q=ns.a_q, a_kv=ns.a_kv, policy=ns.policy,
+                         min_per_layer=ns.min_per_layer, metric=metric, higher_is_better=higher,
+                         evaluate_all=ns.evaluate_all, progress=report)
+    return dict(model=info, scorer=ns.scorer, **result.as_dict()), result.rows()
+
+
+register("score", "score every head with one scorer", _score_arguments, run_score)
+register("mask", "the pruning mask at a sparsity, with its summary", _mask_arguments, run_mask)
+register("sweep", "MP / MP-G metric vs z at a fixed sparsity", _sweep_arguments, run_sweep)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def load_plugins() -> None:
+    """Let other modules add subcommands through `register_cli(register)`."""
+    for module_name in PLUGIN_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        hook = getattr(module, "register_cli", None)
+        if callable(hook):
+            hook(register)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    load_plugins()
+    parser = argparse.ArgumentParser(prog="python -m analysis",
+                                     description="headscope: score, mask and sweep attention heads headlessly.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS.values():
+        command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        payload, rows = COMMANDS[ns.command].run(ns)
+        text = render(payload, rows, getattr(ns, "format", "json"))
+        if getattr(ns, "out", None):
+            with open(ns.out, "w") as handle:
+                handle.write(text)
+        else:
+            sys.stdout.write(text)
+    except HeadscopeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,137 @@
+"""Headless CLI: score / mask / sweep on a streamed tiny checkpoint and on SmolLM2, JSON and CSV
+output equal to the library's numbers, one-line errors with exit status 2, plugin commands."""
+
+import csv
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis import cli
+from analysis.masks import plan_mask
+from analysis.profiles import profile_model
+from analysis.scoring import MPGScorer
+from tests._tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", num_hidden_layers=3)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def _run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_score_json_equals_library(checkpoint, capsys):
+    folder, model = checkpoint
+    code, out, _ = _run(capsys, "score", "--checkpoint", folder, "--scorer", "mp-g", "--z", "1.5", "--quiet")
+    assert code == 0
+    data = json.loads(out)
+    expected = MPGScorer(z=1.5).score(profile_model(model))
+    np.testing.assert_allclose(data["scores"], expected.scores, rtol=1e-12)
+    assert data["name"] == "mp-g" and data["params"]["z"] == 1.5
+    assert data["zero_score_heads"] == expected.zero_count
+    assert data["model"]["n_layers"] == 3 and data["model"]["group_size"] == 2
+
+
+def test_score_csv(checkpoint, capsys, tmp_path):
+    folder, model = checkpoint
+    target = tmp_path / "scores.csv"
+    code, out, _ = _run(capsys, "score", "--checkpoint", folder, "--scorer", "magnitude", "--format", "csv",
+                        "--out", target, "--quiet")
+    assert code == 0 and out == ""
+    rows = list(csv.DictReader(io.StringIO(target.read_text())))
+    assert len(rows) == 3 * 4 and list(rows[0]) == ["layer", "head", "score"]
+    assert {(int(r["layer"]), int(r["head"])) for r in rows} == {(l, h) for l in range(3) for h in range(4)}
+
+
+def test_mask_matches_plan_mask(checkpoint, capsys):
+    folder, model = checkpoint
+    code, out, _ = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.5", "--z", "1.0", "--quiet")
+    assert code == 0
+    data = json.loads(out)
+    plan = plan_mask(MPGScorer(z=1.0).score(profile_model(model)), 0.5, group_size=2)
+    assert np.array_equal(np.array(data["pruned"], dtype=bool), plan.pruned)
+    assert data["summary"]["n_pruned"] == math.floor(0.5 * 12)
+    assert data["summary"]["kv_heads_removed"] == int(plan.kv_pruned.sum())
+
+
+def test_mask_csv_ranks_and_policy(checkpoint, capsys):
+    folder, _ = checkpoint
+    code, out, _ = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.5", "--policy", "uniform",
+                        "--format", "csv", "--quiet")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and sorted(int(r["rank"]) for r in rows) == list(range(12))
+    per_layer = [sum(r["pruned"] == "True" for r in rows if int(r["layer"]) == l) for l in range(3)]
+    assert per_layer == [2, 2, 2]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["score", "--scorer", "wanda"], "streams weights only"),
+    (["mask", "--sparsity", "1.0"], "every head"),
+    (["mask", "--sparsity", "-0.2"], "Sparsity"),
+    (["score", "--z", "-1"], "negative"),
+    (["score", "--z", "nan"], "finite"),
+])
+def test_user_errors_are_one_line_and_exit_2(checkpoint, capsys, argv, message):
+    folder, _ = checkpoint
+    code, out, err = _run(capsys, *argv, "--checkpoint", folder, "--quiet")
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_missing_checkpoint_is_a_user_error(capsys, tmp_path):
+    code, _, err = _run(capsys, "score", "--checkpoint", tmp_path / "absent", "--quiet")
+    assert code == 2 and "checkpoint folder" in err
+
+
+def test_plugins_can_register_commands(capsys):
+    def add(parser):
+        parser.add_argument("--word", default="hi")
+        parser.add_argument("--format", default="json")
+
+    cli.register("echo-test", "test command", add, lambda ns: ({"word": ns.word}, [{"word": ns.word}]))
+    try:
+        code, out, _ = _run(capsys, "echo-test", "--word", "yo")
+        assert code == 0 and json.loads(out) == {"word": "yo"}
+    finally:
+        cli.COMMANDS.pop("echo-test")
+
+
+@pytest.mark.slow
+def test_module_entry_point_with_progress_on_stderr(checkpoint):
+    folder, _ = checkpoint
+    proc = subprocess.run([sys.executable, "-m", "analysis", "score", "--checkpoint", str(folder), "--format",
+                           "csv"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "layer,head,score" and len(proc.stdout.splitlines()) == 13
+    assert "%" in proc.stderr  # the tqdm bar
+
+
+@pytest.mark.slow
+def test_mask_and_sweep_on_smollm2(capsys, builtin_cache_dir):
+    code, out, err = _run(capsys, "mask", "--cache-dir", builtin_cache_dir, "--sparsity", "0.25", "--quiet")
+    assert code == 0, err
+    summary = json.loads(out)["summary"]
+    assert summary["n_pruned"] == math.floor(0.25 * 270) and summary["kv_heads"] == 90
+    code, out, err = _run(capsys, "sweep", "--cache-dir", builtin_cache_dir, "--sparsity", "0.125",
+                          "--z-values", "1.5,2.5", "--max-tokens", "64", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [r["z"] for r in data["rows"]] == [1.5, 2.5]
+    assert data["suggested_z"] in (1.5, 2.5) and data["suggested_evaluation"] > 1
+    best = min(data["rows"], key=lambda r: r["calibration"])
+    assert best["calibration"] == min(r["calibration"] for r in data["rows"])
