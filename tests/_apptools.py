@@ -124,3 +124,37 @@ def metric(at, label: str) -> str:
         if m.label == label:
             return m.value
     raise AssertionError(f"no metric {label!r}; have {[m.label for m in at.get('metric')]}")
+
+
+# -- pytest fixtures (import them into a test module to use them) ------------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama (4 layers x 4 heads, 2 KV heads, d = 8) with a tokenizer."""
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(autouse=False)
+def fresh_caches():
+    """st.cache_data / st.cache_resource outlive a test: clear them before and after."""
+    import streamlit as st
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    yield
+    st.cache_data.clear()
+    st.cache_resource.clear()
+
+
+@pytest.fixture
+def smollm2_app(smollm2, builtin_cache_dir, monkeypatch):
+    """Point the app's model cache at the test session's converted SmolLM2 (converted once)."""
+    monkeypatch.setenv("HEADSCOPE_CACHE", str(builtin_cache_dir))
+    return "smollm2-135m"
+
+
+def no_exception(at) -> None:
+    """The page shows no uncaught exception (Streamlit's traceback element)."""
+    assert not at.exception, [e.value for e in at.exception]

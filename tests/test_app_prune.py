@@ -1,0 +1,134 @@
+"""Prune page: the mask heatmap prunes exactly floor(s*L*H) heads, the lowest-scored ones, and the
+page's counts agree with it; z and sparsity moves never re-read the weights; the perplexity check
+evaluates exactly the mask that is shown; calibration scorers run on request; bad text is refused."""
+import math
+
+import numpy as np
+import pytest
+
+from tests._apptools import (figure_titled, fresh_caches, heatmap_z, metric, new_app, no_exception,  # noqa: F401
+                             smollm2_app, tiny_dir)
+
+pytestmark = pytest.mark.usefixtures("fresh_caches")
+
+
+def _mask_and_scores(at):
+    fig = figure_titled(at, "heads pruned")
+    trace = fig["data"][0]
+    return np.asarray(trace["z"]).astype(bool), np.asarray(trace["customdata"], dtype=float), fig
+
+
+def _check_mask(at, sparsity, n_heads):
+    pruned, scores, fig = _mask_and_scores(at)
+    k = math.floor(sparsity * n_heads + 1e-9)
+    assert pruned.size == n_heads and int(pruned.sum()) == k
+    assert metric(at, "Pruned heads") == f"{k} / {n_heads}"
+    assert fig["layout"]["title"]["text"].startswith(f"{k} of {n_heads} heads pruned")
+    if 0 < k < n_heads:
+        assert scores[pruned].max() <= scores[~pruned].min()   # the lowest-scored heads went first
+    return pruned, scores
+
+
+@pytest.mark.parametrize("scorer", ["mp", "mp-g", "magnitude", "random"])
+def test_sparsity_slider_prunes_floor_s_LH_heads(tiny_dir, scorer):
+    at = new_app(tiny_dir, page="prune", scorer=scorer)
+    for s in (0.0, 0.3, 0.55, 0.95):
+        at.slider(key="hs.w.sparsity").set_value(s).run()
+        no_exception(at)
+        _check_mask(at, s, 16)
+
+
+def test_zero_score_count_and_per_layer_counts(tiny_dir):
+    at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.5")
+    for z in (0.0, 1.0, 3.0):
+        at.slider(key="hs.w.z").set_value(z).run()
+        pruned, scores = _check_mask(at, 0.5, 16)
+        assert int(metric(at, f"Heads with score 0 at z = {z:g}")) == int((scores == 0).sum())
+        per_layer = np.asarray(figure_titled(at, "Pruned heads per layer")["data"][0]["y"], dtype=float)
+        np.testing.assert_array_equal(per_layer, pruned.sum(axis=1))
+    # a high z leaves more heads in the bulk than a low z
+    assert int(metric(at, "Heads with score 0 at z = 3")) >= 1
+
+
+def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
+    from analysis import adapters, profiles
+    calls = {"n": 0}
+    real_read = adapters.Adapter.read_heads
+    real_profile = profiles.profile_model
+
+    def counting_read(self, *args, **kwargs):
+        calls["n"] += 1
+        return real_read(self, *args, **kwargs)
+
+    profile_calls = []
+    monkeypatch.setattr(adapters.Adapter, "read_heads", counting_read)
+    monkeypatch.setattr(profiles, "profile_model", lambda *a, **k: profile_calls.append(1) or real_profile(*a, **k))
+    at = new_app(tiny_dir, page="prune", scorer="mp-g")
+    after_first = calls["n"]
+    assert len(profile_calls) == 1
+    masks = set()
+    for z, s in ((0.5, 0.3), (0.5, 0.6), (2.5, 0.6), (1.0, 0.1)):
+        at.slider(key="hs.w.z").set_value(z).run()
+        at.slider(key="hs.w.sparsity").set_value(s).run()
+        no_exception(at)
+        masks.add(_mask_and_scores(at)[0].tobytes())
+    assert calls["n"] == after_first and len(profile_calls) == 1
+    assert len(masks) > 1
+
+
+def test_perplexity_check_evaluates_the_shown_mask(tiny_dir):
+    from analysis.evaluation import evaluate
+    from analysis.models import load_model
+    at = new_app(tiny_dir, page="prune", sparsity="0.5")
+    at.number_input(key="hs.w.prune.max_tokens").set_value(64).run()
+    at.button(key="prune.check").click().run()
+    no_exception(at)
+    pruned, _, _ = _mask_and_scores(at)
+    expected = evaluate(load_model(str(tiny_dir)), None, pruned=np.stack([np.zeros_like(pruned), pruned]),
+                        max_tokens=64).values
+    assert float(metric(at, "Dense perplexity")) == pytest.approx(expected[0], rel=1e-3)
+    assert float(metric(at, "Masked perplexity")) == pytest.approx(expected[1], rel=1e-3)
+    assert any("CC BY-SA 4.0" in c.value for c in at.caption)  # the built-in text is attributed
+
+
+def test_empty_own_text_is_refused_with_a_fix(tiny_dir):
+    at = new_app(tiny_dir, page="prune")
+    at.radio(key="hs.w.prune.text_source").set_value("own").run()
+    no_exception(at)
+    assert any("text is empty" in e.value and "Paste" in e.value for e in at.error)
+
+
+def test_z_sweep_chart(tiny_dir):
+    at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.5")
+    at.number_input(key="hs.w.prune.sweep_tokens").set_value(64).run()
+    at.button(key="prune.sweep").click().run()
+    no_exception(at)
+    fig = figure_titled(at, "vs z at sparsity 0.5")
+    zs = np.asarray(fig["data"][0]["x"], dtype=float)
+    assert zs.size > 3 and np.all(np.diff(zs) > 0)
+    suggested = float(fig["layout"]["title"]["text"].split("suggested z = ")[1].rstrip(")"))
+    at.button(key="prune.use_z").click().run()
+    assert at.slider(key="hs.w.z").value == pytest.approx(suggested)
+    assert float(at.query_params["z"]) == pytest.approx(suggested)
+
+
+def test_calibration_scorer_runs_on_request(tiny_dir):
+    at = new_app(tiny_dir, page="prune", scorer="wanda", sparsity="0.25")
+    no_exception(at)
+    assert not at.get("plotly_chart")          # nothing is shown before the scores exist
+    at.number_input(key="hs.w.param.n_sequences").set_value(2).run()
+    at.number_input(key="hs.w.param.seq_len").set_value(16).run()
+    at.button(key="prune.compute").click().run()
+    no_exception(at)
+    _check_mask(at, 0.25, 16)
+    at.slider(key="hs.w.sparsity").set_value(0.5).run()   # cached: no button needed again
+    _check_mask(at, 0.5, 16)
+
+
+@pytest.mark.slow
+def test_smollm2_sparsity_slider(smollm2_app):
+    at = new_app(smollm2_app, page="prune", scorer="mp-g")
+    for s in (0.1, 0.37):
+        at.slider(key="hs.w.sparsity").set_value(s).run()
+        no_exception(at)
+        _check_mask(at, s, 270)
