@@ -362,13 +362,15 @@ def adapter_for(model_or_config) -> Adapter:
 # - what the attention block must return when a layer has lost every head (its forward cannot
 #   run: `view(..., -1, d)` of an empty tensor is ambiguous): the block is switched to a subclass
 #   whose forward returns exactly O's bias (plus the residual where the block adds it, Bloom),
-#   and still advances the KV cache by zero-head tensors so the cache length stays right;
+#   and still advances the KV cache by a one-value-per-token placeholder so the cache length
+#   that transformers reads from it stays right;
 # - inputs shaped per head that the layer receives from outside (Bloom's ALiBi bias
 #   [batch*H, 1, seq]), sliced to the kept heads by the same subclass;
 # - which config keys describe a uniform per-layer head structure to stock Hugging Face code.
 # =============================================================================================
 
-import inspect  # noqa: E402  (kept with the section that needs it)
+import inspect  # noqa: E402  (kept with the section that needs them)
+import warnings  # noqa: E402
 
 _QUANTITIES = ("heads", "kv_heads", "groups", "width")
 
@@ -485,7 +487,8 @@ def _shared_config(config):
 
 def _new_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
     """nn.Linear holding `weight` [out, in] and `bias` [out] (no random init)."""
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
         module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     module.weight = nn.Parameter(weight.contiguous())
     if bias is not None:
@@ -496,7 +499,8 @@ def _new_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
 def _new_conv1d(weight: Tensor, bias: Tensor | None) -> nn.Module:
     """GPT-2 Conv1D holding `weight` [in, out] and `bias` [out]."""
     from transformers.pytorch_utils import Conv1D
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
         module = Conv1D(weight.shape[1], weight.shape[0])
     module.weight = nn.Parameter(weight.contiguous())
     module.bias = nn.Parameter(bias.contiguous() if bias is not None else weight.new_zeros(weight.shape[1]))
@@ -567,8 +571,10 @@ def _surgery_forward(self, *args, **kwargs):
     lead = hidden.shape[:-1]
     cache = _argument(bound, state.spec.cache_arg)
     if cache is not None and hasattr(getattr(cache, "self_attention_cache", cache), "update"):
-        empty_kv = hidden.new_zeros(lead[0], 0, lead[1], state.head_dim)           # [B, 0, S, d]
-        getattr(cache, "self_attention_cache", cache).update(empty_kv, empty_kv, self.layer_idx)
+        # A placeholder of one value per token, never read: the cache still reports this layer's
+        # length (transformers reads it from layer 0's keys, and an empty tensor reports 0).
+        placeholder = hidden.new_zeros(lead[0], 1, lead[1], 1)                      # [B, 1, S, 1]
+        getattr(cache, "self_attention_cache", cache).update(placeholder, placeholder, self.layer_idx)
     if state.spec.empty_returns == "o_input":
         return hidden.new_zeros(*lead, 0), None                                    # [B, S, 0]
     o = _get(self, state.o_path)

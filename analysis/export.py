@@ -164,6 +164,10 @@ def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
         if isinstance(err, OSError):
             raise ExportError(f"Writing the export to {target} failed ({_os_reason(err)}); nothing was left "
                               f"behind. Check free disk space and permissions, then export again.") from err
+        if isinstance(err, Exception) and not isinstance(err, HeadscopeError):
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ExportError(f"The export to {target} failed halfway ({type(err).__name__}: {first}); nothing "
+                              f"was left behind. Export again; if it fails again, try another format.") from err
         raise
 
 

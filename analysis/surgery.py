@@ -14,7 +14,8 @@ GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):
   costs K/V parameters and KV-cache memory; `HeadLayout.kv_cache_report()` says how much.
   kv_policy "expand" does this in every layer (uniform layers for a stock export), "strict"
   refuses instead.
-- a layer with no heads left keeps only O's bias: its attention outputs exactly that bias.
+- a layer with no heads left keeps only O's bias: its attention outputs exactly that bias (and
+  caches a one-value placeholder per token so the KV cache's length stays right).
 
 `HeadLayout` records, per layer, the kept original query heads and, for each new KV head, the
 original KV head it copies; it is saved as head_layout.json next to a pruned checkpoint and is
@@ -92,15 +93,20 @@ class HeadLayout:
         return pruned
 
     def kv_cache_report(self) -> dict:
-        """KV heads per layer before/after and KV-cache elements per token (K and V, all layers)."""
+        """KV heads per layer before/after and KV-cache values per token (K and V, all layers).
+
+        An emptied layer caches a 1-value placeholder per token for K and for V (see
+        analysis/adapters.py), counted here."""
         before = [self.n_kv_heads] * self.n_layers
         after = [len(kv) for kv in self.kv_heads]
-        per_token = lambda heads: 2 * sum(heads) * self.head_dim  # noqa: E731  K and V rows
+        values_before = 2 * sum(before) * self.head_dim
+        values_after = 2 * sum(after) * self.head_dim + 2 * len(self.empty_layers)
         return {"kv_heads_before": before, "kv_heads_after": after,
                 "expanded_layers": [layer for layer in range(self.n_layers) if self.kv_expanded(layer)],
-                "cache_values_per_token_before": per_token(before),
-                "cache_values_per_token_after": per_token(after),
-                "cache_ratio": per_token(after) / per_token(before)}
+                "empty_layers": self.empty_layers,
+                "cache_values_per_token_before": values_before,
+                "cache_values_per_token_after": values_after,
+                "cache_ratio": values_after / values_before}
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
