@@ -158,3 +158,20 @@ def smollm2_app(smollm2, builtin_cache_dir, monkeypatch):
 def no_exception(at) -> None:
     """The page shows no uncaught exception (Streamlit's traceback element)."""
     assert not at.exception, [e.value for e in at.exception]
+
+
+@pytest.fixture
+def downloads(monkeypatch) -> dict:
+    """{file_name: bytes} of every st.download_button the app renders (captured as it is added)."""
+    from streamlit.runtime.media_file_manager import MediaFileManager
+    seen: dict = {}
+    real_add = MediaFileManager.add
+
+    def recording_add(self, path_or_data, mimetype, coordinates, file_name=None, is_for_static_download=False):
+        if file_name is not None:
+            data = path_or_data.encode() if isinstance(path_or_data, str) else bytes(path_or_data)
+            seen[file_name] = data
+        return real_add(self, path_or_data, mimetype, coordinates, file_name, is_for_static_download)
+
+    monkeypatch.setattr(MediaFileManager, "add", recording_add)
+    return seen

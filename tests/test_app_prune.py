@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests._apptools import (figure_titled, fresh_caches, heatmap_z, metric, new_app, no_exception,  # noqa: F401
+from tests._apptools import (downloads, figure_titled, fresh_caches, heatmap_z, metric, new_app, no_exception,  # noqa: F401
                              smollm2_app, tiny_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
@@ -132,3 +132,19 @@ def test_smollm2_sparsity_slider(smollm2_app):
         at.slider(key="hs.w.sparsity").set_value(s).run()
         no_exception(at)
         _check_mask(at, s, 270)
+
+
+def test_downloads_hold_the_shown_scores_and_mask(tiny_dir, downloads):
+    import json
+    at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.4")
+    no_exception(at)
+    pruned, scores, _ = _mask_and_scores(at)
+    rows = downloads["mp_scores.csv"].decode().strip().splitlines()
+    assert rows[0] == "layer,head,score,pruned" and len(rows) == 1 + 16
+    for row in rows[1:]:
+        layer, head, score, was_pruned = row.split(",")
+        assert float(score) == pytest.approx(scores[int(layer), int(head)], rel=1e-6)
+        assert bool(int(was_pruned)) == pruned[int(layer), int(head)]
+    data = json.loads(downloads["mp_scores.json"])
+    np.testing.assert_allclose(np.asarray(data["scores"]), scores, rtol=1e-9)
+    assert json.loads(downloads["mp_mask_summary.json"])["n_pruned"] == int(pruned.sum()) == 6

@@ -1,0 +1,75 @@
+"""Export page: mask.json describes exactly the shown mask and view; exports land inside the output
+folder, refuse unsafe or occupied targets with a fix, and never change the shared cached model."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests._apptools import downloads, figure_titled, fresh_caches, new_app, no_exception, tiny_dir  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh_caches")
+
+
+@pytest.fixture
+def out_root(tmp_path, monkeypatch):
+    root = tmp_path / "exports"
+    monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(root))
+    return root
+
+
+def _shown_mask(at):
+    return np.asarray(figure_titled(at, "heads pruned")["data"][0]["z"]).astype(bool)
+
+
+def test_mask_json_is_the_shown_mask(tiny_dir, out_root, downloads):
+    at = new_app(tiny_dir, page="export", scorer="mp-g", z="1.5", sparsity="0.5")
+    no_exception(at)
+    record = json.loads(downloads["mask.json"])
+    pruned = _shown_mask(at)
+    kept = [np.flatnonzero(~row).tolist() for row in pruned]
+    assert record["kept"] == kept and int(pruned.sum()) == 8
+    assert (record["scorer"], record["z"], record["sparsity"]) == ("mp-g", 1.5, 0.5)
+
+
+def test_export_pruned_keeps_cached_model_intact(tiny_dir, out_root):
+    from analysis.export import load_pruned, mask_from_json
+    from components import cache
+    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    model = cache.load(str(tiny_dir), False).model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    at.selectbox(key="hs.w.export.format").set_value("pruned").run()
+    at.text_input(key="hs.w.export.folder").set_value("my-export").run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+    assert not at.error and any("my-export" in s.value for s in at.success)
+    folder = out_root / "my-export"
+    np.testing.assert_array_equal(mask_from_json(folder), _shown_mask(at))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    smaller = load_pruned(folder)
+    assert sum(p.numel() for p in smaller.parameters()) < sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("folder,needle", [("../outside", "outside the output folder"), ("", "Give a folder name")])
+def test_unsafe_targets_are_refused(tiny_dir, out_root, folder, needle):
+    at = new_app(tiny_dir, page="export")
+    at.text_input(key="hs.w.export.folder").set_value(folder).run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+    assert any(needle in e.value for e in at.error), [e.value for e in at.error]
+    assert not at.success
+
+
+def test_occupied_target_needs_overwrite(tiny_dir, out_root):
+    (out_root / "taken").mkdir(parents=True)
+    (out_root / "taken" / "keep.txt").write_text("mine")
+    at = new_app(tiny_dir, page="export")
+    at.text_input(key="hs.w.export.folder").set_value("taken").run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+    assert any("already exists" in e.value for e in at.error)
+    assert (out_root / "taken" / "keep.txt").read_text() == "mine"
+    at.checkbox(key="hs.w.export.overwrite").check().run()
+    at.button(key="export.run").click().run()
+    assert not at.error and (out_root / "taken" / "mask.json").exists()
