@@ -693,7 +693,7 @@ def _stock_config(self, config, n_heads: int, n_kv_heads: int, head_dim: int):
         for key, quantity in spec.stock_config.items():
             setattr(new, key, values[quantity])
         getattr(new, "validate", lambda: None)()
-    except (ValueError, TypeError) as err:     # transformers' own config checks
+    except Exception as err:     # transformers' own config checks (StrictDataclass... errors)
         reason = str(err).strip().splitlines()[-1].strip()
         raise UnsupportedModelError(
             f"transformers rejects a {self.model_type} config with {n_heads} query / {n_kv_heads} KV heads per "

@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -455,21 +456,27 @@ def write_onnx(model: nn.Module, path: Path, *, opset: int = 17) -> str:
     name = next(iter(outputs.keys()))
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
             name: {0: "batch", 1: "sequence"}}
-    try:
-        torch.onnx.export(wrapper, (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
-                          output_names=[name], dynamic_axes=axes, opset_version=opset, dynamo=False)
-    except OSError:
-        raise
-    except Exception as first:  # the TorchScript tracer failed: try the dynamo exporter
+    with warnings.catch_warnings():
+        # the tracer's notes on Python-level shape logic; the dynamic axes are checked by the tests
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx")
         try:
-            batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence", min=2)
             torch.onnx.export(wrapper, (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
-                              output_names=[name], opset_version=max(opset, 18), dynamo=True,
-                              dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
-        except Exception as second:
-            raise ExportError(f"ONNX export of this model failed (TorchScript: {str(first).splitlines()[0]}; "
-                              f"dynamo: {str(second).splitlines()[0]}). Use the safetensors exports "
-                              f"instead.") from second
+                              output_names=[name], dynamic_axes=axes, opset_version=opset, dynamo=False)
+        except OSError:
+            raise
+        except Exception as first:  # the TorchScript tracer failed: try the dynamo exporter
+            try:
+                batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence", min=2)
+                torch.onnx.export(wrapper, (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
+                                  output_names=[name], opset_version=max(opset, 18), dynamo=True,
+                                  dynamic_shapes={"input_ids": {0: batch, 1: seq},
+                                                  "attention_mask": {0: batch, 1: seq}})
+            except Exception as second:
+                raise ExportError(f"ONNX export of this model failed (TorchScript: {str(first).splitlines()[0]}; "
+                                  f"dynamo: {str(second).splitlines()[0]}). Use the safetensors exports "
+                                  f"instead.") from second
     return name
 
 
