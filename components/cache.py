@@ -249,8 +249,7 @@ def view_mask(lm):
     if last.get("model") == lm.name and last.get("scorer") == scorer:
         params, policy = dict(last["params"]), dict(last["policy"])
     else:
-        params = {k: v for k, v in controls.constructor_defaults(scorer).items() if k != "batch_size"}
-        policy = dict(policy="global")
+        params, policy = controls.default_params(scorer, z), dict(policy="global")
     if "z" in params:
         params["z"] = z
     key = params_key(params)
@@ -266,3 +265,41 @@ def view_mask(lm):
         show_exception(err, "Building the mask")
         return None
     return head_scores, plan, params, policy
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def head_roles(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+    """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
+    from analysis import roles
+    return roles.head_roles(load(name, trust), text, max_tokens=max_tokens, progress=_progress,
+                            should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def head_redundancy(name: str, trust: bool, text: str | None, max_tokens: int, kind: str, threshold: float,
+                    ablation_delta=None, _progress=None, _should_stop=None):
+    """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
+    from analysis import redundancy
+    return redundancy.head_redundancy(load(name, trust), text, ablation_delta=ablation_delta, kind=kind,
+                                      threshold=threshold, max_tokens=max_tokens, progress=_progress,
+                                      should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def attention_pattern(name: str, trust: bool, sentence: str, max_tokens: int = 64):
+    """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.roles)."""
+    from analysis import evaluation, roles
+    lm = load(name, trust)
+    ids = evaluation.token_ids(lm.tokenizer, sentence, max_tokens=max_tokens)          # [T]
+    probs = roles.attention_probabilities(lm.model, ids.unsqueeze(0))[0]               # [L, H, T, T]
+    tokens = [lm.tokenizer.decode([int(i)]) for i in ids]
+    return tokens, probs.numpy()
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, n_steps: int,
+                     _progress=None, _should_stop=None):
+    """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
+    from analysis import attribution
+    return attribution.head_attribution(load(name, trust), text, max_tokens=max_tokens, seq_len=max_tokens,
+                                        n_steps=n_steps, progress=_progress, should_stop=_should_stop)

@@ -144,3 +144,29 @@ def attention_heatmap(weights: np.ndarray, tokens: list[str], *, title: str) -> 
     fig.update_yaxes(autorange="reversed", title_text="query token")
     fig.update_xaxes(title_text="key token")
     return fig
+
+
+CATEGORY_COLORS = ["#eeeeee", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                   "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def category_heatmap(labels: np.ndarray, categories: list[str], strengths: np.ndarray, *, title: str,
+                     group_size: int = 1) -> go.Figure:
+    """Layer x head map of one category per cell ("" = none); hover shows category and strength."""
+    labels = np.asarray(labels, dtype=object)
+    n_layers, n_heads = labels.shape
+    cats = ["", *categories]
+    index = np.vectorize(lambda c: cats.index(c) if c in cats else 0, otypes=[np.int16])(labels)  # [L, H]
+    n = len(cats)
+    scale = []
+    for i in range(n):
+        color = CATEGORY_COLORS[i % len(CATEGORY_COLORS)]
+        scale += [[i / n, color], [(i + 1) / n, color]]
+    fig = go.Figure(go.Heatmap(
+        z=index, x=np.arange(n_heads), y=np.arange(n_layers), zmin=-0.5, zmax=n - 0.5, colorscale=scale,
+        customdata=np.asarray(strengths, dtype=float), text=np.where(labels == "", "no tag", labels).astype(str),
+        xgap=1, ygap=1, hovertemplate="layer %{y}, head %{x}: %{text}<br>strength %{customdata:.3f}<extra></extra>",
+        colorbar=dict(tickvals=list(range(n)), ticktext=["none", *categories])))
+    fig.update_layout(title=title)
+    _group_lines(fig, n_layers, n_heads, group_size)
+    return _axes(fig, n_layers, n_heads)

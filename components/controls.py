@@ -23,9 +23,9 @@ SCORER_LABELS = {
     "gate": "Head-gate importance",
     "gate-ig": "Head-gate, integrated gradients",
     "hybrid": "Hybrid (Magnitude + MP + Wanda)",
+    "ablation": "Ablation oracle (real loss increase)",
 }
-# Scorers that cannot be picked freely (the ablation oracle needs the Heads page's sweep).
-HIDDEN_SCORERS = ("ablation",)
+HIDDEN_SCORERS: tuple[str, ...] = ()   # registered scorers not offered in the UI
 SPARSITY_STEP = 0.01
 
 # parameter name -> widget factory (label, default) -> value
@@ -78,6 +78,12 @@ def constructor_defaults(scorer: str) -> dict:
     sig = inspect.signature(cls.__init__)
     return {n: p.default for n, p in sig.parameters.items()
             if n != "self" and p.default is not inspect.Parameter.empty}
+
+
+def default_params(scorer: str, z: float) -> dict:
+    """The parameters `scorer_params` would return with every widget at its default."""
+    return {name: (float(z) if name == "z" else default) for name, default in constructor_defaults(scorer).items()
+            if name == "z" or name in _PARAM_WIDGETS}
 
 
 def scorer_params(scorer: str, z: float, *, where=st, prefix: str = "param") -> dict:

@@ -136,13 +136,17 @@ At one sparsity every scorer prunes the same number of heads; they differ in *wh
 def heads_page() -> None:
     _fold("ablation, roles and redundancy", """
 - **Single-head ablation**: the loss increase when that head alone is switched off - the ground
-  truth the cheap scorers try to predict (one forward pass per head, so it takes a while).
-- **Role tags** name recognisable behaviours (e.g. attending to the previous token, to the first
-  token, or to repeated tokens), measured from the head's attention pattern.
-- **Redundancy groups** are heads whose outputs are strongly correlated: pruning all but one of a
-  group loses little.
+  truth the cheap scorers try to predict. For GQA models, removing a whole KV group is shown too.
+- **Role tags** come from each head's attention pattern on real text: *previous-token* (attends to
+  the token before), *positional* (a fixed other offset), *first-token* (a "sink" on position 0),
+  *local* / *broad* (short attention distance / high entropy), *rare-word* (attends to the rarest
+  token in context). A head gets every tag whose strength passes its threshold.
+- **Redundant heads**: cosine similarity of two heads' contributions to the residual stream (or of
+  their attention patterns minus uniform attention). Near-duplicate groups are heads linked by a
+  similarity above the threshold; a head is *redundant* when it has such a twin and removing it
+  alone changes the loss very little.
 The attention pattern shows, for each query token (row), how much weight the head puts on each
-key token (column); causal models attend only to earlier tokens.
+key token (column); causal models attend only to earlier tokens, so the upper triangle is empty.
 """)
 
 

@@ -34,8 +34,7 @@ if len(chosen) < 2:
 
 results = {}
 for name in chosen:
-    params = {k: (float(z) if k == "z" else v) for k, v in controls.constructor_defaults(name).items()
-              if k != "batch_size"}
+    params = controls.default_params(name, z)
     key = cache.params_key(params)
     if cache.scorer_class(name).needs_calibration and state.recall(f"scored.{lm.name}.{name}") != key:
         if st.button(f"Compute {controls.label(name)} (calibration text; takes a while)", key=f"compare.compute.{name}"):
@@ -66,8 +65,11 @@ with shown_errors("Comparing masks"):
 
     flat = {n: p.pruned.reshape(-1) for n, p in plans.items()}                        # [L*H] each
     jaccard = np.array([[(flat[a] & flat[b]).sum() / max(1, (flat[a] | flat[b]).sum()) for b in flat] for a in flat])
-    rho = np.array([[spearmanr(results[a][1].scores.reshape(-1), results[b][1].scores.reshape(-1)).statistic
-                     if a != b else 1.0 for b in results] for a in results])
+    attribution = cache.optional("attribution")
+    correlate = attribution.rank_correlation if attribution is not None else \
+        (lambda x, y: spearmanr(x.reshape(-1), y.reshape(-1)).statistic)
+    rho = np.array([[correlate(results[a][1].scores, results[b][1].scores) if a != b else 1.0
+                     for b in results] for a in results])
     left, right = st.columns(2)
     left.plotly_chart(charts.matrix_heatmap(jaccard, labels, title="Mask overlap (Jaccard)", zmin=0, zmax=1),
                       width="stretch", key="compare.jaccard")

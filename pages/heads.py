@@ -48,16 +48,118 @@ else:
         elif remembered:
             st.caption("The text or token count changed since the sweep; press the button to run it again.")
 
+st.subheader("Integrated-gradients attribution (Captum)")
+attribution = cache.optional("attribution")
+if attribution is None:
+    cache.unavailable("Head attribution", "attribution")
+else:
+    with shown_errors("Head attribution"):
+        c1, c2 = st.columns(2)
+        ig_tokens = int(c1.number_input("Tokens of the built-in evaluation text", 8, 1024, step=16,
+                                        key=state.widget_key("heads.ig.tokens", value=64)))
+        ig_steps = int(c2.number_input("Integration steps", 2, 128, step=2, key=state.widget_key("heads.ig.steps", value=16)))
+        ig_key = (lm.name, ig_tokens, ig_steps)
+        if st.button("Attribute the loss to the heads", key="heads.attribute"):
+            result = cache.cached_call(cache.head_attribution, lm.name, state.trust(), None, ig_tokens, ig_steps,
+                                       label="Integrating gradients", stoppable=True)
+            if result is not None:
+                state.remember("heads.attribution", (ig_key, result))
+        remembered = state.recall("heads.attribution")
+        if remembered and remembered[0] == ig_key:
+            result = remembered[1]
+            st.caption(f"Gates go from 0 (every head off, loss {result.loss_baseline:.4g}) to 1 (dense, loss "
+                       f"{result.loss_dense:.4g}) in {result.n_steps} steps; attributions sum to the loss change "
+                       f"up to {result.convergence_delta:+.3g} (Captum's convergence delta).")
+            st.plotly_chart(charts.layer_head_heatmap(result.importance, "Importance = loss increase the head's gate "
+                                                      "prevents", colorbar="importance", group_size=g.group_size),
+                            width="stretch", key="heads.ig_map")
+            last_ablation = state.recall("heads.ablation")
+            if last_ablation and last_ablation[0][0] == lm.name:
+                rho = attribution.rank_correlation(result.importance, last_ablation[1].head_delta)
+                st.metric("Spearman rank correlation with the ablation oracle", f"{rho:.3f}")
+            else:
+                st.caption("Run the ablation sweep above to compare this ranking with the real loss increases.")
+
+ablation_delta = None
+if ablation_mod is not None and state.recall("heads.ablation") and state.recall("heads.ablation")[0][0] == lm.name:
+    ablation_delta = state.recall("heads.ablation")[1].head_delta          # [L, H], shown beside roles
+
 st.subheader("Head roles")
 roles = cache.optional("roles")
 if roles is None:
     cache.unavailable("Head role tags", "roles")
+else:
+    with shown_errors("Head roles"):
+        tokens = int(st.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
+                                     key=state.widget_key("heads.roles.tokens", value=256)))
+        text_mod = cache.optional("text")
+        if text_mod is not None:
+            st.caption(text_mod.WIKI_ATTRIBUTION)
+        if st.button("Tag head roles from their attention patterns", key="heads.roles"):
+            result = cache.cached_call(cache.head_roles, lm.name, state.trust(), None, tokens,
+                                       label="Tagging heads", stoppable=True)
+            if result is not None:
+                state.remember("heads.roles", ((lm.name, tokens), result))
+        remembered = state.recall("heads.roles")
+        if remembered and remembered[0] == (lm.name, tokens):
+            result = remembered[1]
+            primary, strength = result.primary()
+            st.plotly_chart(charts.category_heatmap(primary, list(roles.ROLES), strength,
+                                                    title="Primary role of each head", group_size=g.group_size),
+                            width="stretch", key="heads.roles_map")
+            rows = result.table(ablation_delta)
+            st.caption(f"{len(rows)} tags over {g.n_total_heads} heads (a head can have several); thresholds "
+                       + ", ".join(f"{k} >= {v:g}" for k, v in result.thresholds.items())
+                       + (". Ablation effect from the sweep above." if ablation_delta is not None else
+                          ". Run the ablation sweep above to see each tagged head's effect beside it."))
+            st.dataframe(rows, hide_index=True, height=240)
 
 st.subheader("Redundant heads")
 redundancy = cache.optional("redundancy")
 if redundancy is None:
     cache.unavailable("Redundancy groups", "redundancy")
+else:
+    with shown_errors("Head redundancy"):
+        c1, c2, c3 = st.columns(3)
+        kind = c1.radio("Similarity of", ["output", "pattern"], horizontal=True,
+                        format_func={"output": "outputs", "pattern": "attention patterns"}.get,
+                        key=state.widget_key("heads.red.kind", value="output"))
+        threshold = c2.slider("Near-duplicate above", 0.5, 1.0, step=0.01,
+                              key=state.widget_key("heads.red.threshold", value=float(redundancy.DEFAULT_THRESHOLD)))
+        red_tokens = int(c3.number_input("Tokens", 16, 2048, step=64, key=state.widget_key("heads.red.tokens", value=256)))
+        red_key = (lm.name, kind, threshold, red_tokens, ablation_delta is not None)
+        if st.button("Find redundant heads", key="heads.redundancy"):
+            result = cache.cached_call(cache.head_redundancy, lm.name, state.trust(), None, red_tokens, kind,
+                                       float(threshold), ablation_delta, label="Comparing heads", stoppable=True)
+            if result is not None:
+                state.remember("heads.redundancy", (red_key, result))
+        remembered = state.recall("heads.redundancy")
+        if remembered and remembered[0] == red_key:
+            result = remembered[1]
+            st.plotly_chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",
+                                                      colorbar="cosine", group_size=g.group_size),
+                            width="stretch", key="heads.nearest")
+            st.markdown(f"**{len(result.groups)} near-duplicate groups** (similarity >= {result.threshold:g}):")
+            for group in result.groups[:20]:
+                st.markdown("- " + ", ".join(f"L{l}H{h}" for l, h in group))
+            if result.redundant is not None:
+                flagged = [f"L{l}H{h}" for l, h in zip(*result.redundant.nonzero())]
+                st.markdown(f"**Redundant** (a twin at >= {result.threshold:g} and |ablation effect| <= "
+                            f"{result.effect_threshold:g}): {', '.join(flagged) or 'none'}")
+            else:
+                st.caption("Run the ablation sweep above (same model) to flag which near-duplicates are redundant.")
 
 st.subheader("Attention pattern of one head")
 if roles is None:
     cache.unavailable("Attention patterns", "roles")
+else:
+    with shown_errors("Attention pattern"):
+        c1, c2 = st.columns(2)
+        layer = min(c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("heads.layer", value=0)), g.n_layers - 1)
+        head = min(c2.slider("Head", 0, g.n_heads - 1, key=state.widget_key("heads.head", value=0)), g.n_heads - 1)
+        sentence = st.text_input("Sentence (edit it)", key=state.widget_key(
+            "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
+        tokens_, probs = cache.attention_pattern(lm.name, state.trust(), sentence)
+        st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
+                                                 title=f"Layer {layer}, head {head} (KV group {head // g.group_size})"),
+                        width="stretch", key="heads.pattern")

@@ -148,3 +148,17 @@ def test_downloads_hold_the_shown_scores_and_mask(tiny_dir, downloads):
     data = json.loads(downloads["mp_scores.json"])
     np.testing.assert_allclose(np.asarray(data["scores"]), scores, rtol=1e-9)
     assert json.loads(downloads["mp_mask_summary.json"])["n_pruned"] == int(pruned.sum()) == 6
+
+
+def test_stop_flag_cancels_long_work(tiny_dir):
+    at = new_app(tiny_dir, page="prune", scorer="wanda")
+    at.number_input(key="hs.w.param.n_sequences").set_value(2).run()
+    at.number_input(key="hs.w.param.seq_len").set_value(16).run()
+    at.session_state["hs.stop"] = True          # what the Stop button's click sets before the rerun
+    at.button(key="prune.compute").click().run()
+    no_exception(at)
+    assert any("cancelled" in w.value for w in at.warning), [w.value for w in at.warning]
+    assert not at.get("plotly_chart")
+    assert at.session_state["hs.stop"] is False  # the next start is not cancelled again
+    at.button(key="prune.compute").click().run()
+    _check_mask(at, 0.3, 16)
