@@ -77,28 +77,22 @@ def check_ord(ord: int) -> int:
 class NormProfile:
     """Head-major row norms of one model; see the module docstring for shapes.
 
-    `l2[p]` / `l1[p]` for p in PROJECTIONS. Norms are float64 numpy arrays. The stats cache
-    (population mean/std keyed by ord, scope, projection) is filled lazily.
+    `l2[p]` / `l1[p]` for p in PROJECTIONS, float64 numpy arrays. L1 may be left to
+    `l1_loader` (a callable returning the L1 dict), computed on first use: the in-memory path
+    reads the weights once for L2 and only reads them again if someone asks for L1. The stats
+    cache (population mean/std keyed by ord, scope) is filled lazily.
     """
 
     l2: dict[str, np.ndarray]
-    l1: dict[str, np.ndarray]
+    l1: dict[str, np.ndarray] | None = None
     source: str = ""
+    l1_loader: Callable[[], dict[str, np.ndarray]] | None = field(default=None, repr=False, compare=False)
     _stats: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for table in (self.l2, self.l1):
-            missing = [p for p in PROJECTIONS if p not in table]
-            if missing:
-                raise InputError(f"a norm profile needs projections {PROJECTIONS}; missing {missing}.")
-        q, k, v, o = (self.l2[p] for p in PROJECTIONS)
-        if q.ndim != 3 or q.shape != o.shape or k.shape != v.shape or k.shape[0] != q.shape[0]:
-            raise InputError(
-                "norm arrays must be q/o [L, H, d] and k/v [L, Hkv, d]; got "
-                f"q {q.shape}, k {k.shape}, v {v.shape}, o {o.shape}."
-            )
-        if q.shape[1] % k.shape[1] != 0:
-            raise InputError(f"H = {q.shape[1]} query heads is not a multiple of Hkv = {k.shape[1]}.")
+        _check_norm_table(self.l2)
+        if self.l1 is not None:
+            _check_norm_table(self.l1, self.l2)
 
     @property
     def n_layers(self) -> int:
@@ -121,8 +115,14 @@ class NormProfile:
         return self.n_heads // self.n_kv_heads
 
     def norms(self, ord: int = 2) -> dict[str, np.ndarray]:
-        """The norm arrays for L2 (ord=2) or L1 (ord=1)."""
-        return self.l2 if check_ord(ord) == 2 else self.l1
+        """The norm arrays for L2 (ord=2) or L1 (ord=1; computed now if it was left lazy)."""
+        if check_ord(ord) == 2:
+            return self.l2
+        if self.l1 is None:
+            if self.l1_loader is None:
+                raise InputError("This profile has no L1 norms; profile the model again to get them.")
+            self.l1 = _check_norm_table(self.l1_loader(), self.l2)
+        return self.l1
 
     def stats(self, ord: int = 2, scope: str = "layer") -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Per projection (mean [L], std [L]) of the population; memoized.
@@ -143,6 +143,20 @@ class NormProfile:
         """e = max(0, n - tau) per projection, same shapes as the norms."""
         taus = self.thresholds(z, ord=ord, scope=scope)
         return {p: row_excess(n, taus[p]) for p, n in self.norms(ord).items()}
+
+
+def _check_norm_table(table: dict[str, np.ndarray], like: dict[str, np.ndarray] | None = None) -> dict:
+    """Validate {q, o: [L, H, d], k, v: [L, Hkv, d]} (shapes equal to `like` when given)."""
+    missing = [p for p in PROJECTIONS if p not in table]
+    if missing:
+        raise InputError(f"a norm profile needs projections {PROJECTIONS}; missing {missing}.")
+    q, k, v, o = (np.shape(table[p]) for p in PROJECTIONS)
+    if len(q) != 3 or q != o or k != v or len(k) != 3 or k[0] != q[0] or k[2] != q[2] or q[1] % k[1]:
+        raise InputError("norm arrays must be q/o [L, H, d] and k/v [L, Hkv, d] with Hkv dividing H; got "
+                         f"q {q}, k {k}, v {v}, o {o}.")
+    if like is not None and any(np.shape(table[p]) != np.shape(like[p]) for p in PROJECTIONS):
+        raise InputError("L1 and L2 norm arrays of a profile must have the same shapes.")
+    return table
 
 
 def population_stats(norms: np.ndarray, scope: str) -> tuple[np.ndarray, np.ndarray]:
@@ -169,33 +183,30 @@ def row_excess(norms: np.ndarray, tau: np.ndarray) -> np.ndarray:
     return np.maximum(norms - tau[:, None, None], 0.0)  # [L, units, d]
 
 
-def row_norms(rows: torch.Tensor, chunk_elements: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
-    """L2 and L1 norms over the last axis of rows [units, d, width] -> (l2 [units, d], l1 [units, d]).
+def row_norms(rows: torch.Tensor, ord: int = 2, chunk_elements: int = 1 << 24) -> np.ndarray:
+    """L2 (ord=2) or L1 (ord=1) norms over the last axis of rows [units, d, width] -> [units, d].
 
     Computed in float32 (float64 stays float64; half types are upcast a chunk of units at a
-    time, so a bf16 tensor never exists whole in float32), returned as float64 numpy arrays.
+    time, so a bf16 tensor never exists whole in float32), returned as a float64 numpy array.
     """
-    per_unit = max(1, rows[0].numel())
-    step = max(1, chunk_elements // per_unit)
-    l2, l1 = [], []
-    for part in torch.split(rows.detach(), step, dim=0):  # [<=step, d, width]
-        x = part if part.dtype in (torch.float32, torch.float64) else part.float()
-        l2.append(torch.linalg.vector_norm(x, ord=2, dim=-1))  # [<=step, d]
-        l1.append(torch.linalg.vector_norm(x, ord=1, dim=-1))  # [<=step, d]
-    return torch.cat(l2).double().numpy(), torch.cat(l1).double().numpy()
+    rows = rows.detach()
+    if rows.dtype in (torch.float32, torch.float64):  # no upcast needed: one reduction, no copy
+        return torch.linalg.vector_norm(rows, ord=ord, dim=-1).numpy().astype(np.float64)  # [units, d]
+    step = max(1, chunk_elements // max(1, rows[0].numel()))
+    parts = [torch.linalg.vector_norm(part.float(), ord=ord, dim=-1)  # [<=step, d]
+             for part in torch.split(rows, step, dim=0)]
+    return torch.cat(parts).numpy().astype(np.float64)  # [units, d]
 
 
-def head_norms(hw: HeadWeights) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{projection: (l2 [units, d], l1 [units, d])} of one layer's head-major weights."""
+def head_norms(hw: HeadWeights, ord: int = 2) -> dict[str, np.ndarray]:
+    """{projection: norms [units, d]} of one layer's head-major weights."""
     # q [H, d, D], k/v [Hkv, d, D], o [H, d, D_out]: every norm runs over the last axis
-    return {p: row_norms(getattr(hw, p)) for p in PROJECTIONS}
+    return {p: row_norms(getattr(hw, p), ord) for p in PROJECTIONS}
 
 
-def profile_from_layers(layers: list[dict[str, tuple[np.ndarray, np.ndarray]]], source: str = "") -> NormProfile:
-    """Stack per-layer {projection: (l2 [units, d], l1 [units, d])} into a NormProfile."""
-    l2 = {p: np.stack([layer[p][0] for layer in layers]) for p in PROJECTIONS}  # [L, units, d]
-    l1 = {p: np.stack([layer[p][1] for layer in layers]) for p in PROJECTIONS}  # [L, units, d]
-    return NormProfile(l2=l2, l1=l1, source=source)
+def stack_layers(layers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-layer {projection: [units, d]} -> {projection: [L, units, d]}."""
+    return {p: np.stack([layer[p] for layer in layers]) for p in PROJECTIONS}
 
 
 def profile_model(
@@ -206,18 +217,25 @@ def profile_model(
     progress: Progress | None = None,
     should_stop: ShouldStop | None = None,
 ) -> NormProfile:
-    """Row norms of every layer of an in-memory model, read once through its adapter."""
+    """Row norms of every layer of an in-memory model, read through its adapter.
+
+    L2 now; L1 on first use (`NormProfile.norms(1)`), from the same model.
+    """
     adapter = adapter or adapter_for(model)
     geometry = adapter.geometry(model)
-    layers = []
-    with torch.no_grad():
-        for layer in range(geometry.n_layers):
-            if should_stop is not None and should_stop():
-                raise CancelledError("Profiling was cancelled; run it again to get the profile.")
-            layers.append(head_norms(weight_views(model, adapter, layer, geometry)))
-            if progress is not None:
-                progress((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
-    return profile_from_layers(layers, source=source)
+
+    def norms_of(ord: int, report: Progress | None = None) -> dict[str, np.ndarray]:
+        layers = []
+        with torch.no_grad():
+            for layer in range(geometry.n_layers):
+                if should_stop is not None and should_stop():
+                    raise CancelledError("Profiling was cancelled; run it again to get the profile.")
+                layers.append(head_norms(weight_views(model, adapter, layer, geometry), ord))
+                if report is not None:
+                    report((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
+        return stack_layers(layers)
+
+    return NormProfile(l2=norms_of(2, progress), source=source, l1_loader=lambda: norms_of(1))
 
 
 def weight_views(model: torch.nn.Module, adapter: Adapter, layer: int, geometry) -> HeadWeights:

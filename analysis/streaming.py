@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from analysis.adapters import Adapter, adapter_for
 from analysis.errors import CancelledError, ModelLoadError
-from analysis.profiles import NormProfile, Progress, ShouldStop, head_norms, profile_from_layers
+from analysis.profiles import NormProfile, Progress, ShouldStop, head_norms, stack_layers
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -113,16 +113,18 @@ def profile_checkpoint(path, *, progress: Progress | None = None,
     geometry = adapter.geometry(config)
     names = tensor_files(folder)
     prefix = name_prefix(adapter, names)
-    layers = []
+    l2_layers, l1_layers = [], []
     for layer in range(geometry.n_layers):
         if should_stop is not None and should_stop():
             raise CancelledError("Profiling was cancelled; run it again to get the profile.")
         tensors = read_tensors(layer_tensor_names(adapter, layer, names, prefix), names)
-        layers.append(head_norms(adapter.heads_from_tensors(tensors, geometry)))
-        del tensors
+        hw = adapter.heads_from_tensors(tensors, geometry)
+        l2_layers.append(head_norms(hw, 2))
+        l1_layers.append(head_norms(hw, 1))  # no second read of the file for L1
+        del tensors, hw
         if progress is not None:
             progress((layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
-    return profile_from_layers(layers, source=str(folder))
+    return NormProfile(l2=stack_layers(l2_layers), l1=stack_layers(l1_layers), source=str(folder))
 
 
 def read_tensors(roles: dict[str, str], files: dict[str, Path]) -> dict:

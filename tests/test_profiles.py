@@ -119,7 +119,7 @@ def test_profile_of_tiny_llama_matches_raw_weights():
         expected = _expected_llama_norms(model, layer)
         for p in "qkvo":
             np.testing.assert_allclose(profile.l2[p][layer], expected[p][0], rtol=1e-6)
-            np.testing.assert_allclose(profile.l1[p][layer], expected[p][1], rtol=1e-6)
+            np.testing.assert_allclose(profile.norms(1)[p][layer], expected[p][1], rtol=1e-6)
 
 
 def test_profile_of_gpt2_transposes_conv1d():
@@ -133,6 +133,19 @@ def test_profile_of_gpt2_transposes_conv1d():
     o_cols = attn.c_proj.weight.detach().double().reshape(-1, d, D)  # Conv1D rows = O's columns
     np.testing.assert_allclose(profile.l2["q"][1], q_rows.norm(dim=-1).numpy(), rtol=1e-6)
     np.testing.assert_allclose(profile.l2["o"][1], o_cols.norm(dim=-1).numpy(), rtol=1e-6)
+
+
+def test_l1_is_computed_on_first_use_only():
+    model = tiny_model("llama")
+    profile = profile_model(model)
+    assert profile.l1 is None  # the first pass reads the weights for L2 only
+    l1 = profile.norms(1)
+    assert profile.norms(1) is l1
+    with torch.no_grad():
+        q = model.model.layers[0].self_attn.q_proj.weight.detach().reshape(4, 8, -1)
+    np.testing.assert_allclose(l1["q"][0], q.abs().sum(-1).double().numpy(), rtol=1e-6)
+    with pytest.raises(InputError, match="no L1"):
+        NormProfile(l2=profile.l2).norms(1)
 
 
 def test_profile_does_not_change_the_model():

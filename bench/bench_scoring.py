@@ -1,0 +1,184 @@
+"""Benchmark: MP scoring speed, streaming memory, and the cost of moving z / sparsity.
+
+Three ratios, each measured side by side in one run (alternating A B / B A, medians):
+1. MP-G scoring of SmolLM2 from memory (row-norm profile + scores) vs one pass that only
+   reads the same attention weights (a sum over every Q/K/V/O weight).      target <= 3x
+2. Peak memory of the streaming profiler above the process's post-import baseline vs the
+   peak of `from_pretrained` above the same kind of baseline, on the same checkpoint (the
+   converted SmolLM2 folder); each measured in its own fresh subprocess (VmHWM, reset after
+   imports and after transformers' lazy imports). from_pretrained memory-maps safetensors,
+   so its weights count only once read: printed too, as "with every weight read once".
+                                                                               target <= 0.25
+3. A new mask after a z change (scores from the cached profile + ranking) and after a
+   sparsity change (ranking only) vs rescoring from the weights, on a random 32 x 32 head
+   grid (32 layers, 32 heads, head_dim 16).                                    target >= 100x
+
+    .venv/bin/python bench/bench_scoring.py [--repeats 7] [--cache-dir DIR]
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from analysis.masks import plan_mask  # noqa: E402
+from analysis.models import load_model  # noqa: E402
+from analysis.profiles import profile_model  # noqa: E402
+from analysis.scoring import MPGScorer  # noqa: E402
+
+# Child process for the memory comparison: imports, resets the peak, runs one loader.
+MEMORY_CHILD = r"""
+import json, re, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from analysis.streaming import profile_checkpoint
+
+def hwm_kib():
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+mode, folder = sys.argv[1], sys.argv[2]
+AutoConfig.from_pretrained(folder)  # transformers imports most of itself lazily, on first use
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak RSS to the current RSS
+base = hwm_kib()
+if mode == "stream":
+    result = profile_checkpoint(folder)
+else:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if mode == "from_pretrained+read":  # weights are memory-mapped: count them once they are read
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sum()
+print(json.dumps({"base_kib": base, "peak_kib": hwm_kib()}))
+"""
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(fns: dict, repeats: int) -> dict:
+    """Median seconds of each callable, run alternately (order flipped every round)."""
+    for fn in fns.values():
+        fn()  # warm up
+    times = {k: [] for k in fns}
+    items = list(fns.items())
+    for i in range(repeats):
+        for label, fn in items if i % 2 == 0 else items[::-1]:
+            times[label].append(timed(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_mp_from_memory(loaded, repeats: int) -> float:
+    model, adapter = loaded.model, loaded.adapter
+    weights = [m.weight for layer in range(loaded.geometry.n_layers)
+               for m in adapter.projection_modules(model, layer).values()]
+
+    def read_once():
+        with torch.no_grad():
+            for w in weights:
+                w.sum()
+
+    def mp_scores():
+        MPGScorer().score(profile_model(model, adapter=adapter))
+
+    med = alternate({"mp": mp_scores, "read": read_once}, repeats)
+    ratio = med["mp"] / med["read"]
+    n = sum(w.numel() for w in weights)
+    print(f"[1] MP-G scoring from memory: {med['mp'] * 1e3:.1f} ms; one read of the same {n / 1e6:.1f} M "
+          f"attention weights: {med['read'] * 1e3:.1f} ms -> ratio {ratio:.2f}x (target <= 3x)")
+    return ratio
+
+
+def peak_above_baseline(mode: str, folder: str) -> int:
+    proc = subprocess.run([sys.executable, "-c", MEMORY_CHILD, mode, folder], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return (data["peak_kib"] - data["base_kib"]) * 1024
+
+
+def bench_streaming_memory(folder: str, repeats: int) -> float:
+    modes = ("stream", "from_pretrained", "from_pretrained+read")
+    runs = {m: [] for m in modes}
+    for i in range(repeats):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            runs[mode].append(peak_above_baseline(mode, folder))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratio = med["stream"] / med["from_pretrained"]
+    print(f"[2] peak memory above post-import baseline: streaming profile {med['stream'] / 2**20:.1f} MiB, "
+          f"from_pretrained {med['from_pretrained'] / 2**20:.1f} MiB -> ratio {ratio:.3f} (target <= 0.25); "
+          f"from_pretrained with every weight read once: {med['from_pretrained+read'] / 2**20:.1f} MiB "
+          f"(ratio {med['stream'] / med['from_pretrained+read']:.3f})")
+    return ratio
+
+
+def grid_model():
+    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=16,
+                         hidden_size=512, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def bench_mask_update(repeats: int) -> tuple[float, float]:
+    model = grid_model()
+    profile = profile_model(model)
+    G = profile.group_size
+    state = {"i": 0}
+    zs, sparsities = (1.5, 2.0, 2.5), (0.125, 0.25, 0.5)
+
+    def rescore():
+        plan_mask(MPGScorer(z=2.0).score(profile_model(model)), 0.25, group_size=G)
+
+    def new_z():
+        state["i"] += 1
+        plan_mask(MPGScorer(z=zs[state["i"] % 3]).score(profile), 0.25, group_size=G)
+
+    cached = MPGScorer(z=2.0).score(profile)
+
+    def new_sparsity():
+        state["i"] += 1
+        plan_mask(cached, sparsities[state["i"] % 3], group_size=G)
+
+    fast_repeats = repeats * 20  # the fast paths are sub-millisecond: more samples for a stable median
+    med_slow = alternate({"rescore": rescore}, repeats)["rescore"]
+    med_fast = alternate({"z": new_z, "sparsity": new_sparsity}, fast_repeats)
+    rz, rs = med_slow / med_fast["z"], med_slow / med_fast["sparsity"]
+    print(f"[3] 32 x 32 heads: rescoring from weights {med_slow * 1e3:.2f} ms; new mask after a z change "
+          f"{med_fast['z'] * 1e3:.3f} ms ({rz:.0f}x); after a sparsity change {med_fast['sparsity'] * 1e3:.3f} ms "
+          f"({rs:.0f}x) (target >= 100x)")
+    return rz, rs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--memory-repeats", type=int, default=3)
+    parser.add_argument("--cache-dir", default=None, help="headscope cache holding the converted SmolLM2")
+    args = parser.parse_args()
+    loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
+    ratio_mp = bench_mp_from_memory(loaded, args.repeats)
+    ratio_mem = bench_streaming_memory(loaded.source, args.memory_repeats)
+    del loaded
+    rz, rs = bench_mask_update(args.repeats)
+    ok = ratio_mp <= 3 and ratio_mem <= 0.25 and min(rz, rs) >= 100
+    print("all targets met" if ok else "SOME TARGETS MISSED")
+
+
+if __name__ == "__main__":
+    main()
