@@ -555,7 +555,7 @@ def _surgery_forward(self, *args, **kwargs):
     no heads returns O's bias (what the masked model computes) without running attention."""
     state: _SurgeryState = self._headscope_surgery
     base = type(self)._headscope_base
-    bound = inspect.signature(base.forward).bind(self, *args, **kwargs)
+    bound = type(self)._headscope_signature.bind(self, *args, **kwargs)
     if state.kept is not None and state.spec.per_head_kwargs:
         for name in state.spec.per_head_kwargs:
             value = _argument(bound, name)
@@ -596,6 +596,7 @@ def _surgery_class(cls: type) -> type:
     if cls not in _SURGERY_CLASSES:
         name = f"Pruned{cls.__name__}"
         sub = type(name, (cls,), {"forward": _surgery_forward, "_headscope_base": cls,
+                                  "_headscope_signature": inspect.signature(cls.forward),
                                   "__module__": __name__, "__qualname__": name})
         globals()[name] = sub
         _SURGERY_CLASSES[cls] = sub

@@ -273,3 +273,30 @@ def test_deepcopy_of_a_pruned_model_still_works():
     twin = copy.deepcopy(smaller)
     ids = tiny_input_ids()
     assert torch.equal(_out(twin, ids), _out(smaller, ids))
+
+
+@pytest.mark.slow
+def test_smollm2_pruned_equals_masked(smollm2):
+    # the real built-in: 30 layers x 9 heads in 3 GQA groups, SDPA attention, tied LM head
+    model, g = smollm2.model, smollm2.geometry
+    rng = np.random.default_rng(0)
+    pruned = rng.random((g.n_layers, g.n_heads)) < 0.5          # mostly uneven groups: K/V expanded
+    pruned[3] = True                                            # an emptied layer
+    pruned[4] = [True] * 3 + [False] * 6                        # an emptied group, even groups kept
+    ids = smollm2.tokenizer("The quick brown fox jumps over the lazy dog near the river bank.",
+                            return_tensors="pt").input_ids
+    smaller, layout = prune_heads(model, pruned)
+    assert layout.layer_counts(3) == (0, 0) and layout.layer_counts(4) == (6, 2)
+    masked = _masked(model, pruned, ids)
+    # float32 through 30 layers, logits ~20: different matmul shapes round differently (~1e-4)
+    assert (_out(smaller, ids) - masked).abs().max().item() <= 5e-4
+    # in float64 the rounding disappears and only a real difference would remain
+    model64 = copy.deepcopy(model).double()
+    smaller64, _ = prune_heads(model64, pruned)
+    assert (_out(smaller64, ids) - _masked(model64, pruned, ids)).abs().max().item() <= 1e-9
+    del model64, smaller64
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=smollm2.tokenizer.pad_token_id)
+    with head_mask(model, gates_from_mask(pruned)):
+        ref = model.generate(ids, **kwargs)
+    assert smaller.generate(ids, **kwargs).tolist() == ref.tolist()
+    assert sum(p.numel() for p in smaller.parameters()) < sum(p.numel() for p in model.parameters())

@@ -1,0 +1,152 @@
+"""Benchmark: does physically removing heads make SmolLM2-135M faster, as much as the FLOPs say?
+
+At 50% of the heads removed, prefill of 512 tokens is timed for the dense model, the masked model
+(dense + head_mask hooks: the paper's zeroing) and the physically pruned model, in one session
+with rotating order, a warm-up and a fixed torch thread count. Ratios are medians over rounds of
+within-round ratios, so load that drifts between rounds (other work on a shared machine)
+cancels; they are given for wall-clock time and for process CPU time (steadier when the machine
+is busy: time spent descheduled is not counted).
+The FLOP prediction counts the whole forward (attention projections + scores + MLP + LM head,
+analysis.speed.forward_flops). Pass: measured time saving of pruned over masked >= 70% of the
+FLOP-predicted saving. Masked vs dense is reported too (expected ~1.0: zeroing saves nothing).
+
+Masks (MP-G scores, z = 2.0; 135 of 270 heads each):
+  uniform        5 heads pruned in even layers, 4 in odd (lowest scores of each layer); layers
+                 left with uneven GQA groups get expanded K/V (kv_policy auto)
+  group-aligned  1 KV group (3 heads) pruned in even layers, 2 groups in odd (lowest group sums)
+  global         the plain global ranking at sparsity 0.5 (per-layer counts vary)
+
+Usage: .venv/bin/python bench/bench_surgery.py [--threads 1] [--repeats 5] [--seq 512] [--full]
+       [--tiny]   (a 4-layer random Llama instead of SmolLM2, for developing the script)
+--full adds analysis.speed.measure's report for the uniform mask (prefill 128/512/1024, decode).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analysis.adapters import adapter_for  # noqa: E402
+from analysis.masks import plan_mask  # noqa: E402
+from analysis.scoring import MPGScorer  # noqa: E402
+from analysis.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
+                            saving_ratio, torch_threads)
+from analysis.surgery import prune_heads  # noqa: E402
+from analysis.masking import gates_from_mask  # noqa: E402
+
+PASS_FRACTION = 0.70
+
+
+def load(tiny: bool):
+    if tiny:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        cfg = LlamaConfig(hidden_size=288, intermediate_size=768, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=32, num_hidden_layers=4, vocab_size=4096, max_position_embeddings=2048)
+        torch.manual_seed(0)
+        return "tiny-llama", AutoModelForCausalLM.from_config(cfg).eval()
+    from analysis.models import load_model
+    lm = load_model("smollm2-135m")
+    return lm.name, lm.model
+
+
+def masks(scores: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+    """The three 50% masks of the module doc, from scores [L, H] (higher = keep)."""
+    L, H = scores.shape
+    uniform = np.zeros((L, H), bool)
+    aligned = np.zeros((L, H), bool)
+    group_scores = scores.reshape(L, H // group_size, group_size).sum(-1)        # [L, H_kv]
+    for layer in range(L):
+        per_layer = int(np.ceil(H / 2)) if layer % 2 == 0 else H // 2
+        uniform[layer, np.argsort(scores[layer], kind="stable")[:per_layer]] = True
+        n_groups = (H // group_size) // 2 + (layer % 2)                            # 1 (even) / 2 (odd) of 3
+        for g in np.argsort(group_scores[layer], kind="stable")[:n_groups]:
+            aligned[layer, g * group_size:(g + 1) * group_size] = True
+    out = {"uniform": uniform, "group-aligned": aligned,
+           "global": plan_mask(scores, 0.5, group_size=group_size).pruned}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+
+    name, model = load(args.tiny)
+    adapter = adapter_for(model)
+    g = adapter.geometry(model)
+    scores = MPGScorer(z=2.0).score(model).scores                                  # [L, H]
+    chosen = masks(scores, g.group_size)
+    ids = torch.randint(0, int(model.config.vocab_size), (1, args.seq), generator=torch.Generator().manual_seed(0))
+
+    print(f"model {name}: {g.n_layers} layers x {g.n_heads} heads ({g.n_kv_heads} KV), "
+          f"{count_parameters(model) / 1e6:.1f}M parameters; attention {model.config._attn_implementation}")
+    print(f"prefill {args.seq} tokens, batch 1, torch threads {args.threads}; per mask, dense / masked / pruned "
+          f"run in rotating order, 1 warm-up round + {args.repeats} timed rounds; ratios are medians over rounds "
+          f"of within-round ratios (wall clock, and process CPU time)\n")
+    dense_flops = forward_flops(model, args.seq, args.seq, adapter=adapter)
+    header = (f"{'mask':14} {'pruned':>6} {'KV/layer':>8} {'params':>7} {'dense ms':>8} {'masked ms':>9} "
+              f"{'pruned ms':>9} {'dense/masked':>12} {'FLOP-pred':>9} {'measured':>8} {'saving/pred':>11} "
+              f"{'verdict':>7} | {'CPU: measured':>13} {'saving/pred':>11} {'verdict':>7}")
+    print(header)
+    print("-" * len(header))
+    failures, started = 0, time.perf_counter()
+    pruned_models = {}
+    for label, pruned in chosen.items():
+        smaller, layout = prune_heads(model, pruned, adapter=adapter)
+        pruned_models[label] = (smaller, layout, pruned)
+        calls = {"dense": lambda: model(input_ids=ids),
+                 "masked": masked_call(model, gates_from_mask(pruned), lambda: model(input_ids=ids), adapter),
+                 "pruned": lambda m=smaller: m(input_ids=ids)}
+        with torch_threads(args.threads):
+            times = alternating_times(calls, repeats=args.repeats, warmup=1)
+        ms = times.median_ms("wall")
+        predicted = dense_flops.total / forward_flops(smaller, args.seq, args.seq, layout=layout, adapter=adapter).total
+        verdicts = []
+        for clock in ("wall", "cpu"):
+            measured = times.paired_ratio("masked", "pruned", clock)
+            ratio = saving_ratio(measured, predicted)
+            verdicts.append((measured, ratio, "PASS" if ratio >= PASS_FRACTION else "FAIL"))
+        failures += verdicts[0][2] == "FAIL"
+        kv = layout.kv_cache_report()
+        kv_text = f"{np.mean(kv['kv_heads_after']):.1f}/{g.n_kv_heads}"
+        (m_wall, r_wall, v_wall), (m_cpu, r_cpu, v_cpu) = verdicts
+        print(f"{label:14} {int(pruned.sum()):>6} {kv_text:>8} {count_parameters(smaller) / 1e6:>6.1f}M "
+              f"{ms['dense']:>8.0f} {ms['masked']:>9.0f} {ms['pruned']:>9.0f} "
+              f"{times.paired_ratio('dense', 'masked'):>12.3f} {predicted:>9.3f} {m_wall:>8.3f} {r_wall:>11.2f} "
+              f"{v_wall:>7} | {m_cpu:>13.3f} {r_cpu:>11.2f} {v_cpu:>7}")
+        spread = {k: 1e3 * (max(v) - min(v)) for k, v in times.wall.items()}
+        print(f"{'':14} wall spread (max - min ms): " + ", ".join(f"{k} {v:.0f}" for k, v in spread.items()))
+    print(f"\ntiming took {time.perf_counter() - started:.0f} s. 'FLOP-pred' = dense / pruned FLOPs of the whole "
+          f"forward ({dense_flops.total / 1e9:.1f} GFLOP dense, attention share "
+          f"{dense_flops.attention / dense_flops.total:.0%}); 'measured' = masked / pruned time; 'saving/pred' = "
+          f"measured time saving / predicted saving, PASS at >= {PASS_FRACTION:.2f} (exit status: wall clock). "
+          f"'dense/masked' = dense time / masked time (masked speedup; 1.0 = zeroing saves nothing). 'KV/layer' = mean KV heads "
+          f"per layer after pruning (expanded groups raise it).")
+
+    if args.full:
+        smaller, layout, pruned = pruned_models["uniform"]
+        print("\nfull report, uniform mask (analysis.speed.measure):")
+        report = measure(model, pruned, threads=args.threads, repeats=max(3, args.repeats // 2), decode_steps=16)
+        for row in report.rows():
+            print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        print(f"  CPU ms: {report.cpu_ms}")
+        print(f"  parameters {report.parameters}, file bytes {report.file_bytes}")
+        print(f"  attention parameters {report.attention_parameters}; KV cache values/token "
+              f"{report.kv_cache['cache_values_per_token_before']} -> {report.kv_cache['cache_values_per_token_after']}")
+        if report.skipped:
+            print(f"  skipped: {report.skipped}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

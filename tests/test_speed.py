@@ -1,0 +1,84 @@
+"""The measured report: FLOP counts against hand arithmetic; the report runs and leaves the model as
+it was. (Speed itself is measured in bench/bench_surgery.py, never asserted in unit tests.)"""
+import numpy as np
+import pytest
+import torch
+
+from analysis.errors import InputError
+from analysis.speed import (Timings, alternating_times, count_parameters, forward_flops, measure, saving_ratio,
+                            torch_threads)
+from analysis.surgery import prune_heads
+from tests._tiny import tiny_model
+
+
+def _mask():
+    pruned = np.zeros((2, 4), bool)
+    pruned[0] = True            # layer 0 emptied
+    pruned[1, 2:] = True        # layer 1 loses KV group 1: H' = 2, H_kv' = 1
+    return pruned
+
+
+def test_flops_match_hand_arithmetic():
+    model = tiny_model("llama")                      # D 32, I 64, H 4, H_kv 2, d 8, L 2, V 128
+    D, I, H, Hkv, d, L, V = 32, 64, 4, 2, 8, 2, 128
+    S = 10
+    mlp = 3 * D * I
+    dense_layer = D * H * d + 2 * D * Hkv * d + H * d * D + mlp
+    want = 2 * S * (L * dense_layer + V * D) + L * 4 * S * S * H * d
+    got = forward_flops(model, S, S)
+    assert got.total == want
+    assert got.attention_projections == 2 * S * L * (dense_layer - mlp)
+    smaller, layout = prune_heads(model, _mask())
+    layer1 = D * 2 * d + 2 * D * 1 * d + 2 * d * D + mlp
+    want_small = 2 * S * (mlp + layer1 + V * D) + 4 * S * S * 2 * d
+    assert forward_flops(smaller, S, S, layout=layout).total == want_small
+    # decode: one token over a context of C keys
+    C = 7
+    assert forward_flops(model, 1, C).attention_scores == L * 4 * C * H * d
+
+
+def test_measure_report_runs_and_leaves_the_model_alone():
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = measure(model, _mask(), prefill=(8, 16, 4096), decode_context=8, decode_steps=2, repeats=1,
+                     warmup=0, threads=1)
+    assert set(report.latency_ms) == {"prefill@8", "prefill@16", "decode@8"}
+    assert report.skipped == ["prefill@4096 (model max positions 64)"]
+    assert all(set(ms) == {"dense", "masked", "pruned"} and min(ms.values()) > 0 for ms in report.latency_ms.values())
+    assert set(report.cpu_ms) == set(report.latency_ms)
+    assert report.parameters["pruned"] < report.parameters["dense"] == count_parameters(model)
+    assert report.file_bytes["pruned"] < report.file_bytes["dense"]
+    assert report.predicted_speedup("prefill@16") > 1
+    assert report.kv_cache["kv_heads_after"] == [0, 1] and report.heads_pruned == 6
+    assert len(report.rows()) == 3
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sum(len(m._forward_pre_hooks) for m in model.modules()) == 0
+
+
+def test_encoders_get_no_decode_row():
+    report = measure(tiny_model("bert"), _mask(), prefill=(8,), repeats=1, warmup=0, measure_files=False)
+    assert list(report.latency_ms) == ["prefill@8"] and report.file_bytes == {}
+
+
+def test_alternating_times_rotates_order_and_threads_are_restored():
+    order = []
+    calls = {name: (lambda n=name: order.append(n)) for name in "abc"}
+    times = alternating_times(calls, repeats=3, warmup=0)
+    assert order == list("abc" "bca" "cab") and all(len(t) == 3 for t in times.wall.values())
+    assert set(times.cpu) == set("abc") and all(t >= 0 for t in times.cpu["a"])
+    before = torch.get_num_threads()
+    with torch_threads(1) as n:
+        assert n == 1 == torch.get_num_threads()
+    assert torch.get_num_threads() == before
+    with pytest.raises(InputError):
+        with torch_threads(0):
+            pass
+
+
+def test_paired_ratio_and_saving_ratio_by_hand():
+    t = Timings(wall={"m": [2.0, 4.0, 3.0], "p": [1.0, 4.0, 2.0]}, cpu={"m": [1.0], "p": [1.0]})
+    assert t.paired_ratio("m", "p") == 1.5                    # ratios 2.0, 1.0, 1.5
+    assert t.median_ms()["m"] == 3000.0
+    assert saving_ratio(1.25, 1.25) == pytest.approx(1.0)     # as predicted
+    assert saving_ratio(1.0, 2.0) == 0.0                      # no saving at all
+    assert saving_ratio(4 / 3, 2.0) == pytest.approx(0.5)     # 25% saved of a predicted 50%
