@@ -17,6 +17,7 @@ Streamlit's element capture for those writes so cache hits do not replay stale b
 from __future__ import annotations
 
 import importlib
+import threading
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Callable
@@ -176,16 +177,43 @@ def scorer_class(scorer: str):
     return None if scoring is None else scoring.SCORERS.get(scorer)
 
 
+@st.cache_resource(show_spinner=False)
+def _model_lock(name: str, trust: bool) -> threading.RLock:
+    return threading.RLock()
+
+
+@contextmanager
+def exclusive(name: str, trust: bool, progress: Progress | None = None):
+    """Yields the shared LoadedModel with its lock held, for work that runs or copies it.
+
+    Masks are forward hooks on the shared model, so two runs at once (two sessions, or a rerun
+    that Streamlit starts while the interrupted run is still finishing) would see each other's
+    gates; every forward pass on a cached model goes through here. Never call another cached
+    function while holding the lock (their own per-key locks could then deadlock with it)."""
+    lm = load(name, trust)
+    lock = _model_lock(name, trust)
+    if not lock.acquire(blocking=False):
+        if progress is not None:
+            progress(0.0, "waiting for another computation on this model to finish")
+        lock.acquire()
+    try:
+        yield lm
+    finally:
+        lock.release()
+
+
 @st.cache_data(show_spinner=False, max_entries=256)
 def scores(name: str, trust: bool, scorer: str, params: tuple, _progress=None, _should_stop=None):
     """HeadScores of `scorer` with `params` (a params_key tuple) on model `name`.
 
     Weight-only scorers read the cached norm profile (never the weights again); calibration
-    scorers get the loaded model."""
+    scorers run the model (under its lock)."""
     from analysis import scoring
     instance = scoring.get_scorer(scorer, **dict(params))
-    target = load(name, trust) if type(instance).needs_calibration else profile(name, trust)
-    return instance.score(target, progress=_progress, should_stop=_should_stop)
+    if not type(instance).needs_calibration:
+        return instance.score(profile(name, trust), progress=_progress, should_stop=_should_stop)
+    with exclusive(name, trust, _progress) as lm:
+        return instance.score(lm, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
@@ -193,8 +221,9 @@ def evaluate_masks(name: str, trust: bool, pruned, text: str | None, max_tokens:
                    _progress=None, _should_stop=None):
     """`analysis.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
     from analysis import evaluation
-    return evaluation.evaluate(load(name, trust), text, pruned=pruned, max_tokens=max_tokens,
-                               progress=_progress, should_stop=_should_stop)
+    with exclusive(name, trust, _progress) as lm:
+        return evaluation.evaluate(lm, text, pruned=pruned, max_tokens=max_tokens, progress=_progress,
+                                   should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -202,11 +231,11 @@ def z_sweep(name: str, trust: bool, sparsity: float, options: tuple, max_tokens:
             _progress=None, _should_stop=None):
     """`analysis.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
     from analysis import sweep
-    lm = load(name, trust)
-    calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
-    return sweep.sweep_z(profile(name, trust), sparsity, calib, held_out, metric=metric,
-                         higher_is_better=higher, evaluate_all=True, progress=_progress,
-                         should_stop=_should_stop, **dict(options))
+    prof = profile(name, trust)
+    with exclusive(name, trust, _progress) as lm:
+        calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
+        return sweep.sweep_z(prof, sparsity, calib, held_out, metric=metric, higher_is_better=higher,
+                             evaluate_all=True, progress=_progress, should_stop=_should_stop, **dict(options))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -214,23 +243,62 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
                    max_tokens: int, _progress=None, _should_stop=None):
     """Metric vs sparsity for one scorer, masks from `analysis.masks.plan_mask` with `policy`."""
     from analysis import evaluation, masks
-    lm = load(name, trust)
-    head_scores = scores(name, trust, scorer, params)
+    head_scores = scores(name, trust, scorer, params)            # before taking the lock (see exclusive)
     pol = dict(policy)
+    with exclusive(name, trust, _progress) as lm:
+        def mask_fn(_, s):
+            return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
 
-    def mask_fn(_, s):
-        return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
-
-    return evaluation.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
-                                     max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
+        return evaluation.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
+                                         max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.ablation.head_ablation`: the loss change when each head alone is removed."""
     from analysis import ablation as ablation_mod
-    return ablation_mod.head_ablation(load(name, trust), text, max_tokens=max_tokens, progress=_progress,
-                                      should_stop=_should_stop)
+    with exclusive(name, trust, _progress) as lm:
+        return ablation_mod.head_ablation(lm, text, max_tokens=max_tokens, progress=_progress,
+                                          should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def head_roles(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+    """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
+    from analysis import roles
+    with exclusive(name, trust, _progress) as lm:
+        return roles.head_roles(lm, text, max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def head_redundancy(name: str, trust: bool, text: str | None, max_tokens: int, kind: str, threshold: float,
+                    ablation_delta=None, _progress=None, _should_stop=None):
+    """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
+    from analysis import redundancy
+    with exclusive(name, trust, _progress) as lm:
+        return redundancy.head_redundancy(lm, text, ablation_delta=ablation_delta, kind=kind, threshold=threshold,
+                                          max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def attention_pattern(name: str, trust: bool, sentence: str, max_tokens: int = 64):
+    """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.roles)."""
+    from analysis import evaluation, roles
+    with exclusive(name, trust) as lm:
+        ids = evaluation.token_ids(lm.tokenizer, sentence, max_tokens=max_tokens)      # [T]
+        probs = roles.attention_probabilities(lm.model, ids.unsqueeze(0))[0]           # [L, H, T, T]
+        tokens = [lm.tokenizer.decode([int(i)]) for i in ids]
+    return tokens, probs.numpy()
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, n_steps: int,
+                     _progress=None, _should_stop=None):
+    """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
+    from analysis import attribution
+    with exclusive(name, trust, _progress) as lm:
+        return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
+                                            progress=_progress, should_stop=_should_stop)
 
 
 def view_mask(lm):
@@ -265,41 +333,3 @@ def view_mask(lm):
         show_exception(err, "Building the mask")
         return None
     return head_scores, plan, params, policy
-
-
-@st.cache_data(show_spinner=False, max_entries=8)
-def head_roles(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
-    """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
-    from analysis import roles
-    return roles.head_roles(load(name, trust), text, max_tokens=max_tokens, progress=_progress,
-                            should_stop=_should_stop)
-
-
-@st.cache_data(show_spinner=False, max_entries=8)
-def head_redundancy(name: str, trust: bool, text: str | None, max_tokens: int, kind: str, threshold: float,
-                    ablation_delta=None, _progress=None, _should_stop=None):
-    """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
-    from analysis import redundancy
-    return redundancy.head_redundancy(load(name, trust), text, ablation_delta=ablation_delta, kind=kind,
-                                      threshold=threshold, max_tokens=max_tokens, progress=_progress,
-                                      should_stop=_should_stop)
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def attention_pattern(name: str, trust: bool, sentence: str, max_tokens: int = 64):
-    """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.roles)."""
-    from analysis import evaluation, roles
-    lm = load(name, trust)
-    ids = evaluation.token_ids(lm.tokenizer, sentence, max_tokens=max_tokens)          # [T]
-    probs = roles.attention_probabilities(lm.model, ids.unsqueeze(0))[0]               # [L, H, T, T]
-    tokens = [lm.tokenizer.decode([int(i)]) for i in ids]
-    return tokens, probs.numpy()
-
-
-@st.cache_data(show_spinner=False, max_entries=8)
-def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, n_steps: int,
-                     _progress=None, _should_stop=None):
-    """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
-    from analysis import attribution
-    return attribution.head_attribution(load(name, trust), text, max_tokens=max_tokens, seq_len=max_tokens,
-                                        n_steps=n_steps, progress=_progress, should_stop=_should_stop)

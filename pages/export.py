@@ -60,7 +60,7 @@ overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key(
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
     with shown_errors("Exporting"):
-        with cache.progress_bar(f"Exporting ({fmt})") as report:
+        with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.trust(), report):
             result = export_mod.export(fmt, lm.model, plan.pruned, OUTPUT_ROOT, folder, record=record,
                                        tokenizer=lm.tokenizer, overwrite=overwrite, progress=report)
         state.remember("export.last", result)
