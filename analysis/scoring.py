@@ -590,8 +590,11 @@ def inverse_hessian_diag(xtx: torch.Tensor, damping: float) -> torch.Tensor:
     """diag((X^T X + lambda I)^-1) for xtx [n, n], lambda = damping * mean(diag) (1e-8 if zero)."""
     diag_mean = float(xtx.diagonal().mean())
     lam = damping * diag_mean if diag_mean > 0 else 1e-8
-    hessian = xtx + lam * torch.eye(xtx.shape[0], dtype=xtx.dtype)  # [n, n]
-    return torch.cholesky_inverse(torch.linalg.cholesky(hessian)).diagonal()  # [n]
+    eye = torch.eye(xtx.shape[0], dtype=xtx.dtype)  # [n, n]
+    chol = torch.linalg.cholesky(xtx + lam * eye)  # [n, n] lower: H = C C^T
+    # H^-1 = C^-T C^-1, so diag(H^-1)_j = sum_i (C^-1)_ij^2: one triangular solve, no full inverse
+    chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)  # [n, n]
+    return (chol_inv * chol_inv).sum(dim=0)  # [n]
 
 
 def sparsegpt_layer(hw: HeadWeights, hinv_att: torch.Tensor, hinv_out: torch.Tensor) -> np.ndarray:
