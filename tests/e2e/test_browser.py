@@ -127,8 +127,10 @@ def test_prune_slider_moves_the_mask(server, page):
 def test_every_page_renders(server, page, name, ready):
     from playwright.sync_api import expect
     ARTIFACTS.mkdir(exist_ok=True)
-    page.goto(f"{server}/{name}?model=smollm2-135m&sparsity=0.3")
+    path = "" if name == "model" else name          # the default page lives at the root URL
+    page.goto(f"{server}/{path}?model=smollm2-135m&sparsity=0.3")
     expect(page.get_by_text(ready).first).to_be_visible(timeout=LOAD_TIMEOUT_MS)
     page.wait_for_timeout(1000)  # let the remaining charts draw before the screenshot
     _no_exception_on_page(page)
+    assert page.get_by_text("Page not found").count() == 0
     page.screenshot(path=str(ARTIFACTS / f"e2e_{name}.png"), full_page=True)
