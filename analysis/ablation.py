@@ -90,7 +90,8 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nll.double().reshape(targets.shape).sum(1)                   # [R]
 
 
-def _loss_of(model, x: torch.Tensor) -> float:
+@torch.no_grad()
+def full_forward_loss(model, x: torch.Tensor) -> float:
     """Mean next-token NLL of a full forward. x [n, T]."""
     logits = model(input_ids=x, use_cache=False).logits[:, :-1]         # [n, T-1, V]
     return float(token_nll(logits, x[:, 1:]).sum() / x[:, 1:].numel())
@@ -99,6 +100,20 @@ def _loss_of(model, x: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 # Naive reference
 # ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def naive_layer_deltas(model, x: torch.Tensor, layer: int, base_loss: float, *, groups: bool = True,
+                       should_stop: ShouldStop = None) -> np.ndarray:
+    """Loss change [R] of every single-head (then KV-group) ablation of `layer`, one forward each."""
+    adapter = adapter_for(model)
+    gates = ablation_gates(adapter.geometry(model), layer, groups=groups)  # [R, L, H]
+    out = np.zeros(gates.shape[0])
+    for r in range(gates.shape[0]):
+        check_stop(should_stop, "Ablation sweep")
+        with head_mask(model, gates[r], adapter=adapter):
+            out[r] = full_forward_loss(model, x) - base_loss
+    return out
+
 
 @torch.no_grad()
 def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progress = None,
@@ -110,18 +125,12 @@ def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progr
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
     t0 = time.perf_counter()
-    base = _loss_of(model, x)
-    rows = [(l, ablation_gates(geo, l, groups=groups)) for l in layer_list(geo, layers)]
-    out = np.full((geo.n_layers, rows[0][1].shape[0]), np.nan)          # [L, R]
-    total = sum(g.shape[0] for _, g in rows)
-    done = 0
-    for l, gates in rows:
-        for r in range(gates.shape[0]):
-            check_stop(should_stop, "Ablation sweep")
-            with head_mask(model, gates[r], adapter=adapter):
-                out[l, r] = _loss_of(model, x) - base
-            done += 1
-            report(progress, done / total, f"naive ablation: layer {l + 1}/{geo.n_layers}")
+    base = full_forward_loss(model, x)
+    todo = layer_list(geo, layers)
+    out = np.full((geo.n_layers, ablation_gates(geo, 0, groups=groups).shape[0]), np.nan)  # [L, R]
+    for i, l in enumerate(todo):
+        out[l] = naive_layer_deltas(model, x, l, base, groups=groups, should_stop=should_stop)
+        report(progress, (i + 1) / len(todo), f"naive ablation: layer {l + 1}/{geo.n_layers}")
     H = geo.n_heads
     return AblationResult(base, out[:, :H], out[:, H:] if out.shape[1] > H else None,
                           int(x[:, 1:].numel()), "loss", "naive", {"total": time.perf_counter() - t0})
@@ -169,13 +178,16 @@ class _StopForward(Exception):
     """Raised inside a probe pass once the last layer's call has been captured."""
 
 
-def probe_calls(model, layers, x: torch.Tensor) -> list[tuple[tuple, dict]]:
-    """Each layer's (args, kwargs) for input x [b, T], stopping before the last layer runs."""
+def probe_calls(model, layers, x: torch.Tensor, n_calls: int | None = None) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) of the first `n_calls` layers (default all) for input x [b, T].
+
+    The forward stops as soon as the last wanted call is captured (before that layer runs)."""
     calls, handles = [], []
+    n_calls = len(layers) if n_calls is None else n_calls
 
     def pre(module, args, kwargs):
         calls.append((args, kwargs))
-        if len(calls) == len(layers):
+        if len(calls) >= n_calls:
             raise _StopForward
 
     try:
@@ -188,6 +200,24 @@ def probe_calls(model, layers, x: torch.Tensor) -> list[tuple[tuple, dict]]:
         for h in handles:
             h.remove()
     return calls
+
+
+def _hidden_path(call) -> tuple:
+    args, _ = call
+    return (0, 0) if args else (1, "hidden_states")
+
+
+def representative_calls(calls) -> list[int]:
+    """For each layer, the first layer whose call passes the very same tensors (hidden states
+    aside): most families hand every layer the same mask and rotary objects, so probing the
+    first layer's call is enough; families with per-layer masks get one probe per kind."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for j, call in enumerate(calls):
+        hidden = _hidden_path(call)
+        sig = tuple((p, id(t)) for p, t in _walk(call) if p != hidden)
+        out.append(seen.setdefault(sig, j))
+    return out
 
 
 def _first(out):
@@ -270,69 +300,105 @@ def _with_input(args, kwargs, hidden):
     return args, {**kwargs, "hidden_states": hidden}
 
 
+@dataclass
+class PreparedSweep:
+    """What one dense pass leaves for the per-layer ablation passes (see FastAblation.prepare)."""
+    x: torch.Tensor                  # [n, T] token ids
+    base_loss: float                 # dense mean NLL
+    calls: list                      # per layer: (args, kwargs) it was called with
+    batched: list                    # per layer: paths of the call tensors that carry the batch
+    layer_inputs: list               # per layer: hidden states entering it [n, T, D]
+    chain: list                      # modules from the last layer's output to the logits
+    prefix_seconds: float
+
+
 class FastAblation:
-    """Single-head (and KV-group) ablation sweep with prefix reuse and batched gates; verb: sweep."""
+    """Single-head (and KV-group) ablation sweep with prefix reuse and batched gates; verb: sweep.
+
+    `sweep` = `prepare` (one dense pass, two short probes) + `layer_deltas` per layer; the two
+    steps are public so a benchmark can interleave layers with the naive loop."""
 
     def __init__(self, batch_size: int = 16, groups: bool = True):
         self.batch_size = max(1, int(batch_size))   # sequences per forward pass (rows * n)
         self.groups = groups
 
     @torch.no_grad()
-    def sweep(self, model, ids, *, layers=None, progress: Progress = None,
-              should_stop: ShouldStop = None) -> AblationResult:
-        """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN)."""
+    def prepare(self, model, ids) -> PreparedSweep | None:
+        """Dense pass: layer calls, layer inputs, the tail; None when the tail is not replayable."""
         x = as_sequences(ids)                                            # [n, T]
-        n, T = x.shape
         adapter = adapter_for(model)
-        geo = adapter.geometry(model)
-        timings = {"prefix": 0.0, "layers": 0.0, "lm_head": 0.0}
         t0 = time.perf_counter()
         cap = _DenseCapture(model, adapter)
         logits = cap.run(x)                                              # [n, T, V]
         base = float(token_nll(logits[:, :-1], x[:, 1:]).sum() / x[:, 1:].numel())
         chain = cap.tail(logits)
         if chain is None or not torch.allclose(self._apply(chain, cap.last_out), logits, atol=1e-5, rtol=1e-4):
+            return None
+        layer_inputs = [_input_of(a, k).detach().clone() for a, k in cap.calls]  # L x [n, T, D]
+        blocks = adapter.layers(model)
+        rep = representative_calls(cap.calls)                           # [L] layer whose call to probe
+        one, two = (probe_calls(model, blocks, x[:1].repeat(b, 1), max(rep) + 1) for b in (1, 2))
+        batched = [batch_paths(one[r], two[r]) for r in rep]            # which call tensors carry the batch
+        return PreparedSweep(x, base, cap.calls, batched, layer_inputs, chain, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
+                     should_stop: ShouldStop = None) -> np.ndarray:
+        """Loss change [R] for every single-head (then KV-group) ablation of `layer`."""
+        adapter = adapter_for(model)
+        geo = adapter.geometry(model)
+        blocks = adapter.layers(model)
+        n = prep.x.shape[0]
+        targets = prep.x[:, 1:]                                          # [n, T-1]
+        gates = ablation_gates(geo, layer, groups=self.groups)           # [R, L, H]
+        out = np.zeros(gates.shape[0])                                   # [R]
+        timings = {} if timings is None else timings
+        rows_per_pass = max(1, self.batch_size // n)
+        for start in range(0, gates.shape[0], rows_per_pass):
+            check_stop(should_stop, "Ablation sweep")
+            g = gates[start:start + rows_per_pass]                       # [r, L, H]
+            r = g.shape[0]
+            t1 = time.perf_counter()
+            hidden = prep.layer_inputs[layer].repeat(r, 1, 1)            # [r*n, T, D]
+            with head_mask(model, g, adapter=adapter):
+                for j in range(layer, geo.n_layers):
+                    args, kwargs = repeat_batched(prep.calls[j], prep.batched[j], r)
+                    args, kwargs = _with_input(args, kwargs, hidden)
+                    hidden = _first(blocks[j](*args, **kwargs))          # [r*n, T, D]
+            t2 = time.perf_counter()
+            nll = self._tail_nll(prep.chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
+            out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).numpy() - prep.base_loss
+            timings["layers"] = timings.get("layers", 0.0) + t2 - t1
+            timings["lm_head"] = timings.get("lm_head", 0.0) + time.perf_counter() - t2
+        return out
+
+    def sweep(self, model, ids, *, layers=None, progress: Progress = None,
+              should_stop: ShouldStop = None) -> AblationResult:
+        """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN)."""
+        x = as_sequences(ids)                                            # [n, T]
+        geo = adapter_for(model).geometry(model)
+        todo = layer_list(geo, layers)
+        t0 = time.perf_counter()
+        prep = self.prepare(model, x)
+        if prep is None:
             result = naive_sweep(model, x, groups=self.groups, layers=layers, progress=progress,
                                  should_stop=should_stop)
             return AblationResult(result.base_loss, result.head_delta, result.group_delta, result.n_tokens,
                                   result.metric, "naive (tail after the last layer is not replayable)",
                                   result.timings)
-        layer_inputs = [_input_of(a, k).detach().clone() for a, k in cap.calls]  # L x [n, T, D]
-        blocks = adapter.layers(model)
-        one, two = (probe_calls(model, blocks, x[:1].repeat(b, 1)) for b in (1, 2))
-        batched = [batch_paths(c1, c2) for c1, c2 in zip(one, two)]    # which call tensors carry the batch
-        timings["prefix"] = time.perf_counter() - t0
-        targets = x[:, 1:]                                               # [n, T-1]
+        timings = {"prefix": prep.prefix_seconds, "layers": 0.0, "lm_head": 0.0}
         R = ablation_gates(geo, 0, groups=self.groups).shape[0]
         out = np.full((geo.n_layers, R), np.nan)                         # [L, R]
-        todo = layer_list(geo, layers)
-        rows_per_pass = max(1, self.batch_size // n)
         work = {l: geo.n_layers - l for l in todo}
         done = 0
         for l in todo:
-            gates = ablation_gates(geo, l, groups=self.groups)           # [R, L, H]
-            for start in range(0, R, rows_per_pass):
-                check_stop(should_stop, "Ablation sweep")
-                g = gates[start:start + rows_per_pass]                   # [r, L, H]
-                r = g.shape[0]
-                t1 = time.perf_counter()
-                hidden = layer_inputs[l].repeat(r, 1, 1)                 # [r*n, T, D]
-                with head_mask(model, g, adapter=adapter):
-                    for j in range(l, geo.n_layers):
-                        args, kwargs = repeat_batched(cap.calls[j], batched[j], r)
-                        args, kwargs = _with_input(args, kwargs, hidden)
-                        hidden = _first(blocks[j](*args, **kwargs))      # [r*n, T, D]
-                t2 = time.perf_counter()
-                nll = self._tail_nll(chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
-                out[l, start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).numpy() - base
-                timings["layers"] += t2 - t1
-                timings["lm_head"] += time.perf_counter() - t2
+            out[l] = self.layer_deltas(model, prep, l, timings, should_stop)
             done += work[l]
             report(progress, done / sum(work.values()), f"ablation sweep: layer {l + 1}/{geo.n_layers}")
         timings["total"] = time.perf_counter() - t0
         H = geo.n_heads
-        return AblationResult(base, out[:, :H], out[:, H:] if R > H else None, int(targets.numel()),
-                              "loss", "fast", timings)
+        return AblationResult(prep.base_loss, out[:, :H], out[:, H:] if R > H else None,
+                              int(x[:, 1:].numel()), "loss", "fast", timings)
 
     @staticmethod
     def _apply(chain, hidden):

@@ -2,9 +2,11 @@
 
 Three metrics, one per `LoadedModel.kind` (dispatch table `EVALUATORS`):
 - "causal-lm": perplexity = exp(mean token NLL), with a sliding window of `window` tokens moved
-  by `stride` as in the Hugging Face perplexity guide: every token after the first is scored
-  exactly once, with up to `window - 1` tokens of context. Logits are computed only at the
-  scored positions (`logits_to_keep`), windows of the same shape are batched.
+  by `stride` as in the Hugging Face perplexity guide: every token is scored at most once,
+  with up to `window - 1` tokens of context (with stride < window every token after the first
+  is scored; with stride = window the first token of each window has no context and is not).
+  Logits are computed only at the scored positions (`logits_to_keep`); windows of the same
+  shape are batched.
 - "masked-lm": pseudo-perplexity (Salazar et al. 2020): each non-special token is masked in
   turn and scored from the rest; the base model runs on the masked copies and the LM head is
   applied only at the masked position (a forward hook slices the base model's output).
@@ -24,6 +26,7 @@ the amount of text evaluated (the first `max_tokens` tokens).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -124,7 +127,6 @@ def context_length(model, default: int = 512) -> int:
 
 def _masked(model, gates: torch.Tensor | None):
     """head_mask for a gate batch, or a no-op context for the dense model."""
-    import contextlib
     return contextlib.nullcontext(model) if gates is None else head_mask(model, gates)
 
 
@@ -159,7 +161,10 @@ class Window:
 
 
 def causal_windows(n_tokens: int, window: int, stride: int) -> list[Window]:
-    """The HF-guide sliding windows over n_tokens: each token after the first scored once."""
+    """The HF-guide sliding windows over n_tokens; each token is scored at most once.
+
+    Window w covers tokens [begin, end) and scores its last n_target tokens (those not scored
+    by an earlier window; the window's first token has no context inside it)."""
     if window < 2 or stride < 1 or stride > window:
         raise InputError(f"Window {window} / stride {stride} are invalid: need window >= 2 and "
                          "1 <= stride <= window.")

@@ -49,6 +49,19 @@ def test_fast_sweep_equals_naive_loop_on_tiny_models(family):
     assert np.abs(naive.head_delta).min() > 0                           # every head does something
 
 
+@pytest.mark.parametrize("family,overrides", [
+    ("gemma3_text", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, layer_types=["full_attention", "sliding_attention"])),
+])
+def test_fast_sweep_with_per_layer_attention_masks(family, overrides):
+    """Layers called with different masks (sliding vs full) each get their own batch probe."""
+    model = tiny_model(family, **overrides)
+    x = tiny_input_ids(3, 12)                                          # longer than the window
+    fast = FastAblation(batch_size=6).sweep(model, x)
+    assert fast.method == "fast"
+    np.testing.assert_allclose(fast.head_delta, naive_sweep(model, x).head_delta, rtol=1e-4, atol=0)
+
+
 def test_fast_sweep_equals_zeroed_weight_copies():
     model = tiny_model("llama")                                         # GQA: 4 heads, 2 KV groups
     x = tiny_input_ids(2, 10)

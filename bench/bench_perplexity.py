@@ -1,0 +1,89 @@
+"""Benchmark: `analysis.evaluation` perplexity vs the plain Hugging Face loop, on SmolLM2.
+
+Same tokens (the first --tokens of the built-in evaluation text), same windows (--window,
+--stride), same model, one process, runs alternating (HF, ours, ours, HF, ...) so both see the
+same machine load; medians are compared. The plain loop is the perplexity guide's: one window
+per forward with labels (-100 on the overlap), the model's own loss. Ours batches windows of
+the same shape and computes logits only at the scored positions (`logits_to_keep`).
+
+    .venv/bin/python bench/bench_perplexity.py [--tokens 1024] [--window 256] [--stride 128]
+Target: throughput ratio ours / HF >= 1.0 with the same perplexity (relative difference <= 1e-4).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TARGET = 1.0
+
+
+def hf_loop(model, ids, window: int, stride: int) -> float:
+    """The HF perplexity guide's loop over ids [N]; counts the tokens the shifted loss averages."""
+    import torch
+    nll_sum, n_tokens, prev_end = 0.0, 0, 0
+    N = ids.numel()
+    with torch.no_grad():
+        for begin in range(0, N, stride):
+            end = min(begin + window, N)
+            trg_len = end - prev_end
+            x = ids[begin:end].unsqueeze(0)
+            y = x.clone()
+            y[:, :-trg_len] = -100
+            loss = model(input_ids=x, labels=y).loss
+            valid = int((y[:, 1:] != -100).sum())
+            nll_sum += float(loss) * valid
+            n_tokens += valid
+            prev_end = end
+            if end == N:
+                break
+    return float(torch.exp(torch.tensor(nll_sum / n_tokens)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--stride", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    from analysis.evaluation import CausalPerplexity, token_ids
+    from analysis.models import load_model
+    from analysis.text import evaluation_text
+
+    lm = load_model("smollm2-135m")
+    ids = token_ids(lm.tokenizer, evaluation_text(), max_tokens=args.tokens)               # [N]
+    ours = CausalPerplexity(window=args.window, stride=args.stride, batch_size=args.batch_size)
+    n_windows = len(ours.plan(lm.model, ids.numel()))
+    print(f"SmolLM2-135M, {ids.numel()} tokens, window {args.window}, stride {args.stride}: "
+          f"{n_windows} windows, batch {args.batch_size}")
+
+    times = {"hf": [], "ours": []}
+    values = {}
+    for r in range(args.repeats):
+        order = ("hf", "ours") if r % 2 == 0 else ("ours", "hf")
+        for name in order:
+            t0 = time.perf_counter()
+            values[name] = (hf_loop(lm.model, ids, args.window, args.stride) if name == "hf"
+                            else ours.measure(lm.model, ids).value)
+            times[name].append(time.perf_counter() - t0)
+    hf_t, our_t = statistics.median(times["hf"]), statistics.median(times["ours"])
+    n = ids.numel() - 1
+    rel = abs(values["ours"] - values["hf"]) / values["hf"]
+    print(f"HF loop : {hf_t:7.2f} s  {n / hf_t:7.1f} tokens/s  perplexity {values['hf']:.5f}")
+    print(f"ours    : {our_t:7.2f} s  {n / our_t:7.1f} tokens/s  perplexity {values['ours']:.5f}")
+    ratio = hf_t / our_t
+    ok = ratio >= TARGET and rel <= 1e-4
+    print(f"throughput ours / HF = {ratio:.2f}x (target >= {TARGET}x), perplexity rel. diff {rel:.1e} "
+          f"-> {'PASS' if ok else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
