@@ -333,3 +333,12 @@ def view_mask(lm):
         show_exception(err, "Building the mask")
         return None
     return head_scores, plan, params, policy
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def speed_report(name: str, trust: bool, pruned, prefill: tuple, repeats: int, _progress=None, _should_stop=None):
+    """`analysis.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
+    from analysis import speed
+    with exclusive(name, trust, _progress) as lm:
+        return speed.measure(lm.model, pruned, prefill=prefill, repeats=repeats, progress=_progress,
+                             should_stop=_should_stop)

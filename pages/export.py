@@ -68,3 +68,38 @@ last = state.recall("export.last")
 if last is not None:
     st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
+
+st.subheader("Measured report")
+speed = cache.optional("speed")
+if speed is None:
+    cache.unavailable("The measured report", "speed")
+else:
+    with shown_errors("Measuring"):
+        c1, c2 = st.columns([2, 1])
+        lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
+                                 key=state.widget_key("export.speed.lengths", value=[128]))
+        repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats", value=3)))
+        speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats)
+        st.caption("Times the dense model, the masked model (hooks zero the heads: same FLOPs) and the physically "
+                   "pruned copy in alternating order, on this machine.")
+        if st.button("Measure dense vs masked vs pruned", key="export.measure"):
+            result = cache.cached_call(cache.speed_report, lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)),
+                                       repeats, label="Measuring", stoppable=True)
+            if result is not None:
+                state.remember("export.speed", (speed_key, result))
+        remembered = state.recall("export.speed")
+        if remembered and remembered[0] == speed_key:
+            report = remembered[1]
+            m = st.columns(3)
+            m[0].metric("Parameters", f"{report.parameters['pruned']:,}",
+                        f"{report.parameters['pruned'] - report.parameters['dense']:+,}", delta_color="inverse")
+            if report.file_bytes:
+                m[1].metric("File size", f"{report.file_bytes['pruned'] / 2**20:.1f} MiB",
+                            f"{(report.file_bytes['pruned'] - report.file_bytes['dense']) / 2**20:+.1f} MiB",
+                            delta_color="inverse")
+            m[2].metric("Heads pruned", f"{report.heads_pruned} / {report.heads_total}")
+            st.dataframe(report.rows(), hide_index=True)
+            if report.skipped:
+                st.caption("Skipped: " + "; ".join(report.skipped))
+        elif remembered:
+            st.caption("The mask or the settings changed since the last measurement; press the button again.")

@@ -73,3 +73,18 @@ def test_occupied_target_needs_overwrite(tiny_dir, out_root):
     at.checkbox(key="hs.w.export.overwrite").check().run()
     at.button(key="export.run").click().run()
     assert not at.error and (out_root / "taken" / "mask.json").exists()
+
+
+def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
+    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    at.number_input(key="hs.w.export.speed.repeats").set_value(1).run()
+    at.multiselect(key="hs.w.export.speed.lengths").set_value([128]).run()
+    at.button(key="export.measure").click().run()
+    no_exception(at)
+    from components import cache
+    model = cache.load(str(tiny_dir), False).model
+    dense = sum(p.numel() for p in model.parameters())
+    shown = int([m for m in at.metric if m.label == "Parameters"][0].value.replace(",", ""))
+    assert 0 < shown < dense
+    assert any(m.label == "Heads pruned" and m.value == "8 / 16" for m in at.metric)
+    assert at.dataframe, "no timing table"
