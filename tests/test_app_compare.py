@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
-from tests._apptools import figure_titled, figures, fresh_caches, heatmap_z, new_app, no_exception, tiny_dir  # noqa: F401
+from tests._apptools import figure_titled, fresh_caches, heatmap_z, new_app, no_exception, tiny_dir  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 DEFAULT = ["MP (Magnitude Profile)", "MP-G (GQA-aware MP)", "Magnitude", "Random (floor)"]

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests._apptools import (downloads, figure_titled, fresh_caches, heatmap_z, metric, new_app, no_exception,  # noqa: F401
+from tests._apptools import (downloads, figure_titled, fresh_caches, metric, new_app, no_exception,  # noqa: F401
                              smollm2_app, tiny_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
