@@ -52,6 +52,9 @@ st.subheader("Integrated-gradients attribution (Captum)")
 attribution = cache.optional("attribution")
 if attribution is None:
     cache.unavailable("Head attribution", "attribution")
+elif lm.kind != "causal-lm":
+    st.caption(f"Attribution integrates the language-model loss of a causal LM; this model is a {lm.kind}. "
+               "Use the single-head ablation above instead.")
 else:
     with shown_errors("Head attribution"):
         c1, c2 = st.columns(2)

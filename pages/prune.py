@@ -98,7 +98,8 @@ else:
         max_tokens = int(c2.number_input("Tokens to use", 16, 8192, step=64,
                                          key=state.widget_key("prune.max_tokens", value=256)))
         check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
-        if st.button("Check perplexity against the dense model", key="prune.check"):
+        metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
+        if st.button(f"Check {metric_name} against the dense model", key="prune.check"):
             dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
             result = cache.cached_call(cache.evaluate_masks, lm.name, state.trust(), dense_and_masked, text,
                                        max_tokens, label="Evaluating", stoppable=True)

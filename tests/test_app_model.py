@@ -80,3 +80,18 @@ def test_builtin_smollm2_geometry(smollm2_app):
     no_exception(at)
     assert (metric(at, "Layers (L)"), metric(at, "Query heads (H)"), metric(at, "KV heads (H_kv)")) == ("30", "9", "3")
     assert metric(at, "Query heads per KV head (G)") == "3"
+
+
+def test_builtin_minilm_encoder_on_every_page():
+    """The built-in encoder (no LM head): every page renders; its check metric is embedding fidelity."""
+    for page in ("model", "profiles", "prune", "compare", "heads", "export"):
+        at = new_app("minilm-l6", page=page)
+        no_exception(at)
+        assert not at.error, (page, [e.value for e in at.error])
+    assert int(metric(new_app("minilm-l6", page="model"), "Heads in total (L x H)")) == 72
+    at = new_app("minilm-l6", page="prune")
+    at.number_input(key="hs.w.prune.max_tokens").set_value(32).run()
+    at.button(key="prune.check").click().run()
+    no_exception(at)
+    assert float(metric(at, "Dense embedding-fidelity")) == pytest.approx(1.0, abs=1e-5)
+    assert 0.0 < float(metric(at, "Masked embedding-fidelity")) < 1.0
