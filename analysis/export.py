@@ -524,10 +524,20 @@ def _architecture_class(config):
                          f"export the pruned model again with this version.")
 
 
+def _producer(weights: Path) -> str | None:
+    """The "producer" metadata of a safetensors file (headscope's pruned format sets it), or None."""
+    from safetensors import safe_open
+    if not weights.is_file():
+        return None
+    with safe_open(str(weights), framework="pt") as handle:
+        return (handle.metadata() or {}).get("producer")
+
+
 def load_pruned(path, *, attn_implementation: str | None = None) -> nn.Module:
     """Rebuild a model exported by `export_pruned`: build it from config.json, apply
-    head_layout.json's shapes, load model.safetensors. A stock export (config.json already holds
-    the pruned counts) is loaded with its class's from_pretrained."""
+    head_layout.json's shapes, load model.safetensors. A stock export (a save_pretrained
+    checkpoint whose config.json already holds the pruned counts) is loaded with its class's
+    from_pretrained."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
     folder = Path(path)
@@ -536,19 +546,24 @@ def load_pruned(path, *, attn_implementation: str | None = None) -> nn.Module:
         raise ModelLoadError(f"{folder} has no {LAYOUT_FILE}; it is not a headscope pruned export. Load zeroed "
                              f"or stock exports with transformers' from_pretrained.")
     layout = HeadLayout.from_json(layout_file.read_text(encoding="utf-8"))
+    if not (folder / WEIGHTS_FILE).is_file() and not (folder / "model.safetensors.index.json").is_file():
+        raise ModelLoadError(f"{folder} has no {WEIGHTS_FILE}; an ONNX export holds model.onnx only (run it with "
+                             f"ONNX Runtime). Otherwise export the pruned model again.")
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
         adapter = adapter_for(config)
         g = adapter.geometry(config)
         cls = _architecture_class(config)
-        if (g.n_heads, g.n_kv_heads) != (layout.n_heads, layout.n_kv_heads):
-            if layout.uniform_counts() != (g.n_heads, g.n_kv_heads):
-                raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) fits "
-                                     f"neither the original nor the pruned shapes of its {LAYOUT_FILE}; export "
-                                     f"it again.")
-            with _quiet_progress_bars():           # a stock export: config.json has the pruned shapes
+        if _producer(folder / WEIGHTS_FILE) != TOOL:           # a stock (save_pretrained) checkpoint
+            if (g.n_heads, g.n_kv_heads) != (layout.uniform_counts() or (layout.n_heads, layout.n_kv_heads)):
+                raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) does "
+                                     f"not match its {LAYOUT_FILE}; export it again.")
+            with _quiet_progress_bars():
                 return cls.from_pretrained(folder, local_files_only=True, **kwargs).eval()
+        if (g.n_heads, g.n_kv_heads) != (layout.n_heads, layout.n_kv_heads):
+            raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) is not the "
+                                 f"original model's config its {LAYOUT_FILE} expects; export it again.")
         state = load_file(str(folder / WEIGHTS_FILE))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"Cannot read the pruned checkpoint in {folder} ({str(err).splitlines()[0]}); "

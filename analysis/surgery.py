@@ -178,7 +178,7 @@ class HeadLayout:
                 raise InputError(f"Layer {layer} keeps an uneven number of query heads per KV group "
                                  f"({per_group.tolist()}); the 'strict' KV policy refuses to expand K/V. "
                                  f"Use kv_policy='auto' or change the mask.")
-            expand = G > 1 and kept and (kv_policy == "expand" or not even)
+            expand = G > 1 and bool(kept) and (kv_policy == "expand" or not even)
             heads.append(kept)
             kv_heads.append([h // G for h in kept] if expand else groups)
         layout = cls(model_type=model_type, n_heads=H, n_kv_heads=geometry.n_kv_heads,

@@ -324,3 +324,13 @@ def test_atomic_folder_renames_only_at_the_end(tmp_path):
         (tmp / "a").write_text("1")
         assert not target.exists() and tmp.parent == tmp_path
     assert (target / "a").read_text() == "1" and _no_leftovers(tmp_path) == []
+
+
+def test_stock_export_without_pruning_loads_for_any_family(tmp_path):
+    # nothing pruned: every family's config can say it, and load_pruned reads the save_pretrained keys
+    model = tiny_model("gpt_neox")                      # save_pretrained renames lm_head -> embed_out
+    nothing = np.zeros((2, 4), bool)
+    result = export_stock(model, nothing, tmp_path / "s")
+    ids = tiny_input_ids()
+    loaded = load_pruned(result.path, attn_implementation="eager")
+    assert (_out(loaded, ids) - _out(model, ids)).abs().max().item() <= TOL
