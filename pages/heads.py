@@ -22,7 +22,9 @@ else:
         with c1:
             text = controls.text_source(prefix="heads.ablation")
         tokens = int(c2.number_input("Tokens to use", 16, 4096, step=64,
-                                     key=state.widget_key("heads.ablation.tokens", value=256)))
+                                     key=state.widget_key("heads.ablation.tokens", value=128)))
+        st.caption(f"Every one of the {g.n_total_heads} heads is removed in turn, each costing at least one pass "
+                   "through the output layer: on a CPU this takes minutes for a real model. Fewer tokens are faster.")
         run_key = (lm.name, text, tokens)
         if st.button(f"Run the ablation sweep ({g.n_total_heads} heads)", key="heads.ablate"):
             result = cache.cached_call(cache.ablation, lm.name, state.trust(), text, tokens,

@@ -122,7 +122,7 @@ def test_prune_slider_moves_the_mask(server, page):
 
 
 @pytest.mark.parametrize("name,ready", [("model", "Parameters"), ("profiles", "rows above tau"),
-                                        ("compare", "Jaccard"), ("heads", "Run the ablation sweep"),
+                                        ("compare", "Jaccard"), ("heads", "Layer 0, head 0 (KV group 0)"),
                                         ("export", "Download mask.json")])
 def test_every_page_renders(server, page, name, ready):
     from playwright.sync_api import expect
