@@ -63,7 +63,7 @@ def scorer_rows(args) -> list[tuple[str, object]]:
         ("Wanda-Head", WandaHeadScorer(**cal)),
         ("SparseGPT-Head", SparseGPTHeadScorer(**cal)),
         ("Gradient-Head", GradientHeadScorer(**cal)),
-        ("Head gate |dL/dg| (Michel)", HeadGateScorer(**cal)),
+        ("Head gate, abs. gradient (Michel)", HeadGateScorer(**cal)),
         (f"Head gate, integrated ({args.ig_steps} steps)", IntegratedGateScorer(**cal, n_steps=args.ig_steps)),
         ("Hybrid (Magnitude + MP + Wanda)", HybridScorer(**cal)),
         (f"Ablation oracle ({args.ablation_sequences} x {args.ablation_seq_len} tokens)",
@@ -97,12 +97,14 @@ def main() -> None:
 
     loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
     G, (L, H) = loaded.geometry.group_size, (loaded.geometry.n_layers, loaded.geometry.n_heads)
+    profile_start = time.perf_counter()
     profile = profile_model(loaded.model, adapter=loaded.adapter)
+    profile_seconds = time.perf_counter() - profile_start
     calibration = calibration_ids(loaded.tokenizer, args.n_sequences, args.seq_len)  # [n, T]
     ablation_ids = calibration_ids(loaded.tokenizer, args.ablation_sequences, args.ablation_seq_len)
     eval_text = evaluation_text(max_chars=12 * args.eval_tokens + 4096)
 
-    labels, masks, costs = [], [], {}
+    labels, masks, costs, emptied = [], [], {}, {}
     for label, scorer in scorer_rows(args):
         print(f"scoring: {label}", file=sys.stderr, flush=True)
         if scorer.needs_calibration:
@@ -114,6 +116,7 @@ def main() -> None:
         for s in SPARSITIES:
             labels.append((label, s))
             masks.append(plan_mask(scores, s, group_size=G).pruned)
+            emptied[(label, s)] = int(masks[-1].all(axis=1).sum())
     for seed in RANDOM_SEEDS:
         scores = RandomScorer(seed=seed).score(profile)
         for s in SPARSITIES:
@@ -144,18 +147,19 @@ def main() -> None:
         f"calibration split; the ablation oracle uses {args.ablation_sequences} x {args.ablation_seq_len}. "
         "Cost = forward / backward passes counted per calibration sequence, and wall seconds on this machine.",
         "",
-        "| Scorer | 12.5 % | 25 % | 50 % | Calibration cost |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| Scorer | 12.5 % | 25 % | 50 % | Calibration cost | Layers emptied (12.5 / 25 / 50 %) |",
+        "| --- | ---: | ---: | ---: | --- | --- |",
     ]
     for label, _ in scorer_rows(args):
         cells = [f"{table[(label, s)]:.2f}" for s in SPARSITIES]
-        lines.append(f"| {label} | {' | '.join(cells)} | {costs[label]} |")
+        empty = " / ".join(str(emptied[(label, s)]) for s in SPARSITIES)
+        lines.append(f"| {label} | {' | '.join(cells)} | {costs[label]} | {empty} |")
     random_cells = []
     for s in SPARSITIES:
         vals = np.array([table[(f"random-{seed}", s)] for seed in RANDOM_SEEDS])
         random_cells.append(f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}")
     lines.append(f"| Random (mean ± std, seeds {', '.join(map(str, RANDOM_SEEDS))}) | {' | '.join(random_cells)} "
-                 "| none |")
+                 "| none | |")
     elapsed = time.perf_counter() - started
     lines += [
         "",
@@ -164,6 +168,12 @@ def main() -> None:
         f"{torch.get_num_threads()} torch threads, total {elapsed / 60:.1f} min; seconds depend on machine load.",
         f"- The evaluation text is short ({args.eval_tokens} tokens), so differences of a few percent are within "
         "noise; the ranking at 50 % sparsity is the most informative column.",
+        f"- Weight-only scorers (MP, MP-G, Magnitude, Random) score the cached row-norm profile; computing "
+        f"that profile once read the attention weights in {profile_seconds:.2f} s.",
+        "- \"Layers emptied\" counts layers that lost every head. Scores from activations (Wanda-Head, "
+        "SparseGPT-Head) scale with each layer's activations, which differ across layers, so under the global "
+        "ranking used for every scorer here they can remove whole layers (see the last column); no per-layer "
+        "normalized variant is run.",
         "- The ablation oracle scores each head by the loss increase when it alone is removed (on calibration "
         "text); it is a reference, not a practical scorer (one masked pass per head).",
         f"- Text: {WIKI_ATTRIBUTION}",
