@@ -17,6 +17,9 @@ Layouts (the quirks are handled here and nowhere else):
 """
 from __future__ import annotations
 
+import copy
+import inspect
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Mapping
 
@@ -216,7 +219,6 @@ FAMILIES: dict[str, Family] = {
     "gemma2": _LLAMA_LIKE,
     "gemma3_text": _LLAMA_LIKE,
     "olmo": _LLAMA_LIKE,
-    "olmo2": _LLAMA_LIKE,
     "starcoder2": _LLAMA_LIKE,
     "phi": Family("layers", "self_attn", Separate("q_proj", "k_proj", "v_proj", "dense")),
     "phi3": Family("layers", "self_attn", Stacked("qkv_proj", "o_proj")),
@@ -241,6 +243,15 @@ ATTENTION_FREE = {"mamba", "mamba2", "rwkv", "resnet", "convnext", "convnextv2",
                   "mobilenet_v2", "efficientnet", "van", "poolformer", "falcon_mamba"}
 
 
+# Families headscope knows but refuses, with the reason (user-facing).
+REFUSED = {
+    "olmo2": "OLMo-2 normalizes Q and K over all heads together (q_norm/k_norm span H*d), so a head cannot be "
+             "removed alone: zeroing its rows changes the kept heads' values, and the masked model, the "
+             "zeroed-weights model and a physically smaller one would all disagree. Use an OLMo (v1) or a "
+             "Llama-style model instead.",
+}
+
+
 def _config_of(model_or_config):
     return getattr(model_or_config, "config", model_or_config)
 
@@ -249,108 +260,8 @@ def _get(module: nn.Module, path: str) -> nn.Module:
     return module.get_submodule(path) if path else module
 
 
-class Adapter:
-    """The head-shaped view of one architecture family. Stateless: every call takes the model."""
-
-    def __init__(self, model_type: str, family: Family):
-        self.model_type = model_type
-        self.family = family
-
-    def __repr__(self):
-        return f"Adapter({self.model_type!r})"
-
-    # -- geometry --------------------------------------------------------------------------
-    def geometry(self, model_or_config) -> HeadGeometry:
-        cfg = _config_of(model_or_config)
-        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
-        H = int(cfg.num_attention_heads)
-        D = int(cfg.hidden_size)
-        Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
-        d = int(getattr(cfg, "head_dim", None) or D // H)
-        if self.family.mha_only:
-            Hkv = H
-        return HeadGeometry(n_layers=int(cfg.num_hidden_layers), n_heads=H, n_kv_heads=Hkv, head_dim=d, hidden=D)
-
-    # -- modules ---------------------------------------------------------------------------
-    def layers(self, model: nn.Module) -> nn.ModuleList:
-        return _get(model.base_model, self.family.layers)
-
-    def attention(self, model: nn.Module, layer: int) -> nn.Module:
-        return _get(self.layers(model)[layer], self.family.attn)
-
-    def o_proj(self, model: nn.Module, layer: int) -> nn.Module:
-        """The output projection; its input is [..., H*d], one head after another."""
-        return _get(self.attention(model, layer), self.family.layout.o)
-
-    def projection_modules(self, model: nn.Module, layer: int) -> dict[str, nn.Module]:
-        """Role ("q","k","v","o" or "qkv","o") -> the projection module of that layer."""
-        attn = self.attention(model, layer)
-        return {role: _get(attn, path) for role, path in self.family.layout.paths().items()}
-
-    # -- tensor names (for reading checkpoints without a model) -----------------------------
-    def tensor_suffixes(self, layer: int) -> dict[str, str]:
-        """Role key ("q.weight", "qkv.bias", ...) -> the state-dict name's suffix for `layer`.
-
-        Checkpoints differ in prefix ("model.", "transformer.", none); match by suffix."""
-        base = f"{self.family.layers}.{layer}.{self.family.attn}"
-        return {f"{role}.{kind}": f"{base}.{path}.{kind}"
-                for role, path in self.family.layout.paths().items() for kind in ("weight", "bias")}
-
-    def heads_from_tensors(self, tensors: Mapping[str, Tensor | None], geometry: HeadGeometry) -> HeadWeights:
-        """Head-major view from role-keyed tensors (as named by `tensor_suffixes`); views, not copies."""
-        return self.family.layout.split(tensors, geometry)
-
-    # -- reading and writing weights ---------------------------------------------------------
-    def _tensors(self, model, layer) -> dict[str, Tensor | None]:
-        out = {}
-        for role, mod in self.projection_modules(model, layer).items():
-            out[f"{role}.weight"] = mod.weight
-            out[f"{role}.bias"] = getattr(mod, "bias", None)
-        return out
-
-    def read_heads(self, model: nn.Module, layer: int, geometry: HeadGeometry | None = None) -> HeadWeights:
-        """Detached clones of `layer`'s weights, head-major (see HeadWeights for shapes)."""
-        g = geometry or self.geometry(model)
-        with torch.no_grad():
-            hw = self.family.layout.split(self._tensors(model, layer), g)
-            return hw.map(lambda t: t.detach().clone())
-
-    def write_heads(self, model: nn.Module, layer: int, hw: HeadWeights) -> None:
-        """Copy `hw` back into the model's parameters in place (same shapes as read_heads gave)."""
-        current = self._tensors(model, layer)
-        merged = self.family.layout.merge(hw)
-        with torch.no_grad():
-            for key, value in merged.items():
-                target = current.get(key)
-                if target is None:
-                    raise UnsupportedModelError(f"{self.model_type}: this layer has no tensor for {key!r}.")
-                if target.shape != value.shape:
-                    raise ValueError(f"write_heads: {key} has shape {tuple(target.shape)}, got {tuple(value.shape)}; "
-                                     "write_heads keeps shapes (use surgery to change them).")
-                target.copy_(value)
-
-
-def adapter_for(model_or_config) -> Adapter:
-    """The adapter for a model (or its config), chosen by `config.model_type`."""
-    cfg = _config_of(model_or_config)
-    model_type = getattr(cfg, "model_type", None)
-    if model_type in FAMILIES:
-        return Adapter(model_type, FAMILIES[model_type])
-    if model_type in ATTENTION_FREE:
-        raise UnsupportedModelError(
-            f"'{model_type}' models have no attention heads, so there is nothing for headscope to score "
-            f"or prune. Pick a transformer with self-attention; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
-    if model_type and not hasattr(cfg, "num_attention_heads"):
-        raise UnsupportedModelError(
-            f"'{model_type}' has no attention heads in its config (no num_attention_heads). headscope "
-            f"needs a transformer with self-attention; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
-    raise UnsupportedModelError(
-        f"Architecture '{model_type}' is not supported yet. Supported model types: "
-        f"{', '.join(SUPPORTED_MODEL_TYPES)}. Adding one is a row in analysis/adapters.py FAMILIES.")
-
-
 # =============================================================================================
-# Surgery support (co-owned with analysis/surgery.py; added below, the code above is unchanged).
+# Surgery support: what analysis/surgery.py needs to resize a family's attention.
 #
 # Physically removing heads needs three more pieces of family knowledge, kept here as a second
 # lookup table (`SURGERY`, keyed by model_type like FAMILIES):
@@ -368,9 +279,6 @@ def adapter_for(model_or_config) -> Adapter:
 #   [batch*H, 1, seq]), sliced to the kept heads by the same subclass;
 # - which config keys describe a uniform per-layer head structure to stock Hugging Face code.
 # =============================================================================================
-
-import inspect  # noqa: E402  (kept with the section that needs them)
-import warnings  # noqa: E402
 
 _QUANTITIES = ("heads", "kv_heads", "groups", "width")
 
@@ -422,11 +330,6 @@ SURGERY: dict[str, SurgerySpec] = {
     "gemma2": _LLAMA_SURGERY,
     "gemma3_text": _LLAMA_SURGERY,
     "olmo": _LLAMA_SURGERY,
-    "olmo2": SurgerySpec(
-        {"num_key_value_groups": "groups"},
-        unsupported="OLMo-2 normalizes Q and K over all heads together (q_norm/k_norm span H*d), so removing "
-                    "a head changes the kept heads' values and a smaller model cannot equal the masked one. "
-                    "Export the zeroed-weights checkpoint instead."),
     "starcoder2": _LLAMA_SURGERY,
     "phi": _LLAMA_SURGERY,
     "phi3": SurgerySpec({"num_key_value_groups": "groups", "num_key_value_heads": "kv_heads",
@@ -608,103 +511,193 @@ def _install_surgery_state(module: nn.Module, state: _SurgeryState) -> None:
     module._headscope_surgery = state
 
 
-def _surgery_spec(self) -> SurgerySpec:
-    """This family's surgery row (UnsupportedModelError where surgery cannot be exact)."""
-    spec = SURGERY.get(self.model_type)
-    if spec is None:
-        raise UnsupportedModelError(f"'{self.model_type}' has no surgery entry yet (analysis/adapters.py SURGERY); "
-                                    f"export the zeroed-weights checkpoint instead.")
-    if spec.unsupported:
-        raise UnsupportedModelError(spec.unsupported)
-    return spec
+class Adapter:
+    """The head-shaped view of one architecture family. Stateless: every call takes the model."""
+
+    def __init__(self, model_type: str, family: Family):
+        self.model_type = model_type
+        self.family = family
+
+    def __repr__(self):
+        return f"Adapter({self.model_type!r})"
+
+    # -- geometry --------------------------------------------------------------------------
+    def geometry(self, model_or_config) -> HeadGeometry:
+        cfg = _config_of(model_or_config)
+        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+        H = int(cfg.num_attention_heads)
+        D = int(cfg.hidden_size)
+        Hkv = int(getattr(cfg, "num_key_value_heads", None) or H)
+        d = int(getattr(cfg, "head_dim", None) or D // H)
+        if self.family.mha_only:
+            Hkv = H
+        return HeadGeometry(n_layers=int(cfg.num_hidden_layers), n_heads=H, n_kv_heads=Hkv, head_dim=d, hidden=D)
+
+    # -- modules ---------------------------------------------------------------------------
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return _get(model.base_model, self.family.layers)
+
+    def attention(self, model: nn.Module, layer: int) -> nn.Module:
+        return _get(self.layers(model)[layer], self.family.attn)
+
+    def o_proj(self, model: nn.Module, layer: int) -> nn.Module:
+        """The output projection; its input is [..., H*d], one head after another."""
+        return _get(self.attention(model, layer), self.family.layout.o)
+
+    def projection_modules(self, model: nn.Module, layer: int) -> dict[str, nn.Module]:
+        """Role ("q","k","v","o" or "qkv","o") -> the projection module of that layer."""
+        attn = self.attention(model, layer)
+        return {role: _get(attn, path) for role, path in self.family.layout.paths().items()}
+
+    # -- tensor names (for reading checkpoints without a model) -----------------------------
+    def tensor_suffixes(self, layer: int) -> dict[str, str]:
+        """Role key ("q.weight", "qkv.bias", ...) -> the state-dict name's suffix for `layer`.
+
+        Checkpoints differ in prefix ("model.", "transformer.", none); match by suffix."""
+        base = f"{self.family.layers}.{layer}.{self.family.attn}"
+        return {f"{role}.{kind}": f"{base}.{path}.{kind}"
+                for role, path in self.family.layout.paths().items() for kind in ("weight", "bias")}
+
+    def heads_from_tensors(self, tensors: Mapping[str, Tensor | None], geometry: HeadGeometry) -> HeadWeights:
+        """Head-major view from role-keyed tensors (as named by `tensor_suffixes`); views, not copies."""
+        return self.family.layout.split(tensors, geometry)
+
+    # -- reading and writing weights ---------------------------------------------------------
+    def _tensors(self, model, layer) -> dict[str, Tensor | None]:
+        out = {}
+        for role, mod in self.projection_modules(model, layer).items():
+            out[f"{role}.weight"] = mod.weight
+            out[f"{role}.bias"] = getattr(mod, "bias", None)
+        return out
+
+    def read_heads(self, model: nn.Module, layer: int, geometry: HeadGeometry | None = None) -> HeadWeights:
+        """Detached clones of `layer`'s weights, head-major (see HeadWeights for shapes)."""
+        g = geometry or self.geometry(model)
+        with torch.no_grad():
+            hw = self.family.layout.split(self._tensors(model, layer), g)
+            return hw.map(lambda t: t.detach().clone())
+
+    def write_heads(self, model: nn.Module, layer: int, hw: HeadWeights) -> None:
+        """Copy `hw` back into the model's parameters in place (same shapes as read_heads gave)."""
+        current = self._tensors(model, layer)
+        merged = self.family.layout.merge(hw)
+        with torch.no_grad():
+            for key, value in merged.items():
+                target = current.get(key)
+                if target is None:
+                    raise UnsupportedModelError(f"{self.model_type}: this layer has no tensor for {key!r}.")
+                if target.shape != value.shape:
+                    raise ValueError(f"write_heads: {key} has shape {tuple(target.shape)}, got {tuple(value.shape)}; "
+                                     "write_heads keeps shapes (use surgery to change them).")
+                target.copy_(value)
+
+    # -- surgery (physically smaller attention; see the SURGERY table) -----------------------
+    def surgery_spec(self) -> SurgerySpec:
+        """This family's surgery row (UnsupportedModelError where surgery cannot be exact)."""
+        spec = SURGERY.get(self.model_type)
+        if spec is None:
+            raise UnsupportedModelError(f"'{self.model_type}' has no surgery entry yet (analysis/adapters.py SURGERY); "
+                                        f"export the zeroed-weights checkpoint instead.")
+        if spec.unsupported:
+            raise UnsupportedModelError(spec.unsupported)
+        return spec
+
+    def replace_projections(self, model: nn.Module, layer: int, hw: HeadWeights, n_heads: int,
+                             n_kv_heads: int) -> None:
+        """Swap `layer`'s Q/K/V/O modules for new ones of the sizes in `hw` (head-major, see
+        HeadWeights; hw.q [H', d, D], hw.k/v [H_kv', d, D], hw.o [H', d, D_out]) and set the head
+        counts the family's forward reads. H' = 0 leaves zero-width projections (see empty_attention)."""
+        spec = self.surgery_spec()
+        if hw.q.shape[0] != n_heads or hw.k.shape[0] != n_kv_heads:
+            raise ValueError(f"replace_projections: {hw.q.shape[0]} query / {hw.k.shape[0]} KV heads in the "
+                             f"weights, told {n_heads} / {n_kv_heads}.")
+        if n_heads and n_heads % max(n_kv_heads, 1):
+            raise ValueError(f"replace_projections: {n_heads} query heads do not share {n_kv_heads} KV heads evenly.")
+        merged = self.family.layout.merge(hw)
+        attn = self.attention(model, layer)
+        builders = _projection_builders()
+        for role, path in self.family.layout.paths().items():
+            old = _get(attn, path)
+            build = next((b for t, b in builders.items() if isinstance(old, t)), None)
+            if build is None:
+                raise UnsupportedModelError(f"{self.model_type}: cannot resize a {type(old).__name__} projection.")
+            weight = merged[f"{role}.weight"].to(old.weight.dtype)
+            bias = merged.get(f"{role}.bias")
+            new = build(weight, None if bias is None else bias.to(old.weight.dtype))
+            new.train(old.training)
+            new.weight.requires_grad_(old.weight.requires_grad)
+            _set_path(attn, path, new)
+        d = hw.q.shape[1]
+        values = {"heads": n_heads, "kv_heads": n_kv_heads, "width": n_heads * d,
+                  "groups": n_heads // n_kv_heads if n_kv_heads else 1}
+        config_overrides = {}
+        for path, quantity in spec.head_attrs.items():
+            if path.startswith("config."):
+                config_overrides[path[len("config."):]] = values[quantity]
+            else:
+                owner, _, name = path.rpartition(".")
+                setattr(_get(attn, owner), name, values[quantity])
+        if config_overrides:
+            attn.config = _ConfigView(_shared_config(attn.config), config_overrides)
+
+    def set_head_inputs(self, model: nn.Module, layer: int, kept: list[int], n_heads: int, head_dim: int) -> None:
+        """Make per-head inputs from outside the layer (Bloom's ALiBi) follow the kept heads `kept`."""
+        spec = self.surgery_spec()
+        if not spec.per_head_kwargs:
+            return
+        attn = self.attention(model, layer)
+        _install_surgery_state(attn, _SurgeryState(spec=spec, kept=torch.as_tensor(kept, dtype=torch.long),
+                                                   n_heads=n_heads, head_dim=head_dim))
+
+    def empty_attention(self, model: nn.Module, layer: int, head_dim: int) -> None:
+        """`layer` has no heads left: its attention returns exactly O's bias (what the masked model
+        computes), keeping the KV cache's length right. Call after replace_projections(..., 0, 0)."""
+        spec = self.surgery_spec()
+        attn = self.attention(model, layer)
+        core = _get(attn, spec.core)
+        o_path = self.family.layout.o if not spec.core else ""
+        _install_surgery_state(core, _SurgeryState(spec=spec, empty=True, head_dim=head_dim, o_path=o_path))
+
+    def stock_config(self, config, n_heads: int, n_kv_heads: int, head_dim: int):
+        """A copy of `config` from which stock Hugging Face code builds every layer with n_heads
+        query heads, n_kv_heads KV heads of size head_dim; UnsupportedModelError where it cannot."""
+        spec = self.surgery_spec()
+        g = self.geometry(config)
+        if (n_heads, n_kv_heads) == (g.n_heads, g.n_kv_heads):
+            return copy.deepcopy(_shared_config(config))
+        if spec.stock_config is None:
+            raise UnsupportedModelError(spec.stock_refusal or f"'{self.model_type}' configs cannot describe pruned heads.")
+        values = {"heads": n_heads, "kv_heads": n_kv_heads, "head_dim": head_dim}
+        new = copy.deepcopy(_shared_config(config))
+        try:
+            for key, quantity in spec.stock_config.items():
+                setattr(new, key, values[quantity])
+            getattr(new, "validate", lambda: None)()
+        except Exception as err:     # transformers' own config checks (StrictDataclass... errors)
+            reason = str(err).strip().splitlines()[-1].strip()
+            raise UnsupportedModelError(
+                f"transformers rejects a {self.model_type} config with {n_heads} query / {n_kv_heads} KV heads per "
+                f"layer ({reason}). Choose a sparsity that keeps an allowed head count per layer, or export the "
+                f"head-layout checkpoint instead.") from err
+        return new
 
 
-def _replace_projections(self, model: nn.Module, layer: int, hw: HeadWeights, n_heads: int,
-                         n_kv_heads: int) -> None:
-    """Swap `layer`'s Q/K/V/O modules for new ones of the sizes in `hw` (head-major, see
-    HeadWeights; hw.q [H', d, D], hw.k/v [H_kv', d, D], hw.o [H', d, D_out]) and set the head
-    counts the family's forward reads. H' = 0 leaves zero-width projections (see empty_attention)."""
-    spec = self.surgery_spec()
-    if hw.q.shape[0] != n_heads or hw.k.shape[0] != n_kv_heads:
-        raise ValueError(f"replace_projections: {hw.q.shape[0]} query / {hw.k.shape[0]} KV heads in the "
-                         f"weights, told {n_heads} / {n_kv_heads}.")
-    if n_heads and n_heads % max(n_kv_heads, 1):
-        raise ValueError(f"replace_projections: {n_heads} query heads do not share {n_kv_heads} KV heads evenly.")
-    merged = self.family.layout.merge(hw)
-    attn = self.attention(model, layer)
-    builders = _projection_builders()
-    for role, path in self.family.layout.paths().items():
-        old = _get(attn, path)
-        build = next((b for t, b in builders.items() if isinstance(old, t)), None)
-        if build is None:
-            raise UnsupportedModelError(f"{self.model_type}: cannot resize a {type(old).__name__} projection.")
-        weight = merged[f"{role}.weight"].to(old.weight.dtype)
-        bias = merged.get(f"{role}.bias")
-        new = build(weight, None if bias is None else bias.to(old.weight.dtype))
-        new.train(old.training)
-        new.weight.requires_grad_(old.weight.requires_grad)
-        _set_path(attn, path, new)
-    d = hw.q.shape[1]
-    values = {"heads": n_heads, "kv_heads": n_kv_heads, "width": n_heads * d,
-              "groups": n_heads // n_kv_heads if n_kv_heads else 1}
-    config_overrides = {}
-    for path, quantity in spec.head_attrs.items():
-        if path.startswith("config."):
-            config_overrides[path[len("config."):]] = values[quantity]
-        else:
-            owner, _, name = path.rpartition(".")
-            setattr(_get(attn, owner), name, values[quantity])
-    if config_overrides:
-        attn.config = _ConfigView(_shared_config(attn.config), config_overrides)
-
-
-def _set_head_inputs(self, model: nn.Module, layer: int, kept: list[int], n_heads: int, head_dim: int) -> None:
-    """Make per-head inputs from outside the layer (Bloom's ALiBi) follow the kept heads `kept`."""
-    spec = self.surgery_spec()
-    if not spec.per_head_kwargs:
-        return
-    attn = self.attention(model, layer)
-    _install_surgery_state(attn, _SurgeryState(spec=spec, kept=torch.as_tensor(kept, dtype=torch.long),
-                                               n_heads=n_heads, head_dim=head_dim))
-
-
-def _empty_attention(self, model: nn.Module, layer: int, head_dim: int) -> None:
-    """`layer` has no heads left: its attention returns exactly O's bias (what the masked model
-    computes), keeping the KV cache's length right. Call after replace_projections(..., 0, 0)."""
-    spec = self.surgery_spec()
-    attn = self.attention(model, layer)
-    core = _get(attn, spec.core)
-    o_path = self.family.layout.o if not spec.core else ""
-    _install_surgery_state(core, _SurgeryState(spec=spec, empty=True, head_dim=head_dim, o_path=o_path))
-
-
-def _stock_config(self, config, n_heads: int, n_kv_heads: int, head_dim: int):
-    """A copy of `config` from which stock Hugging Face code builds every layer with n_heads
-    query heads, n_kv_heads KV heads of size head_dim; UnsupportedModelError where it cannot."""
-    import copy as _copy
-    spec = self.surgery_spec()
-    g = self.geometry(config)
-    if (n_heads, n_kv_heads) == (g.n_heads, g.n_kv_heads):
-        return _copy.deepcopy(_shared_config(config))
-    if spec.stock_config is None:
-        raise UnsupportedModelError(spec.stock_refusal or f"'{self.model_type}' configs cannot describe pruned heads.")
-    values = {"heads": n_heads, "kv_heads": n_kv_heads, "head_dim": head_dim}
-    new = _copy.deepcopy(_shared_config(config))
-    try:
-        for key, quantity in spec.stock_config.items():
-            setattr(new, key, values[quantity])
-        getattr(new, "validate", lambda: None)()
-    except Exception as err:     # transformers' own config checks (StrictDataclass... errors)
-        reason = str(err).strip().splitlines()[-1].strip()
+def adapter_for(model_or_config) -> Adapter:
+    """The adapter for a model (or its config), chosen by `config.model_type`."""
+    cfg = _config_of(model_or_config)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in FAMILIES:
+        return Adapter(model_type, FAMILIES[model_type])
+    if model_type in REFUSED:
+        raise UnsupportedModelError(f"'{model_type}' is not supported: {REFUSED[model_type]}")
+    if model_type in ATTENTION_FREE:
         raise UnsupportedModelError(
-            f"transformers rejects a {self.model_type} config with {n_heads} query / {n_kv_heads} KV heads per "
-            f"layer ({reason}). Choose a sparsity that keeps an allowed head count per layer, or export the "
-            f"head-layout checkpoint instead.") from err
-    return new
-
-
-Adapter.surgery_spec = _surgery_spec
-Adapter.replace_projections = _replace_projections
-Adapter.set_head_inputs = _set_head_inputs
-Adapter.empty_attention = _empty_attention
-Adapter.stock_config = _stock_config
+            f"'{model_type}' models have no attention heads, so there is nothing for headscope to score "
+            f"or prune. Pick a transformer with self-attention; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
+    if model_type and not hasattr(cfg, "num_attention_heads"):
+        raise UnsupportedModelError(
+            f"'{model_type}' has no attention heads in its config (no num_attention_heads). headscope "
+            f"needs a transformer with self-attention; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
+    raise UnsupportedModelError(
+        f"Architecture '{model_type}' is not supported yet. Supported model types: "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)}. Adding one is a row in analysis/adapters.py FAMILIES.")
