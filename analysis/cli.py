@@ -4,12 +4,14 @@ Commands built in here:
     score   scores of one scorer for every head           (JSON: metadata + [L, H] scores; CSV: layer,head,score)
     mask    the mask at a sparsity, with its summary      (CSV: layer,head,score,rank,pruned)
     sweep   MP / MP-G metric vs z at a fixed sparsity     (CSV: one row per z)
+    evaluate  perplexity (or the kind's metric) dense and under the mask
+    export  the pruned model in one of four formats, plus mask.json
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
 the model (weight-only scorers only: mp, mp-g, magnitude, random).
 
-Other modules add commands (evaluate, export, ...) without editing this file: each module
+Other modules can add commands without editing this file: each module
 listed in PLUGIN_MODULES that defines `register_cli(register)` is imported and called with
 `register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where payload
 is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
@@ -248,9 +250,15 @@ def _mask_arguments(parser):
                         help="sequence length for the attention FLOP count")
 
 
-def run_mask(ns):
+def plan_from(ns):
+    """(MaskPlan, HeadScores, LoadedModel | None, info) for the mask / evaluate / export commands."""
     scores, loaded, info = compute_scores(ns)
     plan = plan_mask(scores, ns.sparsity, group_size=info["group_size"], policy=ns.policy, min_per_layer=ns.min_per_layer)
+    return plan, scores, loaded, info
+
+
+def run_mask(ns):
+    plan, scores, loaded, info = plan_from(ns)
     bias = loaded is not None and loaded.adapter.read_heads(loaded.model, 0).q_bias is not None  # unknown when streamed
     summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
                              seq_len=ns.flops_seq_len, bias=bias)
@@ -263,6 +271,76 @@ def run_mask(ns):
                    sparsity=ns.sparsity, policy=ns.policy, summary=summary.as_dict(),
                    pruned=plan.pruned.astype(int), kv_pruned=plan.kv_pruned.astype(int))
     return payload, rows
+
+
+def _model_mask_arguments(parser):
+    """Mask arguments for commands that need the model itself (no --checkpoint streaming)."""
+    add_source_arguments(parser, streaming=False)
+    add_scorer_arguments(parser)
+    parser.add_argument("--sparsity", type=float, required=True, help="fraction of heads to prune, in [0, 1)")
+    parser.add_argument("--policy", choices=POLICIES, default="global")
+    parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _evaluate_arguments(parser):
+    _model_mask_arguments(parser)
+    parser.add_argument("--text-file", dest="text_file", default=None,
+                        help="UTF-8 text to evaluate on (default: the built-in evaluation split)")
+    parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=512, help="tokens to evaluate")
+    parser.add_argument("--format", choices=("json", "csv"), default="json")
+    parser.add_argument("--out", default=None, help="write here instead of stdout")
+
+
+def run_evaluate(ns):
+    """The model's metric (perplexity, pseudo-perplexity or embedding fidelity), dense and masked."""
+    from analysis.evaluation import evaluate
+
+    plan, scores, loaded, info = plan_from(ns)
+    text = None
+    if ns.text_file:
+        try:
+            with open(ns.text_file, "rb") as handle:
+                text = handle.read()
+        except OSError as err:
+            raise InputError(f"Cannot read --text-file {ns.text_file!r}: {err.strerror}.") from None
+    pruned = np.stack([np.zeros_like(plan.pruned), plan.pruned])  # [2, L, H]: dense, masked
+    with progress_bar("evaluating", not ns.quiet) as report:
+        result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report)
+    dense, masked = (float(v) for v in result.values)
+    payload = dict(model=info, scorer=scores.name, params=scores.params, sparsity=ns.sparsity, policy=ns.policy,
+                   metric=result.metric, higher_is_better=result.higher_is_better, n_tokens=result.n_tokens,
+                   dense=dense, masked=masked, n_pruned=plan.n_pruned)
+    return payload, [dict(metric=result.metric, dense=dense, masked=masked, n_pruned=plan.n_pruned)]
+
+
+def _export_arguments(parser):
+    from analysis.export import FORMATS
+
+    _model_mask_arguments(parser)
+    parser.add_argument("--export-format", dest="export_format", choices=FORMATS, default="pruned",
+                        help="zeroed (original shapes), pruned (+ head_layout.json), stock (uniform policy; "
+                             "plain from_pretrained loads it) or onnx")
+    parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
+    parser.add_argument("--name", required=True, help="folder to create under --out-dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+
+
+def run_export(ns):
+    """Write the pruned model (atomically) and print what was written."""
+    from analysis.export import export, mask_record
+
+    plan, scores, loaded, info = plan_from(ns)
+    record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
+                         model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
+                         policy=ns.policy)
+    with progress_bar(f"exporting ({ns.export_format})", not ns.quiet) as report:
+        result = export(ns.export_format, loaded.model, plan.pruned, ns.out_dir, ns.name, record=record,
+                        tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report)
+    payload = dict(model=info, format=result.format, path=str(result.path), files=result.files,
+                   total_bytes=result.total_bytes, n_pruned=plan.n_pruned)
+    sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
+    return payload, None
 
 
 def _sweep_arguments(parser):
@@ -311,6 +389,9 @@ def run_sweep(ns):
 register("score", "score every head with one scorer", _score_arguments, run_score)
 register("mask", "the pruning mask at a sparsity, with its summary", _mask_arguments, run_mask)
 register("sweep", "MP / MP-G metric vs z at a fixed sparsity", _sweep_arguments, run_sweep)
+register("evaluate", "the model's metric dense and under the mask", _evaluate_arguments, run_evaluate)
+register("export", "write the pruned model (zeroed, pruned, stock or onnx) and mask.json", _export_arguments,
+         run_export)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +414,7 @@ def load_plugins() -> None:
 def build_parser() -> argparse.ArgumentParser:
     load_plugins()
     parser = argparse.ArgumentParser(prog="python -m analysis",
-                                     description="headscope: score, mask and sweep attention heads headlessly.")
+                                     description="headscope: score, mask, sweep, evaluate and export attention heads headlessly.")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.help))

@@ -135,3 +135,61 @@ def test_mask_and_sweep_on_smollm2(capsys, builtin_cache_dir):
     assert data["suggested_z"] in (1.5, 2.5) and data["suggested_evaluation"] > 1
     best = min(data["rows"], key=lambda r: r["calibration"])
     assert best["calibration"] == min(r["calibration"] for r in data["rows"])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests._apptools import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-tok"))
+
+
+def test_evaluate_reports_dense_and_masked_equal_to_the_library(model_dir, capsys):
+    from analysis.evaluation import evaluate
+    from analysis.models import load_model
+
+    text = "the quick brown fox jumps over the lazy dog. " * 4
+    (model_dir.parent / "text.txt").write_text(text)
+    code, out, err = _run(capsys, "evaluate", "--model", model_dir, "--sparsity", "0.25", "--max-tokens", "64",
+                          "--text-file", model_dir.parent / "text.txt", "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    loaded = load_model(str(model_dir))
+    plan = plan_mask(MPGScorer().score(profile_model(loaded.model)), 0.25, group_size=loaded.geometry.group_size)
+    assert data["n_pruned"] == plan.n_pruned == math.floor(0.25 * 16)
+    want = evaluate(loaded, text, pruned=plan.pruned, max_tokens=64).value
+    dense = evaluate(loaded, text, max_tokens=64).value
+    assert data["metric"] == "perplexity"
+    assert math.isclose(data["masked"], want, rel_tol=1e-5) and math.isclose(data["dense"], dense, rel_tol=1e-5)
+    assert data["masked"] != data["dense"]
+
+
+def test_export_writes_a_pruned_model_that_reloads_and_refuses_to_overwrite(model_dir, tmp_path, capsys):
+    from analysis.export import load_pruned, read_mask_json
+
+    argv = ("export", "--model", model_dir, "--sparsity", "0.5", "--policy", "uniform", "--out-dir", tmp_path,
+            "--name", "half", "--quiet")
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    data = json.loads(out)
+    folder = Path(data["path"])
+    assert folder == tmp_path / "half" and {"head_layout.json", "mask.json"} <= set(data["files"])
+    record = read_mask_json(folder / "mask.json")
+    assert record.pruned().sum() == data["n_pruned"] == 8 and record.sparsity == 0.5
+    import torch
+
+    from analysis.masking import gates_from_mask, head_mask
+    from analysis.models import load_model
+
+    original = load_model(str(model_dir)).model
+    smaller = load_pruned(folder)
+    assert sum(p.numel() for p in smaller.parameters()) < sum(p.numel() for p in original.parameters())
+    ids = torch.arange(4, 20)[None]                                    # [1, 16]
+    with torch.no_grad(), head_mask(original, gates_from_mask(record.pruned())):
+        masked = original(input_ids=ids).logits
+    assert torch.allclose(smaller(input_ids=ids).logits, masked, atol=1e-4)
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and "exist" in err.lower()
+    code, out, err = _run(capsys, "export", "--model", model_dir, "--sparsity", "0.5", "--out-dir", tmp_path,
+                          "--name", "../escape", "--quiet")
+    assert code == 2 and not (tmp_path.parent / "escape").exists()
