@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from analysis.ablation import FastAblation
+from analysis.adapters import adapter_for
 from analysis.attribution import GateAttribution, gate_loss_fn, head_attribution, rank_correlation
 from analysis.errors import CancelledError, InputError
 from analysis.evaluation import token_ids
@@ -16,7 +17,7 @@ from ._tiny import tiny_input_ids, tiny_model
 
 def _own_integral(model, x, steps=200):
     """Midpoint rule of the gate gradients along g = a * 1, a in (0, 1), with plain autograd."""
-    geo = __import__("analysis.adapters", fromlist=["x"]).adapter_for(model).geometry(model)
+    geo = adapter_for(model).geometry(model)
     f = gate_loss_fn(model, x, geo)
     total = torch.zeros(geo.n_total_heads, dtype=torch.float64)
     for chunk in torch.arange(steps).split(50):
