@@ -40,6 +40,7 @@ from .adapters import adapter_for
 from .errors import HeadscopeError, InputError, ModelLoadError
 from .geometry import HeadGeometry
 from .masking import zero_heads
+from .models import quiet_progress_bars
 from .surgery import HeadLayout, apply_layout, prune_heads
 
 TOOL = "headscope"
@@ -327,22 +328,9 @@ def _write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout |
         tokenizer.save_pretrained(tmp)
 
 
-@contextmanager
-def _quiet_progress_bars():
-    """Turn off transformers' tqdm bars while saving (exports report through `progress`)."""
-    from transformers.utils import logging as hf_logging
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def _save_model(model: nn.Module, folder: Path, config=None) -> None:
     """Hugging Face checkpoint (save_pretrained: its key conventions), optionally another config."""
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(folder, safe_serialization=True)
     if config is not None:
         config.architectures = [type(model).__name__]
@@ -558,7 +546,7 @@ def load_pruned(path, *, attn_implementation: str | None = None) -> nn.Module:
             if (g.n_heads, g.n_kv_heads) != (layout.uniform_counts() or (layout.n_heads, layout.n_kv_heads)):
                 raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) does "
                                      f"not match its {LAYOUT_FILE}; export it again.")
-            with _quiet_progress_bars():
+            with quiet_progress_bars():
                 return cls.from_pretrained(folder, local_files_only=True, **kwargs).eval()
         if (g.n_heads, g.n_kv_heads) != (layout.n_heads, layout.n_kv_heads):
             raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) is not the "

@@ -120,7 +120,7 @@ def default_cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _quiet_progress_bars():
+def quiet_progress_bars():
     """Turn off transformers' tqdm bars (headscope reports through `progress`); restore after."""
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -443,7 +443,7 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
     name = name.strip()
     report = progress or _no_progress
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         source, is_local = _locate(name, cache_root, report)
         report(0.6, "reading the config")
         config = _load_config(source, name, is_local, trust_remote_code)
