@@ -155,6 +155,24 @@ def cached_call(fn: Callable[..., Any], *args, label: str, stoppable: bool = Fal
             state.clear_stop()
 
 
+def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Callable[..., Any], args: tuple,
+               label: str, stale_note: str, **button_kwargs):
+    """A button that runs `cached_call(fn, *args)` (stoppable, with progress) and keeps the result in
+    session state under `slot` with `run_key`; returns that result on later reruns while `run_key`
+    still describes the current inputs. A result for other inputs is never shown: `stale_note`
+    says so instead, and None is returned."""
+    if st.button(button_label, key=button_key, **button_kwargs):
+        result = cached_call(fn, *args, label=label, stoppable=True)
+        if result is not None:
+            state.remember(slot, (run_key, result))
+    remembered = state.recall(slot)
+    if remembered and remembered[0] == run_key:
+        return remembered[1]
+    if remembered:
+        st.caption(stale_note)
+    return None
+
+
 @st.cache_data(show_spinner=False, max_entries=8)
 def param_count(name: str, trust: bool = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""

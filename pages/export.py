@@ -82,14 +82,12 @@ else:
         speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats)
         st.caption("Times the dense model, the masked model (hooks zero the heads: same FLOPs) and the physically "
                    "pruned copy in alternating order, on this machine.")
-        if st.button("Measure dense vs masked vs pruned", key="export.measure"):
-            result = cache.cached_call(cache.speed_report, lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)),
-                                       repeats, label="Measuring", stoppable=True)
-            if result is not None:
-                state.remember("export.speed", (speed_key, result))
-        remembered = state.recall("export.speed")
-        if remembered and remembered[0] == speed_key:
-            report = remembered[1]
+        report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
+                                  slot="export.speed", run_key=speed_key, fn=cache.speed_report,
+                                  args=(lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)), repeats),
+                                  label="Measuring",
+                                  stale_note="The mask or the settings changed since the last measurement; press the button again.")
+        if report is not None:
             m = st.columns(3)
             m[0].metric("Parameters", f"{report.parameters['pruned']:,}",
                         f"{report.parameters['pruned'] - report.parameters['dense']:+,}", delta_color="inverse")
@@ -101,5 +99,3 @@ else:
             st.dataframe(report.rows(), hide_index=True)
             if report.skipped:
                 st.caption("Skipped: " + "; ".join(report.skipped))
-        elif remembered:
-            st.caption("The mask or the settings changed since the last measurement; press the button again.")

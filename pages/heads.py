@@ -26,14 +26,11 @@ else:
         st.caption(f"Every one of the {g.n_total_heads} heads is removed in turn, each costing at least one pass "
                    "through the output layer: on a CPU this takes minutes for a real model. Fewer tokens are faster.")
         run_key = (lm.name, text, tokens)
-        if st.button(f"Run the ablation sweep ({g.n_total_heads} heads)", key="heads.ablate"):
-            result = cache.cached_call(cache.ablation, lm.name, state.trust(), text, tokens,
-                                       label="Ablating heads", stoppable=True)
-            if result is not None:
-                state.remember("heads.ablation", (run_key, result))
-        remembered = state.recall("heads.ablation")
-        if remembered and remembered[0] == run_key:
-            result = remembered[1]
+        result = cache.run_button(f"Run the ablation sweep ({g.n_total_heads} heads)", button_key="heads.ablate",
+                                  slot="heads.ablation", run_key=run_key, fn=cache.ablation,
+                                  args=(lm.name, state.trust(), text, tokens), label="Ablating heads",
+                                  stale_note="The text or token count changed since the sweep; press the button to run it again.")
+        if result is not None:
             st.caption(f"Dense {result.metric}: {result.base_loss:.4g} over {result.n_tokens} predictions "
                        f"({result.method} sweep). Red = removing the head hurts; blue = it helps.")
             lim = float(abs(result.head_delta).max()) or 1.0
@@ -47,8 +44,6 @@ else:
                                                           colorbar=f"Δ {result.metric}", x_title="KV group",
                                                           colorscale="Reds"),
                                 width="stretch", key="heads.group_map")
-        elif remembered:
-            st.caption("The text or token count changed since the sweep; press the button to run it again.")
 
 st.subheader("Integrated-gradients attribution (Captum)")
 attribution = cache.optional("attribution")
@@ -64,14 +59,12 @@ else:
                                         key=state.widget_key("heads.ig.tokens", value=64)))
         ig_steps = int(c2.number_input("Integration steps", 2, 128, step=2, key=state.widget_key("heads.ig.steps", value=16)))
         ig_key = (lm.name, ig_tokens, ig_steps)
-        if st.button("Attribute the loss to the heads", key="heads.attribute"):
-            result = cache.cached_call(cache.head_attribution, lm.name, state.trust(), None, ig_tokens, ig_steps,
-                                       label="Integrating gradients", stoppable=True)
-            if result is not None:
-                state.remember("heads.attribution", (ig_key, result))
-        remembered = state.recall("heads.attribution")
-        if remembered and remembered[0] == ig_key:
-            result = remembered[1]
+        result = cache.run_button("Attribute the loss to the heads", button_key="heads.attribute",
+                                  slot="heads.attribution", run_key=ig_key, fn=cache.head_attribution,
+                                  args=(lm.name, state.trust(), None, ig_tokens, ig_steps),
+                                  label="Integrating gradients",
+                                  stale_note="The settings changed since the last run; press the button again.")
+        if result is not None:
             st.caption(f"Gates go from 0 (every head off, loss {result.loss_baseline:.4g}) to 1 (dense, loss "
                        f"{result.loss_dense:.4g}) in {result.n_steps} steps; attributions sum to the loss change "
                        f"up to {result.convergence_delta:+.3g} (Captum's convergence delta).")
@@ -100,14 +93,11 @@ else:
         text_mod = cache.optional("text")
         if text_mod is not None:
             st.caption(text_mod.WIKI_ATTRIBUTION)
-        if st.button("Tag head roles from their attention patterns", key="heads.roles"):
-            result = cache.cached_call(cache.head_roles, lm.name, state.trust(), None, tokens,
-                                       label="Tagging heads", stoppable=True)
-            if result is not None:
-                state.remember("heads.roles", ((lm.name, tokens), result))
-        remembered = state.recall("heads.roles")
-        if remembered and remembered[0] == (lm.name, tokens):
-            result = remembered[1]
+        result = cache.run_button("Tag head roles from their attention patterns", button_key="heads.roles",
+                                  slot="heads.roles", run_key=(lm.name, tokens), fn=cache.head_roles,
+                                  args=(lm.name, state.trust(), None, tokens), label="Tagging heads",
+                                  stale_note="The settings changed since the last run; press the button again.")
+        if result is not None:
             primary, strength = result.primary()
             st.plotly_chart(charts.category_heatmap(primary, list(roles.ROLES), strength,
                                                     title="Primary role of each head", group_size=g.group_size),
@@ -133,14 +123,12 @@ else:
                               key=state.widget_key("heads.red.threshold", value=float(redundancy.DEFAULT_THRESHOLD)))
         red_tokens = int(c3.number_input("Tokens", 16, 2048, step=64, key=state.widget_key("heads.red.tokens", value=256)))
         red_key = (lm.name, kind, threshold, red_tokens, ablation_delta is not None)
-        if st.button("Find redundant heads", key="heads.redundancy"):
-            result = cache.cached_call(cache.head_redundancy, lm.name, state.trust(), None, red_tokens, kind,
-                                       float(threshold), ablation_delta, label="Comparing heads", stoppable=True)
-            if result is not None:
-                state.remember("heads.redundancy", (red_key, result))
-        remembered = state.recall("heads.redundancy")
-        if remembered and remembered[0] == red_key:
-            result = remembered[1]
+        result = cache.run_button("Find redundant heads", button_key="heads.redundancy", slot="heads.redundancy",
+                                  run_key=red_key, fn=cache.head_redundancy,
+                                  args=(lm.name, state.trust(), None, red_tokens, kind, float(threshold),
+                                        ablation_delta), label="Comparing heads",
+                                  stale_note="The settings changed since the last run; press the button again.")
+        if result is not None:
             st.plotly_chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",
                                                       colorbar="cosine", group_size=g.group_size),
                             width="stretch", key="heads.nearest")

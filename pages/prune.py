@@ -99,23 +99,19 @@ else:
                                          key=state.widget_key("prune.max_tokens", value=256)))
         check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
         metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
-        if st.button(f"Check {metric_name} against the dense model", key="prune.check"):
-            dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
-            result = cache.cached_call(cache.evaluate_masks, lm.name, state.trust(), dense_and_masked, text,
-                                       max_tokens, label="Evaluating", stoppable=True)
-            if result is not None:
-                state.remember("prune.check", (check, result))
-        remembered = state.recall("prune.check")
-        if remembered and remembered[0] == check:
-            result = remembered[1]
+        dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
+        result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
+                                  slot="prune.check", run_key=check, fn=cache.evaluate_masks,
+                                  args=(lm.name, state.trust(), dense_and_masked, text, max_tokens),
+                                  label="Evaluating",
+                                  stale_note="The settings changed since the last check; press the button to check this mask.")
+        if result is not None:
             dense, pruned_value = float(result.values[0]), float(result.values[1])
             m1, m2, m3 = st.columns(3)
             m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
             m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
                       delta_color="normal" if result.higher_is_better else "inverse")
             m3.metric("Tokens scored", result.n_tokens)
-        elif remembered:
-            st.caption("The settings changed since the last check; press the button to check this mask.")
     explain.evaluation()
 
 st.subheader("z sweep")
@@ -129,14 +125,11 @@ else:
                                        key=state.widget_key("prune.sweep_tokens", value=256)))
     options = cache.params_key(dict(scorer=scorer, **{k: v for k, v in params.items() if k != "z"}, **policy))
     sweep_key = (lm.name, sparsity, options, sweep_tokens)
-    if st.button(f"Sweep z at sparsity {sparsity:g}", key="prune.sweep"):
-        result = cache.cached_call(cache.z_sweep, lm.name, state.trust(), sparsity, options, sweep_tokens,
-                                   label="Sweeping z", stoppable=True)
-        if result is not None:
-            state.remember("prune.sweep", (sweep_key, result))
-    remembered = state.recall("prune.sweep")
-    if remembered and remembered[0] == sweep_key:
-        zs = remembered[1]
+    zs = cache.run_button(f"Sweep z at sparsity {sparsity:g}", button_key="prune.sweep", slot="prune.sweep",
+                          run_key=sweep_key, fn=cache.z_sweep,
+                          args=(lm.name, state.trust(), sparsity, options, sweep_tokens), label="Sweeping z",
+                                  stale_note="The settings changed since the last sweep; press the button to sweep again.")
+    if zs is not None:
         series = {"calibration split": (zs.zs, zs.calibration)}
         if np.isfinite(zs.evaluation).any():
             series["evaluation split"] = (zs.zs, zs.evaluation)
@@ -151,8 +144,6 @@ else:
             state.set("z", float(zs.suggested_z))
             state.reset_widget("z")
             st.rerun()
-    elif remembered:
-        st.caption("The settings changed since the last sweep; press the button to sweep again.")
 
 explain.structured_pruning()
 explain.mp_score(z=z, n_zero=head_scores.zero_count if "z" in params else None, n_heads=g.n_total_heads)
