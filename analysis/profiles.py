@@ -134,6 +134,12 @@ class NormProfile:
             self._stats[key] = {p: population_stats(n, scope) for p, n in self.norms(ord).items()}
         return self._stats[key]
 
+    def memo(self, key, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """A z-independent derived array (e.g. a scorer's plain-magnitude tie-break), computed once."""
+        if key not in self._stats:
+            self._stats[key] = compute()
+        return self._stats[key]
+
     def thresholds(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer") -> dict[str, np.ndarray]:
         """tau per projection, each [L]."""
         z = check_z(z)

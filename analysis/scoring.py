@@ -355,7 +355,11 @@ class MPScorer(Scorer):
     def _compute(self, target, calibration, cost, progress, should_stop):
         profile = as_profile(target)
         scores = self.aggregate(profile.excess(self.z, ord=self.ord, scope=self.scope))  # [L, H]
-        return scores, self.aggregate(profile.norms(self.ord))
+        # The tie-break (same sums without the threshold) does not depend on z: once per profile.
+        weights = tuple(sorted((k, v) for k, v in self.params().items() if k not in ("z", "scope")))
+        tiebreak = profile.memo(("tiebreak", self.name, weights),
+                                lambda: self.aggregate(profile.norms(self.ord)))  # [L, H]
+        return scores, tiebreak
 
 
 class MPGScorer(MPScorer):
