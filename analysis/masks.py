@@ -238,3 +238,12 @@ def summarize_mask(plan: MaskPlan, scores=None, *, head_dim: int, hidden: int, s
         attention_flops_removed=n_pruned * costs["head_flops"] + n_kv * costs["group_flops"],
         attention_flops=L * (H * costs["head_flops"] + Hkv * costs["group_flops"]),
     )
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Overlap of two pruned masks [L, H]: |a & b| / |a | b|; 1.0 when both prune nothing (identical)."""
+    a, b = np.asarray(a, dtype=bool), np.asarray(b, dtype=bool)
+    if a.shape != b.shape:
+        raise InputError(f"Cannot compare masks of shapes {list(a.shape)} and {list(b.shape)}.")
+    union = int((a | b).sum())
+    return 1.0 if union == 0 else int((a & b).sum()) / union

@@ -2,8 +2,8 @@
 score rank correlation (Spearman), and metric-vs-sparsity curves."""
 import numpy as np
 import streamlit as st
-from scipy.stats import spearmanr
 
+from analysis.attribution import rank_correlation
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -63,12 +63,8 @@ with shown_errors("Comparing masks"):
                                 title=f"{controls.label(name)}: {plan.n_pruned} pruned", group_size=g.group_size),
             width="stretch", key=f"compare.mask.{name}")
 
-    flat = {n: p.pruned.reshape(-1) for n, p in plans.items()}                        # [L*H] each
-    jaccard = np.array([[(flat[a] & flat[b]).sum() / max(1, (flat[a] | flat[b]).sum()) for b in flat] for a in flat])
-    attribution = cache.optional("attribution")
-    correlate = attribution.rank_correlation if attribution is not None else \
-        (lambda x, y: spearmanr(x.reshape(-1), y.reshape(-1)).statistic)
-    rho = np.array([[correlate(results[a][1].scores, results[b][1].scores) if a != b else 1.0
+    jaccard = np.array([[masks.jaccard(plans[a].pruned, plans[b].pruned) for b in plans] for a in plans])
+    rho = np.array([[rank_correlation(results[a][1].scores, results[b][1].scores) if a != b else 1.0
                      for b in results] for a in results])
     left, right = st.columns(2)
     left.plotly_chart(charts.matrix_heatmap(jaccard, labels, title="Mask overlap (Jaccard)", zmin=0, zmax=1),

@@ -158,3 +158,15 @@ def test_mask_follows_z_on_real_profile():
     assert all(m.sum() == 12 for m in masks.values())
     # at a high z most heads are in the bulk: fewer nonzero scores than at a low z
     assert MPGScorer(z=2.5).score(profile).zero_count > MPGScorer(z=0.5).score(profile).zero_count
+
+
+def test_jaccard_by_hand():
+    from analysis.masks import jaccard
+
+    a = np.array([[1, 1, 0], [0, 0, 1]], bool)
+    b = np.array([[1, 0, 0], [0, 1, 1]], bool)
+    assert jaccard(a, b) == 2 / 4 and jaccard(a, a) == 1.0
+    assert jaccard(np.zeros((2, 3), bool), np.zeros((2, 3), bool)) == 1.0
+    assert jaccard(a, ~a) == 0.0
+    with pytest.raises(InputError):
+        jaccard(a, a[:1])
