@@ -60,8 +60,8 @@ def rank_heads(scores: np.ndarray, tiebreak: np.ndarray | None = None) -> np.nda
     tie = np.zeros_like(flat) if tiebreak is None else np.asarray(tiebreak, dtype=np.float64).reshape(-1)
     if tie.shape != flat.shape:
         raise InputError(f"tie-break has {tie.size} entries but there are {flat.size} heads.")
-    index = np.arange(flat.size)  # [L*H]
-    return np.lexsort((index, tie, flat))  # last key is primary
+    # np.lexsort is stable, so heads equal in (score, tie-break) keep (layer, head) order: no third key.
+    return np.lexsort((tie, flat))  # [L*H]; last key is primary
 
 
 def _check_scores(scores) -> np.ndarray:
