@@ -69,6 +69,14 @@ def _opt(x: Tensor | None, shape) -> Tensor | None:
     return None if x is None else x.reshape(shape)
 
 
+def _linear_o(hw: "HeadWeights") -> dict[str, Tensor]:
+    """O back to an nn.Linear: weight [D_out, H*d] from the head-major columns, and its bias."""
+    out = {"o.weight": hw.o.reshape(-1, hw.o.shape[-1]).t()}                 # [D_out, H*d]
+    if hw.o_bias is not None:
+        out["o.bias"] = hw.o_bias
+    return out
+
+
 @dataclass(frozen=True)
 class Separate:
     """Four nn.Linear modules; paths are relative to the attention module."""
@@ -97,12 +105,10 @@ class Separate:
         out = {"q.weight": hw.q.reshape(-1, hw.q.shape[-1]),                 # [H*d, D]
                "k.weight": hw.k.reshape(-1, hw.k.shape[-1]),                 # [H_kv*d, D]
                "v.weight": hw.v.reshape(-1, hw.v.shape[-1]),                 # [H_kv*d, D]
-               "o.weight": hw.o.reshape(-1, hw.o.shape[-1]).t()}             # [D_out, H*d]
+               **_linear_o(hw)}
         for role, b in (("q", hw.q_bias), ("k", hw.k_bias), ("v", hw.v_bias)):
             if b is not None:
                 out[f"{role}.bias"] = b.reshape(-1)
-        if hw.o_bias is not None:
-            out["o.bias"] = hw.o_bias
         return out
 
 
@@ -128,11 +134,9 @@ class Stacked:
     def merge(self, hw):
         D = hw.q.shape[-1]
         out = {"qkv.weight": torch.cat([hw.q.reshape(-1, D), hw.k.reshape(-1, D), hw.v.reshape(-1, D)]),
-               "o.weight": hw.o.reshape(-1, hw.o.shape[-1]).t()}
+               **_linear_o(hw)}
         if hw.q_bias is not None:
             out["qkv.bias"] = torch.cat([hw.q_bias.reshape(-1), hw.k_bias.reshape(-1), hw.v_bias.reshape(-1)])
-        if hw.o_bias is not None:
-            out["o.bias"] = hw.o_bias
         return out
 
 
@@ -157,11 +161,9 @@ class Interleaved:
     def merge(self, hw):
         D = hw.q.shape[-1]
         out = {"qkv.weight": torch.stack([hw.q, hw.k, hw.v], dim=1).reshape(-1, D),   # [H*3*d, D]
-               "o.weight": hw.o.reshape(-1, hw.o.shape[-1]).t()}
+               **_linear_o(hw)}
         if hw.q_bias is not None:
             out["qkv.bias"] = torch.stack([hw.q_bias, hw.k_bias, hw.v_bias], dim=1).reshape(-1)
-        if hw.o_bias is not None:
-            out["o.bias"] = hw.o_bias
         return out
 
 
