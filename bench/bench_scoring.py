@@ -11,7 +11,11 @@ Three ratios, each measured side by side in one run (alternating A B / B A, medi
                                                                                target <= 0.25
 3. A new mask after a z change (scores from the cached profile + ranking) and after a
    sparsity change (ranking only) vs rescoring from the weights, on a random 32 x 32 head
-   grid (32 layers, 32 heads, head_dim 16).                                    target >= 100x
+   grid (32 layers, 32 heads, 8 KV heads), at two widths printed side by side: a toy width
+   (head_dim 16, hidden 512: 20 MiB of attention weights) and the width of a real 32 x 32
+   model (Llama-2-7B's head_dim 128, hidden 4096: 5.4 GB of float32 attention weights; skip
+   with --no-wide). The mask update does not depend on the width; rescoring does.
+                                                                               target >= 100x
 
     .venv/bin/python bench/bench_scoring.py [--repeats 7] [--cache-dir DIR]
 """
@@ -128,15 +132,16 @@ def bench_streaming_memory(folder: str, repeats: int) -> float:
     return ratio
 
 
-def grid_model():
-    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=16,
-                         hidden_size=512, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
+def grid_model(head_dim: int = 16):
+    """A random 32 x 32 head Llama (8 KV heads) of width 32 * head_dim; tiny MLP and vocabulary."""
+    config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=head_dim,
+                         hidden_size=32 * head_dim, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def bench_mask_update(repeats: int) -> tuple[float, float]:
-    model = grid_model()
+def bench_mask_update(repeats: int, head_dim: int = 16) -> tuple[float, float]:
+    model = grid_model(head_dim)
     profile = profile_model(model)
     G = profile.group_size
     state = {"i": 0}
@@ -159,7 +164,7 @@ def bench_mask_update(repeats: int) -> tuple[float, float]:
     med_slow = alternate({"rescore": rescore}, repeats)["rescore"]
     med_fast = alternate({"z": new_z, "sparsity": new_sparsity}, fast_repeats)
     rz, rs = med_slow / med_fast["z"], med_slow / med_fast["sparsity"]
-    print(f"[3] 32 x 32 heads: rescoring from weights {med_slow * 1e3:.2f} ms; new mask after a z change "
+    print(f"[3] 32 x 32 heads, head_dim {head_dim}: rescoring from weights {med_slow * 1e3:.2f} ms; new mask after a z change "
           f"{med_fast['z'] * 1e3:.3f} ms ({rz:.0f}x); after a sparsity change {med_fast['sparsity'] * 1e3:.3f} ms "
           f"({rs:.0f}x) (target >= 100x)")
     return rz, rs
@@ -170,6 +175,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--memory-repeats", type=int, default=3)
     parser.add_argument("--cache-dir", default=None, help="headscope cache holding the converted SmolLM2")
+    parser.add_argument("--no-wide", dest="wide", action="store_false",
+                        help="skip the 32 x 32 grid at head_dim 128 (5.4 GB of weights)")
     args = parser.parse_args()
     loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
     ratio_mp = bench_mp_from_memory(loaded, args.repeats)
@@ -177,6 +184,10 @@ def main() -> None:
     del loaded
     rz, rs = bench_mask_update(args.repeats)
     ok = ratio_mp <= 3 and ratio_mem <= 0.25 and min(rz, rs) >= 100
+    if args.wide:
+        wz, ws = bench_mask_update(max(3, args.repeats // 2), head_dim=128)
+        print(f"    at a real model's width the z-change ratio is {wz:.0f}x (toy width {rz:.0f}x); "
+              f"the verdict below counts the toy width")
     print("all targets met" if ok else "SOME TARGETS MISSED")
 
 
