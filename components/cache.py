@@ -40,11 +40,17 @@ Progress = Callable[[float, str], None]
 # -- modules that may not exist yet ------------------------------------------------------------
 
 def optional(module: str) -> ModuleType | None:
-    """`import analysis.<module>`, or None when it is missing or does not import cleanly yet."""
+    """`import analysis.<module>`, or None when that module does not exist in this version.
+
+    Only its absence is "not available": a module that exists but fails to import is a bug and
+    raises, so it is never shown to the user as a feature that was simply not built."""
+    name = f"analysis.{module}"
     try:
-        return importlib.import_module(f"analysis.{module}")
-    except Exception:  # noqa: BLE001 - a module being written may fail in any way
-        return None
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name == name:
+            return None
+        raise
 
 
 def unavailable(feature: str, module: str) -> None:
