@@ -13,7 +13,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,10 +22,7 @@ sys.path.insert(0, str(ROOT))
 TARGET = 0.10
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from bench._timing import timed  # noqa: E402
 
 
 def main() -> None:
@@ -40,14 +36,14 @@ def main() -> None:
     from analysis import evaluation, masks, models, profiles, scoring, sweep  # noqa: F401  (imports warm)
     from components import cache, charts, controls, state  # noqa: F401
 
-    convert = _timed(lambda: models.load_model(models.DEFAULT_MODEL))
+    convert = timed(lambda: models.load_model(models.DEFAULT_MODEL))
     print(f"one-time setup (conversion if needed + one load, not part of the ratio): {convert:.2f} s")
 
     st.cache_data.clear()
     st.cache_resource.clear()
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
     at.query_params.update(model=models.DEFAULT_MODEL, page="prune", scorer="mp-g", z="2", sparsity="0.3")
-    first = _timed(at.run)
+    first = timed(at.run)
     if at.exception:
         sys.exit(f"the Prune page raised: {at.exception[0].value}")
     pruned_title = [t for t in (el.proto.spec for el in at.get("plotly_chart")) if "heads pruned" in t]
@@ -60,7 +56,7 @@ def main() -> None:
         else:
             widget, value = at.slider(key="hs.w.z"), (1.5 if i % 4 == 1 else 2.0)
         widget.set_value(value)
-        reruns.append(_timed(at.run))
+        reruns.append(timed(at.run))
         if at.exception:
             sys.exit(f"a rerun raised: {at.exception[0].value}")
 

@@ -13,7 +13,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,12 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from analysis.models import load_model  # noqa: E402
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from bench._timing import alternate_times, timed  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +32,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
 
     with tempfile.TemporaryDirectory(prefix="headscope-bench-") as cache:
-        convert = _timed(lambda: load_model("smollm2-135m", cache_dir=cache))
+        convert = timed(lambda: load_model("smollm2-135m", cache_dir=cache))
         folder = Path(cache) / "models" / "smollm2-135m"
 
         def ours():
@@ -48,12 +42,8 @@ def main() -> None:
             AutoModelForCausalLM.from_pretrained(folder).eval()
             AutoTokenizer.from_pretrained(folder)
 
-        ours(), bare()  # warm both (imports, page cache)
-        times = {"load_model": [], "from_pretrained": []}
-        for i in range(args.repeats):
-            order = [("load_model", ours), ("from_pretrained", bare)]
-            for label, fn in order if i % 2 == 0 else order[::-1]:
-                times[label].append(_timed(fn))
+        times = alternate_times({"load_model": ours, "from_pretrained": bare}, args.repeats,
+                                collect=True)  # warms both first
 
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["load_model"] / med["from_pretrained"]

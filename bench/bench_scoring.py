@@ -27,7 +27,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,6 +37,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from analysis.masks import plan_mask  # noqa: E402
+from bench._timing import alternate, timed  # noqa: E402,F401
 from analysis.models import load_model  # noqa: E402
 from analysis.profiles import profile_model  # noqa: E402
 from analysis.scoring import MPGScorer  # noqa: E402
@@ -67,24 +67,6 @@ else:
                 p.sum()
 print(json.dumps({"base_kib": base, "peak_kib": hwm_kib()}))
 """
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def alternate(fns: dict, repeats: int) -> dict:
-    """Median seconds of each callable, run alternately (order flipped every round)."""
-    for fn in fns.values():
-        fn()  # warm up
-    times = {k: [] for k in fns}
-    items = list(fns.items())
-    for i in range(repeats):
-        for label, fn in items if i % 2 == 0 else items[::-1]:
-            times[label].append(timed(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench_mp_from_memory(loaded, repeats: int) -> float:
