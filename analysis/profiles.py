@@ -189,25 +189,54 @@ def row_excess(norms: np.ndarray, tau: np.ndarray) -> np.ndarray:
     return np.maximum(norms - tau[:, None, None], 0.0)  # [L, units, d]
 
 
-def row_norms(rows: torch.Tensor, ord: int = 2, chunk_elements: int = 1 << 24) -> np.ndarray:
-    """L2 (ord=2) or L1 (ord=1) norms over the last axis of rows [units, d, width] -> [units, d].
+IN_MEMORY_CHUNK = 1 << 22  # elements of one float temp in memory, where the model is resident anyway
+STREAM_CHUNK = 1 << 16  # and when streaming, where the peak should stay near one layer's tensors
 
-    Computed in float32 (float64 stays float64; half types are upcast a chunk of units at a
-    time, so a bf16 tensor never exists whole in float32), returned as a float64 numpy array.
+
+def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK
+              ) -> dict[int, np.ndarray]:
+    """{ord: norms [units, d]} over the last axis of rows [units, d, width], ord 1 (L1) and/or 2 (L2).
+
+    Computed in float32 (float64 stays float64), returned as float64 numpy arrays.
+    Contiguous float rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy.
+    Two cases go through |x| (and then x^2, in place) in a float temp instead, a chunk of units
+    at a time (at most `chunk_elements` elements, so a bf16 tensor never exists whole in float32),
+    then a plain sum: half types, which need the upcast, and a strided last axis -- O's *columns*
+    in the head view (o[h, j, :] = W_O[:, h*d + j]) -- where `vector_norm` is ~10x slower than a
+    sum, which torch reduces fast along any axis. Both orders then share one temp.
     """
     rows = rows.detach()
-    if rows.dtype in (torch.float32, torch.float64):  # no upcast needed: one reduction, no copy
-        return torch.linalg.vector_norm(rows, ord=ord, dim=-1).numpy().astype(np.float64)  # [units, d]
+    ords = tuple(check_ord(o) for o in ords)
+    exact = rows.dtype in (torch.float32, torch.float64)
+    if exact and rows.stride(-1) == 1:
+        return {o: torch.linalg.vector_norm(rows, ord=o, dim=-1).numpy().astype(np.float64)  # [units, d]
+                for o in ords}
     step = max(1, chunk_elements // max(1, rows[0].numel()))
-    parts = [torch.linalg.vector_norm(part.float(), ord=ord, dim=-1)  # [<=step, d]
-             for part in torch.split(rows, step, dim=0)]
-    return torch.cat(parts).numpy().astype(np.float64)  # [units, d]
+    sums: dict[int, list[torch.Tensor]] = {o: [] for o in ords}
+    for part in torch.split(rows, step, dim=0):  # [<=step, d, width]
+        if ords == (2,) and exact:
+            powered = part.square()  # [<=step, d, width], same strides as part
+        else:
+            powered = part.abs() if exact else part.float().abs_()  # [<=step, d, width]
+            if 1 in ords:
+                sums[1].append(powered.sum(dim=-1))  # [<=step, d]
+            if 2 in ords:
+                powered.square_()
+        if 2 in ords:
+            sums[2].append(powered.sum(dim=-1))  # [<=step, d] squared L2
+        del powered
+    out = {o: torch.cat(parts) for o, parts in sums.items()}  # [units, d]
+    if 2 in out:
+        out[2] = out[2].sqrt()
+    return {o: out[o].numpy().astype(np.float64) for o in ords}
 
 
-def head_norms(hw: HeadWeights, ord: int = 2) -> dict[str, np.ndarray]:
-    """{projection: norms [units, d]} of one layer's head-major weights."""
+def head_norms(hw: HeadWeights, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK
+               ) -> dict[int, dict[str, np.ndarray]]:
+    """{ord: {projection: norms [units, d]}} of one layer's head-major weights."""
     # q [H, d, D], k/v [Hkv, d, D], o [H, d, D_out]: every norm runs over the last axis
-    return {p: row_norms(getattr(hw, p), ord) for p in PROJECTIONS}
+    per_projection = {p: row_norms(getattr(hw, p), ords, chunk_elements) for p in PROJECTIONS}
+    return {o: {p: norms[o] for p, norms in per_projection.items()} for o in ords}
 
 
 def stack_layers(layers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -236,7 +265,7 @@ def profile_model(
             for layer in range(geometry.n_layers):
                 if should_stop is not None and should_stop():
                     raise CancelledError("Profiling was cancelled; run it again to get the profile.")
-                layers.append(head_norms(weight_views(model, adapter, layer, geometry), ord))
+                layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,))[ord])
                 if report is not None:
                     report((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
         return stack_layers(layers)

@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from analysis.adapters import Adapter, adapter_for
 from analysis.errors import CancelledError, ModelLoadError
-from analysis.profiles import NormProfile, Progress, ShouldStop, head_norms, stack_layers
+from analysis.profiles import STREAM_CHUNK, NormProfile, Progress, ShouldStop, head_norms, stack_layers
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -119,8 +119,9 @@ def profile_checkpoint(path, *, progress: Progress | None = None,
             raise CancelledError("Profiling was cancelled; run it again to get the profile.")
         tensors = read_tensors(layer_tensor_names(adapter, layer, names, prefix), names)
         hw = adapter.heads_from_tensors(tensors, geometry)
-        l2_layers.append(head_norms(hw, 2))
-        l1_layers.append(head_norms(hw, 1))  # no second read of the file for L1
+        norms = head_norms(hw, (2, 1), STREAM_CHUNK)  # L1 from the same read: no second pass over the file
+        l2_layers.append(norms[2])
+        l1_layers.append(norms[1])
         del tensors, hw
         if progress is not None:
             progress((layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")

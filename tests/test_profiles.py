@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from analysis.errors import InputError
-from analysis.profiles import NormProfile, check_z, profile_model
+from analysis.profiles import NormProfile, check_z, profile_model, row_norms
 from tests._scoring_fixtures import constant_profile, hand_profile
 from tests._tiny import tiny_model
 
@@ -154,3 +154,37 @@ def test_profile_does_not_change_the_model():
     profile_model(model)
     for k, v in model.state_dict().items():
         assert torch.equal(before[k], v), k
+
+
+def _reference_norms(rows: torch.Tensor) -> dict[int, np.ndarray]:
+    """L1 and L2 of rows [units, d, width] in float64 from a contiguous copy: the plain definition."""
+    r = rows.detach().double().contiguous()  # [units, d, width]
+    return {1: r.abs().sum(-1).numpy(), 2: r.square().sum(-1).sqrt().numpy()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_row_norms_every_path_matches_the_definition(dtype, strided):
+    # strided: O's head view, o[h, j, :] = W_O[:, h*d + j], whose last axis steps over whole rows
+    torch.manual_seed(0)
+    H, d, D = 6, 5, 40
+    if strided:
+        rows = torch.randn(D, H * d).to(dtype).t().reshape(H, d, D)  # [H, d, D], stride(-1) = H*d
+        assert rows.stride(-1) != 1
+    else:
+        rows = torch.randn(H * d, D).to(dtype).reshape(H, d, D)  # [H, d, D] contiguous
+    expected = _reference_norms(rows)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for ords in [(2,), (1,), (2, 1), (1, 2)]:
+        # chunk_elements below one unit (d * D = 200) forces one head per chunk; 1 << 22 takes all at once
+        for chunk in (7, 2 * d * D, 1 << 22):
+            got = row_norms(rows, ords, chunk)
+            assert sorted(got) == sorted(ords)
+            for o in ords:
+                assert got[o].dtype == np.float64 and got[o].shape == (H, d)
+                np.testing.assert_allclose(got[o], expected[o], rtol=tol, err_msg=f"ord {o}, chunk {chunk}")
+
+
+def test_row_norms_rejects_bad_orders():
+    with pytest.raises(InputError, match="norm order"):
+        row_norms(torch.ones(2, 3, 4), (3,))
