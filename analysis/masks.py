@@ -1,7 +1,8 @@
 """From head scores to a pruning mask: global ranking, policies, the KV-group rule, summaries.
 
 Ranking (DESIGN.md section 1): all L*H heads ascending by score; ties broken by the plain
-magnitude tie-break (ascending), then by (layer, head). The mask at sparsity s prunes the
+magnitude tie-break (ascending), then by (layer, head): one stable sort by score of the heads
+taken in tie-break order (which weight-only scorers sort once per profile). The mask at sparsity s prunes the
 first k = floor(s * L * H) heads of that order (a 1e-9 guard absorbs float error, so
 s = 0.29 on 100 heads prunes 29). A KV group is pruned when all of its query heads are.
 
@@ -50,18 +51,31 @@ def heads_to_prune(sparsity: float, n_heads: int) -> int:
     return int(math.floor(check_sparsity(sparsity) * n_heads + _FLOOR_GUARD))
 
 
-def rank_heads(scores: np.ndarray, tiebreak: np.ndarray | None = None) -> np.ndarray:
+def rank_heads(scores: np.ndarray, tiebreak: np.ndarray | None = None, *,
+               tie_order: np.ndarray | None = None) -> np.ndarray:
     """Prune-first order of the flat head indices (layer * H + head) of scores [L, H].
 
     Ascending score, then ascending tie-break, then ascending (layer, head). Returns [L*H].
+    `tie_order` (optional, [L*H]) is `tie_order_of(tiebreak)` when the caller has it cached: the
+    tie-break's order does not change with z, so a scorer can sort it once per profile.
     """
-    scores = _check_scores(scores)
-    flat = scores.reshape(-1)  # [L*H]
-    tie = np.zeros_like(flat) if tiebreak is None else np.asarray(tiebreak, dtype=np.float64).reshape(-1)
-    if tie.shape != flat.shape:
-        raise InputError(f"tie-break has {tie.size} entries but there are {flat.size} heads.")
-    # np.lexsort is stable, so heads equal in (score, tie-break) keep (layer, head) order: no third key.
-    return np.lexsort((tie, flat))  # [L*H]; last key is primary
+    flat = _check_scores(scores).reshape(-1)  # [L*H]
+    if tie_order is None:
+        tie_order = tie_order_of(tiebreak, flat.size)  # [L*H]
+    elif tie_order.shape != flat.shape:
+        raise InputError(f"tie order has {tie_order.size} entries but there are {flat.size} heads.")
+    # A stable sort by score of the heads taken in tie-break order keeps that order among equal scores.
+    return tie_order[np.argsort(flat[tie_order], kind="stable")]  # [L*H]
+
+
+def tie_order_of(tiebreak: np.ndarray | None, n_heads: int) -> np.ndarray:
+    """Flat head indices [n_heads] by ascending tie-break, then (layer, head); identity when None."""
+    if tiebreak is None:
+        return np.arange(n_heads)  # [L*H]
+    tie = np.asarray(tiebreak, dtype=np.float64).reshape(-1)  # [L*H]
+    if tie.size != n_heads:
+        raise InputError(f"tie-break has {tie.size} entries but there are {n_heads} heads.")
+    return np.argsort(tie, kind="stable")  # [L*H]
 
 
 def _check_scores(scores) -> np.ndarray:
@@ -108,13 +122,14 @@ def kv_pruned_from(pruned: np.ndarray, group_size: int) -> np.ndarray:
 def plan_mask(scores, sparsity: float, *, group_size: int = 1, tiebreak: np.ndarray | None = None,
               policy: str = "global", min_per_layer: int = 1) -> MaskPlan:
     """The mask at `sparsity` for scores [L, H] (or a HeadScores, whose tie-break is used)."""
+    tie_order = None
     if tiebreak is None:
-        tiebreak = getattr(scores, "tiebreak", None)
+        tiebreak, tie_order = getattr(scores, "tiebreak", None), getattr(scores, "tie_order", None)
     scores = _check_scores(scores)
     L, H = scores.shape
     if policy not in POLICIES:
         raise InputError(f"Unknown mask policy {policy!r}; choose one of {', '.join(POLICIES)}.")
-    order = rank_heads(scores, tiebreak)  # [L*H]
+    order = rank_heads(scores, tiebreak, tie_order=tie_order)  # [L*H]
     k = heads_to_prune(sparsity, L * H)
     pruned = np.zeros(L * H, dtype=bool)  # [L*H]
     if policy == "global":

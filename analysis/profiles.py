@@ -8,7 +8,10 @@ W_Q, W_K, W_V and of the *columns* of W_O, head-major:
 It is computed once per model (from memory with `profile_model`, or from safetensors files
 with `analysis.streaming.profile_checkpoint`). Everything that depends on the threshold z is
 an array operation on these cached norms: the per-population mean and std are memoized, so
-moving z costs one subtraction per row and never touches the weights again.
+moving z costs one subtraction per row and never touches the weights again. Scorers need only
+each head's *sum* of excesses (`excess_sums`), and only rows above their population's mean can
+ever be in excess at a z >= 0: those rows are indexed once, sorted by z-score, so a new z reads
+just the rows above the new threshold (a prefix) and adds them into per-head bins.
 
 Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0).
 Population scope "layer": the rows of one projection of one layer; scope "model": the rows
@@ -149,6 +152,58 @@ class NormProfile:
         """e = max(0, n - tau) per projection, same shapes as the norms."""
         taus = self.thresholds(z, ord=ord, scope=scope)
         return {p: row_excess(n, taus[p]) for p, n in self.norms(ord).items()}
+
+    def excess_sums(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer"
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(own [L, H], group [L, Hkv]): per query head the summed excess of its Q rows and O
+        columns, per KV group that of its K and V rows. Each row's excess is the same float
+        expression as `excess` (n - (mean + z*std), floored at 0); only the order of the sums differs.
+        """
+        z = check_z(z)
+        rows = self.memo(("excess-rows", check_ord(ord), check_scope(scope)),
+                         lambda: ExcessRows.index(self.norms(ord), self.stats(ord, scope)))
+        k = int(np.searchsorted(rows.neg_zscore, -(z - _Z_MARGIN), side="left"))  # rows with zscore > z - margin
+        excess = rows.norm[:k] - (rows.mean[:k] + z * rows.std[:k])  # [k]
+        np.maximum(excess, 0.0, out=excess)  # [k]; the margin's extra rows add exact zeros
+        sums = np.bincount(rows.bin[:k], weights=excess, minlength=rows.n_bins)  # [L*H + L*Hkv]
+        L, H, Hkv = self.n_layers, self.n_heads, self.n_kv_heads
+        return sums[: L * H].reshape(L, H), sums[L * H:].reshape(L, Hkv)
+
+
+_Z_MARGIN = 1e-9  # z-scores are rounded; rows this close below z are taken too, and the exact test decides
+
+
+@dataclass(frozen=True)
+class ExcessRows:
+    """The rows that can be in excess at some z >= 0 -- above their population's mean, in a
+    population with std > 0 -- sorted by z-score (n - mean) / std, descending, so the rows in
+    excess at z are a prefix. Each carries its norm, its population's mean and std, and its bin:
+    l*H + h for Q rows and O columns of query head h, L*H + l*Hkv + g for K/V rows of group g.
+    """
+
+    neg_zscore: np.ndarray  # [M] -zscore, ascending (for searchsorted)
+    norm: np.ndarray  # [M]
+    mean: np.ndarray  # [M]
+    std: np.ndarray  # [M]
+    bin: np.ndarray  # [M] int
+    n_bins: int
+
+    @staticmethod
+    def index(norms: dict[str, np.ndarray], stats: dict[str, tuple[np.ndarray, np.ndarray]]) -> "ExcessRows":
+        L, H = norms["q"].shape[:2]
+        Hkv = norms["k"].shape[1]
+        offsets = {"q": 0, "o": 0, "k": L * H, "v": L * H}  # own bins first, then group bins
+        parts = []
+        for p, n in norms.items():
+            units, d = n.shape[1:]
+            mean, std = (np.broadcast_to(a[:, None, None], n.shape) for a in stats[p])  # [L, units, d]
+            bins = np.broadcast_to((offsets[p] + np.arange(L * units).reshape(L, units))[:, :, None], n.shape)
+            keep = (n > mean) & (std > 0)  # [L, units, d]
+            parts.append((n[keep], mean[keep], std[keep], bins[keep]))
+        norm, mean, std, bins = (np.concatenate(column) for column in zip(*parts))  # [M] each
+        order = np.argsort(-(norm - mean) / std, kind="stable")  # [M] descending z-score
+        return ExcessRows(neg_zscore=(-(norm - mean) / std)[order], norm=norm[order], mean=mean[order],
+                          std=std[order], bin=bins[order].astype(np.intp), n_bins=L * H + L * Hkv)
 
 
 def _check_norm_table(table: dict[str, np.ndarray], like: dict[str, np.ndarray] | None = None) -> dict:

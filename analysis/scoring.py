@@ -38,6 +38,7 @@ from analysis.adapters import Adapter, HeadWeights, adapter_for
 from analysis.errors import CancelledError, InputError, UnsupportedModelError
 from analysis.geometry import HeadGeometry
 from analysis.masking import head_mask
+from analysis.masks import tie_order_of
 from analysis.profiles import (
     DEFAULT_Z,
     NormProfile,
@@ -84,6 +85,7 @@ class HeadScores:
     params: dict = field(default_factory=dict)
     cost: ScoringCost = field(default_factory=ScoringCost)
     tiebreak: np.ndarray | None = None  # [L, H] plain magnitude, breaks ties in the ranking
+    tie_order: np.ndarray | None = field(default=None, repr=False, compare=False)  # [L*H] its sort, if cached
 
     def __post_init__(self) -> None:
         self.scores = np.asarray(self.scores, dtype=np.float64)
@@ -119,18 +121,26 @@ def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nda
     return own, group
 
 
-def mp_aggregate(rows: dict[str, np.ndarray]) -> np.ndarray:
-    """MP: own + the full group sum of the head's KV group. Returns [L, H]."""
-    own, group = head_and_group_sums(rows)
+def mp_combine(own: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """MP from own [L, H] and group [L, Hkv] sums: own + the full sum of the head's KV group. [L, H]."""
     G = own.shape[1] // group.shape[1]
     return own + np.repeat(group, G, axis=1)  # [L, H]
 
 
-def mpg_aggregate(rows: dict[str, np.ndarray], a_q: float = 1.0, a_kv: float = 1.0) -> np.ndarray:
-    """MP-G: a_q * own + a_kv * group / G. Returns [L, H]; equals mp_aggregate when G = 1, a = 1."""
-    own, group = head_and_group_sums(rows)
+def mpg_combine(own: np.ndarray, group: np.ndarray, a_q: float = 1.0, a_kv: float = 1.0) -> np.ndarray:
+    """MP-G from own [L, H] and group [L, Hkv] sums: a_q * own + a_kv * group / G. [L, H]."""
     G = own.shape[1] // group.shape[1]
     return a_q * own + a_kv * np.repeat(group, G, axis=1) / G  # [L, H]
+
+
+def mp_aggregate(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """MP of per-row values: own + the full group sum of the head's KV group. Returns [L, H]."""
+    return mp_combine(*head_and_group_sums(rows))
+
+
+def mpg_aggregate(rows: dict[str, np.ndarray], a_q: float = 1.0, a_kv: float = 1.0) -> np.ndarray:
+    """MP-G of per-row values. Returns [L, H]; equals mp_aggregate when G = 1, a = 1."""
+    return mpg_combine(*head_and_group_sums(rows), a_q, a_kv)
 
 
 def combine_projection_scores(q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray) -> np.ndarray:
@@ -289,7 +299,11 @@ class Scorer:
         cost = ScoringCost()
         scores, tiebreak = self._compute(target, calibration, cost, progress, should_stop)
         cost.seconds = time.perf_counter() - start
-        return HeadScores(self.name, scores, self.params(), cost, tiebreak)
+        return HeadScores(self.name, scores, self.params(), cost, tiebreak, self._tie_order(target, tiebreak))
+
+    def _tie_order(self, target, tiebreak) -> np.ndarray | None:
+        """The tie-break's sort, where a scorer can cache it (weight-only scorers, per profile)."""
+        return None
 
     def _compute(self, target, calibration, cost, progress, should_stop) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
@@ -349,17 +363,26 @@ class MPScorer(Scorer):
     def params(self) -> dict:
         return dict(z=self.z, scope=self.scope, ord=self.ord)
 
+    def combine(self, own: np.ndarray, group: np.ndarray) -> np.ndarray:
+        return mp_combine(own, group)
+
     def aggregate(self, rows: dict[str, np.ndarray]) -> np.ndarray:
-        return mp_aggregate(rows)
+        return self.combine(*head_and_group_sums(rows))
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         profile = as_profile(target)
-        scores = self.aggregate(profile.excess(self.z, ord=self.ord, scope=self.scope))  # [L, H]
-        # The tie-break (same sums without the threshold) does not depend on z: once per profile.
-        weights = tuple(sorted((k, v) for k, v in self.params().items() if k not in ("z", "scope")))
-        tiebreak = profile.memo(("tiebreak", self.name, weights),
+        scores = self.combine(*profile.excess_sums(self.z, ord=self.ord, scope=self.scope))  # [L, H]
+        # The tie-break (same sums without the threshold) and its sort do not depend on z: once per profile.
+        tiebreak = profile.memo(("tiebreak", *self._tiebreak_key()),
                                 lambda: self.aggregate(profile.norms(self.ord)))  # [L, H]
         return scores, tiebreak
+
+    def _tiebreak_key(self) -> tuple:
+        return self.name, tuple(sorted((k, v) for k, v in self.params().items() if k not in ("z", "scope")))
+
+    def _tie_order(self, target, tiebreak):
+        return as_profile(target).memo(("tie-order", *self._tiebreak_key()),
+                                       lambda: tie_order_of(tiebreak, tiebreak.size))  # [L*H]
 
 
 class MPGScorer(MPScorer):
@@ -375,8 +398,8 @@ class MPGScorer(MPScorer):
     def params(self) -> dict:
         return {**super().params(), "a_q": self.a_q, "a_kv": self.a_kv}
 
-    def aggregate(self, rows):
-        return mpg_aggregate(rows, self.a_q, self.a_kv)
+    def combine(self, own, group):
+        return mpg_combine(own, group, self.a_q, self.a_kv)
 
 
 def _check_weight(name: str, value: float) -> float:
@@ -744,7 +767,7 @@ class HybridScorer(CalibrationScorer):
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         profile = profile_model(subject.model, adapter=subject.adapter)
         magnitude = mp_aggregate(profile.l2)  # [L, H]
-        mp = mp_aggregate(profile.excess(self.z, scope=self.scope))  # [L, H]
+        mp = mp_combine(*profile.excess_sums(self.z, scope=self.scope))  # [L, H]
         wanda = WandaHeadScorer(self.n_sequences, self.seq_len, self.batch_size)
         wanda_scores = wanda._calibrate(subject, ids, cost, progress, should_stop)  # [L, H]
         return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)

@@ -13,6 +13,7 @@ from analysis.masks import (
     plan_mask,
     rank_heads,
     summarize_mask,
+    tie_order_of,
 )
 from analysis.scoring import MPGScorer, MPScorer
 from tests._scoring_fixtures import HAND_ORDER_Z05, hand_profile, random_profile
@@ -170,3 +171,28 @@ def test_jaccard_by_hand():
     assert jaccard(a, ~a) == 0.0
     with pytest.raises(InputError):
         jaccard(a, a[:1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ranking_equals_the_three_key_definition(seed):
+    # The ranking is one stable sort of the heads taken in tie-break order; check it against the
+    # definition written as a three-key lexsort, on scores and tie-breaks full of ties.
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 4, size=(6, 8)).astype(float)  # [L, H], many equal scores
+    tie = rng.integers(0, 3, size=(6, 8)).astype(float)  # [L, H], many equal tie-breaks
+    flat_index = np.arange(scores.size)
+    want = np.lexsort((flat_index, tie.ravel(), scores.ravel()))  # last key is primary
+    assert rank_heads(scores, tie).tolist() == want.tolist()
+    assert rank_heads(scores, tie, tie_order=tie_order_of(tie, scores.size)).tolist() == want.tolist()
+    assert rank_heads(scores).tolist() == np.lexsort((flat_index, scores.ravel())).tolist()
+
+
+def test_scorer_cached_tie_order_is_the_tiebreak_sort():
+    profile = random_profile(seed=1)
+    first = MPGScorer(z=1.0).score(profile)
+    second = MPGScorer(z=2.0).score(profile)
+    assert first.tie_order is second.tie_order  # sorted once per profile
+    assert first.tie_order.tolist() == tie_order_of(first.tiebreak, first.scores.size).tolist()
+    assert plan_mask(second, 0.5).order.tolist() == rank_heads(second.scores, second.tiebreak).tolist()
+    with pytest.raises(InputError, match="tie order"):
+        rank_heads(second.scores, tie_order=np.arange(3))

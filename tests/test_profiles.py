@@ -188,3 +188,37 @@ def test_row_norms_every_path_matches_the_definition(dtype, strided):
 def test_row_norms_rejects_bad_orders():
     with pytest.raises(InputError, match="norm order"):
         row_norms(torch.ones(2, 3, 4), (3,))
+
+
+def _zscores(profile: NormProfile, ord: int, scope: str) -> np.ndarray:
+    """Every row's exact z-score (n - mean) / std, for z values that sit exactly on a row."""
+    out = []
+    for p, n in profile.norms(ord).items():
+        mean, std = profile.stats(ord, scope)[p]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out.append(((n - mean[:, None, None]) / std[:, None, None]).ravel())
+    z = np.concatenate(out)
+    return z[np.isfinite(z) & (z >= 0) & (z <= 10)]
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+@pytest.mark.parametrize("ord", [1, 2])
+def test_excess_sums_equal_the_sums_of_the_row_excess(scope, ord):
+    # The indexed fast path must agree with summing `excess` per head / group, including a z that
+    # lands exactly on a row's z-score (that row's excess is 0 either way) and the zero pattern.
+    from analysis.scoring import head_and_group_sums
+    from tests._scoring_fixtures import random_profile
+
+    for profile in (hand_profile(l1_scale=2.0), random_profile(seed=3), constant_profile(0.3)):
+        on_a_row = _zscores(profile, ord, scope)[:5].tolist()
+        for z in [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 10.0, *on_a_row]:
+            own, group = profile.excess_sums(z, ord=ord, scope=scope)
+            want_own, want_group = head_and_group_sums(profile.excess(z, ord=ord, scope=scope))
+            np.testing.assert_allclose(own, want_own, rtol=1e-12, atol=1e-12, err_msg=f"z={z}")
+            np.testing.assert_allclose(group, want_group, rtol=1e-12, atol=1e-12, err_msg=f"z={z}")
+            assert np.array_equal(own == 0, want_own == 0) and np.array_equal(group == 0, want_group == 0)
+
+
+def test_excess_sums_validate_z():
+    with pytest.raises(InputError, match="negative"):
+        hand_profile().excess_sums(-1.0)
