@@ -20,7 +20,8 @@ of L*H numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -64,8 +65,24 @@ def rank_heads(scores: np.ndarray, tiebreak: np.ndarray | None = None, *,
         tie_order = tie_order_of(tiebreak, flat.size)  # [L*H]
     elif tie_order.shape != flat.shape:
         raise InputError(f"tie order has {tie_order.size} entries but there are {flat.size} heads.")
-    # A stable sort by score of the heads taken in tie-break order keeps that order among equal scores.
+    return _rank(flat, tie_order)
+
+
+def _rank(flat: np.ndarray, tie_order: np.ndarray) -> np.ndarray:
+    """A stable sort by score [L*H] of the heads taken in tie-break order keeps that order among equal scores."""
     return tie_order[np.argsort(flat[tie_order], kind="stable")]  # [L*H]
+
+
+def _lowest(flat: np.ndarray, tie_order: np.ndarray, k: int) -> np.ndarray:
+    """The first k heads of the ranking as a mask [L*H], without sorting all of it: every head
+    below the k-th smallest score, then the heads equal to it, in tie-break order."""
+    if k == 0:
+        return np.zeros(flat.size, dtype=bool)  # [L*H]
+    kth = np.partition(flat, k - 1)[k - 1]
+    pruned = flat < kth  # [L*H]
+    ties = tie_order[flat[tie_order] == kth]  # [t] heads scoring exactly kth, in tie-break order
+    pruned[ties[: k - int(np.count_nonzero(pruned))]] = True
+    return pruned
 
 
 def tie_order_of(tiebreak: np.ndarray | None, n_heads: int) -> np.ndarray:
@@ -90,14 +107,23 @@ def _check_scores(scores) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MaskPlan:
-    """A pruning decision. pruned [L, H] and kv_pruned [L, Hkv] are boolean; order is [L*H]."""
+    """A pruning decision. pruned [L, H] and kv_pruned [L, Hkv] are boolean; order is [L*H].
+
+    The global policy does not need the whole ranking, so `order` (the full prune-first order)
+    is sorted on first access, from the scores and tie order the plan was made from.
+    """
 
     pruned: np.ndarray
     kv_pruned: np.ndarray
-    order: np.ndarray
     sparsity: float
     policy: str
     min_per_layer: int = 0
+    ranking: tuple[np.ndarray, np.ndarray] = field(default=None, repr=False, compare=False)  # (flat, tie_order)
+
+    @cached_property
+    def order(self) -> np.ndarray:
+        flat, tie_order = self.ranking
+        return _rank(flat, tie_order)  # [L*H]
 
     @property
     def n_pruned(self) -> int:
@@ -129,18 +155,25 @@ def plan_mask(scores, sparsity: float, *, group_size: int = 1, tiebreak: np.ndar
     L, H = scores.shape
     if policy not in POLICIES:
         raise InputError(f"Unknown mask policy {policy!r}; choose one of {', '.join(POLICIES)}.")
-    order = rank_heads(scores, tiebreak, tie_order=tie_order)  # [L*H]
+    flat = scores.reshape(-1)  # [L*H]
+    if tie_order is None:
+        tie_order = tie_order_of(tiebreak, flat.size)  # [L*H]
+    elif tie_order.shape != flat.shape:
+        raise InputError(f"tie order has {tie_order.size} entries but there are {flat.size} heads.")
     k = heads_to_prune(sparsity, L * H)
-    pruned = np.zeros(L * H, dtype=bool)  # [L*H]
+    order = None if policy == "global" else _rank(flat, tie_order)  # [L*H]; the other policies walk it
     if policy == "global":
-        pruned[order[:k]] = True
+        pruned = _lowest(flat, tie_order, k)  # [L*H]
     elif policy == "min-per-layer":
         pruned = _prune_keeping(order, k, L, H, int(min_per_layer))
     else:
         pruned = _prune_uniform(order, L, H, int(math.floor(float(sparsity) * H + _FLOOR_GUARD)))
     pruned = pruned.reshape(L, H)  # [L, H]
-    return MaskPlan(pruned, kv_pruned_from(pruned, group_size), order, float(sparsity), policy,
-                    int(min_per_layer) if policy == "min-per-layer" else 0)
+    plan = MaskPlan(pruned, kv_pruned_from(pruned, group_size), float(sparsity), policy,
+                    int(min_per_layer) if policy == "min-per-layer" else 0, (flat, tie_order))
+    if order is not None:
+        plan.__dict__["order"] = order  # fill the cached property: no second sort
+    return plan
 
 
 def _prune_keeping(order: np.ndarray, k: int, L: int, H: int, keep: int) -> np.ndarray:

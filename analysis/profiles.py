@@ -10,8 +10,8 @@ with `analysis.streaming.profile_checkpoint`). Everything that depends on the th
 an array operation on these cached norms: the per-population mean and std are memoized, so
 moving z costs one subtraction per row and never touches the weights again. Scorers need only
 each head's *sum* of excesses (`excess_sums`), and only rows above their population's mean can
-ever be in excess at a z >= 0: those rows are indexed once, sorted by z-score, so a new z reads
-just the rows above the new threshold (a prefix) and adds them into per-head bins.
+ever be in excess at a z >= 0: those rows are indexed once, bucketed by z-score, so a new z reads
+just the rows of the buckets above the new threshold (a prefix) and adds them into per-head bins.
 
 Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0).
 Population scope "layer": the rows of one projection of one layer; scope "model": the rows
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -160,50 +160,70 @@ class NormProfile:
         expression as `excess` (n - (mean + z*std), floored at 0); only the order of the sums differs.
         """
         z = check_z(z)
+        if z < ExcessRows.Z_MIN:  # most rows are in excess: the dense sums are cheaper than an index
+            return head_and_group_sums(self.excess(z, ord=ord, scope=scope))
         rows = self.memo(("excess-rows", check_ord(ord), check_scope(scope)),
                          lambda: ExcessRows.index(self.norms(ord), self.stats(ord, scope)))
-        k = int(np.searchsorted(rows.neg_zscore, -(z - _Z_MARGIN), side="left"))  # rows with zscore > z - margin
+        k = rows.prefix(z)  # the rows whose z-score bucket can hold a z-score > z
         excess = rows.norm[:k] - (rows.mean[:k] + z * rows.std[:k])  # [k]
-        np.maximum(excess, 0.0, out=excess)  # [k]; the margin's extra rows add exact zeros
+        np.maximum(excess, 0.0, out=excess)  # [k]; rows of the lowest bucket below z add exact zeros
         sums = np.bincount(rows.bin[:k], weights=excess, minlength=rows.n_bins)  # [L*H + L*Hkv]
         L, H, Hkv = self.n_layers, self.n_heads, self.n_kv_heads
         return sums[: L * H].reshape(L, H), sums[L * H:].reshape(L, Hkv)
 
 
-_Z_MARGIN = 1e-9  # z-scores are rounded; rows this close below z are taken too, and the exact test decides
+_Z_MARGIN = 1e-9  # z-scores are rounded: rows this close below z are read too, and n > tau decides
 
 
 @dataclass(frozen=True)
 class ExcessRows:
-    """The rows that can be in excess at some z >= 0 -- above their population's mean, in a
-    population with std > 0 -- sorted by z-score (n - mean) / std, descending, so the rows in
-    excess at z are a prefix. Each carries its norm, its population's mean and std, and its bin:
-    l*H + h for Q rows and O columns of query head h, L*H + l*Hkv + g for K/V rows of group g.
+    """The rows that can be in excess at some z >= Z_MIN -- z-score (n - mean) / std above Z_MIN,
+    in a population with std > 0 -- grouped by z-score into buckets of width BUCKET_Z, highest
+    bucket first, so the rows that can be in excess at z are a prefix. (Buckets, not a full sort:
+    a stable sort of 8-bit keys is a radix sort, ~10x cheaper to build.) Below Z_MIN most rows
+    above the mean are in excess and `excess_sums` uses the dense sums instead. Each row carries
+    its norm, its population's mean and std, and its bin: l*H + h for Q rows and O columns of
+    query head h, L*H + l*Hkv + g for K/V rows of group g.
     """
 
-    neg_zscore: np.ndarray  # [M] -zscore, ascending (for searchsorted)
     norm: np.ndarray  # [M]
     mean: np.ndarray  # [M]
     std: np.ndarray  # [M]
     bin: np.ndarray  # [M] int
+    ends: np.ndarray  # [N_BUCKETS] prefix length that covers buckets N_BUCKETS-1 .. b
     n_bins: int
 
-    @staticmethod
-    def index(norms: dict[str, np.ndarray], stats: dict[str, tuple[np.ndarray, np.ndarray]]) -> "ExcessRows":
+    Z_MIN: ClassVar[float] = 1.0
+    BUCKET_Z: ClassVar[float] = 0.125
+    N_BUCKETS: ClassVar[int] = int(Z_MAX / 0.125) + 1  # the last one holds every z-score >= Z_MAX
+
+    def prefix(self, z: float) -> int:
+        """Rows to read at threshold z: every bucket that can hold a z-score above z (with a
+        margin for the rounding of z-scores; the exact test n > tau is made on the rows read)."""
+        lowest = min(int(max(z - _Z_MARGIN, 0.0) / self.BUCKET_Z), self.N_BUCKETS - 1)
+        return int(self.ends[lowest])
+
+    @classmethod
+    def index(cls, norms: dict[str, np.ndarray], stats: dict[str, tuple[np.ndarray, np.ndarray]]) -> "ExcessRows":
         L, H = norms["q"].shape[:2]
         Hkv = norms["k"].shape[1]
         offsets = {"q": 0, "o": 0, "k": L * H, "v": L * H}  # own bins first, then group bins
         parts = []
         for p, n in norms.items():
             units, d = n.shape[1:]
-            mean, std = (np.broadcast_to(a[:, None, None], n.shape) for a in stats[p])  # [L, units, d]
-            bins = np.broadcast_to((offsets[p] + np.arange(L * units).reshape(L, units))[:, :, None], n.shape)
-            keep = (n > mean) & (std > 0)  # [L, units, d]
-            parts.append((n[keep], mean[keep], std[keep], bins[keep]))
+            mean_l, std_l = stats[p]  # [L] each
+            floor = mean_l + (cls.Z_MIN - _Z_MARGIN) * std_l  # [L] a little below tau at Z_MIN
+            keep = (n > floor[:, None, None]) & (std_l > 0)[:, None, None]  # [L, units, d]
+            rows = np.flatnonzero(keep)  # [m] flat indices l*units*d + u*d + j
+            layer = rows // (units * d)  # [m]
+            parts.append((n.reshape(-1)[rows], mean_l[layer], std_l[layer], offsets[p] + rows // d))
         norm, mean, std, bins = (np.concatenate(column) for column in zip(*parts))  # [M] each
-        order = np.argsort(-(norm - mean) / std, kind="stable")  # [M] descending z-score
-        return ExcessRows(neg_zscore=(-(norm - mean) / std)[order], norm=norm[order], mean=mean[order],
-                          std=std[order], bin=bins[order].astype(np.intp), n_bins=L * H + L * Hkv)
+        bucket = np.minimum((norm - mean) / std / cls.BUCKET_Z, cls.N_BUCKETS - 1).astype(np.uint8)  # [M]
+        key = cls.N_BUCKETS - 1 - bucket  # [M] uint8, 0 = highest bucket
+        order = np.argsort(key, kind="stable")  # [M] a radix sort for 8-bit keys
+        ends = np.cumsum(np.bincount(key, minlength=cls.N_BUCKETS))[::-1].copy()  # [N_BUCKETS] by bucket
+        return cls(norm=norm[order], mean=mean[order], std=std[order], bin=bins[order],
+                   ends=ends, n_bins=L * H + L * Hkv)
 
 
 def _check_norm_table(table: dict[str, np.ndarray], like: dict[str, np.ndarray] | None = None) -> dict:
@@ -218,6 +238,16 @@ def _check_norm_table(table: dict[str, np.ndarray], like: dict[str, np.ndarray] 
     if like is not None and any(np.shape(table[p]) != np.shape(like[p]) for p in PROJECTIONS):
         raise InputError("L1 and L2 norm arrays of a profile must have the same shapes.")
     return table
+
+
+def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row values {q,o: [L, H, d], k,v: [L, Hkv, d]} -> (own [L, H], group [L, Hkv]).
+
+    own = sum over the head's Q rows and O columns; group = sum over the group's K and V rows.
+    """
+    own = rows["q"].sum(axis=-1) + rows["o"].sum(axis=-1)  # [L, H]
+    group = rows["k"].sum(axis=-1) + rows["v"].sum(axis=-1)  # [L, Hkv]
+    return own, group
 
 
 def population_stats(norms: np.ndarray, scope: str) -> tuple[np.ndarray, np.ndarray]:
@@ -248,55 +278,73 @@ IN_MEMORY_CHUNK = 1 << 22  # elements of one float temp in memory, where the mod
 STREAM_CHUNK = 1 << 16  # and when streaming, where the peak should stay near one layer's tensors
 
 
-def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK
-              ) -> dict[int, np.ndarray]:
+def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK,
+              scratch: dict | None = None) -> dict[int, torch.Tensor]:
     """{ord: norms [units, d]} over the last axis of rows [units, d, width], ord 1 (L1) and/or 2 (L2).
 
-    Computed in float32 (float64 stays float64), returned as float64 numpy arrays.
+    Computed and returned in float32 (float64 stays float64); `stack_layers` makes them numpy.
     Contiguous float rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy.
     Two cases go through |x| (and then x^2, in place) in a float temp instead, a chunk of units
     at a time (at most `chunk_elements` elements, so a bf16 tensor never exists whole in float32),
     then a plain sum: half types, which need the upcast, and a strided last axis -- O's *columns*
     in the head view (o[h, j, :] = W_O[:, h*d + j]) -- where `vector_norm` is ~10x slower than a
-    sum, which torch reduces fast along any axis. Both orders then share one temp.
+    sum, which torch reduces fast along any axis. Both orders then share one temp, laid out like
+    the chunk (so |x| is a streaming pass, not a transpose); pass the same `scratch` dict to every
+    call of a pass and the temp is allocated once, not once per layer.
     """
     rows = rows.detach()
-    ords = tuple(check_ord(o) for o in ords)
     exact = rows.dtype in (torch.float32, torch.float64)
     if exact and rows.stride(-1) == 1:
-        return {o: torch.linalg.vector_norm(rows, ord=o, dim=-1).numpy().astype(np.float64)  # [units, d]
-                for o in ords}
+        return {o: torch.linalg.vector_norm(rows, ord=o, dim=-1) for o in ords}  # [units, d] each
     step = max(1, chunk_elements // max(1, rows[0].numel()))
     sums: dict[int, list[torch.Tensor]] = {o: [] for o in ords}
-    for part in torch.split(rows, step, dim=0):  # [<=step, d, width]
-        if ords == (2,) and exact:
-            powered = part.square()  # [<=step, d, width], same strides as part
+    dtype = rows.dtype if exact else torch.float32
+    scratch = {} if scratch is None else scratch
+    parts = (rows,) if step >= rows.shape[0] else torch.split(rows, step, dim=0)  # [<=step, d, width] each
+    for part in parts:
+        powered = _temp_like(part, dtype, scratch)  # [<=step, d, width]
+        if exact and ords == (2,):
+            torch.square(part, out=powered)
         else:
-            powered = part.abs() if exact else part.float().abs_()  # [<=step, d, width]
+            if exact:
+                torch.abs(part, out=powered)
+            else:
+                powered.copy_(part).abs_()  # the upcast first: x^2 is taken in float32
             if 1 in ords:
                 sums[1].append(powered.sum(dim=-1))  # [<=step, d]
             if 2 in ords:
                 powered.square_()
         if 2 in ords:
             sums[2].append(powered.sum(dim=-1))  # [<=step, d] squared L2
-        del powered
-    out = {o: torch.cat(parts) for o, parts in sums.items()}  # [units, d]
+    out = {o: pieces[0] if len(pieces) == 1 else torch.cat(pieces) for o, pieces in sums.items()}  # [units, d]
     if 2 in out:
-        out[2] = out[2].sqrt()
-    return {o: out[o].numpy().astype(np.float64) for o in ords}
+        out[2].sqrt_()
+    return out
 
 
-def head_norms(hw: HeadWeights, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK
-               ) -> dict[int, dict[str, np.ndarray]]:
-    """{ord: {projection: norms [units, d]}} of one layer's head-major weights."""
+def _temp_like(part: torch.Tensor, dtype: torch.dtype, scratch: dict) -> torch.Tensor:
+    """A dense `dtype` tensor of part's shape whose strides run in part's order (reused via scratch)."""
+    key = (tuple(part.shape), part.stride(), dtype)
+    if key not in scratch:
+        order = sorted(range(part.dim()), key=lambda i: -part.stride(i))  # outermost axis first
+        dense = torch.empty([part.shape[i] for i in order], dtype=dtype)  # [part's axes, outermost first]
+        scratch.clear()  # one temp at a time: a new shape replaces the last one
+        scratch[key] = dense.permute([order.index(i) for i in range(part.dim())])  # [<=step, d, width]
+    return scratch[key]
+
+
+def head_norms(hw: HeadWeights, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK,
+               scratch: dict | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """{ord: {projection: norms [units, d]}} of one layer's head-major weights (see row_norms)."""
+    ords = tuple(check_ord(o) for o in ords)
     # q [H, d, D], k/v [Hkv, d, D], o [H, d, D_out]: every norm runs over the last axis
-    per_projection = {p: row_norms(getattr(hw, p), ords, chunk_elements) for p in PROJECTIONS}
+    per_projection = {p: row_norms(getattr(hw, p), ords, chunk_elements, scratch) for p in PROJECTIONS}
     return {o: {p: norms[o] for p, norms in per_projection.items()} for o in ords}
 
 
-def stack_layers(layers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Per-layer {projection: [units, d]} -> {projection: [L, units, d]}."""
-    return {p: np.stack([layer[p] for layer in layers]) for p in PROJECTIONS}
+def stack_layers(layers: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
+    """Per-layer {projection: [units, d]} -> {projection: [L, units, d]} float64 numpy."""
+    return {p: torch.stack([layer[p] for layer in layers]).numpy().astype(np.float64) for p in PROJECTIONS}
 
 
 def profile_model(
@@ -315,12 +363,12 @@ def profile_model(
     geometry = adapter.geometry(model)
 
     def norms_of(ord: int, report: Progress | None = None) -> dict[str, np.ndarray]:
-        layers = []
+        layers, scratch = [], {}
         with torch.no_grad():
             for layer in range(geometry.n_layers):
                 if should_stop is not None and should_stop():
                     raise CancelledError("Profiling was cancelled; run it again to get the profile.")
-                layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,))[ord])
+                layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
                 if report is not None:
                     report((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
         return stack_layers(layers)

@@ -47,6 +47,7 @@ from analysis.profiles import (
     check_ord,
     check_scope,
     check_z,
+    head_and_group_sums,
     profile_model,
 )
 from analysis.text import calibration_text, tokenize
@@ -109,16 +110,6 @@ class HeadScores:
 # ---------------------------------------------------------------------------------------------
 # Pure head-level aggregation
 # ---------------------------------------------------------------------------------------------
-
-
-def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row values {q,o: [L, H, d], k,v: [L, Hkv, d]} -> (own [L, H], group [L, Hkv]).
-
-    own = sum over the head's Q rows and O columns; group = sum over the group's K and V rows.
-    """
-    own = rows["q"].sum(axis=-1) + rows["o"].sum(axis=-1)  # [L, H]
-    group = rows["k"].sum(axis=-1) + rows["v"].sum(axis=-1)  # [L, Hkv]
-    return own, group
 
 
 def mp_combine(own: np.ndarray, group: np.ndarray) -> np.ndarray:

@@ -113,13 +113,13 @@ def profile_checkpoint(path, *, progress: Progress | None = None,
     geometry = adapter.geometry(config)
     names = tensor_files(folder)
     prefix = name_prefix(adapter, names)
-    l2_layers, l1_layers = [], []
+    l2_layers, l1_layers, scratch = [], [], {}
     for layer in range(geometry.n_layers):
         if should_stop is not None and should_stop():
             raise CancelledError("Profiling was cancelled; run it again to get the profile.")
         tensors = read_tensors(layer_tensor_names(adapter, layer, names, prefix), names)
         hw = adapter.heads_from_tensors(tensors, geometry)
-        norms = head_norms(hw, (2, 1), STREAM_CHUNK)  # L1 from the same read: no second pass over the file
+        norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass over the file
         l2_layers.append(norms[2])
         l1_layers.append(norms[1])
         del tensors, hw

@@ -196,3 +196,19 @@ def test_scorer_cached_tie_order_is_the_tiebreak_sort():
     assert plan_mask(second, 0.5).order.tolist() == rank_heads(second.scores, second.tiebreak).tolist()
     with pytest.raises(InputError, match="tie order"):
         rank_heads(second.scores, tie_order=np.arange(3))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_global_mask_is_the_first_k_of_the_full_ranking(seed):
+    # The global policy picks the k lowest heads by partition (no full sort); it must be exactly
+    # the first k of the ranking for every k, with scores and tie-breaks full of ties.
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 3, size=(4, 6)).astype(float)  # [L, H]
+    tie = rng.integers(0, 2, size=(4, 6)).astype(float)  # [L, H]
+    order = rank_heads(scores, tie)
+    for k in range(scores.size):
+        plan = plan_mask(scores, k / scores.size, tiebreak=tie)
+        want = np.zeros(scores.size, dtype=bool)
+        want[order[:k]] = True
+        assert plan.n_pruned == k and np.array_equal(plan.pruned.reshape(-1), want), k
+        assert plan.order.tolist() == order.tolist()

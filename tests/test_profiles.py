@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from analysis.errors import InputError
-from analysis.profiles import NormProfile, check_z, profile_model, row_norms
+from analysis.profiles import NormProfile, check_z, head_norms, profile_model, row_norms
 from tests._scoring_fixtures import constant_profile, hand_profile
 from tests._tiny import tiny_model
 
@@ -181,13 +181,17 @@ def test_row_norms_every_path_matches_the_definition(dtype, strided):
             got = row_norms(rows, ords, chunk)
             assert sorted(got) == sorted(ords)
             for o in ords:
-                assert got[o].dtype == np.float64 and got[o].shape == (H, d)
-                np.testing.assert_allclose(got[o], expected[o], rtol=tol, err_msg=f"ord {o}, chunk {chunk}")
+                want_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+                assert got[o].dtype == want_dtype and got[o].shape == (H, d)
+                np.testing.assert_allclose(got[o].numpy(), expected[o], rtol=tol, err_msg=f"ord {o}, chunk {chunk}")
 
 
-def test_row_norms_rejects_bad_orders():
+def test_head_norms_reject_bad_orders():
+    from analysis.adapters import HeadWeights
+    hw = HeadWeights(q=torch.ones(2, 3, 4), k=torch.ones(1, 3, 4), v=torch.ones(1, 3, 4), o=torch.ones(2, 3, 4))
+    assert head_norms(hw, (1,))[1]["q"].tolist() == [[4.0] * 3] * 2
     with pytest.raises(InputError, match="norm order"):
-        row_norms(torch.ones(2, 3, 4), (3,))
+        head_norms(hw, (3,))
 
 
 def _zscores(profile: NormProfile, ord: int, scope: str) -> np.ndarray:
