@@ -9,9 +9,9 @@ It is computed once per model (from memory with `profile_model`, or from safeten
 with `analysis.streaming.profile_checkpoint`). Everything that depends on the threshold z is
 an array operation on these cached norms: the per-population mean and std are memoized, so
 moving z costs one subtraction per row and never touches the weights again. Scorers need only
-each head's *sum* of excesses (`excess_sums`), and only rows above their population's mean can
-ever be in excess at a z >= 0: those rows are indexed once, bucketed by z-score, so a new z reads
-just the rows of the buckets above the new threshold (a prefix) and adds them into per-head bins.
+each head's *sum* of excesses (`excess_sums`), and at z >= 1 only rows with a z-score >= 1 can
+be in excess: those rows are indexed once, bucketed by z-score, so a new z reads just the rows of
+the buckets above the new threshold (a prefix) and adds them into per-head bins.
 
 Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0).
 Population scope "layer": the rows of one projection of one layer; scope "model": the rows
