@@ -10,16 +10,11 @@
 Arguments starting with "_" (progress and stop callbacks) are not part of a cache key.
 Progress inside a cached function writes to a bar created outside it; `progress_bar` turns off
 Streamlit's element capture for those writes so cache hits do not replay stale bars.
-
-`optional(module)` imports an analysis module that may not have landed yet; pages show
-`unavailable(...)` instead of a result when it returns None.
 """
 from __future__ import annotations
 
-import importlib
 import threading
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any, Callable
 
 import streamlit as st
@@ -35,28 +30,6 @@ except Exception:  # noqa: BLE001
     _in_cached = None
 
 Progress = Callable[[float, str], None]
-
-
-# -- modules that may not exist yet ------------------------------------------------------------
-
-def optional(module: str) -> ModuleType | None:
-    """`import analysis.<module>`, or None when that module does not exist in this version.
-
-    Only its absence is "not available": a module that exists but fails to import is a bug and
-    raises, so it is never shown to the user as a feature that was simply not built."""
-    name = f"analysis.{module}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name == name:
-            return None
-        raise
-
-
-def unavailable(feature: str, module: str) -> None:
-    """The honest note shown instead of a result whose analysis module has not landed."""
-    st.info(f"Not available yet: {feature} needs `analysis/{module}.py`, which this version of "
-            "headscope does not have. Nothing is shown rather than a made-up result.")
 
 
 def params_key(params: dict) -> tuple:
@@ -196,9 +169,9 @@ def has_qkv_bias(name: str, trust: bool = False) -> bool:
 
 
 def scorer_class(scorer: str):
-    """The registered scorer class, or None (unknown name or scoring not available)."""
-    scoring = optional("scoring")
-    return None if scoring is None else scoring.SCORERS.get(scorer)
+    """The registered scorer class, or None for an unknown name."""
+    from analysis import scoring
+    return scoring.SCORERS.get(scorer)
 
 
 @st.cache_resource(show_spinner=False)

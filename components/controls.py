@@ -10,6 +10,8 @@ import inspect
 
 import streamlit as st
 
+from analysis import masks, scoring, text
+
 from . import cache, state
 
 SCORER_LABELS = {
@@ -47,19 +49,16 @@ _PARAM_WIDGETS = {
 
 
 def scorer_names() -> list[str]:
-    scoring = cache.optional("scoring")
-    return [] if scoring is None else [n for n in scoring.SCORERS if n not in HIDDEN_SCORERS]
+    return [n for n in scoring.SCORERS if n not in HIDDEN_SCORERS]
 
 
 def label(name: str) -> str:
     return SCORER_LABELS.get(name, name)
 
 
-def scorer_choice(where=st, *, key: str = "scorer") -> str | None:
-    """The shared scorer selectbox (view field `scorer`); None when scoring is not available."""
+def scorer_choice(where=st, *, key: str = "scorer") -> str:
+    """The shared scorer selectbox (view field `scorer`)."""
     names = scorer_names()
-    if not names:
-        return None
     if state.get("scorer") not in names:
         st.warning(f"Unknown scorer {state.get('scorer')!r} (from the link?); choose one of "
                    f"{', '.join(names)}. Showing {names[0]}.")
@@ -100,8 +99,7 @@ def scorer_params(scorer: str, z: float, *, where=st, prefix: str = "param") -> 
 
 def policy_controls(where=st, *, prefix: str = "policy") -> dict:
     """Mask policy widgets -> kwargs for analysis.masks.plan_mask (policy, min_per_layer)."""
-    masks = cache.optional("masks")
-    policies = list(masks.POLICIES) if masks is not None else ["global"]
+    policies = list(masks.POLICIES)
     policy = where.selectbox("Policy", policies, key=state.widget_key(f"{prefix}.policy", value=policies[0]),
                              help="global: the k lowest heads anywhere; min-per-layer: the same, but keep at "
                                   "least m heads in every layer; uniform: the same number in every layer.")
@@ -119,13 +117,9 @@ def text_source(*, prefix: str) -> str | None:
     choice = st.radio("Text", ["built-in", "own"], horizontal=True,
                       format_func={"built-in": "Built-in Wikipedia (held-out split)", "own": "My own text"}.get,
                       key=state.widget_key(f"{prefix}.text_source", value="built-in"))
-    text_mod = cache.optional("text")
     if choice == "built-in":
-        if text_mod is not None:
-            st.caption(text_mod.WIKI_ATTRIBUTION)
+        st.caption(text.WIKI_ATTRIBUTION)
         return None
     raw = st.text_area("Your text", height=120, key=state.widget_key(f"{prefix}.text", value=""),
                        placeholder="Paste a few paragraphs of plain text.")
-    if text_mod is None:
-        return raw
-    return text_mod.clean_user_text(raw)
+    return text.clean_user_text(raw)

@@ -3,7 +3,9 @@ score rank correlation (Spearman), and metric-vs-sparsity curves."""
 import numpy as np
 import streamlit as st
 
+from analysis import evaluation, masks
 from analysis.attribution import rank_correlation
+from analysis.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -12,10 +14,6 @@ shell.ensure_app()
 st.title("Compare scorers")
 lm = cache.model_or_stop()
 g = lm.geometry
-scoring, masks = cache.optional("scoring"), cache.optional("masks")
-if scoring is None or masks is None:
-    cache.unavailable("Comparing scorers", "scoring" if scoring is None else "masks")
-    st.stop()
 
 names = controls.scorer_names()
 c1, c2, c3 = st.columns([2, 1.5, 1.5])
@@ -74,37 +72,31 @@ with shown_errors("Comparing masks"):
 explain.comparison()
 
 st.subheader("Quality vs sparsity")
-evaluation = cache.optional("evaluation")
-if evaluation is None:
-    cache.unavailable("Perplexity curves", "evaluation")
-else:
-    c1, c2 = st.columns(2)
-    max_s = c1.slider("Up to sparsity", 0.1, 0.9, step=0.1, key=state.widget_key("compare.max_s", value=0.5))
-    tokens = int(c2.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
-                                 key=state.widget_key("compare.tokens", value=256)))
-    text_mod = cache.optional("text")
-    if text_mod is not None:
-        st.caption(text_mod.WIKI_ATTRIBUTION)
-    levels = tuple(float(x) for x in evaluation.sparsity_levels(max_s, 0.1))
-    curve_key = (lm.name, tuple((n, results[n][0]) for n in results), cache.params_key(policy), levels, tokens)
-    if st.button("Compute the curves", key="compare.curves"):
-        curves = {}
-        for name, (key, _) in results.items():
-            curve = cache.cached_call(cache.sparsity_curve, lm.name, state.trust(), name, key,
-                                      cache.params_key(policy), levels, tokens, label=f"Curve of {controls.label(name)}",
-                                      stoppable=True)
-            if curve is None:
-                break
-            curves[name] = curve
-        else:
-            state.remember("compare.curves", (curve_key, curves))
-    remembered = state.recall("compare.curves")
-    if remembered and remembered[0] == curve_key:
-        curves = remembered[1]
-        metric = next(iter(curves.values())).metric
-        st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
-                                      title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
-                                      log_y=metric.endswith("perplexity"), marker_x=sparsity),
-                        width="stretch", key="compare.curve_chart")
-    elif remembered:
-        st.caption("The settings changed since the curves were computed; press the button again.")
+c1, c2 = st.columns(2)
+max_s = c1.slider("Up to sparsity", 0.1, 0.9, step=0.1, key=state.widget_key("compare.max_s", value=0.5))
+tokens = int(c2.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
+                             key=state.widget_key("compare.tokens", value=256)))
+st.caption(WIKI_ATTRIBUTION)
+levels = tuple(float(x) for x in evaluation.sparsity_levels(max_s, 0.1))
+curve_key = (lm.name, tuple((n, results[n][0]) for n in results), cache.params_key(policy), levels, tokens)
+if st.button("Compute the curves", key="compare.curves"):
+    curves = {}
+    for name, (key, _) in results.items():
+        curve = cache.cached_call(cache.sparsity_curve, lm.name, state.trust(), name, key,
+                                  cache.params_key(policy), levels, tokens, label=f"Curve of {controls.label(name)}",
+                                  stoppable=True)
+        if curve is None:
+            break
+        curves[name] = curve
+    else:
+        state.remember("compare.curves", (curve_key, curves))
+remembered = state.recall("compare.curves")
+if remembered and remembered[0] == curve_key:
+    curves = remembered[1]
+    metric = next(iter(curves.values())).metric
+    st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
+                                  title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
+                                  log_y=metric.endswith("perplexity"), marker_x=sparsity),
+                    width="stretch", key="compare.curve_chart")
+elif remembered:
+    st.caption("The settings changed since the curves were computed; press the button again.")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import streamlit as st
 
+from analysis import export as export_mod
+from analysis import speed
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -23,9 +25,6 @@ st.title("Export")
 lm = cache.model_or_stop()
 g = lm.geometry
 explain.export()
-if cache.optional("scoring") is None or cache.optional("masks") is None:
-    cache.unavailable("Exporting a mask", "scoring" if cache.optional("scoring") is None else "masks")
-    st.stop()
 
 built = cache.view_mask(lm)
 if built is None:
@@ -37,11 +36,6 @@ st.caption(f"Current mask: {controls.label(scorer)} with {params or 'no paramete
            "Prune page.")
 st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
                                     group_size=g.group_size), width="stretch", key="export.mask")
-
-export_mod = cache.optional("export")
-if export_mod is None:
-    cache.unavailable("Mask JSON and model export", "export")
-    st.stop()
 
 st.subheader("Mask JSON")
 with shown_errors("Writing the mask JSON"):
@@ -70,32 +64,28 @@ if last is not None:
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
 
 st.subheader("Measured report")
-speed = cache.optional("speed")
-if speed is None:
-    cache.unavailable("The measured report", "speed")
-else:
-    with shown_errors("Measuring"):
-        c1, c2 = st.columns([2, 1])
-        lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
-                                 key=state.widget_key("export.speed.lengths", value=[128]))
-        repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats", value=3)))
-        speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats)
-        st.caption("Times the dense model, the masked model (hooks zero the heads: same FLOPs) and the physically "
-                   "pruned copy in alternating order, on this machine.")
-        report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
-                                  slot="export.speed", run_key=speed_key, fn=cache.speed_report,
-                                  args=(lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)), repeats),
-                                  label="Measuring",
-                                  stale_note="The mask or the settings changed since the last measurement; press the button again.")
-        if report is not None:
-            m = st.columns(3)
-            m[0].metric("Parameters", f"{report.parameters['pruned']:,}",
-                        f"{report.parameters['pruned'] - report.parameters['dense']:+,}", delta_color="inverse")
-            if report.file_bytes:
-                m[1].metric("File size", f"{report.file_bytes['pruned'] / 2**20:.1f} MiB",
-                            f"{(report.file_bytes['pruned'] - report.file_bytes['dense']) / 2**20:+.1f} MiB",
-                            delta_color="inverse")
-            m[2].metric("Heads pruned", f"{report.heads_pruned} / {report.heads_total}")
-            st.dataframe(report.rows(), hide_index=True)
-            if report.skipped:
-                st.caption("Skipped: " + "; ".join(report.skipped))
+with shown_errors("Measuring"):
+    c1, c2 = st.columns([2, 1])
+    lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
+                             key=state.widget_key("export.speed.lengths", value=[128]))
+    repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats", value=3)))
+    speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats)
+    st.caption("Times the dense model, the masked model (hooks zero the heads: same FLOPs) and the physically "
+               "pruned copy in alternating order, on this machine.")
+    report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
+                              slot="export.speed", run_key=speed_key, fn=cache.speed_report,
+                              args=(lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)), repeats),
+                              label="Measuring",
+                              stale_note="The mask or the settings changed since the last measurement; press the button again.")
+    if report is not None:
+        m = st.columns(3)
+        m[0].metric("Parameters", f"{report.parameters['pruned']:,}",
+                    f"{report.parameters['pruned'] - report.parameters['dense']:+,}", delta_color="inverse")
+        if report.file_bytes:
+            m[1].metric("File size", f"{report.file_bytes['pruned'] / 2**20:.1f} MiB",
+                        f"{(report.file_bytes['pruned'] - report.file_bytes['dense']) / 2**20:+.1f} MiB",
+                        delta_color="inverse")
+        m[2].metric("Heads pruned", f"{report.heads_pruned} / {report.heads_total}")
+        st.dataframe(report.rows(), hide_index=True)
+        if report.skipped:
+            st.caption("Skipped: " + "; ".join(report.skipped))

@@ -2,6 +2,8 @@
 attention pattern on a sentence the user can edit."""
 import streamlit as st
 
+from analysis import attribution, redundancy, roles
+from analysis.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -13,43 +15,36 @@ g = lm.geometry
 explain.heads_page()
 
 st.subheader("Single-head ablation")
-ablation_mod = cache.optional("ablation")
-if ablation_mod is None:
-    cache.unavailable("The ablation sweep", "ablation")
-else:
-    with shown_errors("Single-head ablation"):
-        c1, c2 = st.columns([3, 1])
-        with c1:
-            text = controls.text_source(prefix="heads.ablation")
-        tokens = int(c2.number_input("Tokens to use", 16, 4096, step=64,
-                                     key=state.widget_key("heads.ablation.tokens", value=128)))
-        st.caption(f"Every one of the {g.n_total_heads} heads is removed in turn, each costing at least one pass "
-                   "through the output layer: on a CPU this takes minutes for a real model. Fewer tokens are faster.")
-        run_key = (lm.name, text, tokens)
-        result = cache.run_button(f"Run the ablation sweep ({g.n_total_heads} heads)", button_key="heads.ablate",
-                                  slot="heads.ablation", run_key=run_key, fn=cache.ablation,
-                                  args=(lm.name, state.trust(), text, tokens), label="Ablating heads",
-                                  stale_note="The text or token count changed since the sweep; press the button to run it again.")
-        if result is not None:
-            st.caption(f"Dense {result.metric}: {result.base_loss:.4g} over {result.n_tokens} predictions "
-                       f"({result.method} sweep). Red = removing the head hurts; blue = it helps.")
-            lim = float(abs(result.head_delta).max()) or 1.0
-            fig = charts.layer_head_heatmap(result.head_delta, f"{result.metric} increase when one head is removed",
-                                            colorbar=f"Δ {result.metric}", group_size=g.group_size,
-                                            colorscale="RdBu_r").update_traces(zmin=-lim, zmax=lim)
-            st.plotly_chart(fig, width="stretch", key="heads.ablation_map")
-            if result.group_delta is not None:
-                st.plotly_chart(charts.layer_head_heatmap(result.group_delta,
-                                                          f"{result.metric} increase when a whole KV group is removed",
-                                                          colorbar=f"Δ {result.metric}", x_title="KV group",
-                                                          colorscale="Reds"),
-                                width="stretch", key="heads.group_map")
+with shown_errors("Single-head ablation"):
+    c1, c2 = st.columns([3, 1])
+    with c1:
+        text = controls.text_source(prefix="heads.ablation")
+    tokens = int(c2.number_input("Tokens to use", 16, 4096, step=64,
+                                 key=state.widget_key("heads.ablation.tokens", value=128)))
+    st.caption(f"Every one of the {g.n_total_heads} heads is removed in turn, each costing at least one pass "
+               "through the output layer: on a CPU this takes minutes for a real model. Fewer tokens are faster.")
+    run_key = (lm.name, text, tokens)
+    result = cache.run_button(f"Run the ablation sweep ({g.n_total_heads} heads)", button_key="heads.ablate",
+                              slot="heads.ablation", run_key=run_key, fn=cache.ablation,
+                              args=(lm.name, state.trust(), text, tokens), label="Ablating heads",
+                              stale_note="The text or token count changed since the sweep; press the button to run it again.")
+    if result is not None:
+        st.caption(f"Dense {result.metric}: {result.base_loss:.4g} over {result.n_tokens} predictions "
+                   f"({result.method} sweep). Red = removing the head hurts; blue = it helps.")
+        lim = float(abs(result.head_delta).max()) or 1.0
+        fig = charts.layer_head_heatmap(result.head_delta, f"{result.metric} increase when one head is removed",
+                                        colorbar=f"Δ {result.metric}", group_size=g.group_size,
+                                        colorscale="RdBu_r").update_traces(zmin=-lim, zmax=lim)
+        st.plotly_chart(fig, width="stretch", key="heads.ablation_map")
+        if result.group_delta is not None:
+            st.plotly_chart(charts.layer_head_heatmap(result.group_delta,
+                                                      f"{result.metric} increase when a whole KV group is removed",
+                                                      colorbar=f"Δ {result.metric}", x_title="KV group",
+                                                      colorscale="Reds"),
+                            width="stretch", key="heads.group_map")
 
 st.subheader("Integrated-gradients attribution (Captum)")
-attribution = cache.optional("attribution")
-if attribution is None:
-    cache.unavailable("Head attribution", "attribution")
-elif lm.kind != "causal-lm":
+if lm.kind != "causal-lm":
     st.caption(f"Attribution integrates the language-model loss of a causal LM; this model is a {lm.kind}. "
                "Use the single-head ablation above instead.")
 else:
@@ -79,80 +74,67 @@ else:
                 st.caption("Run the ablation sweep above to compare this ranking with the real loss increases.")
 
 ablation_delta = None
-if ablation_mod is not None and state.recall("heads.ablation") and state.recall("heads.ablation")[0][0] == lm.name:
+if state.recall("heads.ablation") and state.recall("heads.ablation")[0][0] == lm.name:
     ablation_delta = state.recall("heads.ablation")[1].head_delta          # [L, H], shown beside roles
 
 st.subheader("Head roles")
-roles = cache.optional("roles")
-if roles is None:
-    cache.unavailable("Head role tags", "roles")
-else:
-    with shown_errors("Head roles"):
-        tokens = int(st.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
-                                     key=state.widget_key("heads.roles.tokens", value=256)))
-        text_mod = cache.optional("text")
-        if text_mod is not None:
-            st.caption(text_mod.WIKI_ATTRIBUTION)
-        result = cache.run_button("Tag head roles from their attention patterns", button_key="heads.roles",
-                                  slot="heads.roles", run_key=(lm.name, tokens), fn=cache.head_roles,
-                                  args=(lm.name, state.trust(), None, tokens), label="Tagging heads",
-                                  stale_note="The settings changed since the last run; press the button again.")
-        if result is not None:
-            primary, strength = result.primary()
-            st.plotly_chart(charts.category_heatmap(primary, list(roles.ROLES), strength,
-                                                    title="Primary role of each head", group_size=g.group_size),
-                            width="stretch", key="heads.roles_map")
-            rows = result.table(ablation_delta)
-            st.caption(f"{len(rows)} tags over {g.n_total_heads} heads (a head can have several); thresholds "
-                       + ", ".join(f"{k} >= {v:g}" for k, v in result.thresholds.items())
-                       + (". Ablation effect from the sweep above." if ablation_delta is not None else
-                          ". Run the ablation sweep above to see each tagged head's effect beside it."))
-            st.dataframe(rows, hide_index=True, height=240)
+with shown_errors("Head roles"):
+    tokens = int(st.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
+                                 key=state.widget_key("heads.roles.tokens", value=256)))
+    st.caption(WIKI_ATTRIBUTION)
+    result = cache.run_button("Tag head roles from their attention patterns", button_key="heads.roles",
+                              slot="heads.roles", run_key=(lm.name, tokens), fn=cache.head_roles,
+                              args=(lm.name, state.trust(), None, tokens), label="Tagging heads",
+                              stale_note="The settings changed since the last run; press the button again.")
+    if result is not None:
+        primary, strength = result.primary()
+        st.plotly_chart(charts.category_heatmap(primary, list(roles.ROLES), strength,
+                                                title="Primary role of each head", group_size=g.group_size),
+                        width="stretch", key="heads.roles_map")
+        rows = result.table(ablation_delta)
+        st.caption(f"{len(rows)} tags over {g.n_total_heads} heads (a head can have several); thresholds "
+                   + ", ".join(f"{k} >= {v:g}" for k, v in result.thresholds.items())
+                   + (". Ablation effect from the sweep above." if ablation_delta is not None else
+                      ". Run the ablation sweep above to see each tagged head's effect beside it."))
+        st.dataframe(rows, hide_index=True, height=240)
 
 st.subheader("Redundant heads")
-redundancy = cache.optional("redundancy")
-if redundancy is None:
-    cache.unavailable("Redundancy groups", "redundancy")
-else:
-    with shown_errors("Head redundancy"):
-        c1, c2, c3 = st.columns(3)
-        kind = c1.radio("Similarity of", ["output", "pattern"], horizontal=True,
-                        format_func={"output": "outputs", "pattern": "attention patterns"}.get,
-                        key=state.widget_key("heads.red.kind", value="output"))
-        threshold = c2.slider("Near-duplicate above", 0.5, 1.0, step=0.01,
-                              key=state.widget_key("heads.red.threshold", value=float(redundancy.DEFAULT_THRESHOLD)))
-        red_tokens = int(c3.number_input("Tokens", 16, 2048, step=64, key=state.widget_key("heads.red.tokens", value=256)))
-        red_key = (lm.name, kind, threshold, red_tokens, ablation_delta is not None)
-        result = cache.run_button("Find redundant heads", button_key="heads.redundancy", slot="heads.redundancy",
-                                  run_key=red_key, fn=cache.head_redundancy,
-                                  args=(lm.name, state.trust(), None, red_tokens, kind, float(threshold),
-                                        ablation_delta), label="Comparing heads",
-                                  stale_note="The settings changed since the last run; press the button again.")
-        if result is not None:
-            st.plotly_chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",
-                                                      colorbar="cosine", group_size=g.group_size),
-                            width="stretch", key="heads.nearest")
-            st.markdown(f"**{len(result.groups)} near-duplicate groups** (similarity >= {result.threshold:g}):")
-            for group in result.groups[:20]:
-                st.markdown("- " + ", ".join(f"L{l}H{h}" for l, h in group))
-            if result.redundant is not None:
-                flagged = [f"L{l}H{h}" for l, h in zip(*result.redundant.nonzero())]
-                st.markdown(f"**Redundant** (a twin at >= {result.threshold:g} and |ablation effect| <= "
-                            f"{result.effect_threshold:g}): {', '.join(flagged) or 'none'}")
-            else:
-                st.caption("Run the ablation sweep above (same model) to flag which near-duplicates are redundant.")
+with shown_errors("Head redundancy"):
+    c1, c2, c3 = st.columns(3)
+    kind = c1.radio("Similarity of", ["output", "pattern"], horizontal=True,
+                    format_func={"output": "outputs", "pattern": "attention patterns"}.get,
+                    key=state.widget_key("heads.red.kind", value="output"))
+    threshold = c2.slider("Near-duplicate above", 0.5, 1.0, step=0.01,
+                          key=state.widget_key("heads.red.threshold", value=float(redundancy.DEFAULT_THRESHOLD)))
+    red_tokens = int(c3.number_input("Tokens", 16, 2048, step=64, key=state.widget_key("heads.red.tokens", value=256)))
+    red_key = (lm.name, kind, threshold, red_tokens, ablation_delta is not None)
+    result = cache.run_button("Find redundant heads", button_key="heads.redundancy", slot="heads.redundancy",
+                              run_key=red_key, fn=cache.head_redundancy,
+                              args=(lm.name, state.trust(), None, red_tokens, kind, float(threshold),
+                                    ablation_delta), label="Comparing heads",
+                              stale_note="The settings changed since the last run; press the button again.")
+    if result is not None:
+        st.plotly_chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",
+                                                  colorbar="cosine", group_size=g.group_size),
+                        width="stretch", key="heads.nearest")
+        st.markdown(f"**{len(result.groups)} near-duplicate groups** (similarity >= {result.threshold:g}):")
+        for group in result.groups[:20]:
+            st.markdown("- " + ", ".join(f"L{l}H{h}" for l, h in group))
+        if result.redundant is not None:
+            flagged = [f"L{l}H{h}" for l, h in zip(*result.redundant.nonzero())]
+            st.markdown(f"**Redundant** (a twin at >= {result.threshold:g} and |ablation effect| <= "
+                        f"{result.effect_threshold:g}): {', '.join(flagged) or 'none'}")
+        else:
+            st.caption("Run the ablation sweep above (same model) to flag which near-duplicates are redundant.")
 
 st.subheader("Attention pattern of one head")
-if roles is None:
-    cache.unavailable("Attention patterns", "roles")
-else:
-    with shown_errors("Attention pattern"):
-        c1, c2 = st.columns(2)
-        layer = min(c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("heads.layer", value=0)), g.n_layers - 1)
-        head = min(c2.slider("Head", 0, g.n_heads - 1, key=state.widget_key("heads.head", value=0)), g.n_heads - 1)
-        sentence = st.text_input("Sentence (edit it)", key=state.widget_key(
-            "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
-        tokens_, probs = cache.attention_pattern(lm.name, state.trust(), sentence)
-        st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
-                                                 title=f"Layer {layer}, head {head} (KV group {head // g.group_size})"),
-                        width="stretch", key="heads.pattern")
+with shown_errors("Attention pattern"):
+    c1, c2 = st.columns(2)
+    layer = min(c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("heads.layer", value=0)), g.n_layers - 1)
+    head = min(c2.slider("Head", 0, g.n_heads - 1, key=state.widget_key("heads.head", value=0)), g.n_heads - 1)
+    sentence = st.text_input("Sentence (edit it)", key=state.widget_key(
+        "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
+    tokens_, probs = cache.attention_pattern(lm.name, state.trust(), sentence)
+    st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
+                                             title=f"Layer {layer}, head {head} (KV group {head // g.group_size})"),
+                    width="stretch", key="heads.pattern")

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import streamlit as st
 
+from analysis import masks, sweep
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -13,10 +14,6 @@ shell.ensure_app()
 st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
-scoring, masks = cache.optional("scoring"), cache.optional("masks")
-if scoring is None or masks is None:
-    cache.unavailable("Scoring and masking", "scoring" if scoring is None else "masks")
-    st.stop()
 
 c1, c2, c3 = st.columns([1.2, 2, 2])
 scorer = controls.scorer_choice(c1)
@@ -88,37 +85,31 @@ with shown_errors("Building the mask"):
     state.remember("mask", dict(model=lm.name, scorer=scorer, params=params, sparsity=sparsity, policy=policy))
 
 st.subheader("Check this mask")
-if cache.optional("evaluation") is None:
-    cache.unavailable("Perplexity", "evaluation")
-else:
-    with shown_errors("Reading the text"):
-        c1, c2 = st.columns([3, 1])
-        with c1:
-            text = controls.text_source(prefix="prune")
-        max_tokens = int(c2.number_input("Tokens to use", 16, 8192, step=64,
-                                         key=state.widget_key("prune.max_tokens", value=256)))
-        check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
-        metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
-        dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
-        result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
-                                  slot="prune.check", run_key=check, fn=cache.evaluate_masks,
-                                  args=(lm.name, state.trust(), dense_and_masked, text, max_tokens),
-                                  label="Evaluating",
-                                  stale_note="The settings changed since the last check; press the button to check this mask.")
-        if result is not None:
-            dense, pruned_value = float(result.values[0]), float(result.values[1])
-            m1, m2, m3 = st.columns(3)
-            m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
-            m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
-                      delta_color="normal" if result.higher_is_better else "inverse")
-            m3.metric("Tokens scored", result.n_tokens)
-    explain.evaluation()
+with shown_errors("Reading the text"):
+    c1, c2 = st.columns([3, 1])
+    with c1:
+        text = controls.text_source(prefix="prune")
+    max_tokens = int(c2.number_input("Tokens to use", 16, 8192, step=64,
+                                     key=state.widget_key("prune.max_tokens", value=256)))
+    check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
+    metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
+    dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
+    result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
+                              slot="prune.check", run_key=check, fn=cache.evaluate_masks,
+                              args=(lm.name, state.trust(), dense_and_masked, text, max_tokens),
+                              label="Evaluating",
+                              stale_note="The settings changed since the last check; press the button to check this mask.")
+    if result is not None:
+        dense, pruned_value = float(result.values[0]), float(result.values[1])
+        m1, m2, m3 = st.columns(3)
+        m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
+        m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
+                  delta_color="normal" if result.higher_is_better else "inverse")
+        m3.metric("Tokens scored", result.n_tokens)
+explain.evaluation()
 
 st.subheader("z sweep")
-sweep = cache.optional("sweep")
-if sweep is None:
-    cache.unavailable("The z sweep", "sweep")
-elif scorer not in sweep.SWEEP_SCORERS:
+if scorer not in sweep.SWEEP_SCORERS:
     st.caption(f"The z sweep applies to threshold scorers ({', '.join(sweep.SWEEP_SCORERS)}); pick one above.")
 else:
     sweep_tokens = int(st.number_input("Tokens per split", 16, 4096, step=64,

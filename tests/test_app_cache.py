@@ -45,16 +45,3 @@ def test_work_on_the_shared_model_waits_for_the_lock(tiny_dir):
         order.append("released")
     worker.join(60)
     assert order == ["released", "evaluated"]
-
-
-def test_optional_labels_only_absent_modules(monkeypatch):
-    from components import cache
-    assert cache.optional("masks") is not None
-    assert cache.optional("no_such_module_here") is None
-
-    def broken(name):  # the module exists, but something it imports is missing: a bug, not "not built"
-        raise ModuleNotFoundError("No module named 'somedep'", name="somedep")
-
-    monkeypatch.setattr(cache.importlib, "import_module", broken)
-    with pytest.raises(ModuleNotFoundError, match="somedep"):
-        cache.optional("roles")

@@ -1,5 +1,5 @@
 """Heads page: the ablation heatmap matches an independent naive sweep (one masked forward pass per
-head); bad text is refused with a fix; sections whose analysis module is missing say so honestly."""
+head); bad text is refused with a fix."""
 import numpy as np
 import pytest
 
@@ -33,19 +33,6 @@ def test_own_text_is_used_and_empty_text_refused(tiny_dir):
     no_exception(at)
     assert not at.error
     assert heatmap_z(figure_titled(at, "increase when one head is removed")).shape == (4, 4)
-
-
-def test_missing_analysis_modules_are_labelled(tiny_dir, monkeypatch):
-    from components import cache
-    real = cache.optional
-    monkeypatch.setattr(cache, "optional", lambda name: None if name in ("roles", "redundancy", "ablation")
-                        else real(name))
-    at = new_app(tiny_dir, page="heads")
-    no_exception(at)
-    notes = " ".join(i.value for i in at.info)
-    for module in ("roles", "redundancy", "ablation"):
-        assert f"analysis/{module}.py" in notes
-    assert not at.get("plotly_chart")
 
 
 def test_attention_pattern_is_the_heads_real_pattern(tiny_dir, monkeypatch):
