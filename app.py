@@ -6,12 +6,8 @@ shared and reloaded; the model picked in the sidebar is shared by every page.
 """
 import streamlit as st
 
+from analysis.models import BUILTIN_MODELS
 from components import shell, state
-
-try:
-    from analysis.models import BUILTIN_MODELS
-except Exception:  # noqa: BLE001 - shown as a plain text box until analysis.models exists
-    BUILTIN_MODELS = {}
 
 OTHER = "other"
 PAGES = {

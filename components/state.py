@@ -26,14 +26,8 @@ from typing import Any, Callable
 
 import streamlit as st
 
-try:
-    from analysis.models import DEFAULT_MODEL
-except Exception:  # noqa: BLE001 - analysis.models may not have landed yet
-    DEFAULT_MODEL = "smollm2-135m"
-try:
-    from analysis.profiles import DEFAULT_Z, Z_MAX
-except Exception:  # noqa: BLE001
-    DEFAULT_Z, Z_MAX = 2.0, 10.0
+from analysis.models import DEFAULT_MODEL
+from analysis.profiles import DEFAULT_Z, Z_MAX
 
 DEFAULT_SCORER = "mp"
 DEFAULT_SPARSITY = 0.3
