@@ -259,7 +259,12 @@ def _config_of(model_or_config):
 
 
 def _get(module: nn.Module, path: str) -> nn.Module:
-    return module.get_submodule(path) if path else module
+    """The submodule at a dotted path ("" is the module itself), one attribute lookup per part.
+
+    (`get_submodule` checks every step: ~5x slower, and profiling walks 4-5 paths per layer.)"""
+    for part in path.split(".") if path else ():
+        module = getattr(module, part)
+    return module
 
 
 # =============================================================================================
