@@ -119,7 +119,7 @@ else:
     zs = cache.run_button(f"Sweep z at sparsity {sparsity:g}", button_key="prune.sweep", slot="prune.sweep",
                           run_key=sweep_key, fn=cache.z_sweep,
                           args=(lm.name, state.trust(), sparsity, options, sweep_tokens), label="Sweeping z",
-                                  stale_note="The settings changed since the last sweep; press the button to sweep again.")
+                          stale_note="The settings changed since the last sweep; press the button to sweep again.")
     if zs is not None:
         series = {"calibration split": (zs.zs, zs.calibration)}
         if np.isfinite(zs.evaluation).any():
