@@ -61,11 +61,16 @@ def rank_heads(scores: np.ndarray, tiebreak: np.ndarray | None = None, *,
     tie-break's order does not change with z, so a scorer can sort it once per profile.
     """
     flat = _check_scores(scores).reshape(-1)  # [L*H]
+    return _rank(flat, _resolve_tie_order(flat, tiebreak, tie_order))
+
+
+def _resolve_tie_order(flat: np.ndarray, tiebreak: np.ndarray | None, tie_order: np.ndarray | None) -> np.ndarray:
+    """The given tie order [L*H] (checked against the head count), else the tie-break's sort."""
     if tie_order is None:
-        tie_order = tie_order_of(tiebreak, flat.size)  # [L*H]
-    elif tie_order.shape != flat.shape:
+        return tie_order_of(tiebreak, flat.size)  # [L*H]
+    if tie_order.shape != flat.shape:
         raise InputError(f"tie order has {tie_order.size} entries but there are {flat.size} heads.")
-    return _rank(flat, tie_order)
+    return tie_order
 
 
 def _rank(flat: np.ndarray, tie_order: np.ndarray) -> np.ndarray:
@@ -156,10 +161,7 @@ def plan_mask(scores, sparsity: float, *, group_size: int = 1, tiebreak: np.ndar
     if policy not in POLICIES:
         raise InputError(f"Unknown mask policy {policy!r}; choose one of {', '.join(POLICIES)}.")
     flat = scores.reshape(-1)  # [L*H]
-    if tie_order is None:
-        tie_order = tie_order_of(tiebreak, flat.size)  # [L*H]
-    elif tie_order.shape != flat.shape:
-        raise InputError(f"tie order has {tie_order.size} entries but there are {flat.size} heads.")
+    tie_order = _resolve_tie_order(flat, tiebreak, tie_order)  # [L*H]
     k = heads_to_prune(sparsity, L * H)
     order = None if policy == "global" else _rank(flat, tie_order)  # [L*H]; the other policies walk it
     if policy == "global":
