@@ -363,13 +363,12 @@ def profile_model(
     geometry = adapter.geometry(model)
 
     def norms_of(ord: int, report: Progress | None = None) -> dict[str, np.ndarray]:
-        ords, scratch, layers = (check_ord(ord),), {}, []
+        layers, scratch = [], {}
         with torch.no_grad():
             for layer in range(geometry.n_layers):
                 if should_stop is not None and should_stop():
                     raise CancelledError("Profiling was cancelled; run it again to get the profile.")
-                hw = weight_views(model, adapter, layer, geometry)
-                layers.append({p: row_norms(getattr(hw, p), ords, scratch=scratch)[ord] for p in PROJECTIONS})
+                layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
                 if report is not None:
                     report((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
         return stack_layers(layers)
