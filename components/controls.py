@@ -110,6 +110,16 @@ def policy_controls(where=st, *, prefix: str = "policy") -> dict:
     return out
 
 
+def text_and_tokens(*, prefix: str, tokens_key: str, default: int, most: int) -> tuple[str | None, int]:
+    """`text_source` beside a "Tokens to use" box (16..most, step 64) -> (text, tokens)."""
+    c1, c2 = st.columns([3, 1])
+    with c1:
+        chosen = text_source(prefix=prefix)
+    tokens = int(c2.number_input("Tokens to use", 16, most, step=64,
+                                 key=state.widget_key(tokens_key, value=default)))
+    return chosen, tokens
+
+
 def text_source(*, prefix: str) -> str | None:
     """Built-in held-out Wikipedia text (None, attribution shown) or the user's own text (cleaned).
 

@@ -16,11 +16,8 @@ explain.heads_page()
 
 st.subheader("Single-head ablation")
 with shown_errors("Single-head ablation"):
-    c1, c2 = st.columns([3, 1])
-    with c1:
-        text = controls.text_source(prefix="heads.ablation")
-    tokens = int(c2.number_input("Tokens to use", 16, 4096, step=64,
-                                 key=state.widget_key("heads.ablation.tokens", value=128)))
+    text, tokens = controls.text_and_tokens(prefix="heads.ablation", tokens_key="heads.ablation.tokens",
+                                            default=128, most=4096)
     st.caption(f"Every one of the {g.n_total_heads} heads is removed in turn, each costing at least one pass "
                "through the output layer: on a CPU this takes minutes for a real model. Fewer tokens are faster.")
     run_key = (lm.name, text, tokens)

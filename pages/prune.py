@@ -86,11 +86,7 @@ with shown_errors("Building the mask"):
 
 st.subheader("Check this mask")
 with shown_errors("Reading the text"):
-    c1, c2 = st.columns([3, 1])
-    with c1:
-        text = controls.text_source(prefix="prune")
-    max_tokens = int(c2.number_input("Tokens to use", 16, 8192, step=64,
-                                     key=state.widget_key("prune.max_tokens", value=256)))
+    text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256, most=8192)
     check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
     metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
     dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
