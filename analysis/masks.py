@@ -12,6 +12,22 @@ Policies:
   layers that already have only `min_per_layer` heads left (InputError if k cannot fit).
 - "uniform": floor(s * H) heads in every layer (the lowest-ranked within each layer), so an
   export keeps one head count for all layers; the total is L * floor(s * H) <= k.
+- "balanced" (GQA): in each layer l the same number c_l of query heads from every KV group (the
+  lowest-ranked of each group), so K/V never expand; the c_l are chosen by score (one "slice" =
+  the next-lowest head of every group of a layer, slices taken by ascending summed score).
+  Feasible totals are multiples of Hkv; "balanced-uniform": the same c in every layer (one stock
+  config), feasible totals multiples of L * Hkv.
+- "groups" (GQA): whole KV groups (G query heads + their K/V rows), ranked by their heads' summed
+  score; feasible totals are multiples of G.
+  Where k is not feasible these prune the nearest feasible count (ties: the smaller) and the
+  plan's `note` says so; InputError with the feasible sparsities when that count would be 0.
+  On MHA (G = 1) no mask expands K/V: balanced is global, balanced-uniform is uniform, groups
+  (of one head) equals global; the plan records the policy actually used.
+
+What surgery makes of a mask (`plan_layout`, shared with analysis.surgery) and every number
+shown for a mask (`surgery_counts`, `summarize_mask`) follow the same per-layer layout: kept
+query heads, and the KV heads they need -- one per kept group when every kept group keeps the
+same number of heads, else one copy per kept query head (uneven groups: K/V expanded).
 
 Everything here is numpy on [L, H] arrays: a new mask after a z or sparsity change is a sort
 of L*H numbers.
@@ -28,7 +44,9 @@ import numpy as np
 from analysis.errors import InputError
 from analysis.masking import kv_groups_emptied
 
-POLICIES = ("global", "min-per-layer", "uniform")
+POLICIES = ("global", "min-per-layer", "uniform", "balanced", "balanced-uniform", "groups")
+KV_POLICIES = ("auto", "expand", "strict")
+GQA_POLICIES = ("balanced", "balanced-uniform", "groups")  # never expand K/V
 _FLOOR_GUARD = 1e-9
 
 
@@ -124,6 +142,17 @@ class MaskPlan:
     policy: str
     min_per_layer: int = 0
     ranking: tuple[np.ndarray, np.ndarray] = field(default=None, repr=False, compare=False)  # (flat, tie_order)
+    requested: int = -1  # k = floor(s * L * H) asked for (-1: not recorded)
+    note: str = ""       # why n_pruned differs from `requested` (GQA policies' nearest feasible count)
+
+    @classmethod
+    def from_pruned(cls, pruned, group_size: int = 1, *, sparsity: float | None = None,
+                    policy: str = "given") -> "MaskPlan":
+        """A plan for a given mask [L, H] (e.g. read from mask.json); its order is (layer, head)."""
+        p = np.asarray(pruned, dtype=bool)  # [L, H]
+        n = int(p.sum())
+        return cls(p, kv_pruned_from(p, group_size), float(n / p.size if sparsity is None else sparsity), policy,
+                   ranking=(np.where(p.reshape(-1), 0.0, 1.0), np.arange(p.size)), requested=n)
 
     @cached_property
     def order(self) -> np.ndarray:
@@ -160,22 +189,110 @@ def plan_mask(scores, sparsity: float, *, group_size: int = 1, tiebreak: np.ndar
     L, H = scores.shape
     if policy not in POLICIES:
         raise InputError(f"Unknown mask policy {policy!r}; choose one of {', '.join(POLICIES)}.")
+    if group_size < 1 or H % group_size:
+        raise InputError(f"KV group size {group_size} does not divide {H} heads.")
     flat = scores.reshape(-1)  # [L*H]
     tie_order = _resolve_tie_order(flat, tiebreak, tie_order)  # [L*H]
     k = heads_to_prune(sparsity, L * H)
+    policy = _MHA_EQUIVALENT.get(policy, policy) if group_size == 1 else policy
     order = None if policy == "global" else _rank(flat, tie_order)  # [L*H]; the other policies walk it
+    note = ""
     if policy == "global":
         pruned = _lowest(flat, tie_order, k)  # [L*H]
     elif policy == "min-per-layer":
         pruned = _prune_keeping(order, k, L, H, int(min_per_layer))
-    else:
+    elif policy == "uniform":
         pruned = _prune_uniform(order, L, H, int(math.floor(float(sparsity) * H + _FLOOR_GUARD)))
+    else:
+        pruned, note = _GQA_PLANNERS[policy](flat, order, k, L, H, group_size, float(sparsity))
     pruned = pruned.reshape(L, H)  # [L, H]
     plan = MaskPlan(pruned, kv_pruned_from(pruned, group_size), float(sparsity), policy,
-                    int(min_per_layer) if policy == "min-per-layer" else 0, (flat, tie_order))
+                    int(min_per_layer) if policy == "min-per-layer" else 0, (flat, tie_order), k, note)
     if order is not None:
         plan.__dict__["order"] = order  # fill the cached property: no second sort
     return plan
+
+
+def feasible_counts(policy: str, n_layers: int, n_heads: int, group_size: int) -> np.ndarray:
+    """Every head count a GQA policy can prune exactly (ascending, below L*H)."""
+    n_kv = n_heads // group_size
+    step = {"balanced": n_kv, "balanced-uniform": n_layers * n_kv, "groups": group_size}[policy]
+    return np.arange(0, n_layers * n_heads, step)  # [n]
+
+
+def _nearest_feasible(policy: str, k: int, L: int, H: int, group_size: int, sparsity: float) -> tuple[int, str]:
+    """(the feasible count nearest k -- ties go to the smaller --, a note when it is not k).
+    InputError listing the nearest feasible sparsities when that count is 0 but k is not."""
+    counts = feasible_counts(policy, L, H, group_size)  # [n]
+    best = int(counts[np.argmin(np.abs(counts - k))])  # argmin takes the first (smaller) of a tie
+    if best == k:
+        return k, ""
+    unit = {"balanced": f"{H // group_size} heads (one per KV group of a layer)",
+            "balanced-uniform": f"{L * (H // group_size)} heads (one per KV group in every layer)",
+            "groups": f"{group_size} heads (one whole KV group)"}[policy]
+    options = ", ".join(f"{c / (L * H):.4g} ({c} heads)" for c in counts[counts > 0][:4])
+    if best == 0:
+        raise InputError(f"The {policy!r} policy cannot prune {k} of {L * H} heads (sparsity {sparsity:g}): it "
+                         f"prunes in steps of {unit}, and the nearest feasible count is 0. Feasible "
+                         f"sparsities: {options or 'none below 1'}; or use the global policy.")
+    return best, (f"{policy}: {k} heads requested (sparsity {sparsity:g}) is not a multiple of {unit}; pruning "
+                  f"the nearest feasible count, {best} (sparsity {best / (L * H):.4g}).")
+
+
+def _rank_positions(order: np.ndarray) -> np.ndarray:
+    """rank [L*H]: the position of each flat head in the prune-first order."""
+    rank = np.empty(order.size, dtype=np.int64)  # [L*H]
+    rank[order] = np.arange(order.size)
+    return rank
+
+
+def _group_slices(flat: np.ndarray, order: np.ndarray, L: int, H: int, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer and KV group its heads in prune-first order: heads [L, G, Hkv] (flat indices;
+    heads[l, c, g] is the (c+1)-th lowest of group g in layer l) and their scores [L, G, Hkv]."""
+    rank = _rank_positions(order).reshape(L, H // G, G)  # [L, Hkv, G]
+    within = np.argsort(rank, axis=-1, kind="stable")  # [L, Hkv, G]
+    base = (np.arange(L)[:, None, None] * H + np.arange(H // G)[None, :, None] * G)  # [L, Hkv, 1]
+    heads = (base + within).transpose(0, 2, 1)  # [L, G, Hkv]
+    return heads, flat[heads]
+
+
+def _plan_balanced(flat, order, k, L, H, G, sparsity):
+    """c_l heads from every group of layer l: slices (one head per group) by ascending summed score."""
+    count, note = _nearest_feasible("balanced", k, L, H, G, sparsity)
+    heads, values = _group_slices(flat, order, L, H, G)  # [L, G, Hkv] each
+    rank = _rank_positions(order)  # [L*H]
+    slice_score = values.sum(axis=-1).reshape(-1)  # [L*G] slice (l, c) -> summed score
+    slice_rank = rank[heads].sum(axis=-1).reshape(-1)  # [L*G] tie-break: summed position in the order
+    # within a layer slice c+1 scores >= slice c and ranks later, so this order takes them in turn
+    chosen = np.lexsort((slice_rank, slice_score))[: count // (H // G)]  # [n slices]
+    pruned = np.zeros(L * H, dtype=bool)  # [L*H]
+    pruned[heads.reshape(L * G, -1)[chosen].reshape(-1)] = True
+    return pruned, note
+
+
+def _plan_balanced_uniform(flat, order, k, L, H, G, sparsity):
+    """The same c heads from every group of every layer (the c lowest-ranked of each group)."""
+    count, note = _nearest_feasible("balanced-uniform", k, L, H, G, sparsity)
+    heads, _ = _group_slices(flat, order, L, H, G)  # [L, G, Hkv]
+    pruned = np.zeros(L * H, dtype=bool)  # [L*H]
+    pruned[heads[:, : count // (L * (H // G))].reshape(-1)] = True
+    return pruned, note
+
+
+def _plan_groups(flat, order, k, L, H, G, sparsity):
+    """Whole KV groups by ascending summed score of their G heads (then summed rank, then index)."""
+    count, note = _nearest_feasible("groups", k, L, H, G, sparsity)
+    group_score = flat.reshape(-1, G).sum(axis=-1)  # [L*Hkv]
+    group_rank = _rank_positions(order).reshape(-1, G).sum(axis=-1)  # [L*Hkv]
+    chosen = np.lexsort((np.arange(group_score.size), group_rank, group_score))[: count // G]  # [n groups]
+    pruned = np.zeros((L * H // G, G), dtype=bool)  # [L*Hkv, G]
+    pruned[chosen] = True
+    return pruned.reshape(-1), note
+
+
+# with G = 1 every mask keeps K/V aligned with the queries: balanced is the global / uniform policy
+_MHA_EQUIVALENT = {"balanced": "global", "balanced-uniform": "uniform"}
+_GQA_PLANNERS = {"balanced": _plan_balanced, "balanced-uniform": _plan_balanced_uniform, "groups": _plan_groups}
 
 
 def _prune_keeping(order: np.ndarray, k: int, L: int, H: int, keep: int) -> np.ndarray:
@@ -211,12 +328,152 @@ def _prune_uniform(order: np.ndarray, L: int, H: int, per_layer: int) -> np.ndar
     return pruned
 
 
+def plan_layout(pruned, group_size: int, kv_policy: str = "auto") -> tuple[list[list[int]], list[list[int]]]:
+    """The per-layer layout surgery builds for pruned [L, H]: (heads, kv_heads), where heads[l] are
+    the kept query heads (ascending) and kv_heads[l] the original KV group each new KV head holds.
+
+    A layer whose kept groups all keep the same number of heads keeps one KV head per kept group;
+    otherwise (uneven, e.g. 2 + 1 + 0) -- or in every layer with kv_policy "expand" -- each kept
+    query head gets its own copy of its group's K/V (G' = 1); "strict" refuses uneven layers."""
+    if kv_policy not in KV_POLICIES:
+        raise InputError(f"Unknown KV policy {kv_policy!r}; choose one of {', '.join(KV_POLICIES)}.")
+    p = np.asarray(pruned, dtype=bool)  # [L, H]
+    G = int(group_size)
+    heads, kv_heads = [], []
+    for layer in range(p.shape[0]):
+        kept = [int(h) for h in np.flatnonzero(~p[layer])]
+        per_group = np.bincount([h // G for h in kept], minlength=p.shape[1] // G)  # [Hkv]
+        groups = [int(g) for g in np.flatnonzero(per_group)]
+        even = len(set(per_group[groups].tolist())) <= 1
+        if kv_policy == "strict" and not even:
+            raise InputError(f"Layer {layer} keeps an uneven number of query heads per KV group "
+                             f"({per_group.tolist()}); the 'strict' KV policy refuses to expand K/V. Use a "
+                             f"'balanced' or 'groups' mask policy (K/V never expand), or kv_policy='auto'.")
+        expand = G > 1 and bool(kept) and (kv_policy == "expand" or not even)
+        heads.append(kept)
+        kv_heads.append([h // G for h in kept] if expand else groups)
+    return heads, kv_heads
+
+
+def kv_cache_values(kv_counts: list[int], n_empty: int, head_dim: int) -> int:
+    """K and V values cached per token: 2 * d per KV head, and a one-value placeholder for K and for
+    V in a layer with no heads left (see analysis/adapters.py, empty_attention)."""
+    return 2 * int(sum(kv_counts)) * int(head_dim) + 2 * int(n_empty)
+
+
+@dataclass(frozen=True)
+class SurgeryCounts:
+    """What `analysis.surgery.prune_heads(model, pruned, kv_policy=...)` will produce, counted
+    from `plan_layout` before any surgery: per-layer (query, KV) heads, attention parameters,
+    attention FLOPs for one sequence of seq_len tokens, KV-cache bytes per token and the change of
+    the checkpoint's tensor bytes. "removed" numbers are dense - pruned: negative means growth."""
+
+    kv_policy: str
+    layer_counts: list            # [L] (H'_l, Hkv'_l)
+    expanded_layers: list         # layers whose K/V are copied per query head
+    empty_layers: list            # layers with no head left
+    kv_heads: int                 # L * Hkv before
+    kv_heads_after: int
+    attention_params: int         # before (Q/K/V weights and biases, O weights; O's bias is kept)
+    attention_params_after: int
+    seq_len: int
+    attention_flops: int
+    attention_flops_after: int
+    dtype_bytes: int
+    kv_cache_bytes_per_token: int
+    kv_cache_bytes_per_token_after: int
+    warnings: list
+
+    @property
+    def params_removed(self) -> int:
+        return self.attention_params - self.attention_params_after
+
+    @property
+    def flops_removed(self) -> int:
+        return self.attention_flops - self.attention_flops_after
+
+    @property
+    def kv_heads_removed(self) -> int:
+        return self.kv_heads - self.kv_heads_after
+
+    @property
+    def kv_cache_ratio(self) -> float:
+        return self.kv_cache_bytes_per_token_after / self.kv_cache_bytes_per_token
+
+    @property
+    def checkpoint_bytes_change(self) -> int:
+        """Change of the weights' bytes in a checkpoint (tensor data; the file header aside)."""
+        return -self.params_removed * self.dtype_bytes
+
+    def as_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out.update(params_removed=self.params_removed, flops_removed=self.flops_removed,
+                   kv_heads_removed=self.kv_heads_removed, kv_cache_ratio=self.kv_cache_ratio,
+                   checkpoint_bytes_change=self.checkpoint_bytes_change)
+        return out
+
+
+def surgery_counts(pruned, *, group_size: int, head_dim: int, hidden: int, seq_len: int = 512,
+                   bias: bool = False, kv_policy: str = "auto", dtype_bytes: int = 4) -> SurgeryCounts:
+    """Count what surgery of pruned [L, H] under `kv_policy` produces (see SurgeryCounts)."""
+    if int(seq_len) < 1:
+        raise InputError(f"Sequence length for the FLOP count must be >= 1; got {seq_len}.")
+    p = np.asarray(pruned, dtype=bool)  # [L, H]
+    L, H = p.shape
+    Hkv = H // int(group_size)
+    heads, kv_heads = plan_layout(p, group_size, kv_policy)
+    costs = attention_costs(head_dim, hidden, seq_len, bias=bias)
+    counts = [(len(h), len(kv)) for h, kv in zip(heads, kv_heads)]
+    n_q = sum(c[0] for c in counts)
+    n_kv = sum(c[1] for c in counts)
+    expanded = [layer for layer, kv in enumerate(kv_heads) if len(kv) > len(set(kv))]
+    empty = [layer for layer, (h, _) in enumerate(counts) if h == 0]
+    cache_before = kv_cache_values([Hkv] * L, 0, head_dim) * int(dtype_bytes)
+    cache_after = kv_cache_values([c[1] for c in counts], len(empty), head_dim) * int(dtype_bytes)
+    result = SurgeryCounts(
+        kv_policy=kv_policy, layer_counts=counts, expanded_layers=expanded, empty_layers=empty,
+        kv_heads=L * Hkv, kv_heads_after=n_kv,
+        attention_params=L * (H * costs["head_params"] + Hkv * costs["group_params"]),
+        attention_params_after=n_q * costs["head_params"] + n_kv * costs["group_params"],
+        seq_len=int(seq_len),
+        attention_flops=L * (H * costs["head_flops"] + Hkv * costs["group_flops"]),
+        attention_flops_after=n_q * costs["head_flops"] + n_kv * costs["group_flops"],
+        dtype_bytes=int(dtype_bytes), kv_cache_bytes_per_token=cache_before,
+        kv_cache_bytes_per_token_after=cache_after, warnings=[])
+    result.warnings.extend(_growth_warnings(result, p, int(group_size)))
+    return result
+
+
+def _growth_warnings(c: SurgeryCounts, pruned: np.ndarray, G: int) -> list[str]:
+    """Say where the pruned model is not smaller than the numbers suggest, why, and what avoids it."""
+    if not c.expanded_layers:
+        return []
+    layer = c.expanded_layers[0]
+    kept = (~pruned[layer]).reshape(-1, G).sum(axis=1)  # [Hkv] kept query heads per group
+    cause = ("kv_policy 'expand' copies K/V for every kept query head" if c.kv_policy == "expand" else
+             f"they keep uneven numbers of query heads per KV group (layer {layer}: "
+             f"{' + '.join(str(int(n)) for n in kept)}), which GQA's shared K/V cannot express, so surgery "
+             f"copies K/V for every kept query head")
+    fix = ("use kv_policy 'auto'" if c.kv_policy == "expand" else
+           "the 'balanced', 'balanced-uniform' or 'groups' mask policy never expands K/V (kv_policy 'strict' "
+           "refuses such masks)")
+    growth = (f"the attention GROWS by {-c.params_removed:,} parameters" if c.params_removed < 0 else
+              f"only {c.params_removed:,} attention parameters are removed")
+    return [f"K/V are expanded in {len(c.expanded_layers)} of {len(c.layer_counts)} layers because {cause}: "
+            f"{growth}, and the KV cache per token becomes {c.kv_cache_ratio:.3g}x the dense one. To avoid it, "
+            f"{fix}."]
+
+
 @dataclass(frozen=True)
 class MaskSummary:
-    """What a mask removes. FLOPs are dense forward multiply-adds x2 for one sequence of seq_len."""
+    """What a mask removes once surgery builds it (`surgery_counts` under kv_policy). FLOPs are
+    attention forward multiply-adds x2 for one sequence of seq_len. Removed = dense - pruned, so a
+    negative number is growth (uneven GQA groups: see `warnings`)."""
 
     n_heads: int
     n_pruned: int
+    requested: int
+    note: str
     pruned_per_layer: list
     empty_layers: list
     zero_score_heads: int
@@ -229,6 +486,14 @@ class MaskSummary:
     seq_len: int
     attention_flops_removed: int
     attention_flops: int
+    kv_policy: str
+    layer_counts: list
+    expanded_layers: list
+    kv_cache_bytes_per_token: int
+    kv_cache_bytes_per_token_after: int
+    kv_cache_ratio: float
+    checkpoint_bytes_change: int
+    warnings: list
 
     @property
     def params_removed_fraction(self) -> float:
@@ -246,10 +511,10 @@ class MaskSummary:
 
 
 def attention_costs(head_dim: int, hidden: int, seq_len: int, *, bias: bool = False) -> dict[str, int]:
-    """Parameters and FLOPs of one query head (Q rows + O columns, attention) and one KV group.
+    """Parameters and FLOPs of one query head (Q rows + O columns, attention) and one KV head.
 
-    q_head params d*D (+d) + d*D; kv_group params 2*(d*D (+d)). FLOPs per sequence of T tokens:
-    query head 2*T*D*d (Q) + 2*T*T*d (QK^T) + 2*T*T*d (AV) + 2*T*d*D (O); KV group 2 * 2*T*D*d.
+    q_head params d*D (+d) + d*D; kv head params 2*(d*D (+d)). FLOPs per sequence of T tokens:
+    query head 2*T*D*d (Q) + 2*T*T*d (QK^T) + 2*T*T*d (AV) + 2*T*d*D (O); KV head 2 * 2*T*D*d.
     """
     d, D, T = int(head_dim), int(hidden), int(seq_len)
     b = d if bias else 0
@@ -262,31 +527,44 @@ def attention_costs(head_dim: int, hidden: int, seq_len: int, *, bias: bool = Fa
 
 
 def summarize_mask(plan: MaskPlan, scores=None, *, head_dim: int, hidden: int, seq_len: int = 512,
-                   bias: bool = False) -> MaskSummary:
-    """Counts for `plan`: pruned heads per layer, zero-score heads, KV heads, params and FLOPs removed."""
-    if int(seq_len) < 1:
-        raise InputError(f"Sequence length for the FLOP count must be >= 1; got {seq_len}.")
+                   bias: bool = False, kv_policy: str = "auto", dtype_bytes: int = 4) -> MaskSummary:
+    """Counts for `plan`: pruned heads per layer, zero-score heads, and -- from the layout surgery
+    builds under `kv_policy` -- KV heads, params, FLOPs, KV cache and checkpoint bytes removed."""
     L, H = plan.pruned.shape
-    Hkv = plan.kv_pruned.shape[1]
     zero = np.zeros((L, H), dtype=bool) if scores is None else (_check_scores(scores) == 0)  # [L, H]
-    costs = attention_costs(head_dim, hidden, seq_len, bias=bias)
-    n_pruned, n_kv = plan.n_pruned, int(plan.kv_pruned.sum())
+    c = surgery_counts(plan.pruned, group_size=plan.group_size, head_dim=head_dim, hidden=hidden, seq_len=seq_len,
+                       bias=bias, kv_policy=kv_policy, dtype_bytes=dtype_bytes)
     per_layer = plan.pruned.sum(axis=1)  # [L]
+    Hkv = plan.kv_pruned.shape[1]
+    warnings = ([plan.note] if plan.note else []) + list(c.warnings)
+    if c.empty_layers:
+        warnings.append(f"Layers {c.empty_layers} lose every head (their attention outputs only O's bias). "
+                        f"The min-per-layer policy keeps some heads in every layer.")
     return MaskSummary(
         n_heads=L * H,
-        n_pruned=n_pruned,
+        n_pruned=plan.n_pruned,
+        requested=plan.requested if plan.requested >= 0 else plan.n_pruned,
+        note=plan.note,
         pruned_per_layer=per_layer.tolist(),
-        empty_layers=[int(layer) for layer in np.flatnonzero(per_layer == H)],
+        empty_layers=c.empty_layers,
         zero_score_heads=int(zero.sum()),
         zero_score_pruned=int((zero & plan.pruned).sum()),
-        kv_heads=L * Hkv,
-        kv_heads_removed=n_kv,
-        kv_removed_per_layer=plan.kv_pruned.sum(axis=1).tolist(),
-        params_removed=n_pruned * costs["head_params"] + n_kv * costs["group_params"],
-        attention_params=L * (H * costs["head_params"] + Hkv * costs["group_params"]),
-        seq_len=int(seq_len),
-        attention_flops_removed=n_pruned * costs["head_flops"] + n_kv * costs["group_flops"],
-        attention_flops=L * (H * costs["head_flops"] + Hkv * costs["group_flops"]),
+        kv_heads=c.kv_heads,
+        kv_heads_removed=c.kv_heads_removed,
+        kv_removed_per_layer=[Hkv - kv for _, kv in c.layer_counts],
+        params_removed=c.params_removed,
+        attention_params=c.attention_params,
+        seq_len=c.seq_len,
+        attention_flops_removed=c.flops_removed,
+        attention_flops=c.attention_flops,
+        kv_policy=kv_policy,
+        layer_counts=c.layer_counts,
+        expanded_layers=c.expanded_layers,
+        kv_cache_bytes_per_token=c.kv_cache_bytes_per_token,
+        kv_cache_bytes_per_token_after=c.kv_cache_bytes_per_token_after,
+        kv_cache_ratio=c.kv_cache_ratio,
+        checkpoint_bytes_change=c.checkpoint_bytes_change,
+        warnings=warnings,
     )
 
 

@@ -34,8 +34,7 @@ from torch import nn
 from .adapters import Adapter, HeadWeights, adapter_for
 from .errors import InputError
 from .geometry import HeadGeometry
-
-KV_POLICIES = ("auto", "expand", "strict")
+from .masks import KV_POLICIES, kv_cache_values, plan_layout  # noqa: F401 - KV_POLICIES re-exported
 LAYOUT_FORMAT = 1
 
 
@@ -99,8 +98,8 @@ class HeadLayout:
         analysis/adapters.py), counted here."""
         before = [self.n_kv_heads] * self.n_layers
         after = [len(kv) for kv in self.kv_heads]
-        values_before = 2 * sum(before) * self.head_dim
-        values_after = 2 * sum(after) * self.head_dim + 2 * len(self.empty_layers)
+        values_before = kv_cache_values(before, 0, self.head_dim)
+        values_after = kv_cache_values(after, len(self.empty_layers), self.head_dim)
         return {"kv_heads_before": before, "kv_heads_after": after,
                 "expanded_layers": [layer for layer in range(self.n_layers) if self.kv_expanded(layer)],
                 "empty_layers": self.empty_layers,
@@ -162,25 +161,11 @@ class HeadLayout:
     @classmethod
     def from_mask(cls, pruned, geometry: HeadGeometry, model_type: str, kv_policy: str = "auto") -> "HeadLayout":
         """The layout that keeps the complement of `pruned` [L, H] under `kv_policy`."""
-        if kv_policy not in KV_POLICIES:
-            raise InputError(f"Unknown KV policy {kv_policy!r}; choose one of {', '.join(KV_POLICIES)}.")
         p = np.asarray(pruned, dtype=bool)
-        L, H, G = geometry.n_layers, geometry.n_heads, geometry.group_size
+        L, H = geometry.n_layers, geometry.n_heads
         if p.shape != (L, H):
             raise InputError(f"Mask must have shape [{L}, {H}] (layers x heads); got {list(p.shape)}.")
-        heads, kv_heads = [], []
-        for layer in range(L):
-            kept = [int(h) for h in np.flatnonzero(~p[layer])]
-            per_group = np.bincount([h // G for h in kept], minlength=geometry.n_kv_heads)   # [H_kv]
-            groups = [int(g) for g in np.flatnonzero(per_group)]
-            even = len(set(per_group[groups].tolist())) <= 1
-            if kv_policy == "strict" and not even:
-                raise InputError(f"Layer {layer} keeps an uneven number of query heads per KV group "
-                                 f"({per_group.tolist()}); the 'strict' KV policy refuses to expand K/V. "
-                                 f"Use kv_policy='auto' or change the mask.")
-            expand = G > 1 and bool(kept) and (kv_policy == "expand" or not even)
-            heads.append(kept)
-            kv_heads.append([h // G for h in kept] if expand else groups)
+        heads, kv_heads = plan_layout(p, geometry.group_size, kv_policy)   # the plan masks.py counts
         layout = cls(model_type=model_type, n_heads=H, n_kv_heads=geometry.n_kv_heads,
                      head_dim=geometry.head_dim, heads=heads, kv_heads=kv_heads, kv_policy=kv_policy)
         layout.validate()

@@ -1,6 +1,7 @@
 """Masks: exactly floor(s*L*H) heads for every s, deterministic tie-breaks, the KV-group rule,
-the two policies, summaries counted by hand, and bad sparsity values."""
+the policies (global, min-per-layer, uniform, balanced, groups), summaries counted by hand, and bad sparsity values."""
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -212,3 +213,74 @@ def test_global_mask_is_the_first_k_of_the_full_ranking(seed):
         want[order[:k]] = True
         assert plan.n_pruned == k and np.array_equal(plan.pruned.reshape(-1), want), k
         assert plan.order.tolist() == order.tolist()
+
+
+# -- GQA policies: balanced, balanced-uniform, groups ------------------------------------------
+
+def _gqa_scores(L=4, H=6, seed=3):
+    return np.random.default_rng(seed).random((L, H))
+
+
+def _per_group(pruned, G):
+    return pruned.reshape(pruned.shape[0], -1, G).sum(axis=-1)  # [L, Hkv] pruned per group
+
+
+@pytest.mark.parametrize("sparsity", [0.25, 1 / 3, 0.5, 0.75])
+def test_balanced_prunes_the_same_count_from_every_group_of_a_layer(sparsity):
+    scores, G = _gqa_scores(), 3                          # L = 4, H = 6, Hkv = 2
+    plan = plan_mask(scores, sparsity, group_size=G, policy="balanced")
+    per_group = _per_group(plan.pruned, G)
+    assert (per_group == per_group[:, :1]).all()          # c_l in every group of layer l: K/V never expand
+    k = math.floor(sparsity * 24 + 1e-9)
+    assert plan.requested == k
+    nearest = min(range(0, 24, 2), key=lambda c: (abs(c - k), c))
+    assert plan.n_pruned == nearest
+    assert (plan.note == "") == (k % 2 == 0) and (not plan.note or str(nearest) in plan.note)
+    # within each group the pruned heads are its lowest-scoring ones
+    for l, g in np.ndindex(*per_group.shape):
+        group = scores[l, g * G:(g + 1) * G]
+        chosen = plan.pruned[l, g * G:(g + 1) * G]
+        assert chosen.sum() == 0 or group[chosen].max() <= group[~chosen].min(initial=np.inf)
+
+
+def test_balanced_takes_the_cheapest_slices_by_hand():
+    # L = 2, H = 4, G = 2: slices (one head per group) of layer 0: {0, 2} sum 0.2, then {1, 3} sum 1.8;
+    # layer 1: {4, 6} sum 0.5, then {5, 7} sum 1.0. k = 4 -> two slices: {0, 2} and {4, 6}.
+    scores = np.array([[0.1, 0.9, 0.1, 0.9], [0.2, 0.5, 0.3, 0.5]])
+    plan = plan_mask(scores, 0.5, group_size=2, policy="balanced")
+    assert plan.pruned.tolist() == [[True, False, True, False], [True, False, True, False]]
+    # a global mask at the same sparsity would take 0, 2, 4, 6 too; at 0.75 balanced stays even
+    plan = plan_mask(scores, 0.75, group_size=2, policy="balanced")
+    assert plan.n_pruned == 6 and plan.pruned[1].all() and plan.pruned[0].tolist() == [True, False, True, False]
+
+
+def test_balanced_uniform_is_one_count_everywhere():
+    scores, G = _gqa_scores(), 3
+    plan = plan_mask(scores, 0.3, group_size=G, policy="balanced-uniform")  # k = 7 -> 8 (c = 1)
+    assert plan.n_pruned == 8 and (_per_group(plan.pruned, G) == 1).all() and "8" in plan.note
+    assert plan_mask(scores, 2 / 3, group_size=G, policy="balanced-uniform").n_pruned == 16
+
+
+def test_groups_prunes_whole_groups_ranked_by_summed_score():
+    scores = np.array([[0.1, 0.2, 5.0, 5.0], [0.3, 0.3, 0.0, 0.9]])   # group sums 0.3, 10, 0.6, 0.9
+    plan = plan_mask(scores, 0.5, group_size=2, policy="groups")
+    assert plan.pruned.tolist() == [[True, True, False, False], [True, True, False, False]]
+    assert plan.kv_pruned.tolist() == [[True, False], [True, False]]
+    for s in (0.1, 0.3, 0.6):
+        p = plan_mask(_gqa_scores(), s, group_size=3, policy="groups").pruned
+        assert set(_per_group(p, 3).reshape(-1).tolist()) <= {0, 3}   # whole groups only
+
+
+def test_infeasible_gqa_request_names_the_feasible_sparsities():
+    scores = _gqa_scores(L=2, H=9)                        # Hkv = 3: balanced-uniform steps of 6 heads
+    with pytest.raises(InputError, match=r"balanced-uniform.*0\.3333 \(6 heads\), 0\.6667 \(12 heads\)"):
+        plan_mask(scores, 0.1, group_size=3, policy="balanced-uniform")   # k = 1 -> nearest 0
+    with pytest.raises(InputError, match="groups.*steps of 3 heads"):
+        plan_mask(scores, 0.06, group_size=3, policy="groups")  # k = 1
+    # MHA: every GQA policy is exact (groups of one head)
+    mha = plan_mask(scores, 0.4, group_size=1, policy="groups")
+    assert mha.n_pruned == 7 and mha.note == ""
+    assert np.array_equal(mha.pruned, plan_mask(scores, 0.4, policy="global").pruned)
+    assert np.array_equal(plan_mask(scores, 0.4, policy="balanced").pruned, mha.pruned)
+    assert np.array_equal(plan_mask(scores, 0.4, policy="balanced-uniform").pruned,
+                          plan_mask(scores, 0.4, policy="uniform").pruned)
