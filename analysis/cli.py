@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from analysis.errors import HeadscopeError, InputError
-from analysis.masks import POLICIES, plan_mask, summarize_mask
+from analysis.masks import KV_POLICIES, POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
 
 PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export")
@@ -142,10 +142,11 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str = "mp-g") -> None:
+def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str | None = None) -> None:
     from analysis.scoring import SCORERS
 
-    parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default)
+    parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default,
+                        help="default: mp-g on GQA/MQA models, mp on MHA models (equal there)")
     parser.add_argument("--z", type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")
     parser.add_argument("--scope", choices=SCOPES, default="layer", help="threshold population")
     parser.add_argument("--ord", type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")
@@ -204,14 +205,26 @@ def load_source(ns: argparse.Namespace, report):
     return loaded, loaded, dict(source=loaded.name, kind=loaded.kind, **loaded.geometry.as_dict())
 
 
+def resolve_scorer(ns: argparse.Namespace, group_size: int) -> str:
+    """--scorer, or the model's default (analysis.scoring.default_scorer) when it was not given."""
+    from analysis.scoring import default_scorer
+
+    if ns.scorer is None:
+        ns.scorer = default_scorer(group_size)
+    return ns.scorer
+
+
 def compute_scores(ns: argparse.Namespace):
     """(HeadScores, LoadedModel | None, info) for the score / mask commands."""
-    if getattr(ns, "checkpoint", None) and ns.scorer not in WEIGHT_ONLY:
+    if getattr(ns, "checkpoint", None) and ns.scorer is not None and ns.scorer not in WEIGHT_ONLY:
         raise InputError(f"--checkpoint streams weights only; the {ns.scorer!r} scorer needs the model. "
                          f"Use one of {', '.join(WEIGHT_ONLY)}, or --model to load it.")
-    scorer = scorer_from(ns)
+    scorer = scorer_from(ns) if ns.scorer is not None else None   # bad options fail before loading
     with progress_bar("loading", not ns.quiet) as report:
         target, loaded, info = load_source(ns, report)
+    if scorer is None:
+        resolve_scorer(ns, info["group_size"])
+        scorer = scorer_from(ns)
     if scorer.needs_calibration or loaded is None:
         score_target = target
     else:
@@ -248,6 +261,13 @@ def _mask_arguments(parser):
     parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
     parser.add_argument("--flops-seq-len", dest="flops_seq_len", type=int, default=512,
                         help="sequence length for the attention FLOP count")
+    add_kv_policy_argument(parser)
+
+
+def add_kv_policy_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-policy", dest="kv_policy", choices=KV_POLICIES, default="auto",
+                        help="how surgery handles GQA layers whose kept query heads are spread unevenly over KV "
+                             "groups: auto (copy K/V only there), expand (copy K/V in every layer), strict (refuse)")
 
 
 def plan_from(ns):
@@ -257,20 +277,52 @@ def plan_from(ns):
     return plan, scores, loaded, info
 
 
+def has_qkv_bias(loaded) -> bool:
+    """Whether the attention's Q/K/V projections carry biases (they count in a mask's parameters)."""
+    return loaded.adapter.read_heads(loaded.model, 0).q_bias is not None
+
+
+def warn(lines) -> None:
+    """Print each warning on stderr (the JSON/CSV result stays clean on stdout)."""
+    for line in lines:
+        sys.stderr.write(f"warning: {line}\n")
+
+
 def run_mask(ns):
     plan, scores, loaded, info = plan_from(ns)
-    bias = loaded is not None and loaded.adapter.read_heads(loaded.model, 0).q_bias is not None  # unknown when streamed
+    bias = loaded is not None and has_qkv_bias(loaded)  # unknown when streamed
+    dtype_bytes = next(loaded.model.parameters()).element_size() if loaded is not None else 4
     summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
-                             seq_len=ns.flops_seq_len, bias=bias)
+                             seq_len=ns.flops_seq_len, bias=bias, kv_policy=ns.kv_policy, dtype_bytes=dtype_bytes)
+    stock = _stock(ns, loaded, plan)
+    warn(summary.warnings)
     rank = np.empty(plan.order.size, dtype=int)  # [L*H]
     rank[plan.order] = np.arange(plan.order.size)
     H = plan.pruned.shape[1]
     rows = [dict(layer=flat // H, head=flat % H, score=float(scores.scores.flat[flat]), rank=int(rank[flat]),
                  pruned=bool(plan.pruned.flat[flat])) for flat in range(plan.order.size)]
     payload = dict(model=info, scorer=scores.name, params=scores.params, cost=scores.cost.as_dict(),
-                   sparsity=ns.sparsity, policy=ns.policy, summary=summary.as_dict(),
-                   pruned=plan.pruned.astype(int), kv_pruned=plan.kv_pruned.astype(int))
+                   sparsity=ns.sparsity, policy=ns.policy, kv_policy=ns.kv_policy, summary=summary.as_dict(),
+                   stock=stock, pruned=plan.pruned.astype(int), kv_pruned=plan.kv_pruned.astype(int))
     return payload, rows
+
+
+def _stock(ns, loaded, plan) -> dict:
+    """Whether a stock config describes the mask (analysis.export.stock_check), as JSON."""
+    from analysis.export import stock_check
+
+    if loaded is not None:
+        config = loaded.model.config
+    else:
+        from analysis.streaming import checkpoint_folder, load_config
+        config = load_config(checkpoint_folder(ns.checkpoint))
+    try:
+        check = stock_check(config, plan.pruned, kv_policy=ns.kv_policy, sparsity=ns.sparsity)
+    except HeadscopeError as err:            # e.g. a family with no surgery entry
+        return dict(ok=False, message=str(err), nearest=[])
+    return dict(ok=check.ok, message=check.message(),
+                nearest=[dict(sparsity=s, policy=p, kv_policy=kv, heads=h, kv_heads=k)
+                         for s, p, kv, (h, k) in check.nearest[:3]])
 
 
 def _model_mask_arguments(parser):
@@ -324,6 +376,7 @@ def _export_arguments(parser):
     parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
     parser.add_argument("--name", required=True, help="folder to create under --out-dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    add_kv_policy_argument(parser)
 
 
 def run_export(ns):
@@ -334,9 +387,14 @@ def run_export(ns):
     record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
                          model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
                          policy=ns.policy)
+    surgery = {} if ns.export_format == "zeroed" else {"kv_policy": ns.kv_policy}   # zeroed keeps the shapes
+    if surgery:
+        g = loaded.geometry
+        warn(summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=has_qkv_bias(loaded),
+                            kv_policy=ns.kv_policy).warnings)
     with progress_bar(f"exporting ({ns.export_format})", not ns.quiet) as report:
         result = export(ns.export_format, loaded.model, plan.pruned, ns.out_dir, ns.name, record=record,
-                        tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report)
+                        tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report, **surgery)
     payload = dict(model=info, format=result.format, path=str(result.path), files=result.files,
                    total_bytes=result.total_bytes, n_pruned=plan.n_pruned)
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
@@ -345,7 +403,8 @@ def run_export(ns):
 
 def _sweep_arguments(parser):
     add_source_arguments(parser, streaming=False)
-    parser.add_argument("--scorer", choices=("mp", "mp-g"), default="mp-g")
+    parser.add_argument("--scorer", choices=("mp", "mp-g"), default=None,
+                        help="default: mp-g on GQA/MQA models, mp on MHA models")
     parser.add_argument("--scope", choices=SCOPES, default="layer")
     parser.add_argument("--ord", type=int, choices=ORDS, default=2)
     parser.add_argument("--a-q", dest="a_q", type=float, default=1.0)
@@ -375,6 +434,7 @@ def run_sweep(ns):
 
     with progress_bar("loading", not ns.quiet) as report:
         _, loaded, info = load_source(ns, report)
+    resolve_scorer(ns, loaded.geometry.group_size)
     profile = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
     calibration, evaluation, metric, higher = split_evaluators(loaded, max_tokens=ns.max_tokens)
     zs = parse_floats(ns.z_values) if ns.z_values else None

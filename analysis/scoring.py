@@ -777,3 +777,9 @@ def get_scorer(name: str, **params) -> Scorer:
     if cls is None:
         raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
     return cls(**params)
+
+
+def default_scorer(group_size: int) -> str:
+    """The scorer a fresh session or a command without --scorer uses, by G = H / Hkv: MP-G on GQA/MQA
+    models (G > 1: it does not count a shared KV group's excess G times), MP on MHA (equal there)."""
+    return "mp-g" if int(group_size) > 1 else "mp"

@@ -125,8 +125,13 @@ def test_module_entry_point_with_progress_on_stderr(checkpoint):
 def test_mask_and_sweep_on_smollm2(capsys, builtin_cache_dir):
     code, out, err = _run(capsys, "mask", "--cache-dir", builtin_cache_dir, "--sparsity", "0.25", "--quiet")
     assert code == 0, err
-    summary = json.loads(out)["summary"]
+    data = json.loads(out)
+    summary = data["summary"]
     assert summary["n_pruned"] == math.floor(0.25 * 270) and summary["kv_heads"] == 90
+    assert data["scorer"] == "mp-g"                      # the default scorer on a GQA model
+    assert data["stock"]["ok"] is False and "Nearest sparsities that can" in data["stock"]["message"]
+    assert {"sparsity": 1 / 3, "policy": "balanced-uniform", "kv_policy": "auto", "heads": 6,
+            "kv_heads": 3} in data["stock"]["nearest"]
     code, out, err = _run(capsys, "sweep", "--cache-dir", builtin_cache_dir, "--sparsity", "0.125",
                           "--z-values", "1.5,2.5", "--max-tokens", "64", "--quiet")
     assert code == 0, err
@@ -193,3 +198,55 @@ def test_export_writes_a_pruned_model_that_reloads_and_refuses_to_overwrite(mode
     code, out, err = _run(capsys, "export", "--model", model_dir, "--sparsity", "0.5", "--out-dir", tmp_path,
                           "--name", "../escape", "--quiet")
     assert code == 2 and not (tmp_path.parent / "escape").exists()
+
+
+@pytest.fixture(scope="module")
+def mha_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-mha")
+    tiny_model("llama", num_key_value_heads=4).save_pretrained(folder)
+    return folder
+
+
+def test_default_scorer_follows_the_model(checkpoint, mha_checkpoint, capsys):
+    for folder, want in ((checkpoint[0], "mp-g"), (mha_checkpoint, "mp")):
+        code, out, err = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.25", "--quiet")
+        assert code == 0, err
+        assert json.loads(out)["scorer"] == want
+    code, out, _ = _run(capsys, "mask", "--checkpoint", mha_checkpoint, "--scorer", "mp-g", "--sparsity", "0.25",
+                        "--quiet")
+    assert json.loads(out)["scorer"] == "mp-g"           # an explicit choice is kept
+
+
+def test_mask_summary_is_what_surgery_builds_for_each_kv_policy(checkpoint, capsys):
+    from analysis.speed import count_parameters
+    from analysis.surgery import prune_heads
+
+    folder, model = checkpoint
+    for policy in ("global", "uniform", "balanced", "groups"):
+        for kv_policy in ("auto", "expand", "strict"):
+            code, out, err = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.25", "--z", "0.5",
+                                  "--policy", policy, "--kv-policy", kv_policy, "--quiet")
+            if code == 2:                                  # strict refuses an uneven mask, saying what avoids it
+                assert kv_policy == "strict" and "'balanced'" in err, err
+                continue
+            data = json.loads(out)
+            pruned = np.array(data["pruned"], dtype=bool)
+            smaller, _ = prune_heads(model, pruned, kv_policy=kv_policy)
+            summary = data["summary"]
+            assert summary["params_removed"] == count_parameters(model) - count_parameters(smaller)
+            assert summary["kv_policy"] == kv_policy and data["kv_policy"] == kv_policy
+            assert ("warning: K/V are expanded" in err) == bool(summary["expanded_layers"])
+            assert set(data["stock"]) == {"ok", "message", "nearest"}
+
+
+def test_unsatisfiable_policy_lists_the_feasible_sparsities(checkpoint, capsys):
+    folder, _ = checkpoint                                 # 3 layers x 4 heads, 2 KV heads: steps of 6
+    code, out, err = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.1", "--policy",
+                          "balanced-uniform", "--quiet")
+    assert code == 2 and out == "" and "Feasible sparsities: 0.5 (6 heads)" in err and "Traceback" not in err
+    code, out, err = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.4", "--policy", "balanced",
+                          "--quiet")
+    assert code == 0 and json.loads(out)["summary"]["n_pruned"] == 4            # k = 4, a multiple of Hkv
+    code, out, err = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.3", "--policy", "balanced",
+                          "--quiet")
+    assert code == 0 and json.loads(out)["summary"]["n_pruned"] == 2 and "nearest feasible count, 2" in err  # 3: a tie

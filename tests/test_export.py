@@ -334,3 +334,33 @@ def test_stock_export_without_pruning_loads_for_any_family(tmp_path):
     ids = tiny_input_ids()
     loaded = load_pruned(result.path, attn_implementation="eager")
     assert (_out(loaded, ids) - _out(model, ids)).abs().max().item() <= TOL
+
+
+def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
+    from analysis.export import stock_check
+    # G = 3: a uniform or global mask at 1/3 leaves uneven groups; balanced-uniform keeps 2 of 3 per group
+    model = tiny_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3)
+    g = adapter_for(model).geometry(model)
+    scores = np.random.default_rng(7).random((3, 6))
+    ids = tiny_input_ids()
+    plan = plan_mask(scores, 1 / 3, group_size=3, policy="balanced-uniform")
+    assert stock_check(model, plan.pruned).ok
+    result = export_stock(model, plan.pruned, tmp_path / "balanced", kv_policy="strict")
+    loaded = TINY_SPECS["llama"][0].from_pretrained(result.path, attn_implementation="eager").eval()
+    assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads) == (4, 2)
+    assert (_out(loaded, ids) - _masked(model, plan.pruned, ids)).abs().max().item() <= TOL
+    assert sum(p.numel() for p in loaded.parameters()) < sum(p.numel() for p in model.parameters())
+    # stock_check agrees with what export_stock does, and names the stock sparsities otherwise
+    for policy in ("balanced", "uniform", "global", "groups"):
+        pruned = plan_mask(scores, 0.5, group_size=3, policy=policy).pruned
+        check = stock_check(model, pruned)
+        try:
+            export_stock(model, pruned, tmp_path / policy)
+            exported = True
+        except HeadscopeError:
+            exported = False
+        assert check.ok == exported, policy
+        if not check.ok:
+            assert "Nearest sparsities that can" in check.message() and check.nearest
+            assert any(s == pytest.approx(1 / 3) and p == "balanced-uniform" for s, p, _, _ in check.nearest)
+    assert g.group_size == 3
