@@ -39,6 +39,7 @@ from tqdm import tqdm
 from analysis.errors import HeadscopeError, InputError
 from analysis.masks import KV_POLICIES, POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
+from analysis.surgery import has_qkv_bias
 
 PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export")
 WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
@@ -277,11 +278,6 @@ def plan_from(ns):
     return plan, scores, loaded, info
 
 
-def has_qkv_bias(loaded) -> bool:
-    """Whether the attention's Q/K/V projections carry biases (they count in a mask's parameters)."""
-    return loaded.adapter.read_heads(loaded.model, 0).q_bias is not None
-
-
 def warn(lines) -> None:
     """Print each warning on stderr (the JSON/CSV result stays clean on stdout)."""
     for line in lines:
@@ -290,7 +286,7 @@ def warn(lines) -> None:
 
 def run_mask(ns):
     plan, scores, loaded, info = plan_from(ns)
-    bias = loaded is not None and has_qkv_bias(loaded)  # unknown when streamed
+    bias = loaded is not None and has_qkv_bias(loaded.model, loaded.adapter)  # unknown when streamed
     dtype_bytes = next(loaded.model.parameters()).element_size() if loaded is not None else 4
     summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
                              seq_len=ns.flops_seq_len, bias=bias, kv_policy=ns.kv_policy, dtype_bytes=dtype_bytes)
@@ -390,7 +386,8 @@ def run_export(ns):
     surgery = {} if ns.export_format == "zeroed" else {"kv_policy": ns.kv_policy}   # zeroed keeps the shapes
     if surgery:
         g = loaded.geometry
-        warn(summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=has_qkv_bias(loaded),
+        bias = has_qkv_bias(loaded.model, loaded.adapter)
+        warn(summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=bias,
                             kv_policy=ns.kv_policy).warnings)
     with progress_bar(f"exporting ({ns.export_format})", not ns.quiet) as report:
         result = export(ns.export_format, loaded.model, plan.pruned, ns.out_dir, ns.name, record=record,

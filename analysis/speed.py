@@ -32,7 +32,7 @@ from torch import nn
 from .adapters import Adapter, adapter_for, matmul_module_types
 from .errors import CancelledError, InputError
 from .masking import gates_from_mask, head_mask
-from .surgery import HeadLayout, prune_heads
+from .surgery import HeadLayout, predicted_counts, prune_heads
 
 PREFILL_LENGTHS = (128, 512, 1024)
 VARIANTS = ("dense", "masked", "pruned")
@@ -234,6 +234,7 @@ class SpeedReport:
     heads_pruned: int
     heads_total: int
     skipped: list[str] = field(default_factory=list)
+    predicted: dict = field(default_factory=dict)  # masks.SurgeryCounts of the mask: what the Prune page showed
 
     def predicted_speedup(self, key: str) -> float:
         """Dense FLOPs / pruned FLOPs (what a perfect implementation would gain)."""
@@ -277,6 +278,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
     g = adapter.geometry(model)
     report(0.0, "physically pruning a copy")
     smaller, layout = prune_heads(model, pruned, adapter=adapter, kv_policy=kv_policy)
+    predicted = predicted_counts(model, pruned, kv_policy=kv_policy, seq_len=min(prefill, default=128), adapter=adapter)
     gates = gates_from_mask(pruned)                                           # [L, H]
     cfg = model.config.get_text_config()
     max_positions = int(getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "n_positions", 0) or 1 << 30)
@@ -341,4 +343,5 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
                               "pruned": _projection_weights(smaller, adapter, g.n_layers)},
         flops=flops, attention_flops=attn_flops, latency_ms=latency, cpu_ms=latency_cpu,
         kv_cache=layout.kv_cache_report(),
-        heads_pruned=int(np.asarray(pruned, bool).sum()), heads_total=g.n_total_heads, skipped=skipped)
+        heads_pruned=int(np.asarray(pruned, bool).sum()), heads_total=g.n_total_heads, skipped=skipped,
+        predicted=predicted.as_dict())

@@ -34,7 +34,7 @@ from torch import nn
 from .adapters import Adapter, HeadWeights, adapter_for
 from .errors import InputError
 from .geometry import HeadGeometry
-from .masks import KV_POLICIES, kv_cache_values, plan_layout  # noqa: F401 - KV_POLICIES re-exported
+from .masks import KV_POLICIES, SurgeryCounts, kv_cache_values, plan_layout, surgery_counts  # noqa: F401
 LAYOUT_FORMAT = 1
 
 
@@ -209,6 +209,22 @@ def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | Non
         else:
             adapter.set_head_inputs(model, layer, layout.heads[layer], geometry.n_heads, geometry.head_dim)
     return model
+
+
+def has_qkv_bias(model: nn.Module, adapter: Adapter | None = None) -> bool:
+    """Whether the attention's Q/K/V projections carry biases (they count in a mask's parameters)."""
+    return (adapter or adapter_for(model)).read_heads(model, 0).q_bias is not None
+
+
+def predicted_counts(model: nn.Module, pruned, *, kv_policy: str = "auto", seq_len: int = 512,
+                     adapter: Adapter | None = None) -> SurgeryCounts:
+    """`analysis.masks.surgery_counts` of pruned [L, H] for this model (its geometry, biases, dtype):
+    what `prune_heads(model, pruned, kv_policy=kv_policy)` will produce, before doing it."""
+    adapter = adapter or adapter_for(model)
+    g = adapter.geometry(model)
+    return surgery_counts(pruned, group_size=g.group_size, head_dim=g.head_dim, hidden=g.hidden, seq_len=seq_len,
+                          bias=has_qkv_bias(model, adapter), kv_policy=kv_policy,
+                          dtype_bytes=next(model.parameters()).element_size())
 
 
 def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,

@@ -96,7 +96,10 @@ def model_or_stop():
         st.stop()
     try:
         with progress_bar(f"Loading {name}") as report:
-            return load(name, state.trust(), _progress=report)
+            lm = load(name, state.trust(), _progress=report)
+        from analysis.scoring import default_scorer
+        state.follow_model_scorer(default_scorer(lm.geometry.group_size))
+        return lm
     except HeadscopeError as err:
         st.error(str(err))
     except Exception as err:  # noqa: BLE001
@@ -164,8 +167,9 @@ def param_count(name: str, trust: bool = False) -> int:
 @st.cache_data(show_spinner=False, max_entries=8)
 def has_qkv_bias(name: str, trust: bool = False) -> bool:
     """Whether the attention projections carry biases (for the parameter count of a mask)."""
+    from analysis.surgery import has_qkv_bias as qkv_bias
     lm = load(name, trust)
-    return lm.adapter.read_heads(lm.model, 0).q_bias is not None
+    return qkv_bias(lm.model, lm.adapter)
 
 
 def scorer_class(scorer: str):
@@ -333,9 +337,10 @@ def view_mask(lm):
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def speed_report(name: str, trust: bool, pruned, prefill: tuple, repeats: int, _progress=None, _should_stop=None):
+def speed_report(name: str, trust: bool, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
+                 _progress=None, _should_stop=None):
     """`analysis.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
     from analysis import speed
     with exclusive(name, trust, _progress) as lm:
-        return speed.measure(lm.model, pruned, prefill=prefill, repeats=repeats, progress=_progress,
-                             should_stop=_should_stop)
+        return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
+                             progress=_progress, should_stop=_should_stop)

@@ -64,8 +64,10 @@ def scorer_choice(where=st, *, key: str = "scorer") -> str:
                    f"{', '.join(names)}. Showing {names[0]}.")
         state.set("scorer", names[0])
         state.reset_widget(key)
-    choice = where.selectbox("Scorer", names, format_func=label, key=state.widget_key(key))
-    state.set("scorer", choice)
+    choice = where.selectbox("Scorer", names, format_func=label, key=state.widget_key(key),
+                             help="Default: MP-G on GQA models (shared K/V counted once per group), MP on MHA "
+                                  "models, where the two are equal.")
+    state.choose_scorer(choice)
     return choice
 
 
@@ -102,7 +104,10 @@ def policy_controls(where=st, *, prefix: str = "policy") -> dict:
     policies = list(masks.POLICIES)
     policy = where.selectbox("Policy", policies, key=state.widget_key(f"{prefix}.policy", value=policies[0]),
                              help="global: the k lowest heads anywhere; min-per-layer: the same, but keep at "
-                                  "least m heads in every layer; uniform: the same number in every layer.")
+                                  "least m heads in every layer; uniform: the same number in every layer; "
+                                  "balanced (GQA): the same number from every KV group of a layer, so K/V never "
+                                  "expand; balanced-uniform: that, with one count in every layer (a stock "
+                                  "config); groups (GQA): whole KV groups.")
     out = dict(policy=policy)
     if policy == "min-per-layer":
         out["min_per_layer"] = int(where.number_input("Keep at least m heads per layer", 0, 1024, step=1,

@@ -5,6 +5,8 @@ the URL's query parameters on every run so a view can be shared and reloaded:
 
     model     built-in name, Hugging Face id or local folder   (?model=smollm2-135m)
     scorer    scorer name                                     (?scorer=mp)
+              until the link or the user picks one, the loaded model's default
+              (analysis.scoring.default_scorer: MP-G on GQA models, MP on MHA)
     z         MP threshold multiplier, 0 .. Z_MAX             (?z=2.0)
     sparsity  fraction of heads to prune, 0 .. 0.95             (?sparsity=0.3)
     page      the page's url path                             (?page=prune)
@@ -29,7 +31,7 @@ import streamlit as st
 from analysis.models import DEFAULT_MODEL
 from analysis.profiles import DEFAULT_Z, Z_MAX
 
-DEFAULT_SCORER = "mp"
+DEFAULT_SCORER = "mp-g"  # the default model is GQA; `follow_model_scorer` adapts it to the loaded model
 DEFAULT_SPARSITY = 0.3
 SPARSITY_MAX = 0.95  # analysis.masks refuses 1.0 (every head pruned)
 PREFIX = "hs."
@@ -39,6 +41,7 @@ _STOP = PREFIX + "stop"
 _MEMO = PREFIX + "memo."
 _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
+_SCORER_CHOSEN = PREFIX + "scorer_chosen"
 
 
 def _text(raw: str) -> str:
@@ -97,6 +100,8 @@ def init() -> None:
         raw = st.query_params[name]
         try:
             ss[_key(name)] = field.parse(raw)
+            if name == "scorer":
+                ss[_SCORER_CHOSEN] = True
         except ValueError as why:
             notes.append(f"The link's {name}={raw!r} was ignored because {why}; using {field.fmt(field.default)}. "
                          f"Fix the `{name}=` part of the URL or pick a value with the controls.")
@@ -150,6 +155,23 @@ def follow_url_page(current, pages: dict) -> None:
     wanted = str(get("page") or "")
     if wanted and wanted in pages and pages[wanted].url_path != current.url_path:
         st.switch_page(pages[wanted], query_params=dict(st.query_params))
+
+
+# -- the scorer: the model's default until someone picks one -----------------------------------
+
+def follow_model_scorer(default: str) -> None:
+    """Use the loaded model's default scorer while neither the link nor the user has chosen one."""
+    if st.session_state.get(_SCORER_CHOSEN) or get("scorer") == default:
+        return
+    set("scorer", default)
+    reset_widget("scorer")
+
+
+def choose_scorer(name: str) -> None:
+    """The user picked `name`: from now on it is kept when the model changes."""
+    if name != get("scorer"):
+        st.session_state[_SCORER_CHOSEN] = True
+    set("scorer", name)
 
 
 # -- trust_remote_code (session only) ----------------------------------------------------------

@@ -7,7 +7,7 @@ import streamlit as st
 
 from analysis import export as export_mod
 from analysis import speed
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, numbers, shell, state
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -16,8 +16,8 @@ OUTPUT_ROOT = Path(os.environ.get("HEADSCOPE_EXPORT_ROOT") or Path(__file__).res
 FORMAT_HELP = {
     "zeroed": "original shapes, pruned heads zeroed: loads anywhere, not smaller",
     "pruned": "physically smaller, with head_layout.json (load with analysis.export.load_pruned)",
-    "stock": "physically smaller, loads with stock from_pretrained (needs the same head count in every layer: "
-             "use the uniform policy)",
+    "stock": "physically smaller, loads with stock from_pretrained (needs the same head counts in every layer: "
+             "use the balanced-uniform policy)",
     "onnx": "model.onnx of the physically smaller model, for ONNX Runtime",
 }
 
@@ -48,6 +48,12 @@ st.subheader("Pruned model")
 c1, c2 = st.columns([1, 2])
 fmt = c1.selectbox("Format", list(export_mod.FORMATS), format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
                    key=state.widget_key("export.format", value=export_mod.FORMATS[0]))
+kv_policy = numbers.kv_policy_choice(c1)
+surgery = {} if fmt == "zeroed" else {"kv_policy": kv_policy}       # zeroed keeps the original shapes
+if surgery:
+    with shown_errors("Counting what surgery removes"):
+        numbers.show_summary(numbers.summary_of(lm, plan, head_scores, kv_policy), flops_len=512)
+        numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
 folder = c2.text_input(f"Folder inside {OUTPUT_ROOT}",
                        key=state.widget_key("export.folder", value=f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{fmt}"))
 overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
@@ -56,7 +62,7 @@ if st.button("Export", type="primary", key="export.run"):
     with shown_errors("Exporting"):
         with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.trust(), report):
             result = export_mod.export(fmt, lm.model, plan.pruned, OUTPUT_ROOT, folder, record=record,
-                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report)
+                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery)
         state.remember("export.last", result)
 last = state.recall("export.last")
 if last is not None:
@@ -69,15 +75,19 @@ with shown_errors("Measuring"):
     lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
                              key=state.widget_key("export.speed.lengths", value=[128]))
     repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats", value=3)))
-    speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats)
+    speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats, kv_policy)
     st.caption("Times the dense model, the masked model (hooks zero the heads: same FLOPs) and the physically "
                "pruned copy in alternating order, on this machine.")
     report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
                               slot="export.speed", run_key=speed_key, fn=cache.speed_report,
-                              args=(lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)), repeats),
+                              args=(lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
                               label="Measuring",
                               stale_note="The mask or the settings changed since the last measurement; press the button again.")
     if report is not None:
+        predicted = report.predicted
+        st.caption(f"kv_policy '{predicted['kv_policy']}'. Predicted from the mask (Prune page): parameters "
+                   f"{-predicted['params_removed']:+,}, KV cache {predicted['kv_cache_ratio']:.3g}x; measured on the "
+                   f"pruned copy below.")
         m = st.columns(3)
         m[0].metric("Parameters", f"{report.parameters['pruned']:,}",
                     f"{report.parameters['pruned'] - report.parameters['dense']:+,}", delta_color="inverse")

@@ -6,7 +6,7 @@ import numpy as np
 import streamlit as st
 
 from analysis import masks, sweep
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, numbers, shell, state
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -27,6 +27,7 @@ with st.expander("Scorer parameters and mask policy", expanded=False):
     cols = st.columns(3)
     params = controls.scorer_params(scorer, z, where=cols[0])
     policy = controls.policy_controls(cols[1])
+    kv_policy = numbers.kv_policy_choice(cols[1])
     flops_len = int(cols[2].number_input("Sequence length for the FLOP count", 1, 1_000_000, step=64,
                                          key=state.widget_key("prune.flops_len", value=512)))
 if "z" not in params:
@@ -50,21 +51,10 @@ if head_scores is None:
 
 with shown_errors("Building the mask"):
     plan = masks.plan_mask(head_scores, sparsity, group_size=g.group_size, **policy)
-    summary = masks.summarize_mask(plan, head_scores, head_dim=g.head_dim, hidden=g.hidden, seq_len=flops_len,
-                                   bias=cache.has_qkv_bias(lm.name, state.trust()))
-    cols = st.columns(5)
-    cols[0].metric("Pruned heads", f"{summary.n_pruned} / {summary.n_heads}")
-    cols[1].metric(f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0",
-                   summary.zero_score_heads,
-                   help="Heads in the bulk (no outlier row). The tie-break (plain magnitude, then layer/head) "
-                        "decides which of them go first.")
-    cols[2].metric("KV heads removed", f"{summary.kv_heads_removed} / {summary.kv_heads}")
-    cols[3].metric("Attention params removed", f"{summary.params_removed:,}",
-                   f"{100 * summary.params_removed_fraction:.1f}% of attention", delta_color="off")
-    cols[4].metric("Attention FLOPs removed", f"{summary.attention_flops_removed:.3g}",
-                   f"{100 * summary.flops_removed_fraction:.1f}% at {flops_len} tokens", delta_color="off")
-    if summary.empty_layers:
-        st.warning(f"Layers {summary.empty_layers} lose every head. Use the min-per-layer policy to keep some.")
+    summary = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len)
+    numbers.show_summary(summary, flops_len=flops_len,
+                         zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
+    numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
 
     left, right = st.columns([3, 1])
     left.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),

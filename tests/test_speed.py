@@ -82,3 +82,23 @@ def test_paired_ratio_and_saving_ratio_by_hand():
     assert saving_ratio(1.25, 1.25) == pytest.approx(1.0)     # as predicted
     assert saving_ratio(1.0, 2.0) == 0.0                      # no saving at all
     assert saving_ratio(4 / 3, 2.0) == pytest.approx(0.5)     # 25% saved of a predicted 50%
+
+
+@pytest.mark.parametrize("kv_policy", ["auto", "expand"])
+def test_report_prediction_equals_what_it_measured(kv_policy):
+    # qwen2 (Q/K/V biases), G = 3: layer 0 keeps 2 + 3 (uneven -> K/V copied), layer 1 loses group 1
+    model = tiny_model("qwen2", hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
+    pruned = np.zeros((2, 6), bool)
+    pruned[0, 0] = True
+    pruned[1, 3:] = True
+    report = measure(model, pruned, kv_policy=kv_policy, prefill=(16,), repeats=1, warmup=0, threads=1)
+    p = report.predicted
+    assert p["kv_policy"] == kv_policy and p["seq_len"] == 16
+    assert report.parameters["dense"] - report.parameters["pruned"] == p["params_removed"]
+    assert p["params_removed"] < 0 if kv_policy == "expand" else True     # expanding everywhere grows it here
+    flops = report.attention_flops["prefill@16"]
+    assert flops["dense"] - flops["pruned"] == p["flops_removed"]
+    assert report.kv_cache["cache_ratio"] == pytest.approx(p["kv_cache_ratio"])
+    assert p["expanded_layers"] == report.kv_cache["expanded_layers"]
+    file_change = report.file_bytes["pruned"] - report.file_bytes["dense"]
+    assert abs(file_change - p["checkpoint_bytes_change"]) < 1024           # the safetensors header aside

@@ -1,0 +1,76 @@
+"""What a mask really removes, drawn the same way on the Prune and Export pages.
+
+Every number comes from `analysis.masks.summarize_mask` under the chosen kv_policy -- the layout
+surgery will build -- so growth (uneven GQA groups: K/V copied per query head) shows as growth,
+with the summary's warnings naming the cause and the policy that avoids it; and from
+`analysis.export.stock_check`: whether a stock config can describe the result, and if not the
+nearest sparsities that can.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+from analysis import export as export_mod
+from analysis import masks
+
+from . import cache, state
+
+KV_POLICY_HELP = ("How surgery handles a GQA layer whose kept query heads are spread unevenly over its KV "
+                  "groups (e.g. 2 + 1 + 0): auto copies K/V per query head in those layers only (bigger); "
+                  "expand does it in every layer (one head count everywhere, for a stock export); strict "
+                  "refuses such masks. The balanced and groups mask policies never need it.")
+
+
+def kv_policy_choice(where=st) -> str:
+    """The kv_policy selectbox; the choice is kept across pages (Prune and Export share it)."""
+    options = list(masks.KV_POLICIES)
+    key = state.widget_key("kv_policy", value=state.recall("kv_policy", options[0]))
+    choice = where.selectbox("KV policy (surgery)", options, key=key, help=KV_POLICY_HELP)
+    state.remember("kv_policy", choice)
+    return choice
+
+
+def summary_of(lm, plan, head_scores, kv_policy: str, seq_len: int = 512) -> masks.MaskSummary:
+    """`summarize_mask` for the loaded model's geometry, biases and weight dtype."""
+    g = lm.geometry
+    return masks.summarize_mask(plan, head_scores, head_dim=g.head_dim, hidden=g.hidden, seq_len=seq_len,
+                                bias=cache.has_qkv_bias(lm.name, state.trust()), kv_policy=kv_policy,
+                                dtype_bytes=next(lm.model.parameters()).element_size())
+
+
+def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str | None = None) -> None:
+    """Metrics of what surgery makes of the mask; warnings for growth, rounding and emptied layers."""
+    cols = st.columns(6 if zero_label else 5)
+    cols[0].metric("Pruned heads", f"{summary.n_pruned} / {summary.n_heads}")
+    rest = cols[1:]
+    if zero_label:
+        cols[1].metric(zero_label, summary.zero_score_heads,
+                       help="Heads in the bulk (no outlier row). The tie-break (plain magnitude, then layer/head) "
+                            "decides which of them go first.")
+        rest = cols[2:]
+    kv_after = summary.kv_heads - summary.kv_heads_removed
+    rest[0].metric("KV heads after surgery", f"{kv_after} / {summary.kv_heads}",
+                   f"{-summary.kv_heads_removed:+,}", delta_color="inverse")
+    change = -summary.params_removed
+    rest[1].metric("Attention params change", f"{change:+,}",
+                   f"{100 * change / summary.attention_params:+.1f}% of attention"
+                   + (" (GROWTH)" if change > 0 else ""), delta_color="inverse")
+    rest[2].metric("KV cache per token", f"{summary.kv_cache_bytes_per_token_after:,} B",
+                   f"{summary.kv_cache_ratio:.3g}x dense", delta_color="off")
+    rest[3].metric("Attention FLOPs removed", f"{summary.attention_flops_removed:.3g}",
+                   f"{100 * summary.flops_removed_fraction:.1f}% at {flops_len} tokens", delta_color="off")
+    st.caption(f"Counted from the layout surgery builds with kv_policy '{summary.kv_policy}': checkpoint size "
+               f"change {summary.checkpoint_bytes_change / 2**20:+.2f} MiB (weights).")
+    for line in summary.warnings:
+        st.warning(line)
+
+
+def show_stock(lm, pruned, kv_policy: str, sparsity: float) -> export_mod.StockCheck | None:
+    """Whether a stock config describes the pruned model (and the nearest sparsities that can)."""
+    try:
+        check = export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity)
+    except Exception as err:  # noqa: BLE001 - a family without surgery: say so, do not fail the page
+        st.caption(f"Stock config: {err}")
+        return None
+    (st.caption if check.ok else st.info)("Stock config: " + check.message())
+    return check
