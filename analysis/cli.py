@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from analysis.errors import HeadscopeError, InputError
 from analysis.masks import KV_POLICIES, POLICIES, plan_mask, summarize_mask
-from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
+from analysis.profiles import DEFAULT_STD, DEFAULT_Z, ORDS, SCOPES, STD_DDOF
 from analysis.surgery import has_qkv_bias
 
 PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export")
@@ -48,7 +48,7 @@ WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
 SCORER_OPTIONS = {
     "z": "z", "scope": "scope", "ord": "ord", "a_q": "a_q", "a_kv": "a_kv", "seed": "seed",
     "n_sequences": "n_sequences", "seq_len": "seq_len", "batch_size": "batch_size",
-    "n_steps": "n_steps", "damping": "damping",
+    "n_steps": "n_steps", "damping": "damping", "std": "std",
 }
 
 Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
@@ -151,6 +151,7 @@ def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default:
     parser.add_argument("--z", type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")
     parser.add_argument("--scope", choices=SCOPES, default="layer", help="threshold population")
     parser.add_argument("--ord", type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")
+    add_std_argument(parser)
     parser.add_argument("--a-q", dest="a_q", type=float, default=None, help="MP-G weight of Q/O excess")
     parser.add_argument("--a-kv", dest="a_kv", type=float, default=None, help="MP-G weight of K/V excess")
     parser.add_argument("--seed", type=int, default=None, help="random scorer seed")
@@ -162,6 +163,12 @@ def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default:
     parser.add_argument("--damping", type=float, default=None, help="SparseGPT damping fraction")
     parser.add_argument("--ablation-file", default=None,
                         help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
+
+
+def add_std_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--std", choices=tuple(STD_DDOF), default=DEFAULT_STD,
+                        help="std in tau = mean + z * std: population (ddof 0, the default) or sample (ddof 1, "
+                             "PyTorch's Tensor.std)")
 
 
 def scorer_from(ns: argparse.Namespace):
@@ -404,6 +411,7 @@ def _sweep_arguments(parser):
                         help="default: mp-g on GQA/MQA models, mp on MHA models")
     parser.add_argument("--scope", choices=SCOPES, default="layer")
     parser.add_argument("--ord", type=int, choices=ORDS, default=2)
+    add_std_argument(parser)
     parser.add_argument("--a-q", dest="a_q", type=float, default=1.0)
     parser.add_argument("--a-kv", dest="a_kv", type=float, default=1.0)
     parser.add_argument("--sparsity", type=float, required=True)
@@ -437,7 +445,7 @@ def run_sweep(ns):
     zs = parse_floats(ns.z_values) if ns.z_values else None
     with progress_bar("z sweep", not ns.quiet) as report:
         result = sweep_z(profile, ns.sparsity, calibration, evaluation, zs=zs, scorer=ns.scorer,
-                         scope=ns.scope, ord=ns.ord, a_q=ns.a_q, a_kv=ns.a_kv, policy=ns.policy,
+                         scope=ns.scope, ord=ns.ord, a_q=ns.a_q, a_kv=ns.a_kv, std=ns.std, policy=ns.policy,
                          min_per_layer=ns.min_per_layer, metric=metric, higher_is_better=higher,
                          evaluate_all=ns.evaluate_all, progress=report)
     return dict(model=info, scorer=ns.scorer, **result.as_dict()), result.rows()

@@ -13,7 +13,8 @@ each head's *sum* of excesses (`excess_sums`), and at z >= 1 only rows with a z-
 be in excess: those rows are indexed once, bucketed by z-score, so a new z reads just the rows of
 the buckets above the new threshold (a prefix) and adds them into per-head bins.
 
-Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0).
+Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0) by
+default, or the sample std (ddof = 1, PyTorch's `Tensor.std` default): `std="sample"`.
 Population scope "layer": the rows of one projection of one layer; scope "model": the rows
 of one projection across all layers. A population whose norms are all equal (std = 0) has
 tau equal to that common norm and no row in excess.
@@ -34,6 +35,8 @@ from analysis.errors import CancelledError, InputError
 PROJECTIONS = ("q", "k", "v", "o")
 ORDS = (1, 2)
 SCOPES = ("layer", "model")
+STD_DDOF = {"population": 0, "sample": 1}  # std convention -> ddof (numpy's `std(ddof=...)`)
+DEFAULT_STD = "population"
 DEFAULT_Z = 2.0
 Z_MAX = 10.0  # beyond this every row of a real model is in the bulk; the mask is pure tie-break
 
@@ -67,6 +70,13 @@ def check_scope(scope: str) -> str:
     if scope not in SCOPES:
         raise InputError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}.")
     return scope
+
+
+def check_std(std: str) -> str:
+    """Validate a std convention name ("population", ddof = 0, or "sample", ddof = 1)."""
+    if std not in STD_DDOF:
+        raise InputError(f"std must be one of {', '.join(STD_DDOF)} (ddof 0 or 1); got {std!r}.")
+    return std
 
 
 def check_ord(ord: int) -> int:
@@ -127,14 +137,16 @@ class NormProfile:
             self.l1 = _check_norm_table(self.l1_loader(), self.l2)
         return self.l1
 
-    def stats(self, ord: int = 2, scope: str = "layer") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def stats(self, ord: int = 2, scope: str = "layer", std: str = DEFAULT_STD
+              ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Per projection (mean [L], std [L]) of the population; memoized.
 
-        With scope "model" the one model-wide value is broadcast to every layer.
+        With scope "model" the one model-wide value is broadcast to every layer. `std`: the
+        population ("population", ddof 0) or sample ("sample", ddof 1) standard deviation.
         """
-        key = (check_ord(ord), check_scope(scope))
+        key = (check_ord(ord), check_scope(scope), check_std(std))
         if key not in self._stats:
-            self._stats[key] = {p: population_stats(n, scope) for p, n in self.norms(ord).items()}
+            self._stats[key] = {p: population_stats(n, scope, STD_DDOF[std]) for p, n in self.norms(ord).items()}
         return self._stats[key]
 
     def memo(self, key, compute: Callable[[], np.ndarray]) -> np.ndarray:
@@ -143,17 +155,19 @@ class NormProfile:
             self._stats[key] = compute()
         return self._stats[key]
 
-    def thresholds(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer") -> dict[str, np.ndarray]:
+    def thresholds(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer",
+                   std: str = DEFAULT_STD) -> dict[str, np.ndarray]:
         """tau per projection, each [L]."""
         z = check_z(z)
-        return {p: mean + z * std for p, (mean, std) in self.stats(ord, scope).items()}
+        return {p: mean + z * sd for p, (mean, sd) in self.stats(ord, scope, std).items()}
 
-    def excess(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer") -> dict[str, np.ndarray]:
+    def excess(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer",
+               std: str = DEFAULT_STD) -> dict[str, np.ndarray]:
         """e = max(0, n - tau) per projection, same shapes as the norms."""
-        taus = self.thresholds(z, ord=ord, scope=scope)
+        taus = self.thresholds(z, ord=ord, scope=scope, std=std)
         return {p: row_excess(n, taus[p]) for p, n in self.norms(ord).items()}
 
-    def excess_sums(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer"
+    def excess_sums(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer", std: str = DEFAULT_STD
                     ) -> tuple[np.ndarray, np.ndarray]:
         """(own [L, H], group [L, Hkv]): per query head the summed excess of its Q rows and O
         columns, per KV group that of its K and V rows. Each row's excess is the same float
@@ -161,9 +175,9 @@ class NormProfile:
         """
         z = check_z(z)
         if z < ExcessRows.Z_MIN:  # most rows are in excess: the dense sums are cheaper than an index
-            return head_and_group_sums(self.excess(z, ord=ord, scope=scope))
-        rows = self.memo(("excess-rows", check_ord(ord), check_scope(scope)),
-                         lambda: ExcessRows.index(self.norms(ord), self.stats(ord, scope)))
+            return head_and_group_sums(self.excess(z, ord=ord, scope=scope, std=std))
+        rows = self.memo(("excess-rows", check_ord(ord), check_scope(scope), check_std(std)),
+                         lambda: ExcessRows.index(self.norms(ord), self.stats(ord, scope, std)))
         k = rows.prefix(z)  # the rows whose z-score bucket can hold a z-score > z
         excess = rows.norm[:k] - (rows.mean[:k] + z * rows.std[:k])  # [k]
         np.maximum(excess, 0.0, out=excess)  # [k]; rows of the lowest bucket below z add exact zeros
@@ -250,8 +264,9 @@ def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nda
     return own, group
 
 
-def population_stats(norms: np.ndarray, scope: str) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and population std of norms [L, units, d] per layer (scope "layer") or model-wide.
+def population_stats(norms: np.ndarray, scope: str, ddof: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std (ddof 0: population, 1: sample) of norms [L, units, d] per layer (scope
+    "layer") or model-wide.
 
     Returns (mean [L], std [L]). A population with all-equal norms gets its exact common
     value as mean and std 0, so floating-point noise cannot put a row above tau.
@@ -259,7 +274,7 @@ def population_stats(norms: np.ndarray, scope: str) -> tuple[np.ndarray, np.ndar
     n_layers = norms.shape[0]
     flat = norms.reshape(n_layers, -1) if scope == "layer" else norms.reshape(1, -1)  # [P, rows]
     mean = flat.mean(axis=1)  # [P]
-    std = flat.std(axis=1)  # [P]
+    std = flat.std(axis=1, ddof=ddof)  # [P]
     constant = flat.max(axis=1) == flat.min(axis=1)  # [P]
     mean = np.where(constant, flat[:, 0], mean)  # [P]
     std = np.where(constant, 0.0, std)  # [P]

@@ -40,12 +40,14 @@ from analysis.geometry import HeadGeometry
 from analysis.masking import head_mask
 from analysis.masks import tie_order_of
 from analysis.profiles import (
+    DEFAULT_STD,
     DEFAULT_Z,
     NormProfile,
     Progress,
     ShouldStop,
     check_ord,
     check_scope,
+    check_std,
     check_z,
     head_and_group_sums,
     profile_model,
@@ -348,11 +350,11 @@ class MPScorer(Scorer):
 
     name = "mp"
 
-    def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2):
-        self.z, self.scope, self.ord = check_z(z), check_scope(scope), check_ord(ord)
+    def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, std: str = DEFAULT_STD):
+        self.z, self.scope, self.ord, self.std = check_z(z), check_scope(scope), check_ord(ord), check_std(std)
 
     def params(self) -> dict:
-        return dict(z=self.z, scope=self.scope, ord=self.ord)
+        return dict(z=self.z, scope=self.scope, ord=self.ord, std=self.std)
 
     def combine(self, own: np.ndarray, group: np.ndarray) -> np.ndarray:
         return mp_combine(own, group)
@@ -362,14 +364,14 @@ class MPScorer(Scorer):
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         profile = as_profile(target)
-        scores = self.combine(*profile.excess_sums(self.z, ord=self.ord, scope=self.scope))  # [L, H]
+        scores = self.combine(*profile.excess_sums(self.z, ord=self.ord, scope=self.scope, std=self.std))  # [L, H]
         # The tie-break (same sums without the threshold) and its sort do not depend on z: once per profile.
         tiebreak = profile.memo(("tiebreak", *self._tiebreak_key()),
                                 lambda: self.aggregate(profile.norms(self.ord)))  # [L, H]
         return scores, tiebreak
 
     def _tiebreak_key(self) -> tuple:
-        return self.name, tuple(sorted((k, v) for k, v in self.params().items() if k not in ("z", "scope")))
+        return self.name, tuple(sorted((k, v) for k, v in self.params().items() if k not in ("z", "scope", "std")))
 
     def _tie_order(self, target, tiebreak):
         return as_profile(target).memo(("tie-order", *self._tiebreak_key()),
@@ -382,8 +384,8 @@ class MPGScorer(MPScorer):
     name = "mp-g"
 
     def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, a_q: float = 1.0,
-                 a_kv: float = 1.0):
-        super().__init__(z, scope, ord)
+                 a_kv: float = 1.0, std: str = DEFAULT_STD):
+        super().__init__(z, scope, ord, std)
         self.a_q, self.a_kv = _check_weight("a_q", a_q), _check_weight("a_kv", a_kv)
 
     def params(self) -> dict:
@@ -748,17 +750,17 @@ class HybridScorer(CalibrationScorer):
     name = "hybrid"
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, z: float = DEFAULT_Z,
-                 scope: str = "layer"):
+                 scope: str = "layer", std: str = DEFAULT_STD):
         super().__init__(n_sequences, seq_len, batch_size)
-        self.z, self.scope = check_z(z), check_scope(scope)
+        self.z, self.scope, self.std = check_z(z), check_scope(scope), check_std(std)
 
     def params(self) -> dict:
-        return {**super().params(), "z": self.z, "scope": self.scope}
+        return {**super().params(), "z": self.z, "scope": self.scope, "std": self.std}
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         profile = profile_model(subject.model, adapter=subject.adapter)
         magnitude = mp_aggregate(profile.l2)  # [L, H]
-        mp = mp_combine(*profile.excess_sums(self.z, scope=self.scope))  # [L, H]
+        mp = mp_combine(*profile.excess_sums(self.z, scope=self.scope, std=self.std))  # [L, H]
         wanda = WandaHeadScorer(self.n_sequences, self.seq_len, self.batch_size)
         wanda_scores = wanda._calibrate(subject, ids, cost, progress, should_stop)  # [L, H]
         return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)

@@ -87,7 +87,7 @@ def suggest(zs: np.ndarray, values: np.ndarray, higher_is_better: bool = False) 
 
 def sweep_z(profile: NormProfile, sparsity: float, evaluate_calibration: MaskEvaluator,
             evaluate_evaluation: MaskEvaluator | None = None, *, zs=None, scorer: str = "mp-g",
-            scope: str = "layer", ord: int = 2, a_q: float = 1.0, a_kv: float = 1.0,
+            scope: str = "layer", ord: int = 2, a_q: float = 1.0, a_kv: float = 1.0, std: str = "population",
             policy: str = "global", min_per_layer: int = 1, higher_is_better: bool = False,
             metric: str = "perplexity", evaluate_all: bool = False,
             progress: Progress | None = None, should_stop: ShouldStop | None = None) -> ZSweep:
@@ -103,7 +103,7 @@ def sweep_z(profile: NormProfile, sparsity: float, evaluate_calibration: MaskEva
     extra = dict(a_q=a_q, a_kv=a_kv) if scorer == "mp-g" else {}
     plans, zero = [], []
     for z in zs:
-        scores = SWEEP_SCORERS[scorer](z=z, scope=scope, ord=ord, **extra).score(profile)
+        scores = SWEEP_SCORERS[scorer](z=z, scope=scope, ord=ord, std=std, **extra).score(profile)
         plans.append(plan_mask(scores, sparsity, group_size=profile.group_size, policy=policy,
                                min_per_layer=min_per_layer))
         zero.append(scores.zero_count)

@@ -10,7 +10,7 @@ import inspect
 
 import streamlit as st
 
-from analysis import masks, scoring, text
+from analysis import masks, profiles, scoring, text
 
 from . import cache, state
 
@@ -37,6 +37,7 @@ _PARAM_WIDGETS = {
         help="Threshold per projection of each layer, or per projection across all layers."),
     "ord": lambda key, default, where: where.radio("Norm", [2, 1], format_func=lambda o: f"L{o}",
                                                    horizontal=True, key=key),
+    "std": lambda key, default, where: std_choice(key, where),
     "a_q": lambda key, default, where: where.number_input("a_q (own Q/O weight)", 0.0, 10.0, step=0.1, key=key),
     "a_kv": lambda key, default, where: where.number_input("a_kv (shared K/V weight)", 0.0, 10.0, step=0.1,
                                                            key=key),
@@ -46,6 +47,17 @@ _PARAM_WIDGETS = {
     "damping": lambda key, default, where: where.number_input("Damping", 1e-6, 1.0, format="%.4f", key=key),
     "n_steps": lambda key, default, where: where.number_input("Integration steps", 1, 64, step=1, key=key),
 }
+
+
+STD_LABELS = {"population": "population (ddof = 0)", "sample": "sample (ddof = 1, torch.std)"}
+
+
+def std_choice(key: str, where=st) -> str:
+    """The std convention radio of tau = mean + z * std."""
+    return where.radio("Std in the threshold", list(profiles.STD_DDOF), format_func=STD_LABELS.get,
+                       horizontal=True, key=key,
+                       help="population: divide by n (headscope's default); sample: by n - 1 (PyTorch's "
+                            "Tensor.std). At the boundary they move a few heads in or out of the bulk.")
 
 
 def scorer_names() -> list[str]:

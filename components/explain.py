@@ -43,7 +43,7 @@ W_O; KV group g = h // G uses rows g·d … (g+1)·d−1 of W_K and W_V.
 
 
 def mp_formula(*, z: float, layer: int, projection: str, mean: float, std: float, tau: float,
-               n_outliers: int, n_rows: int, scope: str = "layer") -> None:
+               n_outliers: int, n_rows: int, scope: str = "layer", convention: str = "population") -> None:
     population = f"the {n_rows} rows of {projection.upper()} in layer {layer}" if scope == "layer" else \
         f"the {n_rows} rows of {projection.upper()} across all layers"
     what = "columns of W_O" if projection == "o" else f"rows of W_{projection.upper()}"
@@ -53,7 +53,8 @@ Within a population - here {population} - the threshold is
 
   **τ = mean(n) + z · std(n) = {mean:.4g} + {z:g} × {std:.4g} = {tau:.4g}**
 
-and a row's **excess** is eᵢ = max(0, nᵢ − τ). Right now **{n_outliers} of {n_rows}** {what}
+with the {"sample std (divide by n − 1, PyTorch's Tensor.std)" if convention == "sample" else
+          "population std (divide by n, headscope's default)"}, and a row's **excess** is eᵢ = max(0, nᵢ − τ). Right now **{n_outliers} of {n_rows}** {what}
 lie above τ; all the others ("the bulk") have excess 0.
 
 The MP score of query head h adds up the excess of everything it owns:

@@ -3,7 +3,8 @@ row-norm distribution with the mean and mean + z*std lines and its outlier rows;
 import numpy as np
 import streamlit as st
 
-from components import cache, charts, explain, shell, state
+from analysis import profiles
+from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -17,7 +18,7 @@ lm = cache.model_or_stop()
 g = lm.geometry
 prof = cache.profile_or_stop()
 
-c1, c2, c3 = st.columns([3, 1, 1])
+c1, c2, c3, c4 = st.columns([3, 1, 1, 2])
 z = c1.slider("Threshold z (tau = mean + z * std)", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"))
 state.set("z", z)
 ord_ = c2.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
@@ -25,12 +26,14 @@ ord_ = c2.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
 scope = c3.radio("Population", ["layer", "model"], horizontal=True, key=state.widget_key("profiles.scope", value="layer"),
                  help="layer: each projection of each layer is its own population; model: one projection "
                       "across all layers.")
+convention = controls.std_choice(state.widget_key("profiles.std", value=profiles.DEFAULT_STD), c4)
+st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[convention]} std.")
 
 with shown_errors("Computing thresholds"):
     norms = prof.norms(ord_)                                   # {p: [L, units, d]}
-    excess = prof.excess(z, ord=ord_, scope=scope)             # {p: [L, units, d]}
-    stats = prof.stats(ord_, scope)                            # {p: (mean [L], std [L])}
-    taus = prof.thresholds(z, ord=ord_, scope=scope)           # {p: [L]}
+    excess = prof.excess(z, ord=ord_, scope=scope, std=convention)    # {p: [L, units, d]}
+    stats = prof.stats(ord_, scope, convention)                       # {p: (mean [L], std [L])}
+    taus = prof.thresholds(z, ord=ord_, scope=scope, std=convention)  # {p: [L]}
 
     st.subheader("Mean row norm per head")
     cols = st.columns(4)
@@ -65,7 +68,7 @@ with shown_errors("Computing thresholds"):
                     width="stretch", key="profiles.excess")
     n_pop = rows.size if scope == "layer" else norms[proj].size
     explain.mp_formula(z=z, layer=layer, projection=proj, mean=mean, std=std, tau=tau, n_outliers=n_out,
-                       n_rows=n_pop if scope == "layer" else rows.size, scope=scope)
+                       n_rows=n_pop if scope == "layer" else rows.size, scope=scope, convention=convention)
     explain.gqa(g.n_heads, g.n_kv_heads)
 
     table = "layer,projection,unit,row,norm,excess\n" + "\n".join(

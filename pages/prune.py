@@ -32,6 +32,9 @@ with st.expander("Scorer parameters and mask policy", expanded=False):
                                          key=state.widget_key("prune.flops_len", value=512)))
 if "z" not in params:
     st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
+elif "std" in params:
+    st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[params['std']]} std "
+               f"(change it under 'Scorer parameters').")
 
 key = cache.params_key(params)
 cls = cache.scorer_class(scorer)

@@ -94,3 +94,19 @@ def test_export_page_offers_the_kv_policy_and_its_counts(g3_dir):
     at.selectbox(key="hs.w.kv_policy").set_value("strict").run()
     no_exception(at)
     assert np.isfinite(float(metric(at, "Attention params change").replace(",", "")))
+
+
+def test_profiles_and_prune_pages_say_which_std_is_used(tiny_dir):
+    at = new_app(tiny_dir, page="profiles")
+    no_exception(at)
+    assert "with the population (ddof = 0) std" in texts(at)
+    at.radio(key="hs.w.profiles.std").set_value("sample").run()
+    no_exception(at)
+    assert "with the sample (ddof = 1, torch.std) std" in texts(at) and "sample std (divide by n − 1" in texts(at)
+    at = new_app(tiny_dir, page="prune", scorer="mp-g")
+    assert "with the population (ddof = 0) std" in texts(at)
+    before = int(metric(at, "Heads with score 0 at z = 2"))
+    at.radio(key="hs.w.param.std").set_value("sample").run()
+    no_exception(at)
+    assert "with the sample (ddof = 1, torch.std) std" in texts(at)
+    assert int(metric(at, "Heads with score 0 at z = 2")) >= before     # a larger std: no fewer in the bulk

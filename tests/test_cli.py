@@ -250,3 +250,16 @@ def test_unsatisfiable_policy_lists_the_feasible_sparsities(checkpoint, capsys):
     code, out, err = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.3", "--policy", "balanced",
                           "--quiet")
     assert code == 0 and json.loads(out)["summary"]["n_pruned"] == 2 and "nearest feasible count, 2" in err  # 3: a tie
+
+
+def test_std_option_reaches_the_scorer(checkpoint, capsys):
+    folder, model = checkpoint
+    for std in ("population", "sample"):
+        code, out, err = _run(capsys, "score", "--checkpoint", folder, "--z", "1.0", "--std", std, "--quiet")
+        assert code == 0, err
+        data = json.loads(out)
+        expected = MPGScorer(z=1.0, std=std).score(profile_model(model))
+        np.testing.assert_allclose(data["scores"], expected.scores, rtol=1e-12)
+        assert data["params"]["std"] == std
+    assert not np.allclose(MPGScorer(z=1.0, std="sample").score(profile_model(model)).scores,
+                           MPGScorer(z=1.0).score(profile_model(model)).scores)

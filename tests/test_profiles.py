@@ -226,3 +226,43 @@ def test_excess_sums_equal_the_sums_of_the_row_excess(scope, ord):
 def test_excess_sums_validate_z():
     with pytest.raises(InputError, match="negative"):
         hand_profile().excess_sums(-1.0)
+
+
+# -- the std convention: population (ddof 0, default) or sample (ddof 1, torch's Tensor.std) ----
+
+def test_sample_std_is_torchs_default_std():
+    import torch
+
+    from analysis.profiles import STD_DDOF, NormProfile
+
+    rng = np.random.default_rng(4)
+    l2 = {p: rng.gamma(4.0, 0.25, size=(3, units, 5)) for p, units in (("q", 4), ("k", 2), ("v", 2), ("o", 4))}
+    profile = NormProfile(l2=l2)
+    for p, norms in l2.items():
+        rows = torch.from_numpy(norms).reshape(3, -1)                      # [L, rows]
+        mean, sample = profile.stats(2, "layer", "sample")[p]
+        _, population = profile.stats(2, "layer", "population")[p]
+        np.testing.assert_allclose(sample, rows.std(dim=1).numpy(), rtol=1e-12)              # ddof 1
+        np.testing.assert_allclose(population, rows.std(dim=1, correction=0).numpy(), rtol=1e-12)
+        n = rows.shape[1]
+        np.testing.assert_allclose(sample, population * np.sqrt(n / (n - 1)), rtol=1e-12)
+        model_sample = profile.stats(2, "model", "sample")[p][1]
+        np.testing.assert_allclose(model_sample, np.full(3, rows.reshape(-1).std().item()), rtol=1e-12)
+    assert profile.stats(2, "layer") is profile.stats(2, "layer", "population") and STD_DDOF["sample"] == 1
+    for z in (0.5, 1.5, 2.5):                                 # the bucketed index path (z >= 1) and the dense one
+        own, group = profile.excess_sums(z, std="sample")
+        dense = {p: np.maximum(n - profile.thresholds(z, std="sample")[p][:, None, None], 0) for p, n in l2.items()}
+        np.testing.assert_allclose(own, dense["q"].sum(-1) + dense["o"].sum(-1), atol=1e-12)
+        np.testing.assert_allclose(group, dense["k"].sum(-1) + dense["v"].sum(-1), atol=1e-12)
+    with pytest.raises(InputError, match="population, sample"):
+        profile.thresholds(1.0, std="unbiased")
+
+
+def test_sample_std_puts_more_heads_in_the_bulk_on_smollm2(smollm2):
+    from analysis.scoring import MPGScorer
+
+    profile = profile_model(smollm2.model, adapter=smollm2.adapter)
+    population = MPGScorer(z=2.5).score(profile)
+    sample = MPGScorer(z=2.5, std="sample").score(profile)
+    assert (population.zero_count, sample.zero_count) == (107, 110)       # DESIGN.md's numbers
+    assert population.params["std"] == "population" and sample.params["std"] == "sample"

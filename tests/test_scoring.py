@@ -46,7 +46,7 @@ def test_mp_by_hand():
     s = MPScorer(z=0.5).score(hand_profile())
     np.testing.assert_array_equal(s.scores, HAND_MP_Z05)
     assert s.zero_count == 4
-    assert s.name == "mp" and s.params == dict(z=0.5, scope="layer", ord=2)
+    assert s.name == "mp" and s.params == dict(z=0.5, scope="layer", ord=2, std="population")
     assert s.cost.forward_passes == 0 and s.cost.backward_passes == 0
     np.testing.assert_allclose(s.tiebreak, HAND_MAGNITUDE)
 
