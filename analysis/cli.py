@@ -48,7 +48,7 @@ WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
 SCORER_OPTIONS = {
     "z": "z", "scope": "scope", "ord": "ord", "a_q": "a_q", "a_kv": "a_kv", "seed": "seed",
     "n_sequences": "n_sequences", "seq_len": "seq_len", "batch_size": "batch_size",
-    "n_steps": "n_steps", "damping": "damping", "std": "std",
+    "n_steps": "n_steps", "damping": "damping", "std": "std", "normalize": "normalize",
 }
 
 Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
@@ -144,7 +144,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str | None = None) -> None:
-    from analysis.scoring import SCORERS
+    from analysis.scoring import NORMALIZATIONS, SCORERS
 
     parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default,
                         help="default: mp-g on GQA/MQA models, mp on MHA models (equal there)")
@@ -161,6 +161,8 @@ def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default:
     parser.add_argument("--batch-size", dest="batch_size", type=int, default=None)
     parser.add_argument("--n-steps", dest="n_steps", type=int, default=None, help="integrated-gradient steps")
     parser.add_argument("--damping", type=float, default=None, help="SparseGPT damping fraction")
+    parser.add_argument("--normalize", choices=tuple(NORMALIZATIONS), default=None,
+                        help="wanda / sparsegpt: 'layer' divides each layer's scores by that layer's mean")
     parser.add_argument("--ablation-file", default=None,
                         help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
 

@@ -558,9 +558,44 @@ def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: Scor
     return stats
 
 
-class WandaHeadScorer(CalibrationScorer):
+def _layer_mean_normalized(scores: np.ndarray) -> np.ndarray:
+    """scores [L, H] / each layer's mean score (a layer whose scores are all 0 stays 0): every
+    layer's mean becomes 1, so a layer's activation scale no longer decides a global ranking."""
+    mean = scores.mean(axis=1, keepdims=True)  # [L, 1]
+    return np.divide(scores, mean, out=np.zeros_like(scores), where=mean > 0)  # [L, H]
+
+
+# normalize option -> [L, H] transform of the raw scores (Wanda-Head, SparseGPT-Head)
+NORMALIZATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "none": lambda scores: scores,
+    "layer": _layer_mean_normalized,
+}
+
+
+def check_normalize(normalize: str) -> str:
+    if normalize not in NORMALIZATIONS:
+        raise InputError(f"normalize must be one of {', '.join(NORMALIZATIONS)}; got {normalize!r}.")
+    return normalize
+
+
+class NormalizedCalibrationScorer(CalibrationScorer):
+    """A calibration scorer whose [L, H] scores can be divided by each layer's mean (normalize="layer")."""
+
+    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, normalize: str = "none"):
+        super().__init__(n_sequences, seq_len, batch_size)
+        self.normalize = check_normalize(normalize)
+
+    def params(self) -> dict:
+        return {**super().params(), "normalize": self.normalize}
+
+    def _compute(self, target, calibration, cost, progress, should_stop):
+        scores, tiebreak = super()._compute(target, calibration, cost, progress, should_stop)
+        return NORMALIZATIONS[self.normalize](scores), tiebreak
+
+
+class WandaHeadScorer(NormalizedCalibrationScorer):
     """sum |W_ij| * ||X_j||_2 over the head's Q/K/V rows (X = attention input) and O columns
-    (X = O's input, the per-head attention output)."""
+    (X = O's input, the per-head attention output); normalize="layer" divides by the layer's mean."""
 
     name = "wanda"
 
@@ -583,13 +618,15 @@ def wanda_layer(hw: HeadWeights, x_att: torch.Tensor, x_out: torch.Tensor) -> np
     return combine_projection_scores(q.numpy(), k.numpy(), v.numpy(), o.numpy())
 
 
-class SparseGPTHeadScorer(CalibrationScorer):
-    """OBS saliency w_ij^2 / [H^-1]_jj^2, H = X^T X / tokens + damping * mean(diag) * I, per head."""
+class SparseGPTHeadScorer(NormalizedCalibrationScorer):
+    """OBS saliency w_ij^2 / [H^-1]_jj^2, H = X^T X / tokens + damping * mean(diag) * I, per head;
+    normalize="layer" divides by the layer's mean."""
 
     name = "sparsegpt"
 
-    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, damping: float = 0.01):
-        super().__init__(n_sequences, seq_len, batch_size)
+    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, damping: float = 0.01,
+                 normalize: str = "none"):
+        super().__init__(n_sequences, seq_len, batch_size, normalize)
         self.damping = _check_weight("damping", damping)
 
     def params(self) -> dict:

@@ -38,6 +38,11 @@ _PARAM_WIDGETS = {
     "ord": lambda key, default, where: where.radio("Norm", [2, 1], format_func=lambda o: f"L{o}",
                                                    horizontal=True, key=key),
     "std": lambda key, default, where: std_choice(key, where),
+    "normalize": lambda key, default, where: where.radio(
+        "Per-layer normalization", ["none", "layer"], horizontal=True, key=key,
+        format_func={"none": "none (as defined)", "layer": "divide by the layer's mean"}.get,
+        help="Activation-based scores carry each layer's activation scale into the global ranking; 'layer' "
+             "divides every layer's scores by that layer's mean score (each layer's mean becomes 1)."),
     "a_q": lambda key, default, where: where.number_input("a_q (own Q/O weight)", 0.0, 10.0, step=0.1, key=key),
     "a_kv": lambda key, default, where: where.number_input("a_kv (shared K/V weight)", 0.0, 10.0, step=0.1,
                                                            key=key),

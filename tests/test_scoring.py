@@ -388,3 +388,20 @@ def test_smollm2_expanded_to_mha_keeps_perplexity_and_mp(smollm2):
     original, mha = profile_model(smollm2.model), profile_model(expanded)
     np.testing.assert_allclose(MPScorer().score(mha).scores, MPScorer().score(original).scores, rtol=1e-9)
     assert np.array_equal(MPGScorer().score(mha).scores, MPScorer().score(mha).scores)
+
+
+@pytest.mark.parametrize("cls", [WandaHeadScorer, SparseGPTHeadScorer])
+def test_layer_normalized_variant_divides_by_each_layers_mean(cls):
+    model, ids = tiny_model("llama"), tiny_input_ids(4, 12)
+    raw = cls(batch_size=4).score(model, calibration=ids)
+    normalized = cls(batch_size=4, normalize="layer").score(model, calibration=ids)
+    by_hand = raw.scores / raw.scores.mean(axis=1, keepdims=True)              # [L, H]
+    np.testing.assert_allclose(normalized.scores, by_hand, rtol=1e-12)
+    np.testing.assert_allclose(normalized.scores.mean(axis=1), 1.0, rtol=1e-12)
+    # within a layer the order is unchanged; across layers the activation scale is gone
+    for layer in range(raw.scores.shape[0]):
+        assert np.array_equal(np.argsort(raw.scores[layer]), np.argsort(normalized.scores[layer]))
+    assert raw.params["normalize"] == "none" and normalized.params["normalize"] == "layer"
+    np.testing.assert_array_equal(raw.tiebreak, normalized.tiebreak)
+    with pytest.raises(InputError, match="normalize"):
+        cls(normalize="global")
