@@ -204,29 +204,36 @@ class CausalPerplexity:
         stride = self.stride or window
         return causal_windows(n_tokens, window, min(stride, window))
 
-    @torch.no_grad()
     def nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
             progress: Progress = None, should_stop: ShouldStop = None) -> tuple[np.ndarray, int]:
         """Summed token NLL per mask [B] (float64) and the number of scored tokens.
 
         ids: [N] token ids; gates: [B, L, H] or None (dense, B = 1)."""
+        sums, counts = self.window_nll(model, ids, gates, progress=progress, should_stop=should_stop)
+        return sums.sum(axis=1), int(counts.sum())
+
+    @torch.no_grad()
+    def window_nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
+                   progress: Progress = None, should_stop: ShouldStop = None) -> tuple[np.ndarray, np.ndarray]:
+        """Summed token NLL per mask and window [B, W] (float64) and scored tokens per window [W]
+        (the windows of `plan`, in order): what a bootstrap over windows resamples."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)      # [N]
         if ids.numel() < 2:
             raise InputError("Perplexity needs at least two tokens; use a longer text.")
         windows = self.plan(model, ids.numel())
         B = 1 if gates is None else gates.shape[0]
         keep_arg = _accepts(model, "logits_to_keep")
-        groups: dict[tuple[int, int], list[Window]] = {}
-        for w in windows:
-            groups.setdefault((w.end - w.begin, w.n_target), []).append(w)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, w in enumerate(windows):
+            groups.setdefault((w.end - w.begin, w.n_target), []).append(i)
         mask_chunks = _chunks(B, self.batch_size)
-        jobs = [(key, ws[r.start:r.stop], mr) for key, ws in groups.items()
-                for r in _chunks(len(ws), max(1, self.batch_size // min(B, self.batch_size)))
+        jobs = [(key, idx[r.start:r.stop], mr) for key, idx in groups.items()
+                for r in _chunks(len(idx), max(1, self.batch_size // min(B, self.batch_size)))
                 for mr in mask_chunks]
-        total = torch.zeros(B, dtype=torch.float64)                    # [B]
-        for j, ((length, m), ws, mr) in enumerate(jobs):
+        sums = torch.zeros(B, len(windows), dtype=torch.float64)       # [B, W]
+        for j, ((length, m), idx, mr) in enumerate(jobs):
             check_stop(should_stop, "Perplexity")
-            x = torch.stack([ids[w.begin:w.end] for w in ws])          # [k, T]
+            x = torch.stack([ids[windows[i].begin:windows[i].end] for i in idx])   # [k, T]
             y = x[:, length - m:]                                       # [k, m] targets
             g = None if gates is None else gates[mr.start:mr.stop]      # [b, L, H]
             b = 1 if g is None else g.shape[0]
@@ -238,9 +245,9 @@ class CausalPerplexity:
                     logits = model(input_ids=xb, use_cache=False).logits[:, length - m - 1:-1]      # [b*k, m, V]
             nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.repeat(b, 1).reshape(-1),
                                   reduction="none").double()           # [b*k*m]
-            total[mr.start:mr.stop] += nll.reshape(b, -1).sum(1)        # [b]
+            sums[mr.start:mr.stop, idx] += nll.reshape(b, len(idx), m).sum(2)   # [b, k]
             report(progress, (j + 1) / len(jobs), f"perplexity: window batch {j + 1}/{len(jobs)}")
-        return total.numpy(), int(sum(w.n_target for w in windows))
+        return sums.numpy(), np.array([w.n_target for w in windows])
 
     def measure(self, model, ids, gates=None, *, progress: Progress = None,
                 should_stop: ShouldStop = None) -> Evaluation:
