@@ -1,22 +1,36 @@
-"""Regenerate docs/results.md: a Table-I-shaped comparison of head scorers on the built-in SmolLM2.
+"""Regenerate docs/results.md: head scorers compared on the built-in SmolLM2, with error bars.
 
-For every scorer: causal-LM perplexity on the held-out evaluation split after pruning 12.5 %,
-25 % and 50 % of all attention heads (global ranking, analysis.masks), plus what the scorer
-cost to calibrate. MP-G appears at z = 1.5 / 2.0 / 2.5; Random as mean +- std over seeds.
-Calibration uses the calibration split (disjoint from the evaluation split). Every mask is
-evaluated in the same batched forward passes (analysis.evaluation).
+What one run measures (every number is written as measured, whatever it says):
+- one evaluation token stream: the first --eval-tokens (default 16,384) tokens of the built-in
+  evaluation split, the SAME ids for every row, cut into non-overlapping windows of --window
+  tokens (stride = window; each window's first token is context only);
+- for every scorer, perplexity after pruning 12.5 / 25 / 50 % of all heads (global policy), with a
+  95 % bootstrap confidence interval over windows (the same resampled windows for every row);
+- Wanda-Head and SparseGPT-Head as defined and layer-normalized (each layer's scores divided by
+  that layer's mean score: `normalize="layer"`, the option users have);
+- MP-G at z = 1.5 / 2 / 2.5 and at the z the z sweep suggests on the calibration split
+  (--sweep-tokens of it), evaluated on the evaluation split;
+- Random over --seeds (>= 5): mean, spread over seeds, and a bootstrap CI of the seed mean;
+- MP-G (z = 2) under the global / balanced / groups policies, with the parameters surgery really
+  removes (analysis.masks.summarize_mask: the layout prune_heads builds);
+- Spearman correlation of every scorer with the single-head ablation oracle;
+- how long each scorer, the sweep, the evaluation and the whole script took.
 
-    .venv/bin/python scripts/results.py [--cache-dir DIR] [--n-sequences 8] [--seq-len 128]
-        [--eval-tokens 256] [--out docs/results.md]
+    .venv/bin/python scripts/results.py [--cache-dir DIR] [--out docs/results.md] [options]
 
-The numbers are written as measured, whatever they say.
+`run(loaded, options)` does the work on any causal-LM LoadedModel (the tests run it on a tiny
+model); the file is written atomically (temporary file + rename).
 """
+from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import sys
+import tempfile
 import time
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from analysis.evaluation import perplexity  # noqa: E402
-from analysis.masks import plan_mask  # noqa: E402
-from analysis.models import load_model  # noqa: E402
+from analysis.attribution import rank_correlation  # noqa: E402
+from analysis.errors import InputError  # noqa: E402
+from analysis.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
+from analysis.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.profiles import profile_model  # noqa: E402
 from analysis.scoring import (  # noqa: E402
     AblationOracle,
@@ -45,15 +60,36 @@ from analysis.scoring import (  # noqa: E402
     WandaHeadScorer,
     calibration_ids,
 )
+from analysis.surgery import has_qkv_bias  # noqa: E402
+from analysis.sweep import split_evaluators, sweep_z  # noqa: E402
 from analysis.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
 
-SPARSITIES = (0.125, 0.25, 0.5)
-RANDOM_SEEDS = (0, 1, 2)
+POLICY_ROWS = ("global", "balanced", "groups")
 
 
-def scorer_rows(args) -> list[tuple[str, object]]:
+@dataclass
+class Options:
+    """Every knob of a run (the command line's options; the defaults are the documented run)."""
+    eval_tokens: int = 16384
+    window: int = 512
+    sparsities: tuple = (0.125, 0.25, 0.5)
+    seeds: tuple = (0, 1, 2, 3, 4)
+    n_sequences: int = 8
+    seq_len: int = 128
+    batch_size: int = 4
+    eval_batch: int = 8
+    ig_steps: int = 4
+    ablation_sequences: int = 2
+    ablation_seq_len: int = 64
+    sweep_tokens: int = 2048
+    bootstrap: int = 1000
+    quiet: bool = False
+    extra: dict = field(default_factory=dict)   # not options: notes for the header
+
+
+def scorer_rows(o: Options) -> list[tuple[str, object]]:
     """(row label, scorer) in table order."""
-    cal = dict(n_sequences=args.n_sequences, seq_len=args.seq_len, batch_size=args.batch_size)
+    cal = dict(n_sequences=o.n_sequences, seq_len=o.seq_len, batch_size=o.batch_size)
     return [
         ("MP-G (z = 1.5)", MPGScorer(z=1.5)),
         ("MP-G (z = 2.0)", MPGScorer(z=2.0)),
@@ -61,126 +97,271 @@ def scorer_rows(args) -> list[tuple[str, object]]:
         ("MP (z = 2.0)", MPScorer(z=2.0)),
         ("Magnitude (L2)", MagnitudeScorer(ord=2)),
         ("Wanda-Head", WandaHeadScorer(**cal)),
+        ("Wanda-Head, layer-normalized", WandaHeadScorer(**cal, normalize="layer")),
         ("SparseGPT-Head", SparseGPTHeadScorer(**cal)),
+        ("SparseGPT-Head, layer-normalized", SparseGPTHeadScorer(**cal, normalize="layer")),
         ("Gradient-Head", GradientHeadScorer(**cal)),
         ("Head gate, abs. gradient (Michel)", HeadGateScorer(**cal)),
-        (f"Head gate, integrated ({args.ig_steps} steps)", IntegratedGateScorer(**cal, n_steps=args.ig_steps)),
+        (f"Head gate, integrated ({o.ig_steps} steps)", IntegratedGateScorer(**cal, n_steps=o.ig_steps)),
         ("Hybrid (Magnitude + MP + Wanda)", HybridScorer(**cal)),
-        (f"Ablation oracle ({args.ablation_sequences} x {args.ablation_seq_len} tokens)",
-         AblationOracle(n_sequences=args.ablation_sequences, seq_len=args.ablation_seq_len)),
+        (f"Ablation oracle ({o.ablation_sequences} x {o.ablation_seq_len} tokens)",
+         AblationOracle(n_sequences=o.ablation_sequences, seq_len=o.ablation_seq_len)),
     ]
+
+
+def say(o: Options, message: str) -> None:
+    if not o.quiet:
+        print(message, file=sys.stderr, flush=True)
+
+
+class MaskTable:
+    """Masks to evaluate, deduplicated: identical masks share one evaluation."""
+
+    def __init__(self):
+        self.masks: list[np.ndarray] = []
+        self.index: dict[bytes, int] = {}
+
+    def add(self, pruned: np.ndarray) -> int:
+        key = np.asarray(pruned, bool).tobytes()
+        if key not in self.index:
+            self.index[key] = len(self.masks)
+            self.masks.append(np.asarray(pruned, bool))
+        return self.index[key]
+
+
+def bootstrap_ppl(sums: np.ndarray, counts: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """Perplexity per row over n resamples of the windows (the same resamples for every row).
+
+    sums [B, W] summed NLL per row and window, counts [W] scored tokens -> [n, B]."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, counts.size, size=(n, counts.size))                # [n, W]
+    return np.exp(sums[:, picks].sum(axis=2).T / counts[picks].sum(axis=1)[:, None])   # [n, B]
+
+
+def cell(value: float, lo: float, hi: float) -> str:
+    return f"{value:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def cost_text(scores) -> str:
     c = scores.cost
     if c.forward_passes == 0 and c.backward_passes == 0:
-        return f"none (weights only), {c.seconds:.2f} s"
-    parts = [f"{c.forward_passes} fwd"]
-    if c.backward_passes:
-        parts.append(f"{c.backward_passes} bwd")
-    return f"{' + '.join(parts)} x {c.calibration_tokens // max(1, c.calibration_sequences)} tok, {c.seconds:.1f} s"
+        return f"weights only, {c.seconds:.2f} s"
+    passes = f"{c.forward_passes} fwd" + (f" + {c.backward_passes} bwd" if c.backward_passes else "")
+    return f"{passes} x {c.calibration_tokens // max(1, c.calibration_sequences)} tok, {c.seconds:.1f} s"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--n-sequences", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--ig-steps", type=int, default=4)
-    parser.add_argument("--ablation-sequences", type=int, default=2)
-    parser.add_argument("--ablation-seq-len", type=int, default=64)
-    parser.add_argument("--eval-tokens", type=int, default=256)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
-    args = parser.parse_args()
+def run(loaded, o: Options) -> tuple[str, dict]:
+    """Measure everything for `loaded` (a causal-LM LoadedModel); returns (markdown, data)."""
+    if loaded.kind != "causal-lm":
+        raise InputError(f"scripts/results.py measures causal-LM perplexity; {loaded.name} is a {loaded.kind}.")
+    if len(o.seeds) < 5:
+        raise InputError(f"Random needs at least 5 seeds for a spread; got {len(o.seeds)}.")
     started = time.perf_counter()
-
-    loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
-    G, (L, H) = loaded.geometry.group_size, (loaded.geometry.n_layers, loaded.geometry.n_heads)
+    g = loaded.geometry
+    L, H, G = g.n_layers, g.n_heads, g.group_size
+    ids = token_ids(loaded.tokenizer, evaluation_text(max_chars=16 * o.eval_tokens + 4096),
+                    max_tokens=o.eval_tokens)                                        # [N]
+    if ids.numel() < o.eval_tokens:
+        raise InputError(f"The evaluation split has only {ids.numel()} tokens; asked for {o.eval_tokens}.")
+    evaluator = evaluator_for(loaded.kind, window=o.window, stride=o.window, batch_size=o.eval_batch)
+    windows = evaluator.plan(loaded.model, ids.numel())
+    window = windows[0].end - windows[0].begin
     profile_start = time.perf_counter()
     profile = profile_model(loaded.model, adapter=loaded.adapter)
-    profile_seconds = time.perf_counter() - profile_start
-    calibration = calibration_ids(loaded.tokenizer, args.n_sequences, args.seq_len)  # [n, T]
-    ablation_ids = calibration_ids(loaded.tokenizer, args.ablation_sequences, args.ablation_seq_len)
-    eval_text = evaluation_text(max_chars=12 * args.eval_tokens + 4096)
+    timings = {"row-norm profile": time.perf_counter() - profile_start}
+    calibration = calibration_ids(loaded.tokenizer, o.n_sequences, o.seq_len)       # [n, T]
+    ablation_ids = calibration_ids(loaded.tokenizer, o.ablation_sequences, o.ablation_seq_len)
 
-    labels, masks, costs, emptied = [], [], {}, {}
-    for label, scorer in scorer_rows(args):
-        print(f"scoring: {label}", file=sys.stderr, flush=True)
-        if scorer.needs_calibration:
-            ids = ablation_ids if isinstance(scorer, AblationOracle) else calibration
-            scores = scorer.score(loaded, calibration=ids)
-        else:
-            scores = scorer.score(profile)
-        costs[label] = cost_text(scores)
-        for s in SPARSITIES:
-            labels.append((label, s))
-            masks.append(plan_mask(scores, s, group_size=G).pruned)
-            emptied[(label, s)] = int(masks[-1].all(axis=1).sum())
-    for seed in RANDOM_SEEDS:
+    table = MaskTable()
+    cells: dict[tuple[str, float], int] = {}          # (row, sparsity) -> mask index
+    scores_of: dict[str, np.ndarray] = {}
+    costs: dict[str, str] = {}
+    for label, scorer in scorer_rows(o):
+        say(o, f"scoring: {label}")
+        ids_for = ablation_ids if isinstance(scorer, AblationOracle) else calibration
+        scores = scorer.score(loaded, calibration=ids_for) if scorer.needs_calibration else scorer.score(profile)
+        scores_of[label], costs[label] = scores.scores, cost_text(scores)
+        timings[label] = scores.cost.seconds
+        for s in o.sparsities:
+            cells[(label, s)] = table.add(plan_mask(scores, s, group_size=G).pruned)
+
+    say(o, "z sweep on the calibration split")
+    sweep_start = time.perf_counter()
+    calib_eval, _, _, _ = split_evaluators(loaded, max_tokens=o.sweep_tokens, window=o.window,
+                                           batch_size=o.eval_batch)
+    sweep_label = "MP-G (z from the sweep)"
+    swept = {}
+    for s in o.sparsities:
+        result = sweep_z(profile, s, calib_eval, None, scorer="mp-g")
+        swept[s] = result.suggested_z
+        cells[(sweep_label, s)] = table.add(plan_mask(MPGScorer(z=result.suggested_z).score(profile), s,
+                                                      group_size=G).pruned)
+    timings["z sweep (calibration split)"] = time.perf_counter() - sweep_start
+
+    mpg2 = MPGScorer(z=2.0).score(profile)
+    policy_plans = {}
+    for policy in POLICY_ROWS:
+        for s in o.sparsities:
+            try:
+                plan = plan_mask(mpg2, s, group_size=G, policy=policy)
+            except InputError as err:                   # no feasible count near s: say so in the table
+                policy_plans[(policy, s)] = str(err)
+                continue
+            policy_plans[(policy, s)] = plan
+            cells[(f"policy {policy}", s)] = table.add(plan.pruned)
+    random_cells = {}
+    for seed in o.seeds:
         scores = RandomScorer(seed=seed).score(profile)
-        for s in SPARSITIES:
-            labels.append((f"random-{seed}", s))
-            masks.append(plan_mask(scores, s, group_size=G).pruned)
+        scores_of[f"random-{seed}"] = scores.scores
+        for s in o.sparsities:
+            random_cells[(seed, s)] = table.add(plan_mask(scores, s, group_size=G).pruned)
 
-    print(f"evaluating {len(masks)} masks + dense on {args.eval_tokens} tokens", file=sys.stderr, flush=True)
-    dense = float(perplexity(loaded, eval_text, max_tokens=args.eval_tokens))
-    values = np.asarray(perplexity(loaded, eval_text, pruned=np.stack(masks), max_tokens=args.eval_tokens))
-    table = dict(zip(labels, values))
+    n_masks = len(table.masks) + 1
+    say(o, f"evaluating {n_masks} distinct masks (dense included) on {ids.numel()} tokens, {len(windows)} windows")
+    eval_start = time.perf_counter()
+    dense_row = table.add(np.zeros((L, H), bool))
+    gates = gate_batch(loaded.model, pruned=np.stack(table.masks))                     # [B, L, H]
+    sums, counts = evaluator.window_nll(loaded.model, ids, gates)                    # [B, W], [W]
+    timings["evaluation (all masks)"] = time.perf_counter() - eval_start
+    ppl = np.exp(sums.sum(axis=1) / counts.sum())                                     # [B]
+    boot = bootstrap_ppl(sums, counts, o.bootstrap)                                   # [R, B]
+    lo, hi = np.percentile(boot, [2.5, 97.5], axis=0)                                 # [B] each
 
+    def fmt(i: int) -> str:
+        return cell(ppl[i], lo[i], hi[i])
+
+    bias = has_qkv_bias(loaded.model, loaded.adapter)
+    dtype_bytes = next(loaded.model.parameters()).element_size()
+    head = " | ".join(f"{100 * s:g} %" for s in o.sparsities)
+    align = " | ".join("---:" for _ in o.sparsities)
     lines = [
-        "# Head-scoring results on SmolLM2-135M (Table-I shape)",
+        f"# Head-scoring results on {loaded.name}",
         "",
         "Regenerated by:",
         "",
         "```",
-        " ".join([".venv/bin/python scripts/results.py"] + [
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("cache_dir", "out")]),
+        o.extra.get("command", "(run() called directly)"),
         "```",
         "",
-        f"Model: built-in `smollm2-135m` (SmolLM2-135M-Instruct, dequantized from Q4_1 GGUF): {L} layers x {H} "
-        f"query heads ({loaded.geometry.n_kv_heads} KV heads, GQA G = {G}), {L * H} heads in all.",
-        f"Metric: causal-LM perplexity on the first {args.eval_tokens} tokens of the built-in evaluation split "
-        f"(one sliding window), heads pruned by global ranking (k = floor(s * {L * H})). "
-        f"**Dense perplexity: {dense:.2f}.**",
-        f"Calibration (data-driven scorers): {args.n_sequences} sequences x {args.seq_len} tokens of the "
-        f"calibration split; the ablation oracle uses {args.ablation_sequences} x {args.ablation_seq_len}. "
-        "Cost = forward / backward passes counted per calibration sequence, and wall seconds on this machine.",
+        f"Model: `{loaded.name}`: {L} layers x {H} query heads ({g.n_kv_heads} KV heads, G = {G}), {L * H} heads.",
+        f"Evaluation: causal-LM perplexity on the first {ids.numel():,} tokens of the built-in evaluation split "
+        f"(token ids sha256 `{hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]}`, the same ids for every "
+        f"row), {len(windows)} non-overlapping windows of {window} tokens (stride {window}; each window's first "
+        f"token is context only, so {int(counts.sum()):,} tokens are scored). Cells: perplexity "
+        f"[95 % bootstrap CI over windows, {o.bootstrap} resamples, the same resamples for every cell]. "
+        f"**Dense perplexity: {fmt(dense_row)}.**",
+        f"Masks: global ranking, k = floor(s * {L * H}) heads, unless a policy says otherwise. Calibration "
+        f"(data-driven scorers): {o.n_sequences} sequences x {o.seq_len} tokens of the calibration split "
+        f"(disjoint from the evaluation split); the ablation oracle uses {o.ablation_sequences} x "
+        f"{o.ablation_seq_len}.",
         "",
-        "| Scorer | 12.5 % | 25 % | 50 % | Calibration cost | Layers emptied (12.5 / 25 / 50 %) |",
-        "| --- | ---: | ---: | ---: | --- | --- |",
+        f"| Scorer | {head} | Scoring cost |",
+        f"| --- | {align} | --- |",
     ]
-    for label, _ in scorer_rows(args):
-        cells = [f"{table[(label, s)]:.2f}" for s in SPARSITIES]
-        empty = " / ".join(str(emptied[(label, s)]) for s in SPARSITIES)
-        lines.append(f"| {label} | {' | '.join(cells)} | {costs[label]} | {empty} |")
-    random_cells = []
-    for s in SPARSITIES:
-        vals = np.array([table[(f"random-{seed}", s)] for seed in RANDOM_SEEDS])
-        random_cells.append(f"{vals.mean():.2f} ± {vals.std(ddof=1):.2f}")
-    lines.append(f"| Random (mean ± std, seeds {', '.join(map(str, RANDOM_SEEDS))}) | {' | '.join(random_cells)} "
-                 "| none | |")
-    elapsed = time.perf_counter() - started
-    lines += [
-        "",
-        "Notes:",
-        f"- One run, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} CPU with "
-        f"{torch.get_num_threads()} torch threads, total {elapsed / 60:.1f} min; seconds depend on machine load.",
-        f"- The evaluation text is short ({args.eval_tokens} tokens), so differences of a few percent are within "
-        "noise; the ranking at 50 % sparsity is the most informative column.",
-        f"- Weight-only scorers (MP, MP-G, Magnitude, Random) score the cached row-norm profile; computing "
-        f"that profile once read the attention weights in {profile_seconds:.2f} s.",
-        "- \"Layers emptied\" counts layers that lost every head. Scores from activations (Wanda-Head, "
-        "SparseGPT-Head) scale with each layer's activations, which differ across layers, so under the global "
-        "ranking used for every scorer here they can remove whole layers (see the last column); no per-layer "
-        "normalized variant is run.",
-        "- The ablation oracle scores each head by the loss increase when it alone is removed (on calibration "
-        "text); it is a reference, not a practical scorer (one masked pass per head).",
-        f"- Text: {WIKI_ATTRIBUTION}",
-        "",
-    ]
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    for label, _ in scorer_rows(o):
+        lines.append(f"| {label} | {' | '.join(fmt(cells[(label, s)]) for s in o.sparsities)} | {costs[label]} |")
+    lines.append(f"| {sweep_label} | " + " | ".join(f"z = {swept[s]:g}: {fmt(cells[(sweep_label, s)])}"
+                                                   for s in o.sparsities) + " | the sweep, below |")
+    random_parts = []
+    for s in o.sparsities:
+        rows = [random_cells[(seed, s)] for seed in o.seeds]
+        seed_mean = boot[:, rows].mean(axis=1)                                        # [R]
+        m_lo, m_hi = np.percentile(seed_mean, [2.5, 97.5])
+        random_parts.append(f"{ppl[rows].mean():.2f} [{m_lo:.2f}, {m_hi:.2f}] (seeds: {ppl[rows].min():.2f} to "
+                            f"{ppl[rows].max():.2f}, std {ppl[rows].std(ddof=1):.2f})")
+    lines.append(f"| Random (mean over seeds {', '.join(map(str, o.seeds))}) | {' | '.join(random_parts)} | none |")
+
+    lines += ["", "## MP-G (z = 2) under the mask policies", "",
+              "Parameters removed = what surgery (analysis.surgery.prune_heads, kv_policy auto) really removes from "
+              "the attention; negative = the model grows (uneven GQA groups: K/V copied per query head).", "",
+              "| Policy | Sparsity | Heads pruned | Perplexity [95 % CI] | Attention params removed | KV cache |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for policy in POLICY_ROWS:
+        for s in o.sparsities:
+            plan = policy_plans[(policy, s)]
+            if isinstance(plan, str):
+                lines.append(f"| {policy} | {s:g} | infeasible | {plan} | | |")
+                continue
+            summary = summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=bias, dtype_bytes=dtype_bytes)
+            lines.append(f"| {policy} | {s:g} | {plan.n_pruned} (asked {plan.requested}) | "
+                         f"{fmt(cells[(f'policy {policy}', s)])} | {summary.params_removed:,} "
+                         f"({100 * summary.params_removed_fraction:.1f} %) | {summary.kv_cache_ratio:.3g}x |")
+
+    oracle_label = scorer_rows(o)[-1][0]
+    oracle = scores_of[oracle_label]
+    lines += ["", "## Agreement with the single-head ablation oracle", "",
+              f"Spearman's rho between each scorer's head scores and the oracle's ({oracle_label}) over all "
+              f"{L * H} heads (higher = ranks heads more like their real loss increase).", "",
+              "| Scorer | Spearman rho |", "| --- | ---: |"]
+    for label, _ in scorer_rows(o)[:-1]:
+        lines.append(f"| {label} | {rank_correlation(scores_of[label], oracle):+.3f} |")
+    rhos = np.array([rank_correlation(scores_of[f"random-{seed}"], oracle) for seed in o.seeds])
+    lines.append(f"| Random (mean ± std over {len(o.seeds)} seeds) | {rhos.mean():+.3f} ± {rhos.std(ddof=1):.3f} |")
+
+    total = time.perf_counter() - started
+    lines += ["", "## Timings", "", "| Step | Seconds |", "| --- | ---: |"]
+    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in timings.items()]
+    lines += [f"| whole run | {total:.1f} |", "",
+              "Notes:",
+              f"- One run, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} CPU, "
+              f"{torch.get_num_threads()} torch threads; seconds depend on machine load. {n_masks} distinct masks "
+              "were evaluated (identical masks share one evaluation).",
+              "- The z sweep picks, per sparsity, the z with the lowest calibration-split perplexity over z = 0.5 "
+              f".. 3.0 (first {o.sweep_tokens} calibration tokens); that z is then evaluated on the evaluation split.",
+              "- Layer-normalized Wanda-Head / SparseGPT-Head: each layer's head scores divided by that layer's "
+              "mean head score, so every layer's mean is 1 and the global ranking compares heads within their "
+              "layer's scale.",
+              f"- Text: {WIKI_ATTRIBUTION}", ""]
+    data = dict(ids=ids.numpy(), windows=len(windows), window=window, ppl=ppl, lo=lo, hi=hi, cells=cells,
+                random_cells=random_cells, dense=dense_row, policy_plans=policy_plans, swept=swept,
+                masks=table.masks, timings=timings, scores=scores_of)
+    return "\n".join(lines), data
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write text to path through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _floats(text: str) -> tuple:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def main(argv: list[str] | None = None) -> None:
+    from analysis.models import load_model
+
+    defaults = Options()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
+    for f in fields(Options):
+        if f.name in ("extra", "quiet"):
+            continue
+        value = getattr(defaults, f.name)
+        kind = _floats if isinstance(value, tuple) else type(value)
+        shown = ",".join(f"{v:g}" for v in value) if isinstance(value, tuple) else value
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=value, help=f"default {shown}")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    options = Options(**{f.name: getattr(args, f.name) for f in fields(Options) if f.name != "extra"})
+    options.seeds = tuple(int(s) for s in options.seeds)
+    command = " ".join([".venv/bin/python scripts/results.py"] + [
+        f"--{k.replace('_', '-')} {','.join(f'{x:g}' for x in v) if isinstance(v, tuple) else v}"
+        for k, v in vars(args).items() if k not in ("cache_dir", "out", "quiet")])
+    options.extra["command"] = command
+    loaded = load_model(args.model, cache_dir=args.cache_dir)
+    text, _ = run(loaded, options)
+    write_atomically(Path(args.out), text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""scripts/results.py on a tiny model: every row and table is there, every cell's CI holds its value,
+one token stream for every row, perplexities equal analysis.evaluation's, policy rows' parameter
+counts equal what surgery removes, and the file is written atomically."""
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+from tests._apptools import tiny_model_dir
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = importlib.util.spec_from_file_location("results_script", ROOT / "scripts" / "results.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["results_script"] = module           # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_run(results, tmp_path_factory):
+    from analysis.models import load_model
+    folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-results"), hidden_size=48, num_attention_heads=6,
+                            num_key_value_heads=2)
+    loaded = load_model(str(folder))
+    options = results.Options(eval_tokens=1024, window=64, sparsities=(0.25, 0.5), n_sequences=2, seq_len=16,
+                              batch_size=2, ablation_sequences=2, ablation_seq_len=16, ig_steps=2,
+                              sweep_tokens=256, bootstrap=200, eval_batch=48, quiet=True)
+    text, data = results.run(loaded, options)
+    return loaded, options, text, data
+
+
+def test_every_row_and_table_is_there(results, tiny_run):
+    loaded, options, text, data = tiny_run
+    for label, _ in results.scorer_rows(options):
+        assert f"| {label} |" in text
+    for needed in ("Wanda-Head, layer-normalized", "SparseGPT-Head, layer-normalized", "MP-G (z from the sweep)",
+                   "Random (mean over seeds 0, 1, 2, 3, 4)", "## MP-G (z = 2) under the mask policies",
+                   "| balanced |", "| groups |", "## Agreement with the single-head ablation oracle",
+                   "Spearman", "## Timings", "| whole run |", "1,024 tokens", "16 non-overlapping windows of 64"):
+        assert needed in text, needed
+    assert all(s in data["swept"] for s in options.sparsities)
+
+
+def test_cells_have_cis_that_hold_their_values(tiny_run):
+    _, _, _, data = tiny_run
+    ppl, lo, hi = data["ppl"], data["lo"], data["hi"]
+    assert np.all(lo <= ppl + 1e-9) and np.all(ppl <= hi + 1e-9) and np.all(lo < hi)
+    assert len(data["random_cells"]) == 5 * 2
+
+
+def test_perplexities_equal_the_library_on_the_same_ids(tiny_run):
+    from analysis.evaluation import perplexity
+    from analysis.text import evaluation_text
+    loaded, options, _, data = tiny_run
+    text = evaluation_text(max_chars=16 * options.eval_tokens + 4096)
+    some = [data["dense"], data["cells"][("MP-G (z = 2.0)", 0.5)], data["cells"][("Wanda-Head", 0.25)]]
+    masks = np.stack([data["masks"][i] for i in some])
+    want = perplexity(loaded, text, pruned=masks, max_tokens=options.eval_tokens, window=64, stride=64)
+    np.testing.assert_allclose(data["ppl"][some], want, rtol=1e-9)
+    assert data["ids"].size == options.eval_tokens
+    assert not data["masks"][data["dense"]].any()
+
+
+def test_policy_rows_count_what_surgery_removes(tiny_run):
+    from analysis.speed import count_parameters
+    from analysis.surgery import prune_heads
+    loaded, options, text, data = tiny_run
+    for (policy, s), plan in data["policy_plans"].items():
+        if isinstance(plan, str):
+            continue
+        smaller, _ = prune_heads(loaded.model, plan.pruned)
+        removed = count_parameters(loaded.model) - count_parameters(smaller)
+        assert f"| {policy} | {s:g} | {plan.n_pruned} (asked {plan.requested}) |" in text
+        row = next(line for line in text.splitlines() if line.startswith(f"| {policy} | {s:g} |"))
+        assert f"| {removed:,} (" in row
+
+
+def test_atomic_write_leaves_nothing_half_written(results, tmp_path, monkeypatch):
+    target = tmp_path / "results.md"
+    target.write_text("old")
+    results.write_atomically(target, "new")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["results.md"]
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(results.os, "replace", broken)
+    with pytest.raises(OSError):
+        results.write_atomically(target, "newer")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["results.md"]
