@@ -389,7 +389,7 @@ class SurgeryCounts:
         return self.attention_params - self.attention_params_after
 
     @property
-    def flops_removed(self) -> int:
+    def attention_flops_removed(self) -> int:
         return self.attention_flops - self.attention_flops_after
 
     @property
@@ -407,7 +407,7 @@ class SurgeryCounts:
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
-        out.update(params_removed=self.params_removed, flops_removed=self.flops_removed,
+        out.update(params_removed=self.params_removed, attention_flops_removed=self.attention_flops_removed,
                    kv_heads_removed=self.kv_heads_removed, kv_cache_ratio=self.kv_cache_ratio,
                    checkpoint_bytes_change=self.checkpoint_bytes_change)
         return out
@@ -466,34 +466,26 @@ def _growth_warnings(c: SurgeryCounts, pruned: np.ndarray, G: int) -> list[str]:
 
 @dataclass(frozen=True)
 class MaskSummary:
-    """What a mask removes once surgery builds it (`surgery_counts` under kv_policy). FLOPs are
-    attention forward multiply-adds x2 for one sequence of seq_len. Removed = dense - pruned, so a
-    negative number is growth (uneven GQA groups: see `warnings`)."""
+    """What a mask removes once surgery builds it. Mask-level counts here; everything surgery
+    decides -- KV heads, params, FLOPs, KV cache, checkpoint bytes, per-layer counts -- is
+    `surgery` (a SurgeryCounts under kv_policy), whose fields and properties read through, e.g.
+    `summary.params_removed`. Removed = dense - pruned, so a negative number is growth."""
 
     n_heads: int
     n_pruned: int
     requested: int
     note: str
     pruned_per_layer: list
-    empty_layers: list
     zero_score_heads: int
     zero_score_pruned: int
-    kv_heads: int
-    kv_heads_removed: int
     kv_removed_per_layer: list
-    params_removed: int
-    attention_params: int
-    seq_len: int
-    attention_flops_removed: int
-    attention_flops: int
-    kv_policy: str
-    layer_counts: list
-    expanded_layers: list
-    kv_cache_bytes_per_token: int
-    kv_cache_bytes_per_token_after: int
-    kv_cache_ratio: float
-    checkpoint_bytes_change: int
     warnings: list
+    surgery: SurgeryCounts
+
+    def __getattr__(self, name):
+        if name == "surgery":               # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.surgery, name)
 
     @property
     def params_removed_fraction(self) -> float:
@@ -504,7 +496,8 @@ class MaskSummary:
         return self.attention_flops_removed / self.attention_flops
 
     def as_dict(self) -> dict:
-        out = dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "surgery"}
+        out.update({k: v for k, v in self.surgery.as_dict().items() if k != "warnings"})
         out.update(params_removed_fraction=self.params_removed_fraction,
                    flops_removed_fraction=self.flops_removed_fraction)
         return out
@@ -546,25 +539,11 @@ def summarize_mask(plan: MaskPlan, scores=None, *, head_dim: int, hidden: int, s
         requested=plan.requested if plan.requested >= 0 else plan.n_pruned,
         note=plan.note,
         pruned_per_layer=per_layer.tolist(),
-        empty_layers=c.empty_layers,
         zero_score_heads=int(zero.sum()),
         zero_score_pruned=int((zero & plan.pruned).sum()),
-        kv_heads=c.kv_heads,
-        kv_heads_removed=c.kv_heads_removed,
         kv_removed_per_layer=[Hkv - kv for _, kv in c.layer_counts],
-        params_removed=c.params_removed,
-        attention_params=c.attention_params,
-        seq_len=c.seq_len,
-        attention_flops_removed=c.flops_removed,
-        attention_flops=c.attention_flops,
-        kv_policy=kv_policy,
-        layer_counts=c.layer_counts,
-        expanded_layers=c.expanded_layers,
-        kv_cache_bytes_per_token=c.kv_cache_bytes_per_token,
-        kv_cache_bytes_per_token_after=c.kv_cache_bytes_per_token_after,
-        kv_cache_ratio=c.kv_cache_ratio,
-        checkpoint_bytes_change=c.checkpoint_bytes_change,
         warnings=warnings,
+        surgery=c,
     )
 
 

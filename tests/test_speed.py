@@ -97,7 +97,7 @@ def test_report_prediction_equals_what_it_measured(kv_policy):
     assert report.parameters["dense"] - report.parameters["pruned"] == p["params_removed"]
     assert p["params_removed"] < 0 if kv_policy == "expand" else True     # expanding everywhere grows it here
     flops = report.attention_flops["prefill@16"]
-    assert flops["dense"] - flops["pruned"] == p["flops_removed"]
+    assert flops["dense"] - flops["pruned"] == p["attention_flops_removed"]
     assert report.kv_cache["cache_ratio"] == pytest.approx(p["kv_cache_ratio"])
     assert p["expanded_layers"] == report.kv_cache["expanded_layers"]
     file_change = report.file_bytes["pruned"] - report.file_bytes["dense"]
