@@ -17,6 +17,9 @@ GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):
 - a layer with no heads left keeps only O's bias: its attention outputs exactly that bias (and
   caches a one-value placeholder per token so the KV cache's length stays right).
 
+What surgery will build for a mask is planned in `analysis.masks.plan_layout` (shared with the
+counts every page shows); `predicted_counts(model, pruned)` counts it before any copy is made.
+
 `HeadLayout` records, per layer, the kept original query heads and, for each new KV head, the
 original KV head it copies; it is saved as head_layout.json next to a pruned checkpoint and is
 all `apply_layout` needs to rebuild the smaller shapes on a freshly built model.
