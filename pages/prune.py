@@ -54,15 +54,17 @@ if head_scores is None:
 
 with shown_errors("Building the mask"):
     plan = masks.plan_mask(head_scores, sparsity, group_size=g.group_size, **policy)
-    summary = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len)
-    numbers.show_summary(summary, flops_len=flops_len,
-                         zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
-    numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
+    summary = None
+    with shown_errors("Counting what surgery builds"):   # e.g. kv_policy strict refusing this mask
+        summary = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len)
+        numbers.show_summary(summary, flops_len=flops_len,
+                             zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
+        numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
 
     left, right = st.columns([3, 1])
     left.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
                                           group_size=g.group_size), width="stretch", key="prune.mask")
-    right.plotly_chart(charts.head_bars(np.asarray(summary.pruned_per_layer), title="Pruned heads per layer",
+    right.plotly_chart(charts.head_bars(plan.pruned.sum(axis=1), title="Pruned heads per layer",
                                         y_title="heads", x_title="layer", height=charts.layer_height(g.n_layers)),
                        width="stretch", key="prune.per_layer")
 
@@ -73,8 +75,9 @@ with shown_errors("Building the mask"):
                        key="prune.dl.csv")
     d2.download_button("Scores (JSON)", json.dumps(head_scores.as_dict(), indent=1),
                        file_name=f"{scorer}_scores.json", mime="application/json", key="prune.dl.json")
-    d3.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
-                       file_name=f"{scorer}_mask_summary.json", mime="application/json", key="prune.dl.summary")
+    if summary is not None:
+        d3.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
+                           file_name=f"{scorer}_mask_summary.json", mime="application/json", key="prune.dl.summary")
     state.remember("mask", dict(model=lm.name, scorer=scorer, params=params, sparsity=sparsity, policy=policy))
 
 st.subheader("Check this mask")

@@ -110,3 +110,14 @@ def test_profiles_and_prune_pages_say_which_std_is_used(tiny_dir):
     no_exception(at)
     assert "with the sample (ddof = 1, torch.std) std" in texts(at)
     assert int(metric(at, "Heads with score 0 at z = 2")) >= before     # a larger std: no fewer in the bulk
+
+
+def test_strict_kv_policy_refusal_is_a_message_not_a_broken_page(g3_dir):
+    from tests.test_app_prune import _mask_and_scores
+    at = new_app(g3_dir, page="prune", scorer="mp", sparsity="0.17")
+    at.selectbox(key="hs.w.policy.policy").set_value("uniform").run()
+    at.selectbox(key="hs.w.kv_policy").set_value("strict").run()
+    no_exception(at)
+    assert any("'strict' KV policy refuses" in e.value and "'balanced'" in e.value for e in at.error)
+    pruned, _, _ = _mask_and_scores(at)                 # the mask itself is still shown
+    assert pruned.sum() == 4
