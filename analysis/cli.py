@@ -17,7 +17,10 @@ listed in PLUGIN_MODULES that defines `register_cli(register)` is imported and c
 is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
 
 Progress bars go to stderr (tqdm), results to stdout or --out; user errors print one line
-and exit with status 2.
+and exit with status 2. --out is checked before any work and written atomically
+(`analysis.atomic`): a full disk or a kill never leaves a truncated file or destroys the old one.
+SIGTERM is handled like Ctrl-C (temporary files and folders are removed; exit status 130).
+Custom model code runs only with --trust-remote-code; transformers never prompts for it.
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ import importlib
 import inspect
 import io
 import json
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
+from analysis.atomic import atomic_write, check_output_file
 from analysis.errors import HeadscopeError, InputError
 from analysis.masks import POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
@@ -175,27 +182,49 @@ def scorer_from(ns: argparse.Namespace):
     return cls(**kwargs)
 
 
+ARRAY_FILE_MAX_BYTES = 64 * 2**20   # a [L, H] table of numbers is far smaller
+
+
 def read_array(path: str) -> np.ndarray:
-    """A [L, H] array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    """A finite [L, H] float array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    fix = ("Give a .npy file or a JSON list of lists of numbers, one row per layer "
+           "(e.g. the head_delta of an ablation run).")
     try:
+        if Path(path).stat().st_size > ARRAY_FILE_MAX_BYTES:
+            raise InputError(f"--ablation-file {path} is larger than {ARRAY_FILE_MAX_BYTES // 2**20} MiB, far more "
+                             f"than a [layers, heads] table. {fix}")
         if path.endswith(".npy"):
-            return np.load(path)
-        with open(path) as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as err:
-        raise InputError(f"Could not read {path}: {err}. Give a .npy file or a JSON list of lists.") from err
-    return np.asarray(data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data, dtype=float)
+            arr = np.load(path, allow_pickle=False)
+        else:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            arr = data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data
+        arr = np.asarray(arr, dtype=np.float64)
+    except (OSError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0][:200]
+        raise InputError(f"Could not read --ablation-file {path} ({reason}). {fix}") from None
+    if arr.ndim != 2 or not arr.size:
+        raise InputError(f"--ablation-file {path} holds an array of shape {list(arr.shape)}, not a [layers, heads] "
+                         f"table. {fix}")
+    if not np.isfinite(arr).all():
+        raise InputError(f"--ablation-file {path} holds NaN or infinite values. {fix}")
+    return arr
 
 
 def load_source(ns: argparse.Namespace, report):
     """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint."""
+    for option in ("model", "checkpoint"):
+        value = getattr(ns, option, None)
+        if value is not None and not value.strip():
+            raise InputError(f"--{option} is empty; give a built-in name (smollm2-135m, minilm-l6), a folder or a "
+                             f"hub id, or leave the option out for the default model.")
     if getattr(ns, "checkpoint", None):
         from analysis.adapters import adapter_for
         from analysis.streaming import checkpoint_folder, load_config, profile_checkpoint
 
-        config = load_config(checkpoint_folder(ns.checkpoint))
+        trust = ns.trust_remote_code
+        config = load_config(checkpoint_folder(ns.checkpoint), trust_remote_code=trust)
         geometry = adapter_for(config).geometry(config)
-        profile = profile_checkpoint(ns.checkpoint, progress=report)
+        profile = profile_checkpoint(ns.checkpoint, progress=report, trust_remote_code=trust)
         return profile, None, dict(source=ns.checkpoint, **geometry.as_dict())
     from analysis.models import DEFAULT_MODEL, load_model
 
@@ -286,7 +315,8 @@ def _model_mask_arguments(parser):
 def _evaluate_arguments(parser):
     _model_mask_arguments(parser)
     parser.add_argument("--text-file", dest="text_file", default=None,
-                        help="UTF-8 text to evaluate on (default: the built-in evaluation split)")
+                        help="UTF-8 text to evaluate on (default: the built-in evaluation split); only its "
+                             "first 64 KiB + 64 bytes per --max-tokens token are read")
     parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=512, help="tokens to evaluate")
     parser.add_argument("--format", choices=("json", "csv"), default="json")
     parser.add_argument("--out", default=None, help="write here instead of stdout")
@@ -297,13 +327,11 @@ def run_evaluate(ns):
     from analysis.evaluation import evaluate
 
     plan, scores, loaded, info = plan_from(ns)
+    from analysis.text import read_text_file, text_file_cap
+
     text = None
-    if ns.text_file:
-        try:
-            with open(ns.text_file, "rb") as handle:
-                text = handle.read()
-        except OSError as err:
-            raise InputError(f"Cannot read --text-file {ns.text_file!r}: {err.strerror}.") from None
+    if ns.text_file is not None:
+        text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
     pruned = np.stack([np.zeros_like(plan.pruned), plan.pruned])  # [2, L, H]: dense, masked
     with progress_bar("evaluating", not ns.quiet) as report:
         result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report)
@@ -421,18 +449,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt like Ctrl-C, so `finally` blocks remove temporaries; restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    out = getattr(ns, "out", None)
     try:
-        payload, rows = COMMANDS[ns.command].run(ns)
-        text = render(payload, rows, getattr(ns, "format", "json"))
-        if getattr(ns, "out", None):
-            with open(ns.out, "w") as handle:
-                handle.write(text)
-        else:
-            sys.stdout.write(text)
+        with sigterm_as_interrupt():
+            if out is not None:
+                check_output_file(out, "--out")          # before any work: say now what is wrong with it
+            payload, rows = COMMANDS[ns.command].run(ns)
+            text = render(payload, rows, getattr(ns, "format", "json"))
+            if out is not None:
+                atomic_write(out, text, what="--out")
+            else:
+                sys.stdout.write(text)
     except HeadscopeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)   # one line, whatever the message holds
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C or SIGTERM); temporary files were removed and nothing was "
+              "half-written. Run the command again to finish it.", file=sys.stderr)
+        return 130
     return 0

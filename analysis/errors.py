@@ -24,3 +24,7 @@ class InputError(HeadscopeError, ValueError):
 
 class CancelledError(HeadscopeError):
     """Long work was stopped by the user through its cancel callback."""
+
+
+class OutputError(HeadscopeError):
+    """A result could not be written (full disk, missing or read-only folder); nothing half-written is left."""
