@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import schemas
 from .adapters import adapter_for
 from .errors import HeadscopeError, InputError, ModelLoadError
 from .geometry import HeadGeometry
@@ -219,21 +220,34 @@ class MaskRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> "MaskRecord":
-        try:
-            record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-            record.kept = [[int(h) for h in row] for row in record.kept]
-            record.n_layers, record.n_heads, record.n_kv_heads = (int(record.n_layers), int(record.n_heads),
-                                                                  int(record.n_kv_heads))
-        except (TypeError, ValueError) as err:
-            raise InputError(f"mask.json is incomplete or malformed ({err}); export the mask again.") from err
-        if int(record.format) > MASK_FORMAT:
-            raise InputError(f"mask.json has format {record.format}; this headscope reads up to {MASK_FORMAT}. "
+        """Validate (analysis.schemas.MASK_SCHEMA: exact types and ranges, then the cross-field rules)."""
+        fix = "export the mask again"
+        if isinstance(data, dict) and _strict_int(data.get("format")) and data["format"] > MASK_FORMAT:
+            raise InputError(f"mask.json has format {data['format']}; this headscope reads up to {MASK_FORMAT}. "
                              f"Update headscope.")
-        if len(record.kept) != record.n_layers or any(
-                not 0 <= h < record.n_heads for row in record.kept for h in row):
-            raise InputError(f"mask.json lists kept heads that do not fit {record.n_layers} layers x "
-                             f"{record.n_heads} heads; export the mask again.")
+        schemas.check(data, schemas.MASK_SCHEMA, "mask.json", fix)
+        record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        L, H = record.n_layers, record.n_heads
+        if len(record.kept) != L or any(h >= H for row in record.kept for h in row):
+            raise InputError(f"mask.json lists kept heads that do not fit {L} layers x {H} heads; {fix}.")
+        if H % record.n_kv_heads:
+            raise InputError(f"mask.json says {H} heads in {record.n_kv_heads} KV groups, which does not divide; "
+                             f"{fix}.")
+        for name in ("scores", "tiebreak"):
+            table = getattr(record, name)
+            if table is not None and (len(table) != L or any(len(row) != H for row in table)
+                                      or not np.isfinite(np.asarray(table, dtype=np.float64)).all()):
+                raise InputError(f"mask.json's {name} must be {L} rows of {H} finite numbers; {fix}.")
         return record
+
+    def check_geometry(self, geometry: HeadGeometry) -> None:
+        """InputError unless this mask was made for a model of `geometry`'s shape."""
+        mine = (self.n_layers, self.n_heads, self.n_kv_heads)
+        theirs = (geometry.n_layers, geometry.n_heads, geometry.n_kv_heads)
+        if mine != theirs:
+            raise InputError(f"mask.json is for {mine[0]} layers x {mine[1]} heads ({mine[2]} KV heads), but the model "
+                             f"has {theirs[0]} x {theirs[1]} ({theirs[2]} KV heads); use the mask exported for this "
+                             f"model.")
 
 
 def mask_record(pruned, *, geometry: HeadGeometry, model: str = "", model_type: str = "", scores=None,
@@ -261,30 +275,42 @@ def mask_record(pruned, *, geometry: HeadGeometry, model: str = "", model_type: 
                       tiebreak=_finite_table(tiebreak, shape, "Tie-break values"))
 
 
-def read_mask_json(source) -> MaskRecord:
-    """A MaskRecord from a dict, JSON text, a mask.json path or an export folder holding one."""
+def _strict_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_mask_json(source, *, geometry: HeadGeometry | None = None) -> MaskRecord:
+    """A MaskRecord from a dict, JSON text, a mask.json path or an export folder holding one.
+
+    With `geometry`, the mask must be for a model of that shape (InputError otherwise)."""
+    fix = "export the mask again"
     if isinstance(source, dict):
-        return MaskRecord.from_dict(source)
-    text = str(source)
-    if not text.lstrip().startswith("{"):
-        path = Path(text)
-        path = path / MASK_FILE if path.is_dir() else path
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as err:
-            raise InputError(f"Cannot read the mask file {path} ({_os_reason(err)}).") from err
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError(f"The mask file is not valid JSON ({err}); export the mask again.") from err
-    if not isinstance(data, dict):
-        raise InputError("The mask file must hold a JSON object; export the mask again.")
-    return MaskRecord.from_dict(data)
+        record = MaskRecord.from_dict(source)
+    else:
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            path = path / MASK_FILE if path.is_dir() else path
+            try:
+                if path.is_file() and path.stat().st_size > schemas.MAX_JSON_CHARS:
+                    raise InputError(f"The mask file {path} is larger than any mask.json; {fix}.")
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                reason = _os_reason(err) if isinstance(err, OSError) else "it is not UTF-8 text"
+                raise InputError(f"Cannot read the mask file {path} ({reason}); give the path of a mask.json "
+                                 f"or of an export folder holding one.") from None
+        data = schemas.load_json_text(text, "The mask file", fix)
+        if not isinstance(data, dict):
+            raise InputError(f"The mask file must hold a JSON object; {fix}.")
+        record = MaskRecord.from_dict(data)
+    if geometry is not None:
+        record.check_geometry(geometry)
+    return record
 
 
-def mask_from_json(source) -> np.ndarray:
+def mask_from_json(source, *, geometry: HeadGeometry | None = None) -> np.ndarray:
     """The boolean mask [L, H] (True = pruned) stored in a mask.json (see read_mask_json)."""
-    return read_mask_json(source).pruned()
+    return read_mask_json(source, geometry=geometry).pruned()
 
 
 def _default_record(model, pruned, record: MaskRecord | None) -> MaskRecord:

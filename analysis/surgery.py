@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import schemas
 from .adapters import Adapter, HeadWeights, adapter_for
 from .errors import InputError
 from .geometry import HeadGeometry
@@ -117,26 +118,18 @@ class HeadLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "HeadLayout":
-        """Rebuild and validate a layout (InputError naming what is wrong)."""
-        try:
-            layout = cls(model_type=str(data["model_type"]), n_heads=int(data["n_heads"]),
-                         n_kv_heads=int(data["n_kv_heads"]), head_dim=int(data["head_dim"]),
-                         heads=[[int(h) for h in row] for row in data["heads"]],
-                         kv_heads=[[int(g) for g in row] for row in data["kv_heads"]],
-                         kv_policy=str(data.get("kv_policy", "auto")), format=int(data.get("format", 1)))
-        except (KeyError, TypeError, ValueError) as err:
-            raise InputError(f"head_layout.json is incomplete or malformed ({err!r}); export the pruned "
-                             f"model again.") from err
+        """Rebuild and validate a layout (schemas.LAYOUT_SCHEMA's exact types, then `validate`)."""
+        schemas.check(data, schemas.LAYOUT_SCHEMA, "head_layout.json", "export the pruned model again")
+        layout = cls(model_type=data["model_type"], n_heads=data["n_heads"], n_kv_heads=data["n_kv_heads"],
+                     head_dim=data["head_dim"], heads=[list(row) for row in data["heads"]],
+                     kv_heads=[list(row) for row in data["kv_heads"]], kv_policy=data.get("kv_policy", "auto"),
+                     format=data.get("format", LAYOUT_FORMAT))
         layout.validate()
         return layout
 
     @classmethod
     def from_json(cls, text: str) -> "HeadLayout":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise InputError(f"head_layout.json is not valid JSON ({err}); export the pruned model again.") from err
-        return cls.from_dict(data)
+        return cls.from_dict(schemas.load_json_text(text, "head_layout.json", "export the pruned model again"))
 
     def validate(self) -> None:
         if self.format > LAYOUT_FORMAT:
@@ -146,8 +139,8 @@ class HeadLayout:
             raise InputError("head_layout.json: heads/kv_heads disagree with the head counts; export again.")
         for layer, (heads, kv) in enumerate(zip(self.heads, self.kv_heads)):
             ok = (heads == sorted(set(heads)) and all(0 <= h < self.n_heads for h in heads)
-                  and all(0 <= g < self.n_kv_heads for g in kv) and (not heads or len(heads) % len(kv) == 0)
-                  and (heads or not kv))
+                  and all(0 <= g < self.n_kv_heads for g in kv) and (heads or not kv)
+                  and (not heads or (kv and len(heads) % len(kv) == 0)))
             if ok and heads:
                 per_kv = len(heads) // len(kv)
                 ok = all(self._group(h) == kv[i // per_kv] for i, h in enumerate(heads))
