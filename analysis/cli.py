@@ -367,6 +367,8 @@ def run_export(ns):
                         tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report)
     payload = dict(model=info, format=result.format, path=str(result.path), files=result.files,
                    total_bytes=result.total_bytes, n_pruned=plan.n_pruned)
+    for note in result.notes:
+        sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
     return payload, None
 

@@ -120,6 +120,18 @@ def default_cache_dir() -> Path:
 
 
 @contextlib.contextmanager
+def quiet_load_report():
+    """Keep transformers' LOAD REPORT table (and other warnings) off stderr while loading: headscope
+    turns every loading problem into its own one-line error. Restores the verbosity after."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
 def quiet_progress_bars():
     """Turn off transformers' tqdm bars (headscope reports through `progress`); restore after."""
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -163,7 +175,7 @@ def count_parameters(config, *, trust_remote_code: bool = False) -> int:
     Built on the meta device, so no memory is allocated and nothing is initialized."""
     auto_cls = AUTO_CLASS_BY_KIND[model_kind(config)]
     with torch.device("meta"):
-        model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto_cls.from_config(config, trust_remote_code=bool(trust_remote_code))
     # parameters() and buffers() yield a tied tensor once
     return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
 
@@ -184,8 +196,7 @@ def _check_memory(config, dtype, available_bytes, name, trust_remote_code) -> No
     if need > free:
         raise ModelLoadError(
             f"'{name}' needs about {need / 2**30:.2f} GiB of RAM in {str(dtype).removeprefix('torch.')} "
-            f"but only {free / 2**30:.2f} GiB is free. Close other programs, pick a smaller model, "
-            f"or load it in a smaller dtype (e.g. bfloat16).")
+            f"but only {free / 2**30:.2f} GiB is free. Close other programs or pick a smaller model.")
 
 
 # -- built-ins -------------------------------------------------------------------------------
@@ -272,15 +283,16 @@ def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress
 
     def convert(dest: Path, report: Progress) -> None:
         report(0.0, f"converting {gguf.name} once (about 20 s)")
-        config = AutoConfig.from_pretrained(package, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
         report(0.2, "dequantizing GGUF tensors")
         with _gguf_tensor_progress(_scaled(report, 0.2, 0.8)):
-            quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
+            quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32,
+                                                             trust_remote_code=False)
         # save_pretrained refuses a GGUF-loaded model: move its (already permuted back,
         # dequantized) tensors into a plain model built without random initialization.
         with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
         plain.load_state_dict(quantized.state_dict(), assign=True)
         report(0.85, "writing the converted checkpoint")
         plain.save_pretrained(dest)
@@ -328,6 +340,8 @@ def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]
             raise ModelLoadError(
                 f"The folder {path} has no config.json, so it is not a Hugging Face model folder. Pass the "
                 f"folder that holds config.json, the weights (*.safetensors) and the tokenizer files.")
+        from .streaming import weight_map
+        weight_map(path)  # an index naming files outside the folder is refused before anything reads it
         return str(path), True
     if path.exists():
         raise ModelLoadError(f"{path} is a file; pass the folder that holds config.json and the weights.")
@@ -338,8 +352,10 @@ def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]
     return name, False
 
 
-# What safetensors / torch raise when a weights file is cut short or overwritten.
-_DAMAGED_FILE_ERRORS = (SafetensorError, EOFError, pickle.UnpicklingError)
+# What safetensors / torch raise when a weights file is cut short or overwritten. A pickle that
+# torch's weights-only loader refuses is not "damaged": it refers to Python objects (maybe code).
+_DAMAGED_FILE_ERRORS = (SafetensorError, EOFError)
+_REFUSED_PICKLE_ERRORS = (pickle.UnpicklingError,)
 
 
 def _first_line(err: Exception) -> str:
@@ -401,6 +417,13 @@ def _load_weights(auto_cls, source: str, name: str, is_local: bool, dtype, trust
         fix = f"delete the cache folder {source} to rebuild it" if name in BUILTIN_MODELS else "copy it again"
         raise ModelLoadError(f"The weights file of '{name}' is damaged or truncated ({_first_line(err)}); "
                              f"{fix}.") from err
+    except _REFUSED_PICKLE_ERRORS as err:  # torch's text suggests weights_only=False: never repeat it
+        if "weights only" not in str(err).lower():
+            raise ModelLoadError(f"The weights file of '{name}' is damaged or truncated (an unreadable pickle); "
+                                 f"copy it again, or use a safetensors copy of the model.") from None
+        raise ModelLoadError(f"The weights of '{name}' are a pickle (.bin) that holds more than plain tensors (it "
+                             f"refers to Python objects, which could run code), so headscope refuses to load it. "
+                             f"Use a safetensors copy of the model (model.safetensors) from a source you trust.") from None
     except Exception as err:  # e.g. shapes in the weights that do not match config.json
         raise ModelLoadError(f"The weights of '{name}' could not be loaded ({_first_line(err)}). Check that "
                              f"config.json and the weights come from the same model.") from err
@@ -443,7 +466,7 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
     name = name.strip()
     report = progress or _no_progress
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    with quiet_progress_bars():
+    with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)
         report(0.6, "reading the config")
         config = _load_config(source, name, is_local, trust_remote_code)

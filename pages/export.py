@@ -61,6 +61,8 @@ if st.button("Export", type="primary", key="export.run"):
 last = state.recall("export.last")
 if last is not None:
     st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
+    for note in last.notes:
+        st.info(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
 
 st.subheader("Measured report")

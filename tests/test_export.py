@@ -260,8 +260,15 @@ def test_existing_target_is_not_overwritten_unless_asked(tmp_path):
         export_pruned(model, _hard_mask("gpt2"), target)
     assert (target / "keep.txt").read_text() == "precious"
     assert _no_leftovers(tmp_path) == []
+    # overwrite replaces only a headscope export: a folder of user files is never deleted (issue 11, class 4)
+    with pytest.raises(ExportError, match="not a headscope export"):
+        export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
+    assert (target / "keep.txt").read_text() == "precious"
+    assert _no_leftovers(tmp_path) == []
+    (target / "keep.txt").unlink()
+    export_zeroed(model, _hard_mask("gpt2"), target)
     export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
-    assert not (target / "keep.txt").exists() and (target / "head_layout.json").exists()
+    assert not (target / "model.safetensors.index.json").exists() and (target / "head_layout.json").exists()
     assert _no_leftovers(tmp_path) == []
     empty = tmp_path / "empty"
     empty.mkdir()
