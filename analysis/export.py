@@ -388,17 +388,17 @@ def read_mask_json(source, *, geometry: HeadGeometry | None = None) -> MaskRecor
         record = MaskRecord.from_dict(source)
     else:
         text = str(source)
-        if not text.lstrip().startswith("{"):
-            path = Path(text)
-            path = path / MASK_FILE if path.is_dir() else path
+        if not text.lstrip().startswith(("{", "[")):
             try:
+                path = Path(text)
+                path = path / MASK_FILE if path.is_dir() else path
                 if path.is_file() and path.stat().st_size > schemas.MAX_JSON_CHARS:
                     raise InputError(f"The mask file {path} is larger than any mask.json; {fix}.")
                 text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                reason = _os_reason(err) if isinstance(err, OSError) else "it is not UTF-8 text"
-                raise InputError(f"Cannot read the mask file {path} ({reason}); give the path of a mask.json "
-                                 f"or of an export folder holding one.") from None
+            except (OSError, ValueError) as err:   # ValueError: a NUL byte, or not UTF-8
+                reason = _os_reason(err) if isinstance(err, OSError) else "it is not UTF-8 text or not a path"
+                raise InputError(f"Cannot read the mask file {text[:80]!r} ({reason}); give the path of a "
+                                 f"mask.json or of an export folder holding one.") from None
         data = schemas.load_json_text(text, "The mask file", fix)
         if not isinstance(data, dict):
             raise InputError(f"The mask file must hold a JSON object; {fix}.")

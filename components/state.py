@@ -41,10 +41,15 @@ _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
 
 
+TEXT_MAX = 1000  # a model id, folder or page name from a link; longer is not a real one
+
+
 def _text(raw: str) -> str:
     value = str(raw).strip()
     if not value:
         raise ValueError("it is empty")
+    if len(value) > TEXT_MAX or not value.isprintable():
+        raise ValueError(f"it is longer than {TEXT_MAX} characters or holds control characters")
     return value
 
 
