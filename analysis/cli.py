@@ -325,13 +325,12 @@ def _evaluate_arguments(parser):
 def run_evaluate(ns):
     """The model's metric (perplexity, pseudo-perplexity or embedding fidelity), dense and masked."""
     from analysis.evaluation import evaluate
-
-    plan, scores, loaded, info = plan_from(ns)
     from analysis.text import read_text_file, text_file_cap
 
     text = None
-    if ns.text_file is not None:
+    if ns.text_file is not None:   # read (capped) before the model loads: a bad path fails at once
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
+    plan, scores, loaded, info = plan_from(ns)
     pruned = np.stack([np.zeros_like(plan.pruned), plan.pruned])  # [2, L, H]: dense, masked
     with progress_bar("evaluating", not ns.quiet) as report:
         result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report)
@@ -356,8 +355,10 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.export import export, mask_record
+    from analysis.export import check_export_name, export, mask_record, resolve_under
 
+    resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
+    check_export_name(ns.name)
     plan, scores, loaded, info = plan_from(ns)
     record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
                          model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
