@@ -22,7 +22,6 @@ import struct
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -770,6 +769,7 @@ def test_streaming_memory_guard_checks_each_tensor_before_reading(tmp_path):
 # -- 13: the app's server configuration ---------------------------------------------------------------
 
 def test_streamlit_config_is_explicit_about_xsrf_and_error_details():
+    tomllib = pytest.importorskip("tomllib")                   # Python >= 3.11
     config = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())
     assert config["server"]["enableXsrfProtection"] is True
     assert config["client"]["showErrorDetails"] == "type"      # type + generic message, no stack trace
