@@ -43,7 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from analysis.atomic import atomic_write, check_output_file
-from analysis.errors import HeadscopeError, InputError
+from analysis.errors import HeadscopeError, InputError, first_line
 from analysis.masks import POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
 
@@ -200,7 +200,7 @@ def read_array(path: str) -> np.ndarray:
             arr = data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data
         arr = np.asarray(arr, dtype=np.float64)
     except (OSError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0][:200]
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
         raise InputError(f"Could not read --ablation-file {path} ({reason}). {fix}") from None
     if arr.ndim != 2 or not arr.size:
         raise InputError(f"--ablation-file {path} holds an array of shape {list(arr.shape)}, not a [layers, heads] "

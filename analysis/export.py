@@ -49,7 +49,7 @@ from torch import nn
 from . import schemas
 from .adapters import adapter_for
 from .atomic import disk_full, os_problem
-from .errors import HeadscopeError, InputError, ModelLoadError
+from .errors import HeadscopeError, InputError, ModelLoadError, custom_code_refused, first_line
 from .geometry import HeadGeometry
 from .masking import zero_heads
 from .models import quiet_load_report, quiet_progress_bars
@@ -234,8 +234,7 @@ def _write_failed(target: Path, err: BaseException) -> ExportError:
         problem, fix = os_problem(OSError(errno.ENOSPC, "") if disk_full(err) else err)
         return ExportError(f"Writing the export to {target} failed ({problem}); nothing was left behind.{kept} "
                            f"To fix it: {fix}.")
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-    return ExportError(f"The export to {target} failed halfway ({type(err).__name__}: {first}); nothing was left "
+    return ExportError(f"The export to {target} failed halfway ({first_line(err)}); nothing was left "
                        f"behind.{kept} Export again; if it fails again, try another format.")
 
 
@@ -705,12 +704,9 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
         raise
     except Exception as err:  # a tampered config or file: transformers' and safetensors' own errors
         if not trust_remote_code and "trust_remote_code" in str(err):
-            raise ModelLoadError(f"config.json in {folder} asks to run custom model code (auto_map), which is off; "
-                                 f"pass trust_remote_code=True only if you trust that code, or export the pruned "
-                                 f"model again.") from None
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ModelLoadError(f"Cannot read the pruned checkpoint in {folder} ({type(err).__name__}: {first}); "
-                             f"export it again.") from None
+            raise custom_code_refused(f"config.json in {folder}") from None
+        raise ModelLoadError(f"Cannot read the pruned checkpoint in {folder} ({first_line(err)}); export it "
+                             f"again.") from None
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)

@@ -40,6 +40,7 @@ from transformers.utils import logging as hf_logging
 
 from .adapters import Adapter, adapter_for
 from .errors import ModelLoadError, UnsupportedModelError
+from .errors import first_line as _first_line
 from .geometry import HeadGeometry
 
 Progress = Callable[[float, str], None]
@@ -356,11 +357,6 @@ def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]
 # torch's weights-only loader refuses is not "damaged": it refers to Python objects (maybe code).
 _DAMAGED_FILE_ERRORS = (SafetensorError, EOFError)
 _REFUSED_PICKLE_ERRORS = (pickle.UnpicklingError,)
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _hub_error(name: str, err: Exception) -> ModelLoadError:

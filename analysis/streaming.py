@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from analysis.adapters import Adapter, adapter_for
-from analysis.errors import CancelledError, ModelLoadError
+from analysis.errors import CancelledError, ModelLoadError, custom_code_refused, first_line
 from analysis.profiles import STREAM_CHUNK, NormProfile, Progress, ShouldStop, head_norms, stack_layers
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -79,8 +79,7 @@ def weight_map(folder: Path) -> dict[str, str] | None:
             raise ModelLoadError(f"{index} is larger than {INDEX_MAX_BYTES // 2**20} MiB, which no real index is; {fix}.")
         mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
-        raise ModelLoadError(f"{index} is not a valid safetensors index ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0][:200] if str(err) else 'unreadable'}); {fix}.") from None
+        raise ModelLoadError(f"{index} is not a valid safetensors index ({first_line(err)}); {fix}.") from None
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
         raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names (a JSON object of "
                              f"strings), got {type(mapping).__name__}; {fix}.")
@@ -135,12 +134,9 @@ def load_config(folder: Path, *, trust_remote_code: bool = False):
                                           local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         if _has_auto_map(folder) and not trust_remote_code:
-            raise ModelLoadError(f"{folder / 'config.json'} asks to run custom model code (auto_map), which is off. "
-                                 f"Pass --trust-remote-code (trust_remote_code=True) only if you trust that code, "
-                                 f"or use a checkpoint of a built-in transformers architecture.") from None
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ModelLoadError(f"Could not read {folder / 'config.json'} ({type(err).__name__}: {first}). Replace it "
-                             f"with the model's original config.json.") from None
+            raise custom_code_refused(str(folder / "config.json"), "--trust-remote-code (trust_remote_code=True)") from None
+        raise ModelLoadError(f"Could not read {folder / 'config.json'} ({first_line(err)}). Replace it with the "
+                             f"model's original config.json.") from None
 
 
 def layer_tensor_names(adapter: Adapter, layer: int, names: dict[str, Path], prefix: str | None) -> dict[str, str]:
@@ -187,8 +183,8 @@ def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: S
             hw = adapter.heads_from_tensors(tensors, geometry)
         except (RuntimeError, ValueError) as err:  # right size, wrong layout (e.g. transposed)
             raise ModelLoadError(f"The attention tensors of layer {layer} in {folder} do not have the layout "
-                                 f"config.json describes ({str(err).splitlines()[0][:160]}). Use the config.json "
-                                 f"that belongs to these weights.") from None
+                                 f"config.json describes ({first_line(err)}). Use the config.json that belongs "
+                                 f"to these weights.") from None
         norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass over the file
         l2_layers.append(norms[2])
         l1_layers.append(norms[1])
@@ -235,7 +231,5 @@ def read_tensors(roles: dict[str, str], files: dict[str, Path], geometry=None) -
                         check_tensor_header(role, name, handle.get_slice(name).get_shape(), geometry, file)
                     out[role] = handle.get_tensor(name)
         except (OSError, SafetensorError, MemoryError) as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            raise ModelLoadError(f"Could not read {file} ({type(err).__name__}: {first}). Re-download or re-copy "
-                                 f"that file.") from None
+            raise ModelLoadError(f"Could not read {file} ({first_line(err)}). Re-download or re-copy that file.") from None
     return out
