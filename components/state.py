@@ -126,11 +126,24 @@ def sync_url() -> None:
         set(name, get(name))
 
 
+def _widget(name: str) -> str:
+    """A view field's widget key is per page: two pages' z sliders are different widgets.
+
+    Quirk handled here: with ONE key shared by the z sliders of Profiles, Prune and Compare, a
+    direct sidebar switch between two of them made the browser's frontend hand the arriving
+    slider its minimum (0.00), which was then written back into the canonical value and the URL.
+    A key of its own per page is absent on arrival (Streamlit drops keys of widgets not shown),
+    so it is seeded from the canonical value."""
+    if name in FIELDS:
+        return f"{WIDGET_PREFIX}{get('page') or '_'}.{name}"
+    return WIDGET_PREFIX + name
+
+
 def widget_key(name: str, *, value: Any = None) -> str:
     """Key for the widget that edits view field `name` (or any page-local name), seeded when absent.
 
     For a view field the seed is its canonical value; for a local name, `value`."""
-    key = WIDGET_PREFIX + name
+    key = _widget(name)
     if key not in st.session_state:
         st.session_state[key] = get(name) if name in FIELDS else value
     return key
@@ -138,7 +151,7 @@ def widget_key(name: str, *, value: Any = None) -> str:
 
 def reset_widget(name: str) -> None:
     """Forget a widget's own value so it is seeded again from the canonical one."""
-    st.session_state.pop(WIDGET_PREFIX + name, None)
+    st.session_state.pop(_widget(name), None)
 
 
 def follow_url_page(current, pages: dict) -> None:
