@@ -39,6 +39,8 @@ _STOP = PREFIX + "stop"
 _MEMO = PREFIX + "memo."
 _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
+_STOPPED = PREFIX + "stopped"
+_STOP_SEEN = PREFIX + "stop_seen"
 
 
 def _text(raw: str) -> str:
@@ -87,6 +89,7 @@ def init() -> None:
     ss = st.session_state
     for name, field in FIELDS.items():
         ss.setdefault(_key(name), field.default)
+    _age_stop()
     if ss.get(_URL_READ):
         return
     ss[_URL_READ] = True
@@ -177,9 +180,14 @@ def set_trust(value: bool) -> None:
 
 # -- stopping long work ------------------------------------------------------------------------
 
-def request_stop() -> None:
-    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it."""
+def request_stop(work: str = "") -> None:
+    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it.
+
+    The flag lives for the click's own rerun (work started again in that run ends at once as
+    cancelled) and is cleared at the start of the next run, so the next press runs normally.
+    `work` is remembered for one `stopped_note`."""
     st.session_state[_STOP] = True
+    st.session_state[_STOPPED] = work
 
 
 def should_stop() -> bool:
@@ -188,6 +196,24 @@ def should_stop() -> bool:
 
 def clear_stop() -> None:
     st.session_state[_STOP] = False
+
+
+def _age_stop() -> None:
+    """Called by init: a stop flag set before the previous run has done its job; clear it."""
+    ss = st.session_state
+    if ss.pop(_STOP_SEEN, False):
+        ss[_STOP] = False
+    elif ss.get(_STOP):
+        ss[_STOP_SEEN] = True
+
+
+def stopped_note() -> str | None:
+    """Once, on the run after a Stop: the note that says what was stopped (then forgotten)."""
+    work = st.session_state.pop(_STOPPED, None)
+    if work is None:
+        return None
+    return (f"Stopped: {work or 'the computation'}. Nothing partial was kept; results finished before "
+            "the stop stay cached. Press its button to run it again.")
 
 
 # -- results kept across reruns ----------------------------------------------------------------
