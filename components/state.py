@@ -152,6 +152,20 @@ def widget_key(name: str, *, value: Any = None) -> str:
     return key
 
 
+def following_widget_key(name: str, default: str) -> str:
+    """Key for a text widget whose default follows other settings until the user edits it.
+
+    While the widget still shows the default it got last run, a new default replaces it (the
+    export folder name follows the format, scorer and sparsity); a value the user typed stays."""
+    key = widget_key(name, value=default)
+    last = _MEMO + "default." + name
+    ss = st.session_state
+    if ss.get(last) is not None and ss[key] == ss[last]:
+        ss[key] = default
+    ss[last] = default
+    return key
+
+
 def reset_widget(name: str) -> None:
     """Forget a widget's own value so it is seeded again from the canonical one."""
     st.session_state.pop(_widget(name), None)
