@@ -106,6 +106,12 @@ def head_bars(values: np.ndarray, *, title: str, y_title: str, labels: list[str]
     return fig
 
 
+def log_axis(metric: str) -> bool:
+    """Whether a metric's axis is logarithmic: perplexities span orders of magnitude when heads go
+    (a linear 0-4000 axis flattens the region that matters); fidelity-type metrics do not."""
+    return metric.endswith("perplexity")
+
+
 def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, log_y: bool = False,
            marker_x: float | None = None) -> go.Figure:
     """Lines {name: (x, y)}; optional vertical marker (e.g. the current sparsity or z)."""
