@@ -152,6 +152,11 @@ def widget_key(name: str, *, value: Any = None) -> str:
     return key
 
 
+def unseeded_widget_key(name: str) -> str:
+    """Key for a widget whose value cannot be set through session state (a file uploader)."""
+    return _widget(name)
+
+
 def following_widget_key(name: str, default: str) -> str:
     """Key for a text widget whose default follows other settings until the user edits it.
 
