@@ -17,39 +17,40 @@ lm = cache.model_or_stop()
 g = lm.geometry
 prof = cache.profile_or_stop()
 
-c1, c2, c3 = st.columns([3, 1, 1])
-z = c1.slider("Threshold z (tau = mean + z * std)", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"))
-state.set("z", z)
-ord_ = c2.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
+c1, c2 = st.columns(2)
+ord_ = c1.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
                 key=state.widget_key("profiles.ord", value=2))
-scope = c3.radio("Population", ["layer", "model"], horizontal=True, key=state.widget_key("profiles.scope", value="layer"),
+scope = c2.radio("Population", ["layer", "model"], horizontal=True, key=state.widget_key("profiles.scope", value="layer"),
                  help="layer: each projection of each layer is its own population; model: one projection "
                       "across all layers.")
+kv_unit = "KV group" if g.group_size > 1 else "head"           # MHA: K/V rows belong to one head each
 
 with shown_errors("Computing thresholds"):
     norms = prof.norms(ord_)                                   # {p: [L, units, d]}
-    excess = prof.excess(z, ord=ord_, scope=scope)             # {p: [L, units, d]}
     stats = prof.stats(ord_, scope)                            # {p: (mean [L], std [L])}
-    taus = prof.thresholds(z, ord=ord_, scope=scope)           # {p: [L]}
 
     st.subheader("Mean row norm per head")
-    cols = st.columns(4)
-    for col, p in zip(cols, ("q", "k", "v", "o")):
-        per_unit = norms[p].mean(axis=-1)                      # [L, units]
-        x_title = "head" if p in ("q", "o") else "KV group"
-        col.plotly_chart(charts.layer_head_heatmap(per_unit, PROJ_TITLES[p], colorbar=f"L{ord_}",
-                                                   x_title=x_title,
-                                                   group_size=g.group_size if p in ("q", "o") else 1),
-                         width="stretch", key=f"profiles.heat.{p}")
+    for pair in (("q", "k"), ("v", "o")):                      # a 2 x 2 grid: wide enough for 12+ heads
+        for col, p in zip(st.columns(2), pair):
+            per_unit = norms[p].mean(axis=-1)                  # [L, units]
+            col.plotly_chart(charts.layer_head_heatmap(per_unit, PROJ_TITLES[p], colorbar=f"L{ord_}",
+                                                       x_title="head" if p in ("q", "o") else kv_unit,
+                                                       group_size=g.group_size if p in ("q", "o") else 1),
+                             width="stretch", key=f"profiles.heat.{p}")
 
     st.subheader("One population")
-    c1, c2 = st.columns([3, 1])
+    c0, c1, c2 = st.columns([2, 2, 1])
+    z = c0.slider("Threshold z (tau = mean + z * std)", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
+                  help="Moves the orange line in the histogram right below.")
+    state.set("z", z)
     layer = c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("profiles.layer", value=0))
     layer = min(layer, g.n_layers - 1)
     proj = c2.radio("Projection", ["q", "k", "v", "o"], format_func=str.upper, horizontal=True,
                     key=state.widget_key("profiles.proj", value="q"))
+    excess = prof.excess(z, ord=ord_, scope=scope)             # {p: [L, units, d]}
+    taus = prof.thresholds(z, ord=ord_, scope=scope)           # {p: [L]}
     rows = norms[proj][layer]                                  # [units, d]
-    unit = "head" if proj in ("q", "o") else "KV group"
+    unit = "head" if proj in ("q", "o") else kv_unit
     labels = [f"{unit} {u}, row {j}" for u in range(rows.shape[0]) for j in range(rows.shape[1])]
     mean, std = float(stats[proj][0][layer]), float(stats[proj][1][layer])
     tau = float(taus[proj][layer])
