@@ -33,6 +33,7 @@ import errno
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -238,6 +239,30 @@ def _write_failed(target: Path, err: BaseException) -> ExportError:
                        f"behind.{kept} Export again; if it fails again, try another format.")
 
 
+EXPORT_ROOT_ENV = "HEADSCOPE_EXPORT_ROOT"
+DEFAULT_EXPORT_ROOT = "~/headscope-exports"
+
+
+def default_export_root() -> Path:
+    """Where the app exports by default: $HEADSCOPE_EXPORT_ROOT, else ~/headscope-exports."""
+    return Path(os.environ.get(EXPORT_ROOT_ENV) or DEFAULT_EXPORT_ROOT).expanduser()
+
+
+def _fresh_dir(parent: Path, prefix: str) -> Path:
+    """A new empty folder `parent/<prefix><random>` with ordinary permissions.
+
+    Not `tempfile.mkdtemp`: its folders are mode 0700, and an export renamed from one stayed
+    unreadable to everyone but its owner. `os.mkdir` applies the user's umask like any folder."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name under {parent}")
+
+
 @contextmanager
 def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `target`; on success it becomes `target`.
@@ -253,7 +278,7 @@ def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
         problem, fix = os_problem(err)
         raise ExportError(f"Cannot create the folder {target.parent} ({problem}); {fix}.") from err
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
+        tmp = _fresh_dir(target.parent, f".{target.name}.tmp-{os.getpid()}-")
     except OSError as err:
         _remove_empty(created)
         problem, fix = os_problem(err)
