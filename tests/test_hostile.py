@@ -774,3 +774,17 @@ def test_streamlit_config_is_explicit_about_xsrf_and_error_details():
     assert config["server"]["enableXsrfProtection"] is True
     assert config["client"]["showErrorDetails"] == "type"      # type + generic message, no stack trace
     assert config["server"]["address"] == "127.0.0.1"
+
+
+# -- 7: the text-file cap keeps whole characters and reads no more than it can use ----------------------
+
+@pytest.mark.parametrize("char", ["a", "é", "€", "𐀀"])           # 1, 2, 3 and 4 UTF-8 bytes
+def test_text_file_cap_cuts_at_a_character_boundary(char, tmp_path):
+    from analysis.text import clean_user_text, read_text_file
+    path = tmp_path / "long.txt"
+    path.write_text(char * 5000, encoding="utf-8")
+    for cap in range(1001, 1009):
+        data = read_text_file(path, cap)
+        assert len(data) <= cap and len(data) > cap - 4
+        assert clean_user_text(data) == char * (len(data) // len(char.encode()))
+    assert read_text_file(path, 10**9) == path.read_bytes()          # under the cap: the whole file
