@@ -788,3 +788,25 @@ def test_text_file_cap_cuts_at_a_character_boundary(char, tmp_path):
         assert len(data) <= cap and len(data) > cap - 4
         assert clean_user_text(data) == char * (len(data) // len(char.encode()))
     assert read_text_file(path, 10**9) == path.read_bytes()          # under the cap: the whole file
+
+
+# -- 1: every transformers loading call in the project says trust_remote_code explicitly -------------
+
+LOADERS = {"from_pretrained", "from_config"}
+
+
+def test_every_transformers_loading_call_passes_trust_remote_code():
+    """A static guard beside the behavioural tests above: a new `from_pretrained` / `from_config`
+    without `trust_remote_code=` (or a **kwargs that carries it) would let transformers prompt."""
+    import ast
+    missing = []
+    for path in sorted([*ROOT.glob("analysis/*.py"), *ROOT.glob("components/*.py"), *ROOT.glob("pages/*.py"),
+                        *ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py"), ROOT / "app.py"]):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LOADERS):
+                continue
+            names = {k.arg for k in node.keywords}
+            if "trust_remote_code" not in names and None not in names:      # None: a **kwargs expansion
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not missing, f"transformers calls without trust_remote_code: {missing}"
