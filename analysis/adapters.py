@@ -556,6 +556,11 @@ class Adapter:
         attn = self.attention(model, layer)
         return {role: _get(attn, path) for role, path in self.family.layout.paths().items()}
 
+    def has_qkv_bias(self, model: nn.Module) -> bool:
+        """Whether the Q (or fused QKV) projection has a bias: read off layer 0's module, nothing copied."""
+        modules = self.projection_modules(model, 0)
+        return getattr(modules["q"] if "q" in modules else modules["qkv"], "bias", None) is not None
+
     # -- tensor names (for reading checkpoints without a model) -----------------------------
     def tensor_suffixes(self, layer: int) -> dict[str, str]:
         """Role key ("q.weight", "qkv.bias", ...) -> the state-dict name's suffix for `layer`.

@@ -259,7 +259,7 @@ def plan_from(ns):
 
 def run_mask(ns):
     plan, scores, loaded, info = plan_from(ns)
-    bias = loaded is not None and loaded.adapter.read_heads(loaded.model, 0).q_bias is not None  # unknown when streamed
+    bias = loaded is not None and loaded.adapter.has_qkv_bias(loaded.model)  # unknown when streamed
     summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
                              seq_len=ns.flops_seq_len, bias=bias)
     rank = np.empty(plan.order.size, dtype=int)  # [L*H]

@@ -41,6 +41,7 @@ from .errors import HeadscopeError, InputError, ModelLoadError
 from .geometry import HeadGeometry
 from .masking import zero_heads
 from .models import quiet_progress_bars
+from .progress import Progress, no_progress
 from .surgery import HeadLayout, apply_layout, prune_heads
 
 TOOL = "headscope"
@@ -52,15 +53,10 @@ ONNX_FILE = "model.onnx"
 WEIGHTS_FILE = "model.safetensors"
 FORMATS = ("zeroed", "pruned", "stock", "onnx")
 
-Progress = Callable[[float, str], None]
 
 
 class ExportError(HeadscopeError):
     """An export could not be written (the message says where and how to fix it)."""
-
-
-def _no_progress(fraction: float, message: str) -> None:
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +344,7 @@ def _save_pruned(model: nn.Module, folder: Path) -> None:
 
 def _run_export(fmt: str, target, overwrite: bool, write: Callable[[Path], HeadLayout | None],
                 progress: Progress | None) -> ExportResult:
-    report = progress or _no_progress
+    report = progress or no_progress
     target = Path(target)
     report(0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:

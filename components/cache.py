@@ -20,6 +20,7 @@ from typing import Any, Callable
 import streamlit as st
 
 from analysis.errors import HeadscopeError
+from analysis.progress import Progress
 
 from . import state
 from .errors import show_exception
@@ -28,9 +29,6 @@ try:  # Streamlit internal: lets a progress bar outside a cached function be upd
     from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _in_cached
 except Exception:  # noqa: BLE001
     _in_cached = None
-
-Progress = Callable[[float, str], None]
-
 
 def params_key(params: dict) -> tuple:
     """A hashable, order-independent cache key for a parameter dict."""
@@ -155,8 +153,8 @@ def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Ca
 @st.cache_data(show_spinner=False, max_entries=8)
 def param_count(name: str, trust: bool = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
-    lm = load(name, trust)
-    return sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+    from analysis.models import count_parameters
+    return count_parameters(load(name, trust).model)
 
 
 # -- scores, masks, evaluation -----------------------------------------------------------------
@@ -165,7 +163,7 @@ def param_count(name: str, trust: bool = False) -> int:
 def has_qkv_bias(name: str, trust: bool = False) -> bool:
     """Whether the attention projections carry biases (for the parameter count of a mask)."""
     lm = load(name, trust)
-    return lm.adapter.read_heads(lm.model, 0).q_bias is not None
+    return lm.adapter.has_qkv_bias(lm.model)
 
 
 def scorer_class(scorer: str):

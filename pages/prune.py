@@ -5,7 +5,7 @@ import json
 import numpy as np
 import streamlit as st
 
-from analysis import masks, sweep
+from analysis import evaluation, masks, sweep
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -88,7 +88,7 @@ st.subheader("Check this mask")
 with shown_errors("Reading the text"):
     text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256, most=8192)
     check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
-    metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
+    metric_name = evaluation.evaluator_class(lm.kind).label
     dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
     result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
                               slot="prune.check", run_key=check, fn=cache.evaluate_masks,
