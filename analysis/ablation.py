@@ -35,7 +35,7 @@ from .errors import InputError
 from .evaluation import default_text, evaluator_for, gate_batch, token_ids
 from .geometry import HeadGeometry
 from .loss import summed_nll
-from .masking import head_mask
+from .head_gates import head_mask
 from .progress import Progress, ShouldStop, check_stop, report
 
 TAIL_BYTES = 64 * 2**20   # logits memory per tail chunk

@@ -1,6 +1,6 @@
 """Head attribution with Captum Integrated Gradients over the head gates.
 
-Every head gets a gate g in [0, 1] through `analysis.masking.head_mask` (gate tensors may
+Every head gets a gate g in [0, 1] through `analysis.head_gates.head_mask` (gate tensors may
 require grad). With f(g) = mean next-token NLL of the text under gates g, Integrated Gradients
 from the baseline g = 0 (every head off) to g = 1 (the dense model) attributes
 f(1) - f(0) to the heads:  attr_h = integral over a in [0, 1] of df/dg_h at g = a * 1.
@@ -22,7 +22,7 @@ from .adapters import adapter_for
 from .errors import InputError
 from .evaluation import token_ids
 from .loss import lm_sequence_losses
-from .masking import head_mask
+from .head_gates import head_mask
 from .progress import Progress, ShouldStop, check_stop, report
 
 

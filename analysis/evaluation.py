@@ -13,7 +13,7 @@ Three metrics, one per `LoadedModel.kind` (dispatch table `EVALUATORS`):
 - "encoder" (no LM head): embedding fidelity = mean cosine similarity of the mean-pooled
   embedding to the dense model's, per chunk of text (1.0 = unchanged).
 
-Every metric runs under any head mask through `analysis.masking.head_mask`; gates [B, L, H]
+Every metric runs under any head mask through `analysis.head_gates.head_mask`; gates [B, L, H]
 evaluate B masks in the same batched forward passes (inputs laid out mask-major, as the
 masking contract says). Long text is split into windows/chunks that fit the model's context.
 
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .adapters import adapter_for
 from .errors import InputError
 from .loss import token_nll
-from .masking import as_gates, gates_from_mask, head_mask
+from .head_gates import as_gates, gates_from_mask, head_mask
 from .masks import plan_mask
 from .models import mean_pool
 from .progress import Progress, ShouldStop, check_stop, report

@@ -1,4 +1,4 @@
-"""Row-norm profiles, MP thresholds and excesses (DESIGN.md section 1).
+"""Row-norm profiles, MP thresholds and excesses (docs/DEFINITIONS.md).
 
 A `NormProfile` holds, for every layer and projection, the L2 and L1 norms of the rows of
 W_Q, W_K, W_V and of the *columns* of W_O, head-major:

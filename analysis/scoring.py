@@ -1,4 +1,4 @@
-"""Head scorers: one interface, every criterion (DESIGN.md section 1).
+"""Head scorers: one interface, every criterion (docs/DEFINITIONS.md).
 
 A scorer is constructed with its parameters and has one verb, `score(target, ...)`, which
 returns a `HeadScores`: a [L, H] float array (higher = more important, pruned last), the
@@ -23,6 +23,7 @@ Calibration:   Wanda-Head and SparseGPT-Head (forward passes; input statistics f
 
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from analysis.errors import InputError, UnsupportedModelError
 from analysis.attribution import gate_loss_fn, integrated_gate_gradients
 from analysis.geometry import HeadGeometry
 from analysis.loss import LM_KINDS, lm_sequence_losses
-from analysis.masking import head_mask
+from analysis.head_gates import head_mask
 from analysis.masks import tie_order_of
 from analysis.models import model_kind
 from analysis.profiles import (
@@ -238,6 +239,7 @@ class Scorer:
     """Base class. Subclasses set `name`, store their parameters, implement `_compute`."""
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""            # what the app and reports call it
     needs_calibration: ClassVar[bool] = False
     needs_gradients: ClassVar[bool] = False
 
@@ -310,6 +312,7 @@ class MPScorer(Scorer):
     """Magnitude Profile: sum of row-norm excesses over the head's Q/O and its group's K/V rows."""
 
     name = "mp"
+    label = "MP (Magnitude Profile)"
 
     def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2):
         self.z, self.scope, self.ord = check_z(z), check_scope(scope), check_ord(ord)
@@ -343,6 +346,7 @@ class MPGScorer(MPScorer):
     """MP-G (GQA-aware): a_q * own excess + a_kv * group excess / G."""
 
     name = "mp-g"
+    label = "MP-G (GQA-aware MP)"
 
     def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, a_q: float = 1.0,
                  a_kv: float = 1.0):
@@ -367,6 +371,7 @@ class MagnitudeScorer(Scorer):
     """Sum of the L2 (or L1) norms of the head's Q rows, O columns and its group's K/V rows."""
 
     name = "magnitude"
+    label = "Magnitude"
 
     def __init__(self, ord: int = 2):
         self.ord = check_ord(ord)
@@ -384,6 +389,7 @@ class RandomScorer(Scorer):
     """A seeded random permutation of 0 .. L*H-1: the floor every scorer must beat."""
 
     name = "random"
+    label = "Random (floor)"
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -417,6 +423,7 @@ class AblationOracle(Scorer):
     """
 
     name = "ablation"
+    label = "Ablation oracle (real loss increase)"
     needs_calibration = True
 
     def __init__(self, loss_increase=None, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 16):
@@ -524,6 +531,7 @@ class WandaHeadScorer(CalibrationScorer):
     (X = O's input, the per-head attention output)."""
 
     name = "wanda"
+    label = "Wanda-Head"
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=False)
@@ -548,6 +556,7 @@ class SparseGPTHeadScorer(CalibrationScorer):
     """OBS saliency w_ij^2 / [H^-1]_jj^2, H = X^T X / tokens + damping * mean(diag) * I, per head."""
 
     name = "sparsegpt"
+    label = "SparseGPT-Head"
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, damping: float = 0.01):
         super().__init__(n_sequences, seq_len, batch_size)
@@ -608,6 +617,7 @@ class GradientHeadScorer(CalibrationScorer):
     """sum |w_ij * g_ij| over the head's Q/K/V rows and O columns, g = d(mean LM loss)/dw."""
 
     name = "gradient"
+    label = "Gradient-Head"
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
@@ -639,6 +649,7 @@ class HeadGateScorer(CalibrationScorer):
     """Michel et al. (2019): sum over calibration sequences of |dL/d gate_h| at gates = 1."""
 
     name = "gate"
+    label = "Head-gate importance"
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
@@ -667,6 +678,7 @@ class IntegratedGateScorer(CalibrationScorer):
     """
 
     name = "gate-ig"
+    label = "Head-gate, integrated gradients"
     needs_gradients = True
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, n_steps: int = 4):
@@ -700,6 +712,7 @@ class HybridScorer(CalibrationScorer):
     """min-max(Magnitude) + min-max(MP at z) + min-max(Wanda-Head), weights 1.0 each."""
 
     name = "hybrid"
+    label = "Hybrid (Magnitude + MP + Wanda)"
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, z: float = DEFAULT_Z,
                  scope: str = "layer"):
@@ -718,16 +731,51 @@ class HybridScorer(CalibrationScorer):
         return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)
 
 
-SCORERS: dict[str, type[Scorer]] = {
-    cls.name: cls
-    for cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
-                GradientHeadScorer, HeadGateScorer, IntegratedGateScorer, HybridScorer, AblationOracle)
-}
+# ---------------------------------------------------------------------------------------------
+# The registry: what the CLI (--scorer choices, options, weight-only set), the app (scorer list,
+# labels, parameter widgets) and scripts/results.py read. A scorer is one registration.
+# ---------------------------------------------------------------------------------------------
+
+SCORERS: dict[str, type[Scorer]] = {}
+
+
+def register_scorer(cls: type[Scorer]) -> type[Scorer]:
+    """Register a Scorer subclass under `cls.name` (its `label`, constructor parameters and
+    `needs_calibration` come with it). InputError for a missing name/label or a taken name."""
+    if not cls.name or not cls.label:
+        raise InputError(f"{cls.__name__} needs a `name` and a `label` to be registered as a scorer.")
+    if SCORERS.get(cls.name, cls) is not cls:
+        raise InputError(f"A scorer named {cls.name!r} is already registered ({SCORERS[cls.name].__name__}).")
+    SCORERS[cls.name] = cls
+    return cls
+
+
+for _cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
+             GradientHeadScorer, HeadGateScorer, IntegratedGateScorer, HybridScorer, AblationOracle):
+    register_scorer(_cls)
+del _cls
+
+
+def scorer_parameters(name: str) -> dict[str, object]:
+    """{constructor parameter: default} of a registered scorer (parameters without a default left out)."""
+    sig = inspect.signature(scorer_class(name).__init__)
+    return {n: p.default for n, p in sig.parameters.items()
+            if n != "self" and p.default is not inspect.Parameter.empty}
+
+
+def weight_only_scorers() -> tuple[str, ...]:
+    """Names of the registered scorers that need no calibration text (they score a NormProfile)."""
+    return tuple(name for name, cls in SCORERS.items() if not cls.needs_calibration)
+
+
+def scorer_class(name: str) -> type[Scorer]:
+    """The registered scorer class; InputError naming the choices otherwise."""
+    cls = SCORERS.get(name)
+    if cls is None:
+        raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
+    return cls
 
 
 def get_scorer(name: str, **params) -> Scorer:
     """Instantiate a registered scorer by name; InputError naming the choices otherwise."""
-    cls = SCORERS.get(name)
-    if cls is None:
-        raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
-    return cls(**params)
+    return scorer_class(name)(**params)

@@ -29,11 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import Adapter, adapter_for, matmul_module_types
+from .adapters import Adapter, adapter_for
 from .errors import InputError
-from .masking import gates_from_mask, head_mask
+from .head_gates import gates_from_mask, head_mask
 from .models import count_parameters
 from .progress import Progress, ShouldStop, check_stop, no_progress
+from .resize import matmul_module_types
 from .surgery import HeadLayout, prune_heads
 
 PREFILL_LENGTHS = (128, 512, 1024)
