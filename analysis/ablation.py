@@ -34,8 +34,8 @@ from .adapters import adapter_for
 from .errors import InputError
 from .evaluation import default_text, evaluator_for, gate_batch, token_ids
 from .geometry import HeadGeometry
-from .loss import summed_nll
 from .head_gates import head_mask
+from .loss import summed_nll
 from .progress import Progress, ShouldStop, check_stop, report
 
 TAIL_BYTES = 64 * 2**20   # logits memory per tail chunk

@@ -21,8 +21,8 @@ import torch
 from .adapters import adapter_for
 from .errors import InputError
 from .evaluation import token_ids
-from .loss import lm_sequence_losses
 from .head_gates import head_mask
+from .loss import lm_sequence_losses
 from .progress import Progress, ShouldStop, check_stop, report
 
 

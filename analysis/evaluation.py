@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from .adapters import adapter_for
 from .errors import InputError
-from .loss import token_nll
 from .head_gates import as_gates, gates_from_mask, head_mask
+from .loss import token_nll
 from .masks import plan_mask
 from .models import mean_pool
 from .progress import Progress, ShouldStop, check_stop, report

@@ -19,6 +19,9 @@ Calibration:   Wanda-Head and SparseGPT-Head (forward passes; input statistics f
                gates), which need a language-model loss. Hybrid = min-max(Magnitude) +
                min-max(MP) + min-max(Wanda). The ablation oracle wraps a precomputed [L, H]
                loss-increase array from the evaluation sweep.
+
+The registry at the bottom (`SCORERS`, filled by `register_scorer`) is what the CLI, the app and
+scripts/results.py read: a scorer's name, label, constructor parameters and needs_calibration.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ from torch import nn
 
 from analysis.ablation import FastAblation, head_ablation
 from analysis.adapters import Adapter, HeadWeights, adapter_for
-from analysis.errors import InputError, UnsupportedModelError
 from analysis.attribution import gate_loss_fn, integrated_gate_gradients
+from analysis.errors import InputError, UnsupportedModelError
 from analysis.geometry import HeadGeometry
-from analysis.loss import LM_KINDS, lm_sequence_losses
 from analysis.head_gates import head_mask
+from analysis.loss import LM_KINDS, lm_sequence_losses
 from analysis.masks import tie_order_of
 from analysis.models import model_kind
 from analysis.profiles import (
