@@ -95,7 +95,7 @@ if curves is not None:
     metric = next(iter(curves.values())).metric
     st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
-                                  log_y=metric.endswith("perplexity"), marker_x=sparsity),
+                                  log_y=charts.log_axis(metric), marker_x=sparsity),
                     width="stretch", key="compare.curve_chart")
 elif state.last_run("compare.curves") is not None:
     st.caption("The settings changed since the curves were computed; press the button again.")
