@@ -9,12 +9,14 @@ Commands built in here:
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
-the model (weight-only scorers only: mp, mp-g, magnitude, random).
+the model (weight-only scorers only: those registered with needs_calibration = False).
 
-Other modules can add commands without editing this file: each module
-listed in PLUGIN_MODULES that defines `register_cli(register)` is imported and called with
-`register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where payload
-is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
+Scorers come from `analysis.scoring.SCORERS`: --scorer's choices, and one option per
+constructor parameter of any registered scorer (`SCORER_OPTION_SPECS` gives the built-in
+parameters their help and choices; a new parameter gets `--its-name` typed from its default).
+
+Commands: `register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where
+payload is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
 
 Progress bars go to stderr (tqdm), results to stdout or --out; user errors print one line
 and exit with status 2. --out is checked before any work and written atomically
@@ -27,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
-import inspect
 import io
 import json
 import signal
@@ -47,14 +47,19 @@ from analysis.errors import HeadscopeError, InputError, first_line
 from analysis.masks import POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
 
-PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export")
-WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
-
-# command-line option (dest) -> scorer constructor parameter
-SCORER_OPTIONS = {
-    "z": "z", "scope": "scope", "ord": "ord", "a_q": "a_q", "a_kv": "a_kv", "seed": "seed",
-    "n_sequences": "n_sequences", "seq_len": "seq_len", "batch_size": "batch_size",
-    "n_steps": "n_steps", "damping": "damping",
+# scorer constructor parameter -> (flags, add_argument options); the option's dest is the parameter
+SCORER_OPTION_SPECS = {
+    "z": (("--z",), dict(type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")),
+    "scope": (("--scope",), dict(choices=SCOPES, default="layer", help="threshold population")),
+    "ord": (("--ord",), dict(type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")),
+    "a_q": (("--a-q",), dict(type=float, default=None, help="MP-G weight of Q/O excess")),
+    "a_kv": (("--a-kv",), dict(type=float, default=None, help="MP-G weight of K/V excess")),
+    "seed": (("--seed",), dict(type=int, default=None, help="random scorer seed")),
+    "n_sequences": (("--n-sequences",), dict(type=int, default=None, help="calibration sequences (calibration scorers)")),
+    "seq_len": (("--seq-len",), dict(type=int, default=None, help="calibration sequence length")),
+    "batch_size": (("--batch-size",), dict(type=int, default=None)),
+    "n_steps": (("--n-steps",), dict(type=int, default=None, help="integrated-gradient steps")),
+    "damping": (("--damping",), dict(type=float, default=None, help="SparseGPT damping fraction")),
 }
 
 Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
@@ -72,7 +77,7 @@ COMMANDS: dict[str, Command] = {}
 
 
 def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Runner) -> None:
-    """Add a subcommand (used by this module and by plugins' `register_cli`)."""
+    """Add a subcommand."""
     COMMANDS[name] = Command(name, help, add_arguments, run)
 
 
@@ -149,37 +154,42 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def scorer_option_defaults() -> dict[str, object]:
+    """{parameter: default} over the constructors of every registered scorer (the CLI's scorer options).
+
+    Parameters with a None default and no spec (array inputs such as the oracle's loss_increase)
+    have no option."""
+    from analysis.scoring import SCORERS, scorer_parameters
+
+    out = {}
+    for name in SCORERS:
+        for param, default in scorer_parameters(name).items():
+            if param in SCORER_OPTION_SPECS or default is not None:
+                out.setdefault(param, default)
+    return out
+
+
 def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str = "mp-g") -> None:
     from analysis.scoring import SCORERS
 
     parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default)
-    parser.add_argument("--z", type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")
-    parser.add_argument("--scope", choices=SCOPES, default="layer", help="threshold population")
-    parser.add_argument("--ord", type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")
-    parser.add_argument("--a-q", dest="a_q", type=float, default=None, help="MP-G weight of Q/O excess")
-    parser.add_argument("--a-kv", dest="a_kv", type=float, default=None, help="MP-G weight of K/V excess")
-    parser.add_argument("--seed", type=int, default=None, help="random scorer seed")
-    parser.add_argument("--n-sequences", dest="n_sequences", type=int, default=None,
-                        help="calibration sequences (calibration scorers)")
-    parser.add_argument("--seq-len", dest="seq_len", type=int, default=None, help="calibration sequence length")
-    parser.add_argument("--batch-size", dest="batch_size", type=int, default=None)
-    parser.add_argument("--n-steps", dest="n_steps", type=int, default=None, help="integrated-gradient steps")
-    parser.add_argument("--damping", type=float, default=None, help="SparseGPT damping fraction")
+    for param, default in scorer_option_defaults().items():
+        flags, options = SCORER_OPTION_SPECS.get(param, ((f"--{param.replace('_', '-')}",),
+                                                          dict(type=type(default), default=None)))
+        parser.add_argument(*flags, dest=param, **options)
     parser.add_argument("--ablation-file", default=None,
                         help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
 
 
 def scorer_from(ns: argparse.Namespace):
     """Build the chosen scorer from the options its constructor accepts."""
-    from analysis.scoring import SCORERS
+    from analysis.scoring import get_scorer, scorer_parameters
 
-    cls = SCORERS[ns.scorer]
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {param: getattr(ns, option) for option, param in SCORER_OPTIONS.items()
-              if param in accepted and getattr(ns, option, None) is not None}
+    kwargs = {param: getattr(ns, param) for param in scorer_parameters(ns.scorer)
+              if getattr(ns, param, None) is not None}
     if ns.scorer == "ablation" and getattr(ns, "ablation_file", None):
         kwargs["loss_increase"] = read_array(ns.ablation_file)
-    return cls(**kwargs)
+    return get_scorer(ns.scorer, **kwargs)
 
 
 ARRAY_FILE_MAX_BYTES = 64 * 2**20   # a [L, H] table of numbers is far smaller
@@ -235,9 +245,12 @@ def load_source(ns: argparse.Namespace, report):
 
 def compute_scores(ns: argparse.Namespace):
     """(HeadScores, LoadedModel | None, info) for the score / mask commands."""
-    if getattr(ns, "checkpoint", None) and ns.scorer not in WEIGHT_ONLY:
+    from analysis.scoring import weight_only_scorers
+
+    weight_only = weight_only_scorers()
+    if getattr(ns, "checkpoint", None) and ns.scorer not in weight_only:
         raise InputError(f"--checkpoint streams weights only; the {ns.scorer!r} scorer needs the model. "
-                         f"Use one of {', '.join(WEIGHT_ONLY)}, or --model to load it.")
+                         f"Use one of {', '.join(weight_only)}, or --model to load it.")
     scorer = scorer_from(ns)
     with progress_bar("loading", not ns.quiet) as report:
         target, loaded, info = load_source(ns, report)
@@ -288,7 +301,7 @@ def plan_from(ns):
 
 def run_mask(ns):
     plan, scores, loaded, info = plan_from(ns)
-    bias = loaded is not None and loaded.adapter.read_heads(loaded.model, 0).q_bias is not None  # unknown when streamed
+    bias = loaded is not None and loaded.adapter.has_qkv_bias(loaded.model)  # unknown when streamed
     summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
                              seq_len=ns.flops_seq_len, bias=bias)
     rank = np.empty(plan.order.size, dtype=int)  # [L*H]
@@ -430,20 +443,7 @@ register("export", "write the pruned model (zeroed, pruned, stock or onnx) and m
 # ---------------------------------------------------------------------------------------------
 
 
-def load_plugins() -> None:
-    """Let other modules add subcommands through `register_cli(register)`."""
-    for module_name in PLUGIN_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        hook = getattr(module, "register_cli", None)
-        if callable(hook):
-            hook(register)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    load_plugins()
     parser = argparse.ArgumentParser(prog="python -m analysis",
                                      description="headscope: score, mask, sweep, evaluate and export attention heads headlessly.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,7 +1,7 @@
 """Exports of a pruned model, written atomically, plus the loader for the physically pruned format.
 
 Formats (docs/EXPORT.md describes the files):
-- "zeroed":  the original shapes with pruned heads zeroed (`analysis.masking.zero_heads` on a
+- "zeroed":  the original shapes with pruned heads zeroed (`analysis.head_gates.zero_heads` on a
   copy), safetensors + config.json: loads anywhere, no smaller, no faster.
 - "pruned":  the physically smaller model (`analysis.surgery.prune_heads`) + head_layout.json;
   `load_pruned(path)` rebuilds it (per-layer head counts need the layout).
@@ -47,13 +47,14 @@ import psutil
 import torch
 from torch import nn
 
-from . import schemas
+from . import resize, schemas
 from .adapters import adapter_for
 from .atomic import disk_full, os_problem
 from .errors import HeadscopeError, InputError, ModelLoadError, custom_code_refused, first_line
 from .geometry import HeadGeometry
-from .masking import zero_heads
+from .head_gates import zero_heads
 from .models import quiet_load_report, quiet_progress_bars
+from .progress import Progress, no_progress
 from .surgery import HeadLayout, apply_layout, prune_heads
 
 TOOL = "headscope"
@@ -65,15 +66,10 @@ ONNX_FILE = "model.onnx"
 WEIGHTS_FILE = "model.safetensors"
 FORMATS = ("zeroed", "pruned", "stock", "onnx")
 
-Progress = Callable[[float, str], None]
 
 
 class ExportError(HeadscopeError):
     """An export could not be written (the message says where and how to fix it)."""
-
-
-def _no_progress(fraction: float, message: str) -> None:
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +495,7 @@ def _save_pruned(model: nn.Module, folder: Path) -> None:
 
 def _run_export(fmt: str, target, overwrite: bool, write: Callable[[Path], HeadLayout | None],
                 progress: Progress | None) -> ExportResult:
-    report = progress or _no_progress
+    report = progress or no_progress
     target = Path(target)
     notes = clean_leftovers(target.parent)
     for note in notes:
@@ -549,7 +545,7 @@ def stock_config_for(model: nn.Module, layout: HeadLayout):
             f"A stock checkpoint needs the same head counts in every layer, but this mask keeps (query, KV) "
             f"heads {per_layer} per layer. Use the 'uniform' mask policy (and kv_policy='expand' if some "
             f"layers keep uneven GQA groups), or export the head-layout checkpoint instead.")
-    return adapter_for(model).stock_config(model.config, counts[0], counts[1], layout.head_dim)
+    return resize.stock_config(adapter_for(model), model.config, counts[0], counts[1], layout.head_dim)
 
 
 def export_stock(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,

@@ -46,8 +46,7 @@ from .adapters import Adapter, adapter_for
 from .errors import ModelLoadError, UnsupportedModelError
 from .errors import first_line as _first_line
 from .geometry import HeadGeometry
-
-Progress = Callable[[float, str], None]
+from .progress import Progress, no_progress, scaled
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -100,15 +99,6 @@ class BuiltinModel:
 
 
 # -- small helpers ---------------------------------------------------------------------------
-
-def _no_progress(fraction: float, message: str) -> None:
-    pass
-
-
-def _scaled(progress: Progress, start: float, stop: float) -> Progress:
-    """A progress callback mapping [0, 1] onto [start, stop] of `progress`."""
-    return lambda f, msg: progress(start + (stop - start) * min(max(f, 0.0), 1.0), msg)
-
 
 HUB_PROBE_TIMEOUT_S = 1.0   # one TCP connect to the hub's endpoint decides "reachable"
 HUB_PROBE_TTL_S = 30        # ... and holds for this long
@@ -186,9 +176,16 @@ def _package_dir(builtin: BuiltinModel) -> Path:
 
 # -- kinds and memory ------------------------------------------------------------------------
 
-def model_kind(config) -> str:
-    """"causal-lm", "masked-lm" or "encoder", from config.architectures (else from model_type)."""
-    for arch in getattr(config, "architectures", None) or ():
+def model_kind(config_or_model) -> str:
+    """"causal-lm", "masked-lm" or "encoder", from config.architectures (else from model_type).
+
+    A model (nn.Module) is judged by its class name (the same suffixes: a model built from a
+    config has no architectures entry), then by its config's model_type."""
+    if isinstance(config_or_model, torch.nn.Module):
+        config, architectures = config_or_model.config, [type(config_or_model).__name__]
+    else:
+        config, architectures = config_or_model, getattr(config_or_model, "architectures", None) or ()
+    for arch in architectures:
         for suffix, kind in _KIND_BY_ARCH_SUFFIX:
             if arch.endswith(suffix):
                 return kind
@@ -200,15 +197,17 @@ def model_kind(config) -> str:
     return "encoder"
 
 
-def count_parameters(config, *, trust_remote_code: bool = False) -> int:
-    """Parameters plus persistent buffers of the model `config` describes (tied tensors once).
+def count_parameters(model_or_config, *, trust_remote_code: bool = False) -> int:
+    """The parameter count: distinct parameters of a model (tied tensors once).
 
-    Built on the meta device, so no memory is allocated and nothing is initialized."""
-    auto_cls = AUTO_CLASS_BY_KIND[model_kind(config)]
+    A config is counted as the model it describes plus its buffers (what the memory estimate
+    needs), built on the meta device, so no memory is allocated and nothing is initialized."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return sum(p.numel() for p in model_or_config.parameters())  # parameters() yields a tied tensor once
+    auto_cls = AUTO_CLASS_BY_KIND[model_kind(model_or_config)]
     with torch.device("meta"):
-        model = auto_cls.from_config(config, trust_remote_code=bool(trust_remote_code))
-    # parameters() and buffers() yield a tied tensor once
-    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+        model = auto_cls.from_config(model_or_config, trust_remote_code=bool(trust_remote_code))
+    return count_parameters(model) + sum(b.numel() for b in model.buffers())
 
 
 def estimate_model_bytes(config, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False) -> int:
@@ -317,7 +316,7 @@ def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress
         config = AutoConfig.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
         tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
         report(0.2, "dequantizing GGUF tensors")
-        with _gguf_tensor_progress(_scaled(report, 0.2, 0.8)):
+        with _gguf_tensor_progress(scaled(report, 0.2, 0.8)):
             quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32,
                                                              trust_remote_code=False)
         # save_pretrained refuses a GGUF-loaded model: move its (already permuted back,
@@ -364,7 +363,7 @@ def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]
     """(folder or hub id, is_local) for `name`; converts a built-in first when needed."""
     if name in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[name]
-        return str(builtin.prepare(builtin, cache_root, _scaled(progress, 0.0, 0.6))), True
+        return str(builtin.prepare(builtin, cache_root, scaled(progress, 0.0, 0.6))), True
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -490,7 +489,7 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
         raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
                              f"a local folder, or a Hugging Face hub id.")
     name = name.strip()
-    report = progress or _no_progress
+    report = progress or no_progress
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)

@@ -29,8 +29,9 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from analysis.adapters import Adapter, adapter_for
-from analysis.errors import CancelledError, ModelLoadError, custom_code_refused, first_line
-from analysis.profiles import STREAM_CHUNK, NormProfile, Progress, ShouldStop, head_norms, stack_layers
+from analysis.errors import ModelLoadError, custom_code_refused, first_line
+from analysis.profiles import STREAM_CHUNK, NormProfile, head_norms, stack_layers
+from analysis.progress import Progress, ShouldStop, check_stop, report
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -175,8 +176,7 @@ def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: S
     prefix = name_prefix(adapter, names)
     l2_layers, l1_layers, scratch = [], [], {}
     for layer in range(geometry.n_layers):
-        if should_stop is not None and should_stop():
-            raise CancelledError("Profiling was cancelled; run it again to get the profile.")
+        check_stop(should_stop, "Profiling")
         roles = layer_tensor_names(adapter, layer, names, prefix)
         tensors = read_tensors(roles, names, geometry)
         try:
@@ -189,8 +189,7 @@ def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: S
         l2_layers.append(norms[2])
         l1_layers.append(norms[1])
         del tensors, hw
-        if progress is not None:
-            progress((layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
+        report(progress, (layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
     return NormProfile(l2=stack_layers(l2_layers), l1=stack_layers(l1_layers), source=str(folder))
 
 

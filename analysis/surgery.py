@@ -3,7 +3,7 @@
 `prune_heads(model, pruned)` deep-copies the model and, per layer, keeps only the Q rows and O
 columns of the kept query heads and the K/V rows of the KV heads they still use, so the copy has
 smaller projections and per-layer head counts and computes what the masked model computes
-(`analysis.masking.head_mask` with the same mask). The input model is never changed.
+(`analysis.head_gates.head_mask` with the same mask). The input model is never changed.
 
 GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):
 - a KV group whose query heads are all pruned loses its K/V rows;
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import schemas
+from . import resize, schemas
 from .adapters import Adapter, HeadWeights, adapter_for
 from .errors import InputError
 from .geometry import HeadGeometry
@@ -97,7 +97,7 @@ class HeadLayout:
         """KV heads per layer before/after and KV-cache values per token (K and V, all layers).
 
         An emptied layer caches a 1-value placeholder per token for K and for V (see
-        analysis/adapters.py), counted here."""
+        analysis/resize.py), counted here."""
         before = [self.n_kv_heads] * self.n_layers
         after = [len(kv) for kv in self.kv_heads]
         values_before = 2 * sum(before) * self.head_dim
@@ -198,7 +198,7 @@ def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | Non
     On a model that still has the original shapes (a copy you own, or one freshly built from the
     original config before loading a pruned checkpoint's weights). Returns `model`."""
     adapter = adapter or adapter_for(model)
-    adapter.surgery_spec()                      # UnsupportedModelError before touching anything
+    resize.surgery_spec(adapter)                # UnsupportedModelError before touching anything
     geometry = adapter.geometry(model)
     if (geometry.n_layers, geometry.n_heads, geometry.n_kv_heads, geometry.head_dim) != (
             layout.n_layers, layout.n_heads, layout.n_kv_heads, layout.head_dim):
@@ -211,11 +211,11 @@ def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | Non
         if (n_heads, n_kv) == (geometry.n_heads, geometry.n_kv_heads):
             continue                            # nothing removed or copied in this layer
         hw = select_heads(adapter.read_heads(model, layer, geometry), layout.heads[layer], layout.kv_heads[layer])
-        adapter.replace_projections(model, layer, hw, n_heads, n_kv)
+        resize.replace_projections(adapter, model, layer, hw, n_heads, n_kv)
         if n_heads == 0:
-            adapter.empty_attention(model, layer, geometry.head_dim)
+            resize.empty_attention(adapter, model, layer, geometry.head_dim)
         else:
-            adapter.set_head_inputs(model, layer, layout.heads[layer], geometry.n_heads, geometry.head_dim)
+            resize.set_head_inputs(adapter, model, layer, layout.heads[layer], geometry.n_heads, geometry.head_dim)
     return model
 
 
@@ -226,7 +226,7 @@ def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,
     The copy computes what `head_mask(model, 1 - pruned)` computes; `model` is not changed.
     Returns (pruned_model, layout)."""
     adapter = adapter or adapter_for(model)
-    adapter.surgery_spec()
+    resize.surgery_spec(adapter)
     geometry = adapter.geometry(model)
     layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
     twin = copy.deepcopy(model)

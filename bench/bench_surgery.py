@@ -38,8 +38,8 @@ from analysis.masks import plan_mask  # noqa: E402
 from analysis.scoring import MPGScorer  # noqa: E402
 from analysis.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
                             saving_ratio, torch_threads)
+from analysis.head_gates import gates_from_mask  # noqa: E402
 from analysis.surgery import prune_heads  # noqa: E402
-from analysis.masking import gates_from_mask  # noqa: E402
 
 PASS_FRACTION = 0.70
 

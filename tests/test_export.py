@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import analysis.export as export_mod
-from analysis.adapters import SURGERY, adapter_for
+from analysis.adapters import adapter_for
 from analysis.errors import HeadscopeError, InputError, ModelLoadError, UnsupportedModelError
 from analysis.export import (ExportError, atomic_folder, export, export_onnx, export_pruned, export_stock,
                              export_zeroed, load_pruned, mask_from_json, mask_record, read_mask_json,
                              resolve_under)
-from analysis.masking import gates_from_mask, head_mask
+from analysis.head_gates import gates_from_mask, head_mask
 from analysis.masks import plan_mask
+from analysis.resize import SURGERY
 from tests._tiny import FAMILIES, TINY_SPECS, tiny_config, tiny_input_ids, tiny_model
 from tests.test_surgery import surgery_masks
 
