@@ -29,25 +29,29 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import Adapter, adapter_for, matmul_module_types
-from .errors import CancelledError, InputError
-from .masking import gates_from_mask, head_mask
+from .adapters import Adapter, adapter_for
+from .errors import InputError
+from .head_gates import gates_from_mask, head_mask
+from .models import count_parameters
+from .progress import Progress, ShouldStop, check_stop, no_progress
+from .resize import matmul_module_types
 from .surgery import HeadLayout, predicted_counts, prune_heads
 
 PREFILL_LENGTHS = (128, 512, 1024)
+RATIO_NOTE = (
+    "A column 'A vs B (x)' is B's time divided by A's: how many times faster A runs than B, so above 1 "
+    "means A is faster and below 1 slower. 'predicted by FLOPs' is dense FLOPs / pruned FLOPs; 'share of "
+    "predicted saving' is the measured time saving of pruned over masked divided by the predicted saving "
+    "(1.0 = as predicted). The masked model is the dense model plus one Python hook per layer that "
+    "multiplies the heads' outputs by their gates: the same FLOPs plus a fixed cost per layer. In a decode "
+    "step (one new token) the model's own work is small, so that fixed cost is a large share and masked "
+    "decode is slower than dense; the hooks are how the app evaluates a mask, not a way to deploy one.")
 VARIANTS = ("dense", "masked", "pruned")
-Progress = Callable[[float, str], None]
-ShouldStop = Callable[[], bool]
 
 
 # ---------------------------------------------------------------------------------------------
 # Sizes
 # ---------------------------------------------------------------------------------------------
-
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
 
 def saved_bytes(model: nn.Module) -> int:
     """Size of the model's weights written as one safetensors file (tied tensors stored once)."""
@@ -167,8 +171,7 @@ def alternating_times(calls: dict[str, Callable[[], object]], *, repeats: int = 
         wall = {name: [] for name in names}
         cpu = {name: [] for name in names}
         for r in range(repeats):
-            if should_stop is not None and should_stop():
-                raise CancelledError("Timing stopped.")
+            check_stop(should_stop, "Timing")
             for name in names[r % len(names):] + names[:r % len(names)]:
                 start, start_cpu = time.perf_counter(), time.process_time()
                 calls[name]()
@@ -251,15 +254,15 @@ class SpeedReport:
         return saving_ratio(self.measured_speedup(key, clock=clock), self.predicted_speedup(key))
 
     def rows(self) -> list[dict]:
-        """One row per measured setting, for a table."""
+        """One row per measured setting, for a table (ratios explained by `RATIO_NOTE`)."""
         out = []
         for key, ms in self.latency_ms.items():
             out.append({"setting": key, **{f"{v} ms": round(ms[v], 2) for v in VARIANTS if v in ms},
-                        "FLOP-predicted speedup": round(self.predicted_speedup(key), 3),
-                        "measured pruned/masked": round(self.measured_speedup(key), 3),
-                        "measured pruned/masked (CPU time)": round(self.measured_speedup(key, clock="cpu"), 3),
-                        "measured masked/dense": round(self.measured_speedup(key, "dense", "masked"), 3),
-                        "saving vs predicted": round(self.saving_ratio(key), 3)})
+                        "pruned vs masked (x)": round(self.measured_speedup(key), 3),
+                        "predicted by FLOPs (x)": round(self.predicted_speedup(key), 3),
+                        "share of predicted saving": round(self.saving_ratio(key), 3),
+                        "pruned vs masked, CPU time (x)": round(self.measured_speedup(key, clock="cpu"), 3),
+                        "masked vs dense (x)": round(self.measured_speedup(key, "dense", "masked"), 3)})
         return out
 
     def as_dict(self) -> dict:
@@ -273,7 +276,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
     """Measure dense vs masked vs physically pruned for the mask `pruned` [L, H] (see module doc).
 
     `model` is not changed (the mask hooks are removed after each call; surgery works on a copy)."""
-    report = progress or (lambda fraction, message: None)
+    report = progress or no_progress
     adapter = adapter_for(model)
     g = adapter.geometry(model)
     report(0.0, "physically pruning a copy")
@@ -319,8 +322,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
                         for run in steps.values():
                             run()
                     for r in range(repeats):
-                        if should_stop is not None and should_stop():
-                            raise CancelledError("Timing stopped.")
+                        check_stop(should_stop, "Timing")
                         names = list(steps)
                         for name in names[r % 3:] + names[:r % 3]:
                             wall_s, cpu_s = steps[name]()

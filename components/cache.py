@@ -1,7 +1,7 @@
 """Cached calls into `analysis/`: the model by name, its norm profile once, scores by parameters.
 
 - `load(name, trust)`: `st.cache_resource`, one shared LoadedModel per (name, trust). Nobody
-  mutates it: masks are hooks inside `analysis.masking.head_mask`, surgery works on a copy.
+  mutates it: masks are hooks inside `analysis.head_gates.head_mask`, surgery works on a copy.
 - `profile(name, trust)`: `st.cache_resource`, the row norms, computed once per model. Moving z
   or the sparsity never recomputes them (everything z-dependent is an array op on this).
 - `scores(name, trust, scorer, params)`: `st.cache_data`, keyed by model name, scorer and its
@@ -20,6 +20,8 @@ from typing import Any, Callable
 import streamlit as st
 
 from analysis.errors import HeadscopeError
+from analysis.progress import check_stop
+from analysis.progress import Progress
 
 from . import state
 from .errors import show_exception
@@ -28,8 +30,6 @@ try:  # Streamlit internal: lets a progress bar outside a cached function be upd
     from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _in_cached
 except Exception:  # noqa: BLE001
     _in_cached = None
-
-Progress = Callable[[float, str], None]
 
 
 def params_key(params: dict) -> tuple:
@@ -65,7 +65,7 @@ def stop_button(work: str, label: str = "Stop"):
     A click reruns the page, which interrupts the work; the flag it sets makes the rerun's
     `should_stop()` true, so work that starts again on that rerun ends at once as cancelled."""
     slot = st.empty()
-    slot.button(label, on_click=state.request_stop, key=state.WIDGET_PREFIX + "stop." + work,
+    slot.button(label, on_click=state.request_stop, args=(work,), key=state.WIDGET_PREFIX + "stop." + work,
                 help="Stop the computation that is running; finished results stay cached.")
     return slot
 
@@ -146,20 +146,18 @@ def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Ca
     if st.button(button_label, key=button_key, **button_kwargs):
         result = cached_call(fn, *args, label=label, stoppable=True)
         if result is not None:
-            state.remember(slot, (run_key, result))
-    remembered = state.recall(slot)
-    if remembered and remembered[0] == run_key:
-        return remembered[1]
-    if remembered:
+            state.remember_run(slot, run_key, result)
+    result = state.run_result(slot, run_key)
+    if result is None and state.last_run(slot) is not None:
         st.caption(stale_note)
-    return None
+    return result
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def param_count(name: str, trust: bool = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
-    lm = load(name, trust)
-    return sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+    from analysis.models import count_parameters
+    return count_parameters(load(name, trust).model)
 
 
 # -- scores, masks, evaluation -----------------------------------------------------------------
@@ -167,15 +165,8 @@ def param_count(name: str, trust: bool = False) -> int:
 @st.cache_data(show_spinner=False, max_entries=8)
 def has_qkv_bias(name: str, trust: bool = False) -> bool:
     """Whether the attention projections carry biases (for the parameter count of a mask)."""
-    from analysis.surgery import has_qkv_bias as qkv_bias
     lm = load(name, trust)
-    return qkv_bias(lm.model, lm.adapter)
-
-
-def scorer_class(scorer: str):
-    """The registered scorer class, or None for an unknown name."""
-    from analysis import scoring
-    return scoring.SCORERS.get(scorer)
+    return lm.adapter.has_qkv_bias(lm.model)
 
 
 @st.cache_resource(show_spinner=False)
@@ -183,20 +174,28 @@ def _model_lock(name: str, trust: bool) -> threading.RLock:
     return threading.RLock()
 
 
+LOCK_POLL_S = 0.25
+
+
 @contextmanager
-def exclusive(name: str, trust: bool, progress: Progress | None = None):
+def exclusive(name: str, trust: bool, progress: Progress | None = None, should_stop=None):
     """Yields the shared LoadedModel with its lock held, for work that runs or copies it.
 
     Masks are forward hooks on the shared model, so two runs at once (two sessions, or a rerun
     that Streamlit starts while the interrupted run is still finishing) would see each other's
     gates; every forward pass on a cached model goes through here. Never call another cached
-    function while holding the lock (their own per-key locks could then deadlock with it)."""
+    function while holding the lock (their own per-key locks could then deadlock with it).
+
+    Quirk handled here: with fast reruns, the run a click interrupts keeps its thread (and this
+    lock) until its next Streamlit call. A blocking wait would make no Streamlit call either,
+    so the new run could not be interrupted by Stop and the page froze on a stale bar; the
+    wait polls, reporting progress (a point where Streamlit can interrupt) and the stop flag."""
     lm = load(name, trust)
     lock = _model_lock(name, trust)
-    if not lock.acquire(blocking=False):
+    while not lock.acquire(timeout=LOCK_POLL_S):
+        check_stop(should_stop, "Waiting for another computation on this model")
         if progress is not None:
             progress(0.0, "waiting for another computation on this model to finish")
-        lock.acquire()
     try:
         yield lm
     finally:
@@ -213,7 +212,7 @@ def scores(name: str, trust: bool, scorer: str, params: tuple, _progress=None, _
     instance = scoring.get_scorer(scorer, **dict(params))
     if not type(instance).needs_calibration:
         return instance.score(profile(name, trust), progress=_progress, should_stop=_should_stop)
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return instance.score(lm, progress=_progress, should_stop=_should_stop)
 
 
@@ -222,7 +221,7 @@ def evaluate_masks(name: str, trust: bool, pruned, text: str | None, max_tokens:
                    _progress=None, _should_stop=None):
     """`analysis.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
     from analysis import evaluation
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return evaluation.evaluate(lm, text, pruned=pruned, max_tokens=max_tokens, progress=_progress,
                                    should_stop=_should_stop)
 
@@ -233,7 +232,7 @@ def z_sweep(name: str, trust: bool, sparsity: float, options: tuple, max_tokens:
     """`analysis.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
     from analysis import sweep
     prof = profile(name, trust)
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
         return sweep.sweep_z(prof, sparsity, calib, held_out, metric=metric, higher_is_better=higher,
                              evaluate_all=True, progress=_progress, should_stop=_should_stop, **dict(options))
@@ -246,7 +245,7 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
     from analysis import evaluation, masks
     head_scores = scores(name, trust, scorer, params)            # before taking the lock (see exclusive)
     pol = dict(policy)
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         def mask_fn(_, s):
             return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
 
@@ -258,7 +257,7 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
 def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.ablation.head_ablation`: the loss change when each head alone is removed."""
     from analysis import ablation as ablation_mod
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return ablation_mod.head_ablation(lm, text, max_tokens=max_tokens, progress=_progress,
                                           should_stop=_should_stop)
 
@@ -267,7 +266,7 @@ def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progres
 def head_roles(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
     from analysis import roles
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return roles.head_roles(lm, text, max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
@@ -276,7 +275,7 @@ def head_redundancy(name: str, trust: bool, text: str | None, max_tokens: int, k
                     ablation_delta=None, _progress=None, _should_stop=None):
     """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
     from analysis import redundancy
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return redundancy.head_redundancy(lm, text, ablation_delta=ablation_delta, kind=kind, threshold=threshold,
                                           max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
@@ -297,43 +296,9 @@ def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, 
                      _progress=None, _should_stop=None):
     """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
     from analysis import attribution
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
-
-
-def view_mask(lm):
-    """The mask of the current view (scorer, z, sparsity; parameters and policy from the Prune page
-    when they were set there for this model and scorer, else the scorer's defaults).
-
-    Returns (head_scores, plan, params, policy), or None after showing why there is no mask."""
-    from analysis import masks
-    from . import controls
-    scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
-    cls = scorer_class(scorer)
-    if cls is None:
-        st.error(f"Unknown scorer {scorer!r}; pick one on the Prune page.")
-        return None
-    last = state.recall("mask") or {}
-    if last.get("model") == lm.name and last.get("scorer") == scorer:
-        params, policy = dict(last["params"]), dict(last["policy"])
-    else:
-        params, policy = controls.default_params(scorer, z), dict(policy="global")
-    if "z" in params:
-        params["z"] = z
-    key = params_key(params)
-    if cls.needs_calibration and state.recall(f"scored.{lm.name}.{scorer}") != key:
-        st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
-        return None
-    head_scores = cached_call(scores, lm.name, state.trust(), scorer, key, label=f"Scoring with {controls.label(scorer)}")
-    if head_scores is None:
-        return None
-    try:
-        plan = masks.plan_mask(head_scores, sparsity, group_size=lm.geometry.group_size, **policy)
-    except Exception as err:  # noqa: BLE001
-        show_exception(err, "Building the mask")
-        return None
-    return head_scores, plan, params, policy
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -341,6 +306,6 @@ def speed_report(name: str, trust: bool, pruned, prefill: tuple, repeats: int, k
                  _progress=None, _should_stop=None):
     """`analysis.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
     from analysis import speed
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
                              progress=_progress, should_stop=_should_stop)

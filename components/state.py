@@ -17,8 +17,10 @@ seeded from the canonical value when it (re)appears, and the page writes the wid
 back with `set` - so values survive switching pages (Streamlit drops the keys of widgets that
 are not shown). trust_remote_code is session-only and never read from a URL.
 
-Other keys this module owns: the stop flag of long work, and `remember`/`recall` slots that
-keep a button's result on screen across reruns.
+Other keys this module owns: the stop flag of long work, `remember`/`recall` slots that keep
+a button's result on screen across reruns (`remember_run` / `run_result` / `model_result` for the
+(run key, result) pairs of `cache.run_button`, whose run keys start with the model name), and
+which calibration scores were computed for which parameters (`mark_scored` / `is_scored`).
 """
 from __future__ import annotations
 
@@ -42,12 +44,19 @@ _MEMO = PREFIX + "memo."
 _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
 _SCORER_CHOSEN = PREFIX + "scorer_chosen"
+_STOPPED = PREFIX + "stopped"
+_STOP_SEEN = PREFIX + "stop_seen"
+
+
+TEXT_MAX = 1000  # a model id, folder or page name from a link; longer is not a real one
 
 
 def _text(raw: str) -> str:
     value = str(raw).strip()
     if not value:
         raise ValueError("it is empty")
+    if len(value) > TEXT_MAX or not value.isprintable():
+        raise ValueError(f"it is longer than {TEXT_MAX} characters or holds control characters")
     return value
 
 
@@ -90,6 +99,7 @@ def init() -> None:
     ss = st.session_state
     for name, field in FIELDS.items():
         ss.setdefault(_key(name), field.default)
+    _age_stop()
     if ss.get(_URL_READ):
         return
     ss[_URL_READ] = True
@@ -131,19 +141,51 @@ def sync_url() -> None:
         set(name, get(name))
 
 
+def _widget(name: str) -> str:
+    """A view field's widget key is per page: two pages' z sliders are different widgets.
+
+    Quirk handled here: with ONE key shared by the z sliders of Profiles, Prune and Compare, a
+    direct sidebar switch between two of them made the browser's frontend hand the arriving
+    slider its minimum (0.00), which was then written back into the canonical value and the URL.
+    A key of its own per page is absent on arrival (Streamlit drops keys of widgets not shown),
+    so it is seeded from the canonical value."""
+    if name in FIELDS:
+        return f"{WIDGET_PREFIX}{get('page') or '_'}.{name}"
+    return WIDGET_PREFIX + name
+
+
 def widget_key(name: str, *, value: Any = None) -> str:
     """Key for the widget that edits view field `name` (or any page-local name), seeded when absent.
 
     For a view field the seed is its canonical value; for a local name, `value`."""
-    key = WIDGET_PREFIX + name
+    key = _widget(name)
     if key not in st.session_state:
         st.session_state[key] = get(name) if name in FIELDS else value
     return key
 
 
+def unseeded_widget_key(name: str) -> str:
+    """Key for a widget whose value cannot be set through session state (a file uploader)."""
+    return _widget(name)
+
+
+def following_widget_key(name: str, default: str) -> str:
+    """Key for a text widget whose default follows other settings until the user edits it.
+
+    While the widget still shows the default it got last run, a new default replaces it (the
+    export folder name follows the format, scorer and sparsity); a value the user typed stays."""
+    key = widget_key(name, value=default)
+    last = _MEMO + "default." + name
+    ss = st.session_state
+    if ss.get(last) is not None and ss[key] == ss[last]:
+        ss[key] = default
+    ss[last] = default
+    return key
+
+
 def reset_widget(name: str) -> None:
     """Forget a widget's own value so it is seeded again from the canonical one."""
-    st.session_state.pop(WIDGET_PREFIX + name, None)
+    st.session_state.pop(_widget(name), None)
 
 
 def follow_url_page(current, pages: dict) -> None:
@@ -186,9 +228,14 @@ def set_trust(value: bool) -> None:
 
 # -- stopping long work ------------------------------------------------------------------------
 
-def request_stop() -> None:
-    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it."""
+def request_stop(work: str = "") -> None:
+    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it.
+
+    The flag lives for the click's own rerun (work started again in that run ends at once as
+    cancelled) and is cleared at the start of the next run, so the next press runs normally.
+    `work` is remembered for one `stopped_note`."""
     st.session_state[_STOP] = True
+    st.session_state[_STOPPED] = work
 
 
 def should_stop() -> bool:
@@ -197,6 +244,24 @@ def should_stop() -> bool:
 
 def clear_stop() -> None:
     st.session_state[_STOP] = False
+
+
+def _age_stop() -> None:
+    """Called by init: a stop flag set before the previous run has done its job; clear it."""
+    ss = st.session_state
+    if ss.pop(_STOP_SEEN, False):
+        ss[_STOP] = False
+    elif ss.get(_STOP):
+        ss[_STOP_SEEN] = True
+
+
+def stopped_note() -> str | None:
+    """Once, on the run after a Stop: the note that says what was stopped (then forgotten)."""
+    work = st.session_state.pop(_STOPPED, None)
+    if work is None:
+        return None
+    return (f"Stopped: {work or 'the computation'}. Nothing partial was kept; results finished before "
+            "the stop stay cached. Press its button to run it again.")
 
 
 # -- results kept across reruns ----------------------------------------------------------------
@@ -212,3 +277,52 @@ def recall(slot: str, default: Any = None) -> Any:
 
 def forget(slot: str) -> None:
     st.session_state.pop(_MEMO + slot, None)
+
+
+def remember_run(slot: str, run_key: tuple, result: Any) -> None:
+    """Keep a button-run's result with the key of the inputs it was computed for (model name first)."""
+    remember(slot, (run_key, result))
+
+
+def last_run(slot: str) -> tuple[tuple, Any] | None:
+    """(run key, result) of the last run kept in `slot`, or None."""
+    return recall(slot)
+
+
+def run_result(slot: str, run_key: tuple) -> Any:
+    """The result kept in `slot` if it was computed for exactly `run_key`, else None."""
+    kept = last_run(slot)
+    return kept[1] if kept and kept[0] == run_key else None
+
+
+def model_result(slot: str, model: str) -> Any:
+    """The result kept in `slot` if it was computed on `model` (whatever its other inputs), else None."""
+    kept = last_run(slot)
+    return kept[1] if kept and kept[0][0] == model else None
+
+
+def remember_mask(model: str, scorer: str, params: dict, sparsity: float, policy: dict) -> None:
+    """Keep the Prune page's mask settings, so other pages build the same mask."""
+    remember("mask", dict(model=model, scorer=scorer, params=params, sparsity=sparsity, policy=policy))
+
+
+def mask_settings(model: str, scorer: str) -> tuple[dict, dict] | None:
+    """(params, policy) last set on the Prune page for this model and scorer, else None (copies)."""
+    last = recall("mask") or {}
+    if last.get("model") == model and last.get("scorer") == scorer:
+        return dict(last["params"]), dict(last["policy"])
+    return None
+
+
+def _scored_slot(model: str, scorer: str) -> str:
+    return f"scored.{model}.{scorer}"
+
+
+def mark_scored(model: str, scorer: str, params_key: tuple) -> None:
+    """Note that `scorer`'s (calibration) scores on `model` were computed for `params_key`."""
+    remember(_scored_slot(model, scorer), params_key)
+
+
+def is_scored(model: str, scorer: str, params_key: tuple) -> bool:
+    """Whether `mark_scored` noted these parameters (so the cached scores can be shown without a click)."""
+    return recall(_scored_slot(model, scorer)) == params_key

@@ -1,18 +1,16 @@
 """Export page: download the current mask as JSON; export the pruned model (zeroed, physically
 pruned, stock-loadable, ONNX) into a folder under the output root. Exports work on a copy."""
-import os
 from pathlib import Path
 
 import streamlit as st
 
 from analysis import export as export_mod
 from analysis import speed
-from components import cache, charts, controls, explain, numbers, shell, state
+from components import cache, charts, controls, explain, numbers, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
 
-OUTPUT_ROOT = Path(os.environ.get("HEADSCOPE_EXPORT_ROOT") or Path(__file__).resolve().parents[1] / "out" / "exports")
 FORMAT_HELP = {
     "zeroed": "original shapes, pruned heads zeroed: loads anywhere, not smaller",
     "pruned": "physically smaller, with head_layout.json (load with analysis.export.load_pruned)",
@@ -26,7 +24,7 @@ lm = cache.model_or_stop()
 g = lm.geometry
 explain.export()
 
-built = cache.view_mask(lm)
+built = views.view_mask(lm)
 if built is None:
     st.stop()
 head_scores, plan, params, policy = built
@@ -45,28 +43,38 @@ with shown_errors("Writing the mask JSON"):
                        key="export.mask_json")
 
 st.subheader("Pruned model")
+default_root = str(export_mod.default_export_root())
+root_text = st.text_input("Export root: every export becomes a folder in here",
+                          key=state.widget_key("export.root", value=default_root),
+                          help=f"Default {export_mod.DEFAULT_EXPORT_ROOT}, or the folder in the environment variable "
+                               f"{export_mod.EXPORT_ROOT_ENV}.")
+output_root = Path(root_text.strip() or default_root).expanduser()
 c1, c2 = st.columns([1, 2])
 fmt = c1.selectbox("Format", list(export_mod.FORMATS), format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
                    key=state.widget_key("export.format", value=export_mod.FORMATS[0]))
 kv_policy = numbers.kv_policy_choice(c1)
 surgery = {} if fmt == "zeroed" else {"kv_policy": kv_policy}       # zeroed keeps the original shapes
+auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy['policy']}-{fmt}"
+folder = c2.text_input("Folder name (follows the settings until you edit it)",
+                       key=state.following_widget_key("export.folder", auto_name))
+st.caption(f"Writes **{output_root / folder.strip()}**.")
 if surgery:
     with shown_errors("Counting what surgery removes"):
         numbers.show_summary(numbers.summary_of(lm, plan, head_scores, kv_policy), flops_len=512)
         numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
-folder = c2.text_input(f"Folder inside {OUTPUT_ROOT}",
-                       key=state.widget_key("export.folder", value=f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{fmt}"))
 overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
     with shown_errors("Exporting"):
         with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.trust(), report):
-            result = export_mod.export(fmt, lm.model, plan.pruned, OUTPUT_ROOT, folder, record=record,
+            result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
                                        tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery)
         state.remember("export.last", result)
 last = state.recall("export.last")
 if last is not None:
     st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
+    for note in last.notes:
+        st.info(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
 
 st.subheader("Measured report")
@@ -96,6 +104,7 @@ with shown_errors("Measuring"):
                         f"{(report.file_bytes['pruned'] - report.file_bytes['dense']) / 2**20:+.1f} MiB",
                         delta_color="inverse")
         m[2].metric("Heads pruned", f"{report.heads_pruned} / {report.heads_total}")
-        st.dataframe(report.rows(), hide_index=True)
+        st.dataframe(report.rows(), hide_index=True, width="stretch")
+        st.caption(speed.RATIO_NOTE)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))

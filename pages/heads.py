@@ -26,8 +26,11 @@ with shown_errors("Single-head ablation"):
                               args=(lm.name, state.trust(), text, tokens), label="Ablating heads",
                               stale_note="The text or token count changed since the sweep; press the button to run it again.")
     if result is not None:
-        st.caption(f"Dense {result.metric}: {result.base_loss:.4g} over {result.n_tokens} predictions "
-                   f"({result.method} sweep). Red = removing the head hurts; blue = it helps.")
+        base = round(float(result.base_loss), 12) + 0.0       # 1 - cos(x, x) is 0 up to float rounding
+        over = (f"{result.n_tokens} predictions" if lm.kind != "encoder" else
+                f"{result.n_tokens} token positions (the text's tokens plus the tokenizer's special tokens)")
+        st.caption(f"Dense {result.metric}: {base:.4g} over {over} ({result.method} sweep). "
+                   "Red = removing the head hurts; blue = it helps.")
         lim = float(abs(result.head_delta).max()) or 1.0
         fig = charts.layer_head_heatmap(result.head_delta, f"{result.metric} increase when one head is removed",
                                         colorbar=f"Δ {result.metric}", group_size=g.group_size,
@@ -63,16 +66,15 @@ else:
             st.plotly_chart(charts.layer_head_heatmap(result.importance, "Importance = loss increase the head's gate "
                                                       "prevents", colorbar="importance", group_size=g.group_size),
                             width="stretch", key="heads.ig_map")
-            last_ablation = state.recall("heads.ablation")
-            if last_ablation and last_ablation[0][0] == lm.name:
-                rho = attribution.rank_correlation(result.importance, last_ablation[1].head_delta)
+            last_ablation = state.model_result("heads.ablation", lm.name)
+            if last_ablation is not None:
+                rho = attribution.rank_correlation(result.importance, last_ablation.head_delta)
                 st.metric("Spearman rank correlation with the ablation oracle", f"{rho:.3f}")
             else:
                 st.caption("Run the ablation sweep above to compare this ranking with the real loss increases.")
 
-ablation_delta = None
-if state.recall("heads.ablation") and state.recall("heads.ablation")[0][0] == lm.name:
-    ablation_delta = state.recall("heads.ablation")[1].head_delta          # [L, H], shown beside roles
+last_ablation = state.model_result("heads.ablation", lm.name)
+ablation_delta = None if last_ablation is None else last_ablation.head_delta  # [L, H], shown beside roles
 
 st.subheader("Head roles")
 with shown_errors("Head roles"):
@@ -133,5 +135,6 @@ with shown_errors("Attention pattern"):
         "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
     tokens_, probs = cache.attention_pattern(lm.name, state.trust(), sentence)
     st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
-                                             title=f"Layer {layer}, head {head} (KV group {head // g.group_size})"),
+                                             title=f"Layer {layer}, head {head}" +
+                                                   (f" (KV group {head // g.group_size})" if g.group_size > 1 else "")),
                     width="stretch", key="heads.pattern")

@@ -46,25 +46,12 @@ from analysis.errors import InputError  # noqa: E402
 from analysis.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
 from analysis.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.profiles import profile_model  # noqa: E402
-from analysis.scoring import (  # noqa: E402
-    AblationOracle,
-    GradientHeadScorer,
-    HeadGateScorer,
-    HybridScorer,
-    IntegratedGateScorer,
-    MagnitudeScorer,
-    MPGScorer,
-    MPScorer,
-    RandomScorer,
-    SparseGPTHeadScorer,
-    WandaHeadScorer,
-    calibration_ids,
-)
-from analysis.surgery import has_qkv_bias  # noqa: E402
+from analysis.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.sweep import split_evaluators, sweep_z  # noqa: E402
 from analysis.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
 
 POLICY_ROWS = ("global", "balanced", "groups")
+ORACLE = "ablation"
 
 
 @dataclass
@@ -88,25 +75,33 @@ class Options:
 
 
 def scorer_rows(o: Options) -> list[tuple[str, object]]:
-    """(row label, scorer) in table order."""
+    """(row label, scorer) in table order: the configured rows below, then every other registered
+    scorer (analysis.scoring.SCORERS) at its defaults, so a new scorer gets a row without editing
+    this script. Random has its own rows (several seeds); the ablation oracle is the reference."""
     cal = dict(n_sequences=o.n_sequences, seq_len=o.seq_len, batch_size=o.batch_size)
-    return [
-        ("MP-G (z = 1.5)", MPGScorer(z=1.5)),
-        ("MP-G (z = 2.0)", MPGScorer(z=2.0)),
-        ("MP-G (z = 2.5)", MPGScorer(z=2.5)),
-        ("MP (z = 2.0)", MPScorer(z=2.0)),
-        ("Magnitude (L2)", MagnitudeScorer(ord=2)),
-        ("Wanda-Head", WandaHeadScorer(**cal)),
-        ("Wanda-Head, layer-normalized", WandaHeadScorer(**cal, normalize="layer")),
-        ("SparseGPT-Head", SparseGPTHeadScorer(**cal)),
-        ("SparseGPT-Head, layer-normalized", SparseGPTHeadScorer(**cal, normalize="layer")),
-        ("Gradient-Head", GradientHeadScorer(**cal)),
-        ("Head gate, abs. gradient (Michel)", HeadGateScorer(**cal)),
-        (f"Head gate, integrated ({o.ig_steps} steps)", IntegratedGateScorer(**cal, n_steps=o.ig_steps)),
-        ("Hybrid (Magnitude + MP + Wanda)", HybridScorer(**cal)),
-        (f"Ablation oracle ({o.ablation_sequences} x {o.ablation_seq_len} tokens)",
-         AblationOracle(n_sequences=o.ablation_sequences, seq_len=o.ablation_seq_len)),
+    rows = [
+        ("MP-G (z = 1.5)", "mp-g", dict(z=1.5)),
+        ("MP-G (z = 2.0)", "mp-g", dict(z=2.0)),
+        ("MP-G (z = 2.5)", "mp-g", dict(z=2.5)),
+        ("MP (z = 2.0)", "mp", dict(z=2.0)),
+        ("Magnitude (L2)", "magnitude", dict(ord=2)),
+        ("Wanda-Head", "wanda", cal),
+        ("Wanda-Head, layer-normalized", "wanda", dict(cal, normalize="layer")),
+        ("SparseGPT-Head", "sparsegpt", cal),
+        ("SparseGPT-Head, layer-normalized", "sparsegpt", dict(cal, normalize="layer")),
+        ("Gradient-Head", "gradient", cal),
+        ("Head gate, abs. gradient (Michel)", "gate", cal),
+        (f"Head gate, integrated ({o.ig_steps} steps)", "gate-ig", dict(cal, n_steps=o.ig_steps)),
+        ("Hybrid (Magnitude + MP + Wanda)", "hybrid", cal),
+        (f"Ablation oracle ({o.ablation_sequences} x {o.ablation_seq_len} tokens)", ORACLE,
+         dict(n_sequences=o.ablation_sequences, seq_len=o.ablation_seq_len)),
     ]
+    listed = {name for _, name, _ in rows} | {"random"}
+    for name, cls in SCORERS.items():
+        if name not in listed:
+            accepted = scorer_parameters(name)
+            rows.append((cls.label, name, {k: v for k, v in cal.items() if k in accepted}))
+    return [(label, get_scorer(name, **params)) for label, name, params in rows]
 
 
 def say(o: Options, message: str) -> None:
@@ -178,7 +173,7 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     costs: dict[str, str] = {}
     for label, scorer in scorer_rows(o):
         say(o, f"scoring: {label}")
-        ids_for = ablation_ids if isinstance(scorer, AblationOracle) else calibration
+        ids_for = ablation_ids if scorer.name == ORACLE else calibration
         scores = scorer.score(loaded, calibration=ids_for) if scorer.needs_calibration else scorer.score(profile)
         scores_of[label], costs[label] = scores.scores, cost_text(scores)
         timings[label] = scores.cost.seconds
@@ -194,11 +189,11 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     for s in o.sparsities:
         result = sweep_z(profile, s, calib_eval, None, scorer="mp-g")
         swept[s] = result.suggested_z
-        cells[(sweep_label, s)] = table.add(plan_mask(MPGScorer(z=result.suggested_z).score(profile), s,
+        cells[(sweep_label, s)] = table.add(plan_mask(get_scorer("mp-g", z=result.suggested_z).score(profile), s,
                                                       group_size=G).pruned)
     timings["z sweep (calibration split)"] = time.perf_counter() - sweep_start
 
-    mpg2 = MPGScorer(z=2.0).score(profile)
+    mpg2 = get_scorer("mp-g", z=2.0).score(profile)
     policy_plans = {}
     for policy in POLICY_ROWS:
         for s in o.sparsities:
@@ -211,7 +206,7 @@ def run(loaded, o: Options) -> tuple[str, dict]:
             cells[(f"policy {policy}", s)] = table.add(plan.pruned)
     random_cells = {}
     for seed in o.seeds:
-        scores = RandomScorer(seed=seed).score(profile)
+        scores = get_scorer("random", seed=seed).score(profile)
         scores_of[f"random-{seed}"] = scores.scores
         for s in o.sparsities:
             random_cells[(seed, s)] = table.add(plan_mask(scores, s, group_size=G).pruned)
@@ -230,7 +225,7 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     def fmt(i: int) -> str:
         return cell(ppl[i], lo[i], hi[i])
 
-    bias = has_qkv_bias(loaded.model, loaded.adapter)
+    bias = loaded.adapter.has_qkv_bias(loaded.model)
     dtype_bytes = next(loaded.model.parameters()).element_size()
     head = " | ".join(f"{100 * s:g} %" for s in o.sparsities)
     align = " | ".join("---:" for _ in o.sparsities)
@@ -287,14 +282,16 @@ def run(loaded, o: Options) -> tuple[str, dict]:
                          f"{fmt(cells[(f'policy {policy}', s)])} | {summary.params_removed:,} "
                          f"({100 * summary.params_removed_fraction:.1f} %) | {summary.kv_cache_ratio:.3g}x |")
 
-    oracle_label = scorer_rows(o)[-1][0]
+    rows = scorer_rows(o)
+    oracle_label = next(label for label, scorer in rows if scorer.name == ORACLE)
     oracle = scores_of[oracle_label]
     lines += ["", "## Agreement with the single-head ablation oracle", "",
               f"Spearman's rho between each scorer's head scores and the oracle's ({oracle_label}) over all "
               f"{L * H} heads (higher = ranks heads more like their real loss increase).", "",
               "| Scorer | Spearman rho |", "| --- | ---: |"]
-    for label, _ in scorer_rows(o)[:-1]:
-        lines.append(f"| {label} | {rank_correlation(scores_of[label], oracle):+.3f} |")
+    for label, scorer in rows:
+        if scorer.name != ORACLE:
+            lines.append(f"| {label} | {rank_correlation(scores_of[label], oracle):+.3f} |")
     rhos = np.array([rank_correlation(scores_of[f"random-{seed}"], oracle) for seed in o.seeds])
     lines.append(f"| Random (mean ± std over {len(o.seeds)} seeds) | {rhos.mean():+.3f} ± {rhos.std(ddof=1):.3f} |")
 

@@ -26,21 +26,21 @@ def g3_dir(tmp_path_factory):
 def test_fresh_session_default_scorer_is_mpg_on_smollm2(smollm2_app):
     at = new_app(page="prune")                           # no ?scorer=: a fresh session, default model
     no_exception(at)
-    assert at.selectbox(key="hs.w.scorer").value == "mp-g" and at.query_params["scorer"] == "mp-g"
+    assert at.selectbox(key="hs.w.prune.scorer").value == "mp-g" and at.query_params["scorer"] == "mp-g"
 
 
 def test_default_scorer_follows_the_model_until_the_user_picks(tiny_dir, mha_dir):
     at = new_app(mha_dir, page="prune")
     no_exception(at)
-    assert at.selectbox(key="hs.w.scorer").value == "mp"            # MHA: MP (equal to MP-G there)
+    assert at.selectbox(key="hs.w.prune.scorer").value == "mp"            # MHA: MP (equal to MP-G there)
     at = new_app(tiny_dir, page="prune")
-    assert at.selectbox(key="hs.w.scorer").value == "mp-g"          # GQA: MP-G
-    at.selectbox(key="hs.w.scorer").set_value("magnitude").run()
+    assert at.selectbox(key="hs.w.prune.scorer").value == "mp-g"          # GQA: MP-G
+    at.selectbox(key="hs.w.prune.scorer").set_value("magnitude").run()
     at.query_params["model"] = str(mha_dir)
     at.run()
-    assert at.selectbox(key="hs.w.scorer").value == "magnitude"     # a choice is kept
+    assert at.selectbox(key="hs.w.prune.scorer").value == "magnitude"     # a choice is kept
     at = new_app(tiny_dir, page="prune", scorer="mp")
-    assert at.selectbox(key="hs.w.scorer").value == "mp"            # so is the link's
+    assert at.selectbox(key="hs.w.prune.scorer").value == "mp"            # so is the link's
 
 
 def _counts_of_surgery(model_dir, pruned, kv_policy):

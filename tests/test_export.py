@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import analysis.export as export_mod
-from analysis.adapters import SURGERY, adapter_for
+from analysis.adapters import adapter_for
 from analysis.errors import HeadscopeError, InputError, ModelLoadError, UnsupportedModelError
 from analysis.export import (ExportError, atomic_folder, export, export_onnx, export_pruned, export_stock,
                              export_zeroed, load_pruned, mask_from_json, mask_record, read_mask_json,
                              resolve_under)
-from analysis.masking import gates_from_mask, head_mask
+from analysis.head_gates import gates_from_mask, head_mask
 from analysis.masks import plan_mask
+from analysis.resize import SURGERY
 from tests._tiny import FAMILIES, TINY_SPECS, tiny_config, tiny_input_ids, tiny_model
 from tests.test_surgery import surgery_masks
 
@@ -260,8 +261,15 @@ def test_existing_target_is_not_overwritten_unless_asked(tmp_path):
         export_pruned(model, _hard_mask("gpt2"), target)
     assert (target / "keep.txt").read_text() == "precious"
     assert _no_leftovers(tmp_path) == []
+    # overwrite replaces only a headscope export: a folder of user files is never deleted (issue 11, class 4)
+    with pytest.raises(ExportError, match="not a headscope export"):
+        export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
+    assert (target / "keep.txt").read_text() == "precious"
+    assert _no_leftovers(tmp_path) == []
+    (target / "keep.txt").unlink()
+    export_zeroed(model, _hard_mask("gpt2"), target)
     export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
-    assert not (target / "keep.txt").exists() and (target / "head_layout.json").exists()
+    assert not (target / "model.safetensors.index.json").exists() and (target / "head_layout.json").exists()
     assert _no_leftovers(tmp_path) == []
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -288,7 +296,7 @@ def test_read_only_folder_real(tmp_path):
 def test_read_only_folder_simulated(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr(export_mod.tempfile, "mkdtemp", denied)
+    monkeypatch.setattr(export_mod, "_fresh_dir", denied)   # the temporary folder cannot be made
     with pytest.raises(ExportError, match="writable"):
         export_zeroed(tiny_model("gpt2"), _hard_mask("gpt2"), tmp_path / "new" / "x")
     assert os.listdir(tmp_path) == [], "the parent folder created for the export was left behind"
@@ -364,3 +372,25 @@ def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
             assert "Nearest sparsities that can" in check.message() and check.nearest
             assert any(s == pytest.approx(1 / 3) and p == "balanced-uniform" for s, p, _, _ in check.nearest)
     assert g.group_size == 3
+
+
+def test_export_folders_get_ordinary_permissions(tmp_path):
+    """Not mkdtemp's 0700: an export is a folder like any other (the umask decides)."""
+    import os
+    from analysis.export import atomic_folder
+    umask = os.umask(0o022)
+    try:
+        with atomic_folder(tmp_path / "out") as tmp:
+            (tmp / "x.txt").write_text("x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+
+
+def test_default_export_root_is_in_home_unless_the_env_says(monkeypatch, tmp_path):
+    from pathlib import Path
+    from analysis.export import default_export_root
+    monkeypatch.delenv("HEADSCOPE_EXPORT_ROOT", raising=False)
+    assert default_export_root() == Path.home() / "headscope-exports"
+    monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(tmp_path / "x"))
+    assert default_export_root() == tmp_path / "x"

@@ -189,7 +189,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path):
         raise KeyboardInterrupt  # Ctrl-C in the middle of writing
 
     with pytest.raises(KeyboardInterrupt):
-        M._cached_builtin(builtin, tmp_path, {"source": "x"}, M._no_progress, killed)
+        M._cached_builtin(builtin, tmp_path, {"source": "x"}, M.no_progress, killed)
     assert list((tmp_path / "models").iterdir()) == []
 
 
@@ -201,11 +201,11 @@ def test_conversion_runs_once_and_reruns_when_the_source_changes(tmp_path):
         calls.append(dest)
         (dest / "weights").write_text(f"conversion {len(calls)}")
 
-    first = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M._no_progress, convert)
-    again = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M._no_progress, convert)
+    first = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M.no_progress, convert)
+    again = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M.no_progress, convert)
     assert first == again == tmp_path / "models" / "smollm2-135m" and len(calls) == 1
     assert (first / "weights").read_text() == "conversion 1"
-    M._cached_builtin(builtin, tmp_path, {"source": "b"}, M._no_progress, convert)
+    M._cached_builtin(builtin, tmp_path, {"source": "b"}, M.no_progress, convert)
     assert len(calls) == 2 and (first / "weights").read_text() == "conversion 2"
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["smollm2-135m"]
 
@@ -347,3 +347,35 @@ def test_model_too_large_for_free_ram(tmp_path):
         M.load_model(str(folder), available_bytes=need - 1)
     _assert_fix_in(str(info.value))
     assert M.load_model(str(folder), available_bytes=need).kind == "causal-lm"
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_an_unreachable_hub_means_local_cache_only(monkeypatch, listening):
+    """Unreachable (a refused connect), an uncached id fails at once from the local cache instead of
+    ~25 s of network retries; a reachable endpoint is asked normally."""
+    import socket
+    from analysis import models
+    from analysis.errors import ModelLoadError
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    if listening:
+        server.listen(1)
+    else:
+        server.close()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    seen = {}
+
+    def from_pretrained(source, **kwargs):
+        seen.update(kwargs)
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(models.AutoConfig, "from_pretrained", from_pretrained)
+    try:
+        with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
+            models.load_model("someorg/not-cached-anywhere")
+    finally:
+        server.close()
+    assert seen["local_files_only"] is (not listening)
