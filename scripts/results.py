@@ -19,7 +19,7 @@ What one run measures (every number is written as measured, whatever it says):
     .venv/bin/python scripts/results.py [--cache-dir DIR] [--out docs/results.md] [options]
 
 `run(loaded, options)` does the work on any causal-LM LoadedModel (the tests run it on a tiny
-model); the file is written atomically (temporary file + rename).
+model); the file is written atomically (analysis.atomic.atomic_write).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import hashlib
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from analysis.atomic import atomic_write  # noqa: E402
 from analysis.attribution import rank_correlation  # noqa: E402
 from analysis.errors import InputError  # noqa: E402
 from analysis.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
@@ -315,19 +315,6 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     return "\n".join(lines), data
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write text to path through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _floats(text: str) -> tuple:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -357,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     options.extra["command"] = command
     loaded = load_model(args.model, cache_dir=args.cache_dir)
     text, _ = run(loaded, options)
-    write_atomically(Path(args.out), text)
+    atomic_write(Path(args.out), text, what="The results file")
     print(text)
 
 

@@ -1,6 +1,6 @@
 """scripts/results.py on a tiny model: every row and table is there, every cell's CI holds its value,
 one token stream for every row, perplexities equal analysis.evaluation's, policy rows' parameter
-counts equal what surgery removes, and the file is written atomically."""
+counts equal what surgery removes, and main() writes through analysis.atomic.atomic_write."""
 import importlib.util
 import sys
 
@@ -80,15 +80,10 @@ def test_policy_rows_count_what_surgery_removes(tiny_run):
         assert f"| {removed:,} (" in row
 
 
-def test_atomic_write_leaves_nothing_half_written(results, tmp_path, monkeypatch):
-    target = tmp_path / "results.md"
-    target.write_text("old")
-    results.write_atomically(target, "new")
-    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["results.md"]
-
-    def broken(*args, **kwargs):
-        raise OSError("disk full")
-    monkeypatch.setattr(results.os, "replace", broken)
-    with pytest.raises(OSError):
-        results.write_atomically(target, "newer")
-    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["results.md"]
+def test_main_writes_the_file_with_the_shared_atomic_writer(results, monkeypatch, tmp_path):
+    written = {}
+    monkeypatch.setattr(results, "atomic_write", lambda path, text, what: written.update(path=path, text=text))
+    monkeypatch.setattr(results, "run", lambda loaded, options: (f"table for {options.eval_tokens}", {}))
+    monkeypatch.setattr("analysis.models.load_model", lambda name, cache_dir=None: name)
+    results.main(["--out", str(tmp_path / "r.md"), "--eval-tokens", "16384", "--quiet"])
+    assert written == {"path": tmp_path / "r.md", "text": "table for 16384"}
