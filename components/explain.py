@@ -280,6 +280,19 @@ shared and kept):
     return True
 
 
+def walk_uneven_counts(rows: list[dict]) -> None:
+    """One sentence per layout that copies K/V, from the rows of the worked count table (the first
+    row is the dense layer): what it keeps and how its parameters compare with the dense layer."""
+    dense = rows[0]
+    lines = [f"- **{r['pattern']}** keeps {r['query heads']} query heads but **{r['KV heads after surgery']} KV "
+             f"heads** (copies) against {dense['KV heads after surgery']} in the dense layer: "
+             + (f"**{r['attention params'] - dense['attention params']:+,} parameters, bigger than the dense "
+                f"layer**." if r["attention params"] > dense["attention params"] else
+                f"{r['attention params'] - dense['attention params']:+,} parameters.")
+             for r in rows[1:] if r["K/V copied per query head"] == "yes"]
+    st.markdown("\n".join(lines))
+
+
 WALK_STEPS = (
     ("profiles", "Profiles", "See every row norm and τ: the raw material of the score."),
     ("prune", "Prune", "Pick the scorer, z and sparsity: the heads are ranked and the mask is drawn live."),

@@ -84,7 +84,7 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
         uneven = [min(2, G), 1] + [0] * (g.n_kv_heads - 2)
         patterns = {"dense": [G] * g.n_kv_heads, "uneven": uneven}
         if sum(uneven) % G == 0:
-            patterns["whole groups, same heads kept"] = [G] * (sum(uneven) // G) + [0] * (g.n_kv_heads - sum(uneven) // G)
+            patterns["as many heads, whole groups"] = [G] * (sum(uneven) // G) + [0] * (g.n_kv_heads - sum(uneven) // G)
         patterns["all but one head of the last group pruned"] = [G] * (g.n_kv_heads - 1) + [1]
         dense_params = g.n_heads * costs["head_params"] + g.n_kv_heads * costs["group_params"]
         rows, seen = [], set()
@@ -95,11 +95,12 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
             layout = surgery.HeadLayout.from_mask(pattern_mask(kept), one_layer, lm.adapter.model_type)
             n_q, n_kv = layout.layer_counts(0)
             params = n_q * costs["head_params"] + n_kv * costs["group_params"]
-            rows.append({"heads kept per KV group": " + ".join(map(str, kept)), "what": what,
+            rows.append({"pattern": " + ".join(map(str, kept)), "what": what,
                          "query heads": n_q, "KV heads after surgery": n_kv,
                          "K/V copied per query head": "yes" if layout.kv_expanded(0) else "no",
                          "attention params": params, "vs dense": f"{params - dense_params:+,}"})
-        st.table(pd.DataFrame(rows).set_index("heads kept per KV group"))
+        st.table(pd.DataFrame(rows).set_index("pattern").rename_axis("heads kept per KV group"))
+        explain.walk_uneven_counts(rows)
         st.caption(f"Per query head: Q rows + O columns = {costs['head_params']:,} parameters; per KV head: K + V "
                    f"rows = {costs['group_params']:,}. The balanced and groups mask policies avoid uneven layers.")
 

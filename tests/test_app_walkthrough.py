@@ -91,26 +91,54 @@ def test_slice_picture_uses_the_real_shapes(tiny_dir):
     assert sizes == [(H * D_HEAD, HIDDEN), (HKV * D_HEAD, HIDDEN), (HKV * D_HEAD, HIDDEN), (HIDDEN, H * D_HEAD)]
 
 
-def test_uneven_count_is_what_surgery_builds(tiny_dir):
-    """The table's query/KV heads and parameters for '2 + 1' equal a real surgery of that layer."""
+@pytest.fixture(scope="module")
+def tiny_g3_dir(tmp_path_factory):
+    """A tiny Llama like SmolLM2's layout: 9 query heads in 3 KV groups (G = 3), d = 4."""
+    from tests._apptools import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-g3"), num_attention_heads=9, num_key_value_heads=3,
+                          hidden_size=36)
+
+
+def _layer0_after_surgery(model_dir, kept: list[int], group_size: int, head_dim: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, attention params) of layer 0 after surgery keeps kept[g] heads of group g."""
     from analysis import surgery
     from analysis.models import load_model
-    at = _open(tiny_dir, 2.0)
-    table = at.table[0].value
-    row = table.loc["2 + 1"]
-    model = load_model(str(tiny_dir)).model
-    pruned = np.zeros((L, H), dtype=bool)
-    pruned[0, 1] = True                                                   # groups keep 2 + 1 heads
-    smaller, _ = surgery.prune_heads(model, pruned)
+    lm = load_model(str(model_dir))
+    pruned = np.zeros((lm.geometry.n_layers, lm.geometry.n_heads), dtype=bool)   # [L, H]
+    pruned[0] = True
+    for g, count in enumerate(kept):
+        pruned[0, g * group_size: g * group_size + count] = False
+    smaller, _ = surgery.prune_heads(lm.model, pruned)
     attn = smaller.model.layers[0].self_attn
-    built = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
-                for m in (attn.q_proj, attn.k_proj, attn.v_proj)) + attn.o_proj.weight.numel()
-    assert (int(row["query heads"]), int(row["KV heads after surgery"])) == (
-        attn.q_proj.out_features // D_HEAD, attn.k_proj.out_features // D_HEAD) == (3, 3)
-    assert int(row["attention params"]) == built
-    assert row["K/V copied per query head"] == "yes"
-    dense = table.loc["2 + 2"]
-    assert row["vs dense"] == f"{int(row['attention params']) - int(dense['attention params']):+,}"
+    params = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+                 for m in (attn.q_proj, attn.k_proj, attn.v_proj)) + attn.o_proj.weight.numel()   # O's bias kept
+    return attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim, params
+
+
+@pytest.mark.parametrize("which,group_size,head_dim,patterns", [
+    ("tiny_dir", 2, D_HEAD, ["2 + 2", "2 + 1"]),
+    ("tiny_g3_dir", 3, 4, ["3 + 3 + 3", "2 + 1 + 0", "3 + 0 + 0", "3 + 3 + 1"]),
+])
+def test_uneven_count_is_what_surgery_builds(request, which, group_size, head_dim, patterns):
+    """Every row of the worked count (heads, KV heads, parameters) equals a real surgery of that layer."""
+    model_dir = request.getfixturevalue(which)
+    at = new_app(model_dir, page="walkthrough")
+    no_exception(at)
+    table = at.table[0].value
+    assert list(table.index) == patterns
+    dense_params = _layer0_after_surgery(model_dir, [group_size] * (len(patterns[0].split(" + "))), group_size,
+                                         head_dim)[2]
+    for pattern in patterns:
+        row = table.loc[pattern]
+        kept = [int(k) for k in pattern.split(" + ")]
+        built = _layer0_after_surgery(model_dir, kept, group_size, head_dim)
+        assert (int(row["query heads"]), int(row["KV heads after surgery"]), int(row["attention params"])) == built
+        assert row["vs dense"] == f"{built[2] - dense_params:+,}"
+        uneven = len({k for k in kept if k}) > 1
+        assert row["K/V copied per query head"] == ("yes" if uneven else "no")
+    if which == "tiny_g3_dir":   # 3 + 3 + 1: 7 query heads, 7 KV copies > the dense layer's 9 + 3
+        assert "bigger than the dense layer" in texts(at)
+        assert table.loc["3 + 3 + 1", "KV heads after surgery"] == 7
 
 
 def test_step_links_keep_the_view(tiny_dir):
