@@ -9,6 +9,7 @@ pages, the keyboard on sliders, the Stop button on long work.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -126,3 +127,50 @@ def test_stop_leaves_a_usable_page_that_says_stopped(server, page):
     expect(main.get_by_role("button", name="Stop")).to_be_visible(timeout=60_000)
     main.get_by_role("button", name="Stop").click()
     expect(main.get_by_test_id("stAlert").filter(has_text="Stopped: Ablating heads")).to_be_visible(timeout=60_000)
+
+
+def _no_error_on_page(page, where: str) -> None:
+    for testid in ("stException", "stAlertContentError"):
+        found = page.get_by_test_id(testid)
+        assert found.count() == 0, f"{where}: {found.first.inner_text()[:300]}"
+
+
+@pytest.mark.parametrize("name", list(PAGES))
+def test_minilm_journey_has_no_error_on_any_page(server, page, name):
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(f"{server}/{PAGES[name][1]}?model=minilm-l6&sparsity=0.25")
+    _arrive(page, name)
+    page.wait_for_timeout(500)
+    _no_error_on_page(page, f"minilm {name}")
+    page.screenshot(path=str(ARTIFACTS / f"e2e_minilm_{name}.png"), full_page=True)
+
+
+def test_export_journey(server, page, export_root):
+    """Format chosen -> the default name follows it -> Export -> the folder is under the root the page
+    shows -> mask.json downloads and describes the shown view."""
+    import json
+    from playwright.sync_api import expect
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(f"{server}/export?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.1")
+    _arrive(page, "export")
+    root_box = page.get_by_role("textbox", name="Export root: every export becomes a folder in here")
+    assert root_box.input_value() == str(export_root)
+    name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
+    assert name_box.input_value().endswith("-zeroed")
+    page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
+    page.get_by_role("option", name="pruned:").click()
+    _settled(page)
+    expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-global-pruned", timeout=30_000)
+    page.get_by_role("button", name="Export", exact=True).click()
+    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
+                                                                          timeout=LOAD_TIMEOUT_MS)
+    folder = export_root / "smollm2-135m-mp-g-s0.1-global-pruned"
+    assert (folder / "head_layout.json").is_file() and (folder / "mask.json").is_file()
+    assert folder.stat().st_mode & 0o077 != 0                  # not mkdtemp's private 0700
+    with page.expect_download() as info:
+        page.get_by_role("button", name="Download mask.json").click()
+    record = json.loads(Path(info.value.path()).read_text())
+    assert (record["scorer"], record["sparsity"]) == ("mp-g", 0.1)
+    assert record["kept"] == json.loads((folder / "mask.json").read_text())["kept"]
+    _no_error_on_page(page, "export")
+    page.screenshot(path=str(ARTIFACTS / "e2e_export_journey.png"), full_page=True)
