@@ -69,7 +69,7 @@ with shown_errors("Working the example"):
 st.header("4. Why an uneven mask can make a GQA model bigger")
 
 
-def pattern_mask(kept: list[int]) -> np.ndarray:
+def pattern_mask(kept: tuple[int, ...]) -> np.ndarray:
     """One layer's pruned mask [1, H] that keeps the first kept[g] query heads of each KV group g."""
     pruned = np.ones((1, g.n_heads), dtype=bool)                            # [1, H]
     for grp, count in enumerate(kept):
@@ -82,16 +82,14 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
         one_layer = HeadGeometry(1, g.n_heads, g.n_kv_heads, g.head_dim, g.hidden)
         costs = masks.attention_costs(g.head_dim, g.hidden, seq_len=1, bias=cache.has_qkv_bias(lm.name, state.trust()))
         uneven = [min(2, G), 1] + [0] * (g.n_kv_heads - 2)
-        patterns = {"dense": [G] * g.n_kv_heads, "uneven": uneven}
+        whole = [G] * (sum(uneven) // G) + [0] * (g.n_kv_heads - sum(uneven) // G)
+        patterns = {tuple([G] * g.n_kv_heads): "dense", tuple(uneven): "uneven"}      # kept per group -> what
         if sum(uneven) % G == 0:
-            patterns["as many heads, whole groups"] = [G] * (sum(uneven) // G) + [0] * (g.n_kv_heads - sum(uneven) // G)
-        patterns["all but one head of the last group pruned"] = [G] * (g.n_kv_heads - 1) + [1]
+            patterns.setdefault(tuple(whole), "as many heads, whole groups")
+        patterns.setdefault(tuple([G] * (g.n_kv_heads - 1) + [1]), "all but one head of the last group pruned")
         dense_params = g.n_heads * costs["head_params"] + g.n_kv_heads * costs["group_params"]
-        rows, seen = [], set()
-        for what, kept in patterns.items():
-            if tuple(kept) in seen:
-                continue
-            seen.add(tuple(kept))
+        rows = []
+        for kept, what in patterns.items():
             layout = surgery.HeadLayout.from_mask(pattern_mask(kept), one_layer, lm.adapter.model_type)
             n_q, n_kv = layout.layer_counts(0)
             params = n_q * costs["head_params"] + n_kv * costs["group_params"]
@@ -102,7 +100,8 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
         st.table(pd.DataFrame(rows).set_index("pattern").rename_axis("heads kept per KV group"))
         explain.walk_uneven_counts(rows)
         st.caption(f"Per query head: Q rows + O columns = {costs['head_params']:,} parameters; per KV head: K + V "
-                   f"rows = {costs['group_params']:,}. The balanced and groups mask policies avoid uneven layers.")
+                   f"rows = {costs['group_params']:,}. A mask that prunes the same number of heads from every KV group of a "
+                   "layer, or whole groups, never needs copies.")
 
 st.header("5. From score to export, step by step")
 view = cache.view_mask(lm)
