@@ -1,4 +1,4 @@
-"""Teaching text, folded away by default: what each page shows and why (DESIGN.md section 1).
+"""Teaching text, folded away by default: what each page shows and why (docs/DEFINITIONS.md).
 
 Each function renders one `st.expander` (collapsed), except the `walk_*` functions: the
 Walkthrough page's own text, shown open. Numbers passed in are results computed by `analysis/`

@@ -7,7 +7,7 @@ import streamlit as st
 
 from analysis import masks, surgery
 from analysis.geometry import HeadGeometry
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -104,7 +104,7 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
                    "layer, or whole groups, never needs copies.")
 
 st.header("5. From score to export, step by step")
-view = cache.view_mask(lm)
+view = views.view_mask(lm)
 if view is not None:
     head_scores, plan, _, _ = view
     verdict = "pruned" if plan.pruned[layer, head] else "kept"
