@@ -1,14 +1,15 @@
 """Journeys through the app in a real headless Chromium, the way people use it: the sidebar to switch
 pages, the keyboard on sliders, the Stop button on long work.
 
-- Every ordered pair of pages keeps the view (model, scorer, z, sparsity): one walk over all 30
-  ordered pairs of the six pages (an Euler circuit of the complete directed graph), checking the
+- Every ordered pair of pages keeps the view (model, scorer, z, sparsity): one walk over all 42
+  ordered pairs of the seven pages (an Euler circuit of the complete directed graph), checking the
   URL and every slider that shows a view value on each arrival. AppTest cannot see this: it keeps
   widget keys a real browser drops on a page switch.
 - Stop on a long job leaves a usable page that says "Stopped".
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, needs_chromium()]
 # page -> (sidebar title, url path, the view sliders it shows: label text -> view field)
 PAGES = {
     "model": ("Model", "", {}),
+    "walkthrough": ("Walkthrough", "walkthrough", {"Threshold z": "z"}),
     "profiles": ("Profiles", "profiles", {"Threshold z": "z"}),
     "prune": ("Prune", "prune", {"Threshold z": "z", "Sparsity": "sparsity"}),
     "compare": ("Compare", "compare", {"Threshold z": "z", "Sparsity": "sparsity"}),
@@ -153,9 +155,9 @@ def test_export_journey(server, page, export_root):
     page.goto(f"{server}/export?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.1")
     _arrive(page, "export")
     root_box = page.get_by_role("textbox", name="Export root: every export becomes a folder in here")
-    assert root_box.input_value() == str(export_root)
+    expect(root_box).to_have_value(str(export_root), timeout=30_000)   # waits for the widget's first value
     name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
-    assert name_box.input_value().endswith("-zeroed")
+    expect(name_box).to_have_value(re.compile(r"-zeroed$"), timeout=30_000)
     page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
     page.get_by_role("option", name="pruned:").click()
     _settled(page)
