@@ -13,11 +13,12 @@ from . import cache, controls, state
 from .errors import show_exception
 
 
-def view_mask(lm):
+def view_mask(lm, *, explain: bool = True):
     """The mask of the current view (scorer, z, sparsity; parameters and policy from the Prune page
     when they were set there for this model and scorer, else the scorer's defaults).
 
-    Returns (head_scores, plan, params, policy), or None after showing why there is no mask."""
+    Returns (head_scores, plan, params, policy), or None after showing why there is no mask
+    (`explain=False`: without showing it, for a page that has shown it already)."""
     scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
     cls = scoring.SCORERS.get(scorer)
     if cls is None:
@@ -29,7 +30,8 @@ def view_mask(lm):
         params["z"] = z
     key = cache.params_key(params)
     if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
-        st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
+        if explain:
+            st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
         return None
     head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
                                     label=f"Scoring with {controls.label(scorer)}")
@@ -38,6 +40,7 @@ def view_mask(lm):
     try:
         plan = masks.plan_mask(head_scores, sparsity, group_size=lm.geometry.group_size, **policy)
     except Exception as err:  # noqa: BLE001
-        show_exception(err, "Building the mask")
+        if explain:
+            show_exception(err, "Building the mask")
         return None
     return head_scores, plan, params, policy

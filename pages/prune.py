@@ -6,7 +6,7 @@ import numpy as np
 import streamlit as st
 
 from analysis import evaluation, masks, scoring, sweep
-from components import cache, charts, controls, explain, numbers, shell, state
+from components import cache, charts, controls, explain, numbers, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -15,70 +15,91 @@ st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
 
-c1, c2, c3 = st.columns([1.2, 2, 2])
+c1, c2 = st.columns([1, 2])
 scorer = controls.scorer_choice(c1)
-z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
-              help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
-state.set("z", z)
-sparsity = c3.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
-                     key=state.widget_key("sparsity"))
-state.set("sparsity", sparsity)
-with st.expander("Scorer parameters and mask policy", expanded=False):
+with c2.expander("Scorer parameters and mask policy", expanded=False):
     cols = st.columns(3)
-    params = controls.scorer_params(scorer, z, where=cols[0])
+    base_params = controls.scorer_params(scorer, state.get("z"), where=cols[0])
     policy = controls.policy_controls(cols[1])
     kv_policy = numbers.kv_policy_choice(cols[1])
     flops_len = int(cols[2].number_input("Sequence length for the FLOP count", 1, 1_000_000, step=64,
                                          key=state.widget_key("prune.flops_len", value=512)))
-if "z" not in params:
+if "z" not in base_params:
     st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
-elif "std" in params:
-    st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[params['std']]} std "
+elif "std" in base_params:
+    st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[base_params['std']]} std "
                f"(change it under 'Scorer parameters').")
 
-key = cache.params_key(params)
-cls = scoring.scorer_class(scorer)
-head_scores = None
-if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
-    st.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
-    if st.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
+
+@st.fragment
+def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flops_len: int) -> None:
+    """z and sparsity -> the mask heatmap and its numbers.
+
+    A fragment: a key press on z or the sparsity reruns only this part, so the heatmap redraws
+    without the whole page, and everything it shows comes from one run (never old and new mixed).
+    The sections below read the same view from `views.view_mask` on the next full run (any press
+    of their buttons is one), so they never evaluate a mask other than the one shown here."""
+    c2, c3 = st.columns(2)
+    z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
+                  help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
+    state.set("z", z)
+    sparsity = c3.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
+                         key=state.widget_key("sparsity"))
+    state.set("sparsity", sparsity)
+    params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
+
+    key = cache.params_key(params)
+    cls = scoring.scorer_class(scorer)
+    head_scores = None
+    if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
+        st.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
+        if st.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
+            head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
+                                            label=f"Scoring with {controls.label(scorer)}", stoppable=True)
+            if head_scores is not None:
+                state.mark_scored(lm.name, scorer, key)
+    else:
         head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
-                                        label=f"Scoring with {controls.label(scorer)}", stoppable=True)
-        if head_scores is not None:
-            state.mark_scored(lm.name, scorer, key)
-else:
-    head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
-                                    label=f"Scoring with {controls.label(scorer)}", stoppable=cls.needs_calibration)
-if head_scores is None:
+                                        label=f"Scoring with {controls.label(scorer)}", stoppable=cls.needs_calibration)
+    if head_scores is None:
+        st.stop()          # in a full run this ends the page too: nothing below has a mask
+
+    with shown_errors("Building the mask"):
+        plan = masks.plan_mask(head_scores, sparsity, group_size=g.group_size, **policy)
+        summary = None
+        with shown_errors("Counting what surgery builds"):   # e.g. kv_policy strict refusing this mask
+            summary = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len)
+            numbers.show_summary(summary, flops_len=flops_len,
+                                 zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
+            numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
+
+        left, right = st.columns([3, 1])
+        left.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
+                                              group_size=g.group_size), width="stretch", key="prune.mask")
+        right.plotly_chart(charts.head_bars(plan.pruned.sum(axis=1), title="Pruned heads per layer",
+                                            y_title="heads", x_title="layer", height=charts.layer_height(g.n_layers)),
+                           width="stretch", key="prune.per_layer")
+
+        scores_csv = "layer,head,score,pruned\n" + "\n".join(
+            f"{l},{h},{head_scores.scores[l, h]:.8g},{int(plan.pruned[l, h])}" for l, h in np.ndindex(*plan.pruned.shape))
+        d1, d2, d3 = st.columns(3)
+        d1.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv", mime="text/csv",
+                           key="prune.dl.csv")
+        d2.download_button("Scores (JSON)", json.dumps(head_scores.as_dict(), indent=1),
+                           file_name=f"{scorer}_scores.json", mime="application/json", key="prune.dl.json")
+        if summary is not None:
+            d3.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
+                               file_name=f"{scorer}_mask_summary.json", mime="application/json", key="prune.dl.summary")
+        state.remember_mask(lm.name, scorer, params, sparsity, policy)
+
+
+live_mask(scorer, base_params, policy, kv_policy, flops_len)
+built = views.view_mask(lm, explain=False)        # live_mask has shown why, if there is no mask
+if built is None:
     st.stop()
-
-with shown_errors("Building the mask"):
-    plan = masks.plan_mask(head_scores, sparsity, group_size=g.group_size, **policy)
-    summary = None
-    with shown_errors("Counting what surgery builds"):   # e.g. kv_policy strict refusing this mask
-        summary = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len)
-        numbers.show_summary(summary, flops_len=flops_len,
-                             zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
-        numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
-
-    left, right = st.columns([3, 1])
-    left.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
-                                          group_size=g.group_size), width="stretch", key="prune.mask")
-    right.plotly_chart(charts.head_bars(plan.pruned.sum(axis=1), title="Pruned heads per layer",
-                                        y_title="heads", x_title="layer", height=charts.layer_height(g.n_layers)),
-                       width="stretch", key="prune.per_layer")
-
-    scores_csv = "layer,head,score,pruned\n" + "\n".join(
-        f"{l},{h},{head_scores.scores[l, h]:.8g},{int(plan.pruned[l, h])}" for l, h in np.ndindex(*plan.pruned.shape))
-    d1, d2, d3 = st.columns(3)
-    d1.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv", mime="text/csv",
-                       key="prune.dl.csv")
-    d2.download_button("Scores (JSON)", json.dumps(head_scores.as_dict(), indent=1),
-                       file_name=f"{scorer}_scores.json", mime="application/json", key="prune.dl.json")
-    if summary is not None:
-        d3.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
-                           file_name=f"{scorer}_mask_summary.json", mime="application/json", key="prune.dl.summary")
-    state.remember_mask(lm.name, scorer, params, sparsity, policy)
+head_scores, plan, params, policy = built
+scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
+key = cache.params_key(params)
 
 st.subheader("Check this mask")
 with shown_errors("Reading the text"):
@@ -92,6 +113,8 @@ with shown_errors("Reading the text"):
                               label="Evaluating",
                               stale_note="The settings changed since the last check; press the button to check this mask.")
     if result is not None:
+        st.caption(f"Checked: {int(plan.pruned.sum())} pruned heads ({controls.label(scorer)}, z = {z:g}, "
+                   f"sparsity {sparsity:g}) on {max_tokens} tokens.")
         dense, pruned_value = float(result.values[0]), float(result.values[1])
         m1, m2, m3 = st.columns(3)
         m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
