@@ -40,7 +40,8 @@ from analysis.errors import HeadscopeError, InputError
 from analysis.masks import POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
 
-PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export")
+PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export",
+                  "analysis.pipeline")
 WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
 
 # command-line option (dest) -> scorer constructor parameter
