@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests._apptools import downloads, fresh_caches, new_app, no_exception, tiny_dir  # noqa: F401
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 

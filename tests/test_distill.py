@@ -16,15 +16,7 @@ from analysis.masking import gates_from_mask, zero_heads
 from analysis.scoring import Subject
 from analysis.surgery import prune_heads
 from tests._tiny import tiny_config, tiny_input_ids, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models train ~10x faster on one thread than on an oversubscribed pool."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 
 def _mask():

@@ -12,17 +12,10 @@ from analysis.export import FORMATS, LAYOUT_FILE, ONNX_FILE, load_pruned
 from analysis.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
 from analysis.surgery import prune_heads
 from tests._evalkit import tiny_loaded
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 SMALL_DISTILL = DistillConfig(lr=1e-3, batch_size=2, seq_len=16, max_sequences=8)
 IDS = torch.randint(10, 1000, (4, 16), generator=torch.Generator().manual_seed(0))   # [4, 16]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,10 @@ from analysis.quantize import (OnnxLM, compare_onnx, quantize_linear, quantize_o
                                top1_agreement)
 from tests._evalkit import tiny_loaded
 from tests._tiny import tiny_input_ids, tiny_model
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 TEXT = ("The river flows north through the valley, past the old mill and the church, and then turns east "
         "towards the sea, where the fishing boats wait for the tide. ") * 6
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

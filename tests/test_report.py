@@ -10,27 +10,21 @@ from analysis.distill import DistillConfig
 from analysis.export import ExportError
 from analysis.pipeline import PipelineConfig
 from analysis.report import REPORT_FILES, compression_report, write_report
+from analysis.speed import torch_threads
 from tests._evalkit import tiny_loaded
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 IDS = torch.randint(10, 1000, (4, 16), generator=torch.Generator().manual_seed(0))   # [4, 16]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def built(smollm2, tmp_path_factory):
-    torch.set_num_threads(1)
     loaded = tiny_loaded("llama", smollm2.tokenizer, "causal-lm", num_hidden_layers=4)
     cfg = PipelineConfig(target_sparsity=0.5, step=0.25, recovery_steps=2, eval_tokens=64,
                          distill=DistillConfig(lr=1e-3, batch_size=2, seq_len=16))
-    rep, result = compression_report(loaded, cfg, train_data=IDS, repeats=1, seq_len=16,
-                                     workdir=tmp_path_factory.mktemp("work"))
+    with torch_threads(1):
+        rep, result = compression_report(loaded, cfg, train_data=IDS, repeats=1, seq_len=16,
+                                         workdir=tmp_path_factory.mktemp("work"))
     return loaded, rep, result
 
 
