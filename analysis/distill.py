@@ -332,7 +332,7 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     [n, T], text, or None (the built-in calibration split). gates: [L, H] head mask applied to
     the student during training (a full-shape student whose pruned heads are masked).
     checkpoint_dir: where `distill_checkpoint.pt` goes every `config.checkpoint_every` steps;
-    resume=True continues from it. on_step(record) after every step (for live loss curves).
+    resume=True continues from it (from step 0 when there is none yet). on_step(record) after every step (for live loss curves).
     Returns a DistillResult whose model is the trained student in eval mode, its LoRA adapters
     merged into the weights (merge=False: the peft model, for `merge_lora` later)."""
     config = config.validate()

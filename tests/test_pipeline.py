@@ -118,6 +118,16 @@ def test_budget_keeps_the_last_model_inside_it(tokenizer):
     assert held.final_metric <= budget
 
 
+def test_stop_ends_the_run_as_cancelled(tokenizer):
+    from analysis.errors import CancelledError
+    loaded = _loaded(tokenizer, num_hidden_layers=4)
+    rounds = []
+    with pytest.raises(CancelledError):
+        run_pipeline(loaded, PipelineConfig(target_sparsity=0.5, step=0.2, eval_tokens=64),
+                     on_round=lambda r, m, p: rounds.append(r.index), should_stop=lambda: len(rounds) >= 1)
+    assert rounds == [1]
+
+
 def test_bad_input(tokenizer):
     loaded = _loaded(tokenizer)
     with pytest.raises(InputError, match="not above the dense"):
