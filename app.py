@@ -65,6 +65,9 @@ state.follow_url_page(current, pages)
 state.set("page", next(name for name, page in pages.items() if page.title == current.title))
 for note in state.url_notes():
     st.warning(note)
+stopped = state.stopped_note()
+if stopped:
+    st.warning(stopped, icon=":material/stop_circle:")
 model_picker()
 state.sync_url()
 st.sidebar.divider()

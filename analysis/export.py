@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -136,6 +137,30 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
     shutil.rmtree(backup, ignore_errors=True)
 
 
+EXPORT_ROOT_ENV = "HEADSCOPE_EXPORT_ROOT"
+DEFAULT_EXPORT_ROOT = "~/headscope-exports"
+
+
+def default_export_root() -> Path:
+    """Where the app exports by default: $HEADSCOPE_EXPORT_ROOT, else ~/headscope-exports."""
+    return Path(os.environ.get(EXPORT_ROOT_ENV) or DEFAULT_EXPORT_ROOT).expanduser()
+
+
+def _fresh_dir(parent: Path, prefix: str) -> Path:
+    """A new empty folder `parent/<prefix><random>` with ordinary permissions.
+
+    Not `tempfile.mkdtemp`: its folders are mode 0700, and an export renamed from one stayed
+    unreadable to everyone but its owner. `os.mkdir` applies the user's umask like any folder."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name under {parent}")
+
+
 @contextmanager
 def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `target`; on success it becomes `target`.
@@ -150,7 +175,7 @@ def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
         raise ExportError(f"Cannot create the folder {target.parent} ({_os_reason(err)}); choose a writable "
                           f"output folder.") from err
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp = _fresh_dir(target.parent, f".{target.name}.tmp-")
     except OSError as err:
         _remove_empty(created)
         raise ExportError(f"Cannot write into {target.parent} ({_os_reason(err)}); choose a writable output "

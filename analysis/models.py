@@ -18,16 +18,20 @@ so outputs are deterministic), float32 unless asked otherwise, custom code off u
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
 import pickle
 import re
 import shutil
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlparse
 
 import psutil
 import torch
@@ -105,10 +109,36 @@ def _scaled(progress: Progress, start: float, stop: float) -> Progress:
     return lambda f, msg: progress(start + (stop - start) * min(max(f, 0.0), 1.0), msg)
 
 
+HUB_PROBE_TIMEOUT_S = 1.0   # one TCP connect to the hub's endpoint decides "reachable"
+HUB_PROBE_TTL_S = 30        # ... and holds for this long
+
+
 def _hub_offline() -> bool:
-    """True when the environment asks for no hub access (read at call time, not import time)."""
-    return any(os.environ.get(v, "").strip().lower() in _TRUTHY
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    """True when the environment asks for no hub access (read at call time, not import time), or
+    the hub cannot be reached: then everything is looked up in the local cache only.
+
+    Quirk handled here: unreachable, huggingface_hub retries each request for ~25 s before the
+    (good) error; a one-second connect probe makes an uncached id fail in about a second."""
+    if any(os.environ.get(v, "").strip().lower() in _TRUTHY for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    return not _hub_reachable(hub_endpoint(), int(time.monotonic() // HUB_PROBE_TTL_S))
+
+
+def hub_endpoint() -> str:
+    from huggingface_hub import constants
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+@functools.lru_cache(maxsize=4)
+def _hub_reachable(endpoint: str, _epoch: int) -> bool:
+    """Whether a TCP connection to `endpoint` opens within HUB_PROBE_TIMEOUT_S (memoized per epoch)."""
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def default_cache_dir() -> Path:
@@ -363,7 +393,7 @@ def _read_raw_config(source: str) -> dict:
 
 
 def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool):
-    kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=_hub_offline() or is_local)
+    kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_local or _hub_offline())
     try:
         return AutoConfig.from_pretrained(source, **kwargs)
     except ValueError as err:
@@ -388,7 +418,7 @@ def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool
 
 def _load_weights(auto_cls, source: str, name: str, is_local: bool, dtype, trust_remote_code: bool):
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code,
-                  local_files_only=_hub_offline() or is_local, output_loading_info=True)
+                  local_files_only=is_local or _hub_offline(), output_loading_info=True)
     try:
         model, info = auto_cls.from_pretrained(source, **kwargs)
     except OSError as err:
@@ -416,7 +446,7 @@ def _load_weights(auto_cls, source: str, name: str, is_local: bool, dtype, trust
 def _load_tokenizer(source: str, name: str, is_local: bool, kind: str, trust_remote_code: bool):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
-                                                  local_files_only=_hub_offline() or is_local)
+                                                  local_files_only=is_local or _hub_offline())
     except (OSError, ValueError, TypeError) as err:
         raise ModelLoadError(
             f"'{name}' has no usable tokenizer ({_first_line(err)}). "

@@ -52,9 +52,9 @@ def main() -> None:
     reruns = []
     for i in range(args.moves):
         if i % 2 == 0:
-            widget, value = at.slider(key="hs.w.sparsity"), (0.45 if i % 4 == 0 else 0.3)
+            widget, value = at.slider(key="hs.w.prune.sparsity"), (0.45 if i % 4 == 0 else 0.3)
         else:
-            widget, value = at.slider(key="hs.w.z"), (1.5 if i % 4 == 1 else 2.0)
+            widget, value = at.slider(key="hs.w.prune.z"), (1.5 if i % 4 == 1 else 2.0)
         widget.set_value(value)
         reruns.append(timed(at.run))
         if at.exception:

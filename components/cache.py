@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis.errors import HeadscopeError
+from analysis.errors import CancelledError, HeadscopeError
 
 from . import state
 from .errors import show_exception
@@ -65,7 +65,7 @@ def stop_button(work: str, label: str = "Stop"):
     A click reruns the page, which interrupts the work; the flag it sets makes the rerun's
     `should_stop()` true, so work that starts again on that rerun ends at once as cancelled."""
     slot = st.empty()
-    slot.button(label, on_click=state.request_stop, key=state.WIDGET_PREFIX + "stop." + work,
+    slot.button(label, on_click=state.request_stop, args=(work,), key=state.WIDGET_PREFIX + "stop." + work,
                 help="Stop the computation that is running; finished results stay cached.")
     return slot
 
@@ -179,20 +179,29 @@ def _model_lock(name: str, trust: bool) -> threading.RLock:
     return threading.RLock()
 
 
+LOCK_POLL_S = 0.25
+
+
 @contextmanager
-def exclusive(name: str, trust: bool, progress: Progress | None = None):
+def exclusive(name: str, trust: bool, progress: Progress | None = None, should_stop=None):
     """Yields the shared LoadedModel with its lock held, for work that runs or copies it.
 
     Masks are forward hooks on the shared model, so two runs at once (two sessions, or a rerun
     that Streamlit starts while the interrupted run is still finishing) would see each other's
     gates; every forward pass on a cached model goes through here. Never call another cached
-    function while holding the lock (their own per-key locks could then deadlock with it)."""
+    function while holding the lock (their own per-key locks could then deadlock with it).
+
+    Quirk handled here: with fast reruns, the run a click interrupts keeps its thread (and this
+    lock) until its next Streamlit call. A blocking wait would make no Streamlit call either,
+    so the new run could not be interrupted by Stop and the page froze on a stale bar; the
+    wait polls, reporting progress (a point where Streamlit can interrupt) and the stop flag."""
     lm = load(name, trust)
     lock = _model_lock(name, trust)
-    if not lock.acquire(blocking=False):
+    while not lock.acquire(timeout=LOCK_POLL_S):
+        if should_stop is not None and should_stop():
+            raise CancelledError("Stopped while waiting for another computation on this model.")
         if progress is not None:
             progress(0.0, "waiting for another computation on this model to finish")
-        lock.acquire()
     try:
         yield lm
     finally:
@@ -209,7 +218,7 @@ def scores(name: str, trust: bool, scorer: str, params: tuple, _progress=None, _
     instance = scoring.get_scorer(scorer, **dict(params))
     if not type(instance).needs_calibration:
         return instance.score(profile(name, trust), progress=_progress, should_stop=_should_stop)
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return instance.score(lm, progress=_progress, should_stop=_should_stop)
 
 
@@ -218,7 +227,7 @@ def evaluate_masks(name: str, trust: bool, pruned, text: str | None, max_tokens:
                    _progress=None, _should_stop=None):
     """`analysis.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
     from analysis import evaluation
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return evaluation.evaluate(lm, text, pruned=pruned, max_tokens=max_tokens, progress=_progress,
                                    should_stop=_should_stop)
 
@@ -229,7 +238,7 @@ def z_sweep(name: str, trust: bool, sparsity: float, options: tuple, max_tokens:
     """`analysis.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
     from analysis import sweep
     prof = profile(name, trust)
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
         return sweep.sweep_z(prof, sparsity, calib, held_out, metric=metric, higher_is_better=higher,
                              evaluate_all=True, progress=_progress, should_stop=_should_stop, **dict(options))
@@ -242,7 +251,7 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
     from analysis import evaluation, masks
     head_scores = scores(name, trust, scorer, params)            # before taking the lock (see exclusive)
     pol = dict(policy)
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         def mask_fn(_, s):
             return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
 
@@ -254,7 +263,7 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
 def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.ablation.head_ablation`: the loss change when each head alone is removed."""
     from analysis import ablation as ablation_mod
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return ablation_mod.head_ablation(lm, text, max_tokens=max_tokens, progress=_progress,
                                           should_stop=_should_stop)
 
@@ -263,7 +272,7 @@ def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progres
 def head_roles(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
     from analysis import roles
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return roles.head_roles(lm, text, max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
@@ -272,7 +281,7 @@ def head_redundancy(name: str, trust: bool, text: str | None, max_tokens: int, k
                     ablation_delta=None, _progress=None, _should_stop=None):
     """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
     from analysis import redundancy
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return redundancy.head_redundancy(lm, text, ablation_delta=ablation_delta, kind=kind, threshold=threshold,
                                           max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
@@ -293,7 +302,7 @@ def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, 
                      _progress=None, _should_stop=None):
     """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
     from analysis import attribution
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
 
@@ -336,6 +345,6 @@ def view_mask(lm):
 def speed_report(name: str, trust: bool, pruned, prefill: tuple, repeats: int, _progress=None, _should_stop=None):
     """`analysis.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
     from analysis import speed
-    with exclusive(name, trust, _progress) as lm:
+    with exclusive(name, trust, _progress, _should_stop) as lm:
         return speed.measure(lm.model, pruned, prefill=prefill, repeats=repeats, progress=_progress,
                              should_stop=_should_stop)

@@ -85,12 +85,16 @@ def norm_histogram(norms: np.ndarray, mean: float, tau: float, *, title: str, z:
                              name=f"outliers ({int(outliers.sum())})", text=labels[outliers],
                              marker=dict(color=PRUNED_COLOR, symbol="triangle-up", size=10),
                              hovertemplate="%{text}<br>norm %{x:.4g}<extra></extra>"))
-    fig.add_vline(x=mean, line=dict(color=MEAN_COLOR, dash="dash"),
-                  annotation_text=f"mean {mean:.3g}", annotation_position="top left")
-    fig.add_vline(x=tau, line=dict(color=TAU_COLOR, width=2),
-                  annotation_text=f"mean + {z:g}·std = {tau:.3g}", annotation_position="top right")
-    fig.update_layout(title=title, height=340, bargap=0.05, xaxis_title="row norm", yaxis_title="rows",
-                      margin=dict(l=50, r=20, t=60, b=40), legend=dict(orientation="h", y=-0.25))
+    # The line labels sit above the plot area (paper y = 1), where no bar can hide them: the
+    # tallest bar is usually the one at the mean.
+    above = dict(yref="paper", y=1.0, yanchor="bottom", showarrow=False, bgcolor="rgba(255,255,255,0.9)")
+    fig.add_vline(x=mean, line=dict(color=MEAN_COLOR, dash="dash"))
+    fig.add_vline(x=tau, line=dict(color=TAU_COLOR, width=2))
+    fig.add_annotation(x=mean, text=f"mean {mean:.3g}", xanchor="right", font=dict(color=MEAN_COLOR), **above)
+    fig.add_annotation(x=tau, text=f"mean + {z:g}·std = {tau:.3g}", xanchor="left", font=dict(color=TAU_COLOR),
+                       **above)
+    fig.update_layout(title=title, height=360, bargap=0.05, xaxis_title="row norm", yaxis_title="rows",
+                      margin=dict(l=50, r=20, t=80, b=40), legend=dict(orientation="h", y=-0.25))
     return fig
 
 
@@ -104,6 +108,12 @@ def head_bars(values: np.ndarray, *, title: str, y_title: str, labels: list[str]
     fig.update_layout(title=title, height=height, xaxis_title=x_title, yaxis_title=y_title,
                       margin=dict(l=50, r=20, t=50, b=40))
     return fig
+
+
+def log_axis(metric: str) -> bool:
+    """Whether a metric's axis is logarithmic: perplexities span orders of magnitude when heads go
+    (a linear 0-4000 axis flattens the region that matters); fidelity-type metrics do not."""
+    return metric.endswith("perplexity")
 
 
 def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, log_y: bool = False,

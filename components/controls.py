@@ -130,6 +130,9 @@ def text_source(*, prefix: str) -> str | None:
     if choice == "built-in":
         st.caption(text.WIKI_ATTRIBUTION)
         return None
-    raw = st.text_area("Your text", height=120, key=state.widget_key(f"{prefix}.text", value=""),
-                       placeholder="Paste a few paragraphs of plain text.")
-    return text.clean_user_text(raw)
+    c1, c2 = st.columns([3, 2])
+    raw = c1.text_area("Your text", height=120, key=state.widget_key(f"{prefix}.text", value=""),
+                       placeholder="Paste a few paragraphs of plain text, or upload a .txt file.")
+    upload = c2.file_uploader("Or upload a .txt file (UTF-8)", type=["txt"], key=state.unseeded_widget_key(f"{prefix}.upload"),
+                              help="An uploaded file is used instead of the pasted text.")
+    return text.clean_user_text(upload.getvalue() if upload is not None else raw)

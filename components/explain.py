@@ -108,6 +108,9 @@ def scorers() -> None:
 - **Wanda-Head / SparseGPT-Head**: weights times input activations / OBS saliency, from calibration text.
 - **Gradient-Head, head-gate importance**: how much the loss reacts to the head (needs an LM head).
 - **Hybrid**: min-max-normalized Magnitude + MP + Wanda.
+- **Integrated gates (Captum)**: integrated gradients of the loss over each head's gate, from 0 to 1.
+- **Ablation oracle**: the real loss increase when the head alone is removed (one forward per head; slow).
+
 All of them share the same ranking and masking code; only the score differs.
 """)
 
@@ -120,7 +123,9 @@ weights; the shared cached model is never changed).
 - Causal LMs: **perplexity** = exp(mean token negative log-likelihood), sliding window with a stride.
 - Masked LMs: **pseudo-perplexity** (each token masked in turn).
 - Encoders without an LM head: **fidelity**, the mean cosine similarity of the pooled embedding to the dense model's.
-Lower perplexity is better; compare against the dense model's value shown next to it.
+
+Lower perplexity is better; higher fidelity is better (1 = the dense model's embeddings). Compare
+against the dense model's value shown next to it.
 """)
 
 

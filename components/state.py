@@ -39,6 +39,8 @@ _STOP = PREFIX + "stop"
 _MEMO = PREFIX + "memo."
 _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
+_STOPPED = PREFIX + "stopped"
+_STOP_SEEN = PREFIX + "stop_seen"
 
 
 def _text(raw: str) -> str:
@@ -87,6 +89,7 @@ def init() -> None:
     ss = st.session_state
     for name, field in FIELDS.items():
         ss.setdefault(_key(name), field.default)
+    _age_stop()
     if ss.get(_URL_READ):
         return
     ss[_URL_READ] = True
@@ -126,19 +129,51 @@ def sync_url() -> None:
         set(name, get(name))
 
 
+def _widget(name: str) -> str:
+    """A view field's widget key is per page: two pages' z sliders are different widgets.
+
+    Quirk handled here: with ONE key shared by the z sliders of Profiles, Prune and Compare, a
+    direct sidebar switch between two of them made the browser's frontend hand the arriving
+    slider its minimum (0.00), which was then written back into the canonical value and the URL.
+    A key of its own per page is absent on arrival (Streamlit drops keys of widgets not shown),
+    so it is seeded from the canonical value."""
+    if name in FIELDS:
+        return f"{WIDGET_PREFIX}{get('page') or '_'}.{name}"
+    return WIDGET_PREFIX + name
+
+
 def widget_key(name: str, *, value: Any = None) -> str:
     """Key for the widget that edits view field `name` (or any page-local name), seeded when absent.
 
     For a view field the seed is its canonical value; for a local name, `value`."""
-    key = WIDGET_PREFIX + name
+    key = _widget(name)
     if key not in st.session_state:
         st.session_state[key] = get(name) if name in FIELDS else value
     return key
 
 
+def unseeded_widget_key(name: str) -> str:
+    """Key for a widget whose value cannot be set through session state (a file uploader)."""
+    return _widget(name)
+
+
+def following_widget_key(name: str, default: str) -> str:
+    """Key for a text widget whose default follows other settings until the user edits it.
+
+    While the widget still shows the default it got last run, a new default replaces it (the
+    export folder name follows the format, scorer and sparsity); a value the user typed stays."""
+    key = widget_key(name, value=default)
+    last = _MEMO + "default." + name
+    ss = st.session_state
+    if ss.get(last) is not None and ss[key] == ss[last]:
+        ss[key] = default
+    ss[last] = default
+    return key
+
+
 def reset_widget(name: str) -> None:
     """Forget a widget's own value so it is seeded again from the canonical one."""
-    st.session_state.pop(WIDGET_PREFIX + name, None)
+    st.session_state.pop(_widget(name), None)
 
 
 def follow_url_page(current, pages: dict) -> None:
@@ -164,9 +199,14 @@ def set_trust(value: bool) -> None:
 
 # -- stopping long work ------------------------------------------------------------------------
 
-def request_stop() -> None:
-    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it."""
+def request_stop(work: str = "") -> None:
+    """on_click of a Stop button: the rerun it triggers interrupts the work; the flag ends it.
+
+    The flag lives for the click's own rerun (work started again in that run ends at once as
+    cancelled) and is cleared at the start of the next run, so the next press runs normally.
+    `work` is remembered for one `stopped_note`."""
     st.session_state[_STOP] = True
+    st.session_state[_STOPPED] = work
 
 
 def should_stop() -> bool:
@@ -175,6 +215,24 @@ def should_stop() -> bool:
 
 def clear_stop() -> None:
     st.session_state[_STOP] = False
+
+
+def _age_stop() -> None:
+    """Called by init: a stop flag set before the previous run has done its job; clear it."""
+    ss = st.session_state
+    if ss.pop(_STOP_SEEN, False):
+        ss[_STOP] = False
+    elif ss.get(_STOP):
+        ss[_STOP_SEEN] = True
+
+
+def stopped_note() -> str | None:
+    """Once, on the run after a Stop: the note that says what was stopped (then forgotten)."""
+    work = st.session_state.pop(_STOPPED, None)
+    if work is None:
+        return None
+    return (f"Stopped: {work or 'the computation'}. Nothing partial was kept; results finished before "
+            "the stop stay cached. Press its button to run it again.")
 
 
 # -- results kept across reruns ----------------------------------------------------------------

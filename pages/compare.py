@@ -96,7 +96,7 @@ if remembered and remembered[0] == curve_key:
     metric = next(iter(curves.values())).metric
     st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
-                                  log_y=metric.endswith("perplexity"), marker_x=sparsity),
+                                  log_y=charts.log_axis(metric), marker_x=sparsity),
                     width="stretch", key="compare.curve_chart")
 elif remembered:
     st.caption("The settings changed since the curves were computed; press the button again.")

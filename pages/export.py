@@ -1,6 +1,5 @@
 """Export page: download the current mask as JSON; export the pruned model (zeroed, physically
 pruned, stock-loadable, ONNX) into a folder under the output root. Exports work on a copy."""
-import os
 from pathlib import Path
 
 import streamlit as st
@@ -12,7 +11,6 @@ from components.errors import shown_errors
 
 shell.ensure_app()
 
-OUTPUT_ROOT = Path(os.environ.get("HEADSCOPE_EXPORT_ROOT") or Path(__file__).resolve().parents[1] / "out" / "exports")
 FORMAT_HELP = {
     "zeroed": "original shapes, pruned heads zeroed: loads anywhere, not smaller",
     "pruned": "physically smaller, with head_layout.json (load with analysis.export.load_pruned)",
@@ -45,17 +43,25 @@ with shown_errors("Writing the mask JSON"):
                        key="export.mask_json")
 
 st.subheader("Pruned model")
+default_root = str(export_mod.default_export_root())
+root_text = st.text_input("Export root: every export becomes a folder in here",
+                          key=state.widget_key("export.root", value=default_root),
+                          help=f"Default {export_mod.DEFAULT_EXPORT_ROOT}, or the folder in the environment variable "
+                               f"{export_mod.EXPORT_ROOT_ENV}.")
+output_root = Path(root_text.strip() or default_root).expanduser()
 c1, c2 = st.columns([1, 2])
 fmt = c1.selectbox("Format", list(export_mod.FORMATS), format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
                    key=state.widget_key("export.format", value=export_mod.FORMATS[0]))
-folder = c2.text_input(f"Folder inside {OUTPUT_ROOT}",
-                       key=state.widget_key("export.folder", value=f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{fmt}"))
+auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy['policy']}-{fmt}"
+folder = c2.text_input("Folder name (follows the settings until you edit it)",
+                       key=state.following_widget_key("export.folder", auto_name))
+st.caption(f"Writes **{output_root / folder.strip()}**.")
 overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
     with shown_errors("Exporting"):
         with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.trust(), report):
-            result = export_mod.export(fmt, lm.model, plan.pruned, OUTPUT_ROOT, folder, record=record,
+            result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
                                        tokenizer=lm.tokenizer, overwrite=overwrite, progress=report)
         state.remember("export.last", result)
 last = state.recall("export.last")
@@ -86,6 +92,7 @@ with shown_errors("Measuring"):
                         f"{(report.file_bytes['pruned'] - report.file_bytes['dense']) / 2**20:+.1f} MiB",
                         delta_color="inverse")
         m[2].metric("Heads pruned", f"{report.heads_pruned} / {report.heads_total}")
-        st.dataframe(report.rows(), hide_index=True)
+        st.dataframe(report.rows(), hide_index=True, width="stretch")
+        st.caption(speed.RATIO_NOTE)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))

@@ -26,8 +26,11 @@ with shown_errors("Single-head ablation"):
                               args=(lm.name, state.trust(), text, tokens), label="Ablating heads",
                               stale_note="The text or token count changed since the sweep; press the button to run it again.")
     if result is not None:
-        st.caption(f"Dense {result.metric}: {result.base_loss:.4g} over {result.n_tokens} predictions "
-                   f"({result.method} sweep). Red = removing the head hurts; blue = it helps.")
+        base = round(float(result.base_loss), 12) + 0.0       # 1 - cos(x, x) is 0 up to float rounding
+        over = (f"{result.n_tokens} predictions" if lm.kind != "encoder" else
+                f"{result.n_tokens} token positions (the text's tokens plus the tokenizer's special tokens)")
+        st.caption(f"Dense {result.metric}: {base:.4g} over {over} ({result.method} sweep). "
+                   "Red = removing the head hurts; blue = it helps.")
         lim = float(abs(result.head_delta).max()) or 1.0
         fig = charts.layer_head_heatmap(result.head_delta, f"{result.metric} increase when one head is removed",
                                         colorbar=f"Δ {result.metric}", group_size=g.group_size,
@@ -133,5 +136,6 @@ with shown_errors("Attention pattern"):
         "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
     tokens_, probs = cache.attention_pattern(lm.name, state.trust(), sentence)
     st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
-                                             title=f"Layer {layer}, head {head} (KV group {head // g.group_size})"),
+                                             title=f"Layer {layer}, head {head}" +
+                                                   (f" (KV group {head // g.group_size})" if g.group_size > 1 else "")),
                     width="stretch", key="heads.pattern")

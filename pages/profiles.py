@@ -17,59 +17,76 @@ lm = cache.model_or_stop()
 g = lm.geometry
 prof = cache.profile_or_stop()
 
-c1, c2, c3 = st.columns([3, 1, 1])
-z = c1.slider("Threshold z (tau = mean + z * std)", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"))
-state.set("z", z)
-ord_ = c2.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
+c1, c2 = st.columns(2)
+ord_ = c1.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
                 key=state.widget_key("profiles.ord", value=2))
-scope = c3.radio("Population", ["layer", "model"], horizontal=True, key=state.widget_key("profiles.scope", value="layer"),
+scope = c2.radio("Population", ["layer", "model"], horizontal=True, key=state.widget_key("profiles.scope", value="layer"),
                  help="layer: each projection of each layer is its own population; model: one projection "
                       "across all layers.")
+kv_unit = "KV group" if g.group_size > 1 else "head"           # MHA: K/V rows belong to one head each
 
+norms = stats = None
 with shown_errors("Computing thresholds"):
     norms = prof.norms(ord_)                                   # {p: [L, units, d]}
-    excess = prof.excess(z, ord=ord_, scope=scope)             # {p: [L, units, d]}
     stats = prof.stats(ord_, scope)                            # {p: (mean [L], std [L])}
-    taus = prof.thresholds(z, ord=ord_, scope=scope)           # {p: [L]}
 
     st.subheader("Mean row norm per head")
-    cols = st.columns(4)
-    for col, p in zip(cols, ("q", "k", "v", "o")):
-        per_unit = norms[p].mean(axis=-1)                      # [L, units]
-        x_title = "head" if p in ("q", "o") else "KV group"
-        col.plotly_chart(charts.layer_head_heatmap(per_unit, PROJ_TITLES[p], colorbar=f"L{ord_}",
-                                                   x_title=x_title,
-                                                   group_size=g.group_size if p in ("q", "o") else 1),
-                         width="stretch", key=f"profiles.heat.{p}")
+    for pair in (("q", "k"), ("v", "o")):                      # a 2 x 2 grid: wide enough for 12+ heads
+        for col, p in zip(st.columns(2), pair):
+            per_unit = norms[p].mean(axis=-1)                  # [L, units]
+            col.plotly_chart(charts.layer_head_heatmap(per_unit, PROJ_TITLES[p], colorbar=f"L{ord_}",
+                                                       x_title="head" if p in ("q", "o") else kv_unit,
+                                                       group_size=g.group_size if p in ("q", "o") else 1),
+                             width="stretch", key=f"profiles.heat.{p}")
 
-    st.subheader("One population")
-    c1, c2 = st.columns([3, 1])
-    layer = c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("profiles.layer", value=0))
-    layer = min(layer, g.n_layers - 1)
-    proj = c2.radio("Projection", ["q", "k", "v", "o"], format_func=str.upper, horizontal=True,
-                    key=state.widget_key("profiles.proj", value="q"))
-    rows = norms[proj][layer]                                  # [units, d]
-    unit = "head" if proj in ("q", "o") else "KV group"
-    labels = [f"{unit} {u}, row {j}" for u in range(rows.shape[0]) for j in range(rows.shape[1])]
-    mean, std = float(stats[proj][0][layer]), float(stats[proj][1][layer])
-    tau = float(taus[proj][layer])
-    n_out = int((rows > tau).sum())
-    st.plotly_chart(charts.norm_histogram(rows, mean, tau, z=z, row_labels=labels,
-                                          title=f"Layer {layer}, {PROJ_TITLES[proj]}: {n_out} of {rows.size} "
-                                                f"rows above tau"),
-                    width="stretch", key="profiles.hist")
-    head_excess = excess[proj][layer].sum(axis=-1)             # [units]
-    st.plotly_chart(charts.head_bars(head_excess, title=f"Excess per {unit} (layer {layer}, {proj.upper()})",
-                                     y_title="sum of max(0, n - tau)",
-                                     labels=[f"{unit[0].upper()}{u}" for u in range(head_excess.size)]),
-                    width="stretch", key="profiles.excess")
-    n_pop = rows.size if scope == "layer" else norms[proj].size
-    explain.mp_formula(z=z, layer=layer, projection=proj, mean=mean, std=std, tau=tau, n_outliers=n_out,
-                       n_rows=n_pop if scope == "layer" else rows.size, scope=scope)
     explain.gqa(g.n_heads, g.n_kv_heads)
 
-    table = "layer,projection,unit,row,norm,excess\n" + "\n".join(
+
+def _row_table(norms: dict, excess: dict) -> str:
+    """Every row's norm and excess as CSV (built only when the download is clicked)."""
+    return "layer,projection,unit,row,norm,excess\n" + "\n".join(
         f"{l},{p},{u},{j},{norms[p][l, u, j]:.6g},{excess[p][l, u, j]:.6g}"
         for p in ("q", "k", "v", "o") for l, u, j in np.ndindex(*norms[p].shape))
-    st.download_button("Download row norms (CSV)", table, file_name=f"row_norms_L{ord_}_z{z:g}.csv",
-                       mime="text/csv", key="profiles.csv")
+
+
+@st.fragment
+def one_population(norms: dict, stats: dict) -> None:
+    """z, layer and projection -> one population's histogram, per-unit excess and the formula.
+
+    A fragment: moving z (or the layer) reruns only this part; nothing above depends on z."""
+    st.subheader("One population")
+    with shown_errors("Computing thresholds"):
+        c0, c1, c2 = st.columns([2, 2, 1])
+        z = c0.slider("Threshold z (tau = mean + z * std)", 0.0, float(state.Z_MAX), step=0.05,
+                      key=state.widget_key("z"), help="Moves the orange line in the histogram right below.")
+        state.set("z", z)
+        layer = c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("profiles.layer", value=0))
+        layer = min(layer, g.n_layers - 1)
+        proj = c2.radio("Projection", ["q", "k", "v", "o"], format_func=str.upper, horizontal=True,
+                        key=state.widget_key("profiles.proj", value="q"))
+        excess = prof.excess(z, ord=ord_, scope=scope)         # {p: [L, units, d]}
+        taus = prof.thresholds(z, ord=ord_, scope=scope)       # {p: [L]}
+        rows = norms[proj][layer]                              # [units, d]
+        unit = "head" if proj in ("q", "o") else kv_unit
+        labels = [f"{unit} {u}, row {j}" for u in range(rows.shape[0]) for j in range(rows.shape[1])]
+        mean, std = float(stats[proj][0][layer]), float(stats[proj][1][layer])
+        tau = float(taus[proj][layer])
+        n_out = int((rows > tau).sum())
+        st.plotly_chart(charts.norm_histogram(rows, mean, tau, z=z, row_labels=labels,
+                                              title=f"Layer {layer}, {PROJ_TITLES[proj]}: {n_out} of {rows.size} "
+                                                    f"rows above tau"),
+                        width="stretch", key="profiles.hist")
+        head_excess = excess[proj][layer].sum(axis=-1)         # [units]
+        st.plotly_chart(charts.head_bars(head_excess, title=f"Excess per {unit} (layer {layer}, {proj.upper()})",
+                                         y_title="sum of max(0, n - tau)",
+                                         labels=[f"{unit[0].upper()}{u}" for u in range(head_excess.size)]),
+                        width="stretch", key="profiles.excess")
+        n_pop = rows.size if scope == "layer" else norms[proj].size
+        explain.mp_formula(z=z, layer=layer, projection=proj, mean=mean, std=std, tau=tau, n_outliers=n_out,
+                           n_rows=n_pop if scope == "layer" else rows.size, scope=scope)
+        st.download_button("Download row norms (CSV)", lambda: _row_table(norms, excess),
+                           file_name=f"row_norms_L{ord_}_z{z:g}.csv", mime="text/csv", key="profiles.csv")
+
+
+if norms is not None:
+    one_population(norms, stats)

@@ -122,7 +122,8 @@ else:
             series["evaluation split"] = (zs.zs, zs.evaluation)
         st.plotly_chart(charts.curves(series, title=f"{zs.metric} vs z at sparsity {zs.sparsity:g} "
                                                     f"(suggested z = {zs.suggested_z:g})",
-                                      x_title="z", y_title=zs.metric, marker_x=z), width="stretch",
+                                      x_title="z", y_title=zs.metric, log_y=charts.log_axis(zs.metric),
+                                      marker_x=z), width="stretch",
                         key="prune.sweep_chart")
         st.plotly_chart(charts.curves({"heads with score 0": (zs.zs, zs.zero_score_heads)},
                                       title="Heads in the bulk (score 0) vs z", x_title="z", y_title="heads",

@@ -88,3 +88,27 @@ def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
     assert 0 < shown < dense
     assert any(m.label == "Heads pruned" and m.value == "8 / 16" for m in at.metric)
     assert at.dataframe, "no timing table"
+
+
+def test_default_folder_name_follows_the_settings_until_edited(tiny_dir, out_root):
+    at = new_app(tiny_dir, page="export", scorer="mp-g", sparsity="0.5")
+    no_exception(at)
+    folder = at.text_input(key="hs.w.export.folder")
+    assert folder.value.endswith("-mp-g-s0.5-global-zeroed")
+    assert at.text_input(key="hs.w.export.root").value == str(out_root)     # the env variable's root is shown
+    at.selectbox(key="hs.w.export.format").set_value("pruned").run()
+    assert at.text_input(key="hs.w.export.folder").value.endswith("-mp-g-s0.5-global-pruned")
+    at.text_input(key="hs.w.export.folder").set_value("mine").run()
+    at.selectbox(key="hs.w.export.format").set_value("zeroed").run()
+    assert at.text_input(key="hs.w.export.folder").value == "mine"          # a typed name is kept
+
+
+def test_export_goes_under_the_root_shown_on_the_page(tiny_dir, out_root, tmp_path):
+    other = tmp_path / "elsewhere"
+    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    at.text_input(key="hs.w.export.root").set_value(str(other)).run()
+    at.text_input(key="hs.w.export.folder").set_value("here").run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+    assert (other / "here" / "mask.json").is_file() and not out_root.exists()
+    assert any(str(other / "here") in s.value for s in at.success)

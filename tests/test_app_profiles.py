@@ -65,7 +65,7 @@ def test_moving_z_never_recomputes_norms(tiny_dir, monkeypatch):
     assert first["profile_model"] == 1
     titles = []
     for z in (0.3, 1.1, 2.9):
-        at.slider(key="hs.w.z").set_value(z).run()
+        at.slider(key="hs.w.profiles.z").set_value(z).run()
         titles.append(figure_titled(at, "rows above tau")["layout"]["title"]["text"])
     no_exception(at)
     assert calls == first, "moving z re-read the weights"

@@ -33,7 +33,7 @@ def _check_mask(at, sparsity, n_heads):
 def test_sparsity_slider_prunes_floor_s_LH_heads(tiny_dir, scorer):
     at = new_app(tiny_dir, page="prune", scorer=scorer)
     for s in (0.0, 0.3, 0.55, 0.95):
-        at.slider(key="hs.w.sparsity").set_value(s).run()
+        at.slider(key="hs.w.prune.sparsity").set_value(s).run()
         no_exception(at)
         _check_mask(at, s, 16)
 
@@ -41,7 +41,7 @@ def test_sparsity_slider_prunes_floor_s_LH_heads(tiny_dir, scorer):
 def test_zero_score_count_and_per_layer_counts(tiny_dir):
     at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.5")
     for z in (0.0, 1.0, 3.0):
-        at.slider(key="hs.w.z").set_value(z).run()
+        at.slider(key="hs.w.prune.z").set_value(z).run()
         pruned, scores = _check_mask(at, 0.5, 16)
         assert int(metric(at, f"Heads with score 0 at z = {z:g}")) == int((scores == 0).sum())
         per_layer = np.asarray(figure_titled(at, "Pruned heads per layer")["data"][0]["y"], dtype=float)
@@ -68,8 +68,8 @@ def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
     assert len(profile_calls) == 1
     masks = set()
     for z, s in ((0.5, 0.3), (0.5, 0.6), (2.5, 0.6), (1.0, 0.1)):
-        at.slider(key="hs.w.z").set_value(z).run()
-        at.slider(key="hs.w.sparsity").set_value(s).run()
+        at.slider(key="hs.w.prune.z").set_value(z).run()
+        at.slider(key="hs.w.prune.sparsity").set_value(s).run()
         no_exception(at)
         masks.add(_mask_and_scores(at)[0].tobytes())
     assert calls["n"] == after_first and len(profile_calls) == 1
@@ -108,7 +108,7 @@ def test_z_sweep_chart(tiny_dir):
     assert zs.size > 3 and np.all(np.diff(zs) > 0)
     suggested = float(fig["layout"]["title"]["text"].split("suggested z = ")[1].rstrip(")"))
     at.button(key="prune.use_z").click().run()
-    assert at.slider(key="hs.w.z").value == pytest.approx(suggested)
+    assert at.slider(key="hs.w.prune.z").value == pytest.approx(suggested)
     assert float(at.query_params["z"]) == pytest.approx(suggested)
 
 
@@ -121,7 +121,7 @@ def test_calibration_scorer_runs_on_request(tiny_dir):
     at.button(key="prune.compute").click().run()
     no_exception(at)
     _check_mask(at, 0.25, 16)
-    at.slider(key="hs.w.sparsity").set_value(0.5).run()   # cached: no button needed again
+    at.slider(key="hs.w.prune.sparsity").set_value(0.5).run()   # cached: no button needed again
     _check_mask(at, 0.5, 16)
 
 
@@ -129,7 +129,7 @@ def test_calibration_scorer_runs_on_request(tiny_dir):
 def test_smollm2_sparsity_slider(smollm2_app):
     at = new_app(smollm2_app, page="prune", scorer="mp-g")
     for s in (0.1, 0.37):
-        at.slider(key="hs.w.sparsity").set_value(s).run()
+        at.slider(key="hs.w.prune.sparsity").set_value(s).run()
         no_exception(at)
         _check_mask(at, s, 270)
 

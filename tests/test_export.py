@@ -288,7 +288,7 @@ def test_read_only_folder_real(tmp_path):
 def test_read_only_folder_simulated(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr(export_mod.tempfile, "mkdtemp", denied)
+    monkeypatch.setattr(export_mod, "_fresh_dir", denied)   # the temporary folder cannot be made
     with pytest.raises(ExportError, match="writable"):
         export_zeroed(tiny_model("gpt2"), _hard_mask("gpt2"), tmp_path / "new" / "x")
     assert os.listdir(tmp_path) == [], "the parent folder created for the export was left behind"
@@ -334,3 +334,25 @@ def test_stock_export_without_pruning_loads_for_any_family(tmp_path):
     ids = tiny_input_ids()
     loaded = load_pruned(result.path, attn_implementation="eager")
     assert (_out(loaded, ids) - _out(model, ids)).abs().max().item() <= TOL
+
+
+def test_export_folders_get_ordinary_permissions(tmp_path):
+    """Not mkdtemp's 0700: an export is a folder like any other (the umask decides)."""
+    import os
+    from analysis.export import atomic_folder
+    umask = os.umask(0o022)
+    try:
+        with atomic_folder(tmp_path / "out") as tmp:
+            (tmp / "x.txt").write_text("x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+
+
+def test_default_export_root_is_in_home_unless_the_env_says(monkeypatch, tmp_path):
+    from pathlib import Path
+    from analysis.export import default_export_root
+    monkeypatch.delenv("HEADSCOPE_EXPORT_ROOT", raising=False)
+    assert default_export_root() == Path.home() / "headscope-exports"
+    monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(tmp_path / "x"))
+    assert default_export_root() == tmp_path / "x"

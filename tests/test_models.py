@@ -347,3 +347,35 @@ def test_model_too_large_for_free_ram(tmp_path):
         M.load_model(str(folder), available_bytes=need - 1)
     _assert_fix_in(str(info.value))
     assert M.load_model(str(folder), available_bytes=need).kind == "causal-lm"
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_an_unreachable_hub_means_local_cache_only(monkeypatch, listening):
+    """Unreachable (a refused connect), an uncached id fails at once from the local cache instead of
+    ~25 s of network retries; a reachable endpoint is asked normally."""
+    import socket
+    from analysis import models
+    from analysis.errors import ModelLoadError
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    if listening:
+        server.listen(1)
+    else:
+        server.close()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    seen = {}
+
+    def from_pretrained(source, **kwargs):
+        seen.update(kwargs)
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(models.AutoConfig, "from_pretrained", from_pretrained)
+    try:
+        with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
+            models.load_model("someorg/not-cached-anywhere")
+    finally:
+        server.close()
+    assert seen["local_files_only"] is (not listening)

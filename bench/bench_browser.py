@@ -1,0 +1,99 @@
+"""Benchmark: key press on the Prune page's z and sparsity sliders -> redrawn mask view, in Chromium.
+
+`streamlit run app.py` is started on the built-in SmolLM2 (tests/e2e/serving.py), the Prune page is
+opened with MP-G, z = 2, sparsity = 0.3, and each slider is moved 20 times with the arrow keys
+(10 right, then 10 left). A move counts as redrawn when the app's script run has ended (the
+`data-test-script-state` of the page) and the new value shows: for sparsity the heatmap's title
+"N of 270 heads pruned", for z the "Heads with score 0 at z = ..." metric beside it. Beside it, the
+same page's full rerun (Streamlit's R shortcut) is timed the same way.
+
+    .venv/bin/python bench/bench_browser.py [--moves 20] [--reruns 10]
+Target (issue 12): p50 key press -> redrawn heatmap <= 0.2 s on a quiet machine.
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.serving import chromium, served_app  # noqa: E402
+
+TARGET_S = 0.2
+N_HEADS = 30 * 9
+STEP = {"Sparsity": 0.01, "Threshold z": 0.05}
+# Run-state transitions are recorded in the page, so a run that starts and ends between two polls
+# is still seen.
+WATCH_JS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  window.__runs = [];
+  new MutationObserver(() => window.__runs.push([app.getAttribute('data-test-script-state'), performance.now()]))
+    .observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+}"""
+DONE_JS = """([t0, text]) => {
+  const ended = (window.__runs || []).some(([s, t]) => t > t0 && s === 'notRunning');
+  return ended && document.body.innerText.includes(text);
+}"""
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def timed_press(page, key: str, expect_text: str) -> float:
+    """Seconds from the key press to the end of the run that shows `expect_text`."""
+    t0 = page.evaluate("() => performance.now()")
+    page.keyboard.press(key)
+    page.wait_for_function(DONE_JS, arg=[t0, expect_text], polling="raf", timeout=120_000)
+    return (page.evaluate("() => performance.now()") - t0) / 1e3
+
+
+def slider_moves(page, label: str, start: float, moves: int, expect) -> list[float]:
+    slider = page.get_by_test_id("stSlider").filter(has_text=label).first.get_by_role("slider")
+    slider.focus()
+    times, value = [], start
+    for i in range(moves):
+        right = i < moves // 2
+        value = round(value + (STEP[label] if right else -STEP[label]), 4)
+        times.append(timed_press(page, "ArrowRight" if right else "ArrowLeft", expect(value)))
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--moves", type=int, default=20)
+    parser.add_argument("--reruns", type=int, default=10)
+    args = parser.parse_args()
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    with served_app(log) as base, chromium() as browser:
+        page = browser.new_page(viewport={"width": 1500, "height": 1400})
+        page.goto(f"{base}/prune?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.3")
+        start = math.floor(0.3 * N_HEADS + 1e-9)
+        page.get_by_text(f"{start} of {N_HEADS} heads pruned").first.wait_for(timeout=300_000)
+        page.wait_for_timeout(2000)
+        page.evaluate(WATCH_JS)
+        sparsity = slider_moves(page, "Sparsity", 0.3, args.moves,
+                                lambda s: f"{math.floor(s * N_HEADS + 1e-9)} of {N_HEADS} heads pruned")
+        z = slider_moves(page, "Threshold z", 2.0, args.moves, lambda v: f"Heads with score 0 at z = {v:g}")
+        page.get_by_role("heading", name="Prune", level=1).click()      # focus off the widgets
+        full = [timed_press(page, "r", f"{start} of {N_HEADS} heads pruned") for _ in range(args.reruns)]
+    print(f"Prune page, SmolLM2, Chromium; {args.moves} moves per slider, {args.reruns} full reruns")
+    for name, t in (("sparsity key press -> redrawn", sparsity), ("z key press -> redrawn", z),
+                    ("full page rerun (R)", full)):
+        print(f"  {name:32s} p50 {statistics.median(t):.3f} s   p90 {percentile(t, 0.9):.3f} s")
+    p50 = statistics.median(sparsity + z)
+    print(f"slider p50 {p50:.3f} s vs full rerun p50 {statistics.median(full):.3f} s "
+          f"(ratio {p50 / statistics.median(full):.2f}); target p50 <= {TARGET_S} s: "
+          f"{'OK' if p50 <= TARGET_S else 'MISSED'}")
+    return 0 if p50 <= TARGET_S else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Journeys through the app in a real headless Chromium, the way people use it: the sidebar to switch
+pages, the keyboard on sliders, the Stop button on long work.
+
+- Every ordered pair of pages keeps the view (model, scorer, z, sparsity): one walk over all 30
+  ordered pairs of the six pages (an Euler circuit of the complete directed graph), checking the
+  URL and every slider that shows a view value on each arrival. AppTest cannot see this: it keeps
+  widget keys a real browser drops on a page switch.
+- Stop on a long job leaves a usable page that says "Stopped".
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from tests.e2e.conftest import ARTIFACTS, LOAD_TIMEOUT_MS, needs_chromium
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, needs_chromium()]
+
+# page -> (sidebar title, url path, the view sliders it shows: label text -> view field)
+PAGES = {
+    "model": ("Model", "", {}),
+    "profiles": ("Profiles", "profiles", {"Threshold z": "z"}),
+    "prune": ("Prune", "prune", {"Threshold z": "z", "Sparsity": "sparsity"}),
+    "compare": ("Compare", "compare", {"Threshold z": "z", "Sparsity": "sparsity"}),
+    "heads": ("Heads", "heads", {}),
+    "export": ("Export", "export", {}),
+}
+VIEW = {"model": "smollm2-135m", "scorer": "magnitude", "z": "2.35", "sparsity": "0.4"}  # none a default
+
+
+def euler_circuit(nodes: list[str]) -> list[str]:
+    """A closed walk using every ordered pair (a, b), a != b, exactly once (Hierholzer)."""
+    out = {a: [b for b in nodes if b != a] for a in nodes}
+    stack, walk = [nodes[0]], []
+    while stack:
+        top = stack[-1]
+        if out[top]:
+            stack.append(out[top].pop())
+        else:
+            walk.append(stack.pop())
+    return walk[::-1]
+
+
+def test_euler_circuit_covers_every_ordered_pair():
+    walk = euler_circuit(list(PAGES))
+    pairs = list(zip(walk, walk[1:]))
+    assert len(pairs) == len(set(pairs)) == len(PAGES) * (len(PAGES) - 1)
+
+
+def _settled(page, timeout_ms: int = 60_000) -> None:
+    """Wait until the script has finished its run (no 'running' status widget for a moment)."""
+    from playwright.sync_api import expect
+    for _ in range(3):
+        page.wait_for_timeout(400)
+        expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=timeout_ms)
+
+
+def _query(page) -> dict[str, str]:
+    return {k: v[0] for k, v in parse_qs(urlparse(page.url).query).items()}
+
+
+def _arrive(page, name: str) -> None:
+    from playwright.sync_api import expect
+    title, _, sliders = PAGES[name]
+    expect(page.get_by_role("heading", name=title, level=1)).to_be_visible(timeout=LOAD_TIMEOUT_MS)
+    for label in sliders:
+        expect(page.get_by_test_id("stSlider").filter(has_text=label).first).to_be_visible(timeout=LOAD_TIMEOUT_MS)
+    _settled(page)
+
+
+def _check_view(page, came_from: str, name: str) -> None:
+    where = f"{came_from} -> {name}"
+    query = _query(page)
+    for field, value in VIEW.items():
+        assert query.get(field) == value, f"{where}: URL has {field}={query.get(field)!r}, expected {value!r}"
+    assert query.get("page") == name, f"{where}: URL page={query.get('page')!r}"
+    for label, field in PAGES[name][2].items():
+        slider = page.get_by_test_id("stSlider").filter(has_text=label).first.get_by_role("slider")
+        shown = float(slider.input_value())
+        assert shown == pytest.approx(float(VIEW[field])), f"{where}: the {label} slider shows {shown}"
+    assert page.get_by_test_id("stException").count() == 0, where
+
+
+def test_every_ordered_pair_of_pages_keeps_the_view(server, page):
+    walk = euler_circuit(list(PAGES))
+    start = walk[0]
+    query = "&".join(f"{k}={v}" for k, v in VIEW.items())
+    page.goto(f"{server}/{PAGES[start][1]}?{query}")
+    _arrive(page, start)
+    _check_view(page, "link", start)
+    nav = page.get_by_test_id("stSidebarNav")
+    for came_from, name in zip(walk, walk[1:]):
+        nav.get_by_role("link", name=PAGES[name][0], exact=True).click()
+        _arrive(page, name)
+        _check_view(page, came_from, name)
+    page.reload()                                       # the URL alone reproduces the view
+    _arrive(page, walk[-1])
+    _check_view(page, "reload", walk[-1])
+
+
+def test_stop_leaves_a_usable_page_that_says_stopped(server, page):
+    from playwright.sync_api import expect
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(f"{server}/heads?model=smollm2-135m")
+    run = page.get_by_role("button", name="Run the ablation sweep")
+    expect(run).to_be_visible(timeout=LOAD_TIMEOUT_MS)
+    _settled(page)
+    run.click()
+    main = page.get_by_test_id("stMainBlockContainer")
+    stop = main.get_by_role("button", name="Stop")
+    expect(stop).to_be_visible(timeout=60_000)
+    expect(main.get_by_test_id("stProgress")).to_have_count(1)
+    page.wait_for_timeout(1500)                         # let the sweep get going
+    stop.click()
+    expect(main.get_by_test_id("stAlert").filter(has_text="Stopped: Ablating heads")).to_be_visible(timeout=60_000)
+    _settled(page)
+    expect(main.get_by_role("button", name="Stop")).to_have_count(0)
+    expect(main.get_by_test_id("stProgress")).to_have_count(0)
+    expect(run).to_be_enabled()
+    expect(page.get_by_role("heading", name="Attention pattern of one head")).to_be_visible()
+    assert page.get_by_test_id("stException").count() == 0
+    page.screenshot(path=str(ARTIFACTS / "e2e_heads_stopped.png"), full_page=True)
+    run.click()                                         # the next press runs (not cancelled at once)
+    expect(main.get_by_role("button", name="Stop")).to_be_visible(timeout=60_000)
+    main.get_by_role("button", name="Stop").click()
+    expect(main.get_by_test_id("stAlert").filter(has_text="Stopped: Ablating heads")).to_be_visible(timeout=60_000)
+
+
+def _no_error_on_page(page, where: str) -> None:
+    for testid in ("stException", "stAlertContentError"):
+        found = page.get_by_test_id(testid)
+        assert found.count() == 0, f"{where}: {found.first.inner_text()[:300]}"
+
+
+@pytest.mark.parametrize("name", list(PAGES))
+def test_minilm_journey_has_no_error_on_any_page(server, page, name):
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(f"{server}/{PAGES[name][1]}?model=minilm-l6&sparsity=0.25")
+    _arrive(page, name)
+    page.wait_for_timeout(500)
+    _no_error_on_page(page, f"minilm {name}")
+    page.screenshot(path=str(ARTIFACTS / f"e2e_minilm_{name}.png"), full_page=True)
+
+
+def test_export_journey(server, page, export_root):
+    """Format chosen -> the default name follows it -> Export -> the folder is under the root the page
+    shows -> mask.json downloads and describes the shown view."""
+    import json
+    from playwright.sync_api import expect
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.goto(f"{server}/export?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.1")
+    _arrive(page, "export")
+    root_box = page.get_by_role("textbox", name="Export root: every export becomes a folder in here")
+    assert root_box.input_value() == str(export_root)
+    name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
+    assert name_box.input_value().endswith("-zeroed")
+    page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
+    page.get_by_role("option", name="pruned:").click()
+    _settled(page)
+    expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-global-pruned", timeout=30_000)
+    page.get_by_role("button", name="Export", exact=True).click()
+    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
+                                                                          timeout=LOAD_TIMEOUT_MS)
+    folder = export_root / "smollm2-135m-mp-g-s0.1-global-pruned"
+    assert (folder / "head_layout.json").is_file() and (folder / "mask.json").is_file()
+    assert folder.stat().st_mode & 0o077 != 0                  # not mkdtemp's private 0700
+    with page.expect_download() as info:
+        page.get_by_role("button", name="Download mask.json").click()
+    record = json.loads(Path(info.value.path()).read_text())
+    assert (record["scorer"], record["sparsity"]) == ("mp-g", 0.1)
+    assert record["kept"] == json.loads((folder / "mask.json").read_text())["kept"]
+    _no_error_on_page(page, "export")
+    page.screenshot(path=str(ARTIFACTS / "e2e_export_journey.png"), full_page=True)
