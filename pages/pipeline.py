@@ -2,7 +2,6 @@
 curve, progress and Stop; then the compression report (table, plot, downloads) and the final
 model's exports in every format. The cached dense model is never changed."""
 import io
-import os
 import tempfile
 from pathlib import Path
 
@@ -18,12 +17,10 @@ from components.errors import shown_errors
 
 shell.ensure_app()
 
-OUTPUT_ROOT = Path(os.environ.get("HEADSCOPE_EXPORT_ROOT") or Path(__file__).resolve().parents[1] / "out" / "exports")
-
-st.title("Recover and compress")
+st.title("Pipeline")
 lm = cache.model_or_stop()
 g = lm.geometry
-st.caption("Score the heads, prune a step, recover by distillation from the dense model, rescore, repeat until "
+st.caption("Recover and compress. Score the heads, prune a step, recover by distillation from the dense model, rescore, repeat until "
            "the target sparsity or the perplexity budget; then INT8. Works on a copy: the loaded model is not "
            "changed.")
 
@@ -63,7 +60,8 @@ if st.button("Run the pipeline", type="primary", key="pipe.run"):
     stop = cache.stop_button("pipeline")
     try:
         with shown_errors("The pipeline"):
-            with cache.progress_bar("Pipeline") as report, cache.exclusive(lm.name, state.trust(), report):
+            with cache.progress_bar("Pipeline") as report, cache.exclusive(lm.name, state.trust(), report,
+                                                                          should_stop=state.should_stop):
                 rep, result = compression_report(lm, config, int8=int8, progress=report,
                                                  should_stop=state.should_stop, on_step=on_step)
             state.remember("pipe.last", (rep, result, losses))
@@ -71,6 +69,9 @@ if st.button("Run the pipeline", type="primary", key="pipe.run"):
         stop.empty()
         state.clear_stop()
 
+note = state.stopped_note()
+if note:
+    st.info(note)
 last = state.recall("pipe.last")
 if last is not None:
     rep, result, losses = last
@@ -97,21 +98,22 @@ if last is not None:
                          key="pipe.dl.png")
 
     st.subheader("Export the final model")
+    output_root = export_mod.default_export_root()
     c1, c2 = st.columns([1, 2])
     fmt = c1.selectbox("Format", [*export_mod.FORMATS, "onnx-int8"], key=state.widget_key("pipe.fmt", value="pruned"))
-    folder = c2.text_input(f"Folder inside {OUTPUT_ROOT}",
+    folder = c2.text_input(f"Folder inside {output_root}",
                            key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
     if st.button("Export", key="pipe.export"):
         with shown_errors("Exporting"):
             with cache.progress_bar(f"Exporting ({fmt})"):
                 if fmt == "onnx-int8":
                     from analysis.quantize import quantize_onnx
-                    target_dir = export_mod.resolve_under(OUTPUT_ROOT, folder)
+                    target_dir = export_mod.resolve_under(output_root, folder)
                     with tempfile.TemporaryDirectory(prefix="headscope-onnx-") as tmp:
                         fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, tmp, "fp32",
                                             tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
                         path = quantize_onnx(fp32.path, target_dir).parent
                 else:
-                    path = export_round(fmt, result.model, result.pruned, result.head_rounds, OUTPUT_ROOT, folder,
+                    path = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
                                         tokenizer=lm.tokenizer, kv_policy=config.kv_policy).path
             st.success(f"Wrote the {fmt} export to {path}.")
