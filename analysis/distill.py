@@ -231,9 +231,10 @@ def check_kind(kind: str, config: DistillConfig) -> None:
 
 
 def _forward(model, ids: torch.Tensor, want_hidden: bool):
-    """One forward pass on ids [B, T] without a KV cache (where the config has one)."""
+    """One forward pass on ids [B, T] without a KV cache (where the config has one). The batches
+    have no padding, so no attention mask is passed (the model's default: attend to all)."""
     extra = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=want_hidden, **extra)
+    return model(input_ids=ids, output_hidden_states=want_hidden, **extra)
 
 
 @torch.no_grad()
