@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .adapters import adapter_for
 from .errors import InputError
-from .evaluation import (Progress, ShouldStop, check_stop, default_text, evaluator_for, gate_batch,
-                         report, token_ids)
+from .evaluation import default_text, evaluator_for, gate_batch, token_ids
 from .geometry import HeadGeometry
-from .masking import head_mask
+from .head_gates import head_mask
+from .loss import summed_nll
+from .progress import Progress, ShouldStop, check_stop, report
 
 TAIL_BYTES = 64 * 2**20   # logits memory per tail chunk
 
@@ -83,18 +83,11 @@ def as_sequences(ids) -> torch.Tensor:
     return x
 
 
-def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-row summed NLL in float64. logits [R, T', V], targets [R, T'] -> [R]."""
-    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                          reduction="none")                              # [R*T']
-    return nll.double().reshape(targets.shape).sum(1)                   # [R]
-
-
 @torch.no_grad()
 def full_forward_loss(model, x: torch.Tensor) -> float:
     """Mean next-token NLL of a full forward. x [n, T]."""
     logits = model(input_ids=x, use_cache=False).logits[:, :-1]         # [n, T-1, V]
-    return float(token_nll(logits, x[:, 1:]).sum() / x[:, 1:].numel())
+    return float(summed_nll(logits, x[:, 1:]).sum() / x[:, 1:].numel())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +96,7 @@ def full_forward_loss(model, x: torch.Tensor) -> float:
 
 @torch.no_grad()
 def naive_layer_deltas(model, x: torch.Tensor, layer: int, base_loss: float, *, groups: bool = True,
-                       should_stop: ShouldStop = None) -> np.ndarray:
+                       should_stop: ShouldStop | None = None) -> np.ndarray:
     """Loss change [R] of every single-head (then KV-group) ablation of `layer`, one forward each."""
     adapter = adapter_for(model)
     gates = ablation_gates(adapter.geometry(model), layer, groups=groups)  # [R, L, H]
@@ -116,8 +109,8 @@ def naive_layer_deltas(model, x: torch.Tensor, layer: int, base_loss: float, *, 
 
 
 @torch.no_grad()
-def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progress = None,
-                should_stop: ShouldStop = None) -> AblationResult:
+def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progress | None = None,
+                should_stop: ShouldStop | None = None) -> AblationResult:
     """Reference: one full forward per ablated head (and per KV group), same loss as the fast sweep.
 
     layers: which layers to sweep (default all); rows of other layers are NaN."""
@@ -330,7 +323,7 @@ class FastAblation:
         t0 = time.perf_counter()
         cap = _DenseCapture(model, adapter)
         logits = cap.run(x)                                              # [n, T, V]
-        base = float(token_nll(logits[:, :-1], x[:, 1:]).sum() / x[:, 1:].numel())
+        base = float(summed_nll(logits[:, :-1], x[:, 1:]).sum() / x[:, 1:].numel())
         chain = cap.tail(logits)
         if chain is None or not torch.allclose(self._apply(chain, cap.last_out), logits, atol=1e-5, rtol=1e-4):
             return None
@@ -343,7 +336,7 @@ class FastAblation:
 
     @torch.no_grad()
     def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
-                     should_stop: ShouldStop = None) -> np.ndarray:
+                     should_stop: ShouldStop | None = None) -> np.ndarray:
         """Loss change [R] for every single-head (then KV-group) ablation of `layer`."""
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
@@ -372,8 +365,8 @@ class FastAblation:
             timings["lm_head"] = timings.get("lm_head", 0.0) + time.perf_counter() - t2
         return out
 
-    def sweep(self, model, ids, *, layers=None, progress: Progress = None,
-              should_stop: ShouldStop = None) -> AblationResult:
+    def sweep(self, model, ids, *, layers=None, progress: Progress | None = None,
+              should_stop: ShouldStop | None = None) -> AblationResult:
         """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN)."""
         x = as_sequences(ids)                                            # [n, T]
         geo = adapter_for(model).geometry(model)
@@ -411,7 +404,7 @@ class FastAblation:
         N, Tp = targets.shape
         vocab = chain[-1].weight.shape[0] if hasattr(chain[-1], "weight") else 50000
         rows = max(1, TAIL_BYTES // max(1, Tp * vocab * 4))
-        return torch.cat([token_nll(self._apply(chain, hidden[i:i + rows]), targets[i:i + rows])
+        return torch.cat([summed_nll(self._apply(chain, hidden[i:i + rows]), targets[i:i + rows])
                           for i in range(0, N, rows)])                   # [N]
 
 
@@ -429,7 +422,7 @@ def split_sequences(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 256, seq_len: int = 256,
                   method: str = "fast", groups: bool = True, batch_size: int = 16,
-                  progress: Progress = None, should_stop: ShouldStop = None) -> AblationResult:
+                  progress: Progress | None = None, should_stop: ShouldStop | None = None) -> AblationResult:
     """Single-head ablation effects of `loaded` on `text` (None = built-in evaluation text).
 
     Causal LMs: next-token loss change (fast sweep, or method="naive"). Masked LMs: pseudo-NLL

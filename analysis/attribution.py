@@ -1,12 +1,13 @@
 """Head attribution with Captum Integrated Gradients over the head gates.
 
-Every head gets a gate g in [0, 1] through `analysis.masking.head_mask` (gate tensors may
+Every head gets a gate g in [0, 1] through `analysis.head_gates.head_mask` (gate tensors may
 require grad). With f(g) = mean next-token NLL of the text under gates g, Integrated Gradients
 from the baseline g = 0 (every head off) to g = 1 (the dense model) attributes
 f(1) - f(0) to the heads:  attr_h = integral over a in [0, 1] of df/dg_h at g = a * 1.
 Completeness: sum_h attr_h = f(1) - f(0) up to the quadrature error (Captum's convergence
 delta). Importance = -attr (a head whose gate lowers the loss is important). This is the
-path-integrated version of Michel et al.'s head-gate gradient (DESIGN.md, baseline scorers).
+path-integrated version of Michel et al.'s head-gate gradient (docs/DEFINITIONS.md, baselines).
+`integrated_gate_gradients` is the one Captum call; the "gate-ig" scorer uses it too.
 
 `rank_correlation` compares any importance view with the ablation oracle (Spearman's rho).
 """
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .adapters import adapter_for
 from .errors import InputError
-from .evaluation import Progress, ShouldStop, check_stop, report, token_ids
-from .masking import head_mask
+from .evaluation import token_ids
+from .head_gates import head_mask
+from .loss import lm_sequence_losses
+from .progress import Progress, ShouldStop, check_stop, report
 
 
 @dataclass(frozen=True)
@@ -34,22 +36,43 @@ class Attribution:
     n_steps: int
 
 
-def gate_loss_fn(model, ids: torch.Tensor, geometry, *, on_call=None):
-    """f(gates [B, L*H]) -> mean NLL per gate row [B] over ids [n, T] (differentiable in gates)."""
+def gate_loss_fn(model, ids: torch.Tensor, geometry, *, kind: str = "causal-lm", mask_token_id: int | None = None,
+                 adapter=None, on_call=None):
+    """f(gates [B, L*H]) -> mean LM loss per gate row [B] over ids [n, T] (differentiable in gates).
+
+    The loss is `analysis.loss.lm_sequence_losses` of `kind`, averaged over the n sequences."""
     x = ids.unsqueeze(0) if ids.dim() == 1 else ids                    # [n, T]
-    n = x.shape[0]
 
     def f(flat_gates: torch.Tensor) -> torch.Tensor:
         if on_call is not None:
             on_call()
         B = flat_gates.shape[0]
         gates = flat_gates.reshape(B, geometry.n_layers, geometry.n_heads)  # [B, L, H]
-        with head_mask(model, gates):
-            logits = model(input_ids=x.repeat(B, 1), use_cache=False).logits[:, :-1]  # [B*n, T-1, V]
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].repeat(B, 1).reshape(-1),
-                              reduction="none")                          # [B*n*(T-1)]
-        return nll.reshape(B, -1).mean(1)                                # [B]
+        with head_mask(model, gates, adapter=adapter):
+            losses = lm_sequence_losses(model, kind, x.repeat(B, 1), mask_token_id=mask_token_id)  # [B*n]
+        return losses.reshape(B, -1).mean(1)                             # [B]
     return f
+
+
+def integrated_gate_gradients(f, geometry, *, n_steps: int, baseline: float = 0.0,
+                              method: str = "gausslegendre", internal_batch_size: int | None = None,
+                              with_delta: bool = False) -> tuple[torch.Tensor, float | None]:
+    """Captum Integrated Gradients of f(gates [B, L*H]) -> [B] from gates = baseline to gates = 1.
+
+    Returns the attribution [L, H] (detached) and, with `with_delta`, the convergence delta
+    sum(attr) - (f(1) - f(baseline)) (two extra evaluations of f), else None. Captum
+    differentiates with torch.autograd.grad w.r.t. the gates only: no parameter's .grad is
+    written, so a shared model is not touched."""
+    from captum.attr import IntegratedGradients
+    ones = torch.ones(1, geometry.n_total_heads)                        # [1, L*H]
+    base = torch.full_like(ones, float(baseline))                       # [1, L*H]
+    with torch.enable_grad():
+        out = IntegratedGradients(f).attribute(ones, baselines=base, n_steps=n_steps, method=method,
+                                               internal_batch_size=internal_batch_size,
+                                               return_convergence_delta=with_delta)
+    attr, delta = out if with_delta else (out, None)
+    attr = attr.detach().reshape(geometry.n_layers, geometry.n_heads)   # [L, H]
+    return attr, None if delta is None else float(delta.reshape(-1)[0])
 
 
 class GateAttribution:
@@ -61,13 +84,14 @@ class GateAttribution:
             raise InputError(f"n_steps = {n_steps}; Integrated Gradients needs at least one step.")
         self.n_steps, self.batch_size, self.baseline, self.method = n_steps, max(1, batch_size), baseline, method
 
-    def attribute(self, model, ids, *, progress: Progress = None, should_stop: ShouldStop = None) -> Attribution:
-        from captum.attr import IntegratedGradients
+    def attribute(self, model, ids, *, progress: Progress | None = None,
+                  should_stop: ShouldStop | None = None) -> Attribution:
         x = torch.as_tensor(ids, dtype=torch.long)
         x = x.unsqueeze(0) if x.dim() == 1 else x                      # [n, T]
         if x.shape[-1] < 2:
             raise InputError("Attribution needs at least two tokens per sequence; use a longer text.")
-        geo = adapter_for(model).geometry(model)
+        adapter = adapter_for(model)
+        geo = adapter.geometry(model)
         n_calls = -(-self.n_steps // self.batch_size)
         calls = [0]
 
@@ -76,18 +100,15 @@ class GateAttribution:
             calls[0] += 1
             report(progress, min(calls[0] / n_calls, 1.0), "head attribution: integrated gradients")
 
-        f = gate_loss_fn(model, x, geo, on_call=on_call)
-        ones = torch.ones(1, geo.n_total_heads)                        # [1, L*H]
-        base = torch.full_like(ones, float(self.baseline))
-        # Captum differentiates with torch.autograd.grad w.r.t. the gates only: no parameter's
-        # .grad is written, so the (shared) model is not touched.
-        attr, delta = IntegratedGradients(f).attribute(
-            ones, baselines=base, n_steps=self.n_steps, method=self.method,
-            internal_batch_size=self.batch_size, return_convergence_delta=True)
+        f = gate_loss_fn(model, x, geo, adapter=adapter, on_call=on_call)
+        attr, delta = integrated_gate_gradients(f, geo, n_steps=self.n_steps, baseline=self.baseline,
+                                                method=self.method, internal_batch_size=self.batch_size,
+                                                with_delta=True)        # [L, H]
         with torch.no_grad():
-            ends = f(torch.cat([ones, base]))                          # [2]: f(1), f(baseline)
-        a = attr.detach().reshape(geo.n_layers, geo.n_heads).double().numpy()
-        return Attribution(-a, a, float(ends[0]), float(ends[1]), float(delta.reshape(-1)[0]), self.n_steps)
+            ones = torch.ones(1, geo.n_total_heads)                    # [1, L*H]
+            ends = f(torch.cat([ones, torch.full_like(ones, float(self.baseline))]))  # [2]: f(1), f(baseline)
+        a = attr.double().numpy()
+        return Attribution(-a, a, float(ends[0]), float(ends[1]), delta, self.n_steps)
 
 
 def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
@@ -103,8 +124,8 @@ def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def head_attribution(loaded, text: str | bytes | None = None, *, max_tokens: int = 64, seq_len: int = 64,
-                     n_steps: int = 16, batch_size: int = 4, progress: Progress = None,
-                     should_stop: ShouldStop = None) -> Attribution:
+                     n_steps: int = 16, batch_size: int = 4, progress: Progress | None = None,
+                     should_stop: ShouldStop | None = None) -> Attribution:
     """Integrated-gradients head importance of a causal LM on `text` (None = built-in text)."""
     if loaded.kind != "causal-lm":
         raise InputError(f"Head attribution needs a causal LM's loss; a {loaded.kind} model is not supported. "

@@ -6,49 +6,61 @@ Commands built in here:
     sweep   MP / MP-G metric vs z at a fixed sparsity     (CSV: one row per z)
     evaluate  perplexity (or the kind's metric) dense and under the mask
     export  the pruned model in one of four formats, plus mask.json
+    pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/pipeline.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
-the model (weight-only scorers only: mp, mp-g, magnitude, random).
+the model (weight-only scorers only: those registered with needs_calibration = False).
 
-Other modules can add commands without editing this file: each module
-listed in PLUGIN_MODULES that defines `register_cli(register)` is imported and called with
-`register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where payload
-is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
+Scorers come from `analysis.scoring.SCORERS`: --scorer's choices, and one option per
+constructor parameter of any registered scorer (`SCORER_OPTION_SPECS` gives the built-in
+parameters their help and choices; a new parameter gets `--its-name` typed from its default).
+
+Commands: `register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where
+payload is JSON-able and rows (a list of dicts, or None) is what --format csv prints.
 
 Progress bars go to stderr (tqdm), results to stdout or --out; user errors print one line
-and exit with status 2.
+and exit with status 2. --out is checked before any work and written atomically
+(`analysis.atomic`): a full disk or a kill never leaves a truncated file or destroys the old one.
+SIGTERM is handled like Ctrl-C (temporary files and folders are removed; exit status 130).
+Custom model code runs only with --trust-remote-code; transformers never prompts for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import importlib
-import inspect
 import io
 import json
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from analysis.errors import HeadscopeError, InputError
+from analysis.atomic import atomic_write, check_output_file
+from analysis.errors import HeadscopeError, InputError, first_line
 from analysis.masks import POLICIES, plan_mask, summarize_mask
 from analysis.profiles import DEFAULT_Z, ORDS, SCOPES
 
-PLUGIN_MODULES = ("analysis.evaluation", "analysis.ablation", "analysis.surgery", "analysis.export",
-                  "analysis.pipeline")
-WEIGHT_ONLY = ("mp", "mp-g", "magnitude", "random")
-
-# command-line option (dest) -> scorer constructor parameter
-SCORER_OPTIONS = {
-    "z": "z", "scope": "scope", "ord": "ord", "a_q": "a_q", "a_kv": "a_kv", "seed": "seed",
-    "n_sequences": "n_sequences", "seq_len": "seq_len", "batch_size": "batch_size",
-    "n_steps": "n_steps", "damping": "damping",
+# scorer constructor parameter -> (flags, add_argument options); the option's dest is the parameter
+SCORER_OPTION_SPECS = {
+    "z": (("--z",), dict(type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")),
+    "scope": (("--scope",), dict(choices=SCOPES, default="layer", help="threshold population")),
+    "ord": (("--ord",), dict(type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")),
+    "a_q": (("--a-q",), dict(type=float, default=None, help="MP-G weight of Q/O excess")),
+    "a_kv": (("--a-kv",), dict(type=float, default=None, help="MP-G weight of K/V excess")),
+    "seed": (("--seed",), dict(type=int, default=None, help="random scorer seed")),
+    "n_sequences": (("--n-sequences",), dict(type=int, default=None, help="calibration sequences (calibration scorers)")),
+    "seq_len": (("--seq-len",), dict(type=int, default=None, help="calibration sequence length")),
+    "batch_size": (("--batch-size",), dict(type=int, default=None)),
+    "n_steps": (("--n-steps",), dict(type=int, default=None, help="integrated-gradient steps")),
+    "damping": (("--damping",), dict(type=float, default=None, help="SparseGPT damping fraction")),
 }
 
 Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
@@ -66,7 +78,7 @@ COMMANDS: dict[str, Command] = {}
 
 
 def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Runner) -> None:
-    """Add a subcommand (used by this module and by plugins' `register_cli`)."""
+    """Add a subcommand."""
     COMMANDS[name] = Command(name, help, add_arguments, run)
 
 
@@ -143,60 +155,87 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def scorer_option_defaults() -> dict[str, object]:
+    """{parameter: default} over the constructors of every registered scorer (the CLI's scorer options).
+
+    Parameters with a None default and no spec (array inputs such as the oracle's loss_increase)
+    have no option."""
+    from analysis.scoring import SCORERS, scorer_parameters
+
+    out = {}
+    for name in SCORERS:
+        for param, default in scorer_parameters(name).items():
+            if param in SCORER_OPTION_SPECS or default is not None:
+                out.setdefault(param, default)
+    return out
+
+
 def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str = "mp-g") -> None:
     from analysis.scoring import SCORERS
 
     parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default)
-    parser.add_argument("--z", type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")
-    parser.add_argument("--scope", choices=SCOPES, default="layer", help="threshold population")
-    parser.add_argument("--ord", type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")
-    parser.add_argument("--a-q", dest="a_q", type=float, default=None, help="MP-G weight of Q/O excess")
-    parser.add_argument("--a-kv", dest="a_kv", type=float, default=None, help="MP-G weight of K/V excess")
-    parser.add_argument("--seed", type=int, default=None, help="random scorer seed")
-    parser.add_argument("--n-sequences", dest="n_sequences", type=int, default=None,
-                        help="calibration sequences (calibration scorers)")
-    parser.add_argument("--seq-len", dest="seq_len", type=int, default=None, help="calibration sequence length")
-    parser.add_argument("--batch-size", dest="batch_size", type=int, default=None)
-    parser.add_argument("--n-steps", dest="n_steps", type=int, default=None, help="integrated-gradient steps")
-    parser.add_argument("--damping", type=float, default=None, help="SparseGPT damping fraction")
+    for param, default in scorer_option_defaults().items():
+        flags, options = SCORER_OPTION_SPECS.get(param, ((f"--{param.replace('_', '-')}",),
+                                                          dict(type=type(default), default=None)))
+        parser.add_argument(*flags, dest=param, **options)
     parser.add_argument("--ablation-file", default=None,
                         help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
 
 
 def scorer_from(ns: argparse.Namespace):
     """Build the chosen scorer from the options its constructor accepts."""
-    from analysis.scoring import SCORERS
+    from analysis.scoring import get_scorer, scorer_parameters
 
-    cls = SCORERS[ns.scorer]
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {param: getattr(ns, option) for option, param in SCORER_OPTIONS.items()
-              if param in accepted and getattr(ns, option, None) is not None}
+    kwargs = {param: getattr(ns, param) for param in scorer_parameters(ns.scorer)
+              if getattr(ns, param, None) is not None}
     if ns.scorer == "ablation" and getattr(ns, "ablation_file", None):
         kwargs["loss_increase"] = read_array(ns.ablation_file)
-    return cls(**kwargs)
+    return get_scorer(ns.scorer, **kwargs)
+
+
+ARRAY_FILE_MAX_BYTES = 64 * 2**20   # a [L, H] table of numbers is far smaller
 
 
 def read_array(path: str) -> np.ndarray:
-    """A [L, H] array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    """A finite [L, H] float array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    fix = ("Give a .npy file or a JSON list of lists of numbers, one row per layer "
+           "(e.g. the head_delta of an ablation run).")
     try:
+        if Path(path).stat().st_size > ARRAY_FILE_MAX_BYTES:
+            raise InputError(f"--ablation-file {path} is larger than {ARRAY_FILE_MAX_BYTES // 2**20} MiB, far more "
+                             f"than a [layers, heads] table. {fix}")
         if path.endswith(".npy"):
-            return np.load(path)
-        with open(path) as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as err:
-        raise InputError(f"Could not read {path}: {err}. Give a .npy file or a JSON list of lists.") from err
-    return np.asarray(data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data, dtype=float)
+            arr = np.load(path, allow_pickle=False)
+        else:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            arr = data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data
+        arr = np.asarray(arr, dtype=np.float64)
+    except (OSError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+        raise InputError(f"Could not read --ablation-file {path} ({reason}). {fix}") from None
+    if arr.ndim != 2 or not arr.size:
+        raise InputError(f"--ablation-file {path} holds an array of shape {list(arr.shape)}, not a [layers, heads] "
+                         f"table. {fix}")
+    if not np.isfinite(arr).all():
+        raise InputError(f"--ablation-file {path} holds NaN or infinite values. {fix}")
+    return arr
 
 
 def load_source(ns: argparse.Namespace, report):
     """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint."""
+    for option in ("model", "checkpoint"):
+        value = getattr(ns, option, None)
+        if value is not None and not value.strip():
+            raise InputError(f"--{option} is empty; give a built-in name (smollm2-135m, minilm-l6), a folder or a "
+                             f"hub id, or leave the option out for the default model.")
     if getattr(ns, "checkpoint", None):
         from analysis.adapters import adapter_for
         from analysis.streaming import checkpoint_folder, load_config, profile_checkpoint
 
-        config = load_config(checkpoint_folder(ns.checkpoint))
+        trust = ns.trust_remote_code
+        config = load_config(checkpoint_folder(ns.checkpoint), trust_remote_code=trust)
         geometry = adapter_for(config).geometry(config)
-        profile = profile_checkpoint(ns.checkpoint, progress=report)
+        profile = profile_checkpoint(ns.checkpoint, progress=report, trust_remote_code=trust)
         return profile, None, dict(source=ns.checkpoint, **geometry.as_dict())
     from analysis.models import DEFAULT_MODEL, load_model
 
@@ -207,9 +246,12 @@ def load_source(ns: argparse.Namespace, report):
 
 def compute_scores(ns: argparse.Namespace):
     """(HeadScores, LoadedModel | None, info) for the score / mask commands."""
-    if getattr(ns, "checkpoint", None) and ns.scorer not in WEIGHT_ONLY:
+    from analysis.scoring import weight_only_scorers
+
+    weight_only = weight_only_scorers()
+    if getattr(ns, "checkpoint", None) and ns.scorer not in weight_only:
         raise InputError(f"--checkpoint streams weights only; the {ns.scorer!r} scorer needs the model. "
-                         f"Use one of {', '.join(WEIGHT_ONLY)}, or --model to load it.")
+                         f"Use one of {', '.join(weight_only)}, or --model to load it.")
     scorer = scorer_from(ns)
     with progress_bar("loading", not ns.quiet) as report:
         target, loaded, info = load_source(ns, report)
@@ -260,7 +302,7 @@ def plan_from(ns):
 
 def run_mask(ns):
     plan, scores, loaded, info = plan_from(ns)
-    bias = loaded is not None and loaded.adapter.read_heads(loaded.model, 0).q_bias is not None  # unknown when streamed
+    bias = loaded is not None and loaded.adapter.has_qkv_bias(loaded.model)  # unknown when streamed
     summary = summarize_mask(plan, scores, head_dim=info["head_dim"], hidden=info["hidden"],
                              seq_len=ns.flops_seq_len, bias=bias)
     rank = np.empty(plan.order.size, dtype=int)  # [L*H]
@@ -287,7 +329,8 @@ def _model_mask_arguments(parser):
 def _evaluate_arguments(parser):
     _model_mask_arguments(parser)
     parser.add_argument("--text-file", dest="text_file", default=None,
-                        help="UTF-8 text to evaluate on (default: the built-in evaluation split)")
+                        help="UTF-8 text to evaluate on (default: the built-in evaluation split); only its "
+                             "first 64 KiB + 64 bytes per --max-tokens token are read")
     parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=512, help="tokens to evaluate")
     parser.add_argument("--format", choices=("json", "csv"), default="json")
     parser.add_argument("--out", default=None, help="write here instead of stdout")
@@ -296,15 +339,12 @@ def _evaluate_arguments(parser):
 def run_evaluate(ns):
     """The model's metric (perplexity, pseudo-perplexity or embedding fidelity), dense and masked."""
     from analysis.evaluation import evaluate
+    from analysis.text import read_text_file, text_file_cap
 
-    plan, scores, loaded, info = plan_from(ns)
     text = None
-    if ns.text_file:
-        try:
-            with open(ns.text_file, "rb") as handle:
-                text = handle.read()
-        except OSError as err:
-            raise InputError(f"Cannot read --text-file {ns.text_file!r}: {err.strerror}.") from None
+    if ns.text_file is not None:   # read (capped) before the model loads: a bad path fails at once
+        text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
+    plan, scores, loaded, info = plan_from(ns)
     pruned = np.stack([np.zeros_like(plan.pruned), plan.pruned])  # [2, L, H]: dense, masked
     with progress_bar("evaluating", not ns.quiet) as report:
         result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report)
@@ -329,8 +369,10 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.export import export, mask_record
+    from analysis.export import check_export_name, export, mask_record, resolve_under
 
+    resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
+    check_export_name(ns.name)
     plan, scores, loaded, info = plan_from(ns)
     record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
                          model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
@@ -340,6 +382,8 @@ def run_export(ns):
                         tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report)
     payload = dict(model=info, format=result.format, path=str(result.path), files=result.files,
                    total_bytes=result.total_bytes, n_pruned=plan.n_pruned)
+    for note in result.notes:
+        sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
     return payload, None
 
@@ -395,25 +439,26 @@ register("export", "write the pruned model (zeroed, pruned, stock or onnx) and m
          run_export)
 
 
+def _pipeline_arguments(parser):
+    from analysis.pipeline import cli_arguments
+    cli_arguments(parser)
+
+
+def run_pipeline_command(ns):
+    from analysis.pipeline import run_cli
+    return run_cli(ns)
+
+
+register("pipeline", "iterative prune -> distill -> INT8, with a compression report and the final exports",
+         _pipeline_arguments, run_pipeline_command)
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
 
 
-def load_plugins() -> None:
-    """Let other modules add subcommands through `register_cli(register)`."""
-    for module_name in PLUGIN_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        hook = getattr(module, "register_cli", None)
-        if callable(hook):
-            hook(register)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    load_plugins()
     parser = argparse.ArgumentParser(prog="python -m analysis",
                                      description="headscope: score, mask, sweep, evaluate and export attention heads headlessly.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -422,18 +467,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt like Ctrl-C, so `finally` blocks remove temporaries; restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    out = getattr(ns, "out", None)
     try:
-        payload, rows = COMMANDS[ns.command].run(ns)
-        text = render(payload, rows, getattr(ns, "format", "json"))
-        if getattr(ns, "out", None):
-            with open(ns.out, "w") as handle:
-                handle.write(text)
-        else:
-            sys.stdout.write(text)
+        with sigterm_as_interrupt():
+            if out is not None:
+                check_output_file(out, "--out")          # before any work: say now what is wrong with it
+            payload, rows = COMMANDS[ns.command].run(ns)
+            text = render(payload, rows, getattr(ns, "format", "json"))
+            if out is not None:
+                atomic_write(out, text, what="--out")
+            else:
+                sys.stdout.write(text)
     except HeadscopeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)   # one line, whatever the message holds
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C or SIGTERM); temporary files were removed and nothing was "
+              "half-written. Run the command again to finish it.", file=sys.stderr)
+        return 130
     return 0

@@ -5,7 +5,7 @@ smaller from `surgery.prune_heads`, or full-shape under a head mask given as `ga
 `teacher` (the dense model; only run forward, never changed) on token sequences cut from the
 calibration text. The loss is a table keyed by the teacher's kind (`LOSSES`):
 - "causal-lm" / "masked-lm": T^2 * KL(softmax(t/T) || softmax(s/T)) over the vocabulary at every
-  position, + ce_weight * the next-token NLL (causal LMs only; analysis.ablation.token_nll),
+  position, + ce_weight * the next-token NLL (causal LMs only; analysis.loss.next_token_nll),
   + hidden_weight * the mean MSE of the hidden states of every layer;
 - "encoder" (no LM head): (1 - cosine) of the mean-pooled embedding + hidden_weight * hidden MSE.
 Any other kind is refused (UnsupportedModelError).
@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ablation import token_nll
 from .errors import HeadscopeError, InputError, UnsupportedModelError
-from .evaluation import check_stop, report
-from .masking import head_mask
+from .head_gates import head_mask
+from .loss import next_token_nll
 from .models import mean_pool
+from .progress import check_stop, report
 from .scoring import as_subject
 from .text import calibration_text, tokenize
 
@@ -192,8 +192,7 @@ def hidden_term(student_hidden, teacher_hidden) -> torch.Tensor:
 def _lm_loss(student_out, teacher_out, ids, config: DistillConfig, causal: bool) -> dict[str, torch.Tensor]:
     parts = {"kl": kl_term(student_out.logits, teacher_out.logits, config.temperature)}
     if config.ce_weight > 0:
-        targets = ids[:, 1:]                                                # [B, T-1]
-        parts["ce"] = token_nll(student_out.logits[:, :-1], targets).sum() / targets.numel()
+        parts["ce"] = next_token_nll(student_out.logits, ids).mean()      # [B, T-1] -> mean
     if config.hidden_weight > 0:
         parts["hidden"] = hidden_term(student_out.hidden_states, teacher_out.hidden_states)
     return parts

@@ -24,3 +24,19 @@ class InputError(HeadscopeError, ValueError):
 
 class CancelledError(HeadscopeError):
     """Long work was stopped by the user through its cancel callback."""
+
+
+class OutputError(HeadscopeError):
+    """A result could not be written (full disk, missing or read-only folder); nothing half-written is left."""
+
+
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """"Type: first line of its message" (just the type when it has none), to quote a library's error."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:limit]}" if text else type(err).__name__
+
+
+def custom_code_refused(where: str, how: str = "trust_remote_code=True") -> ModelLoadError:
+    """The error for a config whose auto_map asks to run code while trust_remote_code is off."""
+    return ModelLoadError(f"{where} asks to run custom model code (auto_map), which is off. Pass {how} only if you "
+                          f"trust that code, or use a model of an architecture transformers ships.")

@@ -13,7 +13,7 @@ Three metrics, one per `LoadedModel.kind` (dispatch table `EVALUATORS`):
 - "encoder" (no LM head): embedding fidelity = mean cosine similarity of the mean-pooled
   embedding to the dense model's, per chunk of text (1.0 = unchanged).
 
-Every metric runs under any head mask through `analysis.masking.head_mask`; gates [B, L, H]
+Every metric runs under any head mask through `analysis.head_gates.head_mask`; gates [B, L, H]
 evaluate B masks in the same batched forward passes (inputs laid out mask-major, as the
 masking contract says). Long text is split into windows/chunks that fit the model's context.
 
@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from .adapters import adapter_for
-from .errors import CancelledError, InputError
-from .masking import as_gates, gates_from_mask, head_mask
+from .errors import InputError
+from .head_gates import as_gates, gates_from_mask, head_mask
+from .loss import token_nll
+from .masks import plan_mask
 from .models import mean_pool
+from .progress import Progress, ShouldStop, check_stop, report
 from .text import clean_user_text, evaluation_text, tokenize
-
-Progress = Callable[[float, str], None] | None
-ShouldStop = Callable[[], bool] | None
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_CAUSAL_WINDOW = 512
@@ -53,22 +53,6 @@ DEFAULT_MLM_WINDOW = 128
 # ---------------------------------------------------------------------------------------------
 # Small shared helpers (also used by ablation, roles, redundancy, attribution)
 # ---------------------------------------------------------------------------------------------
-
-def check_stop(should_stop: ShouldStop, what: str = "Evaluation") -> None:
-    """Raise CancelledError when the user's cancel callback says so."""
-    if should_stop is not None and should_stop():
-        raise CancelledError(f"{what} was cancelled; start it again to get a result.")
-
-
-def report(progress: Progress, fraction: float, message: str) -> None:
-    if progress is not None:
-        progress(float(min(max(fraction, 0.0), 1.0)), message)
-
-
-def as_text(text: str | bytes) -> str:
-    """User text -> clean str (text.clean_user_text): InputError for non-UTF-8 bytes or blank text."""
-    return clean_user_text(text)
-
 
 def default_text() -> str:
     """The built-in evaluation text (held-out Wikipedia paragraphs)."""
@@ -81,7 +65,7 @@ def token_ids(tokenizer, text: str | bytes, *, max_tokens: int | None = None,
 
     With special tokens this is `text.tokenize`; without (for re-chunking with specials per
     chunk) the same growing-prefix idea, so a long text is never tokenized whole."""
-    text = as_text(text)
+    text = clean_user_text(text)
     if add_special_tokens:
         ids = tokenize(tokenizer, text, max_tokens)[0]                  # [N]
     else:
@@ -190,6 +174,7 @@ def _accepts(model, name: str) -> bool:
 class CausalPerplexity:
     """exp(mean NLL) of a causal LM over a token stream with sliding windows; one verb: measure."""
     metric = "perplexity"
+    label = "perplexity"
     higher_is_better = False
 
     def __init__(self, window: int | None = None, stride: int | None = None, batch_size: int = 8):
@@ -206,7 +191,7 @@ class CausalPerplexity:
 
     @torch.no_grad()
     def nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
-            progress: Progress = None, should_stop: ShouldStop = None) -> tuple[np.ndarray, int]:
+            progress: Progress | None = None, should_stop: ShouldStop | None = None) -> tuple[np.ndarray, int]:
         """Summed token NLL per mask [B] (float64) and the number of scored tokens.
 
         ids: [N] token ids; gates: [B, L, H] or None (dense, B = 1)."""
@@ -236,14 +221,13 @@ class CausalPerplexity:
                     logits = model(input_ids=xb, use_cache=False, logits_to_keep=m + 1).logits[:, :-1]  # [b*k, m, V]
                 else:
                     logits = model(input_ids=xb, use_cache=False).logits[:, length - m - 1:-1]      # [b*k, m, V]
-            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.repeat(b, 1).reshape(-1),
-                                  reduction="none").double()           # [b*k*m]
+            nll = token_nll(logits, y.repeat(b, 1)).double()             # [b*k, m]
             total[mr.start:mr.stop] += nll.reshape(b, -1).sum(1)        # [b]
             report(progress, (j + 1) / len(jobs), f"perplexity: window batch {j + 1}/{len(jobs)}")
         return total.numpy(), int(sum(w.n_target for w in windows))
 
-    def measure(self, model, ids, gates=None, *, progress: Progress = None,
-                should_stop: ShouldStop = None) -> Evaluation:
+    def measure(self, model, ids, gates=None, *, progress: Progress | None = None,
+                should_stop: ShouldStop | None = None) -> Evaluation:
         total, n = self.nll(model, ids, gates, progress=progress, should_stop=should_stop)
         mean = total / n                                                # [B]
         return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better)
@@ -301,6 +285,7 @@ class PseudoPerplexity:
     Logits only at the masked positions: a forward hook on `model.base_model` cuts its output
     to the masked position of each row before the (position-wise) LM head runs."""
     metric = "pseudo-perplexity"
+    label = "pseudo-perplexity"
     higher_is_better = False
 
     def __init__(self, window: int | None = None, batch_size: int = 32, **_):
@@ -315,8 +300,8 @@ class PseudoPerplexity:
 
     @torch.no_grad()
     def nll(self, model, chunks: Sequence[MaskedChunk], gates: torch.Tensor | None = None, *,
-            mask_token_id: int | None = None, progress: Progress = None,
-            should_stop: ShouldStop = None) -> tuple[np.ndarray, int]:
+            mask_token_id: int | None = None, progress: Progress | None = None,
+            should_stop: ShouldStop | None = None) -> tuple[np.ndarray, int]:
         """Summed pseudo-NLL per mask [B] (float64) and the number of scored tokens."""
         mask_id = mask_token_id if mask_token_id is not None else getattr(self, "mask_token_id", None)
         if mask_id is None:
@@ -347,13 +332,13 @@ class PseudoPerplexity:
                                    ).logits[:, 0]                      # [b*k, V]
             finally:
                 handle.remove()
-            nll = F.cross_entropy(logits.float(), y.repeat(b), reduction="none").double()  # [b*k]
+            nll = token_nll(logits, y.repeat(b)).double()                # [b*k]
             total[mr.start:mr.stop] += nll.reshape(b, k).sum(1)         # [b]
             report(progress, (j + 1) / len(jobs), f"pseudo-perplexity: batch {j + 1}/{len(jobs)}")
         return total.numpy(), int(sum(c.positions.numel() for c in chunks))
 
-    def measure(self, model, chunks, gates=None, *, progress: Progress = None,
-                should_stop: ShouldStop = None, mask_token_id: int | None = None) -> Evaluation:
+    def measure(self, model, chunks, gates=None, *, progress: Progress | None = None,
+                should_stop: ShouldStop | None = None, mask_token_id: int | None = None) -> Evaluation:
         if not chunks or sum(c.positions.numel() for c in chunks) == 0:
             raise InputError("The text has no tokens to score; use a longer text.")
         total, n = self.nll(model, chunks, gates, mask_token_id=mask_token_id, progress=progress,
@@ -369,6 +354,7 @@ class PseudoPerplexity:
 class EmbeddingFidelity:
     """Mean cosine of the mean-pooled embedding vs the dense model's, per chunk; one verb: measure."""
     metric = "embedding-fidelity"
+    label = "embedding fidelity"
     higher_is_better = True
 
     def __init__(self, window: int | None = None, batch_size: int = 16, **_):
@@ -380,7 +366,7 @@ class EmbeddingFidelity:
 
     @torch.no_grad()
     def embed(self, model, chunks: Sequence[torch.Tensor], gates: torch.Tensor | None = None, *,
-              progress: Progress = None, should_stop: ShouldStop = None) -> torch.Tensor:
+              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> torch.Tensor:
         """Mean-pooled embeddings [B, n_chunks, D] (B = 1 for the dense model)."""
         B = 1 if gates is None else gates.shape[0]
         out = [[None] * len(chunks) for _ in range(B)]
@@ -404,8 +390,8 @@ class EmbeddingFidelity:
             report(progress, (j + 1) / len(jobs), f"embedding fidelity: batch {j + 1}/{len(jobs)}")
         return torch.stack([torch.stack(row) for row in out])         # [B, n_chunks, D]
 
-    def measure(self, model, chunks, gates=None, *, progress: Progress = None,
-                should_stop: ShouldStop = None, **_) -> Evaluation:
+    def measure(self, model, chunks, gates=None, *, progress: Progress | None = None,
+                should_stop: ShouldStop | None = None, **_) -> Evaluation:
         if not chunks:
             raise InputError("The text has no tokens to embed; use a longer text.")
         half = (lambda f, m: report(progress, 0.5 * f, m)) if progress else None
@@ -426,17 +412,28 @@ EVALUATORS = {
 }
 
 
-def evaluator_for(kind: str, **options):
+def metric_of(kind: str) -> tuple[str, bool]:
+    """(metric name, higher is better) of a model kind, as its evaluator in EVALUATORS measures it."""
+    cls = evaluator_class(kind)
+    return cls.metric, cls.higher_is_better
+
+
+def evaluator_class(kind: str):
+    """The evaluator class of a model kind; InputError naming the known kinds otherwise."""
     try:
-        return EVALUATORS[kind](**options)
+        return EVALUATORS[kind]
     except KeyError:
         raise InputError(f"No evaluation for model kind {kind!r}; known kinds: {', '.join(EVALUATORS)}.") from None
 
 
+def evaluator_for(kind: str, **options):
+    return evaluator_class(kind)(**options)
+
+
 def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
              max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
-             stride: int | None = None, batch_size: int = 8, progress: Progress = None,
-             should_stop: ShouldStop = None) -> Evaluation:
+             stride: int | None = None, batch_size: int = 8, progress: Progress | None = None,
+             should_stop: ShouldStop | None = None) -> Evaluation:
     """Evaluate `loaded` (a LoadedModel) on `text` under a head mask, with the metric of its kind.
 
     text: str or UTF-8 bytes; None = the built-in evaluation text. Only the first `max_tokens`
@@ -455,8 +452,8 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
 
 def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
                max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
-               stride: int | None = None, batch_size: int = 8, progress: Progress = None,
-               should_stop: ShouldStop = None) -> float | np.ndarray:
+               stride: int | None = None, batch_size: int = 8, progress: Progress | None = None,
+               should_stop: ShouldStop | None = None) -> float | np.ndarray:
     """Perplexity of `loaded` on `text` under a head mask (STABLE SIGNATURE, used by scoring).
 
     Causal LMs: sliding-window perplexity; masked LMs: pseudo-perplexity. Encoders without an LM
@@ -476,14 +473,11 @@ def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=No
 # Sparsity curves
 # ---------------------------------------------------------------------------------------------
 
-def lowest_scores_mask(scores: np.ndarray, sparsity: float) -> np.ndarray:
-    """Trivial default mask_fn: prune the floor(s * L * H) lowest scores (ties by flat index)."""
-    s = np.asarray(scores, dtype=np.float64)                           # [L, H]
-    k = int(math.floor(sparsity * s.size + 1e-9))
-    order = np.argsort(s.reshape(-1), kind="stable")                   # [L*H]
-    pruned = np.zeros(s.size, dtype=bool)
-    pruned[order[:k]] = True
-    return pruned.reshape(s.shape)                                     # [L, H]
+def lowest_scores_mask(scores, sparsity: float) -> np.ndarray:
+    """Default mask_fn: `analysis.masks.plan_mask`'s global policy, bool [L, H] (True = pruned).
+
+    scores: [L, H] (ties by (layer, head)) or a HeadScores (ties by its tie-break first)."""
+    return plan_mask(scores, sparsity).pruned                          # [L, H]
 
 
 @dataclass(frozen=True)
@@ -507,7 +501,7 @@ def sparsity_levels(max_sparsity: float = 0.6, step: float = 0.1) -> np.ndarray:
 def sparsity_curve(loaded, scores, text: str | bytes | None = None, *, sparsities=None,
                    max_sparsity: float = 0.6, step: float = 0.1,
                    mask_fn: Callable[[np.ndarray, float], np.ndarray] | None = None,
-                   progress: Progress = None, should_stop: ShouldStop = None,
+                   progress: Progress | None = None, should_stop: ShouldStop | None = None,
                    **eval_options) -> SparsityCurve:
     """The metric of `loaded` vs head sparsity for one [L, H] score array.
 

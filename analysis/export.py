@@ -1,7 +1,7 @@
 """Exports of a pruned model, written atomically, plus the loader for the physically pruned format.
 
 Formats (docs/EXPORT.md describes the files):
-- "zeroed":  the original shapes with pruned heads zeroed (`analysis.masking.zero_heads` on a
+- "zeroed":  the original shapes with pruned heads zeroed (`analysis.head_gates.zero_heads` on a
   copy), safetensors + config.json: loads anywhere, no smaller, no faster.
 - "pruned":  the physically smaller model (`analysis.surgery.prune_heads`) + head_layout.json;
   `load_pruned(path)` rebuilds it (per-layer head counts need the layout).
@@ -15,15 +15,24 @@ Every export folder also holds mask.json (`MaskRecord`): model, scorer, z, spars
 scores, kept heads, tool version; `mask_from_json` rebuilds the boolean mask from it.
 
 Atomicity: everything is written into a temporary folder next to the target and renamed into
-place at the end; an existing non-empty target is only replaced with overwrite=True, and a
-failure at any point removes the temporary folder (and any parent folders the export created).
-Paths typed by a user are confined to an output root with `resolve_under`.
+place at the end; an existing non-empty target is only replaced with overwrite=True, and only
+when it is a headscope export (its mask.json says so: user files are never deleted); a failure
+at any point removes the temporary folder (and any parent folders the export created). A killed
+export's temporaries, and an overwrite's old copy, are cleaned or recovered by the next export
+into the same folder (`clean_leftovers`). Paths typed by a user are confined to an output root
+with `resolve_under`; export names follow NAME_RULE (`check_export_name`).
+
+Loading (`load_pruned`) never runs custom code (trust_remote_code is passed explicitly, default
+off), reads only safetensors (a pickle .bin is refused, not unpickled), and checks that
+config.json's architecture is a transformers model class of the config's own type.
 """
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -34,14 +43,18 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
+import psutil
 import torch
 from torch import nn
 
+from . import resize, schemas
 from .adapters import adapter_for
-from .errors import HeadscopeError, InputError, ModelLoadError
+from .atomic import disk_full, os_problem
+from .errors import HeadscopeError, InputError, ModelLoadError, custom_code_refused, first_line
 from .geometry import HeadGeometry
-from .masking import zero_heads
-from .models import quiet_progress_bars
+from .head_gates import zero_heads
+from .models import quiet_load_report, quiet_progress_bars
+from .progress import Progress, no_progress
 from .surgery import HeadLayout, apply_layout, prune_heads
 
 TOOL = "headscope"
@@ -53,15 +66,10 @@ ONNX_FILE = "model.onnx"
 WEIGHTS_FILE = "model.safetensors"
 FORMATS = ("zeroed", "pruned", "stock", "onnx")
 
-Progress = Callable[[float, str], None]
 
 
 class ExportError(HeadscopeError):
     """An export could not be written (the message says where and how to fix it)."""
-
-
-def _no_progress(fraction: float, message: str) -> None:
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,6 +84,8 @@ def resolve_under(root, user_path) -> Path:
     text = str(user_path).strip() if user_path is not None else ""
     if not text:
         raise InputError("Give a folder name for the export (a path inside the output folder).")
+    if "\x00" in text:
+        raise InputError(f"The export path {text[:60]!r} holds a NUL byte; give a plain folder name.")
     base = Path(root).expanduser().resolve()
     candidate = Path(text).expanduser()
     resolved = (candidate if candidate.is_absolute() else base / candidate).resolve()
@@ -90,7 +100,79 @@ def resolve_under(root, user_path) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def _os_reason(err: OSError) -> str:
-    return err.strerror or type(err).__name__
+    return os_problem(err)[0]
+
+
+# An export name: each folder name on it is 1-100 safe characters (letters, digits, . _ - + = @,
+# inner spaces), so it is one path component, fits the temporary-folder names, and prints on one line.
+NAME_RULE = ("each folder name in it must be 1-100 characters: letters, digits, '.', '_', '-', '+', '=', '@' "
+             "and inner spaces, not starting with '.' or '-' (no control characters, no NUL)")
+_SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_+=@](?:[A-Za-z0-9._+=@ -]{0,98}[A-Za-z0-9._+=@-])?")
+
+
+def check_export_name(name) -> str:
+    """`name` stripped, if every '/'-separated part of it is a safe folder name (NAME_RULE); else InputError."""
+    text = "" if name is None else str(name).strip()
+    parts = text.split("/")
+    if not text or not all(_SAFE_COMPONENT.fullmatch(part) for part in parts) or len(parts) > 8:
+        shown = repr(text if len(text) <= 60 else text[:60] + "...")
+        raise InputError(f"The export name {shown} is not allowed: {NAME_RULE}. Choose a name such as "
+                         f"'smollm2-mp-s0.3'.")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic folders
+# ---------------------------------------------------------------------------------------------
+#
+# A temporary folder is named .<name>.tmp-<pid>-<random> and holds TMP_MARKER until it is moved
+# into place; a replaced export waits as .<name>.old-<pid>-<random> until the new one is in
+# place. A process killed meanwhile leaves them behind: the next export into the same folder
+# removes its own dead temporaries (name pattern, a dead pid, and TMP_MARKER or headscope's
+# mask.json inside), and puts back an .old copy whose export is missing.
+
+TMP_MARKER = ".headscope-export-in-progress"
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[^/]+")
+
+
+def is_headscope_export(folder: Path) -> bool:
+    """True when `folder` holds a mask.json written by headscope (what --overwrite may replace)."""
+    try:
+        data = json.loads((Path(folder) / MASK_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("tool") == TOOL
+
+
+def _ours(folder: Path) -> bool:
+    return (folder / TMP_MARKER).is_file() or is_headscope_export(folder)
+
+
+def clean_leftovers(root) -> list[str]:
+    """Remove dead exports' temporaries in `root` and recover a replaced export whose new copy never
+    arrived; returns one note per thing done. Folders of live processes, or not made by headscope,
+    are left alone."""
+    notes = []
+    try:
+        entries = sorted(Path(root).iterdir()) if Path(root).is_dir() else []
+    except OSError:
+        return notes
+    for entry in entries:
+        match = _LEFTOVER.fullmatch(entry.name)
+        if not match or not entry.is_dir() or entry.is_symlink() or psutil.pid_exists(int(match["pid"])):
+            continue
+        final = entry.with_name(match["name"])
+        if match["kind"] == "tmp" and _ours(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            notes.append(f"Removed {entry.name}, the temporary folder of an export that was killed.")
+        elif match["kind"] == "old" and not final.exists() and (is_headscope_export(entry) or not any(entry.iterdir())):
+            os.rename(entry, final)
+            notes.append(f"Recovered the previous export {final} from {entry.name} (an overwrite was killed "
+                         f"before the new export was in place).")
+        elif match["kind"] == "old" and final.exists() and is_headscope_export(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            notes.append(f"Removed {entry.name}, the old copy of {final.name} left by an overwrite that was killed.")
+    return notes
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -116,9 +198,14 @@ def _remove_empty(folders: list[Path]) -> None:
 def _check_target(target: Path, overwrite: bool) -> None:
     if target.exists() and not target.is_dir():
         raise ExportError(f"{target} exists and is a file; choose another export folder name.")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ExportError(f"The export folder {target} already exists and is not empty; choose another name "
-                          f"or allow overwriting it.")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise ExportError(f"The export folder {target} already exists and is not empty; choose another name "
+                              f"or allow overwriting it.")
+        if not is_headscope_export(target):
+            raise ExportError(f"{target} is not a headscope export (it has no mask.json written by headscope), so "
+                              f"overwriting would delete files headscope did not write; it was left untouched. "
+                              f"Choose another name, or move that folder away yourself.")
 
 
 def _swap_into_place(tmp: Path, target: Path) -> None:
@@ -126,7 +213,7 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
     if not target.exists():
         os.rename(tmp, target)
         return
-    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
     os.rmdir(backup)
     os.rename(target, backup)
     try:
@@ -135,6 +222,17 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
         os.rename(backup, target)
         raise
     shutil.rmtree(backup, ignore_errors=True)
+
+
+def _write_failed(target: Path, err: BaseException) -> ExportError:
+    """The ExportError for a failure while writing: a full disk says so, whatever raised it."""
+    kept = " The previous export was kept." if target.exists() else ""
+    if disk_full(err) or isinstance(err, OSError):
+        problem, fix = os_problem(OSError(errno.ENOSPC, "") if disk_full(err) else err)
+        return ExportError(f"Writing the export to {target} failed ({problem}); nothing was left behind.{kept} "
+                           f"To fix it: {fix}.")
+    return ExportError(f"The export to {target} failed halfway ({first_line(err)}); nothing was left "
+                       f"behind.{kept} Export again; if it fails again, try another format.")
 
 
 EXPORT_ROOT_ENV = "HEADSCOPE_EXPORT_ROOT"
@@ -165,36 +263,34 @@ def _fresh_dir(parent: Path, prefix: str) -> Path:
 def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `target`; on success it becomes `target`.
 
-    ExportError if `target` exists and is not empty (unless overwrite), or cannot be written.
-    On any failure the temporary folder (and parents this call created) are removed."""
+    ExportError if `target` exists and is not empty (unless overwrite, and then only a headscope
+    export is replaced), or cannot be written. On any failure (also Ctrl-C / SIGTERM in the CLI)
+    the temporary folder (and parents this call created) are removed."""
     target = Path(target)
     _check_target(target, overwrite)
     try:
         created = _make_parents(target.parent)
     except OSError as err:
-        raise ExportError(f"Cannot create the folder {target.parent} ({_os_reason(err)}); choose a writable "
-                          f"output folder.") from err
+        problem, fix = os_problem(err)
+        raise ExportError(f"Cannot create the folder {target.parent} ({problem}); {fix}.") from err
     try:
-        tmp = _fresh_dir(target.parent, f".{target.name}.tmp-")
+        tmp = _fresh_dir(target.parent, f".{target.name}.tmp-{os.getpid()}-")
     except OSError as err:
         _remove_empty(created)
-        raise ExportError(f"Cannot write into {target.parent} ({_os_reason(err)}); choose a writable output "
-                          f"folder.") from err
+        problem, fix = os_problem(err)
+        raise ExportError(f"Cannot write into {target.parent} ({problem}); {fix}.") from err
     try:
+        (tmp / TMP_MARKER).write_text(json.dumps({"tool": TOOL, "pid": os.getpid()}))
         yield tmp
+        (tmp / TMP_MARKER).unlink()
         _check_target(target, overwrite)          # someone may have written it meanwhile
         _swap_into_place(tmp, target)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
-        if isinstance(err, OSError):
-            raise ExportError(f"Writing the export to {target} failed ({_os_reason(err)}); nothing was left "
-                              f"behind. Check free disk space and permissions, then export again.") from err
-        if isinstance(err, Exception) and not isinstance(err, HeadscopeError):
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ExportError(f"The export to {target} failed halfway ({type(err).__name__}: {first}); nothing "
-                              f"was left behind. Export again; if it fails again, try another format.") from err
-        raise
+        if isinstance(err, HeadscopeError) or not isinstance(err, Exception):
+            raise
+        raise _write_failed(target, err) from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,21 +340,34 @@ class MaskRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> "MaskRecord":
-        try:
-            record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-            record.kept = [[int(h) for h in row] for row in record.kept]
-            record.n_layers, record.n_heads, record.n_kv_heads = (int(record.n_layers), int(record.n_heads),
-                                                                  int(record.n_kv_heads))
-        except (TypeError, ValueError) as err:
-            raise InputError(f"mask.json is incomplete or malformed ({err}); export the mask again.") from err
-        if int(record.format) > MASK_FORMAT:
-            raise InputError(f"mask.json has format {record.format}; this headscope reads up to {MASK_FORMAT}. "
+        """Validate (analysis.schemas.MASK_SCHEMA: exact types and ranges, then the cross-field rules)."""
+        fix = "export the mask again"
+        if isinstance(data, dict) and _strict_int(data.get("format")) and data["format"] > MASK_FORMAT:
+            raise InputError(f"mask.json has format {data['format']}; this headscope reads up to {MASK_FORMAT}. "
                              f"Update headscope.")
-        if len(record.kept) != record.n_layers or any(
-                not 0 <= h < record.n_heads for row in record.kept for h in row):
-            raise InputError(f"mask.json lists kept heads that do not fit {record.n_layers} layers x "
-                             f"{record.n_heads} heads; export the mask again.")
+        schemas.check(data, schemas.MASK_SCHEMA, "mask.json", fix)
+        record = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        L, H = record.n_layers, record.n_heads
+        if len(record.kept) != L or any(h >= H for row in record.kept for h in row):
+            raise InputError(f"mask.json lists kept heads that do not fit {L} layers x {H} heads; {fix}.")
+        if H % record.n_kv_heads:
+            raise InputError(f"mask.json says {H} heads in {record.n_kv_heads} KV groups, which does not divide; "
+                             f"{fix}.")
+        for name in ("scores", "tiebreak"):
+            table = getattr(record, name)
+            if table is not None and (len(table) != L or any(len(row) != H for row in table)
+                                      or not np.isfinite(np.asarray(table, dtype=np.float64)).all()):
+                raise InputError(f"mask.json's {name} must be {L} rows of {H} finite numbers; {fix}.")
         return record
+
+    def check_geometry(self, geometry: HeadGeometry) -> None:
+        """InputError unless this mask was made for a model of `geometry`'s shape."""
+        mine = (self.n_layers, self.n_heads, self.n_kv_heads)
+        theirs = (geometry.n_layers, geometry.n_heads, geometry.n_kv_heads)
+        if mine != theirs:
+            raise InputError(f"mask.json is for {mine[0]} layers x {mine[1]} heads ({mine[2]} KV heads), but the model "
+                             f"has {theirs[0]} x {theirs[1]} ({theirs[2]} KV heads); use the mask exported for this "
+                             f"model.")
 
 
 def mask_record(pruned, *, geometry: HeadGeometry, model: str = "", model_type: str = "", scores=None,
@@ -286,30 +395,42 @@ def mask_record(pruned, *, geometry: HeadGeometry, model: str = "", model_type: 
                       tiebreak=_finite_table(tiebreak, shape, "Tie-break values"))
 
 
-def read_mask_json(source) -> MaskRecord:
-    """A MaskRecord from a dict, JSON text, a mask.json path or an export folder holding one."""
+def _strict_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_mask_json(source, *, geometry: HeadGeometry | None = None) -> MaskRecord:
+    """A MaskRecord from a dict, JSON text, a mask.json path or an export folder holding one.
+
+    With `geometry`, the mask must be for a model of that shape (InputError otherwise)."""
+    fix = "export the mask again"
     if isinstance(source, dict):
-        return MaskRecord.from_dict(source)
-    text = str(source)
-    if not text.lstrip().startswith("{"):
-        path = Path(text)
-        path = path / MASK_FILE if path.is_dir() else path
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as err:
-            raise InputError(f"Cannot read the mask file {path} ({_os_reason(err)}).") from err
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError(f"The mask file is not valid JSON ({err}); export the mask again.") from err
-    if not isinstance(data, dict):
-        raise InputError("The mask file must hold a JSON object; export the mask again.")
-    return MaskRecord.from_dict(data)
+        record = MaskRecord.from_dict(source)
+    else:
+        text = str(source)
+        if not text.lstrip().startswith(("{", "[")):
+            try:
+                path = Path(text)
+                path = path / MASK_FILE if path.is_dir() else path
+                if path.is_file() and path.stat().st_size > schemas.MAX_JSON_CHARS:
+                    raise InputError(f"The mask file {path} is larger than any mask.json; {fix}.")
+                text = path.read_text(encoding="utf-8")
+            except (OSError, ValueError) as err:   # ValueError: a NUL byte, or not UTF-8
+                reason = _os_reason(err) if isinstance(err, OSError) else "it is not UTF-8 text or not a path"
+                raise InputError(f"Cannot read the mask file {text[:80]!r} ({reason}); give the path of a "
+                                 f"mask.json or of an export folder holding one.") from None
+        data = schemas.load_json_text(text, "The mask file", fix)
+        if not isinstance(data, dict):
+            raise InputError(f"The mask file must hold a JSON object; {fix}.")
+        record = MaskRecord.from_dict(data)
+    if geometry is not None:
+        record.check_geometry(geometry)
+    return record
 
 
-def mask_from_json(source) -> np.ndarray:
+def mask_from_json(source, *, geometry: HeadGeometry | None = None) -> np.ndarray:
     """The boolean mask [L, H] (True = pruned) stored in a mask.json (see read_mask_json)."""
-    return read_mask_json(source).pruned()
+    return read_mask_json(source, geometry=geometry).pruned()
 
 
 def _default_record(model, pruned, record: MaskRecord | None) -> MaskRecord:
@@ -335,6 +456,7 @@ class ExportResult:
     path: Path
     files: dict[str, int]
     layout: HeadLayout | None = None
+    notes: list[str] = field(default_factory=list)   # leftovers of killed exports cleaned or recovered
 
     @property
     def total_bytes(self) -> int:
@@ -373,14 +495,17 @@ def _save_pruned(model: nn.Module, folder: Path) -> None:
 
 def _run_export(fmt: str, target, overwrite: bool, write: Callable[[Path], HeadLayout | None],
                 progress: Progress | None) -> ExportResult:
-    report = progress or _no_progress
+    report = progress or no_progress
     target = Path(target)
+    notes = clean_leftovers(target.parent)
+    for note in notes:
+        report(0.0, note)
     report(0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
         layout = write(tmp)
         report(0.9, f"{fmt} export: moving into place")
     report(1.0, f"{fmt} export written to {target}")
-    return ExportResult(format=fmt, path=target, files=_listing(target), layout=layout)
+    return ExportResult(format=fmt, path=target, files=_listing(target), layout=layout, notes=notes)
 
 
 def export_zeroed(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
@@ -420,7 +545,7 @@ def stock_config_for(model: nn.Module, layout: HeadLayout):
             f"A stock checkpoint needs the same head counts in every layer, but this mask keeps (query, KV) "
             f"heads {per_layer} per layer. Use the 'uniform' mask policy (and kv_policy='expand' if some "
             f"layers keep uneven GQA groups), or export the head-layout checkpoint instead.")
-    return adapter_for(model).stock_config(model.config, counts[0], counts[1], layout.head_dim)
+    return resize.stock_config(adapter_for(model), model.config, counts[0], counts[1], layout.head_dim)
 
 
 def export_stock(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
@@ -518,7 +643,9 @@ def export(fmt: str, model: nn.Module, pruned, root, name: str, **kwargs) -> Exp
     """Export in format `fmt` to the folder `name`, confined to the output folder `root`."""
     if fmt not in EXPORTERS:
         raise InputError(f"Unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
-    return EXPORTERS[fmt](model, pruned, resolve_under(root, name), **kwargs)
+    target = resolve_under(root, name)              # escapes first: their message says "outside"
+    check_export_name(name)
+    return EXPORTERS[fmt](model, pruned, target, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,14 +653,19 @@ def export(fmt: str, model: nn.Module, pruned, root, name: str, **kwargs) -> Exp
 # ---------------------------------------------------------------------------------------------
 
 def _architecture_class(config):
+    """The transformers model class config.architectures names, if it is one for this config type."""
     import transformers
-    names = list(getattr(config, "architectures", None) or [])
+    from transformers import PreTrainedModel
+    names = getattr(config, "architectures", None)
+    names = [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
     for name in names:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
+        cls = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
+        if (isinstance(cls, type) and issubclass(cls, PreTrainedModel)
+                and getattr(cls.config_class, "model_type", None) == config.model_type):
             return cls
-    raise ModelLoadError(f"config.json names no architecture this transformers version provides ({names}); "
-                         f"export the pruned model again with this version.")
+    raise ModelLoadError(f"config.json names no {config.model_type} model class this transformers version "
+                         f"provides (architectures: {names[:3]}); it was edited or comes from another version. "
+                         f"Export the pruned model again with this version.")
 
 
 def _producer(weights: Path) -> str | None:
@@ -545,25 +677,36 @@ def _producer(weights: Path) -> str | None:
         return (handle.metadata() or {}).get("producer")
 
 
-def load_pruned(path, *, attn_implementation: str | None = None) -> nn.Module:
+def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild a model exported by `export_pruned`: build it from config.json, apply
     head_layout.json's shapes, load model.safetensors. A stock export (a save_pretrained
     checkpoint whose config.json already holds the pruned counts) is loaded with its class's
-    from_pretrained."""
+    from_pretrained. Custom code in config.json (auto_map) runs only with trust_remote_code."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
+
+    from .streaming import INDEX_FILE, weight_map
     folder = Path(path)
     layout_file = folder / LAYOUT_FILE
     if not layout_file.is_file():
         raise ModelLoadError(f"{folder} has no {LAYOUT_FILE}; it is not a headscope pruned export. Load zeroed "
                              f"or stock exports with transformers' from_pretrained.")
-    layout = HeadLayout.from_json(layout_file.read_text(encoding="utf-8"))
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / "model.safetensors.index.json").is_file():
+    try:
+        layout = HeadLayout.from_json(layout_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"Cannot read {layout_file} ({type(err).__name__}); export the pruned model again.") from None
+    if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
+        pickled = sorted(p.name for p in folder.glob("*.bin"))
+        if pickled:
+            raise ModelLoadError(f"{folder} holds {pickled[0]}, a pickle file, not {WEIGHTS_FILE}: headscope exports "
+                                 f"are safetensors and pickles are not loaded (they can run code). Export the pruned "
+                                 f"model again.")
         raise ModelLoadError(f"{folder} has no {WEIGHTS_FILE}; an ONNX export holds model.onnx only (run it with "
                              f"ONNX Runtime). Otherwise export the pruned model again.")
+    weight_map(folder)                                        # shards outside the folder are refused
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=bool(trust_remote_code))
         adapter = adapter_for(config)
         g = adapter.geometry(config)
         cls = _architecture_class(config)
@@ -571,15 +714,20 @@ def load_pruned(path, *, attn_implementation: str | None = None) -> nn.Module:
             if (g.n_heads, g.n_kv_heads) != (layout.uniform_counts() or (layout.n_heads, layout.n_kv_heads)):
                 raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) does "
                                      f"not match its {LAYOUT_FILE}; export it again.")
-            with quiet_progress_bars():
-                return cls.from_pretrained(folder, local_files_only=True, **kwargs).eval()
+            with quiet_progress_bars(), quiet_load_report():
+                return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True,
+                                           trust_remote_code=bool(trust_remote_code), **kwargs).eval()
         if (g.n_heads, g.n_kv_heads) != (layout.n_heads, layout.n_kv_heads):
             raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) is not the "
                                  f"original model's config its {LAYOUT_FILE} expects; export it again.")
         state = load_file(str(folder / WEIGHTS_FILE))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"Cannot read the pruned checkpoint in {folder} ({str(err).splitlines()[0]}); "
-                             f"export it again.") from err
+    except HeadscopeError:
+        raise
+    except Exception as err:  # a tampered config or file: transformers' and safetensors' own errors
+        if not trust_remote_code and "trust_remote_code" in str(err):
+            raise custom_code_refused(f"config.json in {folder}") from None
+        raise ModelLoadError(f"Cannot read the pruned checkpoint in {folder} ({first_line(err)}); export it "
+                             f"again.") from None
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)

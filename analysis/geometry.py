@@ -1,6 +1,6 @@
 """Head geometry: how many layers, query heads, KV heads, and how wide each head is.
 
-The contract's symbols (DESIGN.md section 1): L layers, H query heads, H_kv key/value heads,
+The contract's symbols (docs/DEFINITIONS.md): L layers, H query heads, H_kv key/value heads,
 G = H / H_kv query heads per KV group, d = head_dim, D = hidden size. Query head h belongs to
 KV group h // G.
 """

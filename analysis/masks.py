@@ -1,6 +1,6 @@
 """From head scores to a pruning mask: global ranking, policies, the KV-group rule, summaries.
 
-Ranking (DESIGN.md section 1): all L*H heads ascending by score; ties broken by the plain
+Ranking (docs/DEFINITIONS.md): all L*H heads ascending by score; ties broken by the plain
 magnitude tie-break (ascending), then by (layer, head): one stable sort by score of the heads
 taken in tie-break order (which weight-only scorers sort once per profile). The mask at sparsity s prunes the
 first k = floor(s * L * H) heads of that order (a 1e-9 guard absorbs float error, so
@@ -26,7 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from analysis.errors import InputError
-from analysis.masking import kv_groups_emptied
+from analysis.head_gates import kv_groups_emptied
 
 POLICIES = ("global", "min-per-layer", "uniform")
 _FLOOR_GUARD = 1e-9
@@ -139,7 +139,7 @@ class MaskPlan:
         return self.pruned.shape[1] // self.kv_pruned.shape[1]
 
     def gates(self) -> np.ndarray:
-        """Gates [L, H] for `analysis.masking.head_mask`: 1 keep, 0 prune."""
+        """Gates [L, H] for `analysis.head_gates.head_mask`: 1 keep, 0 prune."""
         return (~self.pruned).astype(np.float32)
 
 

@@ -1,7 +1,7 @@
 """The iterative compression schedule: score -> prune a step -> recover, until a target or a budget.
 
 `run_pipeline(loaded, config)` works on a full-shape copy of the dense model (the cached model
-is never changed) whose pruned heads are zeroed (`masking.zero_heads`: the same function as
+is never changed) whose pruned heads are zeroed (`head_gates.zero_heads`: the same function as
 the head mask and as the physical cut). Each round:
 1. rescore the heads on the current (recovered) weights with the configured scorer (MP-G by
    default; calibration scorers run on the current model); heads already pruned are forced to
@@ -19,7 +19,7 @@ round prunes exactly floor(target * L * H) heads (the global and min-per-layer p
 prunes floor(s * H) per layer). `PipelineResult.head_rounds` [L, H] says which round pruned each
 head (0 = kept); it goes into head_layout.json of every export (`export_round`).
 
-Also here: the `pipeline` CLI command (registered through analysis.cli's plugin hook).
+Also here: the `pipeline` CLI command's options and run (registered in analysis/cli.py).
 """
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ import torch
 
 from .distill import DistillConfig, DistillResult, distill, with_steps
 from .errors import InputError
-from .evaluation import check_stop, evaluate, report
-from .masking import gates_from_mask, zero_heads
+from .evaluation import evaluate
+from .head_gates import gates_from_mask, zero_heads
 from .masks import POLICIES, heads_to_prune, plan_mask
+from .progress import check_stop, report
 from .scoring import get_scorer
 from .surgery import prune_heads
 
@@ -260,10 +261,10 @@ def export_round(fmt: str, model, pruned, head_rounds, root, name: str, *, token
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI: `python -m analysis pipeline ...` (registered through analysis.cli's plugin hook)
+# CLI: `python -m analysis pipeline ...` (registered in analysis/cli.py)
 # ---------------------------------------------------------------------------------------------
 
-def _cli_arguments(parser) -> None:
+def cli_arguments(parser) -> None:
     from .cli import add_output_arguments, add_scorer_arguments, add_source_arguments
     from .export import FORMATS
     add_source_arguments(parser, streaming=False)
@@ -361,7 +362,3 @@ def run_cli(ns):
                "report": files, "exports": exports}
     return payload, stages
 
-
-def register_cli(register) -> None:
-    register("pipeline", "iterative prune -> distill -> INT8, with a compression report and the final exports",
-             _cli_arguments, run_cli)

@@ -1,4 +1,4 @@
-"""Row-norm profiles, MP thresholds and excesses (DESIGN.md section 1).
+"""Row-norm profiles, MP thresholds and excesses (docs/DEFINITIONS.md).
 
 A `NormProfile` holds, for every layer and projection, the L2 and L1 norms of the rows of
 W_Q, W_K, W_V and of the *columns* of W_O, head-major:
@@ -29,16 +29,14 @@ import numpy as np
 import torch
 
 from analysis.adapters import Adapter, HeadWeights, adapter_for
-from analysis.errors import CancelledError, InputError
+from analysis.errors import InputError
+from analysis.progress import Progress, ShouldStop, check_stop, report
 
 PROJECTIONS = ("q", "k", "v", "o")
 ORDS = (1, 2)
 SCOPES = ("layer", "model")
 DEFAULT_Z = 2.0
 Z_MAX = 10.0  # beyond this every row of a real model is in the bulk; the mask is pure tie-break
-
-Progress = Callable[[float, str], None]
-ShouldStop = Callable[[], bool]
 
 
 def check_z(z: float) -> float:
@@ -362,15 +360,13 @@ def profile_model(
     adapter = adapter or adapter_for(model)
     geometry = adapter.geometry(model)
 
-    def norms_of(ord: int, report: Progress | None = None) -> dict[str, np.ndarray]:
+    def norms_of(ord: int, progress_of: Progress | None = None) -> dict[str, np.ndarray]:
         layers, scratch = [], {}
         with torch.no_grad():
             for layer in range(geometry.n_layers):
-                if should_stop is not None and should_stop():
-                    raise CancelledError("Profiling was cancelled; run it again to get the profile.")
+                check_stop(should_stop, "Profiling")
                 layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
-                if report is not None:
-                    report((layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
+                report(progress_of, (layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
         return stack_layers(layers)
 
     return NormProfile(l2=norms_of(2, progress), source=source, l1_loader=lambda: norms_of(1))

@@ -23,7 +23,8 @@ import torch
 
 from .adapters import adapter_for
 from .errors import InputError
-from .evaluation import Progress, ShouldStop, check_stop, report, token_ids
+from .evaluation import token_ids
+from .progress import Progress, ShouldStop, check_stop, report
 
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_EFFECT_THRESHOLD = 0.01   # nats of loss change
@@ -47,8 +48,8 @@ def _stacked_o(model, adapter, geometry) -> torch.Tensor:
 
 
 @torch.no_grad()
-def head_output_gram(model, ids: torch.Tensor, *, progress: Progress = None,
-                     should_stop: ShouldStop = None) -> torch.Tensor:
+def head_output_gram(model, ids: torch.Tensor, *, progress: Progress | None = None,
+                     should_stop: ShouldStop | None = None) -> torch.Tensor:
     """Gram matrix [L*H, L*H] (float64) of the heads' residual contributions over ids [n, T]."""
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
@@ -80,8 +81,8 @@ def head_output_gram(model, ids: torch.Tensor, *, progress: Progress = None,
     return gram
 
 
-def head_pattern_gram(model, ids: torch.Tensor, *, progress: Progress = None,
-                      should_stop: ShouldStop = None) -> torch.Tensor:
+def head_pattern_gram(model, ids: torch.Tensor, *, progress: Progress | None = None,
+                      should_stop: ShouldStop | None = None) -> torch.Tensor:
     """Gram matrix [L*H, L*H] (float64) of the heads' attention maps over ids [n, T]."""
     from .roles import attention_probabilities
     x = ids.unsqueeze(0) if ids.dim() == 1 else ids                    # [n, T]
@@ -166,7 +167,7 @@ class RedundancyFinder:
         self.kind, self.threshold, self.effect_threshold = kind, threshold, effect_threshold
 
     def find(self, model, ids: torch.Tensor, ablation_delta: np.ndarray | None = None, *,
-             progress: Progress = None, should_stop: ShouldStop = None) -> Redundancy:
+             progress: Progress | None = None, should_stop: ShouldStop | None = None) -> Redundancy:
         x = torch.as_tensor(ids, dtype=torch.long)
         if x.numel() < 2:
             raise InputError("Head redundancy needs at least two tokens; use a longer text.")
@@ -180,7 +181,7 @@ class RedundancyFinder:
 def head_redundancy(loaded, text: str | bytes | None = None, *, ablation_delta: np.ndarray | None = None,
                     kind: str = "output", threshold: float = DEFAULT_THRESHOLD,
                     effect_threshold: float = DEFAULT_EFFECT_THRESHOLD, max_tokens: int = 256,
-                    seq_len: int = 128, progress: Progress = None, should_stop: ShouldStop = None) -> Redundancy:
+                    seq_len: int = 128, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> Redundancy:
     """Redundancy of `loaded`'s heads on `text` (None = built-in evaluation text).
 
     ablation_delta: [L, H] single-head effects (AblationResult.head_delta) for the redundant flag."""

@@ -27,7 +27,8 @@ from .export import atomic_folder
 from .pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
 from .masks import plan_mask
 from .scoring import get_scorer
-from .speed import _decode_step, alternating_times, count_parameters, forward_flops, saved_bytes, torch_threads
+from .models import count_parameters
+from .speed import _decode_step, alternating_times, forward_flops, saved_bytes, torch_threads
 from .surgery import prune_heads
 
 Progress = Callable[[float, str], None] | None

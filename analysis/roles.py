@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from .errors import InputError
-from .evaluation import Progress, ShouldStop, check_stop, report, token_ids
+from .evaluation import token_ids
+from .progress import Progress, ShouldStop, check_stop, report
 from .text import calibration_articles
 
 ROLES = ("previous-token", "positional", "first-token", "local", "broad", "rare-word")
@@ -229,7 +230,7 @@ class RoleTagger:
         self.seq_len, self.batch_size, self.thresholds = seq_len, max(1, batch_size), thresholds
 
     def tag(self, model, ids: torch.Tensor, frequencies: np.ndarray | None = None, *,
-            progress: Progress = None, should_stop: ShouldStop = None) -> HeadRoles:
+            progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HeadRoles:
         """Roles of every head from ids [n, T] (equal-length sequences)."""
         x = torch.as_tensor(ids, dtype=torch.long)
         x = x.unsqueeze(0) if x.dim() == 1 else x                      # [n, T]
@@ -246,7 +247,7 @@ class RoleTagger:
 
 def head_roles(loaded, text: str | bytes | None = None, *, max_tokens: int = 512, seq_len: int = 128,
                frequencies: np.ndarray | None = None, thresholds: dict | None = None,
-               progress: Progress = None, should_stop: ShouldStop = None) -> HeadRoles:
+               progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HeadRoles:
     """Roles of `loaded`'s heads on `text` (None = built-in evaluation text).
 
     frequencies: token counts [vocab] for rare-word (None = count the built-in calibration

@@ -1,4 +1,4 @@
-"""Head scorers: one interface, every criterion (DESIGN.md section 1).
+"""Head scorers: one interface, every criterion (docs/DEFINITIONS.md).
 
 A scorer is constructed with its parameters and has one verb, `score(target, ...)`, which
 returns a `HeadScores`: a [L, H] float array (higher = more important, pruned last), the
@@ -19,10 +19,14 @@ Calibration:   Wanda-Head and SparseGPT-Head (forward passes; input statistics f
                gates), which need a language-model loss. Hybrid = min-max(Magnitude) +
                min-max(MP) + min-max(Wanda). The ablation oracle wraps a precomputed [L, H]
                loss-increase array from the evaluation sweep.
+
+The registry at the bottom (`SCORERS`, filled by `register_scorer`) is what the CLI, the app and
+scripts/results.py read: a scorer's name, label, constructor parameters and needs_calibration.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,30 +34,28 @@ from typing import Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from analysis.ablation import FastAblation, head_ablation
 from analysis.adapters import Adapter, HeadWeights, adapter_for
-from analysis.errors import CancelledError, InputError, UnsupportedModelError
+from analysis.attribution import gate_loss_fn, integrated_gate_gradients
+from analysis.errors import InputError, UnsupportedModelError
 from analysis.geometry import HeadGeometry
-from analysis.masking import head_mask
+from analysis.head_gates import head_mask
+from analysis.loss import LM_KINDS, lm_sequence_losses
 from analysis.masks import tie_order_of
+from analysis.models import model_kind
 from analysis.profiles import (
     DEFAULT_Z,
     NormProfile,
-    Progress,
-    ShouldStop,
     check_ord,
     check_scope,
     check_z,
     head_and_group_sums,
     profile_model,
 )
+from analysis.progress import Progress, ShouldStop, tick
 from analysis.text import calibration_text, tokenize
-
-LM_KINDS = ("causal-lm", "masked-lm")
-MLM_PROBABILITY = 0.15
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,11 +131,6 @@ def mp_aggregate(rows: dict[str, np.ndarray]) -> np.ndarray:
     return mp_combine(*head_and_group_sums(rows))
 
 
-def mpg_aggregate(rows: dict[str, np.ndarray], a_q: float = 1.0, a_kv: float = 1.0) -> np.ndarray:
-    """MP-G of per-row values. Returns [L, H]; equals mp_aggregate when G = 1, a = 1."""
-    return mpg_combine(*head_and_group_sums(rows), a_q, a_kv)
-
-
 def combine_projection_scores(q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray) -> np.ndarray:
     """Per-head q,o [H] and per-group k,v [Hkv] contributions -> [H] (group part repeated)."""
     G = q.shape[0] // k.shape[0]
@@ -160,17 +157,6 @@ class Subject:
     geometry: HeadGeometry
     kind: str
     tokenizer: object = None
-
-
-def model_kind(model: nn.Module) -> str:
-    """Best guess of a bare model's kind from the generic Hugging Face API (no class names)."""
-    can_generate = getattr(model, "can_generate", None)
-    if callable(can_generate) and can_generate():
-        return "causal-lm"
-    get_out = getattr(model, "get_output_embeddings", None)
-    if callable(get_out) and get_out() is not None:
-        return "masked-lm" if not getattr(model.config, "is_decoder", False) else "causal-lm"
-    return "encoder"
 
 
 def as_subject(target) -> Subject:
@@ -227,43 +213,24 @@ def check_calibration(ids) -> torch.Tensor:
     return ids.long()
 
 
-def sequence_losses(subject: Subject, ids: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
-    """Mean token NLL of each sequence of ids [B, T] -> [B] (keeps the graph).
+def require_lm(subject: Subject) -> None:
+    """UnsupportedModelError unless the subject has an LM head (the loss-gradient scorers need one)."""
+    if subject.kind not in LM_KINDS:
+        raise UnsupportedModelError(
+            f"This scorer needs a language-model loss, and a {subject.kind!r} model has no LM head. "
+            "Use MP, MP-G, Magnitude, Wanda-Head, SparseGPT-Head or Random for this model.")
 
-    Causal LMs predict the next token; masked LMs get a seeded 15% of positions masked (at
-    least one) and are scored at those positions only.
-    """
-    if subject.kind == "causal-lm":
-        logits = subject.model(input_ids=ids).logits  # [B, T, V]
-        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
-        return nll.mean(dim=1)  # [B]
-    if subject.kind == "masked-lm":
-        mask_id = getattr(subject.tokenizer, "mask_token_id", None)
-        if mask_id is None:
-            raise InputError("Masked-LM calibration needs the tokenizer's mask token; load the model "
-                             "with load_model(...) so its tokenizer comes along.")
-        g = torch.Generator().manual_seed(seed)
-        chosen = torch.rand(ids.shape, generator=g) < MLM_PROBABILITY  # [B, T]
-        chosen[:, 0] |= ~chosen.any(dim=1)
-        masked = ids.masked_fill(chosen, mask_id)  # [B, T]
-        logits = subject.model(input_ids=masked).logits  # [B, T, V]
-        nll = F.cross_entropy(logits.transpose(1, 2), ids, reduction="none")  # [B, T]
-        return (nll * chosen).sum(dim=1) / chosen.sum(dim=1)  # [B]
-    raise UnsupportedModelError(
-        f"This scorer needs a language-model loss, and a {subject.kind!r} model has no LM head. "
-        "Use MP, MP-G, Magnitude, Wanda-Head, SparseGPT-Head or Random for this model.")
+
+def sequence_losses(subject: Subject, ids: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+    """Mean token NLL of each sequence of ids [B, T] -> [B] (keeps the graph; `analysis.loss`)."""
+    require_lm(subject)
+    return lm_sequence_losses(subject.model, subject.kind, ids, seed=seed,
+                              mask_token_id=getattr(subject.tokenizer, "mask_token_id", None))
 
 
 def batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     """Split ids [n, T] into consecutive [<=batch_size, T] chunks."""
     return list(torch.split(ids, max(1, int(batch_size)), dim=0))
-
-
-def _tick(progress: Progress | None, should_stop: ShouldStop | None, fraction: float, message: str) -> None:
-    if should_stop is not None and should_stop():
-        raise CancelledError("Scoring was cancelled; start it again to get scores.")
-    if progress is not None:
-        progress(min(1.0, fraction), message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +242,7 @@ class Scorer:
     """Base class. Subclasses set `name`, store their parameters, implement `_compute`."""
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""            # what the app and reports call it
     needs_calibration: ClassVar[bool] = False
     needs_gradients: ClassVar[bool] = False
 
@@ -347,6 +315,7 @@ class MPScorer(Scorer):
     """Magnitude Profile: sum of row-norm excesses over the head's Q/O and its group's K/V rows."""
 
     name = "mp"
+    label = "MP (Magnitude Profile)"
 
     def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2):
         self.z, self.scope, self.ord = check_z(z), check_scope(scope), check_ord(ord)
@@ -380,6 +349,7 @@ class MPGScorer(MPScorer):
     """MP-G (GQA-aware): a_q * own excess + a_kv * group excess / G."""
 
     name = "mp-g"
+    label = "MP-G (GQA-aware MP)"
 
     def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, a_q: float = 1.0,
                  a_kv: float = 1.0):
@@ -404,6 +374,7 @@ class MagnitudeScorer(Scorer):
     """Sum of the L2 (or L1) norms of the head's Q rows, O columns and its group's K/V rows."""
 
     name = "magnitude"
+    label = "Magnitude"
 
     def __init__(self, ord: int = 2):
         self.ord = check_ord(ord)
@@ -421,6 +392,7 @@ class RandomScorer(Scorer):
     """A seeded random permutation of 0 .. L*H-1: the floor every scorer must beat."""
 
     name = "random"
+    label = "Random (floor)"
 
     def __init__(self, seed: int = 0):
         self.seed = int(seed)
@@ -454,6 +426,7 @@ class AblationOracle(Scorer):
     """
 
     name = "ablation"
+    label = "Ablation oracle (real loss increase)"
     needs_calibration = True
 
     def __init__(self, loss_increase=None, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 16):
@@ -549,10 +522,10 @@ def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: Scor
     chunks = batches(ids, batch_size)
     with collect_inputs(subject, full) as stats, torch.no_grad():
         for i, chunk in enumerate(chunks):
-            _tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}")
+            tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}", "Scoring")
             subject.model(input_ids=chunk)
             cost.forward_passes += int(chunk.shape[0])
-    _tick(progress, should_stop, 1.0, "calibration done")
+    tick(progress, should_stop, 1.0, "calibration done", "Scoring")
     return stats
 
 
@@ -561,6 +534,7 @@ class WandaHeadScorer(CalibrationScorer):
     (X = O's input, the per-head attention output)."""
 
     name = "wanda"
+    label = "Wanda-Head"
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=False)
@@ -585,6 +559,7 @@ class SparseGPTHeadScorer(CalibrationScorer):
     """OBS saliency w_ij^2 / [H^-1]_jj^2, H = X^T X / tokens + damping * mean(diag) * I, per head."""
 
     name = "sparsegpt"
+    label = "SparseGPT-Head"
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, damping: float = 0.01):
         super().__init__(n_sequences, seq_len, batch_size)
@@ -645,6 +620,7 @@ class GradientHeadScorer(CalibrationScorer):
     """sum |w_ij * g_ij| over the head's Q/K/V rows and O columns, g = d(mean LM loss)/dw."""
 
     name = "gradient"
+    label = "Gradient-Head"
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
@@ -655,7 +631,7 @@ class GradientHeadScorer(CalibrationScorer):
         chunks = batches(ids, self.batch_size)
         with weights_requiring_grad([w for _, _, w in weights]), torch.enable_grad():
             for i, chunk in enumerate(chunks):
-                _tick(progress, should_stop, i / len(chunks), f"gradient batch {i + 1}/{len(chunks)}")
+                tick(progress, should_stop, i / len(chunks), f"gradient batch {i + 1}/{len(chunks)}", "Scoring")
                 loss = sequence_losses(subject, chunk).sum() / ids.shape[0]  # mean over all sequences
                 for acc, g in zip(grads, torch.autograd.grad(loss, [w for _, _, w in weights])):
                     acc += g.double()
@@ -668,7 +644,7 @@ class GradientHeadScorer(CalibrationScorer):
             hw = subject.adapter.heads_from_tensors(saliency, subject.geometry)  # |w*g| head-major
             q, k, v, o = (getattr(hw, p).sum(dim=(1, 2)).numpy() for p in ("q", "k", "v", "o"))
             rows.append(combine_projection_scores(q, k, v, o))
-        _tick(progress, should_stop, 1.0, "gradients done")
+        tick(progress, should_stop, 1.0, "gradients done", "Scoring")
         return np.stack(rows)  # [L, H]
 
 
@@ -676,6 +652,7 @@ class HeadGateScorer(CalibrationScorer):
     """Michel et al. (2019): sum over calibration sequences of |dL/d gate_h| at gates = 1."""
 
     name = "gate"
+    label = "Head-gate importance"
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
@@ -684,7 +661,7 @@ class HeadGateScorer(CalibrationScorer):
         chunks = batches(ids, self.batch_size)
         with torch.enable_grad():
             for i, chunk in enumerate(chunks):
-                _tick(progress, should_stop, i / len(chunks), f"gate-gradient batch {i + 1}/{len(chunks)}")
+                tick(progress, should_stop, i / len(chunks), f"gate-gradient batch {i + 1}/{len(chunks)}", "Scoring")
                 gates = torch.ones(chunk.shape[0], g.n_layers, g.n_heads, requires_grad=True)  # [B, L, H]
                 with head_mask(subject.model, gates, adapter=subject.adapter):
                     losses = sequence_losses(subject, chunk)  # [B]
@@ -692,7 +669,7 @@ class HeadGateScorer(CalibrationScorer):
                 total += grad.abs().sum(dim=0).double()
                 cost.forward_passes += int(chunk.shape[0])
                 cost.backward_passes += int(chunk.shape[0])
-        _tick(progress, should_stop, 1.0, "gate gradients done")
+        tick(progress, should_stop, 1.0, "gate gradients done", "Scoring")
         return (total / ids.shape[0]).numpy()
 
 
@@ -704,6 +681,7 @@ class IntegratedGateScorer(CalibrationScorer):
     """
 
     name = "gate-ig"
+    label = "Head-gate, integrated gradients"
     needs_gradients = True
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, n_steps: int = 4):
@@ -716,29 +694,20 @@ class IntegratedGateScorer(CalibrationScorer):
         return {**super().params(), "n_steps": self.n_steps}
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
-        from captum.attr import IntegratedGradients
-
+        require_lm(subject)
         g = subject.geometry
+        mask_id = getattr(subject.tokenizer, "mask_token_id", None)
         total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)  # [L, H]
         chunks = batches(ids, self.batch_size)
         for i, chunk in enumerate(chunks):
-            _tick(progress, should_stop, i / len(chunks), f"integrated-gradient batch {i + 1}/{len(chunks)}")
-
-            def forward(gates: torch.Tensor, chunk=chunk) -> torch.Tensor:
-                # gates [S, L, H]: one scaled gate vector per integration step
-                steps = gates.shape[0]
-                with head_mask(subject.model, gates, adapter=subject.adapter):
-                    losses = sequence_losses(subject, chunk.repeat(steps, 1))  # [S*B]
-                return losses.reshape(steps, -1).mean(dim=1)  # [S]
-
-            ones = torch.ones(1, g.n_layers, g.n_heads)  # [1, L, H]
-            with torch.enable_grad():
-                attr = IntegratedGradients(forward).attribute(
-                    ones, baselines=torch.zeros_like(ones), n_steps=self.n_steps, internal_batch_size=1)
-            total += attr[0].detach().double() * chunk.shape[0]  # [L, H]
+            tick(progress, should_stop, i / len(chunks), f"integrated-gradient batch {i + 1}/{len(chunks)}", "Scoring")
+            f = gate_loss_fn(subject.model, chunk, g, kind=subject.kind, mask_token_id=mask_id,
+                             adapter=subject.adapter)                   # gates [S, L*H] -> mean loss [S]
+            attr, _ = integrated_gate_gradients(f, g, n_steps=self.n_steps, internal_batch_size=1)  # [L, H]
+            total += attr.double() * chunk.shape[0]                      # [L, H]
             cost.forward_passes += int(chunk.shape[0]) * self.n_steps
             cost.backward_passes += int(chunk.shape[0]) * self.n_steps
-        _tick(progress, should_stop, 1.0, "integrated gradients done")
+        tick(progress, should_stop, 1.0, "integrated gradients done", "Scoring")
         return (-total / ids.shape[0]).numpy()
 
 
@@ -746,6 +715,7 @@ class HybridScorer(CalibrationScorer):
     """min-max(Magnitude) + min-max(MP at z) + min-max(Wanda-Head), weights 1.0 each."""
 
     name = "hybrid"
+    label = "Hybrid (Magnitude + MP + Wanda)"
 
     def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, z: float = DEFAULT_Z,
                  scope: str = "layer"):
@@ -764,16 +734,51 @@ class HybridScorer(CalibrationScorer):
         return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)
 
 
-SCORERS: dict[str, type[Scorer]] = {
-    cls.name: cls
-    for cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
-                GradientHeadScorer, HeadGateScorer, IntegratedGateScorer, HybridScorer, AblationOracle)
-}
+# ---------------------------------------------------------------------------------------------
+# The registry: what the CLI (--scorer choices, options, weight-only set), the app (scorer list,
+# labels, parameter widgets) and scripts/results.py read. A scorer is one registration.
+# ---------------------------------------------------------------------------------------------
+
+SCORERS: dict[str, type[Scorer]] = {}
+
+
+def register_scorer(cls: type[Scorer]) -> type[Scorer]:
+    """Register a Scorer subclass under `cls.name` (its `label`, constructor parameters and
+    `needs_calibration` come with it). InputError for a missing name/label or a taken name."""
+    if not cls.name or not cls.label:
+        raise InputError(f"{cls.__name__} needs a `name` and a `label` to be registered as a scorer.")
+    if SCORERS.get(cls.name, cls) is not cls:
+        raise InputError(f"A scorer named {cls.name!r} is already registered ({SCORERS[cls.name].__name__}).")
+    SCORERS[cls.name] = cls
+    return cls
+
+
+for _cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
+             GradientHeadScorer, HeadGateScorer, IntegratedGateScorer, HybridScorer, AblationOracle):
+    register_scorer(_cls)
+del _cls
+
+
+def scorer_parameters(name: str) -> dict[str, object]:
+    """{constructor parameter: default} of a registered scorer (parameters without a default left out)."""
+    sig = inspect.signature(scorer_class(name).__init__)
+    return {n: p.default for n, p in sig.parameters.items()
+            if n != "self" and p.default is not inspect.Parameter.empty}
+
+
+def weight_only_scorers() -> tuple[str, ...]:
+    """Names of the registered scorers that need no calibration text (they score a NormProfile)."""
+    return tuple(name for name, cls in SCORERS.items() if not cls.needs_calibration)
+
+
+def scorer_class(name: str) -> type[Scorer]:
+    """The registered scorer class; InputError naming the choices otherwise."""
+    cls = SCORERS.get(name)
+    if cls is None:
+        raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
+    return cls
 
 
 def get_scorer(name: str, **params) -> Scorer:
     """Instantiate a registered scorer by name; InputError naming the choices otherwise."""
-    cls = SCORERS.get(name)
-    if cls is None:
-        raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
-    return cls(**params)
+    return scorer_class(name)(**params)

@@ -29,9 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import Adapter, adapter_for, matmul_module_types
-from .errors import CancelledError, InputError
-from .masking import gates_from_mask, head_mask
+from .adapters import Adapter, adapter_for
+from .errors import InputError
+from .head_gates import gates_from_mask, head_mask
+from .models import count_parameters
+from .progress import Progress, ShouldStop, check_stop, no_progress
+from .resize import matmul_module_types
 from .surgery import HeadLayout, prune_heads
 
 PREFILL_LENGTHS = (128, 512, 1024)
@@ -44,18 +47,11 @@ RATIO_NOTE = (
     "step (one new token) the model's own work is small, so that fixed cost is a large share and masked "
     "decode is slower than dense; the hooks are how the app evaluates a mask, not a way to deploy one.")
 VARIANTS = ("dense", "masked", "pruned")
-Progress = Callable[[float, str], None]
-ShouldStop = Callable[[], bool]
 
 
 # ---------------------------------------------------------------------------------------------
 # Sizes
 # ---------------------------------------------------------------------------------------------
-
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
 
 def saved_bytes(model: nn.Module) -> int:
     """Size of the model's weights written as one safetensors file (tied tensors stored once)."""
@@ -175,8 +171,7 @@ def alternating_times(calls: dict[str, Callable[[], object]], *, repeats: int = 
         wall = {name: [] for name in names}
         cpu = {name: [] for name in names}
         for r in range(repeats):
-            if should_stop is not None and should_stop():
-                raise CancelledError("Timing stopped.")
+            check_stop(should_stop, "Timing")
             for name in names[r % len(names):] + names[:r % len(names)]:
                 start, start_cpu = time.perf_counter(), time.process_time()
                 calls[name]()
@@ -280,7 +275,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
     """Measure dense vs masked vs physically pruned for the mask `pruned` [L, H] (see module doc).
 
     `model` is not changed (the mask hooks are removed after each call; surgery works on a copy)."""
-    report = progress or (lambda fraction, message: None)
+    report = progress or no_progress
     adapter = adapter_for(model)
     g = adapter.geometry(model)
     report(0.0, "physically pruning a copy")
@@ -325,8 +320,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
                         for run in steps.values():
                             run()
                     for r in range(repeats):
-                        if should_stop is not None and should_stop():
-                            raise CancelledError("Timing stopped.")
+                        check_stop(should_stop, "Timing")
                         names = list(steps)
                         for name in names[r % 3:] + names[:r % 3]:
                             wall_s, cpu_s = steps[name]()

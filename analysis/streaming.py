@@ -10,22 +10,41 @@ checkpoint on disk can be profiled on a laptop; the numbers equal `profile_model
 Layouts: a single `model.safetensors`, or shards listed in `model.safetensors.index.json`.
 A missing shard, a folder without safetensors weights, or a tensor the adapter expects but
 the checkpoint lacks raise ModelLoadError saying what to fix.
+
+Hostile checkpoints: the index must map tensor names to shard files inside the folder (a name
+with "..", or an absolute path, is refused; symlinks such as the hub cache's are followed);
+every attention tensor's header (shape, dtype) is checked against config.json before it is read,
+and its float32 copy against free memory, so a lying header or config is a clear error, never a
+MemoryError. config.json is read with trust_remote_code from the caller (default off): an
+`auto_map` never runs code, and transformers never prompts on stdout.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+import psutil
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
 from analysis.adapters import Adapter, adapter_for
-from analysis.errors import CancelledError, ModelLoadError
-from analysis.profiles import STREAM_CHUNK, NormProfile, Progress, ShouldStop, head_norms, stack_layers
+from analysis.errors import ModelLoadError, custom_code_refused, first_line
+from analysis.profiles import STREAM_CHUNK, NormProfile, head_norms, stack_layers
+from analysis.progress import Progress, ShouldStop, check_stop, report
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+INDEX_MAX_BYTES = 64 * 2**20           # the index of a 400B-parameter model is a few MB
+
+# attention role -> rows of that projection in units of head_dim (its other side is `hidden`)
+ROLE_ROWS = {
+    "q.weight": lambda g: g.n_heads,
+    "k.weight": lambda g: g.n_kv_heads,
+    "v.weight": lambda g: g.n_kv_heads,
+    "o.weight": lambda g: g.n_heads,
+    "qkv.weight": lambda g: g.n_heads + 2 * g.n_kv_heads,
+}
 
 
 def checkpoint_folder(path) -> Path:
@@ -39,16 +58,45 @@ def checkpoint_folder(path) -> Path:
     return p
 
 
+def _shard_name_ok(shard) -> bool:
+    """A shard file name that stays inside the checkpoint folder (no "..", not absolute, no NUL)."""
+    if not isinstance(shard, str) or not shard or "\x00" in shard or "\\" in shard:
+        return False
+    parts = PurePosixPath(shard).parts
+    return not PurePosixPath(shard).is_absolute() and ".." not in parts and bool(parts)
+
+
+def weight_map(folder: Path) -> dict[str, str] | None:
+    """The checked {tensor name: shard file} of `folder`'s safetensors index, or None without an index.
+
+    ModelLoadError for an index that is not JSON, not a {str: str} map, or names a file outside
+    the folder (such files are never opened)."""
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return None
+    fix = "re-download or re-save the checkpoint (save_pretrained(..., safe_serialization=True))"
+    try:
+        if index.stat().st_size > INDEX_MAX_BYTES:
+            raise ModelLoadError(f"{index} is larger than {INDEX_MAX_BYTES // 2**20} MiB, which no real index is; {fix}.")
+        mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        raise ModelLoadError(f"{index} is not a valid safetensors index ({first_line(err)}); {fix}.") from None
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names (a JSON object of "
+                             f"strings), got {type(mapping).__name__}; {fix}.")
+    outside = sorted({shard for shard in mapping.values() if not _shard_name_ok(shard)})
+    if outside:
+        raise ModelLoadError(f"{index} names shard files outside the checkpoint folder ({outside[0]!r}); headscope "
+                             f"reads only files inside {folder}. Use an index whose shards are plain file names "
+                             f"next to it.")
+    return mapping
+
+
 def tensor_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> the .safetensors file that holds it. ModelLoadError on missing shards."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ModelLoadError(f"{index} is not a valid safetensors index ({err}); re-download or re-save "
-                                 "the checkpoint.") from err
-        files = {name: folder / shard for name, shard in weight_map.items()}
+    mapping = weight_map(folder)
+    if mapping is not None:
+        files = {name: folder / shard for name, shard in mapping.items()}
         missing = sorted({f.name for f in files.values() if not f.is_file()})
         if missing:
             raise ModelLoadError(
@@ -68,15 +116,28 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         raise ModelLoadError(f"Could not read {singles[0]}: {err}. Re-download or re-save the weights.") from err
 
 
-def load_config(folder: Path):
-    """The checkpoint's config (no weights read); ModelLoadError when config.json is absent or bad."""
+def _has_auto_map(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map"))
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
+
+
+def load_config(folder: Path, *, trust_remote_code: bool = False):
+    """The checkpoint's config (no weights read); ModelLoadError when config.json is absent or bad.
+
+    Custom config code (auto_map) runs only with trust_remote_code=True; never a prompt."""
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json; the streaming profiler needs it for the "
                              "architecture and head counts. Copy the model's config.json next to the weights.")
     try:
-        return AutoConfig.from_pretrained(str(folder))
-    except (OSError, ValueError, KeyError) as err:
-        raise ModelLoadError(f"Could not read {folder / 'config.json'}: {err}") from err
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=bool(trust_remote_code),
+                                          local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        if _has_auto_map(folder) and not trust_remote_code:
+            raise custom_code_refused(str(folder / "config.json"), "--trust-remote-code (trust_remote_code=True)") from None
+        raise ModelLoadError(f"Could not read {folder / 'config.json'} ({first_line(err)}). Replace it with the "
+                             f"model's original config.json.") from None
 
 
 def layer_tensor_names(adapter: Adapter, layer: int, names: dict[str, Path], prefix: str | None) -> dict[str, str]:
@@ -104,32 +165,59 @@ def name_prefix(adapter: Adapter, names: dict[str, Path]) -> str:
     return matches[0][: len(matches[0]) - len(suffix)]
 
 
-def profile_checkpoint(path, *, progress: Progress | None = None,
-                       should_stop: ShouldStop | None = None) -> NormProfile:
+def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                       trust_remote_code: bool = False) -> NormProfile:
     """Row-norm profile of a safetensors checkpoint, one layer's attention tensors at a time."""
     folder = checkpoint_folder(path)
-    config = load_config(folder)
+    config = load_config(folder, trust_remote_code=trust_remote_code)
     adapter = adapter_for(config)
     geometry = adapter.geometry(config)
     names = tensor_files(folder)
     prefix = name_prefix(adapter, names)
     l2_layers, l1_layers, scratch = [], [], {}
     for layer in range(geometry.n_layers):
-        if should_stop is not None and should_stop():
-            raise CancelledError("Profiling was cancelled; run it again to get the profile.")
-        tensors = read_tensors(layer_tensor_names(adapter, layer, names, prefix), names)
-        hw = adapter.heads_from_tensors(tensors, geometry)
+        check_stop(should_stop, "Profiling")
+        roles = layer_tensor_names(adapter, layer, names, prefix)
+        tensors = read_tensors(roles, names, geometry)
+        try:
+            hw = adapter.heads_from_tensors(tensors, geometry)
+        except (RuntimeError, ValueError) as err:  # right size, wrong layout (e.g. transposed)
+            raise ModelLoadError(f"The attention tensors of layer {layer} in {folder} do not have the layout "
+                                 f"config.json describes ({first_line(err)}). Use the config.json that belongs "
+                                 f"to these weights.") from None
         norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass over the file
         l2_layers.append(norms[2])
         l1_layers.append(norms[1])
         del tensors, hw
-        if progress is not None:
-            progress((layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
+        report(progress, (layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
     return NormProfile(l2=stack_layers(l2_layers), l1=stack_layers(l1_layers), source=str(folder))
 
 
-def read_tensors(roles: dict[str, str], files: dict[str, Path]) -> dict:
-    """Role -> tensor read from its file; each file is opened (memory-mapped) only while read."""
+def check_tensor_header(role: str, name: str, shape: list[int], geometry, file: Path,
+                        available_bytes: int | None = None) -> None:
+    """ModelLoadError unless tensor `name`'s header shape fits the config's geometry and its
+    float32 copy fits in free memory (checked before a byte of it is read)."""
+    rows = ROLE_ROWS.get(role)
+    expected = None if rows is None else rows(geometry) * geometry.head_dim * geometry.hidden
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    if len(shape) != 2 or (expected is not None and (numel != expected or geometry.hidden not in shape)):
+        raise ModelLoadError(
+            f"Tensor '{name}' in {file.name} has shape {list(shape)}, but config.json ({geometry.n_heads} heads, "
+            f"{geometry.n_kv_heads} KV heads, head_dim {geometry.head_dim}, hidden {geometry.hidden}) needs "
+            f"{expected} values in 2 dimensions. Use the config.json that belongs to these weights.")
+    need = 2 * 4 * numel                         # the float32 upcast and one temporary of the same size
+    free = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if need > free:
+        raise ModelLoadError(f"Tensor '{name}' in {file.name} needs about {need / 2**30:.2f} GiB of RAM to profile, "
+                             f"but only {free / 2**30:.2f} GiB is free. Close other programs or profile on a "
+                             f"machine with more memory.")
+
+
+def read_tensors(roles: dict[str, str], files: dict[str, Path], geometry=None) -> dict:
+    """Role -> tensor read from its file; each file is opened (memory-mapped) only while read.
+    With `geometry`, every header is checked first (`check_tensor_header`)."""
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for role, name in roles.items():
         by_file.setdefault(files[name], []).append((role, name))
@@ -138,7 +226,9 @@ def read_tensors(roles: dict[str, str], files: dict[str, Path]) -> dict:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for role, name in items:
+                    if geometry is not None:
+                        check_tensor_header(role, name, handle.get_slice(name).get_shape(), geometry, file)
                     out[role] = handle.get_tensor(name)
-        except (OSError, SafetensorError) as err:
-            raise ModelLoadError(f"Could not read {file}: {err}. Re-download or re-copy that file.") from err
+        except (OSError, SafetensorError, MemoryError) as err:
+            raise ModelLoadError(f"Could not read {file} ({first_line(err)}). Re-download or re-copy that file.") from None
     return out

@@ -3,7 +3,7 @@
 `prune_heads(model, pruned)` deep-copies the model and, per layer, keeps only the Q rows and O
 columns of the kept query heads and the K/V rows of the KV heads they still use, so the copy has
 smaller projections and per-layer head counts and computes what the masked model computes
-(`analysis.masking.head_mask` with the same mask). The input model is never changed.
+(`analysis.head_gates.head_mask` with the same mask). The input model is never changed.
 
 GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):
 - a KV group whose query heads are all pruned loses its K/V rows;
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import resize, schemas
 from .adapters import Adapter, HeadWeights, adapter_for
 from .errors import InputError
 from .geometry import HeadGeometry
@@ -97,7 +98,7 @@ class HeadLayout:
         """KV heads per layer before/after and KV-cache values per token (K and V, all layers).
 
         An emptied layer caches a 1-value placeholder per token for K and for V (see
-        analysis/adapters.py), counted here."""
+        analysis/resize.py), counted here."""
         before = [self.n_kv_heads] * self.n_layers
         after = [len(kv) for kv in self.kv_heads]
         values_before = 2 * sum(before) * self.head_dim
@@ -118,27 +119,19 @@ class HeadLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "HeadLayout":
-        """Rebuild and validate a layout (InputError naming what is wrong)."""
-        try:
-            layout = cls(model_type=str(data["model_type"]), n_heads=int(data["n_heads"]),
-                         n_kv_heads=int(data["n_kv_heads"]), head_dim=int(data["head_dim"]),
-                         heads=[[int(h) for h in row] for row in data["heads"]],
-                         kv_heads=[[int(g) for g in row] for row in data["kv_heads"]],
-                         kv_policy=str(data.get("kv_policy", "auto")), format=int(data.get("format", 1)),
-                         rounds=None if data.get("rounds") is None else [[int(r) for r in row] for row in data["rounds"]])
-        except (KeyError, TypeError, ValueError) as err:
-            raise InputError(f"head_layout.json is incomplete or malformed ({err!r}); export the pruned "
-                             f"model again.") from err
+        """Rebuild and validate a layout (schemas.LAYOUT_SCHEMA's exact types, then `validate`)."""
+        schemas.check(data, schemas.LAYOUT_SCHEMA, "head_layout.json", "export the pruned model again")
+        layout = cls(model_type=data["model_type"], n_heads=data["n_heads"], n_kv_heads=data["n_kv_heads"],
+                     head_dim=data["head_dim"], heads=[list(row) for row in data["heads"]],
+                     kv_heads=[list(row) for row in data["kv_heads"]], kv_policy=data.get("kv_policy", "auto"),
+                     format=data.get("format", LAYOUT_FORMAT),
+                     rounds=None if data.get("rounds") is None else [list(row) for row in data["rounds"]])
         layout.validate()
         return layout
 
     @classmethod
     def from_json(cls, text: str) -> "HeadLayout":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise InputError(f"head_layout.json is not valid JSON ({err}); export the pruned model again.") from err
-        return cls.from_dict(data)
+        return cls.from_dict(schemas.load_json_text(text, "head_layout.json", "export the pruned model again"))
 
     def validate(self) -> None:
         if self.format > LAYOUT_FORMAT:
@@ -148,8 +141,8 @@ class HeadLayout:
             raise InputError("head_layout.json: heads/kv_heads disagree with the head counts; export again.")
         for layer, (heads, kv) in enumerate(zip(self.heads, self.kv_heads)):
             ok = (heads == sorted(set(heads)) and all(0 <= h < self.n_heads for h in heads)
-                  and all(0 <= g < self.n_kv_heads for g in kv) and (not heads or len(heads) % len(kv) == 0)
-                  and (heads or not kv))
+                  and all(0 <= g < self.n_kv_heads for g in kv) and (heads or not kv)
+                  and (not heads or (kv and len(heads) % len(kv) == 0)))
             if ok and heads:
                 per_kv = len(heads) // len(kv)
                 ok = all(self._group(h) == kv[i // per_kv] for i, h in enumerate(heads))
@@ -212,7 +205,7 @@ def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | Non
     On a model that still has the original shapes (a copy you own, or one freshly built from the
     original config before loading a pruned checkpoint's weights). Returns `model`."""
     adapter = adapter or adapter_for(model)
-    adapter.surgery_spec()                      # UnsupportedModelError before touching anything
+    resize.surgery_spec(adapter)                # UnsupportedModelError before touching anything
     geometry = adapter.geometry(model)
     if (geometry.n_layers, geometry.n_heads, geometry.n_kv_heads, geometry.head_dim) != (
             layout.n_layers, layout.n_heads, layout.n_kv_heads, layout.head_dim):
@@ -225,11 +218,11 @@ def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | Non
         if (n_heads, n_kv) == (geometry.n_heads, geometry.n_kv_heads):
             continue                            # nothing removed or copied in this layer
         hw = select_heads(adapter.read_heads(model, layer, geometry), layout.heads[layer], layout.kv_heads[layer])
-        adapter.replace_projections(model, layer, hw, n_heads, n_kv)
+        resize.replace_projections(adapter, model, layer, hw, n_heads, n_kv)
         if n_heads == 0:
-            adapter.empty_attention(model, layer, geometry.head_dim)
+            resize.empty_attention(adapter, model, layer, geometry.head_dim)
         else:
-            adapter.set_head_inputs(model, layer, layout.heads[layer], geometry.n_heads, geometry.head_dim)
+            resize.set_head_inputs(adapter, model, layer, layout.heads[layer], geometry.n_heads, geometry.head_dim)
     return model
 
 
@@ -241,7 +234,7 @@ def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,
     rounds: optional int [L, H], the round of an iterative run that pruned each head (0 = kept),
     recorded in the layout. Returns (pruned_model, layout)."""
     adapter = adapter or adapter_for(model)
-    adapter.surgery_spec()
+    resize.surgery_spec(adapter)
     geometry = adapter.geometry(model)
     layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
     if rounds is not None:

@@ -19,21 +19,16 @@ from typing import Callable
 
 import numpy as np
 
-from analysis.errors import CancelledError, InputError
-from analysis.evaluation import evaluate
+from analysis.errors import InputError
+from analysis.evaluation import evaluate, metric_of
 from analysis.masks import plan_mask
-from analysis.profiles import DEFAULT_Z, NormProfile, Progress, ShouldStop, check_z
+from analysis.profiles import DEFAULT_Z, NormProfile, check_z
+from analysis.progress import Progress, ShouldStop, tick
 from analysis.scoring import MPGScorer, MPScorer
 from analysis.text import calibration_text, evaluation_text
 
 MaskEvaluator = Callable[[np.ndarray], np.ndarray]
 SWEEP_SCORERS = {"mp": MPScorer, "mp-g": MPGScorer}
-# LoadedModel.kind -> (metric name, higher is better), as analysis.evaluation measures them
-METRIC_BY_KIND = {
-    "causal-lm": ("perplexity", False),
-    "masked-lm": ("pseudo-perplexity", False),
-    "encoder": ("embedding-fidelity", True),
-}
 
 
 def z_grid(start: float = 0.5, stop: float = 3.0, step: float = 0.25) -> np.ndarray:
@@ -110,9 +105,9 @@ def sweep_z(profile: NormProfile, sparsity: float, evaluate_calibration: MaskEva
     distinct: dict[bytes, int] = {}
     mask_id = np.array([distinct.setdefault(p.pruned.tobytes(), len(distinct)) for p in plans])  # [Z]
     masks = np.stack([plans[int(np.flatnonzero(mask_id == i)[0])].pruned for i in range(len(distinct))])  # [U, L, H]
-    _step(progress, should_stop, 0.05, f"{len(zs)} z values -> {len(masks)} distinct masks; evaluating")
+    tick(progress, should_stop, 0.05, f"{len(zs)} z values -> {len(masks)} distinct masks; evaluating", "The z sweep")
     calib = np.asarray(evaluate_calibration(masks), dtype=np.float64)  # [U]
-    _step(progress, should_stop, 0.7, "calibration split done")
+    tick(progress, should_stop, 0.7, "calibration split done", "The z sweep")
     best = suggest(zs, calib[mask_id], higher_is_better)
     evaluation = np.full(len(zs), np.nan)  # [Z]
     if evaluate_evaluation is not None:
@@ -120,16 +115,9 @@ def sweep_z(profile: NormProfile, sparsity: float, evaluate_calibration: MaskEva
         values = np.asarray(evaluate_evaluation(masks[chosen]), dtype=np.float64)  # [len(chosen)]
         for u, value in zip(chosen, values):
             evaluation[mask_id == u] = value
-    _step(progress, should_stop, 1.0, "z sweep done")
+    tick(progress, should_stop, 1.0, "z sweep done", "The z sweep")
     return ZSweep(float(sparsity), zs, np.array(zero), np.array([p.n_pruned for p in plans]), mask_id,
                   calib[mask_id], evaluation, float(zs[best]), float(evaluation[best]), metric, higher_is_better)
-
-
-def _step(progress, should_stop, fraction, message):
-    if should_stop is not None and should_stop():
-        raise CancelledError("The z sweep was cancelled; start it again to get results.")
-    if progress is not None:
-        progress(fraction, message)
 
 
 def split_evaluators(loaded, *, max_tokens: int = 512, window: int | None = None,
@@ -148,7 +136,5 @@ def split_evaluators(loaded, *, max_tokens: int = 512, window: int | None = None
                             batch_size=batch_size).values
         return run
 
-    if loaded.kind not in METRIC_BY_KIND:
-        raise InputError(f"No evaluation for model kind {loaded.kind!r}; known kinds: {', '.join(METRIC_BY_KIND)}.")
-    metric, higher_is_better = METRIC_BY_KIND[loaded.kind]
+    metric, higher_is_better = metric_of(loaded.kind)
     return make("calibration"), make("evaluation"), metric, higher_is_better

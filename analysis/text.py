@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -129,6 +131,54 @@ def clean_user_text(text: str | bytes) -> str:
         raise InputError("The text is empty (or only whitespace). Paste or upload some text, "
                          "or use the built-in Wikipedia text.")
     return text
+
+
+# A text file is read only as far as `max_tokens` can use: tokens of real text average 4-5 bytes,
+# so 64 bytes per token plus 64 KiB is far more than enough, and /dev/zero-sized input is never read.
+TEXT_FILE_BYTES_PER_TOKEN = 64
+TEXT_FILE_BASE_BYTES = 64 * 2**10
+
+
+def text_file_cap(max_tokens: int | None) -> int:
+    """Bytes of a text file worth reading for `max_tokens` tokens (the documented cap)."""
+    tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+    return TEXT_FILE_BASE_BYTES + TEXT_FILE_BYTES_PER_TOKEN * tokens
+
+
+def _utf8_prefix(data: bytes) -> bytes:
+    """`data` without a UTF-8 sequence cut in half at its end (a cap may split a character)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:                   # the lead byte of the last sequence
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            return data if need <= back else data[:-back]
+    return data
+
+
+def read_text_file(path, max_bytes: int, *, what: str = "The text file") -> bytes:
+    """The first `max_bytes` bytes of a regular file (cut at a character boundary).
+
+    InputError for a missing path, a folder, a device or pipe (which may never end) or an empty path;
+    decode and clean it with `clean_user_text`."""
+    text = str(path)
+    if not text.strip() or "\x00" in text:
+        raise InputError(f"{what} path {text!r} is empty or holds a NUL byte; give the path of a UTF-8 .txt file.")
+    try:
+        info = os.stat(text)
+    except OSError as err:
+        raise InputError(f"Cannot read {what.lower()} {text!r}: {(err.strerror or 'not found').lower()}. Check the "
+                         f"path, or leave the option out to use the built-in text.") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, pipe or socket (it may never end)"
+        raise InputError(f"{what} {text!r} is {kind}, not a regular file. Save the text to a UTF-8 .txt file "
+                         f"and give its path.")
+    try:
+        with open(text, "rb") as handle:
+            data = handle.read(max_bytes + 1)
+    except OSError as err:
+        raise InputError(f"Cannot read {what.lower()} {text!r}: {(err.strerror or type(err).__name__).lower()}. "
+                         f"Check its permissions, or copy it somewhere readable.") from None
+    return _utf8_prefix(data[:max_bytes]) if len(data) > max_bytes else data
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:

@@ -39,8 +39,8 @@ def main() -> None:
             load_model("smollm2-135m", cache_dir=cache)
 
         def bare():
-            AutoModelForCausalLM.from_pretrained(folder).eval()
-            AutoTokenizer.from_pretrained(folder)
+            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False).eval()
+            AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
         times = alternate_times({"load_model": ours, "from_pretrained": bare}, args.repeats,
                                 collect=True)  # warms both first

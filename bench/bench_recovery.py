@@ -90,7 +90,7 @@ def run_rounds(cfg: PipelineConfig, loaded) -> list[int]:
 
 def throughput(loaded, args) -> dict:
     """distill() vs a plain loop, same batches and work, alternating, seconds per step."""
-    from analysis.masking import gates_from_mask, head_mask, zero_heads
+    from analysis.head_gates import gates_from_mask, head_mask, zero_heads
     from analysis.masks import plan_mask
     from analysis.scoring import get_scorer
     cfg = DistillConfig(steps=args.tp_steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,

@@ -53,14 +53,14 @@ def hwm_kib():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
 
 mode, folder = sys.argv[1], sys.argv[2]
-AutoConfig.from_pretrained(folder)  # transformers imports most of itself lazily, on first use
+AutoConfig.from_pretrained(folder, trust_remote_code=False)  # transformers imports most of itself lazily, on first use
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset the peak RSS to the current RSS
 base = hwm_kib()
 if mode == "stream":
     result = profile_checkpoint(folder)
 else:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False)
     if mode == "from_pretrained+read":  # weights are memory-mapped: count them once they are read
         with torch.no_grad():
             for p in model.parameters():
@@ -119,7 +119,7 @@ def grid_model(head_dim: int = 16):
     config = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=head_dim,
                          hidden_size=32 * head_dim, intermediate_size=64, vocab_size=64, max_position_embeddings=64)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=False).eval()
 
 
 def bench_mask_update(repeats: int, head_dim: int = 16) -> tuple[float, float]:

@@ -38,8 +38,8 @@ from analysis.masks import plan_mask  # noqa: E402
 from analysis.scoring import MPGScorer  # noqa: E402
 from analysis.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
                             saving_ratio, torch_threads)
+from analysis.head_gates import gates_from_mask  # noqa: E402
 from analysis.surgery import prune_heads  # noqa: E402
-from analysis.masking import gates_from_mask  # noqa: E402
 
 PASS_FRACTION = 0.70
 
@@ -50,7 +50,7 @@ def load(tiny: bool):
         cfg = LlamaConfig(hidden_size=288, intermediate_size=768, num_attention_heads=9, num_key_value_heads=3,
                           head_dim=32, num_hidden_layers=4, vocab_size=4096, max_position_embeddings=2048)
         torch.manual_seed(0)
-        return "tiny-llama", AutoModelForCausalLM.from_config(cfg).eval()
+        return "tiny-llama", AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).eval()
     from analysis.models import load_model
     lm = load_model("smollm2-135m")
     return lm.name, lm.model

@@ -1,7 +1,7 @@
 """Cached calls into `analysis/`: the model by name, its norm profile once, scores by parameters.
 
 - `load(name, trust)`: `st.cache_resource`, one shared LoadedModel per (name, trust). Nobody
-  mutates it: masks are hooks inside `analysis.masking.head_mask`, surgery works on a copy.
+  mutates it: masks are hooks inside `analysis.head_gates.head_mask`, surgery works on a copy.
 - `profile(name, trust)`: `st.cache_resource`, the row norms, computed once per model. Moving z
   or the sparsity never recomputes them (everything z-dependent is an array op on this).
 - `scores(name, trust, scorer, params)`: `st.cache_data`, keyed by model name, scorer and its
@@ -19,7 +19,9 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis.errors import CancelledError, HeadscopeError
+from analysis.errors import HeadscopeError
+from analysis.progress import check_stop
+from analysis.progress import Progress
 
 from . import state
 from .errors import show_exception
@@ -28,8 +30,6 @@ try:  # Streamlit internal: lets a progress bar outside a cached function be upd
     from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _in_cached
 except Exception:  # noqa: BLE001
     _in_cached = None
-
-Progress = Callable[[float, str], None]
 
 
 def params_key(params: dict) -> tuple:
@@ -143,20 +143,18 @@ def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Ca
     if st.button(button_label, key=button_key, **button_kwargs):
         result = cached_call(fn, *args, label=label, stoppable=True)
         if result is not None:
-            state.remember(slot, (run_key, result))
-    remembered = state.recall(slot)
-    if remembered and remembered[0] == run_key:
-        return remembered[1]
-    if remembered:
+            state.remember_run(slot, run_key, result)
+    result = state.run_result(slot, run_key)
+    if result is None and state.last_run(slot) is not None:
         st.caption(stale_note)
-    return None
+    return result
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def param_count(name: str, trust: bool = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
-    lm = load(name, trust)
-    return sum(p.numel() for p in {id(p): p for p in lm.model.parameters()}.values())
+    from analysis.models import count_parameters
+    return count_parameters(load(name, trust).model)
 
 
 # -- scores, masks, evaluation -----------------------------------------------------------------
@@ -165,13 +163,7 @@ def param_count(name: str, trust: bool = False) -> int:
 def has_qkv_bias(name: str, trust: bool = False) -> bool:
     """Whether the attention projections carry biases (for the parameter count of a mask)."""
     lm = load(name, trust)
-    return lm.adapter.read_heads(lm.model, 0).q_bias is not None
-
-
-def scorer_class(scorer: str):
-    """The registered scorer class, or None for an unknown name."""
-    from analysis import scoring
-    return scoring.SCORERS.get(scorer)
+    return lm.adapter.has_qkv_bias(lm.model)
 
 
 @st.cache_resource(show_spinner=False)
@@ -198,8 +190,7 @@ def exclusive(name: str, trust: bool, progress: Progress | None = None, should_s
     lm = load(name, trust)
     lock = _model_lock(name, trust)
     while not lock.acquire(timeout=LOCK_POLL_S):
-        if should_stop is not None and should_stop():
-            raise CancelledError("Stopped while waiting for another computation on this model.")
+        check_stop(should_stop, "Waiting for another computation on this model")
         if progress is not None:
             progress(0.0, "waiting for another computation on this model to finish")
     try:
@@ -305,40 +296,6 @@ def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, 
     with exclusive(name, trust, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
-
-
-def view_mask(lm):
-    """The mask of the current view (scorer, z, sparsity; parameters and policy from the Prune page
-    when they were set there for this model and scorer, else the scorer's defaults).
-
-    Returns (head_scores, plan, params, policy), or None after showing why there is no mask."""
-    from analysis import masks
-    from . import controls
-    scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
-    cls = scorer_class(scorer)
-    if cls is None:
-        st.error(f"Unknown scorer {scorer!r}; pick one on the Prune page.")
-        return None
-    last = state.recall("mask") or {}
-    if last.get("model") == lm.name and last.get("scorer") == scorer:
-        params, policy = dict(last["params"]), dict(last["policy"])
-    else:
-        params, policy = controls.default_params(scorer, z), dict(policy="global")
-    if "z" in params:
-        params["z"] = z
-    key = params_key(params)
-    if cls.needs_calibration and state.recall(f"scored.{lm.name}.{scorer}") != key:
-        st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
-        return None
-    head_scores = cached_call(scores, lm.name, state.trust(), scorer, key, label=f"Scoring with {controls.label(scorer)}")
-    if head_scores is None:
-        return None
-    try:
-        plan = masks.plan_mask(head_scores, sparsity, group_size=lm.geometry.group_size, **policy)
-    except Exception as err:  # noqa: BLE001
-        show_exception(err, "Building the mask")
-        return None
-    return head_scores, plan, params, policy
 
 
 @st.cache_data(show_spinner=False, max_entries=8)

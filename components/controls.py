@@ -1,32 +1,18 @@
 """Widgets shared by several pages: scorer choice and parameters, mask policy, evaluation text.
 
-Scorer parameters are read from the scorer class's constructor signature (analysis.scoring),
-so a new scorer parameter shows up without changing the pages; this module only knows how to
-draw a widget for a parameter name. z is the shared view slider and is passed in, not drawn.
+The scorer list, labels and parameters come from the registry in analysis.scoring
+(`SCORERS`, `Scorer.label`, `scorer_parameters`), so a new scorer shows up without changing
+the pages; this module only knows how to draw a widget for a parameter name (a parameter
+without one keeps its default). z is the shared view slider and is passed in, not drawn.
 """
 from __future__ import annotations
-
-import inspect
 
 import streamlit as st
 
 from analysis import masks, scoring, text
 
-from . import cache, state
+from . import state
 
-SCORER_LABELS = {
-    "mp": "MP (Magnitude Profile)",
-    "mp-g": "MP-G (GQA-aware MP)",
-    "magnitude": "Magnitude",
-    "random": "Random (floor)",
-    "wanda": "Wanda-Head",
-    "sparsegpt": "SparseGPT-Head",
-    "gradient": "Gradient-Head",
-    "gate": "Head-gate importance",
-    "gate-ig": "Head-gate, integrated gradients",
-    "hybrid": "Hybrid (Magnitude + MP + Wanda)",
-    "ablation": "Ablation oracle (real loss increase)",
-}
 HIDDEN_SCORERS: tuple[str, ...] = ()   # registered scorers not offered in the UI
 SPARSITY_STEP = 0.01
 
@@ -53,7 +39,9 @@ def scorer_names() -> list[str]:
 
 
 def label(name: str) -> str:
-    return SCORER_LABELS.get(name, name)
+    """The registered scorer's label (analysis.scoring), or the name itself for an unknown one."""
+    cls = scoring.SCORERS.get(name)
+    return cls.label if cls is not None else name
 
 
 def scorer_choice(where=st, *, key: str = "scorer") -> str:
@@ -71,12 +59,7 @@ def scorer_choice(where=st, *, key: str = "scorer") -> str:
 
 def constructor_defaults(scorer: str) -> dict:
     """{parameter: default} of the scorer's constructor."""
-    cls = cache.scorer_class(scorer)
-    if cls is None:
-        return {}
-    sig = inspect.signature(cls.__init__)
-    return {n: p.default for n, p in sig.parameters.items()
-            if n != "self" and p.default is not inspect.Parameter.empty}
+    return scoring.scorer_parameters(scorer) if scorer in scoring.SCORERS else {}
 
 
 def default_params(scorer: str, z: float) -> dict:

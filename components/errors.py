@@ -5,26 +5,15 @@
 is shown as one short line plus a folded-away "Details" expander. Streamlit's own control
 flow (`st.stop`, `st.rerun`, a rerun interrupting the script) derives from BaseException and
 passes through untouched.
-
-`guarded(what)` is the same as a decorator; `fail(message)` shows an error and stops the page.
 """
 from __future__ import annotations
 
-import functools
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import streamlit as st
 
 from analysis.errors import CancelledError, HeadscopeError
-
-
-@dataclass
-class Outcome:
-    """What happened inside a `shown_errors` block: `failed` is True when it raised."""
-    failed: bool = False
-    error: BaseException | None = None
 
 
 def show_exception(err: BaseException, what: str = "This step") -> None:
@@ -44,28 +33,8 @@ def show_exception(err: BaseException, what: str = "This step") -> None:
 
 @contextmanager
 def shown_errors(what: str = "This step"):
-    """Run the block; show (do not raise) any Exception it raises. Yields an Outcome."""
-    outcome = Outcome()
+    """Run the block; show (do not raise) any Exception it raises."""
     try:
-        yield outcome
+        yield
     except Exception as err:  # noqa: BLE001 - the point is to show it, not crash the page
-        outcome.failed, outcome.error = True, err
         show_exception(err, what)
-
-
-def guarded(what: str = "This step"):
-    """Decorator form of `shown_errors`: the function returns None when it failed."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            with shown_errors(what):
-                return fn(*args, **kwargs)
-            return None
-        return inner
-    return wrap
-
-
-def fail(message: str) -> None:
-    """Show an error that says how to fix the problem, and end this page's run."""
-    st.error(message)
-    st.stop()

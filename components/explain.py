@@ -1,4 +1,4 @@
-"""Teaching text, folded away by default: what each page shows and why (DESIGN.md section 1).
+"""Teaching text, folded away by default: what each page shows and why (docs/DEFINITIONS.md).
 
 Each function renders one `st.expander` (collapsed). Numbers passed in are results computed by
 `analysis/` (means, stds, thresholds); this module only formats them into the formulas.

@@ -15,8 +15,10 @@ seeded from the canonical value when it (re)appears, and the page writes the wid
 back with `set` - so values survive switching pages (Streamlit drops the keys of widgets that
 are not shown). trust_remote_code is session-only and never read from a URL.
 
-Other keys this module owns: the stop flag of long work, and `remember`/`recall` slots that
-keep a button's result on screen across reruns.
+Other keys this module owns: the stop flag of long work, `remember`/`recall` slots that keep
+a button's result on screen across reruns (`remember_run` / `run_result` / `model_result` for the
+(run key, result) pairs of `cache.run_button`, whose run keys start with the model name), and
+which calibration scores were computed for which parameters (`mark_scored` / `is_scored`).
 """
 from __future__ import annotations
 
@@ -43,10 +45,15 @@ _STOPPED = PREFIX + "stopped"
 _STOP_SEEN = PREFIX + "stop_seen"
 
 
+TEXT_MAX = 1000  # a model id, folder or page name from a link; longer is not a real one
+
+
 def _text(raw: str) -> str:
     value = str(raw).strip()
     if not value:
         raise ValueError("it is empty")
+    if len(value) > TEXT_MAX or not value.isprintable():
+        raise ValueError(f"it is longer than {TEXT_MAX} characters or holds control characters")
     return value
 
 
@@ -248,3 +255,52 @@ def recall(slot: str, default: Any = None) -> Any:
 
 def forget(slot: str) -> None:
     st.session_state.pop(_MEMO + slot, None)
+
+
+def remember_run(slot: str, run_key: tuple, result: Any) -> None:
+    """Keep a button-run's result with the key of the inputs it was computed for (model name first)."""
+    remember(slot, (run_key, result))
+
+
+def last_run(slot: str) -> tuple[tuple, Any] | None:
+    """(run key, result) of the last run kept in `slot`, or None."""
+    return recall(slot)
+
+
+def run_result(slot: str, run_key: tuple) -> Any:
+    """The result kept in `slot` if it was computed for exactly `run_key`, else None."""
+    kept = last_run(slot)
+    return kept[1] if kept and kept[0] == run_key else None
+
+
+def model_result(slot: str, model: str) -> Any:
+    """The result kept in `slot` if it was computed on `model` (whatever its other inputs), else None."""
+    kept = last_run(slot)
+    return kept[1] if kept and kept[0][0] == model else None
+
+
+def remember_mask(model: str, scorer: str, params: dict, sparsity: float, policy: dict) -> None:
+    """Keep the Prune page's mask settings, so other pages build the same mask."""
+    remember("mask", dict(model=model, scorer=scorer, params=params, sparsity=sparsity, policy=policy))
+
+
+def mask_settings(model: str, scorer: str) -> tuple[dict, dict] | None:
+    """(params, policy) last set on the Prune page for this model and scorer, else None (copies)."""
+    last = recall("mask") or {}
+    if last.get("model") == model and last.get("scorer") == scorer:
+        return dict(last["params"]), dict(last["policy"])
+    return None
+
+
+def _scored_slot(model: str, scorer: str) -> str:
+    return f"scored.{model}.{scorer}"
+
+
+def mark_scored(model: str, scorer: str, params_key: tuple) -> None:
+    """Note that `scorer`'s (calibration) scores on `model` were computed for `params_key`."""
+    remember(_scored_slot(model, scorer), params_key)
+
+
+def is_scored(model: str, scorer: str, params_key: tuple) -> bool:
+    """Whether `mark_scored` noted these parameters (so the cached scores can be shown without a click)."""
+    return recall(_scored_slot(model, scorer)) == params_key

@@ -3,7 +3,7 @@ score rank correlation (Spearman), and metric-vs-sparsity curves."""
 import numpy as np
 import streamlit as st
 
-from analysis import evaluation, masks
+from analysis import evaluation, masks, scoring
 from analysis.attribution import rank_correlation
 from analysis.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, shell, state
@@ -34,11 +34,11 @@ results = {}
 for name in chosen:
     params = controls.default_params(name, z)
     key = cache.params_key(params)
-    if cache.scorer_class(name).needs_calibration and state.recall(f"scored.{lm.name}.{name}") != key:
+    if scoring.scorer_class(name).needs_calibration and not state.is_scored(lm.name, name, key):
         if st.button(f"Compute {controls.label(name)} (calibration text; takes a while)", key=f"compare.compute.{name}"):
             if cache.cached_call(cache.scores, lm.name, state.trust(), name, key, label=controls.label(name),
                                  stoppable=True) is not None:
-                state.remember(f"scored.{lm.name}.{name}", key)
+                state.mark_scored(lm.name, name, key)
                 st.rerun()
         continue
     hs = cache.cached_call(cache.scores, lm.name, state.trust(), name, key, label=controls.label(name))
@@ -89,14 +89,13 @@ if st.button("Compute the curves", key="compare.curves"):
             break
         curves[name] = curve
     else:
-        state.remember("compare.curves", (curve_key, curves))
-remembered = state.recall("compare.curves")
-if remembered and remembered[0] == curve_key:
-    curves = remembered[1]
+        state.remember_run("compare.curves", curve_key, curves)
+curves = state.run_result("compare.curves", curve_key)
+if curves is not None:
     metric = next(iter(curves.values())).metric
     st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
                                   log_y=charts.log_axis(metric), marker_x=sparsity),
                     width="stretch", key="compare.curve_chart")
-elif remembered:
+elif state.last_run("compare.curves") is not None:
     st.caption("The settings changed since the curves were computed; press the button again.")

@@ -6,7 +6,7 @@ import streamlit as st
 
 from analysis import export as export_mod
 from analysis import speed
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -24,7 +24,7 @@ lm = cache.model_or_stop()
 g = lm.geometry
 explain.export()
 
-built = cache.view_mask(lm)
+built = views.view_mask(lm)
 if built is None:
     st.stop()
 head_scores, plan, params, policy = built
@@ -67,6 +67,8 @@ if st.button("Export", type="primary", key="export.run"):
 last = state.recall("export.last")
 if last is not None:
     st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
+    for note in last.notes:
+        st.info(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
 
 st.subheader("Measured report")

@@ -66,16 +66,15 @@ else:
             st.plotly_chart(charts.layer_head_heatmap(result.importance, "Importance = loss increase the head's gate "
                                                       "prevents", colorbar="importance", group_size=g.group_size),
                             width="stretch", key="heads.ig_map")
-            last_ablation = state.recall("heads.ablation")
-            if last_ablation and last_ablation[0][0] == lm.name:
-                rho = attribution.rank_correlation(result.importance, last_ablation[1].head_delta)
+            last_ablation = state.model_result("heads.ablation", lm.name)
+            if last_ablation is not None:
+                rho = attribution.rank_correlation(result.importance, last_ablation.head_delta)
                 st.metric("Spearman rank correlation with the ablation oracle", f"{rho:.3f}")
             else:
                 st.caption("Run the ablation sweep above to compare this ranking with the real loss increases.")
 
-ablation_delta = None
-if state.recall("heads.ablation") and state.recall("heads.ablation")[0][0] == lm.name:
-    ablation_delta = state.recall("heads.ablation")[1].head_delta          # [L, H], shown beside roles
+last_ablation = state.model_result("heads.ablation", lm.name)
+ablation_delta = None if last_ablation is None else last_ablation.head_delta  # [L, H], shown beside roles
 
 st.subheader("Head roles")
 with shown_errors("Head roles"):

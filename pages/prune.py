@@ -5,7 +5,7 @@ import json
 import numpy as np
 import streamlit as st
 
-from analysis import masks, sweep
+from analysis import evaluation, masks, scoring, sweep
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -33,15 +33,15 @@ if "z" not in params:
     st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
 
 key = cache.params_key(params)
-cls = cache.scorer_class(scorer)
+cls = scoring.scorer_class(scorer)
 head_scores = None
-if cls.needs_calibration and state.recall(f"scored.{lm.name}.{scorer}") != key:
+if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
     st.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
     if st.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
         head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
                                         label=f"Scoring with {controls.label(scorer)}", stoppable=True)
         if head_scores is not None:
-            state.remember(f"scored.{lm.name}.{scorer}", key)
+            state.mark_scored(lm.name, scorer, key)
 else:
     head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
                                     label=f"Scoring with {controls.label(scorer)}", stoppable=cls.needs_calibration)
@@ -82,13 +82,13 @@ with shown_errors("Building the mask"):
                        file_name=f"{scorer}_scores.json", mime="application/json", key="prune.dl.json")
     d3.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
                        file_name=f"{scorer}_mask_summary.json", mime="application/json", key="prune.dl.summary")
-    state.remember("mask", dict(model=lm.name, scorer=scorer, params=params, sparsity=sparsity, policy=policy))
+    state.remember_mask(lm.name, scorer, params, sparsity, policy)
 
 st.subheader("Check this mask")
 with shown_errors("Reading the text"):
     text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256, most=8192)
     check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
-    metric_name = {"causal-lm": "perplexity", "masked-lm": "pseudo-perplexity"}.get(lm.kind, "embedding fidelity")
+    metric_name = evaluation.evaluator_class(lm.kind).label
     dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
     result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
                               slot="prune.check", run_key=check, fn=cache.evaluate_masks,

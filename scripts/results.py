@@ -31,20 +31,7 @@ from analysis.evaluation import perplexity  # noqa: E402
 from analysis.masks import plan_mask  # noqa: E402
 from analysis.models import load_model  # noqa: E402
 from analysis.profiles import profile_model  # noqa: E402
-from analysis.scoring import (  # noqa: E402
-    AblationOracle,
-    GradientHeadScorer,
-    HeadGateScorer,
-    HybridScorer,
-    IntegratedGateScorer,
-    MagnitudeScorer,
-    MPGScorer,
-    MPScorer,
-    RandomScorer,
-    SparseGPTHeadScorer,
-    WandaHeadScorer,
-    calibration_ids,
-)
+from analysis.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
 
 SPARSITIES = (0.125, 0.25, 0.5)
@@ -52,23 +39,31 @@ RANDOM_SEEDS = (0, 1, 2)
 
 
 def scorer_rows(args) -> list[tuple[str, object]]:
-    """(row label, scorer) in table order."""
+    """(row label, scorer) in table order: the configured rows below, then every other registered
+    scorer (analysis.scoring.SCORERS) at its defaults, so a new scorer gets a row without editing
+    this script. Random has its own rows (several seeds)."""
     cal = dict(n_sequences=args.n_sequences, seq_len=args.seq_len, batch_size=args.batch_size)
-    return [
-        ("MP-G (z = 1.5)", MPGScorer(z=1.5)),
-        ("MP-G (z = 2.0)", MPGScorer(z=2.0)),
-        ("MP-G (z = 2.5)", MPGScorer(z=2.5)),
-        ("MP (z = 2.0)", MPScorer(z=2.0)),
-        ("Magnitude (L2)", MagnitudeScorer(ord=2)),
-        ("Wanda-Head", WandaHeadScorer(**cal)),
-        ("SparseGPT-Head", SparseGPTHeadScorer(**cal)),
-        ("Gradient-Head", GradientHeadScorer(**cal)),
-        ("Head gate, abs. gradient (Michel)", HeadGateScorer(**cal)),
-        (f"Head gate, integrated ({args.ig_steps} steps)", IntegratedGateScorer(**cal, n_steps=args.ig_steps)),
-        ("Hybrid (Magnitude + MP + Wanda)", HybridScorer(**cal)),
-        (f"Ablation oracle ({args.ablation_sequences} x {args.ablation_seq_len} tokens)",
-         AblationOracle(n_sequences=args.ablation_sequences, seq_len=args.ablation_seq_len)),
+    rows = [
+        ("MP-G (z = 1.5)", "mp-g", dict(z=1.5)),
+        ("MP-G (z = 2.0)", "mp-g", dict(z=2.0)),
+        ("MP-G (z = 2.5)", "mp-g", dict(z=2.5)),
+        ("MP (z = 2.0)", "mp", dict(z=2.0)),
+        ("Magnitude (L2)", "magnitude", dict(ord=2)),
+        ("Wanda-Head", "wanda", cal),
+        ("SparseGPT-Head", "sparsegpt", cal),
+        ("Gradient-Head", "gradient", cal),
+        ("Head gate, abs. gradient (Michel)", "gate", cal),
+        (f"Head gate, integrated ({args.ig_steps} steps)", "gate-ig", dict(cal, n_steps=args.ig_steps)),
+        ("Hybrid (Magnitude + MP + Wanda)", "hybrid", cal),
+        (f"Ablation oracle ({args.ablation_sequences} x {args.ablation_seq_len} tokens)", "ablation",
+         dict(n_sequences=args.ablation_sequences, seq_len=args.ablation_seq_len)),
     ]
+    listed = {name for _, name, _ in rows} | {"random"}
+    for name, cls in SCORERS.items():
+        if name not in listed:
+            accepted = scorer_parameters(name)
+            rows.append((cls.label, name, {k: v for k, v in cal.items() if k in accepted}))
+    return [(label, get_scorer(name, **params)) for label, name, params in rows]
 
 
 def cost_text(scores) -> str:
@@ -108,7 +103,7 @@ def main() -> None:
     for label, scorer in scorer_rows(args):
         print(f"scoring: {label}", file=sys.stderr, flush=True)
         if scorer.needs_calibration:
-            ids = ablation_ids if isinstance(scorer, AblationOracle) else calibration
+            ids = ablation_ids if scorer.name == "ablation" else calibration
             scores = scorer.score(loaded, calibration=ids)
         else:
             scores = scorer.score(profile)
@@ -118,7 +113,7 @@ def main() -> None:
             masks.append(plan_mask(scores, s, group_size=G).pruned)
             emptied[(label, s)] = int(masks[-1].all(axis=1).sum())
     for seed in RANDOM_SEEDS:
-        scores = RandomScorer(seed=seed).score(profile)
+        scores = get_scorer("random", seed=seed).score(profile)
         for s in SPARSITIES:
             labels.append((f"random-{seed}", s))
             masks.append(plan_mask(scores, s, group_size=G).pruned)

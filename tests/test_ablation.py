@@ -10,7 +10,7 @@ from analysis.ablation import FastAblation, ablation_gates, head_ablation, naive
 from analysis.errors import CancelledError, InputError
 from analysis.evaluation import evaluate, token_ids
 from analysis.geometry import HeadGeometry
-from analysis.masking import zero_heads
+from analysis.head_gates import zero_heads
 from analysis.text import evaluation_text
 
 from ._evalkit import tiny_loaded

@@ -72,7 +72,16 @@ def test_occupied_target_needs_overwrite(tiny_dir, out_root):
     assert (out_root / "taken" / "keep.txt").read_text() == "mine"
     at.checkbox(key="hs.w.export.overwrite").check().run()
     at.button(key="export.run").click().run()
-    assert not at.error and (out_root / "taken" / "mask.json").exists()
+    # a folder headscope did not write is never replaced, even with overwrite (issue 11, class 4)
+    assert any("not a headscope export" in e.value for e in at.error)
+    assert (out_root / "taken" / "keep.txt").read_text() == "mine"
+    (out_root / "taken" / "keep.txt").unlink()
+    at.checkbox(key="hs.w.export.overwrite").uncheck().run()
+    at.button(key="export.run").click().run()          # an empty folder is filled
+    first = (out_root / "taken" / "mask.json").read_text()
+    at.checkbox(key="hs.w.export.overwrite").check().run()
+    at.button(key="export.run").click().run()          # and a headscope export is replaced
+    assert not at.error and (out_root / "taken" / "mask.json").read_text() == first
 
 
 def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):

@@ -178,7 +178,7 @@ def test_export_writes_a_pruned_model_that_reloads_and_refuses_to_overwrite(mode
     assert record.pruned().sum() == data["n_pruned"] == 8 and record.sparsity == 0.5
     import torch
 
-    from analysis.masking import gates_from_mask, head_mask
+    from analysis.head_gates import gates_from_mask, head_mask
     from analysis.models import load_model
 
     original = load_model(str(model_dir)).model

@@ -12,7 +12,7 @@ import torch
 from analysis import distill as D
 from analysis.distill import CheckpointError, DistillConfig, distill, mean_kl
 from analysis.errors import CancelledError, InputError, UnsupportedModelError
-from analysis.masking import gates_from_mask, zero_heads
+from analysis.head_gates import gates_from_mask, zero_heads
 from analysis.scoring import Subject
 from analysis.surgery import prune_heads
 from tests._tiny import tiny_config, tiny_input_ids, tiny_model

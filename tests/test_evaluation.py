@@ -14,7 +14,7 @@ from analysis.errors import CancelledError, InputError
 from analysis.evaluation import (CausalPerplexity, EmbeddingFidelity, MaskedChunk, PseudoPerplexity,
                                  causal_windows, evaluate, lowest_scores_mask, perplexity,
                                  sparsity_curve, sparsity_levels)
-from analysis.masking import zero_heads
+from analysis.head_gates import zero_heads
 from analysis.text import evaluation_text
 
 from ._evalkit import hf_loop_perplexity, reference_pseudo_perplexity, tiny_loaded

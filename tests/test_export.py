@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import analysis.export as export_mod
-from analysis.adapters import SURGERY, adapter_for
+from analysis.adapters import adapter_for
 from analysis.errors import HeadscopeError, InputError, ModelLoadError, UnsupportedModelError
 from analysis.export import (ExportError, atomic_folder, export, export_onnx, export_pruned, export_stock,
                              export_zeroed, load_pruned, mask_from_json, mask_record, read_mask_json,
                              resolve_under)
-from analysis.masking import gates_from_mask, head_mask
+from analysis.head_gates import gates_from_mask, head_mask
 from analysis.masks import plan_mask
+from analysis.resize import SURGERY
 from tests._tiny import FAMILIES, TINY_SPECS, tiny_config, tiny_input_ids, tiny_model
 from tests.test_surgery import surgery_masks
 
@@ -260,8 +261,15 @@ def test_existing_target_is_not_overwritten_unless_asked(tmp_path):
         export_pruned(model, _hard_mask("gpt2"), target)
     assert (target / "keep.txt").read_text() == "precious"
     assert _no_leftovers(tmp_path) == []
+    # overwrite replaces only a headscope export: a folder of user files is never deleted (issue 11, class 4)
+    with pytest.raises(ExportError, match="not a headscope export"):
+        export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
+    assert (target / "keep.txt").read_text() == "precious"
+    assert _no_leftovers(tmp_path) == []
+    (target / "keep.txt").unlink()
+    export_zeroed(model, _hard_mask("gpt2"), target)
     export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
-    assert not (target / "keep.txt").exists() and (target / "head_layout.json").exists()
+    assert not (target / "model.safetensors.index.json").exists() and (target / "head_layout.json").exists()
     assert _no_leftovers(tmp_path) == []
     empty = tmp_path / "empty"
     empty.mkdir()

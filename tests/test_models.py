@@ -189,7 +189,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path):
         raise KeyboardInterrupt  # Ctrl-C in the middle of writing
 
     with pytest.raises(KeyboardInterrupt):
-        M._cached_builtin(builtin, tmp_path, {"source": "x"}, M._no_progress, killed)
+        M._cached_builtin(builtin, tmp_path, {"source": "x"}, M.no_progress, killed)
     assert list((tmp_path / "models").iterdir()) == []
 
 
@@ -201,11 +201,11 @@ def test_conversion_runs_once_and_reruns_when_the_source_changes(tmp_path):
         calls.append(dest)
         (dest / "weights").write_text(f"conversion {len(calls)}")
 
-    first = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M._no_progress, convert)
-    again = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M._no_progress, convert)
+    first = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M.no_progress, convert)
+    again = M._cached_builtin(builtin, tmp_path, {"source": "a"}, M.no_progress, convert)
     assert first == again == tmp_path / "models" / "smollm2-135m" and len(calls) == 1
     assert (first / "weights").read_text() == "conversion 1"
-    M._cached_builtin(builtin, tmp_path, {"source": "b"}, M._no_progress, convert)
+    M._cached_builtin(builtin, tmp_path, {"source": "b"}, M.no_progress, convert)
     assert len(calls) == 2 and (first / "weights").read_text() == "conversion 2"
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["smollm2-135m"]
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from analysis.errors import InputError, UnsupportedModelError
-from analysis.masking import head_mask
+from analysis.head_gates import head_mask
 from analysis.profiles import profile_model
 from analysis.scoring import (
     SCORERS,

@@ -1,6 +1,6 @@
 """Surgery: the physically pruned copy computes what the masked model computes, for every family.
 
-Oracle: `analysis.masking.head_mask` with the same mask (itself tested == zeroed weights). Masks
+Oracle: `analysis.head_gates.head_mask` with the same mask (itself tested == zeroed weights). Masks
 include uneven GQA groups (K/V expanded), emptied groups, emptied layers and random masks.
 """
 import copy
@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from analysis.adapters import HeadWeights, adapter_for
 from analysis.errors import InputError, UnsupportedModelError
 from analysis.geometry import HeadGeometry
-from analysis.masking import gates_from_mask, head_mask
+from analysis.head_gates import gates_from_mask, head_mask
 from analysis.surgery import HeadLayout, prune_heads, select_heads
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
 

@@ -1,4 +1,4 @@
-"""Masking: hook gates == zeroed weights, for every family; batching; hook hygiene."""
+"""Head gates (analysis.head_gates): hook gates == zeroed weights, for every family; batching; hook hygiene."""
 import copy
 import zlib
 
@@ -8,7 +8,7 @@ import torch
 
 from analysis.adapters import adapter_for
 from analysis.errors import InputError
-from analysis.masking import gates_from_mask, head_mask, kv_groups_emptied, zero_heads
+from analysis.head_gates import gates_from_mask, head_mask, kv_groups_emptied, zero_heads
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
 
 

@@ -1,4 +1,6 @@
-"""Head masking: the one mechanism that turns heads off, for every architecture.
+"""Head gates (torch hooks): the one mechanism that turns heads off, for every architecture.
+
+(`analysis.masks` plans *which* heads to prune, in numpy; this module applies a plan to a model.)
 
 A forward pre-hook on each layer's attention output projection multiplies head h's slice
 (columns h*d .. (h+1)*d - 1 of O's input) by gate[l, h]. Gate 0 computes exactly the function

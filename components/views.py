@@ -1,0 +1,43 @@
+"""Page logic shared by several pages: the mask of the current view.
+
+Pages are thin (widgets, cached calls, render); what two pages must compute the same way lives
+here, on top of `cache` (cached calls), `controls` (scorer defaults and labels) and `state`.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+from analysis import masks, scoring
+
+from . import cache, controls, state
+from .errors import show_exception
+
+
+def view_mask(lm):
+    """The mask of the current view (scorer, z, sparsity; parameters and policy from the Prune page
+    when they were set there for this model and scorer, else the scorer's defaults).
+
+    Returns (head_scores, plan, params, policy), or None after showing why there is no mask."""
+    scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
+    cls = scoring.SCORERS.get(scorer)
+    if cls is None:
+        st.error(f"Unknown scorer {scorer!r}; pick one on the Prune page.")
+        return None
+    settings = state.mask_settings(lm.name, scorer)
+    params, policy = settings if settings else (controls.default_params(scorer, z), dict(policy="global"))
+    if "z" in params:
+        params["z"] = z
+    key = cache.params_key(params)
+    if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
+        st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
+        return None
+    head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
+                                    label=f"Scoring with {controls.label(scorer)}")
+    if head_scores is None:
+        return None
+    try:
+        plan = masks.plan_mask(head_scores, sparsity, group_size=lm.geometry.group_size, **policy)
+    except Exception as err:  # noqa: BLE001
+        show_exception(err, "Building the mask")
+        return None
+    return head_scores, plan, params, policy
