@@ -5,17 +5,10 @@ import json
 import pytest
 import torch
 
-from tests._apptools import downloads, fresh_caches, new_app, no_exception, tiny_dir  # noqa: F401
+from tests._apptools import downloads, fresh_caches, new_app, no_exception, out_root, tiny_dir  # noqa: F401
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
-
-
-@pytest.fixture
-def out_root(tmp_path, monkeypatch):
-    root = tmp_path / "exports"
-    monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(root))
-    return root
 
 
 def _settings(at, **values):
