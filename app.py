@@ -12,6 +12,7 @@ from components import shell, state
 OTHER = "other"
 PAGES = {
     "model": dict(path="pages/model.py", title="Model", icon=":material/memory:"),
+    "walkthrough": dict(path="pages/walkthrough.py", title="Walkthrough", icon=":material/school:"),
     "profiles": dict(path="pages/profiles.py", title="Profiles", icon=":material/bar_chart:"),
     "prune": dict(path="pages/prune.py", title="Prune", icon=":material/content_cut:"),
     "compare": dict(path="pages/compare.py", title="Compare", icon=":material/compare_arrows:"),

@@ -6,7 +6,9 @@ Every builder takes results that `analysis/` computed and only draws them:
 - `norm_histogram`: one population's row norms with the mean and mean + z*std lines and the
   outlier rows marked;
 - `head_bars`: one value per head of a layer (e.g. the per-head excess);
-- `curves`: lines such as perplexity vs sparsity, one per scorer.
+- `curves`: lines such as perplexity vs sparsity, one per scorer;
+- `head_slices`: W_Q, W_K, W_V, W_O drawn to scale with one head's slices (and its KV group's) marked;
+- `head_rows`: one head's row norms beside the rest of their populations, with each tau.
 """
 from __future__ import annotations
 
@@ -180,3 +182,100 @@ def category_heatmap(labels: np.ndarray, categories: list[str], strengths: np.nd
     fig.update_layout(title=title)
     _group_lines(fig, n_layers, n_heads, group_size)
     return _axes(fig, n_layers, n_heads)
+
+
+SLICE_COLOR = "#c0392b"       # the head's own slices
+GROUP_COLOR = "#f5b7b1"       # the other query heads of its KV group
+MATRIX_COLOR = "#eef2f7"
+
+
+def _slice_rect(fig: go.Figure, x0: float, x1: float, y0: float, y1: float, color: str) -> None:
+    fig.add_shape(type="rect", x0=x0, x1=x1, y0=y0, y1=y1, line=dict(width=0), fillcolor=color)
+
+
+def head_slices(*, n_heads: int, n_kv_heads: int, head_dim: int, hidden: int, head: int) -> go.Figure:
+    """W_Q [H*d, D], W_K and W_V [Hkv*d, D], W_O [D, H*d] side by side, to scale ([out, in] as
+    nn.Linear stores them). Marked: head h's Q rows h*d..(h+1)*d-1 and O columns in the same range,
+    and its KV group g = h // G's K/V rows g*d..(g+1)*d-1; the group's other query heads lighter.
+    One hover marker per marked slice names its index range."""
+    H, Hkv, d, D = int(n_heads), int(n_kv_heads), int(head_dim), int(hidden)
+    G = H // Hkv
+    g = head // G
+    gap = 0.12 * max(D, H * d)
+    # name -> (rows, cols, own slice (axis, start, stop), group slice or None)
+    mats = {
+        "W_Q": (H * d, D, ("rows", head * d, (head + 1) * d), ("rows", g * G * d, (g + 1) * G * d)),
+        "W_K": (Hkv * d, D, ("rows", g * d, (g + 1) * d), None),
+        "W_V": (Hkv * d, D, ("rows", g * d, (g + 1) * d), None),
+        "W_O": (D, H * d, ("columns", head * d, (head + 1) * d), ("columns", g * G * d, (g + 1) * G * d)),
+    }
+    fig = go.Figure()
+    hover_x, hover_y, hover_text = [], [], []
+    x = 0.0
+    for name, (rows, cols, own, group) in mats.items():
+        fig.add_shape(type="rect", x0=x, x1=x + cols, y0=0, y1=rows, fillcolor=MATRIX_COLOR,
+                      line=dict(color="#7f8c8d", width=1))
+        for part, color in ((group, GROUP_COLOR), (own, SLICE_COLOR)):
+            if part is None or (part is group and G == 1):
+                continue
+            axis, lo, hi = part
+            if axis == "rows":
+                _slice_rect(fig, x, x + cols, lo, hi, color)
+                cx, cy = x + cols / 2, (lo + hi) / 2
+            else:
+                _slice_rect(fig, x + lo, x + hi, 0, rows, color)
+                cx, cy = x + (lo + hi) / 2, rows / 2
+            if part is own:
+                hover_x.append(cx)
+                hover_y.append(cy)
+                who = f"head {head}" if name in ("W_Q", "W_O") else f"KV group {g}"
+                hover_text.append(f"{name} {axis} {lo}..{hi - 1} ({who})")
+        fig.add_annotation(x=x + cols / 2, y=-0.04 * max(D, H * d), text=f"<b>{name}</b> [{rows} x {cols}]",
+                           showarrow=False, yanchor="bottom")
+        x += cols + gap
+    fig.add_trace(go.Scatter(x=hover_x, y=hover_y, mode="markers", text=hover_text, name="slices",
+                             marker=dict(color=SLICE_COLOR, size=6, symbol="diamond"),
+                             hovertemplate="%{text}<extra></extra>", showlegend=False))
+    top = max(D, H * d, Hkv * d)
+    fig.update_xaxes(visible=False, range=[-gap / 4, x - gap * 0.75])
+    fig.update_yaxes(visible=False, range=[top * 1.02, -0.12 * top], scaleanchor="x")
+    extra = f"; lighter: the other {G - 1} query heads of KV group {g}" if G > 1 else ""
+    fig.update_layout(title=f"Query head {head}: its slices of the four projections (red{extra})",
+                      height=300, margin=dict(l=10, r=10, t=50, b=10), plot_bgcolor="white")
+    return fig
+
+
+def head_rows(population: dict[str, np.ndarray], picked: dict[str, int], taus: dict[str, float], *,
+              title: str) -> go.Figure:
+    """Row norms of one layer, one column per projection: every row of the population
+    population[p] [units, d] in grey, the picked unit's d rows (picked[p]: the head for Q/O, its KV
+    group for K/V) in red, and that population's tau as a short orange line."""
+    fig = go.Figure()
+    names = list(population)
+    rest_x, rest_y, own_x, own_y, own_text, tau_x, tau_y = [], [], [], [], [], [], []
+    for i, p in enumerate(names):
+        rows = np.asarray(population[p], dtype=float)                      # [units, d]
+        units, d = rows.shape
+        spread = np.linspace(-0.3, 0.3, rows.size).reshape(units, d)       # [units, d] fixed jitter
+        mine = np.zeros((units, d), dtype=bool)                            # [units, d]
+        mine[picked[p]] = True
+        rest_x += (i + spread[~mine]).tolist()
+        rest_y += rows[~mine].tolist()
+        own_x += (i + spread[mine]).tolist()
+        own_y += rows[mine].tolist()
+        own_text += [f"{p.upper()} {'head' if p in ('q', 'o') else 'KV group'} {picked[p]}, row {j}"
+                     for j in range(d)]
+        tau_x += [i - 0.4, i + 0.4, None]
+        tau_y += [taus[p], taus[p], None]
+    fig.add_trace(go.Scatter(x=rest_x, y=rest_y, mode="markers", name="other rows of the population",
+                             marker=dict(color="#b0bec5", size=4), hovertemplate="norm %{y:.4g}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=own_x, y=own_y, mode="markers", name="this head's rows", text=own_text,
+                             marker=dict(color=SLICE_COLOR, size=7),
+                             hovertemplate="%{text}<br>norm %{y:.4g}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=tau_x, y=tau_y, mode="lines", name="tau = mean + z·std",
+                             line=dict(color=TAU_COLOR, width=3), hovertemplate="tau %{y:.4g}<extra></extra>"))
+    fig.update_xaxes(tickmode="array", tickvals=list(range(len(names))), ticktext=[p.upper() for p in names],
+                     range=[-0.6, len(names) - 0.4])
+    fig.update_layout(title=title, height=360, yaxis_title="row norm", margin=dict(l=50, r=20, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.15))
+    return fig

@@ -1,7 +1,8 @@
 """Teaching text, folded away by default: what each page shows and why (docs/DEFINITIONS.md).
 
-Each function renders one `st.expander` (collapsed). Numbers passed in are results computed by
-`analysis/` (means, stds, thresholds); this module only formats them into the formulas.
+Each function renders one `st.expander` (collapsed), except the `walk_*` functions: the
+Walkthrough page's own text, shown open. Numbers passed in are results computed by `analysis/`
+(means, stds, thresholds, excesses, scores, layout counts); this module only formats them.
 """
 from __future__ import annotations
 
@@ -163,3 +164,140 @@ def export() -> None:
   kept heads (per-layer head counts), and it gives the same outputs as the masked model.
   Removing heads shrinks the attention parameters and FLOPs; the MLPs are untouched.
 """)
+
+
+# -- the Walkthrough page (visible text, not folded) -------------------------------------------
+
+def num(x: float) -> str:
+    """A worked number as the walkthrough prints it (6 significant digits)."""
+    return f"{float(x):.6g}"
+
+
+def walk_intro() -> None:
+    st.markdown("""
+This page follows **one real attention head** of the loaded model from its weights to its score,
+and from scores to a smaller exported model. Every number is computed from the model's weights
+by the same code the other pages use; move z and the numbers follow.
+""")
+
+
+def walk_head(*, layer: int, head: int, n_heads: int, n_kv_heads: int, head_dim: int, hidden: int) -> None:
+    G = n_heads // n_kv_heads
+    g = head // G
+    d = head_dim
+    if G == 1:
+        kv = (f"Every query head has its own key/value head (multi-head attention, G = 1): head {head} "
+              f"also owns rows {head * d}…{(head + 1) * d - 1} of W_K and W_V.")
+    else:
+        kv = (f"Here G = H / H_kv = {n_heads} / {n_kv_heads} = **{G}** query heads share one key/value "
+              f"head (grouped-query attention): head {head} belongs to **KV group {g} = {head} // {G}**, "
+              f"whose rows {g * d}…{(g + 1) * d - 1} of W_K and W_V it shares with heads "
+              f"{g * G}…{(g + 1) * G - 1}.")
+    st.markdown(f"""
+An attention layer has four projections, stored as `[out, in]` matrices. A **head** is a slice of
+them, d = {d} wide: query head **{head}** of layer {layer} reads the residual stream (D = {hidden})
+through **rows {head * d}…{(head + 1) * d - 1} of W_Q**, and writes its result back through the same
+**columns of W_O**. {kv}
+
+Pruning the head removes exactly those slices: its Q rows and O columns always, its K/V rows
+only when no query head of its group is left.
+""")
+
+
+def walk_score(*, z: float, layer: int, head: int, group: int, G: int, taus: dict, excess: dict,
+               rows_over: dict, head_dim: int, own: float, e_kv: float, mp: float, mpg: float) -> None:
+    """taus, excess (the slice's summed excess), rows_over (its rows above tau): per projection."""
+    lines = "\n".join(
+        f"| {p.upper()} | {who} | {num(taus[p])} | {rows_over[p]} of {head_dim} | {num(excess[p])} |"
+        for p, who in (("q", f"head {head}"), ("o", f"head {head}"), ("k", f"group {group}"),
+                       ("v", f"group {group}")))
+    st.markdown(f"""
+Each row norm nᵢ is compared with the threshold of its population (the same projection's rows in
+layer {layer}): **τ = mean(n) + z · std(n)** with z = **{z:g}**. Only the part above τ counts:
+eᵢ = max(0, nᵢ − τ).
+
+| projection | slice | τ | rows above τ | summed excess |
+| --- | --- | --- | --- | --- |
+{lines}
+
+Own part (Q + O) = **{num(own)}**; KV group part E_kv (K + V) = **{num(e_kv)}**.
+
+- **MP**: S = own + E_kv = {num(own)} + {num(e_kv)} = **{num(mp)}**
+- **MP-G**: S = own + E_kv / G = {num(own)} + {num(e_kv)} / {G} = **{num(mpg)}**
+
+A score of 0 means the head has no row above τ: it is "in the bulk", and the tie-break (its plain
+magnitude) decides where it goes among the other zero-score heads.
+""")
+
+
+def walk_mpg(*, G: int, head: int, group: int, e_kv: float, heads: list, own: list, mp: list, mpg: list) -> None:
+    """heads: the query heads of `group`; own, mp, mpg: their numbers (same order)."""
+    if G == 1:
+        st.markdown(f"""
+This model is **multi-head (G = 1)**: each head has its own K/V rows, so dividing by G changes
+nothing and **MP-G equals MP exactly** (here {num(mp[0])} = {num(mpg[0])}). The difference matters
+only for grouped-query models such as SmolLM2.
+""")
+        return
+    rows = "\n".join(f"| {h}{' (this one)' if h == head else ''} | {num(o)} | {num(a)} | {num(b)} |"
+                      for h, o, a, b in zip(heads, own, mp, mpg))
+    st.markdown(f"""
+KV group {group}'s K and V rows (excess E_kv = {num(e_kv)}) are shared by {G} query heads. Plain MP
+adds all of E_kv to *each* of them, so together they count it {G} times ({G} × {num(e_kv)} =
+{num(G * e_kv)}), and one outlier K/V row makes all {G} heads look important. Yet pruning one of
+them removes no K/V row at all: the rows go only when all {G} are pruned. MP-G gives each head its
+share, E_kv / G = {num(e_kv / G)}, so the group's K/V excess is counted once in total.
+
+| query head | own (Q + O) | MP | MP-G |
+| --- | --- | --- | --- |
+{rows}
+""")
+
+
+def walk_uneven(*, G: int, n_kv_heads: int) -> bool:
+    """Text before the worked count; returns False when the model has no uneven masks (MHA, MQA)."""
+    if G == 1:
+        st.markdown("""
+This model is multi-head (G = 1): every head takes its own K/V rows with it, so a mask never
+leaves a KV head half used and surgery never copies anything. On a grouped-query model
+(SmolLM2, for one) this section works through the count.
+""")
+        return False
+    if n_kv_heads == 1:
+        st.markdown(f"""
+This model is multi-query (one K/V head for all {G} query heads): K and V stay as long as any
+head is left, and no mask can split the heads unevenly over groups.
+""")
+        return False
+    st.markdown(f"""
+Hugging Face's grouped attention (`repeat_kv`) needs **the same number of query heads in every KV
+group** of a layer. A mask that keeps, say, 2 + 1 + 0 heads of three groups cannot be written
+that way, so surgery gives **each kept query head its own copy** of its group's K/V rows (G' = 1).
+The group that lost all its heads does lose its K/V, but the copies can cost more than that saves.
+Counted by the surgery planner for one layer of this model (d = head_dim, D = hidden; O's bias is
+shared and kept):
+""")
+    return True
+
+
+def walk_uneven_counts(rows: list[dict]) -> None:
+    """One sentence per layout that copies K/V, from the rows of the worked count table (the first
+    row is the dense layer): what it keeps and how its parameters compare with the dense layer."""
+    dense = rows[0]
+    lines = [f"- **{r['pattern']}** keeps {r['query heads']} query heads but **{r['KV heads after surgery']} KV "
+             f"heads** (copies) against {dense['KV heads after surgery']} in the dense layer: "
+             + (f"**{r['attention params'] - dense['attention params']:+,} parameters, bigger than the dense "
+                f"layer**." if r["attention params"] > dense["attention params"] else
+                f"{r['attention params'] - dense['attention params']:+,} parameters.")
+             for r in rows[1:] if r["K/V copied per query head"] == "yes"]
+    st.markdown("\n".join(lines))
+
+
+WALK_STEPS = (
+    ("profiles", "Profiles", "See every row norm and τ: the raw material of the score."),
+    ("prune", "Prune", "Pick the scorer, z and sparsity: the heads are ranked and the mask is drawn live."),
+    ("prune", "Prune: Check this mask", "Measure the masked model's perplexity against the dense one."),
+    ("compare", "Compare", "Set the scorers side by side: overlap of their masks, perplexity vs sparsity."),
+    ("heads", "Heads", "Check the scores against reality: the loss change when each head alone is removed."),
+    ("export", "Export", "Write the mask, a zeroed model or a physically smaller one."),
+)

@@ -9,6 +9,7 @@ pages, the keyboard on sliders, the Stop button on long work.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, needs_chromium()]
 # page -> (sidebar title, url path, the view sliders it shows: label text -> view field)
 PAGES = {
     "model": ("Model", "", {}),
+    "walkthrough": ("Walkthrough", "walkthrough", {"Threshold z": "z"}),
     "profiles": ("Profiles", "profiles", {"Threshold z": "z"}),
     "prune": ("Prune", "prune", {"Threshold z": "z", "Sparsity": "sparsity"}),
     "compare": ("Compare", "compare", {"Threshold z": "z", "Sparsity": "sparsity"}),
@@ -154,9 +156,9 @@ def test_export_journey(server, page, export_root):
     page.goto(f"{server}/export?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.1")
     _arrive(page, "export")
     root_box = page.get_by_role("textbox", name="Export root: every export becomes a folder in here")
-    assert root_box.input_value() == str(export_root)
+    expect(root_box).to_have_value(str(export_root), timeout=30_000)   # waits for the widget's first value
     name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
-    assert name_box.input_value().endswith("-zeroed")
+    expect(name_box).to_have_value(re.compile(r"-zeroed$"), timeout=30_000)
     page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
     page.get_by_role("option", name="pruned:").click()
     _settled(page)
