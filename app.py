@@ -18,6 +18,7 @@ PAGES = {
     "compare": dict(path="pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     "heads": dict(path="pages/heads.py", title="Heads", icon=":material/grid_view:"),
     "export": dict(path="pages/export.py", title="Export", icon=":material/download:"),
+    "pipeline": dict(path="pages/pipeline.py", title="Pipeline", icon=":material/autorenew:"),
 }
 
 

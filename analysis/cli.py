@@ -6,6 +6,7 @@ Commands built in here:
     sweep   MP / MP-G metric vs z at a fixed sparsity     (CSV: one row per z)
     evaluate  perplexity (or the kind's metric) dense and under the mask
     export  the pruned model in one of four formats, plus mask.json
+    pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/pipeline.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
@@ -499,6 +500,20 @@ register("sweep", "MP / MP-G metric vs z at a fixed sparsity", _sweep_arguments,
 register("evaluate", "the model's metric dense and under the mask", _evaluate_arguments, run_evaluate)
 register("export", "write the pruned model (zeroed, pruned, stock or onnx) and mask.json", _export_arguments,
          run_export)
+
+
+def _pipeline_arguments(parser):
+    from analysis.pipeline import cli_arguments
+    cli_arguments(parser)
+
+
+def run_pipeline_command(ns):
+    from analysis.pipeline import run_cli
+    return run_cli(ns)
+
+
+register("pipeline", "iterative prune -> distill -> INT8, with a compression report and the final exports",
+         _pipeline_arguments, run_pipeline_command)
 
 
 # ---------------------------------------------------------------------------------------------

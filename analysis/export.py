@@ -522,11 +522,11 @@ def export_zeroed(model: nn.Module, pruned, target, *, record: MaskRecord | None
 
 
 def export_pruned(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
-                  kv_policy: str = "auto", overwrite: bool = False,
+                  kv_policy: str = "auto", rounds=None, overwrite: bool = False,
                   progress: Progress | None = None) -> ExportResult:
     """The physically pruned model + head_layout.json (+ mask.json); load with `load_pruned`."""
     record = _default_record(model, pruned, record)
-    smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy)
+    smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
 
     def write(tmp: Path):
         _save_pruned(smaller, tmp)
@@ -624,11 +624,11 @@ def stock_check(model_or_config, pruned, *, kv_policy: str = "auto", sparsity: f
 
 
 def export_stock(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
-                 kv_policy: str = "auto", overwrite: bool = False,
+                 kv_policy: str = "auto", rounds=None, overwrite: bool = False,
                  progress: Progress | None = None) -> ExportResult:
     """A uniform-per-layer pruned checkpoint that stock `from_pretrained` loads (no custom code)."""
     record = _default_record(model, pruned, record)
-    smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy)
+    smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
     config = stock_config_for(model, layout)
 
     def write(tmp: Path):
@@ -693,11 +693,11 @@ def write_onnx(model: nn.Module, path: Path, *, opset: int = 17) -> str:
 
 
 def export_onnx(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
-                kv_policy: str = "auto", overwrite: bool = False, opset: int = 17,
+                kv_policy: str = "auto", rounds=None, overwrite: bool = False, opset: int = 17,
                 progress: Progress | None = None) -> ExportResult:
     """model.onnx of the physically pruned model (+ head_layout.json, mask.json, config.json)."""
     record = _default_record(model, pruned, record)
-    smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy)
+    smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
 
     def write(tmp: Path):
         write_onnx(smaller, tmp / ONNX_FILE, opset=opset)

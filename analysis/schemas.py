@@ -75,6 +75,9 @@ LAYOUT_SCHEMA = {
         "head_dim": _count(MAX_HEAD_DIM),
         "heads": _index_lists(MAX_HEADS, MAX_LAYERS), "kv_heads": _index_lists(MAX_HEADS, MAX_LAYERS),
         "kv_policy": {"type": "string", "maxLength": 64}, "format": {"type": "integer", "minimum": 1},
+        "rounds": {"type": ["array", "null"], "maxItems": MAX_LAYERS,   # [L][H] pipeline round per head, 0 = kept
+                   "items": {"type": "array", "maxItems": MAX_HEADS,
+                             "items": {"type": "integer", "minimum": 0, "maximum": MAX_HEADS * MAX_LAYERS}}},
     },
 }
 

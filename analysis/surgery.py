@@ -54,6 +54,7 @@ class HeadLayout:
     kv_heads: list[list[int]]        # [L][H_kv'_l]
     kv_policy: str = "auto"
     format: int = field(default=LAYOUT_FORMAT)
+    rounds: list[list[int]] | None = None   # [L][H] round of an iterative run that pruned each head (0 = kept)
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -125,7 +126,8 @@ class HeadLayout:
         layout = cls(model_type=data["model_type"], n_heads=data["n_heads"], n_kv_heads=data["n_kv_heads"],
                      head_dim=data["head_dim"], heads=[list(row) for row in data["heads"]],
                      kv_heads=[list(row) for row in data["kv_heads"]], kv_policy=data.get("kv_policy", "auto"),
-                     format=data.get("format", LAYOUT_FORMAT))
+                     format=data.get("format", LAYOUT_FORMAT),
+                     rounds=None if data.get("rounds") is None else [list(row) for row in data["rounds"]])
         layout.validate()
         return layout
 
@@ -149,6 +151,11 @@ class HeadLayout:
             if not ok:
                 raise InputError(f"head_layout.json: layer {layer} is inconsistent (heads {heads}, KV heads "
                                  f"{kv}); export the pruned model again.")
+
+        if self.rounds is not None and (np.asarray(self.rounds).shape != (self.n_layers, self.n_heads)
+                                        or not np.array_equal(np.asarray(self.rounds) > 0, self.pruned_mask())
+                                        or np.asarray(self.rounds).min() < 0):
+            raise InputError("head_layout.json: the rounds table does not match the pruned heads; export again.")
 
     def _group(self, head: int) -> int:
         return head // self.group_size
@@ -219,14 +226,18 @@ def predicted_counts(model: nn.Module, pruned, *, kv_policy: str = "auto", seq_l
 
 
 def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,
-                kv_policy: str = "auto") -> tuple[nn.Module, HeadLayout]:
+                kv_policy: str = "auto", rounds=None) -> tuple[nn.Module, HeadLayout]:
     """A physically smaller deep copy of `model` without the heads where pruned [L, H] is True.
 
     The copy computes what `head_mask(model, 1 - pruned)` computes; `model` is not changed.
-    Returns (pruned_model, layout)."""
+    rounds: optional int [L, H], the round of an iterative run that pruned each head (0 = kept),
+    recorded in the layout. Returns (pruned_model, layout)."""
     adapter = adapter or adapter_for(model)
     resize.surgery_spec(adapter)
     geometry = adapter.geometry(model)
     layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
+    if rounds is not None:
+        layout.rounds = np.asarray(rounds, dtype=np.int64).tolist()
+        layout.validate()
     twin = copy.deepcopy(model)
     return apply_layout(twin, layout, adapter=adapter), layout

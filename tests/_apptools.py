@@ -161,6 +161,14 @@ def no_exception(at) -> None:
 
 
 @pytest.fixture
+def out_root(tmp_path, monkeypatch):
+    """The app's export root, in this test's temporary folder ($HEADSCOPE_EXPORT_ROOT)."""
+    root = tmp_path / "exports"
+    monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(root))
+    return root
+
+
+@pytest.fixture
 def downloads(monkeypatch) -> dict:
     """{file_name: bytes} of every st.download_button the app renders (captured as it is added)."""
     from streamlit.runtime.media_file_manager import MediaFileManager

@@ -6,16 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests._apptools import downloads, figure_titled, fresh_caches, new_app, no_exception, tiny_dir  # noqa: F401
+from tests._apptools import (downloads, figure_titled, fresh_caches, new_app, no_exception, out_root,  # noqa: F401
+                             tiny_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
-
-
-@pytest.fixture
-def out_root(tmp_path, monkeypatch):
-    root = tmp_path / "exports"
-    monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(root))
-    return root
 
 
 def _shown_mask(at):

@@ -1,8 +1,8 @@
 """Journeys through the app in a real headless Chromium, the way people use it: the sidebar to switch
 pages, the keyboard on sliders, the Stop button on long work.
 
-- Every ordered pair of pages keeps the view (model, scorer, z, sparsity): one walk over all 42
-  ordered pairs of the seven pages (an Euler circuit of the complete directed graph), checking the
+- Every ordered pair of pages keeps the view (model, scorer, z, sparsity): one walk over all 56
+  ordered pairs of the eight pages (an Euler circuit of the complete directed graph), checking the
   URL and every slider that shows a view value on each arrival. AppTest cannot see this: it keeps
   widget keys a real browser drops on a page switch.
 - Stop on a long job leaves a usable page that says "Stopped".
@@ -28,6 +28,7 @@ PAGES = {
     "compare": ("Compare", "compare", {"Threshold z": "z", "Sparsity": "sparsity"}),
     "heads": ("Heads", "heads", {}),
     "export": ("Export", "export", {}),
+    "pipeline": ("Pipeline", "pipeline", {}),
 }
 VIEW = {"model": "smollm2-135m", "scorer": "magnitude", "z": "2.35", "sparsity": "0.4"}  # none a default
 

@@ -1,0 +1,49 @@
+"""The `pipeline` CLI command on a tiny local model: report files, exports (INT8 included), JSON
+payload; bad input exits 2 with one line."""
+import json
+
+import pytest
+import torch
+
+from analysis.cli import main
+from tests._tiny import tiny_model
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(smollm2, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", vocab_size=len(smollm2.tokenizer), num_hidden_layers=4)
+    model.save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_pipeline_command_writes_report_and_exports(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "runs"
+    code = main(["pipeline", "--model", str(tiny_folder), "--target", "0.5", "--step", "0.25",
+                 "--recovery-steps", "2", "--train-batch", "2", "--train-seq-len", "16", "--lr", "1e-3",
+                 "--eval-tokens", "64", "--formats", "pruned,onnx", "--out-dir", str(out), "--name", "run1",
+                 "--quiet"])
+    assert code == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["n_pruned"] == 8
+    assert [s["stage"] for s in payload["stages"]][0] == "dense" and payload["stages"][-1]["stage"].startswith("INT8")
+    run = out / "run1"
+    assert sorted(p.name for p in run.iterdir()) == ["onnx", "onnx-int8", "pruned", "report"]
+    assert sorted(p.name for p in (run / "report").iterdir()) == ["ppl_vs_sparsity.png", "report.json", "report.md"]
+    layout = json.loads((run / "pruned" / "head_layout.json").read_text())
+    assert sorted({r for row in layout["rounds"] for r in row}) == [0, 1, 2]
+
+
+def test_pipeline_command_bad_input(tiny_folder, tmp_path, capsys):
+    code = main(["pipeline", "--model", str(tiny_folder), "--budget", "1.0", "--eval-tokens", "64",
+                 "--out-dir", str(tmp_path), "--name", "x", "--quiet", "--no-int8", "--formats", "pruned"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: ") and "dense" in err[-1]
+    code = main(["pipeline", "--model", str(tiny_folder), "--formats", "gguf", "--out-dir", str(tmp_path),
+                 "--name", "y", "--quiet"])
+    assert code == 2 and "Unknown export format" in capsys.readouterr().err
+    code = main(["pipeline", "--model", str(tiny_folder), "--out-dir", str(tmp_path), "--name", "../escape",
+                 "--quiet"])
+    assert code == 2 and "outside the output folder" in capsys.readouterr().err

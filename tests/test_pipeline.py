@@ -1,0 +1,147 @@
+"""The iterative schedule (analysis/pipeline.py): exact target counts, rounds recorded in the head
+layout, every round's model reloads from every export format equal to itself, the budget rule."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.distill import DistillConfig
+from analysis.errors import InputError
+from analysis.export import FORMATS, LAYOUT_FILE, ONNX_FILE, load_pruned
+from analysis.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
+from analysis.surgery import prune_heads
+from tests._evalkit import tiny_loaded
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
+
+SMALL_DISTILL = DistillConfig(lr=1e-3, batch_size=2, seq_len=16, max_sequences=8)
+IDS = torch.randint(10, 1000, (4, 16), generator=torch.Generator().manual_seed(0))   # [4, 16]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+def _loaded(tokenizer, **overrides):
+    return tiny_loaded("llama", tokenizer, "causal-lm", **overrides)
+
+
+def test_round_counts():
+    assert round_counts(0.5, 0.2, 16) == [3, 6, 8]
+    assert round_counts(0.25, 0.25, 270) == [67]
+    assert round_counts(0.25, 0.1, 270) == [27, 54, 67]
+
+
+def test_prunes_exactly_the_target_and_layout_records_rounds(tokenizer):
+    loaded = _loaded(tokenizer, num_hidden_layers=4)                    # 16 heads
+    dense_state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=2, distill=SMALL_DISTILL, eval_tokens=64)
+    steps = []
+    result = run_pipeline(loaded, cfg, train_data=IDS, on_step=steps.append)
+    assert [r.n_pruned for r in result.rounds] == [3, 6, 8]
+    assert int(result.pruned.sum()) == 8 == int(np.floor(0.5 * 16))
+    assert [int((result.head_rounds == r).sum()) for r in (1, 2, 3)] == [3, 3, 2]
+    assert np.array_equal(result.head_rounds > 0, result.pruned)
+    for r in result.rounds:                                             # new heads match the table
+        assert all(result.head_rounds[l, h] == r.index for l, h in r.new_heads)
+    assert [s["round"] for s in steps] == [1, 1, 2, 2, 3, 3]
+    _, layout = result.smaller()
+    assert layout.rounds == result.head_rounds.tolist()
+    assert all(torch.equal(v, loaded.model.state_dict()[k]) for k, v in dense_state.items())  # cached model untouched
+
+
+def test_one_shot_is_one_round_without_recovery(tokenizer):
+    loaded = _loaded(tokenizer, num_hidden_layers=4)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=3, distill=SMALL_DISTILL, eval_tokens=64)
+    result = run_pipeline(loaded, cfg.one_shot(), train_data=IDS)
+    assert len(result.rounds) == 1 and result.rounds[0].history == []
+    assert result.rounds[0].metric == result.rounds[0].metric_cut and int(result.pruned.sum()) == 8
+    assert set(np.unique(result.head_rounds)) == {0, 1}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def test_every_round_reloads_from_every_format(tokenizer, tmp_path):
+    import onnxruntime as ort
+    from transformers import AutoModelForCausalLM
+    loaded = _loaded(tokenizer)
+    # 4 -> 2 -> 1 heads kept per layer: every round has a stock config (hidden 32 divides)
+    cfg = PipelineConfig(target_sparsity=0.75, step=0.5, recovery_steps=2, policy="uniform",
+                         distill=SMALL_DISTILL, eval_tokens=64)
+    seen = []
+    result = run_pipeline(loaded, cfg, train_data=IDS, keep_round_models=True,
+                          on_round=lambda r, m, p: seen.append(p))
+    assert len(result.round_models) == 2 == len(seen)
+    ids = IDS[:2, :12]
+    for index, (model, mask) in enumerate(zip(result.round_models, seen), start=1):
+        small, _ = prune_heads(model, mask, kv_policy="expand")
+        for fmt in FORMATS:
+            out = export_round(fmt, model, mask, result.head_rounds * (result.head_rounds <= index), tmp_path,
+                               f"round{index}-{fmt}", kv_policy="expand")
+            if fmt == "zeroed":
+                back = _logits(AutoModelForCausalLM.from_pretrained(out.path).eval(), ids)
+                reference = _logits(model, ids)
+            elif fmt == "onnx":
+                session = ort.InferenceSession(str(out.path / ONNX_FILE), providers=["CPUExecutionProvider"])
+                back = torch.from_numpy(session.run(None, {"input_ids": ids.numpy(),
+                                                           "attention_mask": np.ones_like(ids.numpy())})[0])
+                reference = _logits(small, ids)
+            else:
+                back = _logits(load_pruned(out.path), ids)
+                reference = _logits(small, ids)
+            torch.testing.assert_close(back, reference, rtol=1e-4, atol=1e-4, msg=f"round {index} {fmt}")
+            if fmt != "zeroed":
+                rounds = np.array(json.loads((out.path / LAYOUT_FILE).read_text())["rounds"])
+                assert np.array_equal(rounds > 0, mask) and rounds.max() == index
+    masked_equals_cut = _logits(prune_heads(result.model, result.pruned)[0], ids)
+    torch.testing.assert_close(masked_equals_cut, _logits(result.model, ids), rtol=0, atol=1e-5)
+
+
+def test_budget_keeps_the_last_model_inside_it(tokenizer):
+    loaded = _loaded(tokenizer, num_hidden_layers=4)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, eval_tokens=64)
+    free = run_pipeline(loaded, cfg)
+    metrics = [r.metric for r in free.rounds]
+    budget = metrics[0] + 1e-6 if metrics[0] > free.dense_metric else free.dense_metric * 1.5
+    inside = next((i for i, m in enumerate(metrics) if m > budget), len(metrics))
+    held = run_pipeline(loaded, PipelineConfig(target_sparsity=0.5, step=0.2, eval_tokens=64, ppl_budget=budget))
+    assert [r.metric for r in held.accepted] == metrics[:inside]
+    assert held.stopped_by_budget == (inside < len(metrics))
+    if held.stopped_by_budget:
+        assert not held.rounds[-1].accepted and held.rounds[-1].metric > budget
+    expected = free.rounds[inside - 1].n_pruned if inside else 0
+    assert int(held.pruned.sum()) == expected
+    assert held.final_metric <= budget
+
+
+def test_stop_ends_the_run_as_cancelled(tokenizer):
+    from analysis.errors import CancelledError
+    loaded = _loaded(tokenizer, num_hidden_layers=4)
+    rounds = []
+    with pytest.raises(CancelledError):
+        run_pipeline(loaded, PipelineConfig(target_sparsity=0.5, step=0.2, eval_tokens=64),
+                     on_round=lambda r, m, p: rounds.append(r.index), should_stop=lambda: len(rounds) >= 1)
+    assert rounds == [1]
+
+
+def test_bad_input(tokenizer):
+    loaded = _loaded(tokenizer)
+    with pytest.raises(InputError, match="not above the dense"):
+        run_pipeline(loaded, PipelineConfig(ppl_budget=1.0, eval_tokens=64))
+    with pytest.raises(InputError, match="Recovery steps"):
+        run_pipeline(loaded, PipelineConfig(recovery_steps=-1))
+    with pytest.raises(InputError, match="batch_size"):       # checked before any work
+        run_pipeline(loaded, PipelineConfig(recovery_steps=2, distill=DistillConfig(batch_size=0)))
+    zero = run_pipeline(loaded, PipelineConfig(recovery_steps=0, eval_tokens=64))   # 0 = no recovery
+    assert all(r.history == [] for r in zero.rounds)
+    with pytest.raises(InputError, match="target sparsity"):
+        run_pipeline(loaded, PipelineConfig(target_sparsity=0.0))
+    with pytest.raises(InputError, match="Unknown scorer"):
+        run_pipeline(loaded, PipelineConfig(scorer="nope"))
+    with pytest.raises(InputError, match="fewer than one batch"):
+        run_pipeline(loaded, PipelineConfig(recovery_steps=1, distill=SMALL_DISTILL, eval_tokens=64),
+                     train_data="Too short.")

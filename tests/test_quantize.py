@@ -1,0 +1,102 @@
+"""INT8 (analysis/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
+ONNX perplexity path equals the PyTorch one, torch dynamic INT8 of the Linear layers; SmolLM2's
+INT8 ONNX check runs with HEADSCOPE_SMOLLM2_INT8=1 (minutes; bench/bench_recovery.py runs it too)."""
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from analysis.errors import InputError
+from analysis.evaluation import evaluate
+from analysis.export import ExportError, export
+from analysis.quantize import (OnnxLM, compare_onnx, quantize_linear, quantize_onnx, state_bytes,
+                               top1_agreement)
+from tests._evalkit import tiny_loaded
+from tests._tiny import tiny_input_ids, tiny_model
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
+
+TEXT = ("The river flows north through the valley, past the old mill and the church, and then turns east "
+        "towards the sea, where the fishing boats wait for the tide. ") * 6
+
+
+@pytest.fixture(scope="module")
+def onnx_pair(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("int8")
+    loaded = tiny_loaded("llama", smollm2.tokenizer, "causal-lm")
+    pruned = np.zeros((2, 4), dtype=bool)
+    pruned[0, 0] = pruned[1, 3] = True
+    fp32 = export("onnx", loaded.model, pruned, root, "fp32")
+    return loaded, pruned, fp32.path, root
+
+
+@pytest.mark.parametrize("method", ["weight-only", "dynamic"])
+def test_onnx_int8_runs_close_to_float32_and_is_smaller(onnx_pair, method):
+    loaded, pruned, fp32, root = onnx_pair
+    int8 = quantize_onnx(fp32, root / f"int8-{method}")
+    assert sorted(p.name for p in int8.parent.iterdir()) == sorted(p.name for p in fp32.iterdir())  # sidecars too
+    a, b = OnnxLM(fp32, loaded.model.config), OnnxLM(int8, loaded.model.config)
+    ids = tiny_input_ids(2, 12)
+    la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+    assert la.shape == lb.shape and not torch.equal(la, lb)       # really quantized
+    assert float((la - lb).abs().max()) < 0.1 * float(la.abs().max()) + 0.05
+    assert int8.stat().st_size < 0.6 * (fp32 / "model.onnx").stat().st_size
+    assert top1_agreement(a, b, ids.reshape(-1)) > 0.5
+
+
+def test_onnx_perplexity_path_equals_pytorch(onnx_pair):
+    from analysis.surgery import prune_heads
+    loaded, pruned, fp32, _ = onnx_pair
+    small, _ = prune_heads(loaded.model, pruned)
+    torch_ppl = evaluate(replace(loaded, model=small), TEXT, max_tokens=96).value
+    onnx_ppl = evaluate(replace(loaded, model=OnnxLM(fp32, loaded.model.config)), TEXT, max_tokens=96).value
+    assert onnx_ppl == pytest.approx(torch_ppl, rel=1e-4)
+
+
+def test_compare_onnx_reports_everything(onnx_pair):
+    loaded, _, fp32, root = onnx_pair
+    int8 = quantize_onnx(fp32, root / "cmp")
+    c = compare_onnx(loaded, fp32, int8, TEXT, max_tokens=96, repeats=2).as_dict()
+    assert 0 <= c["top1_agreement"] <= 1 and c["n_tokens"] == 96
+    assert c["size_ratio"] == pytest.approx(c["bytes_int8"] / c["bytes_fp32"])
+    assert c["latency_ms_fp32"] > 0 and c["latency_ms_int8"] > 0
+
+
+def test_onnx_bad_input(onnx_pair, tmp_path):
+    _, _, fp32, root = onnx_pair
+    with pytest.raises(InputError, match="not an ONNX file"):
+        quantize_onnx(tmp_path, tmp_path / "x")
+    with pytest.raises(InputError, match="Unknown ONNX quantization"):
+        quantize_onnx(fp32, tmp_path / "y", method="int4")
+    target = root / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists"):
+        quantize_onnx(fp32, target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+def test_torch_dynamic_int8_of_linear_layers():
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = quantize_linear(model)
+    ids = tiny_input_ids(2, 10)
+    with torch.no_grad():
+        ref, out = model(input_ids=ids).logits, q(input_ids=ids).logits
+    assert not torch.equal(ref, out) and float((ref - out).abs().max()) < 0.05
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())     # input unchanged
+    assert not any(isinstance(m, torch.nn.Linear) and type(m) is torch.nn.Linear for m in q.modules()
+                   if m is not q.lm_head)
+    assert state_bytes(q) < state_bytes(model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("HEADSCOPE_SMOLLM2_INT8"), reason="minutes of CPU: set HEADSCOPE_SMOLLM2_INT8=1")
+def test_smollm2_int8_onnx_agrees_with_float32(smollm2, tmp_path):
+    fp32 = export("onnx", smollm2.model, np.zeros((30, 9), dtype=bool), tmp_path, "fp32")
+    int8 = quantize_onnx(fp32.path, tmp_path / "int8")
+    c = compare_onnx(smollm2, fp32.path, int8, max_tokens=512, repeats=2)
+    assert c.top1_agreement >= 0.95, c.as_dict()
+    assert c.perplexity_ratio <= 1.05, c.as_dict()
+    assert c.size_ratio <= 0.35, c.as_dict()

@@ -1,0 +1,68 @@
+"""The compression report (analysis/report.py): every stage measured, ratios to dense, the
+one-shot curve equals the first iterative round (same mask from the same dense scores), files
+written atomically (JSON, markdown, PNG)."""
+import json
+
+import pytest
+import torch
+
+from analysis.distill import DistillConfig
+from analysis.export import ExportError
+from analysis.pipeline import PipelineConfig
+from analysis.report import REPORT_FILES, compression_report, write_report
+from analysis.speed import torch_threads
+from tests._evalkit import tiny_loaded
+from tests._threads import one_torch_thread  # noqa: F401 (autouse)
+
+IDS = torch.randint(10, 1000, (4, 16), generator=torch.Generator().manual_seed(0))   # [4, 16]
+
+
+@pytest.fixture(scope="module")
+def built(smollm2, tmp_path_factory):
+    loaded = tiny_loaded("llama", smollm2.tokenizer, "causal-lm", num_hidden_layers=4)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.25, recovery_steps=2, eval_tokens=64,
+                         distill=DistillConfig(lr=1e-3, batch_size=2, seq_len=16))
+    with torch_threads(1):
+        rep, result = compression_report(loaded, cfg, train_data=IDS, repeats=1, seq_len=16,
+                                         workdir=tmp_path_factory.mktemp("work"))
+    return loaded, rep, result
+
+
+def test_stages_and_ratios(built):
+    loaded, rep, result = built
+    names = [s.name for s in rep.stages]
+    assert names == ["dense", "round 1 cut", "round 1 recovered", "round 2 cut", "round 2 recovered", "final",
+                     "INT8 (ONNX, weight-only)"]
+    dense, final = rep.stages[0], rep.stages[-2]
+    assert all(v == pytest.approx(1.0) for v in dense.ratios.values())
+    assert final.parameters < dense.parameters and final.attention_flops < dense.attention_flops
+    assert final.ratios["parameters"] == pytest.approx(final.parameters / dense.parameters)
+    assert final.metric == result.final_metric and final.sparsity == 0.5
+    assert rep.stages[1].metric == result.rounds[0].metric_cut
+    assert rep.int8["bytes_int8"] < rep.int8["bytes_fp32"]
+    assert rep.stages[-1].metric == rep.int8["perplexity_int8"]
+
+
+def test_curves_share_the_first_round(built):
+    _, rep, result = built
+    assert set(rep.curves) == {"one-shot", "iterative", "iterative + recovery"}
+    one, it, rec = (rep.curves[k] for k in ("one-shot", "iterative", "iterative + recovery"))
+    assert one["sparsity"] == it["sparsity"] == rec["sparsity"] == [0.0, 0.25, 0.5]
+    assert one["metric"][0] == it["metric"][0] == rec["metric"][0] == result.dense_metric
+    # round 1 of the iterative runs is the one-shot mask at 25% (both ranked on the dense weights)
+    assert it["metric"][1] == pytest.approx(one["metric"][1], rel=1e-5)
+    assert result.rounds[0].metric_cut == pytest.approx(one["metric"][1], rel=1e-5)
+    assert rec["metric"][1:] == [r.metric for r in result.rounds]
+
+
+def test_files_json_markdown_png(built, tmp_path):
+    _, rep, _ = built
+    files = write_report(rep, tmp_path / "report")
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(REPORT_FILES)
+    data = json.loads(files["report.json"].read_text())
+    assert [s["name"] for s in data["stages"]] == [s.name for s in rep.stages]
+    md = files["report.md"].read_text()
+    assert "| final |" in md and "perplexity vs sparsity" in md
+    assert files["ppl_vs_sparsity.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ExportError, match="already exists"):
+        write_report(rep, tmp_path / "report")
