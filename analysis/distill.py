@@ -44,12 +44,10 @@ from .errors import HeadscopeError, InputError, UnsupportedModelError
 from .head_gates import head_mask
 from .loss import next_token_nll
 from .models import mean_pool
-from .progress import check_stop, report
+from .progress import Progress, ShouldStop, check_stop, report
 from .scoring import as_subject
 from .text import calibration_text, tokenize
 
-Progress = Callable[[float, str], None] | None
-ShouldStop = Callable[[], bool] | None
 OnStep = Callable[[dict], None] | None
 
 CHECKPOINT_FILE = "distill_checkpoint.pt"
@@ -325,7 +323,7 @@ def _autocast(config: DistillConfig, device: torch.device):
 
 def distill(teacher, student: nn.Module, data=None, config: DistillConfig = DistillConfig(), *,
             gates=None, checkpoint_dir=None, resume: bool = False, merge: bool = True,
-            progress: Progress = None, should_stop: ShouldStop = None, on_step: OnStep = None) -> DistillResult:
+            progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None) -> DistillResult:
     """Train `student` (changed in place; pass a copy you own) to imitate `teacher`.
 
     teacher: LoadedModel (its kind and tokenizer are used) or nn.Module. data: token ids

@@ -38,12 +38,10 @@ from .errors import InputError
 from .evaluation import evaluate
 from .head_gates import gates_from_mask, zero_heads
 from .masks import POLICIES, heads_to_prune, plan_mask
-from .progress import check_stop, report
+from .progress import Progress, ShouldStop, check_stop, report
 from .scoring import get_scorer
 from .surgery import prune_heads
 
-Progress = Callable[[float, str], None] | None
-ShouldStop = Callable[[], bool] | None
 DEFAULT_SCORER = "mp-g"
 
 
@@ -156,7 +154,7 @@ def _over_budget(value: float, budget: float | None) -> bool:
 
 
 def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineConfig, calibration=None,
-              should_stop: ShouldStop = None) -> tuple[np.ndarray, object]:
+              should_stop: ShouldStop | None = None) -> tuple[np.ndarray, object]:
     """Score `model` (the current weights) and plan the mask of `count` heads that keeps every
     head of `previous` [L, H] pruned. Returns (pruned [L, H], HeadScores)."""
     scores = get_scorer(config.scorer, **config.scorer_params).score(
@@ -175,7 +173,7 @@ def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineC
 
 def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_data=None, eval_text=None,
                  calibration=None, checkpoint_dir=None, keep_round_models: bool = False,
-                 progress: Progress = None, should_stop: ShouldStop = None,
+                 progress: Progress | None = None, should_stop: ShouldStop | None = None,
                  on_step: Callable[[dict], None] | None = None,
                  on_round: Callable[[Round, torch.nn.Module, np.ndarray], None] | None = None) -> PipelineResult:
     """Run the schedule on a copy of `loaded.model` (a LoadedModel; it is not changed).

@@ -17,7 +17,6 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -25,13 +24,13 @@ import torch
 from .evaluation import evaluate
 from .export import atomic_folder
 from .pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
+from .progress import Progress, ShouldStop
 from .masks import plan_mask
 from .scoring import get_scorer
 from .models import count_parameters
 from .speed import _decode_step, alternating_times, forward_flops, saved_bytes, torch_threads
 from .surgery import prune_heads
 
-Progress = Callable[[float, str], None] | None
 REPORT_FILES = ("report.json", "report.md", "ppl_vs_sparsity.png")
 
 
@@ -166,7 +165,7 @@ def one_shot_curve(loaded, sparsities, config: PipelineConfig, eval_text) -> lis
 
 def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_text=None, int8: bool = True,
                        seq_len: int = 128, repeats: int = 3, threads: int | None = None, workdir=None,
-                       progress: Progress = None, should_stop=None, on_step=None,
+                       progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step=None,
                        on_round=None) -> tuple[CompressionReport, PipelineResult]:
     """Run the pipeline and measure every stage (each round as it is accepted, so no round's model
     is kept). on_round(round, model, pruned) is passed through. Returns (report, result)."""
