@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from .errors import OutputError
 
@@ -86,34 +88,47 @@ def _read_only(folder: Path) -> bool:
         return False
 
 
+@contextmanager
+def replaced_atomically(target: Path) -> Iterator[BinaryIO]:
+    """Yields a binary stream to a temporary file beside `target`; on a clean exit it is flushed,
+    fsync'ed and renamed over `target` (which keeps its permissions; a new file gets NEW_FILE_MODE).
+
+    On any failure the temporary file is removed and `target` is untouched; OSErrors pass through
+    (callers word them). The one temp + fsync + rename mechanism: `atomic_write` and the
+    distillation checkpoints both write through it."""
+    target = Path(target)
+    mode = target.stat().st_mode & 0o7777 if target.exists() else NEW_FILE_MODE
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name[:64]}{TMP_INFIX}", dir=target.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(tmp_name, mode)
+        os.replace(tmp_name, target)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp_name)
+        raise
+
+
 def atomic_write(path, data: str | bytes, *, encoding: str = "utf-8", what: str = "The output file") -> Path:
-    """Write `data` to `path` atomically (temp file in the same folder + fsync + os.replace).
+    """Write `data` to `path` atomically (`replaced_atomically`: temp file in the same folder +
+    fsync + os.replace).
 
     An existing file keeps its permissions; on failure it is untouched and the temp file is gone.
     OutputError names the problem (e.g. a full disk) and its fix."""
     target = check_output_file(path, what)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
+    opened = False
     try:
-        mode = target.stat().st_mode & 0o7777 if target.exists() else NEW_FILE_MODE
-        handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name[:64]}{TMP_INFIX}", dir=target.parent)
+        with replaced_atomically(target) as stream:
+            opened = True
+            stream.write(payload)
     except OSError as err:
         problem, fix = os_problem(err)
-        raise OutputError(f"Cannot write {what.lower()} {target}: {problem}; {fix}.") from err
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(payload)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.chmod(tmp_name, mode)
-        os.replace(tmp_name, target)
-    except BaseException as err:
-        try:
-            os.unlink(tmp_name)
-        except OSError:
-            pass
-        if isinstance(err, OSError):
-            problem, fix = os_problem(err)
-            kept = "the previous file was kept unchanged" if target.exists() else "nothing was written"
-            raise OutputError(f"Writing {what.lower()} {target} failed: {problem} ({kept}); {fix}.") from err
-        raise
+        if not opened:
+            raise OutputError(f"Cannot write {what.lower()} {target}: {problem}; {fix}.") from err
+        kept = "the previous file was kept unchanged" if target.exists() else "nothing was written"
+        raise OutputError(f"Writing {what.lower()} {target} failed: {problem} ({kept}); {fix}.") from err
     return target

@@ -29,8 +29,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .atomic import replaced_atomically
 from .errors import HeadscopeError, InputError, UnsupportedModelError
 from .head_gates import head_mask
 from .loss import next_token_nll
@@ -257,28 +256,18 @@ def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """torch.save `state` to `path` atomically: a temporary file in the same folder, fsync'ed, then
-    renamed over `path`. Any failure removes the temporary file; `path` keeps its old content."""
+    """torch.save `state` to `path` atomically (`atomic.replaced_atomically`): any failure leaves
+    `path` with its old content and no temporary file behind."""
     path = Path(path)
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        with os.fdopen(fd, "wb") as handle:
+        with replaced_atomically(path) as handle:
             torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        tmp = None
     except OSError as err:
         previous = "the previous checkpoint is intact" if path.is_file() else "no earlier checkpoint exists"
         raise CheckpointError(f"The checkpoint at step {state.get('step')} could not be written to {path} "
                               f"({err.strerror or type(err).__name__}); {previous}. Free disk space (or choose "
                               f"another folder) and resume.") from err
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def load_checkpoint(path: Path, config: DistillConfig) -> dict | None:
