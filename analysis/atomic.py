@@ -132,3 +132,33 @@ def atomic_write(path, data: str | bytes, *, encoding: str = "utf-8", what: str 
         kept = "the previous file was kept unchanged" if target.exists() else "nothing was written"
         raise OutputError(f"Writing {what.lower()} {target} failed: {problem} ({kept}); {fix}.") from err
     return target
+
+
+def write_section(path, section: str, begin: str, end: str, *, what: str = "The output file") -> Path:
+    """Put `section` (which starts with `begin` and ends with `end`) into the text file `path`:
+    it replaces the text between an existing pair of markers, or is appended. The rest of the
+    file is kept as it is; the write is atomic (`atomic_write`). Two generators that share one
+    document (scripts/results.py and bench/bench_recovery.py for docs/results.md) each own one
+    marked section this way, so regenerating one never drops the other's."""
+    target = Path(path)
+    text = target.read_text(encoding="utf-8") if target.exists() else ""
+    section = section.rstrip("\n") + "\n"
+    if begin in text and end in text[text.index(begin):]:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        text = head + section + ("\n" + tail if tail else "")
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + section
+    return atomic_write(target, text, what=what)
+
+
+def marked_section(path, begin: str, end: str) -> str:
+    """The text of `path` from `begin` through `end` (both included), or "" when it has none."""
+    target = Path(path)
+    if not target.exists():
+        return ""
+    text = target.read_text(encoding="utf-8")
+    if begin not in text or end not in text[text.index(begin):]:
+        return ""
+    rest = text.split(begin, 1)[1]
+    return begin + rest.split(end, 1)[0] + end

@@ -32,6 +32,8 @@ from .speed import _decode_step, alternating_times, forward_flops, saved_bytes, 
 from .surgery import prune_heads
 
 REPORT_FILES = ("report.json", "report.md", "ppl_vs_sparsity.png")
+# the section of docs/results.md that bench/bench_recovery.py --write-docs owns (scripts/results.py keeps it)
+RECOVERY_MARKERS = ("<!-- recovery:begin -->", "<!-- recovery:end -->")
 
 
 @dataclass

@@ -38,13 +38,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench._timing import alternate_times  # noqa: E402
 
+from analysis.atomic import write_section  # noqa: E402
 from analysis.distill import DistillConfig, batch_indices, distill, training_sequences  # noqa: E402
 from analysis.models import load_model  # noqa: E402
 from analysis.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
 from analysis.quantize import compare_onnx, quantize_onnx  # noqa: E402
+from analysis.report import RECOVERY_MARKERS  # noqa: E402
 from analysis.speed import torch_threads  # noqa: E402
 
-BEGIN, END = "<!-- recovery:begin -->", "<!-- recovery:end -->"
+BEGIN, END = RECOVERY_MARKERS
 
 
 def recovery(loaded, sparsity: float, args) -> dict:
@@ -155,15 +157,7 @@ def markdown(out: dict, args) -> str:
 
 
 def write_docs(section: str) -> None:
-    path = ROOT / "docs" / "results.md"
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END) + 1:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_section(ROOT / "docs" / "results.md", section, BEGIN, END, what="The results file")
 
 
 def main() -> int:

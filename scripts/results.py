@@ -40,12 +40,13 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from analysis.atomic import atomic_write  # noqa: E402
+from analysis.atomic import atomic_write, marked_section  # noqa: E402
 from analysis.attribution import rank_correlation  # noqa: E402
 from analysis.errors import InputError  # noqa: E402
 from analysis.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
 from analysis.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.profiles import profile_model  # noqa: E402
+from analysis.report import RECOVERY_MARKERS  # noqa: E402
 from analysis.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.sweep import split_evaluators, sweep_z  # noqa: E402
 from analysis.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
@@ -344,7 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     options.extra["command"] = command
     loaded = load_model(args.model, cache_dir=args.cache_dir)
     text, _ = run(loaded, options)
-    atomic_write(Path(args.out), text, what="The results file")
+    # the recovery section belongs to bench/bench_recovery.py --write-docs: keep it as it is
+    kept = marked_section(args.out, *RECOVERY_MARKERS)
+    atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
+                 what="The results file")
     print(text)
 
 
