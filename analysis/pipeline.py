@@ -4,8 +4,10 @@
 is never changed) whose pruned heads are zeroed (`head_gates.zero_heads`: the same function as
 the head mask and as the physical cut). Each round:
 1. rescore the heads on the current (recovered) weights with the configured scorer (MP-G by
-   default; calibration scorers run on the current model); heads already pruned are forced to
-   the front of the ranking, so the masks only grow;
+   default; calibration scorers run on the current model); weight-only scorers leave the rows of
+   the heads already pruned out of their populations (`NormProfile.excluding`: those heads are
+   gone, their zero rows must not pull the mean and std); heads already pruned are forced to the
+   front of the ranking, so the masks only grow;
 2. plan the mask of the round's cumulative head count (`masks.plan_mask`, the chosen policy);
 3. zero the new heads on a candidate copy and, with recovery_steps > 0, distill it from the
    dense model under the mask (`distill.distill` with gates: pruned heads get no gradient, so
@@ -38,6 +40,7 @@ from .errors import InputError
 from .evaluation import evaluate
 from .head_gates import gates_from_mask, zero_heads
 from .masks import POLICIES, heads_to_prune, plan_mask
+from .profiles import profile_model
 from .progress import Progress, ShouldStop, check_stop, report
 from .scoring import get_scorer
 from .surgery import prune_heads
@@ -157,8 +160,12 @@ def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineC
               should_stop: ShouldStop | None = None) -> tuple[np.ndarray, object]:
     """Score `model` (the current weights) and plan the mask of `count` heads that keeps every
     head of `previous` [L, H] pruned. Returns (pruned [L, H], HeadScores)."""
-    scores = get_scorer(config.scorer, **config.scorer_params).score(
-        replace(loaded, model=model), calibration=calibration, should_stop=should_stop)
+    scorer = get_scorer(config.scorer, **config.scorer_params)
+    if scorer.needs_calibration:
+        target = replace(loaded, model=model)
+    else:   # the zeroed heads are gone: keep their rows out of the MP populations (NormProfile.excluding)
+        target = profile_model(model, adapter=loaded.adapter, should_stop=should_stop).excluding(previous)
+    scores = scorer.score(target, calibration=calibration, should_stop=should_stop)
     s = np.array(scores.scores, dtype=np.float64)                       # [L, H]
     if previous.any():
         s[previous] = s.min() - 1.0 - np.abs(s).max()                  # already pruned: first in line

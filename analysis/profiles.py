@@ -18,6 +18,12 @@ default, or the sample std (ddof = 1, PyTorch's `Tensor.std` default): `std="sam
 Population scope "layer": the rows of one projection of one layer; scope "model": the rows
 of one projection across all layers. A population whose norms are all equal (std = 0) has
 tau equal to that common norm and no row in excess.
+
+Pruned heads of a full-shape model (the iterative pipeline zeroes them) are not part of the
+model any more: `NormProfile.excluding(pruned)` leaves their Q rows / O columns, and the K/V rows
+of KV groups with no query head left, out of every population (mean and std), so the remaining
+heads are scored against the rows that are still there. Each remaining row counts once (where
+surgery would copy a KV group's rows, kv_policy "expand", the copies are not counted again).
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class NormProfile:
     l1: dict[str, np.ndarray] | None = None
     source: str = ""
     l1_loader: Callable[[], dict[str, np.ndarray]] | None = field(default=None, repr=False, compare=False)
+    members: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)  # p -> bool [L, units]
     _stats: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,8 +151,22 @@ class NormProfile:
         """
         key = (check_ord(ord), check_scope(scope), check_std(std))
         if key not in self._stats:
-            self._stats[key] = {p: population_stats(n, scope, STD_DDOF[std]) for p, n in self.norms(ord).items()}
+            members = self.members or {}
+            self._stats[key] = {p: population_stats(n, scope, STD_DDOF[std], members.get(p))
+                                for p, n in self.norms(ord).items()}
         return self._stats[key]
+
+    def excluding(self, pruned) -> "NormProfile":
+        """This profile with the heads where pruned [L, H] is True left out of every population
+        (their Q rows and O columns; the K/V rows of groups with no query head left). The norms
+        are shared, not copied; an all-False mask gives a profile equal to this one."""
+        p = np.asarray(pruned, dtype=bool)                                 # [L, H]
+        if p.shape != (self.n_layers, self.n_heads):
+            raise InputError(f"The pruned mask must have shape [{self.n_layers}, {self.n_heads}]; got {list(p.shape)}.")
+        kept = ~p                                                          # [L, H]
+        groups = kept.reshape(self.n_layers, self.n_kv_heads, self.group_size).any(axis=2)   # [L, Hkv]
+        members = None if kept.all() else {"q": kept, "o": kept, "k": groups, "v": groups}
+        return NormProfile(l2=self.l2, l1=self.l1, source=self.source, l1_loader=self.l1_loader, members=members)
 
     def memo(self, key, compute: Callable[[], np.ndarray]) -> np.ndarray:
         """A z-independent derived array (e.g. a scorer's plain-magnitude tie-break), computed once."""
@@ -262,13 +283,18 @@ def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nda
     return own, group
 
 
-def population_stats(norms: np.ndarray, scope: str, ddof: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def population_stats(norms: np.ndarray, scope: str, ddof: int = 0, members: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """Mean and std (ddof 0: population, 1: sample) of norms [L, units, d] per layer (scope
     "layer") or model-wide.
 
-    Returns (mean [L], std [L]). A population with all-equal norms gets its exact common
-    value as mean and std 0, so floating-point noise cannot put a row above tau.
+    members: optional bool [L, units], the units (heads / KV groups) still in the population
+    (None = all). Returns (mean [L], std [L]). A population with all-equal norms gets its exact
+    common value as mean and std 0, so floating-point noise cannot put a row above tau; a layer
+    with no member left gets mean 0 and std 0 (it has no rows to score).
     """
+    if members is not None:
+        return _member_stats(norms, scope, ddof, np.asarray(members, dtype=bool))
     n_layers = norms.shape[0]
     flat = norms.reshape(n_layers, -1) if scope == "layer" else norms.reshape(1, -1)  # [P, rows]
     mean = flat.mean(axis=1)  # [P]
@@ -279,6 +305,24 @@ def population_stats(norms: np.ndarray, scope: str, ddof: int = 0) -> tuple[np.n
     if scope == "model":
         mean = np.repeat(mean, n_layers)  # [L]
         std = np.repeat(std, n_layers)  # [L]
+    return mean, std
+
+
+def _member_stats(norms: np.ndarray, scope: str, ddof: int, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """population_stats over the rows of the member units only (members [L, units])."""
+    n_layers = norms.shape[0]
+    rows = np.broadcast_to(members[:, :, None], norms.shape)              # [L, units, d]
+    pops = ([(norms[layer][rows[layer]]) for layer in range(n_layers)] if scope == "layer"
+            else [norms[rows]])                                            # P x [rows]
+    mean, std = np.zeros(len(pops)), np.zeros(len(pops))                   # [P]
+    for i, flat in enumerate(pops):
+        if flat.size == 0:
+            continue
+        constant = flat.max() == flat.min()
+        mean[i] = flat[0] if constant else flat.mean()
+        std[i] = 0.0 if constant or flat.size <= ddof else flat.std(ddof=ddof)
+    if scope == "model":
+        mean, std = np.repeat(mean, n_layers), np.repeat(std, n_layers)  # [L]
     return mean, std
 
 

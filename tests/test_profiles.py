@@ -266,3 +266,70 @@ def test_sample_std_puts_more_heads_in_the_bulk_on_smollm2(smollm2):
     sample = MPGScorer(z=2.5, std="sample").score(profile)
     assert (population.zero_count, sample.zero_count) == (107, 110)       # DESIGN.md's numbers
     assert population.params["std"] == "population" and sample.params["std"] == "sample"
+
+
+# -- pruned heads left out of the populations (the iterative pipeline's rescoring) ----------
+
+def _balanced_pruned(n_layers: int, n_heads: int, group_size: int, seed: int = 0) -> np.ndarray:
+    """One query head per KV group pruned in every layer: surgery keeps a uniform layout."""
+    rng = np.random.default_rng(seed)
+    pruned = np.zeros((n_layers, n_heads), dtype=bool)                      # [L, H]
+    for layer in range(n_layers):
+        for group in range(n_heads // group_size):
+            pruned[layer, group * group_size + rng.integers(group_size)] = True
+    return pruned
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_excluding_pruned_heads_scores_like_the_surviving_rows_alone(scope):
+    """MP on the zeroed full-shape model with the pruned heads excluded == MP of a profile that holds
+    only the surviving heads' rows (what the physically pruned model has), head by head; without
+    the exclusion the zero rows pull the mean and std and the scores differ."""
+    import copy
+
+    from analysis.head_gates import zero_heads
+    from analysis.scoring import get_scorer
+    from analysis.surgery import HeadLayout
+
+    model = tiny_model("llama", num_hidden_layers=3)                       # H = 4, Hkv = 2
+    pruned = _balanced_pruned(3, 4, 2)
+    full = profile_model(model)
+    layout = HeadLayout.from_mask(pruned, full_geometry(model), "llama")
+    kept = np.asarray(layout.heads)                                        # [L, 2]
+    survivors = NormProfile(l2={"q": np.take_along_axis(full.l2["q"], kept[:, :, None], 1),
+                                "o": np.take_along_axis(full.l2["o"], kept[:, :, None], 1),
+                                "k": full.l2["k"], "v": full.l2["v"]})     # q/o [L, 2, d], k/v [L, 2, d]
+    zeroed = profile_model(zero_heads(copy.deepcopy(model), pruned))
+    scorer = get_scorer("mp", z=0.5, scope=scope)
+    expected = scorer.score(survivors).scores                              # [L, 2] (G' = 1)
+    got = np.take_along_axis(scorer.score(zeroed.excluding(pruned)).scores, kept, 1)   # [L, 2]
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    plain = np.take_along_axis(scorer.score(zeroed).scores, kept, 1)
+    assert not np.allclose(plain, expected)
+
+
+def full_geometry(model):
+    from analysis.adapters import adapter_for
+    return adapter_for(model).geometry(model)
+
+
+def test_excluding_nothing_is_the_same_profile():
+    profile = profile_model(tiny_model("qwen2"))
+    same = profile.excluding(np.zeros((profile.n_layers, profile.n_heads), dtype=bool))
+    for z in (0.0, 1.0, 2.5):
+        a, b = profile.excess_sums(z), same.excess_sums(z)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_excluding_a_whole_group_and_a_whole_layer():
+    profile = profile_model(tiny_model("llama"))                           # L = 2, H = 4, Hkv = 2
+    pruned = np.zeros((2, 4), dtype=bool)
+    pruned[0, :2] = True                                                   # layer 0 loses KV group 0
+    pruned[1, :] = True                                                    # layer 1 loses everything
+    mean, std = profile.excluding(pruned).stats()["k"]                     # [L] each
+    k0 = profile.l2["k"][0, 1]                                             # only group 1's K rows stay
+    assert mean[0] == pytest.approx(k0.mean(), rel=1e-12) and std[0] == pytest.approx(k0.std(), rel=1e-12)
+    assert mean[1] == 0.0 and std[1] == 0.0                                # nothing left to score against
+    with pytest.raises(InputError, match="shape"):
+        profile.excluding(np.zeros((3, 4), dtype=bool))
