@@ -38,7 +38,7 @@ import shutil
 import tempfile
 import warnings
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -322,6 +322,7 @@ class MaskRecord:
     z: float | None = None
     sparsity: float | None = None
     policy: str | None = None
+    kv_policy: str | None = None                # surgery's kv_policy (auto / expand / strict); None: not cut
     scores: list[list[float]] | None = None     # [L][H], higher = more important
     tiebreak: list[list[float]] | None = None   # [L][H], the ranking's tie-break
     tool: str = TOOL
@@ -372,7 +373,8 @@ class MaskRecord:
 
 def mask_record(pruned, *, geometry: HeadGeometry, model: str = "", model_type: str = "", scores=None,
                 scorer: str | None = None, z: float | None = None, sparsity: float | None = None,
-                policy: str | None = None, tiebreak=None, scorer_params: dict | None = None) -> MaskRecord:
+                policy: str | None = None, tiebreak=None, scorer_params: dict | None = None,
+                kv_policy: str | None = None) -> MaskRecord:
     """A MaskRecord for `pruned` [L, H]. `scores` may be a [L, H] array or an analysis.scoring
     HeadScores (its name, params and tie-break are used unless given)."""
     p = np.asarray(pruned, dtype=bool)
@@ -390,7 +392,7 @@ def mask_record(pruned, *, geometry: HeadGeometry, model: str = "", model_type: 
     return MaskRecord(model=model, model_type=model_type, n_layers=shape[0], n_heads=shape[1],
                       n_kv_heads=geometry.n_kv_heads, kept=[np.flatnonzero(~row).tolist() for row in p],
                       scorer=scorer, scorer_params=params, z=None if z is None else float(z),
-                      sparsity=None if sparsity is None else float(sparsity), policy=policy,
+                      sparsity=None if sparsity is None else float(sparsity), policy=policy, kv_policy=kv_policy,
                       scores=_finite_table(scores, shape, "Head scores"),
                       tiebreak=_finite_table(tiebreak, shape, "Tie-break values"))
 
@@ -468,6 +470,8 @@ def _listing(folder: Path) -> dict[str, int]:
 
 
 def _write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None) -> None:
+    if layout is not None:          # a physical cut: mask.json says which kv_policy built it
+        record = replace(record, kv_policy=layout.kv_policy)
     (tmp / MASK_FILE).write_text(record.to_json(), encoding="utf-8")
     if layout is not None:
         (tmp / LAYOUT_FILE).write_text(layout.to_json(), encoding="utf-8")

@@ -62,7 +62,7 @@ MASK_SCHEMA = {
                  "items": {**_index_lists(MAX_HEADS, MAX_LAYERS)["items"], "uniqueItems": True}},
         "scorer": _OPTIONAL_TEXT, "scorer_params": {"type": "object"},
         "z": {"type": ["number", "null"]}, "sparsity": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-        "policy": _OPTIONAL_TEXT, "scores": _TABLE, "tiebreak": _TABLE,
+        "policy": _OPTIONAL_TEXT, "kv_policy": _OPTIONAL_TEXT, "scores": _TABLE, "tiebreak": _TABLE,
         "tool": _TEXT, "tool_version": _TEXT, "format": {"type": "integer", "minimum": 1},
     },
 }

@@ -394,3 +394,16 @@ def test_default_export_root_is_in_home_unless_the_env_says(monkeypatch, tmp_pat
     assert default_export_root() == Path.home() / "headscope-exports"
     monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(tmp_path / "x"))
     assert default_export_root() == tmp_path / "x"
+
+
+@pytest.mark.parametrize("kv_policy", ["auto", "expand"])
+def test_mask_json_records_the_kv_policy_of_the_cut(kv_policy, tmp_path):
+    """mask.json of a physical cut says which kv_policy built it (it decides the layout); a zeroed
+    export keeps the original shapes and says none."""
+    model = tiny_model("llama")
+    pruned = np.zeros((2, 4), bool)
+    pruned[0, 0] = True                                               # uneven groups: the policies differ
+    cut = export_pruned(model, pruned, tmp_path / f"cut-{kv_policy}", kv_policy=kv_policy)
+    assert read_mask_json(cut.path).kv_policy == kv_policy == cut.layout.kv_policy
+    zeroed = export_zeroed(model, pruned, tmp_path / f"zeroed-{kv_policy}")
+    assert read_mask_json(zeroed.path).kv_policy is None
