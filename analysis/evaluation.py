@@ -494,6 +494,7 @@ class SparsityCurve:
     values: np.ndarray       # [S] metric at each sparsity
     metric: str
     higher_is_better: bool
+    skipped: tuple = ()      # (sparsity, why) of levels the mask policy cannot build (left out above)
 
 
 def sparsity_levels(max_sparsity: float = 0.6, step: float = 0.1) -> np.ndarray:
@@ -513,8 +514,9 @@ def sparsity_curve(loaded, scores, text: str | bytes | None = None, *, sparsitie
     """The metric of `loaded` vs head sparsity for one [L, H] score array.
 
     mask_fn(scores, sparsity) -> bool [L, H] (True = pruned) builds each mask (pass
-    analysis.masks' policy; default: prune the lowest scores). All masks are evaluated in the
-    same batched passes. eval_options go to `evaluate` (max_tokens, window, batch_size, ...)."""
+    analysis.masks' policy; default: prune the lowest scores); a level where it raises InputError
+    (the policy cannot build it) is left out and listed in `skipped`. All masks are evaluated in
+    the same batched passes. eval_options go to `evaluate` (max_tokens, window, batch_size, ...)."""
     geometry = adapter_for(loaded.model).geometry(loaded.model)
     s = np.asarray(scores, dtype=np.float64)
     if s.shape != (geometry.n_layers, geometry.n_heads):
@@ -522,7 +524,16 @@ def sparsity_curve(loaded, scores, text: str | bytes | None = None, *, sparsitie
                          f"got {list(s.shape)}.")
     levels = sparsity_levels(max_sparsity, step) if sparsities is None else np.asarray(sparsities, dtype=float)
     mask_fn = mask_fn or lowest_scores_mask
-    masks = np.stack([np.asarray(mask_fn(s, float(x)), dtype=bool) for x in levels])  # [S, L, H]
+    built, skipped = [], []
+    for x in levels:        # a policy with a coarse step (balanced-uniform) cannot build every level
+        try:
+            built.append((float(x), np.asarray(mask_fn(s, float(x)), dtype=bool)))
+        except InputError as err:
+            skipped.append((float(x), str(err)))
+    if not built:
+        raise InputError(f"The mask policy cannot build any of the requested sparsities: {skipped[0][1]}")
+    levels = np.array([x for x, _ in built])                                          # [S]
+    masks = np.stack([m for _, m in built])                                           # [S, L, H]
     ev = evaluate(loaded, text, pruned=masks, progress=progress, should_stop=should_stop, **eval_options)
     return SparsityCurve(levels, masks.reshape(len(levels), -1).sum(1), ev.values, ev.metric,
-                         ev.higher_is_better)
+                         ev.higher_is_better, tuple(skipped))

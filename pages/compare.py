@@ -97,5 +97,10 @@ if curves is not None:
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
                                   log_y=charts.log_axis(metric), marker_x=sparsity),
                     width="stretch", key="compare.curve_chart")
+    skipped = sorted({x for c in curves.values() for x, _ in c.skipped})
+    if skipped:
+        st.caption(f"Left out: sparsities {', '.join(f'{x:g}' for x in skipped)}, which the "
+                   f"{policy['policy']} policy cannot build (it prunes in fixed steps). "
+                   f"{next(c.skipped[0][1] for c in curves.values() if c.skipped)}")
 elif state.last_run("compare.curves") is not None:
     st.caption("The settings changed since the curves were computed; press the button again.")

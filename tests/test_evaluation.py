@@ -294,3 +294,22 @@ def test_sparsity_curve_points_equal_single_evaluations(tiny_llama):
                                   rel=1e-6)
     with pytest.raises(InputError, match="shape"):
         sparsity_curve(tiny_llama, scores[:1], TEXT)
+
+
+def test_sparsity_curve_leaves_out_levels_the_policy_cannot_build(tiny_llama):
+    """balanced-uniform prunes in steps of one head per KV group in every layer: the levels in
+    between are left out (and listed), the rest equal their single evaluations."""
+    from analysis.masks import plan_mask
+    g = tiny_llama.geometry
+    scores = np.arange(g.n_layers * g.n_heads, dtype=float).reshape(g.n_layers, g.n_heads)
+
+    def mask_fn(s, sparsity):
+        return plan_mask(s, sparsity, group_size=g.group_size, policy="balanced-uniform").pruned
+
+    curve = sparsity_curve(tiny_llama, scores, TEXT, sparsities=[0.0, 0.25, 0.5], mask_fn=mask_fn, max_tokens=64)
+    assert curve.sparsities.tolist() == [0.0, 0.5] and curve.n_pruned.tolist() == [0, 4]
+    assert [x for x, _ in curve.skipped] == [0.25] and "Feasible sparsities" in curve.skipped[0][1]
+    assert curve.values[1] == pytest.approx(perplexity(tiny_llama, TEXT, pruned=mask_fn(scores, 0.5), max_tokens=64),
+                                            rel=1e-6)
+    with pytest.raises(InputError, match="cannot build any"):
+        sparsity_curve(tiny_llama, scores, TEXT, sparsities=[0.25], mask_fn=mask_fn, max_tokens=64)
