@@ -40,11 +40,11 @@ from bench._timing import alternate_times  # noqa: E402
 
 from analysis.atomic import write_section  # noqa: E402
 from analysis.distill import DistillConfig, batch_indices, distill, training_sequences  # noqa: E402
-from analysis.models import load_model  # noqa: E402
+from analysis.models import count_parameters, load_model  # noqa: E402
 from analysis.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
 from analysis.quantize import compare_onnx, quantize_onnx  # noqa: E402
 from analysis.report import RECOVERY_MARKERS  # noqa: E402
-from analysis.speed import torch_threads  # noqa: E402
+from analysis.speed import saved_bytes, torch_threads  # noqa: E402
 
 BEGIN, END = RECOVERY_MARKERS
 
@@ -61,12 +61,17 @@ def recovery(loaded, sparsity: float, args) -> dict:
         start = time.perf_counter()
         result = run_pipeline(loaded, cfg, progress=lambda f, m: None)
         seconds = time.perf_counter() - start
+        small, _ = result.smaller()                       # the physically pruned model: its real size
         rows[name] = {"ppl": result.final_metric, "seconds": seconds, "rounds": len(result.accepted),
-                      "n_pruned": int(result.pruned.sum())}
+                      "n_pruned": int(result.pruned.sum()), "params": count_parameters(small),
+                      "mb": saved_bytes(small) / 2 ** 20}
+        del small
         results[name] = result
         print(f"  {sparsity:.0%} {name:26s} ppl {result.final_metric:8.3f}  ({seconds:6.1f} s, "
               f"{len(result.accepted)} round(s))", flush=True)
     dense, cut = results["one-shot"].dense_metric, rows["one-shot"]["ppl"]
+    rows = {"dense": {"ppl": dense, "params": count_parameters(loaded.model), "mb": saved_bytes(loaded.model) / 2 ** 20},
+            **rows}
     for name in ("one-shot + distillation", "iterative + distillation"):
         rows[name]["gap_closed"] = (cut - rows[name]["ppl"]) / (cut - dense) if cut > dense else float("nan")
     if "int8" in args.parts:
@@ -141,12 +146,14 @@ def markdown(out: dict, args) -> str:
              f"{out['machine']}, {out['date']}.", ""]
     for sparsity, res in out.get("recovery", {}).items():
         lines += [f"### {float(sparsity):.0%} of heads pruned (dense {res['dense']:.3f})", "",
-                  "| variant | perplexity | gap closed | size | seconds |", "|---|---|---|---|---|"]
+                  "| variant | perplexity | gap closed | parameters | size | seconds |", "|---|---:|---:|---:|---|---:|"]
         for name, row in res["rows"].items():
             gap = f"{row['gap_closed']:.0%}" if "gap_closed" in row else ""
-            size = (f"{row['int8_mb']:.1f} MB ({row['size_ratio']:.2f}x fp32 ONNX)" if "int8_mb" in row else "")
+            params = f"{row['params']:,}" if "params" in row else ""
+            size = (f"{row['int8_mb']:.1f} MB INT8 ONNX ({row['size_ratio']:.2f}x its fp32 ONNX, {row['fp32_mb']:.1f} MB)"
+                    if "int8_mb" in row else f"{row['mb']:.1f} MB safetensors" if "mb" in row else "")
             secs = f"{row['seconds']:.0f}" if "seconds" in row else ""
-            lines.append(f"| {name} | {row['ppl']:.3f} | {gap} | {size} | {secs} |")
+            lines.append(f"| {name} | {row['ppl']:.3f} | {gap} | {params} | {size} | {secs} |")
         lines.append("")
     if "throughput" in out:
         tp = out["throughput"]
