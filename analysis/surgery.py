@@ -196,7 +196,7 @@ def select_heads(hw: HeadWeights, heads: list[int], kv_heads: list[int]) -> Head
     allowed: an expanded KV head is a copy). Shapes [H', d, D], [H_kv', d, D], O's bias as is."""
     q_idx = torch.as_tensor(heads, dtype=torch.long)          # [H']
     kv_idx = torch.as_tensor(kv_heads, dtype=torch.long)      # [H_kv']
-    pick = lambda t, idx: None if t is None else t.index_select(0, idx).clone()  # noqa: E731
+    pick = lambda t, idx: None if t is None else t.index_select(0, idx)  # noqa: E731  (new memory)
     return HeadWeights(q=pick(hw.q, q_idx), k=pick(hw.k, kv_idx), v=pick(hw.v, kv_idx), o=pick(hw.o, q_idx),
                        q_bias=pick(hw.q_bias, q_idx), k_bias=pick(hw.k_bias, kv_idx),
                        v_bias=pick(hw.v_bias, kv_idx),
