@@ -7,13 +7,14 @@ computes (`analysis.head_gates.head_mask` with the same mask). The input model i
 
 Memory (weight sharing): the twin (`structural_twin`) has new module objects and its own config
 (and every other piece of Python state), but every parameter and buffer is SHARED with the input
-model: a parameter becomes a new `nn.Parameter` over the same storage (so `requires_grad_`,
-`.to()` / `.half()` on the twin rebind the twin's own objects and leave the original alone), a
-buffer is the same tensor object. Surgery then replaces only the projections that change, so
-its extra memory is those new projections, not a second model. accelerate's dispatch state
-(`_hf_hook`s) gets new hook objects that share the offloaded-weight and tied-parameter maps
-(`resize.dispatch_shared`): copying them would copy the offloaded weights. Other plain tensor
-attributes of modules (rare, small) are copied.
+model: a plain parameter becomes a new `nn.Parameter` over the same storage (so `requires_grad_`,
+`.to()` / `.half()` on the twin rebind the twin's own objects and leave the original alone); a
+buffer, or a parameter subclass with state of its own (quantized), is the same tensor object.
+Surgery then replaces only the projections that change, so its extra memory is those new
+projections, not a second model. accelerate's dispatch state (`_hf_hook`s) gets new hook
+objects that share the offloaded-weight and tied-parameter maps (`resize.dispatch_shared`):
+copying them would copy the offloaded weights. Other plain tensor attributes of modules (rare,
+small) are copied.
 Writing into the twin's untouched tensors in place (an optimizer step, `zero_heads`, LoRA
 merges) would write into the original: anything that trains or edits a pruned model must own
 its weights first: `prune_heads(..., share=False)` or `own_tensors(model, original)` (the one
@@ -244,11 +245,12 @@ def predicted_counts(model: nn.Module, pruned, *, kv_policy: str = "auto", seq_l
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """What the twin holds for one of the model's tensors: a parameter becomes a new parameter
-    object of the same class over the same storage (as torch's `Parameter.__deepcopy__` builds
-    it, without the clone); a buffer is shared as is."""
-    if isinstance(tensor, nn.Parameter):
-        return type(tensor)(tensor.data, tensor.requires_grad)
+    """What the twin holds for one of the model's tensors: a plain parameter becomes a new
+    parameter over the same storage (as torch's `Parameter.__deepcopy__` builds it, without the
+    clone); a buffer, or a parameter subclass with state of its own (quantized weights), is
+    shared as the same object."""
+    if type(tensor) is nn.Parameter:
+        return nn.Parameter(tensor.data, tensor.requires_grad)
     return tensor
 
 
@@ -291,9 +293,7 @@ def own_tensors(model: nn.Module, others: nn.Module | Iterable[nn.Module]) -> nn
 
     def owned(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in copies:
-            fresh = tensor.detach().clone(memory_format=torch.preserve_format)
-            copies[id(tensor)] = (type(tensor)(fresh, tensor.requires_grad)
-                                  if isinstance(tensor, nn.Parameter) else fresh)
+            copies[id(tensor)] = copy.deepcopy(tensor)      # what a deep copy of the model would hold
         return copies[id(tensor)]
 
     for module in model.modules():
