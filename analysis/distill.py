@@ -1,9 +1,11 @@
 """Recovery by knowledge distillation: the dense model teaches the pruned one.
 
-`distill(teacher, student, data, config)` trains `student` (a pruned copy you own: physically
+`distill(teacher, student, data, config)` trains `student` (a pruned copy: physically
 smaller from `surgery.prune_heads`, or full-shape under a head mask given as `gates`) to match
 `teacher` (the dense model; only run forward, never changed) on token sequences cut from the
-calibration text. The loss is a table keyed by the teacher's kind (`LOSSES`):
+calibration text. A student that shares tensors with the teacher (a `prune_heads` twin shares
+every untouched weight) first gets its own copies of them (`surgery.own_tensors`), so training
+never writes into the teacher. The loss is a table keyed by the teacher's kind (`LOSSES`):
 - "causal-lm" / "masked-lm": T^2 * KL(softmax(t/T) || softmax(s/T)) over the vocabulary at every
   position, + ce_weight * the next-token NLL (causal LMs only; analysis.loss.next_token_nll),
   + hidden_weight * the mean MSE of the hidden states of every layer;
@@ -45,6 +47,7 @@ from .loss import next_token_nll
 from .models import mean_pool
 from .progress import Progress, ShouldStop, check_stop, report
 from .scoring import as_subject
+from .surgery import own_tensors
 from .text import calibration_text, tokenize
 
 OnStep = Callable[[dict], None] | None
@@ -313,7 +316,8 @@ def _autocast(config: DistillConfig, device: torch.device):
 def distill(teacher, student: nn.Module, data=None, config: DistillConfig = DistillConfig(), *,
             gates=None, checkpoint_dir=None, resume: bool = False, merge: bool = True,
             progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None) -> DistillResult:
-    """Train `student` (changed in place; pass a copy you own) to imitate `teacher`.
+    """Train `student` (changed in place: a pruned copy; any tensor it shares with the teacher is
+    copied first, `surgery.own_tensors`) to imitate `teacher`.
 
     teacher: LoadedModel (its kind and tokenizer are used) or nn.Module. data: token ids
     [n, T], text, or None (the built-in calibration split). gates: [L, H] head mask applied to
@@ -328,6 +332,7 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     if student is subject.model:
         raise InputError("The student must be a pruned copy of the teacher, not the teacher itself (the dense "
                          "model is never trained).")
+    own_tensors(student, subject.model)     # a weight-sharing prune_heads twin gets its own copies first
     ids = (check_sequences(data, config) if isinstance(data, torch.Tensor)
            else training_sequences(subject.tokenizer, data, config))       # [n, T]
     t_vocab = subject.model.config.get_text_config().vocab_size

@@ -136,10 +136,11 @@ class PipelineResult:
     def final_metric(self) -> float:
         return self.accepted[-1].metric if self.accepted else self.dense_metric
 
-    def smaller(self, kv_policy: str | None = None):
-        """(physically pruned model, HeadLayout with the rounds) of the final model."""
+    def smaller(self, kv_policy: str | None = None, *, share: bool = True):
+        """(physically pruned model, HeadLayout with the rounds) of the final model. share=True: its
+        untouched weights are `self.model`'s (read-only use); share=False to train or edit it."""
         return prune_heads(self.model, self.pruned, kv_policy=kv_policy or self.config.kv_policy,
-                           rounds=self.head_rounds)
+                           rounds=self.head_rounds, share=share)
 
     def as_dict(self) -> dict:
         return {"metric": self.metric, "dense": self.dense_metric, "final": self.final_metric,

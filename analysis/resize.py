@@ -343,6 +343,24 @@ def empty_attention(adapter: Adapter, model: nn.Module, layer: int, head_dim: in
     o_path = adapter.family.layout.o if not spec.core else ""
     _install_surgery_state(core, _SurgeryState(spec=spec, empty=True, head_dim=head_dim, o_path=o_path))
 
+# accelerate's dispatch hooks (`module._hf_hook`, a hook or a SequentialHook of `.hooks`) hold
+# the offloaded weights (`weights_map`: a state dict or memory-mapped files) and one map of tied
+# parameters per model (`tied_params_map`); a structural twin shares these, never copies them.
+_HOOK_SHARED_ATTRS = ("weights_map", "tied_params_map")
+
+
+def dispatch_shared(model: nn.Module) -> list[object]:
+    """accelerate's per-model data objects that `surgery.structural_twin` must share with the
+    original instead of deep-copying (the twin gets new hook objects pointing at them)."""
+    shared = []
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for part in getattr(hook, "hooks", (hook,)) if hook is not None else ():
+            shared.extend(value for name in _HOOK_SHARED_ATTRS
+                          if (value := getattr(part, name, None)) is not None)
+    return shared
+
+
 def stock_config(adapter: Adapter, config, n_heads: int, n_kv_heads: int, head_dim: int):
     """A copy of `config` from which stock Hugging Face code builds every layer with n_heads
     query heads, n_kv_heads KV heads of size head_dim; UnsupportedModelError where it cannot."""

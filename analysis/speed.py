@@ -275,7 +275,8 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
             progress: Progress | None = None, should_stop: ShouldStop | None = None) -> SpeedReport:
     """Measure dense vs masked vs physically pruned for the mask `pruned` [L, H] (see module doc).
 
-    `model` is not changed (the mask hooks are removed after each call; surgery works on a copy)."""
+    `model` is not changed (the mask hooks are removed after each call; surgery builds a twin that
+    shares its untouched weights, only run forward here)."""
     report = progress or no_progress
     adapter = adapter_for(model)
     g = adapter.geometry(model)

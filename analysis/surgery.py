@@ -1,9 +1,25 @@
 """Model surgery: physically remove pruned heads from a copy of a model.
 
-`prune_heads(model, pruned)` deep-copies the model and, per layer, keeps only the Q rows and O
-columns of the kept query heads and the K/V rows of the KV heads they still use, so the copy has
-smaller projections and per-layer head counts and computes what the masked model computes
-(`analysis.head_gates.head_mask` with the same mask). The input model is never changed.
+`prune_heads(model, pruned)` makes a structural twin of the model and, per layer, keeps only the
+Q rows and O columns of the kept query heads and the K/V rows of the KV heads they still use, so
+the twin has smaller projections and per-layer head counts and computes what the masked model
+computes (`analysis.head_gates.head_mask` with the same mask). The input model is never changed.
+
+Memory (weight sharing): the twin (`structural_twin`) has new module objects and its own config
+(and every other piece of Python state), but every parameter and buffer is SHARED with the input
+model: a plain parameter becomes a new `nn.Parameter` over the same storage (so `requires_grad_`,
+`.to()` / `.half()` on the twin rebind the twin's own objects and leave the original alone); a
+buffer, or a parameter subclass with state of its own (quantized), is the same tensor object.
+Surgery then replaces only the projections that change, so its extra memory is those new
+projections, not a second model. accelerate's dispatch state (`_hf_hook`s) gets new hook
+objects that share the offloaded-weight and tied-parameter maps (`resize.dispatch_shared`):
+copying them would copy the offloaded weights. Other plain tensor attributes of modules (rare,
+small) are copied.
+Writing into the twin's untouched tensors in place (an optimizer step, `zero_heads`, LoRA
+merges) would write into the original: anything that trains or edits a pruned model must own
+its weights first: `prune_heads(..., share=False)` or `own_tensors(model, original)` (the one
+place that un-shares; `analysis.distill.distill` calls it on every student). `in_place=True`
+reshapes the given model itself (the caller gives it up; no twin at all).
 
 GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):
 - a KV group whose query heads are all pruned loses its K/V rows;
@@ -28,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -180,7 +197,7 @@ def select_heads(hw: HeadWeights, heads: list[int], kv_heads: list[int]) -> Head
     allowed: an expanded KV head is a copy). Shapes [H', d, D], [H_kv', d, D], O's bias as is."""
     q_idx = torch.as_tensor(heads, dtype=torch.long)          # [H']
     kv_idx = torch.as_tensor(kv_heads, dtype=torch.long)      # [H_kv']
-    pick = lambda t, idx: None if t is None else t.index_select(0, idx).clone()  # noqa: E731
+    pick = lambda t, idx: None if t is None else t.index_select(0, idx)  # noqa: E731  (new memory)
     return HeadWeights(q=pick(hw.q, q_idx), k=pick(hw.k, kv_idx), v=pick(hw.v, kv_idx), o=pick(hw.o, q_idx),
                        q_bias=pick(hw.q_bias, q_idx), k_bias=pick(hw.k_bias, kv_idx),
                        v_bias=pick(hw.v_bias, kv_idx),
@@ -190,8 +207,10 @@ def select_heads(hw: HeadWeights, heads: list[int], kv_heads: list[int]) -> Head
 def apply_layout(model: nn.Module, layout: HeadLayout, *, adapter: Adapter | None = None) -> nn.Module:
     """Reshape `model` IN PLACE to `layout`, keeping the selected heads' current weights.
 
-    On a model that still has the original shapes (a copy you own, or one freshly built from the
-    original config before loading a pruned checkpoint's weights). Returns `model`."""
+    On a model that still has the original shapes (a copy you own or a `structural_twin`, or one
+    freshly built from the original config before loading a pruned checkpoint's weights). Only
+    the resized layers' projections are replaced (new modules); no tensor is written in place.
+    Returns `model`."""
     adapter = adapter or adapter_for(model)
     resize.surgery_spec(adapter)                # UnsupportedModelError before touching anything
     geometry = adapter.geometry(model)
@@ -225,11 +244,75 @@ def predicted_counts(model: nn.Module, pruned, *, kv_policy: str = "auto", seq_l
                           dtype_bytes=next(model.parameters()).element_size())
 
 
-def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,
-                kv_policy: str = "auto", rounds=None) -> tuple[nn.Module, HeadLayout]:
-    """A physically smaller deep copy of `model` without the heads where pruned [L, H] is True.
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """What the twin holds for one of the model's tensors: a plain parameter becomes a new
+    parameter over the same storage (as torch's `Parameter.__deepcopy__` builds it, without the
+    clone); a buffer, or a parameter subclass with state of its own (quantized weights), is
+    shared as the same object."""
+    if type(tensor) is nn.Parameter:
+        return nn.Parameter(tensor.data, tensor.requires_grad)
+    return tensor
+
+
+def structural_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose modules, config and other Python state are new while every
+    parameter and buffer shares the original's storage (see the module doc; ties are kept:
+    a tensor reached twice maps to one alias). Costs no tensor memory; `model` is not changed."""
+    memo: dict[int, object] = {}
+    for module in model.modules():
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None and id(tensor) not in memo:
+                memo[id(tensor)] = _alias(tensor)
+    for shared in resize.dispatch_shared(model):
+        memo[id(shared)] = shared
+    return copy.deepcopy(model, memo)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(device, storage address) of a tensor with memory; None for meta / empty storage."""
+    if tensor.device.type == "meta":
+        return None
+    address = tensor.untyped_storage().data_ptr()
+    return (str(tensor.device), address) if address else None
+
+
+def shared_tensors(model: nn.Module, other: nn.Module) -> list[str]:
+    """Names of `model`'s parameters and buffers whose storage is also used by `other`'s."""
+    theirs = {_storage_key(t) for t in (*other.parameters(), *other.buffers())} - {None}
+    named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return [name for name, t in named if _storage_key(t) in theirs]
+
+
+def own_tensors(model: nn.Module, others: nn.Module | Iterable[nn.Module]) -> nn.Module:
+    """Give `model` its own copy of every parameter and buffer whose storage it shares with
+    `others` (a model or several), so training or editing `model` in place cannot change them.
+    Tied tensors stay tied; tensors already owned are left alone. Returns `model` (changed)."""
+    others = [others] if isinstance(others, nn.Module) else list(others)
+    theirs = {_storage_key(t) for o in others for t in (*o.parameters(), *o.buffers())} - {None}
+    copies: dict[int, torch.Tensor] = {}
+
+    def owned(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            copies[id(tensor)] = copy.deepcopy(tensor)      # what a deep copy of the model would hold
+        return copies[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and _storage_key(tensor) in theirs:
+                    table[name] = owned(tensor)
+    return model
+
+
+def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None, kv_policy: str = "auto",
+                rounds=None, share: bool = True, in_place: bool = False) -> tuple[nn.Module, HeadLayout]:
+    """A physically smaller copy of `model` without the heads where pruned [L, H] is True.
 
     The copy computes what `head_mask(model, 1 - pruned)` computes; `model` is not changed.
+    share=True (default): the copy is a `structural_twin`: every untouched parameter and buffer
+    is the original's storage (read-only use: evaluation, timing, export); share=False: the
+    copy owns all its weights (`own_tensors`; for training). in_place=True: `model` itself is
+    reshaped and returned (the caller gives up the original; `share` does not matter).
     rounds: optional int [L, H], the round of an iterative run that pruned each head (0 = kept),
     recorded in the layout. Returns (pruned_model, layout)."""
     adapter = adapter or adapter_for(model)
@@ -239,5 +322,7 @@ def prune_heads(model: nn.Module, pruned, *, adapter: Adapter | None = None,
     if rounds is not None:
         layout.rounds = np.asarray(rounds, dtype=np.int64).tolist()
         layout.validate()
-    twin = copy.deepcopy(model)
-    return apply_layout(twin, layout, adapter=adapter), layout
+    if in_place:
+        return apply_layout(model, layout, adapter=adapter), layout
+    twin = apply_layout(structural_twin(model), layout, adapter=adapter)
+    return (twin if share else own_tensors(twin, model)), layout

@@ -12,13 +12,22 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def alternate_times(fns: dict, repeats: int, warm: bool = True, collect: bool = False) -> dict:
+def timed_call(fn) -> tuple[float, object]:
+    """(seconds one call of fn() takes, its result): freeing the result is not timed."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def alternate_times(fns: dict, repeats: int, warm: bool = True, collect: bool = False,
+                    untimed_free: bool = False) -> dict:
     """{label: [seconds per round]} for callables run alternately (order flipped every round).
 
     collect=True runs a garbage collection before every timed call (not timed), so one contender
     does not pay for the garbage the other left (e.g. a freed 500 MB model: without it, whichever
     call came first in a round was ~2x slower). Leave it off for sub-millisecond calls, where it
-    leaves the caches cold."""
+    leaves the caches cold. untimed_free=True frees each call's result after its time is taken
+    (for calls that build a model: freeing it is not part of building it)."""
     if warm:
         for fn in fns.values():
             fn()
@@ -28,7 +37,7 @@ def alternate_times(fns: dict, repeats: int, warm: bool = True, collect: bool = 
         for label, fn in items if i % 2 == 0 else items[::-1]:
             if collect:
                 gc.collect()
-            times[label].append(timed(fn))
+            times[label].append(timed_call(fn)[0] if untimed_free else timed(fn))
     return times
 
 

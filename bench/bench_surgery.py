@@ -16,14 +16,32 @@ Masks (MP-G scores, z = 2.0; 135 of 270 heads each):
   group-aligned  1 KV group (3 heads) pruned in even layers, 2 groups in odd (lowest group sums)
   global         the plain global ranking at sparsity 0.5 (per-layer counts vary)
 
+Surgery cost (first, per mask): `prune_heads` (a structural twin: untouched tensors shared)
+against a deep copy then `apply_layout` of the same layout (what prune_heads did before).
+- memory: peak RSS growth during the call (VmHWM reset just before, minus the RSS before; the
+  result is still alive at the peak read), with glibc's mmap threshold pinned so freed tensors
+  go back to the OS (bench/_memory.py), over the model's tensor bytes (unique storages);
+  "new" is the exact count of tensor bytes the result does not share with the original. SmolLM2
+  is deep-copied into anonymous memory first (load_model memory-maps its cached checkpoint,
+  whose file pages would fault in during the first call that reads them).
+  Also shown: share=False (the twin then owns every weight: the training path) and
+  in_place=True on a copy made beforehand (its growth: new projections minus the freed ones).
+  target: prune_heads peak growth / model <= 0.3
+- time: prune_heads vs deep copy + apply_layout, alternating order every round, a garbage
+  collection before and the result freed after each timed call (bench/_timing.py); ratio =
+  median over rounds of deep-copy time / prune_heads time. target >= 2x
+
 Usage: .venv/bin/python bench/bench_surgery.py [--threads 1] [--repeats 9] [--seq 512] [--full]
        [--tiny]   (a 4-layer random Llama instead of SmolLM2, for developing the script)
+       [--cost-only]   (only the surgery cost, no prefill timing)
 --masks uniform,global picks masks; --full adds analysis.speed.measure's report for the first
 mask (prefill 128/512/1024, decode).
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,9 +57,13 @@ from analysis.scoring import MPGScorer  # noqa: E402
 from analysis.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
                             saving_ratio, torch_threads)
 from analysis.head_gates import gates_from_mask  # noqa: E402
-from analysis.surgery import prune_heads  # noqa: E402
+from analysis.surgery import HeadLayout, apply_layout, prune_heads  # noqa: E402
+from bench._memory import fixed_mmap_threshold, peak_growth  # noqa: E402
+from bench._timing import alternate_times  # noqa: E402
 
 PASS_FRACTION = 0.70
+MEMORY_TARGET = 0.30        # prune_heads peak RSS growth / model tensor bytes
+SPEEDUP_TARGET = 2.0        # deep copy + apply_layout time / prune_heads time
 
 
 def load(tiny: bool):
@@ -53,7 +75,10 @@ def load(tiny: bool):
         return "tiny-llama", AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).eval()
     from analysis.models import load_model
     lm = load_model("smollm2-135m")
-    return lm.name, lm.model
+    # load_model memory-maps its cached checkpoint: file-backed pages fault in on first read (and
+    # the kernel may drop them), which the RSS would count against whichever call reads first. A
+    # deep copy holds every weight in anonymous memory, as any model built in RAM does.
+    return lm.name, copy.deepcopy(lm.model)
 
 
 def masks(scores: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
@@ -73,6 +98,54 @@ def masks(scores: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _storages(model) -> dict[int, int]:
+    """{storage address: bytes} of every parameter and buffer (tied tensors once)."""
+    tensors = (*model.parameters(), *model.buffers())
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def surgery_cost(model, chosen: dict[str, np.ndarray], adapter, repeats: int, threads: int, pinned: bool) -> int:
+    """Print the memory and time of prune_heads vs deep copy + apply_layout per mask (see the
+    module doc); returns the number of targets missed."""
+    size = sum(_storages(model).values())
+    g = adapter.geometry(model)
+    print(f"surgery cost: model tensors {size / 2**20:.0f} MiB; peak RSS growth per call / model tensor bytes "
+          f"(glibc mmap threshold pinned: {pinned}); time: {repeats} alternating rounds + 1 warm-up, "
+          f"torch threads {threads}")
+    header = (f"{'mask':14} {'new/model':>9} {'peak: twin':>10} {'deep copy':>9} {'share=False':>11} "
+              f"{'in_place':>8} {'verdict':>7} | {'twin ms':>7} {'deep ms':>7} {'deep/twin':>9} {'verdict':>7}")
+    print(header)
+    print("-" * len(header))
+    missed = 0
+    for label, pruned in chosen.items():
+        layout = HeadLayout.from_mask(pruned, g, adapter.model_type)
+        calls = {"twin": lambda p=pruned: prune_heads(model, p, adapter=adapter),
+                 "deep": lambda lay=layout: apply_layout(copy.deepcopy(model), lay, adapter=adapter),
+                 "own": lambda p=pruned: prune_heads(model, p, adapter=adapter, share=False)}
+        growth = {}
+        for name, call in calls.items():
+            growth[name], result = peak_growth(call)
+            if name == "twin":
+                original = _storages(model)
+                new = sum(n for ptr, n in _storages(result[0]).items() if ptr not in original)
+            del result
+        victim = copy.deepcopy(model)
+        growth["in_place"], result = peak_growth(lambda: prune_heads(victim, pruned, adapter=adapter, in_place=True))
+        del result, victim
+        with torch_threads(threads):
+            times = alternate_times({k: calls[k] for k in ("twin", "deep")}, repeats, collect=True, untimed_free=True)
+        ratio = statistics.median(d / t for d, t in zip(times["deep"], times["twin"]))
+        memory_ok, time_ok = growth["twin"] / size <= MEMORY_TARGET, ratio >= SPEEDUP_TARGET
+        missed += (not memory_ok) + (not time_ok)
+        ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        print(f"{label:14} {new / size:>9.3f} {growth['twin'] / size:>10.3f} {growth['deep'] / size:>9.3f} "
+              f"{growth['own'] / size:>11.3f} {growth['in_place'] / size:>8.3f} {'PASS' if memory_ok else 'FAIL':>7} | "
+              f"{ms['twin']:>7.0f} {ms['deep']:>7.0f} {ratio:>9.2f} {'PASS' if time_ok else 'FAIL':>7}")
+    print(f"targets: twin peak growth / model <= {MEMORY_TARGET}, deep copy time / twin time >= {SPEEDUP_TARGET}; "
+          f"'new/model' = tensor bytes the twin does not share (exact count)\n")
+    return missed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -80,10 +153,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--cost-only", dest="cost_only", action="store_true", help="only the surgery cost")
     ap.add_argument("--masks", default="uniform,group-aligned,global",
                     help="comma-separated subset of: uniform, group-aligned, global")
     args = ap.parse_args(argv)
 
+    pinned = fixed_mmap_threshold()            # before the model's allocations (bench/_memory.py)
     name, model = load(args.tiny)
     adapter = adapter_for(model)
     g = adapter.geometry(model)
@@ -93,6 +168,9 @@ def main(argv=None) -> int:
 
     print(f"model {name}: {g.n_layers} layers x {g.n_heads} heads ({g.n_kv_heads} KV), "
           f"{count_parameters(model) / 1e6:.1f}M parameters; attention {model.config._attn_implementation}")
+    missed = surgery_cost(model, chosen, adapter, args.repeats, args.threads, pinned)
+    if args.cost_only:
+        return 1 if missed else 0
     print(f"prefill {args.seq} tokens, batch 1, torch threads {args.threads}; per mask, dense / masked / pruned "
           f"run in rotating order, 1 warm-up round + {args.repeats} timed rounds; ratios are medians over rounds "
           f"of within-round ratios (wall clock, and process CPU time)\n")
@@ -150,7 +228,7 @@ def main(argv=None) -> int:
               f"{report.kv_cache['cache_values_per_token_before']} -> {report.kv_cache['cache_values_per_token_after']}")
         if report.skipped:
             print(f"  skipped: {report.skipped}")
-    return 1 if failures else 0
+    return 1 if failures or missed else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Cached calls into `analysis/`: the model by name, its norm profile once, scores by parameters.
 
 - `load(name, trust)`: `st.cache_resource`, one shared LoadedModel per (name, trust). Nobody
-  mutates it: masks are hooks inside `analysis.head_gates.head_mask`, surgery works on a copy.
+  mutates it: masks are hooks inside `analysis.head_gates.head_mask`, surgery builds a twin that
+  shares the untouched weights and only reads them (distillation un-shares its student first).
 - `profile(name, trust)`: `st.cache_resource`, the row norms, computed once per model. Moving z
   or the sparsity never recomputes them (everything z-dependent is an array op on this).
 - `scores(name, trust, scorer, params)`: `st.cache_data`, keyed by model name, scorer and its
