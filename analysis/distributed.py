@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 import sys
 import threading
@@ -148,7 +149,7 @@ class Team:
             try:
                 dist.all_gather_object(out, on_cpu(obj), group=self.group)
             except (RuntimeError, ConnectionError, OSError) as err:   # torch.distributed.DistError is a RuntimeError
-                raise DistributedError(self.lost_message(what, first_line(err))) from None
+                raise DistributedError(self.lost_message(what, backend_reason(err))) from None
         return out
 
     def barrier(self, what: str = "the end of the run") -> None:
@@ -183,6 +184,13 @@ class Team:
 
 
 SOLO = Team()
+
+
+def backend_reason(err: BaseException) -> str:
+    """The first sentence of a backend's error, without its source-file prefix ("[.../pair.cc:553] ")."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().splitlines()[0] if str(err).strip() else "")
+    sentence = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0]
+    return sentence[:160] or type(err).__name__
 
 
 def on_cpu(obj):

@@ -140,3 +140,14 @@ def test_bad_timeouts_are_input_errors(text):
         distributed.timeout_seconds({distributed.TIMEOUT_ENV: text})
     assert distributed.timeout_seconds({}) == distributed.DEFAULT_TIMEOUT_S
     assert distributed.team({"WORLD_SIZE": "1"}) is distributed.SOLO
+
+
+def test_gpu_check_quick_cpu_mode_runs_every_item_but_the_launch():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--skip-multiprocess", "--dtypes", "float32,bfloat16"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=LAUNCH_LIMIT_S, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    out = proc.stdout
+    for item in ("[exactness]", "[scoring]", "[perplexity]", "[ablation]", "[prefill]", "[multiprocess]"):
+        assert item in out
+    assert out.count("-> PASS") >= 2 and "0 failed" in out       # float32 and bfloat16 exactness
