@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         options.quiet = options.quiet or not team.is_main
         loaded = load_model(args.model, cache_dir=args.cache_dir)
-        text, _ = run(loaded, options, team)
+        text, _ = run(loaded, options, team=team)
         if team.is_main:
             # the recovery section belongs to bench/bench_recovery.py --write-docs: keep it as it is
             kept = marked_section(args.out, *RECOVERY_MARKERS)
