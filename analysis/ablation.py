@@ -20,6 +20,11 @@ ablation inside layers >= l:
 `naive_sweep` is the reference: one full masked forward per head. Both take ids [n, T].
 The LM head's cost (one vocabulary projection per ablation) cannot be shared; `timings` says
 where time went.
+
+Multi-process (`team`, analysis.distributed): every process runs the dense pass, then the layers
+are split (the fast sweep's work per layer is L - l layer passes: heaviest first to the least
+loaded process); each layer's deltas are computed exactly as in one process and gathered in
+layer order, so the result is the single-process one number for number.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 
 from .adapters import adapter_for
+from .distributed import SOLO, Team
 from .errors import InputError
 from .evaluation import default_text, evaluator_for, gate_batch, token_ids
 from .geometry import HeadGeometry
@@ -110,10 +116,11 @@ def naive_layer_deltas(model, x: torch.Tensor, layer: int, base_loss: float, *, 
 
 @torch.no_grad()
 def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progress | None = None,
-                should_stop: ShouldStop | None = None) -> AblationResult:
+                should_stop: ShouldStop | None = None, team: Team | None = None) -> AblationResult:
     """Reference: one full forward per ablated head (and per KV group), same loss as the fast sweep.
 
-    layers: which layers to sweep (default all); rows of other layers are NaN."""
+    layers: which layers to sweep (default all); rows of other layers are NaN. team: the
+    processes that split the layers (module docstring)."""
     x = as_sequences(ids)                                                # [n, T]
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
@@ -121,9 +128,14 @@ def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progr
     base = full_forward_loss(model, x)
     todo = layer_list(geo, layers)
     out = np.full((geo.n_layers, ablation_gates(geo, 0, groups=groups).shape[0]), np.nan)  # [L, R]
-    for i, l in enumerate(todo):
-        out[l] = naive_layer_deltas(model, x, l, base, groups=groups, should_stop=should_stop)
-        report(progress, (i + 1) / len(todo), f"naive ablation: layer {l + 1}/{geo.n_layers}")
+
+    def run(i: int) -> np.ndarray:
+        deltas = naive_layer_deltas(model, x, todo[i], base, groups=groups, should_stop=should_stop)  # [R]
+        report(progress, (i + 1) / len(todo), f"naive ablation: layer {todo[i] + 1}/{geo.n_layers}")
+        return deltas
+
+    for l, deltas in zip(todo, (team or SOLO).map(run, len(todo), what="the ablation sweep")):
+        out[l] = deltas
     H = geo.n_heads
     return AblationResult(base, out[:, :H], out[:, H:] if out.shape[1] > H else None,
                           int(x[:, 1:].numel()), "loss", "naive", {"total": time.perf_counter() - t0})
@@ -366,8 +378,9 @@ class FastAblation:
         return out
 
     def sweep(self, model, ids, *, layers=None, progress: Progress | None = None,
-              should_stop: ShouldStop | None = None) -> AblationResult:
-        """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN)."""
+              should_stop: ShouldStop | None = None, team: Team | None = None) -> AblationResult:
+        """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN);
+        `team` splits the layers over the processes of a launch (module docstring)."""
         x = as_sequences(ids)                                            # [n, T]
         geo = adapter_for(model).geometry(model)
         todo = layer_list(geo, layers)
@@ -375,19 +388,27 @@ class FastAblation:
         prep = self.prepare(model, x)
         if prep is None:
             result = naive_sweep(model, x, groups=self.groups, layers=layers, progress=progress,
-                                 should_stop=should_stop)
+                                 should_stop=should_stop, team=team)
             return AblationResult(result.base_loss, result.head_delta, result.group_delta, result.n_tokens,
                                   result.metric, "naive (tail after the last layer is not replayable)",
                                   result.timings)
         timings = {"prefix": prep.prefix_seconds, "layers": 0.0, "lm_head": 0.0}
         R = ablation_gates(geo, 0, groups=self.groups).shape[0]
         out = np.full((geo.n_layers, R), np.nan)                         # [L, R]
-        work = {l: geo.n_layers - l for l in todo}
+        work = [geo.n_layers - l for l in todo]                          # layer passes per swept layer
+        team = team or SOLO
+        mine = sum(work[i] for i in team.mine(len(todo), work))
         done = 0
-        for l in todo:
-            out[l] = self.layer_deltas(model, prep, l, timings, should_stop)
-            done += work[l]
-            report(progress, done / sum(work.values()), f"ablation sweep: layer {l + 1}/{geo.n_layers}")
+
+        def run(i: int) -> np.ndarray:
+            nonlocal done
+            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop)  # [R]
+            done += work[i]
+            report(progress, done / mine, f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}")
+            return deltas
+
+        for l, deltas in zip(todo, team.map(run, len(todo), weights=work, what="the ablation sweep")):
+            out[l] = deltas
         timings["total"] = time.perf_counter() - t0
         H = geo.n_heads
         return AblationResult(prep.base_loss, out[:, :H], out[:, H:] if R > H else None,
@@ -422,32 +443,36 @@ def split_sequences(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 256, seq_len: int = 256,
                   method: str = "fast", groups: bool = True, batch_size: int = 16,
-                  progress: Progress | None = None, should_stop: ShouldStop | None = None) -> AblationResult:
+                  progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                  team: Team | None = None) -> AblationResult:
     """Single-head ablation effects of `loaded` on `text` (None = built-in evaluation text).
 
     Causal LMs: next-token loss change (fast sweep, or method="naive"). Masked LMs: pseudo-NLL
     change; encoders: drop of embedding fidelity (1 - cosine); both evaluate all masks in
     batched passes of the evaluator. Uses the first `max_tokens` tokens split into sequences of
-    at most `seq_len`."""
+    at most `seq_len`. team: the processes of a launch that split the work (analysis.distributed)."""
     if method not in ("fast", "naive"):
         raise InputError(f"Unknown ablation method {method!r}; use 'fast' or 'naive'.")
     text = default_text() if text is None else text
     if loaded.kind == "causal-lm":
         x = split_sequences(token_ids(loaded.tokenizer, text, max_tokens=max_tokens), seq_len)  # [n, T]
         if method == "naive":
-            return naive_sweep(loaded.model, x, groups=groups, progress=progress, should_stop=should_stop)
-        return FastAblation(batch_size, groups).sweep(loaded.model, x, progress=progress, should_stop=should_stop)
-    return _evaluator_sweep(loaded, text, max_tokens, groups, batch_size, progress, should_stop)
+            return naive_sweep(loaded.model, x, groups=groups, progress=progress, should_stop=should_stop,
+                               team=team)
+        return FastAblation(batch_size, groups).sweep(loaded.model, x, progress=progress, should_stop=should_stop,
+                                                      team=team)
+    return _evaluator_sweep(loaded, text, max_tokens, groups, batch_size, progress, should_stop, team)
 
 
-def _evaluator_sweep(loaded, text, max_tokens, groups, batch_size, progress, should_stop) -> AblationResult:
+def _evaluator_sweep(loaded, text, max_tokens, groups, batch_size, progress, should_stop,
+                     team=None) -> AblationResult:
     model = loaded.model
     geo = adapter_for(model).geometry(model)
     ev = evaluator_for(loaded.kind, batch_size=batch_size)
     inputs = ev.prepare(loaded.tokenizer, text, max_tokens)
     gates = torch.cat([torch.ones(1, geo.n_layers, geo.n_heads)] +
                       [ablation_gates(geo, l, groups=groups) for l in range(geo.n_layers)])  # [1+L*R, L, H]
-    res = ev.measure(model, inputs, gate_batch(model, gates), progress=progress, should_stop=should_stop)
+    res = ev.measure(model, inputs, gate_batch(model, gates), progress=progress, should_stop=should_stop, team=team)
     if res.mean_nll is not None:
         vals, metric = res.mean_nll, "pseudo-nll"                       # [1+L*R]
     else:

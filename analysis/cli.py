@@ -4,6 +4,7 @@ Commands built in here:
     score   scores of one scorer for every head           (JSON: metadata + [L, H] scores; CSV: layer,head,score)
     mask    the mask at a sparsity, with its summary      (CSV: layer,head,score,rank,pruned)
     sweep   MP / MP-G metric vs z at a fixed sparsity     (CSV: one row per z)
+    ablate  single-head (and KV-group) ablation sweep     (CSV: layer,head,kv_group,delta,group_delta)
     evaluate  perplexity (or the kind's metric) dense and under the mask
     export  the pruned model in one of four formats, plus mask.json
     pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/pipeline.py)
@@ -24,6 +25,12 @@ and exit with status 2. --out is checked before any work and written atomically
 (`analysis.atomic`): a full disk or a kill never leaves a truncated file or destroys the old one.
 SIGTERM is handled like Ctrl-C (temporary files and folders are removed; exit status 130).
 Custom model code runs only with --trust-remote-code; transformers never prompts for it.
+
+Multi-process (`accelerate launch --multi_gpu --num_processes N -m analysis <command> ...` or torchrun;
+docs/DISTRIBUTED.md): commands registered with distributed=True (score, mask, sweep, evaluate,
+ablate) split their forward passes over the processes (analysis.distributed) and give the
+single-process numbers; the other commands run on rank 0 alone. Only rank 0 draws progress and
+writes the result; a lost process ends the run with one error line.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from typing import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from analysis import distributed
 from analysis.atomic import atomic_write, check_output_file
 from analysis.errors import HeadscopeError, InputError, first_line
 from analysis.masks import KV_POLICIES, POLICIES, plan_mask, summarize_mask
@@ -78,14 +86,21 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Runner
+    distributed: bool = False    # splits its work over the processes of a launch (ns.team); else rank 0 alone
 
 
 COMMANDS: dict[str, Command] = {}
 
 
-def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Runner) -> None:
-    """Add a subcommand."""
-    COMMANDS[name] = Command(name, help, add_arguments, run)
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Runner,
+             distributed: bool = False) -> None:
+    """Add a subcommand. distributed=True: `run` passes ns.team (analysis.distributed.Team) to the work."""
+    COMMANDS[name] = Command(name, help, add_arguments, run, distributed)
+
+
+def team_of(ns: argparse.Namespace) -> distributed.Team:
+    """The processes this command runs on (SOLO outside a launch)."""
+    return getattr(ns, "team", None) or distributed.SOLO
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +296,7 @@ def compute_scores(ns: argparse.Namespace):
 
         score_target = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
     with progress_bar(f"scoring ({ns.scorer})", not ns.quiet) as report:
-        scores = scorer.score(score_target, progress=report)
+        scores = scorer.score(score_target, progress=report, team=team_of(ns))
     return scores, loaded, info
 
 
@@ -400,7 +415,7 @@ def run_evaluate(ns):
     plan, scores, loaded, info = plan_from(ns)
     pruned = np.stack([np.zeros_like(plan.pruned), plan.pruned])  # [2, L, H]: dense, masked
     with progress_bar("evaluating", not ns.quiet) as report:
-        result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report)
+        result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report, team=team_of(ns))
     dense, masked = (float(v) for v in result.values)
     payload = dict(model=info, scorer=scores.name, params=scores.params, sparsity=ns.sparsity, policy=ns.policy,
                    metric=result.metric, higher_is_better=result.higher_is_better, n_tokens=result.n_tokens,
@@ -484,7 +499,7 @@ def run_sweep(ns):
         _, loaded, info = load_source(ns, report)
     resolve_scorer(ns, loaded.geometry.group_size)
     profile = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
-    calibration, evaluation, metric, higher = split_evaluators(loaded, max_tokens=ns.max_tokens)
+    calibration, evaluation, metric, higher = split_evaluators(loaded, max_tokens=ns.max_tokens, team=team_of(ns))
     zs = parse_floats(ns.z_values) if ns.z_values else None
     with progress_bar("z sweep", not ns.quiet) as report:
         result = sweep_z(profile, ns.sparsity, calibration, evaluation, zs=zs, scorer=ns.scorer,
@@ -494,10 +509,57 @@ def run_sweep(ns):
     return dict(model=info, scorer=ns.scorer, **result.as_dict()), result.rows()
 
 
-register("score", "score every head with one scorer", _score_arguments, run_score)
-register("mask", "the pruning mask at a sparsity, with its summary", _mask_arguments, run_mask)
-register("sweep", "MP / MP-G metric vs z at a fixed sparsity", _sweep_arguments, run_sweep)
-register("evaluate", "the model's metric dense and under the mask", _evaluate_arguments, run_evaluate)
+def _ablate_arguments(parser):
+    add_source_arguments(parser, streaming=False)
+    parser.add_argument("--text-file", dest="text_file", default=None,
+                        help="UTF-8 text to ablate on (default: the built-in evaluation split); only its first "
+                             "64 KiB + 64 bytes per --max-tokens token are read")
+    parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=256, help="tokens of text to use")
+    parser.add_argument("--seq-len", dest="seq_len", type=int, default=256,
+                        help="causal LMs: the tokens are cut into sequences of at most this length")
+    parser.add_argument("--method", choices=("fast", "naive"), default="fast",
+                        help="fast (prefix reuse, batched gates) or naive (one full forward per head); same numbers")
+    parser.add_argument("--no-groups", dest="groups", action="store_false",
+                        help="skip the KV-group ablations of GQA models")
+    parser.add_argument("--batch-size", dest="batch_size", type=int, default=16, help="sequences per forward pass")
+    add_output_arguments(parser)
+
+
+def run_ablate(ns):
+    """The metric change when each head alone (and each KV group) is removed."""
+    from analysis.ablation import head_ablation
+    from analysis.text import read_text_file, text_file_cap
+
+    for option in ("max_tokens", "seq_len", "batch_size"):
+        if getattr(ns, option) < (2 if option != "batch_size" else 1):
+            raise InputError(f"--{option.replace('_', '-')} must be at least {2 if option != 'batch_size' else 1}; "
+                             f"got {getattr(ns, option)}.")
+    text = None
+    if ns.text_file is not None:
+        text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    with progress_bar("ablation sweep", not ns.quiet) as report:
+        result = head_ablation(loaded, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len, method=ns.method,
+                               groups=ns.groups, batch_size=ns.batch_size, progress=report, team=team_of(ns))
+    G = loaded.geometry.group_size
+    L, H = result.head_delta.shape
+    rows = [dict(layer=l, head=h, kv_group=h // G, delta=float(result.head_delta[l, h]),
+                 group_delta=None if result.group_delta is None else float(result.group_delta[l, h // G]))
+            for l in range(L) for h in range(H)]
+    payload = dict(model=info, metric=result.metric, method=result.method, base=result.base_loss,
+                   n_tokens=result.n_tokens, processes=team_of(ns).world, head_delta=result.head_delta,
+                   group_delta=result.group_delta, seconds={k: round(v, 4) for k, v in result.timings.items()})
+    return payload, rows
+
+
+register("score", "score every head with one scorer", _score_arguments, run_score, distributed=True)
+register("mask", "the pruning mask at a sparsity, with its summary", _mask_arguments, run_mask, distributed=True)
+register("sweep", "MP / MP-G metric vs z at a fixed sparsity", _sweep_arguments, run_sweep, distributed=True)
+register("evaluate", "the model's metric dense and under the mask", _evaluate_arguments, run_evaluate,
+         distributed=True)
+register("ablate", "the metric change when each head alone (and each KV group) is removed", _ablate_arguments,
+         run_ablate, distributed=True)
 register("export", "write the pruned model (zeroed, pruned, stock or onnx) and mask.json", _export_arguments,
          run_export)
 
@@ -551,13 +613,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     out = getattr(ns, "out", None)
+    command = COMMANDS[ns.command]
+    team = distributed.SOLO
     try:
         with sigterm_as_interrupt():
+            team = ns.team = distributed.team()          # SOLO unless a launcher started several processes
+            if not team.is_main:
+                if not command.distributed:
+                    return 0                             # rank 0 runs this command alone
+                if hasattr(ns, "quiet"):
+                    ns.quiet = True                      # one set of progress bars: rank 0's
             if out is not None:
                 check_output_file(out, "--out")          # before any work: say now what is wrong with it
-            payload, rows = COMMANDS[ns.command].run(ns)
+            payload, rows = command.run(ns)
             text = render(payload, rows, getattr(ns, "format", "json"))
-            if out is not None:
+            if not team.is_main:
+                pass                                     # rank 0 alone writes the result
+            elif out is not None:
                 atomic_write(out, text, what="--out")
             else:
                 sys.stdout.write(text)
@@ -565,7 +637,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)   # one line, whatever the message holds
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C or SIGTERM); temporary files were removed and nothing was "
-              "half-written. Run the command again to finish it.", file=sys.stderr)
+        if team.is_distributed:
+            print(f"error: the {team.world}-process run was stopped ({team.describe()}): another process ended "
+                  f"(see the launcher's report) or the run was interrupted; nothing was written.", file=sys.stderr)
+        else:
+            print("error: interrupted (Ctrl-C or SIGTERM); temporary files were removed and nothing was "
+                  "half-written. Run the command again to finish it.", file=sys.stderr)
         return 130
+    finally:
+        distributed.leave(team)
     return 0

@@ -30,6 +30,10 @@ class OutputError(HeadscopeError):
     """A result could not be written (full disk, missing or read-only folder); nothing half-written is left."""
 
 
+class DistributedError(HeadscopeError):
+    """A multi-process run lost a process (it ended or stopped answering) or could not start."""
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """"Type: first line of its message" (just the type when it has none), to quote a library's error."""
     text = str(err).strip()

@@ -19,6 +19,11 @@ masking contract says). Long text is split into windows/chunks that fit the mode
 
 Also here: `sparsity_curve`, perplexity vs head sparsity for any [L, H] score array.
 
+Multi-process (`team`, analysis.distributed): each evaluator's forward passes are a fixed list of
+jobs (a batch of windows / chunks x a chunk of masks) built from the whole problem; the processes
+of a launch split the jobs, gather each job's per-row sums, and add them up in job order: every
+batch has the shape it has in one process, so the values are exactly the single-process ones.
+
 Bad input (documented handling): empty or whitespace-only text, non-UTF-8 bytes, text with
 fewer than two tokens, gates or masks of the wrong shape -> `InputError` saying what to do.
 Text longer than the context is windowed, never truncated to the context; `max_tokens` caps
@@ -37,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapters import adapter_for
+from .distributed import SOLO, Team
 from .errors import InputError
 from .head_gates import as_gates, gates_from_mask, head_mask
 from .loss import token_nll
@@ -190,18 +196,21 @@ class CausalPerplexity:
         return causal_windows(n_tokens, window, min(stride, window))
 
     def nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
-            progress: Progress | None = None, should_stop: ShouldStop | None = None) -> tuple[np.ndarray, int]:
+            progress: Progress | None = None, should_stop: ShouldStop | None = None,
+            team: Team | None = None) -> tuple[np.ndarray, int]:
         """Summed token NLL per mask [B] (float64) and the number of scored tokens.
 
         ids: [N] token ids; gates: [B, L, H] or None (dense, B = 1)."""
-        sums, counts = self.window_nll(model, ids, gates, progress=progress, should_stop=should_stop)
+        sums, counts = self.window_nll(model, ids, gates, progress=progress, should_stop=should_stop, team=team)
         return sums.sum(axis=1), int(counts.sum())
 
     @torch.no_grad()
     def window_nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
-                   progress: Progress = None, should_stop: ShouldStop = None) -> tuple[np.ndarray, np.ndarray]:
+                   progress: Progress = None, should_stop: ShouldStop = None,
+                   team: Team | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Summed token NLL per mask and window [B, W] (float64) and scored tokens per window [W]
-        (the windows of `plan`, in order): what a bootstrap over windows resamples."""
+        (the windows of `plan`, in order): what a bootstrap over windows resamples. `team`: the
+        processes that split the jobs (module docstring)."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)      # [N]
         if ids.numel() < 2:
             raise InputError("Perplexity needs at least two tokens; use a longer text.")
@@ -216,7 +225,9 @@ class CausalPerplexity:
                 for r in _chunks(len(idx), max(1, self.batch_size // min(B, self.batch_size)))
                 for mr in mask_chunks]
         sums = torch.zeros(B, len(windows), dtype=torch.float64)       # [B, W]
-        for j, ((length, m), idx, mr) in enumerate(jobs):
+
+        def run(j: int) -> torch.Tensor:
+            (length, m), idx, mr = jobs[j]
             check_stop(should_stop, "Perplexity")
             x = torch.stack([ids[windows[i].begin:windows[i].end] for i in idx])   # [k, T]
             y = x[:, length - m:]                                       # [k, m] targets
@@ -229,13 +240,17 @@ class CausalPerplexity:
                 else:
                     logits = model(input_ids=xb, use_cache=False).logits[:, length - m - 1:-1]      # [b*k, m, V]
             nll = token_nll(logits, y.repeat(b, 1)).double()             # [b*k, m]
-            sums[mr.start:mr.stop, idx] += nll.reshape(b, len(idx), m).sum(2)   # [b, k]
             report(progress, (j + 1) / len(jobs), f"perplexity: window batch {j + 1}/{len(jobs)}")
+            return nll.reshape(b, len(idx), m).sum(2).cpu()             # [b, k]
+
+        blocks = (team or SOLO).map(run, len(jobs), what="perplexity")
+        for (_, idx, mr), block in zip(jobs, blocks):
+            sums[mr.start:mr.stop, idx] += block                        # [b, k]
         return sums.numpy(), np.array([w.n_target for w in windows])
 
     def measure(self, model, ids, gates=None, *, progress: Progress | None = None,
-                should_stop: ShouldStop | None = None) -> Evaluation:
-        total, n = self.nll(model, ids, gates, progress=progress, should_stop=should_stop)
+                should_stop: ShouldStop | None = None, team: Team | None = None) -> Evaluation:
+        total, n = self.nll(model, ids, gates, progress=progress, should_stop=should_stop, team=team)
         mean = total / n                                                # [B]
         return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better)
 
@@ -308,7 +323,7 @@ class PseudoPerplexity:
     @torch.no_grad()
     def nll(self, model, chunks: Sequence[MaskedChunk], gates: torch.Tensor | None = None, *,
             mask_token_id: int | None = None, progress: Progress | None = None,
-            should_stop: ShouldStop | None = None) -> tuple[np.ndarray, int]:
+            should_stop: ShouldStop | None = None, team: Team | None = None) -> tuple[np.ndarray, int]:
         """Summed pseudo-NLL per mask [B] (float64) and the number of scored tokens."""
         mask_id = mask_token_id if mask_token_id is not None else getattr(self, "mask_token_id", None)
         if mask_id is None:
@@ -324,7 +339,9 @@ class PseudoPerplexity:
                 for mr in _chunks(B, self.batch_size):
                     jobs.append((c, c.positions[r.start:r.stop], mr))
         total = torch.zeros(B, dtype=torch.float64)                    # [B]
-        for j, (c, pos, mr) in enumerate(jobs):
+
+        def run(j: int) -> torch.Tensor:
+            c, pos, mr = jobs[j]
             check_stop(should_stop, "Pseudo-perplexity")
             k = pos.numel()
             x = c.ids.repeat(k, 1)                                     # [k, T]
@@ -340,16 +357,21 @@ class PseudoPerplexity:
             finally:
                 handle.remove()
             nll = token_nll(logits, y.repeat(b)).double()                # [b*k]
-            total[mr.start:mr.stop] += nll.reshape(b, k).sum(1)         # [b]
             report(progress, (j + 1) / len(jobs), f"pseudo-perplexity: batch {j + 1}/{len(jobs)}")
+            return nll.reshape(b, k).sum(1).cpu()                       # [b]
+
+        blocks = (team or SOLO).map(run, len(jobs), what="pseudo-perplexity")
+        for (_, _, mr), block in zip(jobs, blocks):
+            total[mr.start:mr.stop] += block                            # [b]
         return total.numpy(), int(sum(c.positions.numel() for c in chunks))
 
     def measure(self, model, chunks, gates=None, *, progress: Progress | None = None,
-                should_stop: ShouldStop | None = None, mask_token_id: int | None = None) -> Evaluation:
+                should_stop: ShouldStop | None = None, mask_token_id: int | None = None,
+                team: Team | None = None) -> Evaluation:
         if not chunks or sum(c.positions.numel() for c in chunks) == 0:
             raise InputError("The text has no tokens to score; use a longer text.")
         total, n = self.nll(model, chunks, gates, mask_token_id=mask_token_id, progress=progress,
-                            should_stop=should_stop)
+                            should_stop=should_stop, team=team)
         mean = total / n                                                # [B]
         return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better)
 
@@ -373,7 +395,8 @@ class EmbeddingFidelity:
 
     @torch.no_grad()
     def embed(self, model, chunks: Sequence[torch.Tensor], gates: torch.Tensor | None = None, *,
-              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> torch.Tensor:
+              progress: Progress | None = None, should_stop: ShouldStop | None = None,
+              team: Team | None = None) -> torch.Tensor:
         """Mean-pooled embeddings [B, n_chunks, D] (B = 1 for the dense model)."""
         B = 1 if gates is None else gates.shape[0]
         out = [[None] * len(chunks) for _ in range(B)]
@@ -383,29 +406,34 @@ class EmbeddingFidelity:
         per = max(1, self.batch_size // min(B, self.batch_size))
         jobs = [(idx[r.start:r.stop], mr) for idx in groups.values() for r in _chunks(len(idx), per)
                 for mr in _chunks(B, self.batch_size)]
-        for j, (idx, mr) in enumerate(jobs):
+
+        def run(j: int) -> torch.Tensor:
+            idx, mr = jobs[j]
             check_stop(should_stop, "Embedding fidelity")
             x = torch.stack([chunks[i] for i in idx])                 # [k, T]
             g = None if gates is None else gates[mr.start:mr.stop]     # [b, L, H]
             b = 1 if g is None else g.shape[0]
             with _masked(model, g):
                 hidden = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1))[0]  # [b*k, T, D]
-            pooled = mean_pool(hidden.float()).reshape(b, len(idx), -1)  # [b, k, D]
-            for bi in range(b):
+            report(progress, (j + 1) / len(jobs), f"embedding fidelity: batch {j + 1}/{len(jobs)}")
+            return mean_pool(hidden.float()).reshape(b, len(idx), -1).cpu()  # [b, k, D]
+
+        blocks = (team or SOLO).map(run, len(jobs), what="embedding fidelity")
+        for (idx, mr), pooled in zip(jobs, blocks):
+            for bi in range(pooled.shape[0]):
                 for ki, i in enumerate(idx):
                     out[mr.start + bi][i] = pooled[bi, ki]
-            report(progress, (j + 1) / len(jobs), f"embedding fidelity: batch {j + 1}/{len(jobs)}")
         return torch.stack([torch.stack(row) for row in out])         # [B, n_chunks, D]
 
     def measure(self, model, chunks, gates=None, *, progress: Progress | None = None,
-                should_stop: ShouldStop | None = None, **_) -> Evaluation:
+                should_stop: ShouldStop | None = None, team: Team | None = None, **_) -> Evaluation:
         if not chunks:
             raise InputError("The text has no tokens to embed; use a longer text.")
         half = (lambda f, m: report(progress, 0.5 * f, m)) if progress else None
-        dense = self.embed(model, chunks, None, progress=half, should_stop=should_stop)[0]  # [n, D]
+        dense = self.embed(model, chunks, None, progress=half, should_stop=should_stop, team=team)[0]  # [n, D]
         rest = (lambda f, m: report(progress, 0.5 + 0.5 * f, m)) if progress else None
         masked = dense.unsqueeze(0) if gates is None else self.embed(
-            model, chunks, gates, progress=rest, should_stop=should_stop)                  # [B, n, D]
+            model, chunks, gates, progress=rest, should_stop=should_stop, team=team)                  # [B, n, D]
         cos = F.cosine_similarity(masked.double(), dense.double().unsqueeze(0), dim=-1)     # [B, n]
         return Evaluation(self.metric, cos.mean(1).numpy(), None,
                           int(sum(c.numel() for c in chunks)), self.higher_is_better)
@@ -440,7 +468,7 @@ def evaluator_for(kind: str, **options):
 def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
              max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
              stride: int | None = None, batch_size: int = 8, progress: Progress | None = None,
-             should_stop: ShouldStop | None = None) -> Evaluation:
+             should_stop: ShouldStop | None = None, team: Team | None = None) -> Evaluation:
     """Evaluate `loaded` (a LoadedModel) on `text` under a head mask, with the metric of its kind.
 
     text: str or UTF-8 bytes; None = the built-in evaluation text. Only the first `max_tokens`
@@ -448,13 +476,14 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
     pruned: bool [L, H] / [B, L, H]; B masks share batched forward passes and give
     `Evaluation.values[b]`. window/stride: causal sliding window (default min(context, 512),
     stride = window); for masked LMs and encoders `window` is the chunk length (default 128).
-    batch_size: sequences per forward pass. Raises InputError for bad text or masks,
+    batch_size: sequences per forward pass. team: the processes of a launch that split the forward
+    passes (analysis.distributed; None = this process alone). Raises InputError for bad text or masks,
     CancelledError when should_stop() returns True."""
     model = loaded.model
     g = gate_batch(model, gates, pruned)                               # [B, L, H] | None
     ev = evaluator_for(loaded.kind, window=window, stride=stride, batch_size=batch_size)
     inputs = ev.prepare(loaded.tokenizer, default_text() if text is None else text, max_tokens)
-    return ev.measure(model, inputs, g, progress=progress, should_stop=should_stop)
+    return ev.measure(model, inputs, g, progress=progress, should_stop=should_stop, team=team)
 
 
 def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,

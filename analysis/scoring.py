@@ -20,12 +20,19 @@ Calibration:   Wanda-Head and SparseGPT-Head (forward passes; input statistics f
                min-max(MP) + min-max(Wanda). The ablation oracle wraps a precomputed [L, H]
                loss-increase array from the evaluation sweep.
 
+Multi-process (`score(..., team=...)`, analysis.distributed): a calibration scorer's batches are
+split over the processes of a launch; each batch's statistics (input sums, X^T X, gradients,
+gate gradients, attributions) are computed on one process exactly as in a single run, gathered,
+and summed in batch order, so the scores are the single-process ones. (SparseGPT's X^T X and
+Gradient-Head's weight gradients are weight-sized per batch: the gather moves one such set per batch.)
+
 The registry at the bottom (`SCORERS`, filled by `register_scorer`) is what the CLI, the app and
 scripts/results.py read: a scorer's name, label, constructor parameters and needs_calibration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from contextlib import contextmanager
@@ -39,6 +46,7 @@ from torch import nn
 from analysis.ablation import FastAblation, head_ablation
 from analysis.adapters import Adapter, HeadWeights, adapter_for
 from analysis.attribution import gate_loss_fn, integrated_gate_gradients
+from analysis.distributed import SOLO, Team
 from analysis.errors import InputError, UnsupportedModelError
 from analysis.geometry import HeadGeometry
 from analysis.head_gates import head_mask
@@ -159,6 +167,7 @@ class Subject:
     geometry: HeadGeometry
     kind: str
     tokenizer: object = None
+    team: Team = SOLO          # the processes that split the calibration batches (analysis.distributed)
 
 
 def as_subject(target) -> Subject:
@@ -253,9 +262,12 @@ class Scorer:
         return {}
 
     def score(self, target, *, calibration=None, progress: Progress | None = None,
-              should_stop: ShouldStop | None = None) -> HeadScores:
+              should_stop: ShouldStop | None = None, team: Team | None = None) -> HeadScores:
         """Score every head of `target`. `calibration`: token ids [n, T] (else built from the
-        built-in calibration split with the LoadedModel's tokenizer)."""
+        built-in calibration split with the LoadedModel's tokenizer). `team`: the processes of a
+        launch that split a calibration scorer's batches (weight-only scorers need no splitting)."""
+        if team is not None and team.is_distributed and self.needs_calibration:
+            target = dataclasses.replace(as_subject(target), team=team)
         start = time.perf_counter()
         cost = ScoringCost()
         scores, tiebreak = self._compute(target, calibration, cost, progress, should_stop)
@@ -456,7 +468,7 @@ class AblationOracle(Scorer):
         if subject.kind == "causal-lm":
             ids = cal._calibration(subject, calibration, cost)
             result = FastAblation(cal.batch_size, groups=False).sweep(
-                subject.model, ids, progress=progress, should_stop=should_stop)
+                subject.model, ids, progress=progress, should_stop=should_stop, team=subject.team)
         else:
             if subject.tokenizer is None:
                 raise InputError("The ablation sweep of a non-causal model needs its tokenizer; pass the "
@@ -464,7 +476,7 @@ class AblationOracle(Scorer):
             need = cal.n_sequences * cal.seq_len
             result = head_ablation(subject, calibration_text(max_chars=need * 12), max_tokens=need,
                                    seq_len=cal.seq_len, groups=False, batch_size=cal.batch_size,
-                                   progress=progress, should_stop=should_stop)
+                                   progress=progress, should_stop=should_stop, team=subject.team)
             cost.calibration_tokens = int(result.n_tokens)
         n_seq = max(1, cost.calibration_sequences or cal.n_sequences)
         cost.forward_passes = n_seq * (1 + subject.geometry.n_total_heads)
@@ -520,15 +532,39 @@ def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
 
 def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: ScoringCost,
                 progress: Progress | None, should_stop: ShouldStop | None, full: bool) -> InputStats:
-    """Forward the calibration ids [n, T] in batches under `collect_inputs`."""
+    """Forward the calibration ids [n, T] in batches under `collect_inputs`.
+
+    In a launch (subject.team) each process forwards its own batches; every batch's statistics
+    are gathered and added in batch order, the order one process adds them in."""
     chunks = batches(ids, batch_size)
-    with collect_inputs(subject, full) as stats, torch.no_grad():
-        for i, chunk in enumerate(chunks):
+    if not subject.team.is_distributed:
+        with collect_inputs(subject, full) as stats, torch.no_grad():
+            for i, chunk in enumerate(chunks):
+                tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}", "Scoring")
+                subject.model(input_ids=chunk)
+                cost.forward_passes += int(chunk.shape[0])
+    else:
+        def one(i: int) -> tuple[list, list, int]:
             tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}", "Scoring")
-            subject.model(input_ids=chunk)
-            cost.forward_passes += int(chunk.shape[0])
+            with collect_inputs(subject, full) as part, torch.no_grad():
+                subject.model(input_ids=chunks[i])
+            return part.att, part.out, part.tokens
+
+        device = next(subject.model.parameters()).device
+        stats = subject.team.fold(one, len(chunks), _add_input_stats, what="the calibration statistics")
+        stats = InputStats(*(([t.to(device) for t in table] if isinstance(table, list) else table)
+                             for table in stats))
+        cost.forward_passes += int(ids.shape[0])
     tick(progress, should_stop, 1.0, "calibration done", "Scoring")
     return stats
+
+
+def _add_input_stats(acc: tuple | None, part: tuple) -> tuple:
+    """(att, out, tokens) of the batches so far + one batch's, as collect_inputs' hooks add them."""
+    if acc is None:
+        return part
+    att, out, tokens = acc
+    return ([a + p for a, p in zip(att, part[0])], [a + p for a, p in zip(out, part[1])], tokens + part[2])
 
 
 def _layer_mean_normalized(scores: np.ndarray) -> np.ndarray:
@@ -666,16 +702,23 @@ class GradientHeadScorer(CalibrationScorer):
         L = subject.geometry.n_layers
         roles = [subject.adapter.projection_modules(subject.model, layer) for layer in range(L)]
         weights = [(layer, role, mod.weight) for layer in range(L) for role, mod in roles[layer].items()]
-        grads = [torch.zeros_like(w, dtype=torch.float64) for _, _, w in weights]
         chunks = batches(ids, self.batch_size)
+
+        def batch_grads(i: int) -> list[torch.Tensor]:
+            tick(progress, should_stop, i / len(chunks), f"gradient batch {i + 1}/{len(chunks)}", "Scoring")
+            loss = sequence_losses(subject, chunks[i]).sum() / ids.shape[0]  # mean over all sequences
+            return [g.double() for g in torch.autograd.grad(loss, [w for _, _, w in weights])]
+
+        def add(acc, part):
+            acc = [torch.zeros_like(w, dtype=torch.float64) for _, _, w in weights] if acc is None else acc
+            for a, g in zip(acc, part):
+                a += g.to(a.device)
+            return acc
+
         with weights_requiring_grad([w for _, _, w in weights]), torch.enable_grad():
-            for i, chunk in enumerate(chunks):
-                tick(progress, should_stop, i / len(chunks), f"gradient batch {i + 1}/{len(chunks)}", "Scoring")
-                loss = sequence_losses(subject, chunk).sum() / ids.shape[0]  # mean over all sequences
-                for acc, g in zip(grads, torch.autograd.grad(loss, [w for _, _, w in weights])):
-                    acc += g.double()
-                cost.forward_passes += int(chunk.shape[0])
-                cost.backward_passes += int(chunk.shape[0])
+            grads = subject.team.fold(batch_grads, len(chunks), add, what="the gradient statistics")
+        cost.forward_passes += int(ids.shape[0])
+        cost.backward_passes += int(ids.shape[0])
         rows = []
         for layer in range(L):
             saliency = {f"{role}.weight": (w.detach().double() * g).abs()
@@ -696,20 +739,32 @@ class HeadGateScorer(CalibrationScorer):
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         g = subject.geometry
-        total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)  # [L, H]
         chunks = batches(ids, self.batch_size)
+
+        def batch_gate_grads(i: int) -> torch.Tensor:
+            chunk = chunks[i]
+            tick(progress, should_stop, i / len(chunks), f"gate-gradient batch {i + 1}/{len(chunks)}", "Scoring")
+            gates = torch.ones(chunk.shape[0], g.n_layers, g.n_heads, requires_grad=True)  # [B, L, H]
+            with head_mask(subject.model, gates, adapter=subject.adapter):
+                losses = sequence_losses(subject, chunk)  # [B]
+            (grad,) = torch.autograd.grad(losses.sum(), gates)  # [B, L, H]
+            return grad.abs().sum(dim=0).double()  # [L, H]
+
         with torch.enable_grad():
-            for i, chunk in enumerate(chunks):
-                tick(progress, should_stop, i / len(chunks), f"gate-gradient batch {i + 1}/{len(chunks)}", "Scoring")
-                gates = torch.ones(chunk.shape[0], g.n_layers, g.n_heads, requires_grad=True)  # [B, L, H]
-                with head_mask(subject.model, gates, adapter=subject.adapter):
-                    losses = sequence_losses(subject, chunk)  # [B]
-                (grad,) = torch.autograd.grad(losses.sum(), gates)  # [B, L, H]
-                total += grad.abs().sum(dim=0).double()
-                cost.forward_passes += int(chunk.shape[0])
-                cost.backward_passes += int(chunk.shape[0])
+            total = subject.team.fold(batch_gate_grads, len(chunks), _add_lh(g), what="the gate gradients")
+        cost.forward_passes += int(ids.shape[0])
+        cost.backward_passes += int(ids.shape[0])
         tick(progress, should_stop, 1.0, "gate gradients done", "Scoring")
         return (total / ids.shape[0]).numpy()
+
+
+def _add_lh(g: HeadGeometry) -> Callable:
+    """add(acc, part) for per-batch [L, H] float64 sums, starting from zeros as one process does."""
+    def add(acc, part):
+        acc = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64) if acc is None else acc  # [L, H]
+        acc += part
+        return acc
+    return add
 
 
 class IntegratedGateScorer(CalibrationScorer):
@@ -736,16 +791,19 @@ class IntegratedGateScorer(CalibrationScorer):
         require_lm(subject)
         g = subject.geometry
         mask_id = getattr(subject.tokenizer, "mask_token_id", None)
-        total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)  # [L, H]
         chunks = batches(ids, self.batch_size)
-        for i, chunk in enumerate(chunks):
+
+        def batch_attribution(i: int) -> torch.Tensor:
+            chunk = chunks[i]
             tick(progress, should_stop, i / len(chunks), f"integrated-gradient batch {i + 1}/{len(chunks)}", "Scoring")
             f = gate_loss_fn(subject.model, chunk, g, kind=subject.kind, mask_token_id=mask_id,
                              adapter=subject.adapter)                   # gates [S, L*H] -> mean loss [S]
             attr, _ = integrated_gate_gradients(f, g, n_steps=self.n_steps, internal_batch_size=1)  # [L, H]
-            total += attr.double() * chunk.shape[0]                      # [L, H]
-            cost.forward_passes += int(chunk.shape[0]) * self.n_steps
-            cost.backward_passes += int(chunk.shape[0]) * self.n_steps
+            return attr.double() * chunk.shape[0]                       # [L, H]
+
+        total = subject.team.fold(batch_attribution, len(chunks), _add_lh(g), what="the gate attributions")
+        cost.forward_passes += int(ids.shape[0]) * self.n_steps
+        cost.backward_passes += int(ids.shape[0]) * self.n_steps
         tick(progress, should_stop, 1.0, "integrated gradients done", "Scoring")
         return (-total / ids.shape[0]).numpy()
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from analysis.distributed import Team
 from analysis.errors import InputError
 from analysis.evaluation import evaluate, metric_of
 from analysis.masks import plan_mask
@@ -121,11 +122,12 @@ def sweep_z(profile: NormProfile, sparsity: float, evaluate_calibration: MaskEva
 
 
 def split_evaluators(loaded, *, max_tokens: int = 512, window: int | None = None,
-                     batch_size: int = 8) -> tuple[MaskEvaluator, MaskEvaluator, str, bool]:
+                     batch_size: int = 8, team: Team | None = None) -> tuple[MaskEvaluator, MaskEvaluator, str, bool]:
     """(calibration evaluator, evaluation evaluator, metric name, higher_is_better) for a LoadedModel.
 
     Each evaluator runs `analysis.evaluation.evaluate` on the first `max_tokens` tokens of its
-    built-in split, every mask of the batch in the same forward passes.
+    built-in split, every mask of the batch in the same forward passes; with a `team` the processes
+    of a launch split those passes (the values are the single-process ones, analysis.distributed).
     """
     chars = max(4096, 12 * max_tokens)
     texts = {"calibration": calibration_text(max_chars=chars), "evaluation": evaluation_text(max_chars=chars)}
@@ -133,7 +135,7 @@ def split_evaluators(loaded, *, max_tokens: int = 512, window: int | None = None
     def make(split: str) -> MaskEvaluator:
         def run(pruned: np.ndarray) -> np.ndarray:
             return evaluate(loaded, texts[split], pruned=pruned, max_tokens=max_tokens, window=window,
-                            batch_size=batch_size).values
+                            batch_size=batch_size, team=team).values
         return run
 
     metric, higher_is_better = metric_of(loaded.kind)

@@ -47,12 +47,14 @@ class _HeadTimer:
             h.remove()
 
 
-def main() -> None:
+def main(argv=None, lm=None) -> bool:
+    """Run the comparison (argv: the options above; lm: a LoadedModel to use instead of SmolLM2 on
+    the CPU, e.g. on a GPU from bench/gpu_check.py). Returns whether it passed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="tokens of the built-in evaluation text")
     parser.add_argument("--layer-step", type=int, default=1, help="sweep every k-th layer")
     parser.add_argument("--repeats", type=int, default=2, help="time each layer this often, keep the best")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import numpy as np
     import torch
@@ -62,11 +64,12 @@ def main() -> None:
     from analysis.models import load_model
     from analysis.text import evaluation_text
 
-    lm = load_model("smollm2-135m")
-    x = token_ids(lm.tokenizer, evaluation_text(), max_tokens=args.tokens).unsqueeze(0)   # [1, T]
+    lm = lm or load_model("smollm2-135m")
+    device = next(lm.model.parameters()).device
+    x = token_ids(lm.tokenizer, evaluation_text(), max_tokens=args.tokens).unsqueeze(0).to(device)   # [1, T]
     layers = list(range(0, lm.geometry.n_layers, args.layer_step))
     n_ablations = len(layers) * (lm.geometry.n_heads + lm.geometry.n_kv_heads)
-    print(f"SmolLM2-135M, {x.shape[1]} tokens, layers {layers[0]}..{layers[-1]} step {args.layer_step}: "
+    print(f"{lm.name} on {device}, {x.shape[1]} tokens, layers {layers[0]}..{layers[-1]} step {args.layer_step}: "
           f"{n_ablations} ablations (heads + KV groups), torch threads {torch.get_num_threads()}")
 
     model = lm.model
@@ -124,6 +127,7 @@ def main() -> None:
     ratio = min(t["naive"], steady) / t["fast"]
     ok = ratio >= TARGET and err("fast") <= 1e-4
     print(f"naive / fast = {ratio:.2f}x (target >= {TARGET}x, same numbers) -> {'PASS' if ok else 'FAIL'}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -29,24 +29,27 @@ def hf_loop(model, ids, window: int, stride: int) -> float:
     return hf_loop_perplexity(model, ids, window, stride)[0]
 
 
-def main() -> None:
+def main(argv=None, lm=None) -> bool:
+    """Run the comparison (argv: the options above; lm: a LoadedModel to use instead of SmolLM2 on
+    the CPU, e.g. on a GPU from bench/gpu_check.py). Returns whether it passed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--stride", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from analysis.evaluation import CausalPerplexity, token_ids
     from analysis.models import load_model
     from analysis.text import evaluation_text
 
-    lm = load_model("smollm2-135m")
+    lm = lm or load_model("smollm2-135m")
     ids = token_ids(lm.tokenizer, evaluation_text(), max_tokens=args.tokens)               # [N]
+    device_ids = ids.to(next(lm.model.parameters()).device)                                # the HF loop's input
     ours = CausalPerplexity(window=args.window, stride=args.stride, batch_size=args.batch_size)
     n_windows = len(ours.plan(lm.model, ids.numel()))
-    print(f"SmolLM2-135M, {ids.numel()} tokens, window {args.window}, stride {args.stride}: "
+    print(f"{lm.name}, {ids.numel()} tokens, window {args.window}, stride {args.stride}: "
           f"{n_windows} windows, batch {args.batch_size}")
 
     times = {"hf": [], "ours": []}
@@ -55,7 +58,7 @@ def main() -> None:
         order = ("hf", "ours") if r % 2 == 0 else ("ours", "hf")
         for name in order:
             t0 = time.perf_counter()
-            values[name] = (hf_loop(lm.model, ids, args.window, args.stride) if name == "hf"
+            values[name] = (hf_loop(lm.model, device_ids, args.window, args.stride) if name == "hf"
                             else ours.measure(lm.model, ids).value)
             times[name].append(time.perf_counter() - t0)
     hf_t, our_t = statistics.median(times["hf"]), statistics.median(times["ours"])
@@ -67,6 +70,7 @@ def main() -> None:
     ok = ratio >= TARGET and rel <= 1e-4
     print(f"throughput ours / HF = {ratio:.2f}x (target >= {TARGET}x), perplexity rel. diff {rel:.1e} "
           f"-> {'PASS' if ok else 'FAIL'}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ What one run measures (every number is written as measured, whatever it says):
 
 `run(loaded, options)` does the work on any causal-LM LoadedModel (the tests run it on a tiny
 model); the file is written atomically (analysis.atomic.atomic_write).
+
+Multi-process: `accelerate launch --multi_gpu --num_processes N scripts/results.py ...` (docs/DISTRIBUTED.md)
+splits the calibration scorers' batches, the ablation oracle's layers, the z sweeps' and the big
+batched evaluation's forward passes over the processes (analysis.distributed); the numbers are
+the single-process ones; rank 0 alone writes the file and prints.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from analysis import distributed  # noqa: E402
 from analysis.atomic import atomic_write, marked_section  # noqa: E402
 from analysis.attribution import rank_correlation  # noqa: E402
 from analysis.errors import InputError  # noqa: E402
@@ -146,8 +152,10 @@ def cost_text(scores) -> str:
     return f"{passes} x {c.calibration_tokens // max(1, c.calibration_sequences)} tok, {c.seconds:.1f} s"
 
 
-def run(loaded, o: Options) -> tuple[str, dict]:
-    """Measure everything for `loaded` (a causal-LM LoadedModel); returns (markdown, data)."""
+def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[str, dict]:
+    """Measure everything for `loaded` (a causal-LM LoadedModel); returns (markdown, data).
+
+    team: the processes of a launch that split the work (every process returns the same result)."""
     if loaded.kind != "causal-lm":
         raise InputError(f"scripts/results.py measures causal-LM perplexity; {loaded.name} is a {loaded.kind}.")
     if len(o.seeds) < 5:
@@ -175,7 +183,8 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     for label, scorer in scorer_rows(o):
         say(o, f"scoring: {label}")
         ids_for = ablation_ids if scorer.name == ORACLE else calibration
-        scores = scorer.score(loaded, calibration=ids_for) if scorer.needs_calibration else scorer.score(profile)
+        scores = (scorer.score(loaded, calibration=ids_for, team=team) if scorer.needs_calibration
+                  else scorer.score(profile))
         scores_of[label], costs[label] = scores.scores, cost_text(scores)
         timings[label] = scores.cost.seconds
         for s in o.sparsities:
@@ -184,7 +193,7 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     say(o, "z sweep on the calibration split")
     sweep_start = time.perf_counter()
     calib_eval, _, _, _ = split_evaluators(loaded, max_tokens=o.sweep_tokens, window=o.window,
-                                           batch_size=o.eval_batch)
+                                           batch_size=o.eval_batch, team=team)
     sweep_label = "MP-G (z from the sweep)"
     swept = {}
     for s in o.sparsities:
@@ -217,7 +226,7 @@ def run(loaded, o: Options) -> tuple[str, dict]:
     eval_start = time.perf_counter()
     dense_row = table.add(np.zeros((L, H), bool))
     gates = gate_batch(loaded.model, pruned=np.stack(table.masks))                     # [B, L, H]
-    sums, counts = evaluator.window_nll(loaded.model, ids, gates)                    # [B, W], [W]
+    sums, counts = evaluator.window_nll(loaded.model, ids, gates, team=team)         # [B, W], [W]
     timings["evaluation (all masks)"] = time.perf_counter() - eval_start
     ppl = np.exp(sums.sum(axis=1) / counts.sum())                                     # [B]
     boot = bootstrap_ppl(sums, counts, o.bootstrap)                                   # [R, B]
@@ -343,13 +352,19 @@ def main(argv: list[str] | None = None) -> None:
         f"--{k.replace('_', '-')} {','.join(f'{x:g}' for x in v) if isinstance(v, tuple) else v}"
         for k, v in vars(args).items() if k not in ("cache_dir", "out", "quiet")])
     options.extra["command"] = command
-    loaded = load_model(args.model, cache_dir=args.cache_dir)
-    text, _ = run(loaded, options)
-    # the recovery section belongs to bench/bench_recovery.py --write-docs: keep it as it is
-    kept = marked_section(args.out, *RECOVERY_MARKERS)
-    atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
-                 what="The results file")
-    print(text)
+    team = distributed.team()
+    try:
+        options.quiet = options.quiet or not team.is_main
+        loaded = load_model(args.model, cache_dir=args.cache_dir)
+        text, _ = run(loaded, options, team=team)
+        if team.is_main:
+            # the recovery section belongs to bench/bench_recovery.py --write-docs: keep it as it is
+            kept = marked_section(args.out, *RECOVERY_MARKERS)
+            atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
+                         what="The results file")
+            print(text)
+    finally:
+        distributed.leave(team)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def test_policy_rows_count_what_surgery_removes(tiny_run):
 def test_main_writes_the_file_with_the_shared_atomic_writer(results, monkeypatch, tmp_path):
     written = {}
     monkeypatch.setattr(results, "atomic_write", lambda path, text, what: written.update(path=path, text=text))
-    monkeypatch.setattr(results, "run", lambda loaded, options: (f"table for {options.eval_tokens}", {}))
+    monkeypatch.setattr(results, "run", lambda loaded, options, team=None: (f"table for {options.eval_tokens}", {}))
     monkeypatch.setattr("analysis.models.load_model", lambda name, cache_dir=None: name)
     results.main(["--out", str(tmp_path / "r.md"), "--eval-tokens", "16384", "--quiet"])
     assert written == {"path": tmp_path / "r.md", "text": "table for 16384"}

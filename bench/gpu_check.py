@@ -1,0 +1,302 @@
+"""GPU check: the claims that need a GPU, measured in one run (< 5 minutes on one GPU), printed as ratios.
+
+Items (each prints its numbers and PASS / FAIL / SKIP; a failing item does not stop the others):
+1. exactness on the device in float32 / bfloat16 / float16: masked (gates 0) == zeroed weights ==
+   physically pruned logits of a 50 % MP-G mask (relative max difference within the dtype's tolerance);
+2. MP-G scoring (row-norm profile + scores) vs one read of the same attention weights (target <= 3x);
+3. perplexity throughput vs the plain Hugging Face loop (bench/bench_perplexity.py, target >= 1x);
+4. fast vs naive single-head ablation (bench/bench_ablation.py, target >= 1.5x, same numbers);
+5. pruned vs masked prefill: measured time saving >= 70 % of the FLOP-predicted saving (as bench/bench_surgery.py);
+6. the multi-process ablation sweep (`python -m analysis ablate` under `accelerate launch`) on every
+   visible GPU vs one process: the same numbers (==) and the speed-up (target >= 0.8 x N for N > 1 GPUs).
+
+    .venv/bin/python bench/gpu_check.py                       # on a GPU machine (device cuda)
+    .venv/bin/python bench/gpu_check.py --device cpu --quick  # smoke test anywhere: a tiny random model
+
+Timings synchronize the device around every timed call. On the CPU the ratios are printed but the
+speed targets are GPU targets (the CPU claims have their own bench scripts). Exit status 1 when an
+item fails. Whenever a GPU machine is at hand, this output is what the GPU claims rest on.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from analysis.errors import first_line  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# relative max |difference| / max |logit| allowed between masked, zeroed and pruned logits
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 1e-2}
+SCORING_TARGET = 3.0
+SPEEDUP_FRACTION = 0.8
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_times(fns: dict, repeats: int, device: str) -> dict:
+    """{label: median seconds} of device-synchronized calls, alternating order each round, one warm-up."""
+    for fn in fns.values():
+        fn()
+    sync(device)
+    times = {k: [] for k in fns}
+    items = list(fns.items())
+    for r in range(repeats):
+        for label, fn in items if r % 2 == 0 else items[::-1]:
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[label].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def load(args, dtype=torch.float32):
+    """The check's model on the device in `dtype` (load_model's device option only off the CPU)."""
+    from analysis.models import load_model
+
+    placement = {} if args.device == "cpu" else {"device": args.device}
+    return load_model(args.model, dtype=dtype, **placement)
+
+
+def eval_ids(lm, n: int) -> torch.Tensor:
+    from analysis.evaluation import token_ids
+    from analysis.text import evaluation_text
+
+    return token_ids(lm.tokenizer, evaluation_text(), max_tokens=n)   # [n]
+
+
+def half_mask(lm) -> np.ndarray:
+    from analysis.masks import plan_mask
+    from analysis.scoring import MPGScorer
+
+    return plan_mask(MPGScorer(z=2.0).score(lm.model), 0.5, group_size=lm.geometry.group_size).pruned  # [L, H]
+
+
+def speed_verdict(args, ok: bool) -> bool | None:
+    """A speed target's verdict: judged on a GPU; on the CPU the ratio is printed only (None)."""
+    if args.device == "cpu":
+        print("  (a GPU target: on the CPU the ratio above is printed, not judged)")
+        return None
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# The items: each returns True (pass), False (fail) or None (skipped / not judged), printing its numbers
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def check_exactness(args) -> bool:
+    from analysis.head_gates import gates_from_mask, head_mask, zero_heads
+    from analysis.surgery import prune_heads
+
+    ok = True
+    for name in args.dtypes:
+        lm = load(args, DTYPES[name])
+        model = lm.model
+        pruned = half_mask(lm)
+        x = eval_ids(lm, args.exact_tokens).unsqueeze(0).to(next(model.parameters()).device)   # [1, T]
+        dense = model(input_ids=x).logits.float()                                            # [1, T, V]
+        with head_mask(model, gates_from_mask(pruned)):
+            masked = model(input_ids=x).logits.float()
+        zeroed = zero_heads(copy.deepcopy(model), pruned)(input_ids=x).logits.float()
+        smaller = prune_heads(model, pruned)[0]
+        small = smaller(input_ids=x).logits.float()
+        scale = masked.abs().max().item()
+        d_zero = (masked - zeroed).abs().max().item() / scale
+        d_pruned = (masked - small).abs().max().item() / scale
+        moved = (masked - dense).abs().max().item() / scale
+        good = d_zero <= TOLERANCE[name] and d_pruned <= TOLERANCE[name] and moved > 10 * TOLERANCE[name]
+        ok &= good
+        print(f"  {name:9s} {int(pruned.sum())} heads gated: |masked - zeroed| {d_zero:.1e}, |masked - pruned| "
+              f"{d_pruned:.1e}, |masked - dense| {moved:.1e} (relative to max |logit| {scale:.1f}; tolerance "
+              f"{TOLERANCE[name]:.0e}) -> {'PASS' if good else 'FAIL'}")
+        del lm, model, smaller
+    return ok
+
+
+def check_scoring(args) -> bool:
+    from analysis.profiles import profile_model
+    from analysis.scoring import MPGScorer
+
+    lm = load(args)
+    model, adapter = lm.model, lm.adapter
+    weights = [m.weight for l in range(lm.geometry.n_layers) for m in adapter.projection_modules(model, l).values()]
+
+    def read_once():
+        return torch.stack([w.sum(dtype=torch.float32) for w in weights]).sum().item()
+
+    def score():
+        return MPGScorer(z=2.0).score(profile_model(model, adapter=adapter)).scores
+
+    t = median_times({"read": read_once, "mp-g": score}, args.repeats, args.device)
+    ratio = t["mp-g"] / t["read"]
+    ok = ratio <= SCORING_TARGET
+    print(f"  one read of the attention weights {1e3 * t['read']:.1f} ms, MP-G scoring {1e3 * t['mp-g']:.1f} ms: "
+          f"{ratio:.2f}x (target <= {SCORING_TARGET}x) -> {'PASS' if ok else 'FAIL'}")
+    return speed_verdict(args, ok)
+
+
+def check_perplexity(args) -> bool:
+    from bench import bench_perplexity
+
+    tokens, window, stride = (256, 64, 32) if args.quick else (4096, 512, 256)
+    return speed_verdict(args, bench_perplexity.main(["--tokens", str(tokens), "--window", str(window), "--stride",
+                                                      str(stride), "--repeats", str(args.repeats)], lm=load(args)))
+
+
+def check_ablation(args) -> bool:
+    from bench import bench_ablation
+
+    tokens, step = (32, 1) if args.quick else (256, 3)
+    return speed_verdict(args, bench_ablation.main(["--tokens", str(tokens), "--layer-step", str(step), "--repeats", "1"],
+                                                   lm=load(args)))
+
+
+@torch.no_grad()
+def check_prefill(args) -> bool:
+    from analysis.head_gates import gates_from_mask
+    from analysis.speed import forward_flops, masked_call, saving_ratio
+    from analysis.surgery import prune_heads
+    from bench.bench_surgery import PASS_FRACTION
+
+    lm = load(args)
+    model, adapter = lm.model, lm.adapter
+    pruned = half_mask(lm)
+    smaller, layout = prune_heads(model, pruned, adapter=adapter)
+    seq = 128 if args.quick else 1024
+    x = eval_ids(lm, 4 * seq)[:seq].unsqueeze(0).to(next(model.parameters()).device)       # [1, seq]
+    calls = {"masked": masked_call(model, gates_from_mask(pruned), lambda: model(input_ids=x), adapter),
+             "pruned": lambda: smaller(input_ids=x), "dense": lambda: model(input_ids=x)}
+    t = median_times(calls, args.repeats * 3, args.device)
+    predicted = forward_flops(model, seq, seq, adapter=adapter).total / \
+        forward_flops(smaller, seq, seq, layout=layout, adapter=adapter).total
+    measured = t["masked"] / t["pruned"]
+    ratio = saving_ratio(measured, predicted)
+    ok = ratio >= PASS_FRACTION
+    print(f"  prefill {x.shape[1]} tokens, {int(pruned.sum())} heads pruned: dense {1e3 * t['dense']:.1f} ms, masked "
+          f"{1e3 * t['masked']:.1f} ms, pruned {1e3 * t['pruned']:.1f} ms; masked / pruned {measured:.3f}x, FLOP "
+          f"prediction {predicted:.3f}x, saving / predicted {ratio:.2f} (target >= {PASS_FRACTION}) -> "
+          f"{'PASS' if ok else 'FAIL'}")
+    return speed_verdict(args, ok)
+
+
+def _ablate(args, processes: int, out: Path) -> dict:
+    """`python -m analysis ablate` on `processes` processes (accelerate launch when > 1); its JSON."""
+    cli = ["-m", "analysis", "ablate", "--model", args.model, "--max-tokens", str(args.ablate_tokens),
+           "--seq-len", str(args.ablate_seq), "--quiet", "--out", str(out)]
+    if args.device != "cpu":
+        cli += ["--device", "cuda"]            # each process: cuda:LOCAL_RANK (analysis.distributed.team)
+    if processes == 1:
+        cmd = [sys.executable, *cli]
+    else:
+        cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes",
+               str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *cli]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.setdefault("OMP_NUM_THREADS", "1")     # what the launcher gives each of its processes: 1 vs N alike
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.launch_timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed: "
+                           + next((l for l in proc.stderr.splitlines() if l.startswith("error:")), proc.stderr[-500:]))
+    return json.loads(out.read_text())
+
+
+def check_multiprocess(args) -> bool | None:
+    if args.skip_multiprocess:
+        print("  skipped (--skip-multiprocess)")
+        return None
+    n = args.processes or (torch.cuda.device_count() if args.device != "cpu" else 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        one = _ablate(args, 1, Path(tmp) / "one.json")
+        many = _ablate(args, n, Path(tmp) / "many.json") if n > 1 else one
+    same = all(one[k] == many[k] for k in ("base", "n_tokens", "head_delta", "group_delta"))
+    t1, tn = one["seconds"]["total"], many["seconds"]["total"]
+    speedup = t1 / tn
+    judged = args.device != "cpu" and n > 1
+    ok = same and (speedup >= SPEEDUP_FRACTION * n if judged else True)
+    verdict = "PASS" if ok else "FAIL"
+    note = (f"target >= {SPEEDUP_FRACTION * n:.1f}x" if judged else
+            "one process only: exactness checked, no speed-up to judge" if n == 1 else
+            "CPU processes share the cores: speed not judged")
+    print(f"  ablation sweep (seconds of the sweep itself, without start-up and loading; "
+          f"{one['n_tokens']} predictions, {len(one['head_delta'])} layers): 1 process {t1:.2f} s, "
+          f"{n} processes {tn:.2f} s: {speedup:.2f}x ({note}); numbers {'identical' if same else 'DIFFER'} -> {verdict}")
+    return ok
+
+
+ITEMS = {
+    "exactness": check_exactness,
+    "scoring": check_scoring,
+    "perplexity": check_perplexity,
+    "ablation": check_ablation,
+    "prefill": check_prefill,
+    "multiprocess": check_multiprocess,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="a tiny random model and small sizes (smoke test)")
+    parser.add_argument("--model", default=None, help="default smollm2-135m (--quick: a tiny random Llama)")
+    parser.add_argument("--items", default=",".join(ITEMS), help=f"comma-separated subset of {', '.join(ITEMS)}")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="dtypes of the exactness item")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--exact-tokens", dest="exact_tokens", type=int, default=256)
+    parser.add_argument("--ablate-tokens", dest="ablate_tokens", type=int, default=1024)
+    parser.add_argument("--ablate-seq", dest="ablate_seq", type=int, default=256)
+    parser.add_argument("--processes", type=int, default=None, help="default: every visible GPU (2 on the CPU)")
+    parser.add_argument("--skip-multiprocess", dest="skip_multiprocess", action="store_true")
+    parser.add_argument("--launch-timeout", dest="launch_timeout", type=float, default=240)
+    args = parser.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:
+            args.repeats = min(args.repeats, 2)
+            args.exact_tokens, args.ablate_tokens, args.ablate_seq = 48, 64, 16
+            if args.model is None:
+                from tests._apptools import tiny_model_dir
+                args.model = str(tiny_model_dir(Path(tmp) / "tiny-llama", num_hidden_layers=4))
+        args.model = args.model or "smollm2-135m"
+        gpu = torch.cuda.get_device_name() if args.device != "cpu" and torch.cuda.is_available() else "no GPU"
+        print(f"gpu check: device {args.device} ({gpu}, {torch.cuda.device_count()} visible), model {args.model}, "
+              f"torch {torch.__version__}{', quick' if args.quick else ''}")
+        started, verdicts = time.perf_counter(), {}
+        for name in [i for i in args.items.split(",") if i]:
+            print(f"[{name}]", flush=True)
+            t0 = time.perf_counter()
+            try:
+                verdicts[name] = ITEMS[name](args)
+            except Exception as err:          # one item's failure is reported and the rest still run
+                print(f"  FAIL: {first_line(err, 400)}")
+                verdicts[name] = False
+            print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    failed = [k for k, v in verdicts.items() if v is False]
+    skipped = [k for k, v in verdicts.items() if v is None]
+    print(f"gpu check: {len(verdicts) - len(failed) - len(skipped)} passed, {len(failed)} failed"
+          f"{' (' + ', '.join(failed) + ')' if failed else ''}, {len(skipped)} skipped, "
+          f"{time.perf_counter() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
