@@ -86,4 +86,20 @@ def test_main_writes_the_file_with_the_shared_atomic_writer(results, monkeypatch
     monkeypatch.setattr(results, "run", lambda loaded, options, team=None: (f"table for {options.eval_tokens}", {}))
     monkeypatch.setattr("analysis.models.load_model", lambda name, cache_dir=None: name)
     results.main(["--out", str(tmp_path / "r.md"), "--eval-tokens", "16384", "--quiet"])
-    assert written == {"path": tmp_path / "r.md", "text": "table for 16384"}
+    assert written == {"path": tmp_path / "r.md", "text": "table for 16384\n"}
+
+
+def test_main_keeps_the_recovery_section_of_bench_recovery(results, monkeypatch, tmp_path):
+    """docs/results.md has two generators: regenerating the scorer tables keeps the section that
+    bench/bench_recovery.py --write-docs owns, and that bench's writer keeps the rest."""
+    from analysis.atomic import write_section
+    from analysis.report import RECOVERY_MARKERS
+    out = tmp_path / "r.md"
+    section = f"{RECOVERY_MARKERS[0]}\n## Recovery\nnumbers\n{RECOVERY_MARKERS[1]}"
+    out.write_text("old table\n\n" + section + "\n", encoding="utf-8")
+    monkeypatch.setattr(results, "run", lambda loaded, options, team=None: ("new table", {}))
+    monkeypatch.setattr("analysis.models.load_model", lambda name, cache_dir=None: name)
+    results.main(["--out", str(out), "--quiet"])
+    assert out.read_text(encoding="utf-8") == "new table\n\n" + section + "\n"
+    write_section(out, section.replace("numbers", "new numbers"), *RECOVERY_MARKERS)
+    assert out.read_text(encoding="utf-8") == "new table\n\n" + section.replace("numbers", "new numbers") + "\n"
