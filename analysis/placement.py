@@ -117,7 +117,13 @@ def parse_max_memory(spec) -> dict[int | str, int] | None:
 
 
 def format_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    """2.50 GiB / 300 MiB / 1 KiB / 12 B."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.0f} {unit}"
+    return f"{int(n)} B"
 
 
 # -- what this machine has -------------------------------------------------------------------
