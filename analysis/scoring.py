@@ -22,6 +22,12 @@ Calibration:   Wanda-Head and SparseGPT-Head (forward passes; input statistics f
 
 The registry at the bottom (`SCORERS`, filled by `register_scorer`) is what the CLI, the app and
 scripts/results.py read: a scorer's name, label, constructor parameters and needs_calibration.
+
+Device and precision: calibration batches go to the model's input device and run in its dtype;
+input statistics (sums of squares, X^T X) are formed in float32 and accumulated in float64 on the
+CPU, and the per-layer weight arithmetic reads the weights (offloaded ones too, through the
+adapter) onto the CPU in float64. Gradient-Head refuses an offloaded model (its weights are
+reloaded on every pass, so they have no gradient to read).
 """
 
 from __future__ import annotations
