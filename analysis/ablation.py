@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .adapters import adapter_for
+from .adapters import adapter_for, input_device
 from .distributed import SOLO, Team
 from .errors import InputError
 from .evaluation import default_text, evaluator_for, gate_batch, token_ids
@@ -121,7 +121,7 @@ def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progr
 
     layers: which layers to sweep (default all); rows of other layers are NaN. team: the
     processes that split the layers (module docstring)."""
-    x = as_sequences(ids)                                                # [n, T]
+    x = as_sequences(ids).to(input_device(model))                        # [n, T]
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
     t0 = time.perf_counter()
@@ -330,7 +330,7 @@ class FastAblation:
     @torch.no_grad()
     def prepare(self, model, ids) -> PreparedSweep | None:
         """Dense pass: layer calls, layer inputs, the tail; None when the tail is not replayable."""
-        x = as_sequences(ids)                                            # [n, T]
+        x = as_sequences(ids).to(input_device(model))                    # [n, T]
         adapter = adapter_for(model)
         t0 = time.perf_counter()
         cap = _DenseCapture(model, adapter)
@@ -372,7 +372,7 @@ class FastAblation:
                     hidden = _first(blocks[j](*args, **kwargs))          # [r*n, T, D]
             t2 = time.perf_counter()
             nll = self._tail_nll(prep.chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
-            out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).numpy() - prep.base_loss
+            out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).cpu().numpy() - prep.base_loss
             timings["layers"] = timings.get("layers", 0.0) + t2 - t1
             timings["lm_head"] = timings.get("lm_head", 0.0) + time.perf_counter() - t2
         return out
@@ -381,7 +381,7 @@ class FastAblation:
               should_stop: ShouldStop | None = None, team: Team | None = None) -> AblationResult:
         """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN);
         `team` splits the layers over the processes of a launch (module docstring)."""
-        x = as_sequences(ids)                                            # [n, T]
+        x = as_sequences(ids).to(input_device(model))                    # [n, T]
         geo = adapter_for(model).geometry(model)
         todo = layer_list(geo, layers)
         t0 = time.perf_counter()

@@ -14,13 +14,23 @@ Layouts (the quirks are handled here and nowhere else):
   reshape to [H, 3, d].
 - `GPT2Conv1D`: GPT-2's `Conv1D` stores weights [in, out], the transpose of `nn.Linear`;
   c_attn's columns are [Q | K | V].
+
+Placement (accelerate's `device_map`) is read here too, since only this layer looks inside
+modules: `input_device` (where token ids go: the input embedding's execution device),
+`real_weights` (a layer's projections with their real weights: an offloaded module keeps meta
+tensors and its weights in accelerate's hook; every weight read goes through it) and
+`real_state_dict` (a whole model's tensors, offloaded ones loaded one module at a time) and
+`in_memory_copy` (a plain single-device copy, for exports).
 """
 from __future__ import annotations
 
+import copy
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
+from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
 from .errors import UnsupportedModelError
@@ -333,12 +343,29 @@ class Adapter:
     def read_heads(self, model: nn.Module, layer: int, geometry: HeadGeometry | None = None) -> HeadWeights:
         """Detached clones of `layer`'s weights, head-major (see HeadWeights for shapes)."""
         g = geometry or self.geometry(model)
-        with torch.no_grad():
+        with torch.no_grad(), self.real_weights(model, layer):
             hw = self.family.layout.split(self._tensors(model, layer), g)
             return hw.map(lambda t: t.detach().clone())
 
+    @contextmanager
+    def real_weights(self, model: nn.Module, layer: int) -> Iterator[dict[str, nn.Module]]:
+        """Inside: `layer`'s projection modules (role -> module) hold their real weights.
+
+        A module accelerate offloaded (weights on the meta device, the values in its hook's
+        weights_map, on the CPU or the disk) gets them loaded onto its execution device for the
+        duration and dropped again after; any other module is left exactly as it is."""
+        modules = self.projection_modules(model, layer)
+        with ExitStack() as stack:
+            for module in modules.values():
+                if has_offloaded_params(module):
+                    stack.enter_context(align_module_device(module))
+            yield modules
+
     def write_heads(self, model: nn.Module, layer: int, hw: HeadWeights) -> None:
         """Copy `hw` back into the model's parameters in place (same shapes as read_heads gave)."""
+        if any(has_offloaded_params(m) for m in self.projection_modules(model, layer).values()):
+            raise UnsupportedModelError("This model's weights are offloaded (accelerate keeps them on the disk or the "
+                                        "CPU): they cannot be changed in place. Use masks (gates), or surgery.")
         current = self._tensors(model, layer)
         merged = self.family.layout.merge(hw)
         with torch.no_grad():
@@ -350,6 +377,63 @@ class Adapter:
                     raise ValueError(f"write_heads: {key} has shape {tuple(target.shape)}, got {tuple(value.shape)}; "
                                      "write_heads keeps shapes (use surgery to change them).")
                 target.copy_(value)
+
+
+def is_offloaded(model: nn.Module) -> bool:
+    """Whether accelerate keeps any of the model's weights off their module (CPU or disk offload)."""
+    return any(has_offloaded_params(m) for m in model.modules())
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its accelerate hook's execution device when offloaded, else its
+    first parameter's (or buffer's) device; the CPU for a module without tensors."""
+    if has_offloaded_params(module):
+        device = module._hf_hook.execution_device
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    tensor = next(module.parameters(), None)
+    tensor = tensor if tensor is not None else next(module.buffers(), None)
+    return torch.device("cpu") if tensor is None or tensor.device.type == "meta" else tensor.device
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """The device token ids must be on: the input embedding's (the first block's under a device_map)."""
+    return execution_device(model.get_input_embeddings())
+
+
+def real_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """model.state_dict() with real values: offloaded modules are loaded one at a time (onto the
+    CPU) and their tensors copied out, so the full model exists at most once, in this dict.
+    For a model without offload this is exactly `model.state_dict()`."""
+    state = model.state_dict()
+    if not is_offloaded(model):
+        return state
+    for name, module in model.named_modules():
+        if has_offloaded_params(module):
+            with align_module_device(module, torch.device("cpu")):
+                for key, value in module.state_dict().items():
+                    state[f"{name}.{key}" if name else key] = value.detach().clone()
+    return state
+
+
+def is_dispatched(model: nn.Module) -> bool:
+    """Whether accelerate spread the model over several devices or offloaded part of it."""
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    return len(devices) > 1 or is_offloaded(model)
+
+
+def in_memory_copy(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """A plain copy of a dispatched / offloaded model: every tensor real and on `device`,
+    accelerate's hooks removed (so ONNX export, safetensors and in-place edits work on it). Costs
+    the whole model's memory on `device`; `model` is not changed. Tied weights are tied again."""
+    from accelerate.hooks import remove_hook_from_module
+    state = real_state_dict(model)
+    twin = copy.deepcopy(model)
+    remove_hook_from_module(twin, recurse=True)
+    twin.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True)
+    if getattr(twin.config, "tie_word_embeddings", False):
+        twin.tie_weights()
+    twin.__dict__.pop("hf_device_map", None)
+    return twin.to(device)
 
 
 def adapter_for(model_or_config) -> Adapter:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .adapters import adapter_for
+from .adapters import adapter_for, input_device
 from .errors import InputError
 from .evaluation import token_ids
 from .head_gates import head_mask
@@ -42,6 +42,7 @@ def gate_loss_fn(model, ids: torch.Tensor, geometry, *, kind: str = "causal-lm",
 
     The loss is `analysis.loss.lm_sequence_losses` of `kind`, averaged over the n sequences."""
     x = ids.unsqueeze(0) if ids.dim() == 1 else ids                    # [n, T]
+    x = x.to(input_device(model))
 
     def f(flat_gates: torch.Tensor) -> torch.Tensor:
         if on_call is not None:
@@ -50,7 +51,7 @@ def gate_loss_fn(model, ids: torch.Tensor, geometry, *, kind: str = "causal-lm",
         gates = flat_gates.reshape(B, geometry.n_layers, geometry.n_heads)  # [B, L, H]
         with head_mask(model, gates, adapter=adapter):
             losses = lm_sequence_losses(model, kind, x.repeat(B, 1), mask_token_id=mask_token_id)  # [B*n]
-        return losses.reshape(B, -1).mean(1)                             # [B]
+        return losses.reshape(B, -1).mean(1).cpu()                       # [B] where the gates are (the CPU)
     return f
 
 
@@ -107,7 +108,7 @@ class GateAttribution:
         with torch.no_grad():
             ones = torch.ones(1, geo.n_total_heads)                    # [1, L*H]
             ends = f(torch.cat([ones, torch.full_like(ones, float(self.baseline))]))  # [2]: f(1), f(baseline)
-        a = attr.double().numpy()
+        a = attr.double().cpu().numpy()
         return Attribution(-a, a, float(ends[0]), float(ends[1]), delta, self.n_steps)
 
 

@@ -168,6 +168,30 @@ def add_source_arguments(parser: argparse.ArgumentParser, streaming: bool = True
                            help="safetensors checkpoint folder to profile by streaming (weight-only scorers)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code")
     parser.add_argument("--cache-dir", default=None, help="headscope cache folder for built-ins")
+    add_placement_arguments(parser)
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Device, dtype and accelerate placement of the loaded model (checked by analysis/placement.py,
+    so a bad value is one clear line, not an argparse usage dump)."""
+    group = parser.add_argument_group("placement")
+    group.add_argument("--device", default="auto",
+                       help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
+    group.add_argument("--dtype", default="auto",
+                       help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    group.add_argument("--device-map", dest="device_map", default=None,
+                       help="auto: let accelerate spread the model over the GPUs, the CPU and the disk")
+    group.add_argument("--max-memory", dest="max_memory", default=None,
+                       help='per-device budgets for --device-map auto, e.g. "0=20GiB,cpu=8GiB" (implies it)')
+    group.add_argument("--offload-folder", dest="offload_folder", default=None,
+                       help="folder for weights that fit nowhere else (disk offload; implies --device-map auto)")
+
+
+def placement_kwargs(ns: argparse.Namespace) -> dict:
+    """load_model keywords from the placement options (defaults when a parser lacks them)."""
+    return dict(device=getattr(ns, "device", "auto"), dtype=getattr(ns, "dtype", "auto"),
+                device_map=getattr(ns, "device_map", None), max_memory=getattr(ns, "max_memory", None),
+                offload_folder=getattr(ns, "offload_folder", None))
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,8 +286,9 @@ def load_source(ns: argparse.Namespace, report):
     from analysis.models import DEFAULT_MODEL, load_model
 
     loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
-                        cache_dir=ns.cache_dir, progress=report)
-    return loaded, loaded, dict(source=loaded.name, kind=loaded.kind, **loaded.geometry.as_dict())
+                        cache_dir=ns.cache_dir, progress=report, **placement_kwargs(ns))
+    return loaded, loaded, dict(source=loaded.name, kind=loaded.kind, placement=loaded.placement.describe(),
+                                **loaded.geometry.as_dict())
 
 
 def resolve_scorer(ns: argparse.Namespace, group_size: int) -> str:

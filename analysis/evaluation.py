@@ -28,6 +28,10 @@ Bad input (documented handling): empty or whitespace-only text, non-UTF-8 bytes,
 fewer than two tokens, gates or masks of the wrong shape -> `InputError` saying what to do.
 Text longer than the context is windowed, never truncated to the context; `max_tokens` caps
 the amount of text evaluated (the first `max_tokens` tokens).
+
+Device and precision: token ids go to the model's input device (`adapters.input_device`; a
+dispatched model's embedding), logits of any dtype are scored in float32 at least (`loss.token_nll`)
+and summed per mask in float64 on the CPU, so the float32 CPU path is unchanged.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import adapter_for
+from .adapters import adapter_for, input_device
 from .distributed import SOLO, Team
 from .errors import InputError
 from .head_gates import as_gates, gates_from_mask, head_mask
@@ -215,6 +219,7 @@ class CausalPerplexity:
         if ids.numel() < 2:
             raise InputError("Perplexity needs at least two tokens; use a longer text.")
         windows = self.plan(model, ids.numel())
+        device = input_device(model)
         B = 1 if gates is None else gates.shape[0]
         keep_arg = _accepts(model, "logits_to_keep")
         groups: dict[tuple[int, int], list[int]] = {}
@@ -229,7 +234,7 @@ class CausalPerplexity:
         def run(j: int) -> torch.Tensor:
             (length, m), idx, mr = jobs[j]
             check_stop(should_stop, "Perplexity")
-            x = torch.stack([ids[windows[i].begin:windows[i].end] for i in idx])   # [k, T]
+            x = torch.stack([ids[windows[i].begin:windows[i].end] for i in idx]).to(device)   # [k, T]
             y = x[:, length - m:]                                       # [k, m] targets
             g = None if gates is None else gates[mr.start:mr.stop]      # [b, L, H]
             b = 1 if g is None else g.shape[0]
@@ -239,7 +244,7 @@ class CausalPerplexity:
                     logits = model(input_ids=xb, use_cache=False, logits_to_keep=m + 1).logits[:, :-1]  # [b*k, m, V]
                 else:
                     logits = model(input_ids=xb, use_cache=False).logits[:, length - m - 1:-1]      # [b*k, m, V]
-            nll = token_nll(logits, y.repeat(b, 1)).double()             # [b*k, m]
+            nll = token_nll(logits, y.repeat(b, 1)).cpu().double()       # [b*k, m] float32 at least, summed in float64
             report(progress, (j + 1) / len(jobs), f"perplexity: window batch {j + 1}/{len(jobs)}")
             return nll.reshape(b, len(idx), m).sum(2).cpu()             # [b, k]
 
@@ -293,7 +298,8 @@ def _slice_output_hook(positions: torch.Tensor):
     """Forward hook for the base model: keep only row r's hidden state at positions[r]."""
     def hook(module, args, output):
         hidden = output[0]                                             # [R, T, D]
-        picked = hidden[torch.arange(hidden.shape[0]), positions].unsqueeze(1)  # [R, 1, D]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)     # [R]
+        picked = hidden[rows, positions.to(hidden.device)].unsqueeze(1)  # [R, 1, D]
         if isinstance(output, tuple):
             return (picked, *output[1:])
         output[next(iter(output.keys()))] = picked
@@ -332,6 +338,7 @@ class PseudoPerplexity:
         if base is model:
             raise InputError("This model has no LM head; use embedding fidelity instead.")
         B = 1 if gates is None else gates.shape[0]
+        device = input_device(model)
         jobs = []   # (chunk, positions slice)
         per = max(1, self.batch_size // min(B, self.batch_size))
         for c in chunks:
@@ -346,17 +353,17 @@ class PseudoPerplexity:
             k = pos.numel()
             x = c.ids.repeat(k, 1)                                     # [k, T]
             x[torch.arange(k), pos] = mask_id                          # one masked token per row
-            y = c.ids[pos]                                             # [k]
+            x, y = x.to(device), c.ids[pos].to(device)                 # [k, T], [k]
             g = None if gates is None else gates[mr.start:mr.stop]      # [b, L, H]
             b = 1 if g is None else g.shape[0]
-            handle = base.register_forward_hook(_slice_output_hook(pos.repeat(b)))
+            handle = base.register_forward_hook(_slice_output_hook(pos.repeat(b).to(device)))
             try:
                 with _masked(model, g):
                     logits = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1)
                                    ).logits[:, 0]                      # [b*k, V]
             finally:
                 handle.remove()
-            nll = token_nll(logits, y.repeat(b)).double()                # [b*k]
+            nll = token_nll(logits, y.repeat(b)).cpu().double()          # [b*k]
             report(progress, (j + 1) / len(jobs), f"pseudo-perplexity: batch {j + 1}/{len(jobs)}")
             return nll.reshape(b, k).sum(1).cpu()                       # [b]
 
@@ -404,19 +411,20 @@ class EmbeddingFidelity:
         for i, c in enumerate(chunks):
             groups.setdefault(c.numel(), []).append(i)
         per = max(1, self.batch_size // min(B, self.batch_size))
+        device = input_device(model)
         jobs = [(idx[r.start:r.stop], mr) for idx in groups.values() for r in _chunks(len(idx), per)
                 for mr in _chunks(B, self.batch_size)]
 
         def run(j: int) -> torch.Tensor:
             idx, mr = jobs[j]
             check_stop(should_stop, "Embedding fidelity")
-            x = torch.stack([chunks[i] for i in idx])                 # [k, T]
+            x = torch.stack([chunks[i] for i in idx]).to(device)      # [k, T]
             g = None if gates is None else gates[mr.start:mr.stop]     # [b, L, H]
             b = 1 if g is None else g.shape[0]
             with _masked(model, g):
                 hidden = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1))[0]  # [b*k, T, D]
             report(progress, (j + 1) / len(jobs), f"embedding fidelity: batch {j + 1}/{len(jobs)}")
-            return mean_pool(hidden.float()).reshape(b, len(idx), -1).cpu()  # [b, k, D]
+            return mean_pool(hidden.float()).reshape(b, len(idx), -1).cpu()  # [b, k, D] pooled in float32
 
         blocks = (team or SOLO).map(run, len(jobs), what="embedding fidelity")
         for (idx, mr), pooled in zip(jobs, blocks):

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from . import resize, schemas
-from .adapters import adapter_for
+from .adapters import adapter_for, in_memory_copy, input_device, is_dispatched
 from .atomic import disk_full, os_problem
 from .errors import HeadscopeError, InputError, ModelLoadError, custom_code_refused, first_line
 from .geometry import HeadGeometry
@@ -479,6 +479,12 @@ def _write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout |
         tokenizer.save_pretrained(tmp)
 
 
+def _resident(model: nn.Module) -> nn.Module:
+    """`model`, or for one accelerate dispatched or offloaded an in-memory copy on the CPU: an export
+    writes real tensors from one device (costs the model's size in RAM, once, for the export)."""
+    return in_memory_copy(model) if is_dispatched(model) else model
+
+
 def _save_model(model: nn.Module, folder: Path, config=None) -> None:
     """Hugging Face checkpoint (save_pretrained: its key conventions), optionally another config."""
     with quiet_progress_bars():
@@ -515,6 +521,7 @@ def _run_export(fmt: str, target, overwrite: bool, write: Callable[[Path], HeadL
 def export_zeroed(model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
                   overwrite: bool = False, progress: Progress | None = None) -> ExportResult:
     """Original shapes, pruned heads zeroed (safetensors + config.json + mask.json)."""
+    model = _resident(model)
     record = _default_record(model, pruned, record)
 
     def write(tmp: Path):
@@ -529,6 +536,7 @@ def export_pruned(model: nn.Module, pruned, target, *, record: MaskRecord | None
                   kv_policy: str = "auto", rounds=None, overwrite: bool = False,
                   progress: Progress | None = None) -> ExportResult:
     """The physically pruned model + head_layout.json (+ mask.json); load with `load_pruned`."""
+    model = _resident(model)
     record = _default_record(model, pruned, record)
     smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
 
@@ -631,6 +639,7 @@ def export_stock(model: nn.Module, pruned, target, *, record: MaskRecord | None 
                  kv_policy: str = "auto", rounds=None, overwrite: bool = False,
                  progress: Progress | None = None) -> ExportResult:
     """A uniform-per-layer pruned checkpoint that stock `from_pretrained` loads (no custom code)."""
+    model = _resident(model)
     record = _default_record(model, pruned, record)
     smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
     config = stock_config_for(model, layout)
@@ -664,7 +673,7 @@ def _example_ids(model: nn.Module, batch: int = 2, seq: int = 8) -> torch.Tensor
 
 def write_onnx(model: nn.Module, path: Path, *, opset: int = 17) -> str:
     """Trace `model` to ONNX at `path` with dynamic batch and sequence axes; returns the output name."""
-    ids = _example_ids(model)                                                     # [2, 8]
+    ids = _example_ids(model).to(input_device(model))                             # [2, 8]
     mask = torch.ones_like(ids)                                                   # [2, 8]
     wrapper = _FirstOutput(model).eval()
     with torch.no_grad():
@@ -700,6 +709,7 @@ def export_onnx(model: nn.Module, pruned, target, *, record: MaskRecord | None =
                 kv_policy: str = "auto", rounds=None, overwrite: bool = False, opset: int = 17,
                 progress: Progress | None = None) -> ExportResult:
     """model.onnx of the physically pruned model (+ head_layout.json, mask.json, config.json)."""
+    model = _resident(model)
     record = _default_record(model, pruned, record)
     smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
 

@@ -12,7 +12,9 @@ With a batch of B gate vectors ([B, L, H]) and an input batch of B*n sequences, 
 applies to input rows b*n .. (b+1)*n - 1, so one forward pass evaluates B masks.
 
 Hooks live only inside the `head_mask` context and are removed in `finally`: the (possibly
-cached and shared) model is never changed.
+cached and shared) model is never changed. The hook is a plain forward pre-hook, so it composes
+with accelerate's dispatch hooks (which wrap `forward` itself): it sees O's input where the
+previous module left it, and moves the gate there.
 """
 from __future__ import annotations
 
@@ -46,23 +48,34 @@ def gates_from_mask(pruned) -> torch.Tensor:
     return 1.0 - torch.as_tensor(np.asarray(pruned, dtype=bool)).float()
 
 
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def _gate_for(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gate on x's device (under a device_map each layer's input may be elsewhere), in x's
+    dtype for float32/64 inputs and in float32 for half types: the product is then formed in
+    float32 and rounded once, and a gate's gradient is reduced in float32, not in bfloat16."""
+    return gate.to(device=x.device, dtype=x.dtype if x.dtype in _FULL_PRECISION else torch.float32)
+
+
 def _scale_heads(x: torch.Tensor, gate: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Multiply each head's slice of O's input by its gate.
 
-    x: [N, ..., H*d]; gate: [H] or [B, H] with N = B * n. Returns x's shape."""
+    x: [N, ..., H*d]; gate: [H] or [B, H] with N = B * n. Returns x's shape and dtype."""
     *lead, width = x.shape
     d = width // n_heads
     xh = x.reshape(*lead, n_heads, d)                                  # [N, ..., H, d]
+    g = _gate_for(gate, x)
     if gate.dim() == 1:
-        return (xh * gate.to(x.dtype)[:, None]).reshape(x.shape)       # gate [H, 1]
+        return (xh * g[:, None]).reshape(x.shape).to(x.dtype)          # gate [H, 1]
     B = gate.shape[0]
     N = lead[0]
     if N % B:
         raise InputError(f"Input batch {N} is not a multiple of the {B} gate vectors; repeat each "
                          "input once per mask (all copies for mask 0 first).")
     xb = xh.reshape(B, N // B, *lead[1:], n_heads, d)                  # [B, n, ..., H, d]
-    g = gate.to(x.dtype).reshape(B, *([1] * len(lead)), n_heads, 1)   # [B, 1, ..., H, 1]
-    return (xb * g).reshape(x.shape)
+    g = g.reshape(B, *([1] * len(lead)), n_heads, 1)                   # [B, 1, ..., H, 1]
+    return (xb * g).reshape(x.shape).to(x.dtype)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .adapters import input_device
 from .errors import InputError, UnsupportedModelError
 
 LM_KINDS = ("causal-lm", "masked-lm")
@@ -50,7 +51,9 @@ def lm_sequence_losses(model, kind: str, ids: torch.Tensor, *, mask_token_id: in
     """Mean token NLL of each sequence of ids [B, T] -> [B] (keeps the graph).
 
     kind "causal-lm": next-token NLL over positions 1..T-1; "masked-lm": the seeded positions of
-    `masked_positions` replaced by `mask_token_id` and scored there only."""
+    `masked_positions` replaced by `mask_token_id` and scored there only. The ids go to the
+    model's input device; the losses are float32 at least, on that device."""
+    ids = ids.to(input_device(model))                                    # [B, T]
     if kind == "causal-lm":
         logits = model(input_ids=ids, use_cache=False).logits            # [B, T, V]
         return next_token_nll(logits, ids).mean(dim=1)                   # [B]
@@ -58,7 +61,7 @@ def lm_sequence_losses(model, kind: str, ids: torch.Tensor, *, mask_token_id: in
         if mask_token_id is None:
             raise InputError("Masked-LM calibration needs the tokenizer's mask token; load the model "
                              "with load_model(...) so its tokenizer comes along.")
-        chosen = masked_positions(ids.shape, seed)                       # [B, T]
+        chosen = masked_positions(ids.shape, seed).to(ids.device)        # [B, T]
         logits = model(input_ids=ids.masked_fill(chosen, mask_token_id)).logits  # [B, T, V]
         nll = token_nll(logits, ids)                                     # [B, T]
         return (nll * chosen).sum(dim=1) / chosen.sum(dim=1)             # [B]

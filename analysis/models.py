@@ -13,7 +13,9 @@ Before any weights are read, the config is checked: it must describe an architec
 attention heads that `analysis.adapters` supports, and the model must fit in free RAM
 (`estimate_model_bytes`). Every failure a user can cause is a ModelLoadError or an
 UnsupportedModelError whose message says how to fix it. Models load in eval mode (no dropout,
-so outputs are deterministic), float32 unless asked otherwise, custom code off unless asked.
+so outputs are deterministic), float32 on the CPU unless asked otherwise, custom code off unless
+asked. Device, dtype and accelerate placement (CPU / disk offload) are `analysis.placement`; the
+memory guard there accounts for both and refuses only what cannot be placed anywhere.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from .adapters import Adapter, adapter_for
 from .errors import ModelLoadError, UnsupportedModelError
 from .errors import first_line as _first_line
 from .geometry import HeadGeometry
+from .placement import Placement, ResolvedPlacement, check_fit
 from .progress import Progress, no_progress, scaled
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -85,6 +88,17 @@ class LoadedModel:
     adapter: Adapter
     geometry: HeadGeometry
     source: str      # where the weights came from (a folder, or the hub id)
+    placement: ResolvedPlacement | None = None   # device, dtype, device_map (None: built elsewhere, CPU)
+
+    @property
+    def device(self) -> torch.device:
+        """Where token ids go (the input embedding's device)."""
+        from .adapters import input_device
+        return input_device(self.model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
 
 @dataclass(frozen=True)
@@ -212,21 +226,28 @@ def count_parameters(model_or_config, *, trust_remote_code: bool = False) -> int
 
 def estimate_model_bytes(config, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False) -> int:
     """Bytes of RAM the model needs: parameters * dtype size * (1 + margin) + a fixed margin."""
-    weight_bytes = count_parameters(config, trust_remote_code=trust_remote_code) * dtype.itemsize
-    return int(weight_bytes * (1 + MEMORY_MARGIN_FRACTION)) + MEMORY_MARGIN_BYTES
+    return _bytes_needed(count_parameters(config, trust_remote_code=trust_remote_code), dtype)
 
 
-def _check_memory(config, dtype, available_bytes, name, trust_remote_code) -> None:
+def _bytes_needed(n_params: int, dtype: torch.dtype) -> int:
+    """The estimate's formula: n_params * dtype size * (1 + margin) + a fixed margin."""
+    return int(n_params * dtype.itemsize * (1 + MEMORY_MARGIN_FRACTION)) + MEMORY_MARGIN_BYTES
+
+
+def _check_memory(config, resolved: ResolvedPlacement, available_bytes, name, trust_remote_code
+                  ) -> ResolvedPlacement:
+    """The memory guard (`placement.check_fit`) with this module's estimate, per dtype."""
     try:
-        need = estimate_model_bytes(config, dtype, trust_remote_code=trust_remote_code)
+        n_params = count_parameters(config, trust_remote_code=trust_remote_code)
     except Exception as err:  # a config transformers cannot build a model from
         raise ModelLoadError(f"Cannot build '{name}' from its config.json ({_first_line(err)}). Check that "
                              f"config.json is the model's original, unedited file.") from err
-    free = psutil.virtual_memory().available if available_bytes is None else int(available_bytes)
-    if need > free:
-        raise ModelLoadError(
-            f"'{name}' needs about {need / 2**30:.2f} GiB of RAM in {str(dtype).removeprefix('torch.')} "
-            f"but only {free / 2**30:.2f} GiB is free. Close other programs or pick a smaller model.")
+
+    def estimate(dtype: torch.dtype) -> int:  # = estimate_model_bytes, without building the model again
+        return _bytes_needed(n_params, dtype)
+
+    return check_fit(resolved, estimate(resolved.dtype), name, available_bytes=available_bytes, estimate=estimate,
+                     margin_bytes=MEMORY_MARGIN_BYTES, margin_fraction=MEMORY_MARGIN_FRACTION)
 
 
 # -- built-ins -------------------------------------------------------------------------------
@@ -427,8 +448,8 @@ def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool
         raise _hub_error(name, err) from err
 
 
-def _load_weights(auto_cls, source: str, name: str, is_local: bool, dtype, trust_remote_code: bool):
-    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code,
+def _load_weights(auto_cls, source: str, name: str, is_local: bool, placement: dict, trust_remote_code: bool):
+    kwargs = dict(**placement, trust_remote_code=trust_remote_code,
                   local_files_only=is_local or _hub_offline(), output_loading_info=True)
     try:
         model, info = auto_cls.from_pretrained(source, **kwargs)
@@ -478,17 +499,25 @@ def _load_tokenizer(source: str, name: str, is_local: bool, kind: str, trust_rem
 
 
 def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
-               dtype: torch.dtype = torch.float32, available_bytes: int | None = None,
+               dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+               device_map: str | None = None, max_memory: str | dict | None = None,
+               offload_folder: str | os.PathLike | None = None, available_bytes: int | None = None,
                progress: Progress | None = None) -> LoadedModel:
     """Load a built-in model, a local folder or a hub id, checked before any weights are read.
 
     `cache_dir`: headscope's cache root for converted built-ins (default `default_cache_dir()`).
+    `dtype` / `device`: see analysis/placement.py ("auto" picks by device); the library default is
+    the exact reference, float32 on the CPU (the CLI and the app default to "auto").
+    `device_map="auto"`, `max_memory` ("0=20GiB,cpu=8GiB") and `offload_folder` place the model with
+    accelerate (CPU / disk offload); a cpu budget defaults to the free RAM.
     `available_bytes`: free RAM to check against (default: what the OS reports).
-    Raises ModelLoadError / UnsupportedModelError with a message saying how to fix the problem."""
+    Raises ModelLoadError / UnsupportedModelError / InputError / OutputError with a message saying
+    how to fix the problem."""
     if not isinstance(name, str) or not name.strip():
         raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
                              f"a local folder, or a Hugging Face hub id.")
     name = name.strip()
+    resolved = Placement.of(device, dtype, device_map, max_memory, offload_folder).resolve()
     report = progress or no_progress
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     with quiet_progress_bars(), quiet_load_report():
@@ -498,14 +527,15 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
         adapter = adapter_for(config)  # UnsupportedModelError, naming what is supported
         geometry = adapter.geometry(config)
         kind = model_kind(config)
-        _check_memory(config, dtype, available_bytes, name, trust_remote_code)
-        report(0.7, "loading weights")
-        model = _load_weights(AUTO_CLASS_BY_KIND[kind], source, name, is_local, dtype, trust_remote_code)
+        resolved = _check_memory(config, resolved, available_bytes, name, trust_remote_code)
+        report(0.7, f"loading weights ({resolved.describe()})")
+        model = _load_weights(AUTO_CLASS_BY_KIND[kind], source, name, is_local, resolved.load_kwargs(),
+                              trust_remote_code)
         report(0.9, "loading the tokenizer")
         tokenizer = _load_tokenizer(source, name, is_local, kind, trust_remote_code)
     report(1.0, "loaded")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
-                       geometry=geometry, source=source)
+                       geometry=geometry, source=source, placement=resolved)
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

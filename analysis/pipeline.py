@@ -334,7 +334,7 @@ def config_from(ns) -> PipelineConfig:
 
 def run_cli(ns):
     """Run the pipeline, write the report and the final model's exports under --out-dir/--name."""
-    from .cli import progress_bar
+    from .cli import placement_kwargs, progress_bar
     from .export import FORMATS, resolve_under
     from .models import DEFAULT_MODEL, load_model
     from .report import compression_report, write_report
@@ -347,7 +347,7 @@ def run_cli(ns):
     train, held_out = _read_text(ns.train_text), _read_text(ns.eval_text)
     with progress_bar("loading", not ns.quiet) as bar:
         loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code, cache_dir=ns.cache_dir,
-                            progress=bar)
+                            progress=bar, **placement_kwargs(ns))
     with progress_bar("pipeline", not ns.quiet) as bar:
         rep, result = compression_report(loaded, config, train_data=train, eval_text=held_out, int8=ns.int8,
                                          threads=ns.threads, progress=bar)

@@ -381,10 +381,10 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
 
 def _temp_like(part: torch.Tensor, dtype: torch.dtype, scratch: dict) -> torch.Tensor:
     """A dense `dtype` tensor of part's shape whose strides run in part's order (reused via scratch)."""
-    key = (tuple(part.shape), part.stride(), dtype)
+    key = (tuple(part.shape), part.stride(), dtype, part.device)
     if key not in scratch:
         order = sorted(range(part.dim()), key=lambda i: -part.stride(i))  # outermost axis first
-        dense = torch.empty([part.shape[i] for i in order], dtype=dtype)  # [part's axes, outermost first]
+        dense = torch.empty([part.shape[i] for i in order], dtype=dtype, device=part.device)  # [part's axes, outermost first]
         scratch.clear()  # one temp at a time: a new shape replaces the last one
         scratch[key] = dense.permute([order.index(i) for i in range(part.dim())])  # [<=step, d, width]
     return scratch[key]
@@ -400,8 +400,8 @@ def head_norms(hw: HeadWeights, ords: tuple[int, ...] = (2,), chunk_elements: in
 
 
 def stack_layers(layers: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
-    """Per-layer {projection: [units, d]} -> {projection: [L, units, d]} float64 numpy."""
-    return {p: torch.stack([layer[p] for layer in layers]).numpy().astype(np.float64) for p in PROJECTIONS}
+    """Per-layer {projection: [units, d]} (on any device) -> {projection: [L, units, d]} float64 numpy."""
+    return {p: torch.stack([layer[p].cpu() for layer in layers]).numpy().astype(np.float64) for p in PROJECTIONS}
 
 
 def profile_model(
@@ -414,7 +414,9 @@ def profile_model(
 ) -> NormProfile:
     """Row norms of every layer of an in-memory model, read through its adapter.
 
-    L2 now; L1 on first use (`NormProfile.norms(1)`), from the same model.
+    L2 now; L1 on first use (`NormProfile.norms(1)`), from the same model. The norms are taken
+    where the weights are (a GPU's, or an offloaded layer's real weights, loaded one layer at a
+    time) and in float32 for half-precision weights (`row_norms`).
     """
     adapter = adapter or adapter_for(model)
     geometry = adapter.geometry(model)
@@ -424,7 +426,8 @@ def profile_model(
         with torch.no_grad():
             for layer in range(geometry.n_layers):
                 check_stop(should_stop, "Profiling")
-                layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
+                with adapter.real_weights(model, layer):  # offloaded weights: loaded for this layer only
+                    layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
                 report(progress_of, (layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
         return stack_layers(layers)
 
@@ -432,7 +435,9 @@ def profile_model(
 
 
 def weight_views(model: torch.nn.Module, adapter: Adapter, layer: int, geometry) -> HeadWeights:
-    """Head-major *views* of a layer's projection weights (no copy, unlike read_heads; read only)."""
+    """Head-major *views* of a layer's projection weights (no copy, unlike read_heads; read only).
+
+    For an offloaded model call it inside `adapter.real_weights(model, layer)`."""
     tensors = {f"{role}.weight": module.weight
                for role, module in adapter.projection_modules(model, layer).items()}
     return adapter.heads_from_tensors(tensors, geometry)

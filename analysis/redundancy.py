@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .adapters import adapter_for
+from .adapters import adapter_for, input_device
 from .errors import InputError
 from .evaluation import token_ids
 from .progress import Progress, ShouldStop, check_stop, report
@@ -43,8 +43,8 @@ class Redundancy:
 
 
 def _stacked_o(model, adapter, geometry) -> torch.Tensor:
-    """O columns of every head: [L, H, d, D_out]."""
-    return torch.stack([adapter.read_heads(model, l, geometry).o for l in range(geometry.n_layers)])
+    """O columns of every head: [L, H, d, D_out] (on the CPU, in the model's dtype)."""
+    return torch.stack([adapter.read_heads(model, l, geometry).o.cpu() for l in range(geometry.n_layers)])
 
 
 @torch.no_grad()
@@ -70,11 +70,11 @@ def head_output_gram(model, ids: torch.Tensor, *, progress: Progress | None = No
         try:
             for l in range(L):
                 handles.append(adapter.o_proj(model, l).register_forward_pre_hook(hook_for(l)))
-            model(input_ids=x[s:s + 1], use_cache=False)
+            model(input_ids=x[s:s + 1].to(input_device(model)), use_cache=False)
         finally:
             for h in handles:
                 h.remove()
-        zs = torch.stack(z).double().reshape(L, -1, H, d)              # [L, T, H, d]
+        zs = torch.stack(z).cpu().double().reshape(L, -1, H, d)        # [L, T, H, d]
         contrib = torch.einsum("lthd,lhde->lhte", zs, o).reshape(L * H, -1)  # [L*H, T*D_out]
         gram += contrib @ contrib.T                                    # [L*H, L*H]
         report(progress, (s + 1) / x.shape[0], "head redundancy: head outputs")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .adapters import input_device
 from .errors import InputError
 from .evaluation import token_ids
 from .progress import Progress, ShouldStop, check_stop, report
@@ -61,14 +62,14 @@ def eager_attention(model):
 
 @torch.no_grad()
 def attention_probabilities(model, ids: torch.Tensor) -> torch.Tensor:
-    """Attention probabilities [n, L, H, T, T] of the model on ids [n, T]."""
+    """Attention probabilities [n, L, H, T, T] of the model on ids [n, T] (float32, on the CPU)."""
     with eager_attention(model):
-        out = model(input_ids=ids, output_attentions=True, use_cache=False)
+        out = model(input_ids=ids.to(input_device(model)), output_attentions=True, use_cache=False)
     attn = getattr(out, "attentions", None)
     if not attn:
         raise InputError("This model did not return attention probabilities, so head roles cannot be "
                          "computed for it.")
-    return torch.stack([a.float() for a in attn], dim=1)               # [n, L, H, T, T]
+    return torch.stack([a.float().cpu() for a in attn], dim=1)         # [n, L, H, T, T]
 
 
 def token_frequencies(tokenizer, texts=None, *, max_chars: int = 400_000) -> np.ndarray:

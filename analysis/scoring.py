@@ -28,6 +28,12 @@ Gradient-Head's weight gradients are weight-sized per batch: the gather moves on
 
 The registry at the bottom (`SCORERS`, filled by `register_scorer`) is what the CLI, the app and
 scripts/results.py read: a scorer's name, label, constructor parameters and needs_calibration.
+
+Device and precision: calibration batches go to the model's input device and run in its dtype;
+input statistics (sums of squares, X^T X) are formed in float32 and accumulated in float64 on the
+CPU, and the per-layer weight arithmetic reads the weights (offloaded ones too, through the
+adapter) onto the CPU in float64. Gradient-Head refuses an offloaded model (its weights are
+reloaded on every pass, so they have no gradient to read).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import torch
 from torch import nn
 
 from analysis.ablation import FastAblation, head_ablation
-from analysis.adapters import Adapter, HeadWeights, adapter_for
+from analysis.adapters import Adapter, HeadWeights, adapter_for, input_device, is_offloaded
 from analysis.attribution import gate_loss_fn, integrated_gate_gradients
 from analysis.distributed import SOLO, Team
 from analysis.errors import InputError, UnsupportedModelError
@@ -513,7 +519,8 @@ def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
             x = x.reshape(-1, x.shape[-1]).float()  # [tokens, width]
             acc = (x.T @ x) if full else (x * x).sum(dim=0)  # [width, width] or [width]
             table = getattr(stats, slot)
-            table[layer] = acc.double() if table[layer] is None else table[layer] + acc.double()
+            acc = acc.cpu().double()  # accumulated on the CPU in float64, whatever the device
+            table[layer] = acc if table[layer] is None else table[layer] + acc
             if slot == "att" and layer == 0:
                 stats.tokens += x.shape[0]
         return hook
@@ -541,19 +548,17 @@ def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: Scor
         with collect_inputs(subject, full) as stats, torch.no_grad():
             for i, chunk in enumerate(chunks):
                 tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}", "Scoring")
-                subject.model(input_ids=chunk)
+                subject.model(input_ids=chunk.to(input_device(subject.model)))
                 cost.forward_passes += int(chunk.shape[0])
     else:
         def one(i: int) -> tuple[list, list, int]:
             tick(progress, should_stop, i / len(chunks), f"calibration batch {i + 1}/{len(chunks)}", "Scoring")
             with collect_inputs(subject, full) as part, torch.no_grad():
-                subject.model(input_ids=chunks[i])
+                subject.model(input_ids=chunks[i].to(input_device(subject.model)))
             return part.att, part.out, part.tokens
 
-        device = next(subject.model.parameters()).device
-        stats = subject.team.fold(one, len(chunks), _add_input_stats, what="the calibration statistics")
-        stats = InputStats(*(([t.to(device) for t in table] if isinstance(table, list) else table)
-                             for table in stats))
+        # the gathered statistics stay where collect_inputs keeps them: float64 on the CPU
+        stats = InputStats(*subject.team.fold(one, len(chunks), _add_input_stats, what="the calibration statistics"))
         cost.forward_passes += int(ids.shape[0])
     tick(progress, should_stop, 1.0, "calibration done", "Scoring")
     return stats
@@ -613,7 +618,7 @@ class WandaHeadScorer(NormalizedCalibrationScorer):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=False)
         rows = []
         for layer in range(subject.geometry.n_layers):
-            hw = subject.adapter.read_heads(subject.model, layer, subject.geometry)
+            hw = subject.adapter.read_heads(subject.model, layer, subject.geometry).map(torch.Tensor.cpu)
             x_att = stats.att[layer].sqrt()  # [D]
             x_out = stats.out[layer].sqrt().reshape(subject.geometry.n_heads, -1)  # [H, d]
             rows.append(wanda_layer(hw, x_att, x_out))
@@ -647,7 +652,7 @@ class SparseGPTHeadScorer(NormalizedCalibrationScorer):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=True)
         rows = []
         for layer in range(subject.geometry.n_layers):
-            hw = subject.adapter.read_heads(subject.model, layer, subject.geometry)
+            hw = subject.adapter.read_heads(subject.model, layer, subject.geometry).map(torch.Tensor.cpu)
             h_att = inverse_hessian_diag(stats.att[layer] / stats.tokens, self.damping)  # [D]
             h_out = inverse_hessian_diag(stats.out[layer] / stats.tokens, self.damping)  # [H*d]
             rows.append(sparsegpt_layer(hw, h_att, h_out.reshape(subject.geometry.n_heads, -1)))
@@ -699,6 +704,10 @@ class GradientHeadScorer(CalibrationScorer):
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
+        if is_offloaded(subject.model):
+            raise UnsupportedModelError("Gradient-Head needs the weights' gradients, and this model's weights are "
+                                        "offloaded (accelerate reloads them for every pass). Load it without "
+                                        "--offload-folder / --max-memory, or use the head-gate scorer.")
         L = subject.geometry.n_layers
         roles = [subject.adapter.projection_modules(subject.model, layer) for layer in range(L)]
         weights = [(layer, role, mod.weight) for layer in range(L) for role, mod in roles[layer].items()]
@@ -724,7 +733,7 @@ class GradientHeadScorer(CalibrationScorer):
             saliency = {f"{role}.weight": (w.detach().double() * g).abs()
                         for (lay, role, w), g in zip(weights, grads) if lay == layer}
             hw = subject.adapter.heads_from_tensors(saliency, subject.geometry)  # |w*g| head-major
-            q, k, v, o = (getattr(hw, p).sum(dim=(1, 2)).numpy() for p in ("q", "k", "v", "o"))
+            q, k, v, o = (getattr(hw, p).sum(dim=(1, 2)).cpu().numpy() for p in ("q", "k", "v", "o"))
             rows.append(combine_projection_scores(q, k, v, o))
         tick(progress, should_stop, 1.0, "gradients done", "Scoring")
         return np.stack(rows)  # [L, H]

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapters import Adapter, adapter_for
+from .adapters import Adapter, adapter_for, in_memory_copy, input_device, is_dispatched
 from .errors import InputError
 from .head_gates import gates_from_mask, head_mask
 from .models import count_parameters
@@ -54,8 +54,10 @@ VARIANTS = ("dense", "masked", "pruned")
 # ---------------------------------------------------------------------------------------------
 
 def saved_bytes(model: nn.Module) -> int:
-    """Size of the model's weights written as one safetensors file (tied tensors stored once)."""
+    """Size of the model's weights written as one safetensors file (tied tensors stored once); a
+    dispatched / offloaded model is gathered into memory for it."""
     from safetensors.torch import save_model
+    model = in_memory_copy(model) if is_dispatched(model) else model
     with tempfile.TemporaryDirectory(prefix="headscope-size-") as folder:
         path = Path(folder) / "model.safetensors"
         save_model(model, str(path))
@@ -184,6 +186,24 @@ def _plain(fn: Callable[[], object]) -> Callable[[], object]:
     return fn
 
 
+# device type -> wait for its queued kernels (a GPU call returns before its work is done)
+_SYNCHRONIZE: dict[str, Callable[[], None]] = {"cuda": lambda: torch.cuda.synchronize(),
+                                               "mps": lambda: torch.mps.synchronize()}
+
+
+def synchronized(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """`fn`, then a wait for the device's kernels, so a timing covers the work (no-op on the CPU)."""
+    sync = _SYNCHRONIZE.get(device.type)
+    if sync is None:
+        return fn
+
+    def run():
+        out = fn()
+        sync()
+        return out
+    return run
+
+
 def masked_call(model: nn.Module, gates: torch.Tensor, fn: Callable[[], object],
                 adapter: Adapter | None = None) -> Callable[[], object]:
     """`fn` run with the head-mask hooks installed on `model` (removed after every call, so the
@@ -197,6 +217,8 @@ def masked_call(model: nn.Module, gates: torch.Tensor, fn: Callable[[], object],
 def _decode_step(model: nn.Module, prompt: torch.Tensor, steps: int) -> Callable[[], tuple[float, float]]:
     """A callable that prefills `prompt` (untimed) and returns the median (wall, CPU) seconds per
     decode step."""
+    sync = _SYNCHRONIZE.get(prompt.device.type, lambda: None)
+
     def run() -> tuple[float, float]:
         out = model(input_ids=prompt, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)     # [B, 1]
@@ -204,6 +226,7 @@ def _decode_step(model: nn.Module, prompt: torch.Tensor, steps: int) -> Callable
         for _ in range(steps):
             start, start_cpu = time.perf_counter(), time.process_time()
             out = model(input_ids=token, past_key_values=past, use_cache=True)
+            sync()
             cpu.append(time.process_time() - start_cpu)
             wall.append(time.perf_counter() - start)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -293,7 +316,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
     vocab = int(cfg.vocab_size)
 
     def ids(n: int) -> torch.Tensor:
-        return torch.randint(0, vocab, (batch, n), generator=gen)              # [batch, n]
+        return torch.randint(0, vocab, (batch, n), generator=gen).to(input_device(model))  # [batch, n]
 
     models = {"dense": model, "masked": model, "pruned": smaller}
     wrap = {"dense": _plain, "masked": lambda fn: masked_call(model, gates, fn, adapter), "pruned": _plain}
@@ -308,7 +331,8 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
             report(0.1 + 0.8 * i / len(settings), f"timing {key}")
             inputs = ids(n)
             if key.startswith("prefill"):
-                calls = {name: wrap[name](lambda m=m: m(input_ids=inputs)) for name, m in models.items()}
+                calls = {name: synchronized(wrap[name](lambda m=m: m(input_ids=inputs)), inputs.device)
+                         for name, m in models.items()}
                 times = alternating_times(calls, repeats=repeats, warmup=warmup, should_stop=should_stop)
                 latency[key] = times.median_ms("wall")
                 latency_cpu[key] = times.median_ms("cpu")

@@ -1,12 +1,15 @@
 """Cached calls into `analysis/`: the model by name, its norm profile once, scores by parameters.
 
-- `load(name, trust)`: `st.cache_resource`, one shared LoadedModel per (name, trust). Nobody
-  mutates it: masks are hooks inside `analysis.head_gates.head_mask`, surgery builds a twin that
-  shares the untouched weights and only reads them (distillation un-shares its student first).
-- `profile(name, trust)`: `st.cache_resource`, the row norms, computed once per model. Moving z
+- `load(name, how)`: `st.cache_resource`, one shared LoadedModel per (name, how); `how` is
+  `state.load_options()`: trust_remote_code and the placement (device, dtype, device_map,
+  max_memory, offload folder), so a model loaded in bfloat16 or offloaded is another entry
+  (a bare bool is trust_remote_code with the default placement). Nobody mutates it: masks are
+  hooks inside `analysis.head_gates.head_mask`, surgery builds a twin that shares the untouched
+  weights and only reads them (distillation un-shares its student first).
+- `profile(name, how)`: `st.cache_resource`, the row norms, computed once per model. Moving z
   or the sparsity never recomputes them (everything z-dependent is an array op on this).
-- `scores(name, trust, scorer, params)`: `st.cache_data`, keyed by model name, scorer and its
-  parameters (a sorted tuple of pairs).
+- `scores(name, how, scorer, params)`: `st.cache_data`, keyed by model name and load options,
+  scorer and its parameters (a sorted tuple of pairs).
 
 Arguments starting with "_" (progress and stop callbacks) are not part of a cache key.
 Progress inside a cached function writes to a bar created outside it; `progress_bar` turns off
@@ -26,6 +29,7 @@ from analysis.progress import Progress
 
 from . import state
 from .errors import show_exception
+from .state import LoadHow
 
 try:  # Streamlit internal: lets a progress bar outside a cached function be updated from inside it
     from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _in_cached
@@ -74,17 +78,18 @@ def stop_button(work: str, label: str = "Stop"):
 # -- cached calls ------------------------------------------------------------------------------
 
 @st.cache_resource(show_spinner=False, max_entries=3)
-def load(name: str, trust: bool = False, _progress: Progress | None = None):
-    """The shared LoadedModel for `name` (never mutate it)."""
+def load(name: str, how: LoadHow = False, _progress: Progress | None = None):
+    """The shared LoadedModel for `name` loaded `how` (never mutate it)."""
     from analysis import models
-    return models.load_model(name, trust_remote_code=trust, progress=_progress)
+    trust, placement = state.load_parts(how)
+    return models.load_model(name, trust_remote_code=trust, progress=_progress, **placement)
 
 
 @st.cache_resource(show_spinner=False, max_entries=3)
-def profile(name: str, trust: bool = False, _progress: Progress | None = None, _should_stop=None):
+def profile(name: str, how: LoadHow = False, _progress: Progress | None = None, _should_stop=None):
     """Row norms of every layer, computed once per model."""
     from analysis import profiles
-    lm = load(name, trust)
+    lm = load(name, how)
     return profiles.profile_model(lm.model, adapter=lm.adapter, source=name, progress=_progress,
                                   should_stop=_should_stop)
 
@@ -97,7 +102,7 @@ def model_or_stop():
         st.stop()
     try:
         with progress_bar(f"Loading {name}") as report:
-            lm = load(name, state.trust(), _progress=report)
+            lm = load(name, state.load_options(), _progress=report)
         from analysis.scoring import default_scorer
         state.follow_model_scorer(default_scorer(lm.geometry.group_size))
         return lm
@@ -113,7 +118,7 @@ def profile_or_stop():
     name = state.get("model")
     try:
         with progress_bar("Computing row norms") as report:
-            return profile(name, state.trust(), _progress=report)
+            return profile(name, state.load_options(), _progress=report)
     except Exception as err:  # noqa: BLE001
         show_exception(err, "Computing row norms")
     st.stop()
@@ -155,23 +160,23 @@ def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Ca
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def param_count(name: str, trust: bool = False) -> int:
+def param_count(name: str, how: LoadHow = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
     from analysis.models import count_parameters
-    return count_parameters(load(name, trust).model)
+    return count_parameters(load(name, how).model)
 
 
 # -- scores, masks, evaluation -----------------------------------------------------------------
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def has_qkv_bias(name: str, trust: bool = False) -> bool:
+def has_qkv_bias(name: str, how: LoadHow = False) -> bool:
     """Whether the attention projections carry biases (for the parameter count of a mask)."""
-    lm = load(name, trust)
+    lm = load(name, how)
     return lm.adapter.has_qkv_bias(lm.model)
 
 
 @st.cache_resource(show_spinner=False)
-def _model_lock(name: str, trust: bool) -> threading.RLock:
+def _model_lock(name: str, how: LoadHow) -> threading.RLock:
     return threading.RLock()
 
 
@@ -179,7 +184,7 @@ LOCK_POLL_S = 0.25
 
 
 @contextmanager
-def exclusive(name: str, trust: bool, progress: Progress | None = None, should_stop=None):
+def exclusive(name: str, how: LoadHow, progress: Progress | None = None, should_stop=None):
     """Yields the shared LoadedModel with its lock held, for work that runs or copies it.
 
     Masks are forward hooks on the shared model, so two runs at once (two sessions, or a rerun
@@ -191,8 +196,8 @@ def exclusive(name: str, trust: bool, progress: Progress | None = None, should_s
     lock) until its next Streamlit call. A blocking wait would make no Streamlit call either,
     so the new run could not be interrupted by Stop and the page froze on a stale bar; the
     wait polls, reporting progress (a point where Streamlit can interrupt) and the stop flag."""
-    lm = load(name, trust)
-    lock = _model_lock(name, trust)
+    lm = load(name, how)
+    lock = _model_lock(name, how)
     while not lock.acquire(timeout=LOCK_POLL_S):
         check_stop(should_stop, "Waiting for another computation on this model")
         if progress is not None:
@@ -204,7 +209,7 @@ def exclusive(name: str, trust: bool, progress: Progress | None = None, should_s
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
-def scores(name: str, trust: bool, scorer: str, params: tuple, _progress=None, _should_stop=None):
+def scores(name: str, how: LoadHow, scorer: str, params: tuple, _progress=None, _should_stop=None):
     """HeadScores of `scorer` with `params` (a params_key tuple) on model `name`.
 
     Weight-only scorers read the cached norm profile (never the weights again); calibration
@@ -212,41 +217,41 @@ def scores(name: str, trust: bool, scorer: str, params: tuple, _progress=None, _
     from analysis import scoring
     instance = scoring.get_scorer(scorer, **dict(params))
     if not type(instance).needs_calibration:
-        return instance.score(profile(name, trust), progress=_progress, should_stop=_should_stop)
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+        return instance.score(profile(name, how), progress=_progress, should_stop=_should_stop)
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return instance.score(lm, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
-def evaluate_masks(name: str, trust: bool, pruned, text: str | None, max_tokens: int,
+def evaluate_masks(name: str, how: LoadHow, pruned, text: str | None, max_tokens: int,
                    _progress=None, _should_stop=None):
     """`analysis.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
     from analysis import evaluation
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return evaluation.evaluate(lm, text, pruned=pruned, max_tokens=max_tokens, progress=_progress,
                                    should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def z_sweep(name: str, trust: bool, sparsity: float, options: tuple, max_tokens: int,
+def z_sweep(name: str, how: LoadHow, sparsity: float, options: tuple, max_tokens: int,
             _progress=None, _should_stop=None):
     """`analysis.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
     from analysis import sweep
-    prof = profile(name, trust)
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    prof = profile(name, how)
+    with exclusive(name, how, _progress, _should_stop) as lm:
         calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
         return sweep.sweep_z(prof, sparsity, calib, held_out, metric=metric, higher_is_better=higher,
                              evaluate_all=True, progress=_progress, should_stop=_should_stop, **dict(options))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: tuple, levels: tuple,
+def sparsity_curve(name: str, how: LoadHow, scorer: str, params: tuple, policy: tuple, levels: tuple,
                    max_tokens: int, _progress=None, _should_stop=None):
     """Metric vs sparsity for one scorer, masks from `analysis.masks.plan_mask` with `policy`."""
     from analysis import evaluation, masks
-    head_scores = scores(name, trust, scorer, params)            # before taking the lock (see exclusive)
+    head_scores = scores(name, how, scorer, params)            # before taking the lock (see exclusive)
     pol = dict(policy)
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         def mask_fn(_, s):
             return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
 
@@ -255,37 +260,37 @@ def sparsity_curve(name: str, trust: bool, scorer: str, params: tuple, policy: t
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def ablation(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+def ablation(name: str, how: LoadHow, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.ablation.head_ablation`: the loss change when each head alone is removed."""
     from analysis import ablation as ablation_mod
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return ablation_mod.head_ablation(lm, text, max_tokens=max_tokens, progress=_progress,
                                           should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def head_roles(name: str, trust: bool, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+def head_roles(name: str, how: LoadHow, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
     from analysis import roles
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return roles.head_roles(lm, text, max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def head_redundancy(name: str, trust: bool, text: str | None, max_tokens: int, kind: str, threshold: float,
+def head_redundancy(name: str, how: LoadHow, text: str | None, max_tokens: int, kind: str, threshold: float,
                     ablation_delta=None, _progress=None, _should_stop=None):
     """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
     from analysis import redundancy
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return redundancy.head_redundancy(lm, text, ablation_delta=ablation_delta, kind=kind, threshold=threshold,
                                           max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def attention_pattern(name: str, trust: bool, sentence: str, max_tokens: int = 64):
+def attention_pattern(name: str, how: LoadHow, sentence: str, max_tokens: int = 64):
     """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.roles)."""
     from analysis import evaluation, roles
-    with exclusive(name, trust) as lm:
+    with exclusive(name, how) as lm:
         ids = evaluation.token_ids(lm.tokenizer, sentence, max_tokens=max_tokens)      # [T]
         probs = roles.attention_probabilities(lm.model, ids.unsqueeze(0))[0]           # [L, H, T, T]
         tokens = [lm.tokenizer.decode([int(i)]) for i in ids]
@@ -293,20 +298,20 @@ def attention_pattern(name: str, trust: bool, sentence: str, max_tokens: int = 6
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def head_attribution(name: str, trust: bool, text: str | None, max_tokens: int, n_steps: int,
+def head_attribution(name: str, how: LoadHow, text: str | None, max_tokens: int, n_steps: int,
                      _progress=None, _should_stop=None):
     """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
     from analysis import attribution
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def speed_report(name: str, trust: bool, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
+def speed_report(name: str, how: LoadHow, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
                  _progress=None, _should_stop=None):
     """`analysis.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
     from analysis import speed
-    with exclusive(name, trust, _progress, _should_stop) as lm:
+    with exclusive(name, how, _progress, _should_stop) as lm:
         return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
                              progress=_progress, should_stop=_should_stop)

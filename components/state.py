@@ -15,7 +15,9 @@ On a session's first run the URL is read once (bad values are replaced by the de
 reported with how to fix them). Widgets never own these values: a widget gets its own key,
 seeded from the canonical value when it (re)appears, and the page writes the widget's value
 back with `set` - so values survive switching pages (Streamlit drops the keys of widgets that
-are not shown). trust_remote_code is session-only and never read from a URL.
+are not shown). trust_remote_code and the placement (device, dtype, accelerate offload) are
+session-only and never read from a URL; `load_options()` is both, the cache key of the loaded
+model (`components/cache.py`).
 
 Other keys this module owns: the stop flag of long work, `remember`/`recall` slots that keep
 a button's result on screen across reruns (`remember_run` / `run_result` / `model_result` for the
@@ -31,6 +33,7 @@ from typing import Any, Callable
 import streamlit as st
 
 from analysis.models import DEFAULT_MODEL
+from analysis.placement import Placement
 from analysis.profiles import DEFAULT_Z, Z_MAX
 
 DEFAULT_SCORER = "mp-g"  # the default model is GQA; `follow_model_scorer` adapts it to the loaded model
@@ -43,6 +46,7 @@ _STOP = PREFIX + "stop"
 _MEMO = PREFIX + "memo."
 _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
+_PLACEMENT = PREFIX + "placement"
 _SCORER_CHOSEN = PREFIX + "scorer_chosen"
 _STOPPED = PREFIX + "stopped"
 _STOP_SEEN = PREFIX + "stop_seen"
@@ -224,6 +228,41 @@ def trust() -> bool:
 
 def set_trust(value: bool) -> None:
     st.session_state[_TRUST] = bool(value)
+
+
+# -- placement: device, dtype, offload (session only) -------------------------------------------
+
+# How a model is loaded, as a cache key: (trust_remote_code, device, dtype, device_map, max_memory,
+# offload_folder), or a bare bool (trust_remote_code, default placement; what tests pass).
+LoadHow = tuple | bool
+
+
+def placement() -> Placement:
+    """The placement picked on the Model page (default: device auto, dtype auto)."""
+    return st.session_state.get(_PLACEMENT) or Placement()
+
+
+def set_placement(value: Placement) -> None:
+    st.session_state[_PLACEMENT] = value
+
+
+def load_options() -> LoadHow:
+    """What `cache.load` is keyed by: trust_remote_code alone while the placement is the default,
+    else (trust_remote_code, device, dtype, device_map, max_memory, offload_folder)."""
+    p = placement()
+    if p == Placement():
+        return trust()
+    return (trust(), p.device, p.dtype, p.device_map, p.max_memory, p.offload_folder)
+
+
+def load_parts(how: LoadHow) -> tuple[bool, dict]:
+    """(trust_remote_code, load_model placement keywords) of a `load_options()` tuple or a bool."""
+    if isinstance(how, bool):
+        p = Placement()
+        return how, dict(device=p.device, dtype=p.dtype)
+    trust_, device, dtype, device_map, max_memory, offload_folder = how
+    return bool(trust_), dict(device=device, dtype=dtype, device_map=device_map, max_memory=max_memory,
+                              offload_folder=offload_folder)
 
 
 # -- stopping long work ------------------------------------------------------------------------

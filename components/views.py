@@ -33,7 +33,7 @@ def view_mask(lm, *, explain: bool = True):
         if explain:
             st.info(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page first.")
         return None
-    head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
+    head_scores = cache.cached_call(cache.scores, lm.name, state.load_options(), scorer, key,
                                     label=f"Scoring with {controls.label(scorer)}")
     if head_scores is None:
         return None

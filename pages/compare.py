@@ -36,12 +36,12 @@ for name in chosen:
     key = cache.params_key(params)
     if scoring.scorer_class(name).needs_calibration and not state.is_scored(lm.name, name, key):
         if st.button(f"Compute {controls.label(name)} (calibration text; takes a while)", key=f"compare.compute.{name}"):
-            if cache.cached_call(cache.scores, lm.name, state.trust(), name, key, label=controls.label(name),
+            if cache.cached_call(cache.scores, lm.name, state.load_options(), name, key, label=controls.label(name),
                                  stoppable=True) is not None:
                 state.mark_scored(lm.name, name, key)
                 st.rerun()
         continue
-    hs = cache.cached_call(cache.scores, lm.name, state.trust(), name, key, label=controls.label(name))
+    hs = cache.cached_call(cache.scores, lm.name, state.load_options(), name, key, label=controls.label(name))
     if hs is not None:
         results[name] = (key, hs)
 st.caption("Each scorer runs with its default parameters (z from the slider); tune one scorer on the Prune page.")
@@ -82,7 +82,7 @@ curve_key = (lm.name, tuple((n, results[n][0]) for n in results), cache.params_k
 if st.button("Compute the curves", key="compare.curves"):
     curves = {}
     for name, (key, _) in results.items():
-        curve = cache.cached_call(cache.sparsity_curve, lm.name, state.trust(), name, key,
+        curve = cache.cached_call(cache.sparsity_curve, lm.name, state.load_options(), name, key,
                                   cache.params_key(policy), levels, tokens, label=f"Curve of {controls.label(name)}",
                                   stoppable=True)
         if curve is None:

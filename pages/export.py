@@ -66,7 +66,7 @@ overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key(
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
     with shown_errors("Exporting"):
-        with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.trust(), report):
+        with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(), report):
             result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
                                        tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery)
         state.remember("export.last", result)
@@ -88,7 +88,7 @@ with shown_errors("Measuring"):
                "pruned copy in alternating order, on this machine.")
     report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
                               slot="export.speed", run_key=speed_key, fn=cache.speed_report,
-                              args=(lm.name, state.trust(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
+                              args=(lm.name, state.load_options(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
                               label="Measuring",
                               stale_note="The mask or the settings changed since the last measurement; press the button again.")
     if report is not None:

@@ -1,6 +1,9 @@
-"""Model page: which model is loaded, its family and head geometry, parameter count, load progress."""
+"""Model page: which model is loaded, its family and head geometry, parameter count, load progress,
+and where it is loaded (device, dtype, accelerate offload: analysis/placement.py)."""
 import streamlit as st
 
+from analysis.errors import HeadscopeError
+from analysis.placement import DTYPE_CHOICES, Placement, cuda_count, mps_available
 from components import cache, explain, shell, state
 
 shell.ensure_app()
@@ -10,6 +13,37 @@ st.caption("Pick a model in the sidebar: a built-in (nothing is downloaded), a H
            "in the local cache, or a local folder. Every page uses the model picked here.")
 explain.structured_pruning()
 
+
+def placement_form() -> None:
+    """Device / dtype / offload options; applied together by the form's button (a reload is a new cache entry)."""
+    current = state.placement()
+    devices = ["auto", "cpu", *(f"cuda:{i}" for i in range(cuda_count())), *(["mps"] if mps_available() else [])]
+    devices += [] if current.device in devices else [current.device]
+    with st.expander("Device and precision", expanded=current != Placement()):
+        with st.form("model.placement"):
+            cols = st.columns(2)
+            device = cols[0].selectbox("Device", devices, index=devices.index(current.device),
+                                       help="auto: the first CUDA GPU if there is one, else the CPU.")
+            dtype = cols[1].selectbox("dtype", DTYPE_CHOICES, index=DTYPE_CHOICES.index(current.dtype),
+                                      help="auto: float32 on the CPU (the exact reference), bfloat16 on a GPU. "
+                                           "Norms, losses and gate gradients are always reduced in float32.")
+            cols = st.columns(2)
+            max_memory = cols[0].text_input("max_memory (accelerate)", value=current.max_memory or "",
+                                            placeholder="0=20GiB,cpu=8GiB",
+                                            help="Per-device budgets; the blocks that do not fit go to the CPU, "
+                                                 "then to the offload folder.")
+            folder = cols[1].text_input("Offload folder (disk)", value=current.offload_folder or "",
+                                        help="Weights that fit nowhere else are read from here, one layer at "
+                                             "a time (slow, but a model larger than memory loads).")
+            applied = st.form_submit_button("Load with these settings")
+    if applied:
+        try:
+            state.set_placement(Placement.of(device, dtype, max_memory=max_memory, offload_folder=folder))
+        except HeadscopeError as err:
+            st.error(str(err))
+
+
+placement_form()
 lm = cache.model_or_stop()
 g = lm.geometry
 st.subheader(lm.name)
@@ -24,7 +58,9 @@ cols = st.columns(4)
 cols[0].metric("Hidden (D)", g.hidden)
 cols[1].metric("Heads in total (L x H)", g.n_total_heads)
 cols[2].metric("Query heads per KV head (G)", g.group_size)
-cols[3].metric("Parameters", f"{cache.param_count(lm.name, state.trust()):,}")
+cols[3].metric("Parameters", f"{cache.param_count(lm.name, state.load_options()):,}")
+if lm.placement is not None:
+    st.caption(f"Loaded on {lm.placement.describe()}.")
 st.caption(f"Weights from `{lm.source}`. Attention: "
            + ("multi-head (MHA)" if g.group_size == 1 else
               "multi-query (MQA)" if g.n_kv_heads == 1 else f"grouped-query (GQA), G = {g.group_size}")

@@ -60,7 +60,7 @@ if st.button("Run the pipeline", type="primary", key="pipe.run"):
     stop = cache.stop_button("pipeline")
     try:
         with shown_errors("The pipeline"):
-            with cache.progress_bar("Pipeline") as report, cache.exclusive(lm.name, state.trust(), report,
+            with cache.progress_bar("Pipeline") as report, cache.exclusive(lm.name, state.load_options(), report,
                                                                           should_stop=state.should_stop):
                 rep, result = compression_report(lm, config, int8=int8, progress=report,
                                                  should_stop=state.should_stop, on_step=on_step)

@@ -54,12 +54,12 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
     if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
         st.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
         if st.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
-            head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
+            head_scores = cache.cached_call(cache.scores, lm.name, state.load_options(), scorer, key,
                                             label=f"Scoring with {controls.label(scorer)}", stoppable=True)
             if head_scores is not None:
                 state.mark_scored(lm.name, scorer, key)
     else:
-        head_scores = cache.cached_call(cache.scores, lm.name, state.trust(), scorer, key,
+        head_scores = cache.cached_call(cache.scores, lm.name, state.load_options(), scorer, key,
                                         label=f"Scoring with {controls.label(scorer)}", stoppable=cls.needs_calibration)
     if head_scores is None:
         st.stop()          # in a full run this ends the page too: nothing below has a mask
@@ -109,7 +109,7 @@ with shown_errors("Reading the text"):
     dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
     result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
                               slot="prune.check", run_key=check, fn=cache.evaluate_masks,
-                              args=(lm.name, state.trust(), dense_and_masked, text, max_tokens),
+                              args=(lm.name, state.load_options(), dense_and_masked, text, max_tokens),
                               label="Evaluating",
                               stale_note="The settings changed since the last check; press the button to check this mask.")
     if result is not None:
@@ -133,7 +133,7 @@ else:
     sweep_key = (lm.name, sparsity, options, sweep_tokens)
     zs = cache.run_button(f"Sweep z at sparsity {sparsity:g}", button_key="prune.sweep", slot="prune.sweep",
                           run_key=sweep_key, fn=cache.z_sweep,
-                          args=(lm.name, state.trust(), sparsity, options, sweep_tokens), label="Sweeping z",
+                          args=(lm.name, state.load_options(), sparsity, options, sweep_tokens), label="Sweeping z",
                           stale_note="The settings changed since the last sweep; press the button to sweep again.")
     if zs is not None:
         series = {"calibration split": (zs.zs, zs.calibration)}
