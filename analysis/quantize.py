@@ -132,6 +132,11 @@ class OnnxLM(nn.Module):
         self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
         self.config = config
 
+    def get_input_embeddings(self) -> nn.Module:
+        """A tensor-less stand-in, so `adapters.input_device` says the CPU: the ids go to ONNX
+        Runtime's CPU provider as numpy arrays."""
+        return nn.Identity()
+
     def forward(self, input_ids, attention_mask=None, **_):
         ids = torch.as_tensor(input_ids).long()                            # [B, T]
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask
