@@ -78,6 +78,8 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
                                 group_size=g.group_size)
         scores_csv = "layer,head,score,pruned\n" + "\n".join(
             f"{l},{h},{head_scores.scores[l, h]:.8g},{int(plan.pruned[l, h])}" for l, h in np.ndindex(*plan.pruned.shape))
+        scores_json = json.dumps(head_scores.as_dict(), indent=1)
+        summary_json = json.dumps(summary.as_dict(), indent=1) if summary is not None else None
 
         if summary is not None:                 # drawing only from here on
             numbers.show_summary(summary, flops_len=flops_len,
@@ -89,10 +91,10 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
         downloads = st.container(horizontal=True)
         downloads.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv",
                                   mime="text/csv", key="prune.dl.csv")
-        downloads.download_button("Scores (JSON)", json.dumps(head_scores.as_dict(), indent=1),
-                                  file_name=f"{scorer}_scores.json", mime="application/json", key="prune.dl.json")
-        if summary is not None:
-            downloads.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
+        downloads.download_button("Scores (JSON)", scores_json, file_name=f"{scorer}_scores.json",
+                                  mime="application/json", key="prune.dl.json")
+        if summary_json is not None:
+            downloads.download_button("Mask summary (JSON)", summary_json,
                                       file_name=f"{scorer}_mask_summary.json", mime="application/json",
                                       key="prune.dl.summary")
         state.remember_mask(lm.name, scorer, params, sparsity, policy)

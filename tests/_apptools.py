@@ -149,8 +149,13 @@ def mask_grid(at) -> MaskGrid:
     """The (one) mask grid on the page (AssertionError if there is none)."""
     bodies = mask_grids(at)
     assert len(bodies) == 1, f"expected one mask grid, found {len(bodies)}"
+    return parse_mask_grid(bodies[0])
+
+
+def parse_mask_grid(body: str) -> MaskGrid:
+    """A `charts.mask_grid` HTML body read back."""
     parser = _GridParser()
-    parser.feed(bodies[0])
+    parser.feed(body)
     assert parser.shape is not None and len(parser.cells) == parser.shape[0] * parser.shape[1]
     pruned, scores, hover = zip(*parser.cells)
     return MaskGrid(parser.title, np.asarray(pruned).reshape(parser.shape),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests._apptools import (downloads, figure_titled, fresh_caches, mask_grid, mask_grids, metric,  # noqa: F401
-                             new_app, no_exception, smollm2_app, tiny_dir)
+                             new_app, no_exception, parse_mask_grid, smollm2_app, tiny_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 
@@ -27,6 +27,23 @@ def _check_mask(at, sparsity, n_heads):
     if 0 < k < n_heads:
         assert scores[pruned].max() <= scores[~pruned].min()   # the lowest-scored heads went first
     return pruned, scores
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_mask_grid_reads_back_what_it_draws(group_size):
+    from components import charts
+    rng = np.random.default_rng(0)
+    pruned = rng.random((5, 6)) < 0.4                                  # [L, H]
+    scores = rng.standard_normal((5, 6))                               # [L, H]
+    body = charts.mask_grid(pruned, scores, score_name="<b>x</b> & y", group_size=group_size)
+    grid = parse_mask_grid(body)
+    np.testing.assert_array_equal(grid.pruned, pruned)
+    np.testing.assert_array_equal(grid.scores, scores)                # exact: the score as Python writes it
+    np.testing.assert_array_equal(grid.per_layer, pruned.sum(axis=1))
+    assert grid.title == f"{int(pruned.sum())} of 30 heads pruned"
+    assert "<b>" not in body and "<b>x</b> & y" in grid.hover[0]     # escaped in the HTML, shown as written
+    assert ("(KV group 1)" in grid.hover[3]) == (group_size == 3)
+    assert body.count('class="k s"') + body.count('class="p s"') == (5 if group_size == 3 else 0)  # group gaps
 
 
 @pytest.mark.parametrize("scorer", ["mp", "mp-g", "magnitude", "random"])
