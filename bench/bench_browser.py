@@ -6,7 +6,9 @@ opened with MP-G, z = 2, sparsity = 0.3, and each slider is moved 20 times with 
 `data-test-script-state` of the page) and the new value shows: for sparsity the mask grid's title
 "N of 270 heads pruned", for z the "Heads with score 0 at z = ..." metric beside it (both read
 with textContent on the few elements concerned, so the check itself forces no page layout).
-Beside it, the same page's full rerun (Streamlit's R shortcut) is timed the same way.
+Beside it, the same page's full rerun (Streamlit's R shortcut) is timed to the arrival of its
+script_finished message (it changes no text to wait for; its unchanged large elements come from
+Streamlit's message cache, so it sends less than a key press that changes the mask).
 
 For every key press it also counts what the server sent over the websocket (ForwardMsgs, the
 delta messages among them, and their bytes): that does not depend on how busy the machine is.
@@ -31,19 +33,26 @@ from tests.e2e.serving import chromium, served_app  # noqa: E402
 TARGET_S = 0.2
 N_HEADS = 30 * 9
 STEP = {"Sparsity": 0.01, "Threshold z": 0.05}
-# Run-state transitions are recorded in the page, so a run that starts and ends between two polls
-# is still seen.
-WATCH_JS = """() => {
+# [selector, text]: the script is not running and an element matching the selector has exactly
+# this text content. The new text proves that the key press's run drew it (its running ->
+# notRunning flip can fall inside one React commit, unseen, when the run is fast).
+DONE_JS = """([selector, text]) => {
   const app = document.querySelector('[data-testid="stApp"]');
-  window.__runs = [];
-  new MutationObserver(() => window.__runs.push([app.getAttribute('data-test-script-state'), performance.now()]))
-    .observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+  return app.getAttribute('data-test-script-state') === 'notRunning'
+    && Array.from(document.querySelectorAll(selector)).some(e => e.textContent.trim() === text);
 }"""
-# [t0, selector, text]: the run that started after t0 has ended and an element matching the
-# selector has exactly this text content.
-DONE_JS = """([t0, selector, text]) => {
-  const ended = (window.__runs || []).some(([s, t]) => t > t0 && s === 'notRunning');
-  return ended && Array.from(document.querySelectorAll(selector)).some(e => e.textContent.trim() === text);
+# When each websocket message reached the page (performance.now()), in arrival order: a full rerun
+# changes no text, so it ends when its script_finished message arrives.
+ARRIVALS_JS = """() => {
+  window.__arrivals = [];
+  const Native = window.WebSocket;
+  window.WebSocket = function (...args) {
+    const ws = new Native(...args);
+    ws.addEventListener('message', () => window.__arrivals.push(performance.now()));
+    return ws;
+  };
+  window.WebSocket.prototype = Native.prototype;
+  Object.assign(window.WebSocket, Native);
 }"""
 GRID_TITLE = ".hsm-t"
 METRIC_LABEL = '[data-testid="stMetricLabel"]'
@@ -75,9 +84,27 @@ def timed_press(page, frames: Frames, key: str, expect: tuple[str, str]) -> tupl
     first = len(frames.seen)
     t0 = page.evaluate("() => performance.now()")
     page.keyboard.press(key)
-    page.wait_for_function(DONE_JS, arg=[t0, *expect], polling="raf", timeout=120_000)
+    page.wait_for_function(DONE_JS, arg=list(expect), polling="raf", timeout=120_000)
     seconds = (page.evaluate("() => performance.now()") - t0) / 1e3
     return seconds, frames.seen[first:]
+
+
+def timed_rerun(page, frames: Frames) -> tuple[float, list]:
+    """(seconds from pressing R to the arrival of that run's script_finished message, its frames)."""
+    first = len(frames.seen)
+    t0 = page.evaluate("() => performance.now()")
+    page.keyboard.press("r")
+    for _ in range(12_000):
+        kinds = [kind for kind, _ in frames.seen[first:]]
+        if "script_finished" in kinds:
+            break
+        page.wait_for_timeout(10)
+    else:
+        raise TimeoutError("the full rerun did not finish in 120 s")
+    assert page.evaluate("() => window.__arrivals.length") >= len(frames.seen), "frames and arrivals differ"
+    end = page.evaluate("(i) => window.__arrivals[i]", first + kinds.index("script_finished"))
+    page.wait_for_timeout(300)                                       # let the redraw settle
+    return (end - t0) / 1e3, frames.seen[first:first + kinds.index("script_finished") + 1]
 
 
 def slider_moves(page, frames: Frames, label: str, start: float, moves: int, expect):
@@ -109,20 +136,19 @@ def main() -> int:
     log = Path(tempfile.mkdtemp()) / "server.log"
     with served_app(log) as base, chromium() as browser:
         page = browser.new_page(viewport={"width": 1500, "height": 1400})
+        page.add_init_script(f"({ARRIVALS_JS})()")
         frames = Frames(page)
         page.goto(f"{base}/prune?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.3")
         start = math.floor(0.3 * N_HEADS + 1e-9)
         page.locator(GRID_TITLE, has_text=f"{start} of {N_HEADS} heads pruned").first.wait_for(timeout=300_000)
         page.wait_for_timeout(2000)
-        page.evaluate(WATCH_JS)
         sparsity, sparsity_sent = slider_moves(
             page, frames, "Sparsity", 0.3, args.moves,
             lambda s: (GRID_TITLE, f"{math.floor(s * N_HEADS + 1e-9)} of {N_HEADS} heads pruned"))
         z, z_sent = slider_moves(page, frames, "Threshold z", 2.0, args.moves,
                                  lambda v: (METRIC_LABEL, f"Heads with score 0 at z = {v:g}"))
         page.get_by_role("heading", name="Prune", level=1).click()      # focus off the widgets
-        full, full_sent = zip(*(timed_press(page, frames, "r", (GRID_TITLE, f"{start} of {N_HEADS} heads pruned"))
-                                for _ in range(args.reruns)))
+        full, full_sent = zip(*(timed_rerun(page, frames) for _ in range(args.reruns)))
     print(f"Prune page, SmolLM2, Chromium; {args.moves} moves per slider, {args.reruns} full reruns")
     for name, t, sent in (("sparsity key press -> redrawn", sparsity, sparsity_sent),
                           ("z key press -> redrawn", z, z_sent), ("full page rerun (R)", full, full_sent)):
