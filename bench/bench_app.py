@@ -46,8 +46,8 @@ def main() -> None:
     first = timed(at.run)
     if at.exception:
         sys.exit(f"the Prune page raised: {at.exception[0].value}")
-    pruned_title = [t for t in (el.proto.spec for el in at.get("plotly_chart")) if "heads pruned" in t]
-    assert pruned_title, "the Prune page drew no mask heatmap"
+    pruned_title = [t for t in (el.proto.body for el in at.get("html")) if "heads pruned" in t]
+    assert pruned_title, "the Prune page drew no mask grid"
 
     reruns = []
     for i in range(args.moves):

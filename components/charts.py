@@ -1,8 +1,12 @@
-"""Plotly figure builders: pure functions from arrays to figures (no Streamlit, no computation).
+"""Figure builders: pure functions from arrays to drawings (no Streamlit, no computation).
 
 Every builder takes results that `analysis/` computed and only draws them:
 - `layer_head_heatmap`: any [L, H] (or [L, H_kv]) array, layer on y, head on x;
 - `mask_heatmap`: kept/pruned cells ([L, H] bool) with the score on hover; z is 1 for pruned;
+- `mask_grid`: the same mask as one HTML block for `st.html` -- kept/pruned cells with the score
+  on hover and the pruned count of every layer beside its row. The Prune page's live view draws
+  this: `st.plotly_chart` remounts (a full Plotly.newPlot) whenever its figure changes, while an
+  HTML block is swapped in place, so a key press on z or the sparsity redraws in a few ms;
 - `norm_histogram`: one population's row norms with the mean and mean + z*std lines and the
   outlier rows marked;
 - `head_bars`: one value per head of a layer (e.g. the per-head excess);
@@ -11,6 +15,8 @@ Every builder takes results that `analysis/` computed and only draws them:
 - `head_rows`: one head's row norms beside the rest of their populations, with each tau.
 """
 from __future__ import annotations
+
+from html import escape
 
 import numpy as np
 import plotly.graph_objects as go
@@ -72,6 +78,60 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
     fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned")
     _group_lines(fig, n_layers, n_heads, group_size)
     return _axes(fig, n_layers, n_heads)
+
+
+_GRID_CSS = (
+    ".hsm{font:12px sans-serif}.hsm-t{font-size:15px;margin:0 0 6px}"
+    ".hsm-g{display:grid;gap:1px;align-items:center}"
+    ".hsm-g>div{height:14px;line-height:14px}"
+    f".hsm-g>.k{{background:{KEPT_COLOR}}}.hsm-g>.p{{background:{PRUNED_COLOR}}}"
+    ".hsm-g>.s{margin-left:3px}"                      # the first head of a KV group (G > 1)
+    ".hsm-g>.k:hover,.hsm-g>.p:hover{outline:2px solid #2c3e50}"
+    ".hsm-g>.y,.hsm-g>.x{color:#555;font-size:10px;text-align:right;padding-right:4px}"
+    ".hsm-g>.x{text-align:center;padding:0}"
+    ".hsm-g>.n{font-size:10px;color:#555;white-space:nowrap;padding-left:6px}"
+    f".hsm-g>.n>b{{display:inline-block;height:8px;background:{TAU_COLOR};margin-right:3px}}"
+)
+
+
+def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = None, score_name: str = "score",
+              group_size: int = 1) -> str:
+    """Kept/pruned heads as an HTML grid (layer rows, head columns; KV groups spaced apart), the
+    head's score on hover, and each layer's pruned count with a bar at the end of its row.
+
+    Every cell carries its state and score (class "k" kept / "p" pruned, `data-s` the score as
+    Python writes a float), every row its count (`data-n`), so a test reads back what is drawn."""
+    pruned = np.asarray(pruned, dtype=bool)                            # [L, H]
+    scores = np.asarray(scores, dtype=float)                           # [L, H]
+    n_layers, n_heads = pruned.shape
+    per_layer = pruned.sum(axis=1)                                     # [L]
+    name = escape(score_name)
+    title = escape(title or f"{int(pruned.sum())} of {pruned.size} heads pruned")
+    group_size = max(1, int(group_size))
+
+    def head_class(h: int, state: str) -> str:
+        return f"{state} s" if group_size > 1 and h and h % group_size == 0 else state
+
+    def group(h: int) -> str:
+        return f" (KV group {h // group_size})" if group_size > 1 else ""
+
+    cells = ['<div class="x">layer</div>'] + [f'<div class="{head_class(h, "x")}">{h}</div>' for h in range(n_heads)]
+    cells.append('<div class="n">pruned</div>')
+    for layer in range(n_layers):
+        cells.append(f'<div class="y">{layer}</div>')
+        for h in range(n_heads):
+            state = "p" if pruned[layer, h] else "k"
+            word = "pruned" if pruned[layer, h] else "kept"
+            score = float(scores[layer, h])
+            cells.append(f'<div class="{head_class(h, state)}" data-s="{score!r}" '
+                         f'title="layer {layer}, head {h}{group(h)}: {word}&#10;{name} {score:.4g}"></div>')
+        count = int(per_layer[layer])
+        cells.append(f'<div class="n" data-n="{count}"><b style="width:{round(48 * count / n_heads)}px"></b>'
+                     f'{count}</div>')
+    columns = f"2.5em repeat({n_heads}, minmax(0, 1fr)) 6em"
+    return (f'<style>{_GRID_CSS}</style><div class="hsm" data-layers="{n_layers}" data-heads="{n_heads}">'
+            f'<div class="hsm-t">{title}</div><div class="hsm-g" style="grid-template-columns:{columns}">'
+            + "".join(cells) + "</div></div>")
 
 
 def norm_histogram(norms: np.ndarray, mean: float, tau: float, *, title: str, z: float,

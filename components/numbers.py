@@ -40,37 +40,41 @@ def summary_of(lm, plan, head_scores, kv_policy: str, seq_len: int = 512) -> mas
 
 def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str | None = None) -> None:
     """Metrics of what surgery makes of the mask; warnings for growth, rounding and emptied layers."""
-    cols = st.columns(6 if zero_label else 5)
-    cols[0].metric("Pruned heads", f"{summary.n_pruned} / {summary.n_heads}")
-    rest = cols[1:]
+    row = st.container(horizontal=True)       # one block for the row (columns would be one per metric)
+    row.metric("Pruned heads", f"{summary.n_pruned} / {summary.n_heads}")
     if zero_label:
-        cols[1].metric(zero_label, summary.zero_score_heads,
-                       help="Heads in the bulk (no outlier row). The tie-break (plain magnitude, then layer/head) "
-                            "decides which of them go first.")
-        rest = cols[2:]
+        row.metric(zero_label, summary.zero_score_heads,
+                   help="Heads in the bulk (no outlier row). The tie-break (plain magnitude, then layer/head) "
+                        "decides which of them go first.")
     kv_after = summary.kv_heads - summary.kv_heads_removed
-    rest[0].metric("KV heads after surgery", f"{kv_after} / {summary.kv_heads}",
-                   f"{-summary.kv_heads_removed:+,}", delta_color="inverse")
+    row.metric("KV heads after surgery", f"{kv_after} / {summary.kv_heads}",
+               f"{-summary.kv_heads_removed:+,}", delta_color="inverse")
     change = -summary.params_removed
-    rest[1].metric("Attention params change", f"{change:+,}",
-                   f"{100 * change / summary.attention_params:+.1f}% of attention"
-                   + (" (GROWTH)" if change > 0 else ""), delta_color="inverse")
-    rest[2].metric("KV cache per token", f"{summary.kv_cache_bytes_per_token_after:,} B",
-                   f"{summary.kv_cache_ratio:.3g}x dense", delta_color="off")
-    rest[3].metric("Attention FLOPs removed", f"{summary.attention_flops_removed:.3g}",
-                   f"{100 * summary.flops_removed_fraction:.1f}% at {flops_len} tokens", delta_color="off")
+    row.metric("Attention params change", f"{change:+,}",
+               f"{100 * change / summary.attention_params:+.1f}% of attention"
+               + (" (GROWTH)" if change > 0 else ""), delta_color="inverse")
+    row.metric("KV cache per token", f"{summary.kv_cache_bytes_per_token_after:,} B",
+               f"{summary.kv_cache_ratio:.3g}x dense", delta_color="off")
+    row.metric("Attention FLOPs removed", f"{summary.attention_flops_removed:.3g}",
+               f"{100 * summary.flops_removed_fraction:.1f}% at {flops_len} tokens", delta_color="off")
     st.caption(f"Counted from the layout surgery builds with kv_policy '{summary.kv_policy}': checkpoint size "
                f"change {summary.checkpoint_bytes_change / 2**20:+.2f} MiB (weights).")
     for line in summary.warnings:
         st.warning(line)
 
 
-def show_stock(lm, pruned, kv_policy: str, sparsity: float) -> export_mod.StockCheck | None:
-    """Whether a stock config describes the pruned model (and the nearest sparsities that can)."""
+def stock_of(lm, pruned, kv_policy: str, sparsity: float) -> export_mod.StockCheck | str:
+    """Whether a stock config describes the pruned model (and the nearest sparsities that can); the
+    reason as text for a family without surgery."""
     try:
-        check = export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity)
+        return export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity)
     except Exception as err:  # noqa: BLE001 - a family without surgery: say so, do not fail the page
-        st.caption(f"Stock config: {err}")
-        return None
+        return str(err)
+
+
+def show_stock(check: export_mod.StockCheck | str) -> None:
+    """Draw `stock_of`'s answer: a caption when a stock config fits, a note with the nearest ones if not."""
+    if isinstance(check, str):
+        st.caption(f"Stock config: {check}")
+        return
     (st.caption if check.ok else st.info)("Stock config: " + check.message())
-    return check

@@ -61,7 +61,7 @@ st.caption(f"Writes **{output_root / folder.strip()}**.")
 if surgery:
     with shown_errors("Counting what surgery removes"):
         numbers.show_summary(numbers.summary_of(lm, plan, head_scores, kv_policy), flops_len=512)
-        numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
+        numbers.show_stock(numbers.stock_of(lm, plan.pruned, kv_policy, sparsity))
 overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")

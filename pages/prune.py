@@ -7,7 +7,7 @@ import streamlit as st
 
 from analysis import evaluation, masks, scoring, sweep
 from components import cache, charts, controls, explain, numbers, shell, state, views
-from components.errors import shown_errors
+from components.errors import show_exception, shown_errors
 
 shell.ensure_app()
 
@@ -33,18 +33,21 @@ elif "std" in base_params:
 
 @st.fragment
 def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flops_len: int) -> None:
-    """z and sparsity -> the mask heatmap and its numbers.
+    """z and sparsity -> the mask grid and its numbers.
 
-    A fragment: a key press on z or the sparsity reruns only this part, so the heatmap redraws
-    without the whole page, and everything it shows comes from one run (never old and new mixed).
-    The sections below read the same view from `views.view_mask` on the next full run (any press
-    of their buttons is one), so they never evaluate a mask other than the one shown here."""
-    c2, c3 = st.columns(2)
-    z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
-                  help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
+    A fragment: a key press on z or the sparsity reruns only this part, so the grid redraws
+    without the whole page. Everything it shows is computed first, from one (scores, plan), and
+    drawn after, in one burst of elements: the numbers and the grid never show different masks.
+    The grid is HTML (`charts.mask_grid`), which the browser swaps in place; a plotly chart would
+    be built anew (Plotly.newPlot) on every key press. The sections below read the same view from
+    `views.view_mask` on the next full run (any press of their buttons is one), so they never
+    evaluate a mask other than the one shown here."""
+    row = st.container(horizontal=True, gap="medium")
+    z = row.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
+                   help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
     state.set("z", z)
-    sparsity = c3.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
-                         key=state.widget_key("sparsity"))
+    sparsity = row.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
+                          key=state.widget_key("sparsity"))
     state.set("sparsity", sparsity)
     params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
 
@@ -66,30 +69,34 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
 
     with shown_errors("Building the mask"):
         plan = masks.plan_mask(head_scores, sparsity, group_size=g.group_size, **policy)
-        summary = None
-        with shown_errors("Counting what surgery builds"):   # e.g. kv_policy strict refusing this mask
-            summary = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len)
-            numbers.show_summary(summary, flops_len=flops_len,
-                                 zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
-            numbers.show_stock(lm, plan.pruned, kv_policy, sparsity)
-
-        left, right = st.columns([3, 1])
-        left.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
-                                              group_size=g.group_size), width="stretch", key="prune.mask")
-        right.plotly_chart(charts.head_bars(plan.pruned.sum(axis=1), title="Pruned heads per layer",
-                                            y_title="heads", x_title="layer", height=charts.layer_height(g.n_layers)),
-                           width="stretch", key="prune.per_layer")
-
+        try:                                    # e.g. kv_policy strict refusing this mask
+            summary, summary_error = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len), None
+        except Exception as err:  # noqa: BLE001 - shown below, beside the mask it refused
+            summary, summary_error = None, err
+        stock = numbers.stock_of(lm, plan.pruned, kv_policy, sparsity) if summary is not None else None
+        grid = charts.mask_grid(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
+                                group_size=g.group_size)
         scores_csv = "layer,head,score,pruned\n" + "\n".join(
             f"{l},{h},{head_scores.scores[l, h]:.8g},{int(plan.pruned[l, h])}" for l, h in np.ndindex(*plan.pruned.shape))
-        d1, d2, d3 = st.columns(3)
-        d1.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv", mime="text/csv",
-                           key="prune.dl.csv")
-        d2.download_button("Scores (JSON)", json.dumps(head_scores.as_dict(), indent=1),
-                           file_name=f"{scorer}_scores.json", mime="application/json", key="prune.dl.json")
-        if summary is not None:
-            d3.download_button("Mask summary (JSON)", json.dumps(summary.as_dict(), indent=1),
-                               file_name=f"{scorer}_mask_summary.json", mime="application/json", key="prune.dl.summary")
+        scores_json = json.dumps(head_scores.as_dict(), indent=1)
+        summary_json = json.dumps(summary.as_dict(), indent=1) if summary is not None else None
+
+        if summary is not None:                 # drawing only from here on
+            numbers.show_summary(summary, flops_len=flops_len,
+                                 zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
+            numbers.show_stock(stock)
+        else:
+            show_exception(summary_error, "Counting what surgery builds")
+        st.html(grid)
+        downloads = st.container(horizontal=True)
+        downloads.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv",
+                                  mime="text/csv", key="prune.dl.csv")
+        downloads.download_button("Scores (JSON)", scores_json, file_name=f"{scorer}_scores.json",
+                                  mime="application/json", key="prune.dl.json")
+        if summary_json is not None:
+            downloads.download_button("Mask summary (JSON)", summary_json,
+                                      file_name=f"{scorer}_mask_summary.json", mime="application/json",
+                                      key="prune.dl.summary")
         state.remember_mask(lm.name, scorer, params, sparsity, policy)
 
 

@@ -6,12 +6,15 @@
   query parameters set (as a shared link would), after one run.
 - `figure(at, i)`: the i-th plotly chart's figure as a dict, numpy arrays decoded from base64
   `bdata`; `heatmap_z(fig)` the first heatmap's z as an array.
+- `mask_grid(at)`: the `charts.mask_grid` drawn on the page, read back from its HTML.
 - `texts(at)`: every markdown/caption/metric/error/... text on the page, for assertions.
 """
 from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +104,62 @@ def heatmap_z(fig: dict) -> np.ndarray:
         if trace.get("type") == "heatmap":
             return np.asarray(trace["z"])
     raise AssertionError("the figure has no heatmap trace")
+
+
+@dataclass
+class MaskGrid:
+    """What a `charts.mask_grid` block shows: the title, every cell and every row's count."""
+    title: str
+    pruned: np.ndarray      # [L, H] bool
+    scores: np.ndarray      # [L, H] float
+    per_layer: np.ndarray   # [L] the count written beside each row
+    hover: list[str]        # [L * H] each cell's tooltip
+
+
+class _GridParser(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.title, self.cells, self.counts, self._in_title, self.shape = "", [], [], False, None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        classes = (a.get("class") or "").split()
+        if "hsm" in classes:
+            self.shape = (int(a["data-layers"]), int(a["data-heads"]))
+        self._in_title = "hsm-t" in classes
+        if "data-s" in a:
+            self.cells.append(("p" in classes, float(a["data-s"]), a.get("title", "")))
+        if "data-n" in a:
+            self.counts.append(int(a["data-n"]))
+
+    def handle_data(self, data):
+        if self._in_title:
+            self.title += data
+
+    def handle_endtag(self, tag):
+        self._in_title = False
+
+
+def mask_grids(at) -> list[str]:
+    """The HTML bodies of every mask grid on the page."""
+    return [el.proto.body for el in at.get("html") if 'class="hsm"' in el.proto.body]
+
+
+def mask_grid(at) -> MaskGrid:
+    """The (one) mask grid on the page (AssertionError if there is none)."""
+    bodies = mask_grids(at)
+    assert len(bodies) == 1, f"expected one mask grid, found {len(bodies)}"
+    return parse_mask_grid(bodies[0])
+
+
+def parse_mask_grid(body: str) -> MaskGrid:
+    """A `charts.mask_grid` HTML body read back."""
+    parser = _GridParser()
+    parser.feed(body)
+    assert parser.shape is not None and len(parser.cells) == parser.shape[0] * parser.shape[1]
+    pruned, scores, hover = zip(*parser.cells)
+    return MaskGrid(parser.title, np.asarray(pruned).reshape(parser.shape),
+                    np.asarray(scores, dtype=float).reshape(parser.shape), np.asarray(parser.counts), list(hover))
 
 
 def texts(at) -> str:

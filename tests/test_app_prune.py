@@ -1,32 +1,49 @@
-"""Prune page: the mask heatmap prunes exactly floor(s*L*H) heads, the lowest-scored ones, and the
-page's counts agree with it; z and sparsity moves never re-read the weights; the perplexity check
+"""Prune page: the mask grid prunes exactly floor(s*L*H) heads, the lowest-scored ones, and the
+page's counts agree with it; every number of the live view and the grid come from one (scores, mask)
+after each z or sparsity move; z and sparsity moves never re-read the weights; the perplexity check
 evaluates exactly the mask that is shown; calibration scorers run on request; bad text is refused."""
 import math
 
 import numpy as np
 import pytest
 
-from tests._apptools import (downloads, figure_titled, fresh_caches, metric, new_app, no_exception,  # noqa: F401
-                             smollm2_app, tiny_dir)
+from tests._apptools import (downloads, figure_titled, fresh_caches, mask_grid, mask_grids, metric,  # noqa: F401
+                             new_app, no_exception, parse_mask_grid, smollm2_app, tiny_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 
 
 def _mask_and_scores(at):
-    fig = figure_titled(at, "heads pruned")
-    trace = fig["data"][0]
-    return np.asarray(trace["z"]).astype(bool), np.asarray(trace["customdata"], dtype=float), fig
+    grid = mask_grid(at)
+    return grid.pruned, grid.scores, grid
 
 
 def _check_mask(at, sparsity, n_heads):
-    pruned, scores, fig = _mask_and_scores(at)
+    pruned, scores, grid = _mask_and_scores(at)
     k = math.floor(sparsity * n_heads + 1e-9)
     assert pruned.size == n_heads and int(pruned.sum()) == k
     assert metric(at, "Pruned heads") == f"{k} / {n_heads}"
-    assert fig["layout"]["title"]["text"].startswith(f"{k} of {n_heads} heads pruned")
+    assert grid.title == f"{k} of {n_heads} heads pruned"
     if 0 < k < n_heads:
         assert scores[pruned].max() <= scores[~pruned].min()   # the lowest-scored heads went first
     return pruned, scores
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_mask_grid_reads_back_what_it_draws(group_size):
+    from components import charts
+    rng = np.random.default_rng(0)
+    pruned = rng.random((5, 6)) < 0.4                                  # [L, H]
+    scores = rng.standard_normal((5, 6))                               # [L, H]
+    body = charts.mask_grid(pruned, scores, score_name="<b>x</b> & y", group_size=group_size)
+    grid = parse_mask_grid(body)
+    np.testing.assert_array_equal(grid.pruned, pruned)
+    np.testing.assert_array_equal(grid.scores, scores)                # exact: the score as Python writes it
+    np.testing.assert_array_equal(grid.per_layer, pruned.sum(axis=1))
+    assert grid.title == f"{int(pruned.sum())} of 30 heads pruned"
+    assert "<b>" not in body and "<b>x</b> & y" in grid.hover[0]     # escaped in the HTML, shown as written
+    assert ("(KV group 1)" in grid.hover[3]) == (group_size == 3)
+    assert body.count('class="k s"') + body.count('class="p s"') == (5 if group_size == 3 else 0)  # group gaps
 
 
 @pytest.mark.parametrize("scorer", ["mp", "mp-g", "magnitude", "random"])
@@ -44,10 +61,37 @@ def test_zero_score_count_and_per_layer_counts(tiny_dir):
         at.slider(key="hs.w.prune.z").set_value(z).run()
         pruned, scores = _check_mask(at, 0.5, 16)
         assert int(metric(at, f"Heads with score 0 at z = {z:g}")) == int((scores == 0).sum())
-        per_layer = np.asarray(figure_titled(at, "Pruned heads per layer")["data"][0]["y"], dtype=float)
-        np.testing.assert_array_equal(per_layer, pruned.sum(axis=1))
+        np.testing.assert_array_equal(mask_grid(at).per_layer, pruned.sum(axis=1))
     # a high z leaves more heads in the bulk than a low z
     assert int(metric(at, "Heads with score 0 at z = 3")) >= 1
+
+
+def test_live_view_shows_one_mask_after_every_move(tiny_dir, downloads):
+    """After each key press (z or sparsity, either order) the grid, every number beside it, the
+    downloads and the URL are the mask of the widgets' values, computed here independently."""
+    import json
+
+    from analysis import masks, models, profiles, scoring
+    lm = models.load_model(str(tiny_dir))
+    prof = profiles.profile_model(lm.model)
+    at = new_app(tiny_dir, page="prune", scorer="mp-g", z="2", sparsity="0.3")
+    for key, value in (("z", 0.5), ("sparsity", 0.6), ("z", 3.0), ("sparsity", 0.2), ("z", 0.0), ("sparsity", 0.45)):
+        at.slider(key=f"hs.w.prune.{key}").set_value(value).run()
+        no_exception(at)
+        z, sparsity = at.slider(key="hs.w.prune.z").value, at.slider(key="hs.w.prune.sparsity").value
+        expected = scoring.get_scorer("mp-g", z=z).score(prof)
+        plan = masks.plan_mask(expected, sparsity, group_size=lm.geometry.group_size)
+        grid = mask_grid(at)
+        np.testing.assert_array_equal(grid.pruned, plan.pruned)
+        np.testing.assert_array_equal(grid.scores, expected.scores)           # the same scores, bit for bit
+        np.testing.assert_array_equal(grid.per_layer, plan.pruned.sum(axis=1))
+        assert grid.title == f"{plan.n_pruned} of 16 heads pruned"
+        assert metric(at, "Pruned heads") == f"{plan.n_pruned} / 16"
+        assert int(metric(at, f"Heads with score 0 at z = {z:g}")) == int((expected.scores == 0).sum())
+        rows = downloads["mp-g_scores.csv"].decode().strip().splitlines()[1:]
+        assert [bool(int(r.split(",")[3])) for r in rows] == plan.pruned.ravel().tolist()
+        assert json.loads(downloads["mp-g_mask_summary.json"])["n_pruned"] == plan.n_pruned
+        assert (float(at.query_params["z"]), float(at.query_params["sparsity"])) == (z, sparsity)
 
 
 def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
@@ -115,7 +159,7 @@ def test_z_sweep_chart(tiny_dir):
 def test_calibration_scorer_runs_on_request(tiny_dir):
     at = new_app(tiny_dir, page="prune", scorer="wanda", sparsity="0.25")
     no_exception(at)
-    assert not at.get("plotly_chart")          # nothing is shown before the scores exist
+    assert not mask_grids(at) and not at.get("plotly_chart")   # nothing is shown before the scores exist
     at.number_input(key="hs.w.param.n_sequences").set_value(2).run()
     at.number_input(key="hs.w.param.seq_len").set_value(16).run()
     at.button(key="prune.compute").click().run()
@@ -158,7 +202,7 @@ def test_stop_flag_cancels_long_work(tiny_dir):
     at.button(key="prune.compute").click().run()
     no_exception(at)
     assert any("cancelled" in w.value for w in at.warning), [w.value for w in at.warning]
-    assert not at.get("plotly_chart")
+    assert not mask_grids(at) and not at.get("plotly_chart")
     assert at.session_state["hs.stop"] is False  # the next start is not cancelled again
     at.button(key="prune.compute").click().run()
     _check_mask(at, 0.3, 16)

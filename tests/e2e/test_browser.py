@@ -1,5 +1,5 @@
 """End to end in a real headless Chromium: `streamlit run app.py` on a free local port, opened on the
-built-in SmolLM2, the Prune page's sparsity slider moved with the keyboard, the redrawn heatmap and
+built-in SmolLM2, the Prune page's sparsity slider moved with the keyboard, the redrawn mask grid and
 the pruned count checked, screenshots saved under artifacts/ (gitignored).
 
 Needs Debian's chromium at /usr/bin/chromium (scripts/setup.sh installs it when root); skipped with
@@ -30,8 +30,8 @@ def test_prune_slider_moves_the_mask(server, page):
     ARTIFACTS.mkdir(exist_ok=True)
     page.goto(f"{server}/prune?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.3")
     start = math.floor(0.3 * N_HEADS + 1e-9)
-    expect(page.locator(".gtitle", has_text=f"{start} of {N_HEADS} heads pruned")).to_have_count(1,
-                                                                                          timeout=LOAD_TIMEOUT_MS)
+    expect(page.locator(".hsm-t", has_text=f"{start} of {N_HEADS} heads pruned")).to_have_count(1,
+                                                                                         timeout=LOAD_TIMEOUT_MS)
     expect(page.locator('[data-testid="stMetricValue"]', has_text=f"{start} / {N_HEADS}")).to_have_count(1)
 
     slider = page.locator('[data-testid="stSlider"]', has_text="Sparsity").get_by_role("slider")
@@ -39,8 +39,11 @@ def test_prune_slider_moves_the_mask(server, page):
     for _ in range(3):
         page.keyboard.press("ArrowRight")
     moved = math.floor(0.33 * N_HEADS + 1e-9)
-    expect(page.locator(".gtitle", has_text=f"{moved} of {N_HEADS} heads pruned")).to_have_count(1, timeout=60_000)
-    expect(page.locator(".gtitle", has_text=f"{start} of {N_HEADS} heads pruned")).to_have_count(0)
+    expect(page.locator(".hsm-t", has_text=f"{moved} of {N_HEADS} heads pruned")).to_have_count(1, timeout=60_000)
+    expect(page.locator(".hsm-t", has_text=f"{start} of {N_HEADS} heads pruned")).to_have_count(0)
+    # one grid (swapped in place, not a second one beside the old), with exactly the pruned cells red
+    expect(page.locator(".hsm")).to_have_count(1)
+    expect(page.locator(".hsm-g > .p")).to_have_count(moved)
     expect(page.locator('[data-testid="stMetricValue"]', has_text=f"{moved} / {N_HEADS}")).to_have_count(1)
     expect(page).to_have_url(re.compile(r"sparsity=0\.33"))
     _no_exception_on_page(page)
