@@ -1,7 +1,7 @@
 """INT8 (analysis/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
 ONNX perplexity path equals the PyTorch one, torch dynamic INT8 of the Linear layers; SmolLM2's
-INT8 ONNX check runs with HEADSCOPE_SMOLLM2_INT8=1 (minutes; bench/bench_recovery.py runs it too)."""
-import os
+INT8 ONNX check against float32 (top-1, perplexity, file size; bench/bench_recovery.py measures it on
+the pruned and distilled models too)."""
 from dataclasses import replace
 
 import numpy as np
@@ -92,8 +92,9 @@ def test_torch_dynamic_int8_of_linear_layers():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("HEADSCOPE_SMOLLM2_INT8"), reason="minutes of CPU: set HEADSCOPE_SMOLLM2_INT8=1")
 def test_smollm2_int8_onnx_agrees_with_float32(smollm2, tmp_path):
+    """The issue's INT8 acceptance on the real model (about 50 s here): top-1 agreement >= 95 %,
+    perplexity within 5 %, file <= 0.35x float32."""
     fp32 = export("onnx", smollm2.model, np.zeros((30, 9), dtype=bool), tmp_path, "fp32")
     int8 = quantize_onnx(fp32.path, tmp_path / "int8")
     c = compare_onnx(smollm2, fp32.path, int8, max_tokens=512, repeats=2)
