@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import os_problem
 from .errors import InputError, ModelLoadError, OutputError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")  # plus "cuda:N"
@@ -202,8 +203,9 @@ def check_offload_folder(folder) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".headscope-probe-"):
             pass
     except OSError as err:
-        raise OutputError(f"--offload-folder {path}: cannot write there ({err.strerror or err}). Give a writable "
-                          f"folder on a disk with room for the offloaded weights.") from None
+        problem, fix = os_problem(err)              # the one errno -> plain words table
+        raise OutputError(f"--offload-folder {path}: cannot write there ({problem}); {fix}, on a disk with room "
+                          f"for the offloaded weights.") from None
     return path
 
 
