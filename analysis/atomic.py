@@ -134,6 +134,17 @@ def atomic_write(path, data: str | bytes, *, encoding: str = "utf-8", what: str 
     return target
 
 
+def _split_marked(text: str, begin: str, end: str) -> tuple[str, str, str] | None:
+    """(before, the section from `begin` through `end`, after) of `text`, or None without a pair."""
+    if begin not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    if end not in rest:
+        return None
+    inside, tail = rest.split(end, 1)
+    return head, begin + inside + end, tail
+
+
 def write_section(path, section: str, begin: str, end: str, *, what: str = "The output file") -> Path:
     """Put `section` (which starts with `begin` and ends with `end`) into the text file `path`:
     it replaces the text between an existing pair of markers, or is appended. The rest of the
@@ -143,9 +154,10 @@ def write_section(path, section: str, begin: str, end: str, *, what: str = "The 
     target = Path(path)
     text = target.read_text(encoding="utf-8") if target.exists() else ""
     section = section.rstrip("\n") + "\n"
-    if begin in text and end in text[text.index(begin):]:
-        head, rest = text.split(begin, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
+    parts = _split_marked(text, begin, end)
+    if parts is not None:
+        head, _, tail = parts
+        tail = tail.lstrip("\n")
         text = head + section + ("\n" + tail if tail else "")
     else:
         text = (text.rstrip("\n") + "\n\n" if text else "") + section
@@ -155,10 +167,5 @@ def write_section(path, section: str, begin: str, end: str, *, what: str = "The 
 def marked_section(path, begin: str, end: str) -> str:
     """The text of `path` from `begin` through `end` (both included), or "" when it has none."""
     target = Path(path)
-    if not target.exists():
-        return ""
-    text = target.read_text(encoding="utf-8")
-    if begin not in text or end not in text[text.index(begin):]:
-        return ""
-    rest = text.split(begin, 1)[1]
-    return begin + rest.split(end, 1)[0] + end
+    parts = _split_marked(target.read_text(encoding="utf-8"), begin, end) if target.exists() else None
+    return "" if parts is None else parts[1]
