@@ -6,7 +6,7 @@ shared and reloaded; the model picked in the sidebar is shared by every page.
 """
 import streamlit as st
 
-from analysis.models import BUILTIN_MODELS
+from analysis.arch.models import BUILTIN_MODELS
 from components import shell, state
 
 OTHER = "other"

@@ -3,7 +3,7 @@
 Both sides sweep the same heads (every query head, plus every KV group) of the same layers on
 the same tokens, in one process, interleaved layer by layer in rotating order, each layer timed
 --repeats times keeping the best (a shared machine's load spikes otherwise decide). Runs:
-  naive      one full masked forward per ablation (analysis.ablation.naive_sweep)
+  naive      one full masked forward per ablation (analysis.measure.ablation.naive_sweep)
   fast-1     prefix reuse only: layers l..L-1 from the cached input, one ablation per pass
   fast       prefix reuse + batched gates (all ablations of a layer in one pass, the default)
 naive / fast-1 is what prefix reuse buys, fast-1 / fast what batching buys. The LM head
@@ -59,10 +59,10 @@ def main(argv=None, lm=None) -> bool:
     import numpy as np
     import torch
 
-    from analysis.ablation import FastAblation, full_forward_loss, naive_layer_deltas
-    from analysis.evaluation import token_ids
-    from analysis.models import load_model
-    from analysis.text import evaluation_text
+    from analysis.measure.ablation import FastAblation, full_forward_loss, naive_layer_deltas
+    from analysis.measure.evaluation import token_ids
+    from analysis.arch.models import load_model
+    from analysis.core.text import evaluation_text
 
     lm = lm or load_model("smollm2-135m")
     device = next(lm.model.parameters()).device

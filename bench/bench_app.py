@@ -33,7 +33,17 @@ def main() -> None:
     import streamlit as st
     from streamlit.testing.v1 import AppTest
 
-    from analysis import evaluation, masks, models, profiles, scoring, sweep  # noqa: F401  (imports warm)
+    from analysis.measure import evaluation
+
+    from analysis.score import masks
+
+    from analysis.arch import models
+
+    from analysis.measure import profiles
+
+    from analysis.score import scoring
+
+    from analysis import sweep  # noqa: F401  (imports warm)
     from components import cache, charts, controls, state  # noqa: F401
 
     convert = timed(lambda: models.load_model(models.DEFAULT_MODEL))

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from analysis.models import load_model  # noqa: E402
+from analysis.arch.models import load_model  # noqa: E402
 from bench._timing import alternate_times, timed  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Benchmark: `analysis.evaluation` perplexity vs the plain Hugging Face loop, on SmolLM2.
+"""Benchmark: `analysis.measure.evaluation` perplexity vs the plain Hugging Face loop, on SmolLM2.
 
 Same tokens (the first --tokens of the built-in evaluation text), same windows (--window,
 --stride), same model, one process, runs alternating (HF, ours, ours, HF, ...) so both see the
@@ -40,9 +40,9 @@ def main(argv=None, lm=None) -> bool:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from analysis.evaluation import CausalPerplexity, token_ids
-    from analysis.models import load_model
-    from analysis.text import evaluation_text
+    from analysis.measure.evaluation import CausalPerplexity, token_ids
+    from analysis.arch.models import load_model
+    from analysis.core.text import evaluation_text
 
     lm = lm or load_model("smollm2-135m")
     ids = token_ids(lm.tokenizer, evaluation_text(), max_tokens=args.tokens)               # [N]

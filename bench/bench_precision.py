@@ -42,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from analysis.evaluation import CausalPerplexity, token_ids
-    from analysis.models import load_model
-    from analysis.text import evaluation_text
+    from analysis.measure.evaluation import CausalPerplexity, token_ids
+    from analysis.arch.models import load_model
+    from analysis.core.text import evaluation_text
 
     with tempfile.TemporaryDirectory(prefix="headscope-offload-") as folder:
         models = {"float32": load_model("smollm2-135m"),

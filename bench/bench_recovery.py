@@ -6,7 +6,7 @@
    T^2 KL at T = --temperature); iterative + distillation (the same total steps spread over the
    rounds); INT8 (ONNX Runtime weight-only) of the last model. "gap closed" = (cut - recovered)
    / (cut - dense). Target at 25%: >= 3/4 of the gap closed within 15 minutes on 2 cores.
-2. Step throughput: analysis.distill steps vs a plain PyTorch loop doing the same work (teacher
+2. Step throughput: analysis.compress.distill steps vs a plain PyTorch loop doing the same work (teacher
    forward, student forward and backward, AdamW step) on the same batches, alternating; target
    >= 0.95x.
 3. INT8 vs float32 latency (prefill of 128 tokens) in ONNX Runtime, printed.
@@ -38,13 +38,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench._timing import alternate_times  # noqa: E402
 
-from analysis.atomic import write_section  # noqa: E402
-from analysis.distill import DistillConfig, batch_indices, distill, training_sequences  # noqa: E402
-from analysis.models import count_parameters, load_model  # noqa: E402
-from analysis.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
-from analysis.quantize import compare_onnx, quantize_onnx  # noqa: E402
-from analysis.report import RECOVERY_MARKERS  # noqa: E402
-from analysis.speed import saved_bytes, torch_threads  # noqa: E402
+from analysis.core.atomic import write_section  # noqa: E402
+from analysis.compress.distill import DistillConfig, batch_indices, distill, training_sequences  # noqa: E402
+from analysis.arch.models import count_parameters, load_model  # noqa: E402
+from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
+from analysis.compress.quantize import compare_onnx, quantize_onnx  # noqa: E402
+from analysis.compress.report import RECOVERY_MARKERS  # noqa: E402
+from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
 
 BEGIN, END = RECOVERY_MARKERS
 
@@ -91,15 +91,15 @@ def recovery(loaded, sparsity: float, args) -> dict:
 
 
 def run_rounds(cfg: PipelineConfig, loaded) -> list[int]:
-    from analysis.pipeline import round_counts
+    from analysis.compress.pipeline import round_counts
     return round_counts(cfg.target_sparsity, cfg.step, loaded.geometry.n_total_heads)
 
 
 def throughput(loaded, args) -> dict:
     """distill() vs a plain loop, same batches and work, alternating, seconds per step."""
-    from analysis.head_gates import gates_from_mask, head_mask, zero_heads
-    from analysis.masks import plan_mask
-    from analysis.scoring import get_scorer
+    from analysis.arch.head_gates import gates_from_mask, head_mask, zero_heads
+    from analysis.score.masks import plan_mask
+    from analysis.score.scoring import get_scorer
     cfg = DistillConfig(steps=args.tp_steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,
                         temperature=args.temperature, max_grad_norm=None)
     ids = training_sequences(loaded.tokenizer, None, cfg)                           # [n, T]

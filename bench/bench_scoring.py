@@ -36,18 +36,18 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from analysis.masks import plan_mask  # noqa: E402
+from analysis.score.masks import plan_mask  # noqa: E402
 from bench._timing import alternate, timed  # noqa: E402,F401
-from analysis.models import load_model  # noqa: E402
-from analysis.profiles import profile_model  # noqa: E402
-from analysis.scoring import MPGScorer  # noqa: E402
+from analysis.arch.models import load_model  # noqa: E402
+from analysis.measure.profiles import profile_model  # noqa: E402
+from analysis.score.scoring import MPGScorer  # noqa: E402
 
 # Child process for the memory comparison: imports, resets the peak, runs one loader.
 MEMORY_CHILD = r"""
 import json, re, sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from analysis.streaming import profile_checkpoint
+from analysis.measure.streaming import profile_checkpoint
 
 def hwm_kib():
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))

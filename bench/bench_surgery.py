@@ -7,7 +7,7 @@ within-round ratios, so load that drifts between rounds (other work on a shared 
 cancels; they are given for wall-clock time and for process CPU time (steadier when the machine
 is busy: time spent descheduled is not counted).
 The FLOP prediction counts the whole forward (attention projections + scores + MLP + LM head,
-analysis.speed.forward_flops). Pass: measured time saving of pruned over masked >= 70% of the
+analysis.compress.speed.forward_flops). Pass: measured time saving of pruned over masked >= 70% of the
 FLOP-predicted saving. Masked vs dense is reported too (expected ~1.0: zeroing saves nothing).
 
 Masks (MP-G scores, z = 2.0; 135 of 270 heads each):
@@ -34,7 +34,7 @@ against a deep copy then `apply_layout` of the same layout (what prune_heads did
 Usage: .venv/bin/python bench/bench_surgery.py [--threads 1] [--repeats 9] [--seq 512] [--full]
        [--tiny]   (a 4-layer random Llama instead of SmolLM2, for developing the script)
        [--cost-only]   (only the surgery cost, no prefill timing)
---masks uniform,global picks masks; --full adds analysis.speed.measure's report for the first
+--masks uniform,global picks masks; --full adds analysis.compress.speed.measure's report for the first
 mask (prefill 128/512/1024, decode).
 """
 from __future__ import annotations
@@ -51,13 +51,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.adapters import adapter_for  # noqa: E402
-from analysis.masks import plan_mask  # noqa: E402
-from analysis.scoring import MPGScorer  # noqa: E402
-from analysis.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
+from analysis.arch.adapters import adapter_for  # noqa: E402
+from analysis.score.masks import plan_mask  # noqa: E402
+from analysis.score.scoring import MPGScorer  # noqa: E402
+from analysis.compress.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
                             saving_ratio, torch_threads)
-from analysis.head_gates import gates_from_mask  # noqa: E402
-from analysis.surgery import HeadLayout, apply_layout, prune_heads  # noqa: E402
+from analysis.arch.head_gates import gates_from_mask  # noqa: E402
+from analysis.compress.surgery import HeadLayout, apply_layout, prune_heads  # noqa: E402
 from bench._memory import fixed_mmap_threshold, peak_growth  # noqa: E402
 from bench._timing import alternate_times  # noqa: E402
 
@@ -73,7 +73,7 @@ def load(tiny: bool):
                           head_dim=32, num_hidden_layers=4, vocab_size=4096, max_position_embeddings=2048)
         torch.manual_seed(0)
         return "tiny-llama", AutoModelForCausalLM.from_config(cfg, trust_remote_code=False).eval()
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     lm = load_model("smollm2-135m")
     # load_model memory-maps its cached checkpoint: file-backed pages fault in on first read (and
     # the kernel may drop them), which the RSS would count against whichever call reads first. A
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
 
     if args.full:
         smaller, layout, pruned = pruned_models[next(iter(pruned_models))]
-        print("\nfull report, uniform mask (analysis.speed.measure):")
+        print("\nfull report, uniform mask (analysis.compress.speed.measure):")
         report = measure(model, pruned, threads=args.threads, repeats=max(3, args.repeats // 2), decode_steps=16)
         for row in report.rows():
             print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))

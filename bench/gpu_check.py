@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from analysis.errors import first_line  # noqa: E402
+from analysis.core.errors import first_line  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # relative max |difference| / max |logit| allowed between masked, zeroed and pruned logits
@@ -70,22 +70,22 @@ def median_times(fns: dict, repeats: int, device: str) -> dict:
 
 def load(args, dtype=torch.float32):
     """The check's model on the device in `dtype` (load_model's device option only off the CPU)."""
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
 
     placement = {} if args.device == "cpu" else {"device": args.device}
     return load_model(args.model, dtype=dtype, **placement)
 
 
 def eval_ids(lm, n: int) -> torch.Tensor:
-    from analysis.evaluation import token_ids
-    from analysis.text import evaluation_text
+    from analysis.measure.evaluation import token_ids
+    from analysis.core.text import evaluation_text
 
     return token_ids(lm.tokenizer, evaluation_text(), max_tokens=n)   # [n]
 
 
 def half_mask(lm) -> np.ndarray:
-    from analysis.masks import plan_mask
-    from analysis.scoring import MPGScorer
+    from analysis.score.masks import plan_mask
+    from analysis.score.scoring import MPGScorer
 
     return plan_mask(MPGScorer(z=2.0).score(lm.model), 0.5, group_size=lm.geometry.group_size).pruned  # [L, H]
 
@@ -104,8 +104,8 @@ def speed_verdict(args, ok: bool) -> bool | None:
 
 @torch.no_grad()
 def check_exactness(args) -> bool:
-    from analysis.head_gates import gates_from_mask, head_mask, zero_heads
-    from analysis.surgery import prune_heads
+    from analysis.arch.head_gates import gates_from_mask, head_mask, zero_heads
+    from analysis.compress.surgery import prune_heads
 
     ok = True
     for name in args.dtypes:
@@ -133,8 +133,8 @@ def check_exactness(args) -> bool:
 
 
 def check_scoring(args) -> bool:
-    from analysis.profiles import profile_model
-    from analysis.scoring import MPGScorer
+    from analysis.measure.profiles import profile_model
+    from analysis.score.scoring import MPGScorer
 
     lm = load(args)
     model, adapter = lm.model, lm.adapter
@@ -172,9 +172,9 @@ def check_ablation(args) -> bool:
 
 @torch.no_grad()
 def check_prefill(args) -> bool:
-    from analysis.head_gates import gates_from_mask
-    from analysis.speed import forward_flops, masked_call, saving_ratio
-    from analysis.surgery import prune_heads
+    from analysis.arch.head_gates import gates_from_mask
+    from analysis.compress.speed import forward_flops, masked_call, saving_ratio
+    from analysis.compress.surgery import prune_heads
     from bench.bench_surgery import PASS_FRACTION
 
     lm = load(args)
@@ -203,7 +203,7 @@ def _ablate(args, processes: int, out: Path) -> dict:
     cli = ["-m", "analysis", "ablate", "--model", args.model, "--max-tokens", str(args.ablate_tokens),
            "--seq-len", str(args.ablate_seq), "--quiet", "--out", str(out)]
     if args.device != "cpu":
-        cli += ["--device", "cuda"]            # each process: cuda:LOCAL_RANK (analysis.distributed.team)
+        cli += ["--device", "cuda"]            # each process: cuda:LOCAL_RANK (analysis.core.distributed.team)
     if processes == 1:
         cmd = [sys.executable, *cli]
     else:

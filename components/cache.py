@@ -4,7 +4,7 @@
   `state.load_options()`: trust_remote_code and the placement (device, dtype, device_map,
   max_memory, offload folder), so a model loaded in bfloat16 or offloaded is another entry
   (a bare bool is trust_remote_code with the default placement). Nobody mutates it: masks are
-  hooks inside `analysis.head_gates.head_mask`, surgery builds a twin that shares the untouched
+  hooks inside `analysis.arch.head_gates.head_mask`, surgery builds a twin that shares the untouched
   weights and only reads them (distillation un-shares its student first).
 - `profile(name, how)`: `st.cache_resource`, the row norms, computed once per model. Moving z
   or the sparsity never recomputes them (everything z-dependent is an array op on this).
@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis.errors import HeadscopeError
-from analysis.progress import check_stop
-from analysis.progress import Progress
+from analysis.core.errors import HeadscopeError
+from analysis.core.progress import check_stop
+from analysis.core.progress import Progress
 
 from . import state
 from .errors import show_exception
@@ -81,7 +81,7 @@ def stop_button(work: str, label: str = "Stop"):
 @st.cache_resource(show_spinner=False, max_entries=3)
 def load(name: str, how: LoadHow = False, _progress: Progress | None = None):
     """The shared LoadedModel for `name` loaded `how` (never mutate it)."""
-    from analysis import models
+    from analysis.arch import models
     trust, placement = state.load_parts(how)
     loaded = models.load_model(name, trust_remote_code=trust, progress=_progress, **placement)
     settle_heap()
@@ -103,7 +103,7 @@ def settle_heap() -> None:
 @st.cache_resource(show_spinner=False, max_entries=3)
 def profile(name: str, how: LoadHow = False, _progress: Progress | None = None, _should_stop=None):
     """Row norms of every layer, computed once per model."""
-    from analysis import profiles
+    from analysis.measure import profiles
     lm = load(name, how)
     return profiles.profile_model(lm.model, adapter=lm.adapter, source=name, progress=_progress,
                                   should_stop=_should_stop)
@@ -118,7 +118,7 @@ def model_or_stop():
     try:
         with progress_bar(f"Loading {name}") as report:
             lm = load(name, state.load_options(), _progress=report)
-        from analysis.scoring import default_scorer
+        from analysis.score.scoring import default_scorer
         state.follow_model_scorer(default_scorer(lm.geometry.group_size))
         return lm
     except HeadscopeError as err:
@@ -177,7 +177,7 @@ def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Ca
 @st.cache_data(show_spinner=False, max_entries=8)
 def param_count(name: str, how: LoadHow = False) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
-    from analysis.models import count_parameters
+    from analysis.arch.models import count_parameters
     return count_parameters(load(name, how).model)
 
 
@@ -229,7 +229,7 @@ def scores(name: str, how: LoadHow, scorer: str, params: tuple, _progress=None, 
 
     Weight-only scorers read the cached norm profile (never the weights again); calibration
     scorers run the model (under its lock)."""
-    from analysis import scoring
+    from analysis.score import scoring
     instance = scoring.get_scorer(scorer, **dict(params))
     if not type(instance).needs_calibration:
         return instance.score(profile(name, how), progress=_progress, should_stop=_should_stop)
@@ -240,8 +240,8 @@ def scores(name: str, how: LoadHow, scorer: str, params: tuple, _progress=None, 
 @st.cache_data(show_spinner=False, max_entries=32)
 def evaluate_masks(name: str, how: LoadHow, pruned, text: str | None, max_tokens: int,
                    _progress=None, _should_stop=None):
-    """`analysis.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
-    from analysis import evaluation
+    """`analysis.measure.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
+    from analysis.measure import evaluation
     with exclusive(name, how, _progress, _should_stop) as lm:
         return evaluation.evaluate(lm, text, pruned=pruned, max_tokens=max_tokens, progress=_progress,
                                    should_stop=_should_stop)
@@ -250,8 +250,8 @@ def evaluate_masks(name: str, how: LoadHow, pruned, text: str | None, max_tokens
 @st.cache_data(show_spinner=False, max_entries=16)
 def z_sweep(name: str, how: LoadHow, sparsity: float, options: tuple, max_tokens: int,
             _progress=None, _should_stop=None):
-    """`analysis.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
-    from analysis import sweep
+    """`analysis.score.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
+    from analysis.score import sweep
     prof = profile(name, how)
     with exclusive(name, how, _progress, _should_stop) as lm:
         calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
@@ -262,22 +262,22 @@ def z_sweep(name: str, how: LoadHow, sparsity: float, options: tuple, max_tokens
 @st.cache_data(show_spinner=False, max_entries=16)
 def sparsity_curve(name: str, how: LoadHow, scorer: str, params: tuple, policy: tuple, levels: tuple,
                    max_tokens: int, _progress=None, _should_stop=None):
-    """Metric vs sparsity for one scorer, masks from `analysis.masks.plan_mask` with `policy`."""
-    from analysis import evaluation, masks
+    """Metric vs sparsity for one scorer, masks from `analysis.score.masks.plan_mask` with `policy`."""
+    from analysis.score import curves, masks
     head_scores = scores(name, how, scorer, params)            # before taking the lock (see exclusive)
     pol = dict(policy)
     with exclusive(name, how, _progress, _should_stop) as lm:
         def mask_fn(_, s):
             return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
 
-        return evaluation.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
-                                         max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
+        return curves.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
+                                     max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def ablation(name: str, how: LoadHow, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
-    """`analysis.ablation.head_ablation`: the loss change when each head alone is removed."""
-    from analysis import ablation as ablation_mod
+    """`analysis.measure.ablation.head_ablation`: the loss change when each head alone is removed."""
+    from analysis.measure import ablation as ablation_mod
     with exclusive(name, how, _progress, _should_stop) as lm:
         return ablation_mod.head_ablation(lm, text, max_tokens=max_tokens, progress=_progress,
                                           should_stop=_should_stop)
@@ -285,8 +285,8 @@ def ablation(name: str, how: LoadHow, text: str | None, max_tokens: int, _progre
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def head_roles(name: str, how: LoadHow, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
-    """`analysis.roles.head_roles` on `text` (None = built-in evaluation text)."""
-    from analysis import roles
+    """`analysis.measure.roles.head_roles` on `text` (None = built-in evaluation text)."""
+    from analysis.measure import roles
     with exclusive(name, how, _progress, _should_stop) as lm:
         return roles.head_roles(lm, text, max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
@@ -294,8 +294,8 @@ def head_roles(name: str, how: LoadHow, text: str | None, max_tokens: int, _prog
 @st.cache_data(show_spinner=False, max_entries=8)
 def head_redundancy(name: str, how: LoadHow, text: str | None, max_tokens: int, kind: str, threshold: float,
                     ablation_delta=None, _progress=None, _should_stop=None):
-    """`analysis.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
-    from analysis import redundancy
+    """`analysis.measure.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
+    from analysis.measure import redundancy
     with exclusive(name, how, _progress, _should_stop) as lm:
         return redundancy.head_redundancy(lm, text, ablation_delta=ablation_delta, kind=kind, threshold=threshold,
                                           max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
@@ -303,8 +303,9 @@ def head_redundancy(name: str, how: LoadHow, text: str | None, max_tokens: int, 
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def attention_pattern(name: str, how: LoadHow, sentence: str, max_tokens: int = 64):
-    """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.roles)."""
-    from analysis import evaluation, roles
+    """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.measure.roles)."""
+    from analysis.measure import evaluation
+    from analysis.measure import roles
     with exclusive(name, how) as lm:
         ids = evaluation.token_ids(lm.tokenizer, sentence, max_tokens=max_tokens)      # [T]
         probs = roles.attention_probabilities(lm.model, ids.unsqueeze(0))[0]           # [L, H, T, T]
@@ -315,8 +316,8 @@ def attention_pattern(name: str, how: LoadHow, sentence: str, max_tokens: int = 
 @st.cache_data(show_spinner=False, max_entries=8)
 def head_attribution(name: str, how: LoadHow, text: str | None, max_tokens: int, n_steps: int,
                      _progress=None, _should_stop=None):
-    """`analysis.attribution.head_attribution`: Captum integrated gradients over the head gates."""
-    from analysis import attribution
+    """`analysis.measure.attribution.head_attribution`: Captum integrated gradients over the head gates."""
+    from analysis.measure import attribution
     with exclusive(name, how, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
@@ -325,8 +326,8 @@ def head_attribution(name: str, how: LoadHow, text: str | None, max_tokens: int,
 @st.cache_data(show_spinner=False, max_entries=8)
 def speed_report(name: str, how: LoadHow, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
                  _progress=None, _should_stop=None):
-    """`analysis.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
-    from analysis import speed
+    """`analysis.compress.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
+    from analysis.compress import speed
     with exclusive(name, how, _progress, _should_stop) as lm:
         return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
                              progress=_progress, should_stop=_should_stop)

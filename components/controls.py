@@ -1,6 +1,6 @@
 """Widgets shared by several pages: scorer choice and parameters, mask policy, evaluation text.
 
-The scorer list, labels and parameters come from the registry in analysis.scoring
+The scorer list, labels and parameters come from the registry in analysis.score.scoring
 (`SCORERS`, `Scorer.label`, `scorer_parameters`), so a new scorer shows up without changing
 the pages; this module only knows how to draw a widget for a parameter name (a parameter
 without one keeps its default). z is the shared view slider and is passed in, not drawn.
@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import masks, profiles, scoring, text
+from analysis.score import masks
+
+from analysis.measure import profiles
+
+from analysis.score import scoring
+
+from analysis.core import text
 
 from . import state
 
@@ -56,7 +62,7 @@ def scorer_names() -> list[str]:
 
 
 def label(name: str) -> str:
-    """The registered scorer's label (analysis.scoring), or the name itself for an unknown one."""
+    """The registered scorer's label (analysis.score.scoring), or the name itself for an unknown one."""
     cls = scoring.SCORERS.get(name)
     return cls.label if cls is not None else name
 
@@ -100,7 +106,7 @@ def scorer_params(scorer: str, z: float, *, where=st, prefix: str = "param") -> 
 
 
 def policy_controls(where=st, *, prefix: str = "policy") -> dict:
-    """Mask policy widgets -> kwargs for analysis.masks.plan_mask (policy, min_per_layer)."""
+    """Mask policy widgets -> kwargs for analysis.score.masks.plan_mask (policy, min_per_layer)."""
     policies = list(masks.POLICIES)
     policy = where.selectbox("Policy", policies, key=state.widget_key(f"{prefix}.policy", value=policies[0]),
                              help="global: the k lowest heads anywhere; min-per-layer: the same, but keep at "

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import streamlit as st
 
-from analysis.errors import CancelledError, HeadscopeError
+from analysis.core.errors import CancelledError, HeadscopeError
 
 
 def show_exception(err: BaseException, what: str = "This step") -> None:

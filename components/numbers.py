@@ -1,17 +1,17 @@
 """What a mask really removes, drawn the same way on the Prune and Export pages.
 
-Every number comes from `analysis.masks.summarize_mask` under the chosen kv_policy -- the layout
+Every number comes from `analysis.score.masks.summarize_mask` under the chosen kv_policy -- the layout
 surgery will build -- so growth (uneven GQA groups: K/V copied per query head) shows as growth,
 with the summary's warnings naming the cause and the policy that avoids it; and from
-`analysis.export.stock_check`: whether a stock config can describe the result, and if not the
+`analysis.compress.export.stock_check`: whether a stock config can describe the result, and if not the
 nearest sparsities that can.
 """
 from __future__ import annotations
 
 import streamlit as st
 
-from analysis import export as export_mod
-from analysis import masks
+from analysis.compress import export as export_mod
+from analysis.score import masks
 
 from . import cache, state
 

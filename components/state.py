@@ -6,7 +6,7 @@ the URL's query parameters on every run so a view can be shared and reloaded:
     model     built-in name, Hugging Face id or local folder   (?model=smollm2-135m)
     scorer    scorer name                                     (?scorer=mp)
               until the link or the user picks one, the loaded model's default
-              (analysis.scoring.default_scorer: MP-G on GQA models, MP on MHA)
+              (analysis.score.scoring.default_scorer: MP-G on GQA models, MP on MHA)
     z         MP threshold multiplier, 0 .. Z_MAX             (?z=2.0)
     sparsity  fraction of heads to prune, 0 .. 0.95             (?sparsity=0.3)
     page      the page's url path                             (?page=prune)
@@ -32,13 +32,13 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis.models import DEFAULT_MODEL
-from analysis.placement import Placement
-from analysis.profiles import DEFAULT_Z, Z_MAX
+from analysis.arch.models import DEFAULT_MODEL
+from analysis.core.placement import Placement
+from analysis.measure.profiles import DEFAULT_Z, Z_MAX
 
 DEFAULT_SCORER = "mp-g"  # the default model is GQA; `follow_model_scorer` adapts it to the loaded model
 DEFAULT_SPARSITY = 0.3
-SPARSITY_MAX = 0.95  # analysis.masks refuses 1.0 (every head pruned)
+SPARSITY_MAX = 0.95  # analysis.score.masks refuses 1.0 (every head pruned)
 PREFIX = "hs."
 WIDGET_PREFIX = "hs.w."
 _URL_READ = PREFIX + "url_read"

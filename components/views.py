@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import masks, scoring
+from analysis.score import masks
+
+from analysis.score import scoring
 
 from . import cache, controls, state
 from .errors import show_exception

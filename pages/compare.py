@@ -3,9 +3,13 @@ score rank correlation (Spearman), and metric-vs-sparsity curves."""
 import numpy as np
 import streamlit as st
 
-from analysis import evaluation, masks, scoring
-from analysis.attribution import rank_correlation
-from analysis.text import WIKI_ATTRIBUTION
+from analysis.score import curves
+
+from analysis.score import masks
+
+from analysis.score import scoring
+from analysis.measure.attribution import rank_correlation
+from analysis.core.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -77,7 +81,7 @@ max_s = c1.slider("Up to sparsity", 0.1, 0.9, step=0.1, key=state.widget_key("co
 tokens = int(c2.number_input("Tokens of the built-in evaluation text", 16, 4096, step=64,
                              key=state.widget_key("compare.tokens", value=256)))
 st.caption(WIKI_ATTRIBUTION)
-levels = tuple(float(x) for x in evaluation.sparsity_levels(max_s, 0.1))
+levels = tuple(float(x) for x in curves.sparsity_levels(max_s, 0.1))
 curve_key = (lm.name, tuple((n, results[n][0]) for n in results), cache.params_key(policy), levels, tokens)
 if st.button("Compute the curves", key="compare.curves"):
     curves = {}

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from analysis import export as export_mod
-from analysis import speed
+from analysis.compress import export as export_mod
+from analysis.compress import speed
 from components import cache, charts, controls, explain, numbers, shell, state, views
 from components.errors import shown_errors
 
@@ -13,7 +13,7 @@ shell.ensure_app()
 
 FORMAT_HELP = {
     "zeroed": "original shapes, pruned heads zeroed: loads anywhere, not smaller",
-    "pruned": "physically smaller, with head_layout.json (load with analysis.export.load_pruned)",
+    "pruned": "physically smaller, with head_layout.json (load with analysis.compress.export.load_pruned)",
     "stock": "physically smaller, loads with stock from_pretrained (needs the same head counts in every layer: "
              "use the balanced-uniform policy)",
     "onnx": "model.onnx of the physically smaller model, for ONNX Runtime",

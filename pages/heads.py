@@ -2,8 +2,12 @@
 attention pattern on a sentence the user can edit."""
 import streamlit as st
 
-from analysis import attribution, redundancy, roles
-from analysis.text import WIKI_ATTRIBUTION
+from analysis.measure import attribution
+
+from analysis.measure import redundancy
+
+from analysis.measure import roles
+from analysis.core.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 

@@ -1,9 +1,9 @@
 """Model page: which model is loaded, its family and head geometry, parameter count, load progress,
-and where it is loaded (device, dtype, accelerate offload: analysis/placement.py)."""
+and where it is loaded (device, dtype, accelerate offload: analysis/core/placement.py)."""
 import streamlit as st
 
-from analysis.errors import HeadscopeError
-from analysis.placement import DTYPE_CHOICES, Placement, cuda_count, mps_available
+from analysis.core.errors import HeadscopeError
+from analysis.core.placement import DTYPE_CHOICES, Placement, cuda_count, mps_available
 from components import cache, explain, shell, state
 
 shell.ensure_app()

@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from analysis import export as export_mod
-from analysis.distill import DistillConfig
-from analysis.pipeline import PipelineConfig, export_round
-from analysis.report import compression_report
+from analysis.compress import export as export_mod
+from analysis.compress.distill import DistillConfig
+from analysis.compress.pipeline import PipelineConfig, export_round
+from analysis.compress.report import compression_report
 from components import cache, shell, state
 from components.errors import shown_errors
 
@@ -107,7 +107,7 @@ if last is not None:
         with shown_errors("Exporting"):
             with cache.progress_bar(f"Exporting ({fmt})"):
                 if fmt == "onnx-int8":
-                    from analysis.quantize import quantize_onnx
+                    from analysis.compress.quantize import quantize_onnx
                     target_dir = export_mod.resolve_under(output_root, folder)
                     with tempfile.TemporaryDirectory(prefix="headscope-onnx-") as tmp:
                         fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, tmp, "fp32",

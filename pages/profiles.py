@@ -3,7 +3,7 @@ row-norm distribution with the mean and mean + z*std lines and its outlier rows;
 import numpy as np
 import streamlit as st
 
-from analysis import profiles
+from analysis.measure import profiles
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 

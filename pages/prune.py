@@ -5,7 +5,13 @@ import json
 import numpy as np
 import streamlit as st
 
-from analysis import evaluation, masks, scoring, sweep
+from analysis.measure import evaluation
+
+from analysis.score import masks
+
+from analysis.score import scoring
+
+from analysis.score import sweep
 from components import cache, charts, controls, explain, numbers, shell, state, views
 from components.errors import show_exception, shown_errors
 

@@ -5,8 +5,10 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from analysis import masks, surgery
-from analysis.geometry import HeadGeometry
+from analysis.score import masks
+
+from analysis.compress import surgery
+from analysis.arch.geometry import HeadGeometry
 from components import cache, charts, controls, explain, shell, state, views
 from components.errors import shown_errors
 

@@ -12,18 +12,18 @@ What one run measures (every number is written as measured, whatever it says):
   (--sweep-tokens of it), evaluated on the evaluation split;
 - Random over --seeds (>= 5): mean, spread over seeds, and a bootstrap CI of the seed mean;
 - MP-G (z = 2) under the global / balanced / groups policies, with the parameters surgery really
-  removes (analysis.masks.summarize_mask: the layout prune_heads builds);
+  removes (analysis.score.masks.summarize_mask: the layout prune_heads builds);
 - Spearman correlation of every scorer with the single-head ablation oracle;
 - how long each scorer, the sweep, the evaluation and the whole script took.
 
     .venv/bin/python scripts/results.py [--cache-dir DIR] [--out docs/results.md] [options]
 
 `run(loaded, options)` does the work on any causal-LM LoadedModel (the tests run it on a tiny
-model); the file is written atomically (analysis.atomic.atomic_write).
+model); the file is written atomically (analysis.core.atomic.atomic_write).
 
 Multi-process: `accelerate launch --multi_gpu --num_processes N scripts/results.py ...` (docs/DISTRIBUTED.md)
 splits the calibration scorers' batches, the ablation oracle's layers, the z sweeps' and the big
-batched evaluation's forward passes over the processes (analysis.distributed); the numbers are
+batched evaluation's forward passes over the processes (analysis.core.distributed); the numbers are
 the single-process ones; rank 0 alone writes the file and prints.
 """
 from __future__ import annotations
@@ -46,16 +46,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from analysis import distributed  # noqa: E402
-from analysis.atomic import atomic_write, marked_section  # noqa: E402
-from analysis.attribution import rank_correlation  # noqa: E402
-from analysis.errors import InputError  # noqa: E402
-from analysis.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
-from analysis.masks import plan_mask, summarize_mask  # noqa: E402
-from analysis.profiles import profile_model  # noqa: E402
-from analysis.report import RECOVERY_MARKERS  # noqa: E402
-from analysis.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
-from analysis.sweep import split_evaluators, sweep_z  # noqa: E402
-from analysis.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
+from analysis.core.atomic import atomic_write, marked_section  # noqa: E402
+from analysis.measure.attribution import rank_correlation  # noqa: E402
+from analysis.core.errors import InputError  # noqa: E402
+from analysis.measure.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
+from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
+from analysis.measure.profiles import profile_model  # noqa: E402
+from analysis.compress.report import RECOVERY_MARKERS  # noqa: E402
+from analysis.score.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
+from analysis.score.sweep import split_evaluators, sweep_z  # noqa: E402
+from analysis.core.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
 
 POLICY_ROWS = ("global", "balanced", "groups")
 ORACLE = "ablation"
@@ -83,7 +83,7 @@ class Options:
 
 def scorer_rows(o: Options) -> list[tuple[str, object]]:
     """(row label, scorer) in table order: the configured rows below, then every other registered
-    scorer (analysis.scoring.SCORERS) at its defaults, so a new scorer gets a row without editing
+    scorer (analysis.score.scoring.SCORERS) at its defaults, so a new scorer gets a row without editing
     this script. Random has its own rows (several seeds); the ablation oracle is the reference."""
     cal = dict(n_sequences=o.n_sequences, seq_len=o.seq_len, batch_size=o.batch_size)
     rows = [
@@ -277,7 +277,7 @@ def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[
     lines.append(f"| Random (mean over seeds {', '.join(map(str, o.seeds))}) | {' | '.join(random_parts)} | none |")
 
     lines += ["", "## MP-G (z = 2) under the mask policies", "",
-              "Parameters removed = what surgery (analysis.surgery.prune_heads, kv_policy auto) really removes from "
+              "Parameters removed = what surgery (analysis.compress.surgery.prune_heads, kv_policy auto) really removes from "
               "the attention; negative = the model grows (uneven GQA groups: K/V copied per query head).", "",
               "| Policy | Sparsity | Heads pruned | Perplexity [95 % CI] | Attention params removed | KV cache |",
               "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -330,7 +330,7 @@ def _floats(text: str) -> tuple:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
 
     defaults = Options()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

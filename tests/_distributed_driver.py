@@ -23,12 +23,13 @@ EVAL_TOKENS = 640                                                 # 10 windows o
 
 def compute(loaded, team) -> dict:
     """Every split computation's numbers, as plain arrays / dicts."""
-    from analysis.ablation import head_ablation
-    from analysis.evaluation import evaluator_for, gate_batch, sparsity_curve, token_ids
-    from analysis.profiles import profile_model
-    from analysis.scoring import calibration_ids, get_scorer
-    from analysis.sweep import split_evaluators, sweep_z
-    from analysis.text import evaluation_text
+    from analysis.measure.ablation import head_ablation
+    from analysis.measure.evaluation import evaluator_for, gate_batch, token_ids
+    from analysis.score.curves import sparsity_curve
+    from analysis.measure.profiles import profile_model
+    from analysis.score.scoring import calibration_ids, get_scorer
+    from analysis.score.sweep import split_evaluators, sweep_z
+    from analysis.core.text import evaluation_text
 
     out = {}
     profile = profile_model(loaded.model, adapter=loaded.adapter)
@@ -52,8 +53,8 @@ def compute(loaded, team) -> dict:
 
 
 def main(model_dir: str, out_path: str) -> int:
-    from analysis import distributed
-    from analysis.models import load_model
+    from analysis.core import distributed
+    from analysis.arch.models import load_model
 
     team = distributed.team()
     try:

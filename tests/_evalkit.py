@@ -7,8 +7,8 @@ one full forward per masked copy. References here never call the code under test
 import numpy as np
 import torch
 
-from analysis.adapters import adapter_for
-from analysis.models import LoadedModel
+from analysis.arch.adapters import adapter_for
+from analysis.arch.models import LoadedModel
 
 from ._tiny import tiny_model
 

@@ -21,7 +21,7 @@ Hand results at z = 0.5, scope "layer" (population std, ddof = 0):
 
 import numpy as np
 
-from analysis.profiles import NormProfile
+from analysis.measure.profiles import NormProfile
 
 HAND_Q = [[[1, 1, 1, 1], [3, 3, 3, 3]], [[0, 4, 4, 4], [4, 4, 4, 4]], [[0.1] * 4] * 2]
 HAND_O = [[[1, 1, 3, 3], [1, 1, 3, 3]], [[4, 4, 4, 4], [4, 4, 4, 4]], [[0.1] * 4] * 2]

@@ -35,12 +35,12 @@ def builtin_cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2(builtin_cache_dir):
     """The built-in SmolLM2-135M (LoadedModel), loaded offline from its PyPI package."""
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     return load_model("smollm2-135m", cache_dir=builtin_cache_dir)
 
 
 @pytest.fixture(scope="session")
 def minilm(builtin_cache_dir):
     """The built-in all-MiniLM-L6-v2 encoder (LoadedModel)."""
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     return load_model("minilm-l6", cache_dir=builtin_cache_dir)

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.ablation import FastAblation, ablation_gates, head_ablation, naive_sweep, split_sequences
-from analysis.errors import CancelledError, InputError
-from analysis.evaluation import evaluate, token_ids
-from analysis.geometry import HeadGeometry
-from analysis.head_gates import zero_heads
-from analysis.text import evaluation_text
+from analysis.measure.ablation import FastAblation, ablation_gates, head_ablation, naive_sweep, split_sequences
+from analysis.core.errors import CancelledError, InputError
+from analysis.measure.evaluation import evaluate, token_ids
+from analysis.arch.geometry import HeadGeometry
+from analysis.arch.head_gates import zero_heads
+from analysis.core.text import evaluation_text
 
 from ._evalkit import tiny_loaded
 from ._tiny import tiny_input_ids, tiny_model

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from analysis.adapters import SUPPORTED_MODEL_TYPES, adapter_for
-from analysis.errors import UnsupportedModelError
+from analysis.arch.adapters import SUPPORTED_MODEL_TYPES, adapter_for
+from analysis.core.errors import UnsupportedModelError
 from tests._tiny import FAMILIES, tiny_config, tiny_model
 
 
@@ -12,7 +12,7 @@ def test_every_tiny_family_is_supported_and_every_supported_family_is_tested():
     assert set(FAMILIES) <= set(SUPPORTED_MODEL_TYPES)
     untested = set(SUPPORTED_MODEL_TYPES) - set(FAMILIES)
     # These share a FAMILIES row with a tested family (same paths and layout object).
-    from analysis.adapters import FAMILIES as ROWS
+    from analysis.arch.adapters import FAMILIES as ROWS
     for t in untested:
         assert any(ROWS[t] == ROWS[f] for f in FAMILIES), f"{t} has a layout no tiny test covers"
 

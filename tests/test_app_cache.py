@@ -17,7 +17,7 @@ def test_model_is_loaded_once_per_name(tiny_dir):
 
 
 def test_scores_are_cached_by_parameters(tiny_dir, monkeypatch):
-    from analysis import scoring
+    from analysis.score import scoring
     from components import cache
     calls = []
     real = scoring.MPScorer._compute
@@ -54,7 +54,7 @@ def test_a_dropped_model_is_freed_without_the_cycle_collector(tiny_dir):
     import gc
     import weakref
 
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     from components import cache
     lm = load_model(str(tiny_dir))
     refs = [weakref.ref(lm.model), weakref.ref(lm.tokenizer)]

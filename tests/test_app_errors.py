@@ -7,7 +7,7 @@ def _app(kind: str):
     def script(kind):
         import streamlit as st
 
-        from analysis.errors import CancelledError, InputError
+        from analysis.core.errors import CancelledError, InputError
         from components.errors import shown_errors
 
         raising = {

@@ -27,7 +27,7 @@ def test_mask_json_is_the_shown_mask(tiny_dir, out_root, downloads):
 
 
 def test_export_pruned_keeps_cached_model_intact(tiny_dir, out_root):
-    from analysis.export import load_pruned, mask_from_json
+    from analysis.compress.export import load_pruned, mask_from_json
     from components import cache
     at = new_app(tiny_dir, page="export", sparsity="0.5")
     model = cache.load(str(tiny_dir), False).model

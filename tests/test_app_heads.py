@@ -9,8 +9,8 @@ pytestmark = pytest.mark.usefixtures("fresh_caches")
 
 
 def test_ablation_heatmap_matches_naive_sweep(tiny_dir):
-    from analysis.ablation import head_ablation
-    from analysis.models import load_model
+    from analysis.measure.ablation import head_ablation
+    from analysis.arch.models import load_model
     at = new_app(tiny_dir, page="heads")
     at.number_input(key="hs.w.heads.ablation.tokens").set_value(64).run()
     at.button(key="heads.ablate").click().run()
@@ -37,8 +37,8 @@ def test_own_text_is_used_and_empty_text_refused(tiny_dir):
 
 def test_attention_pattern_is_the_heads_real_pattern(tiny_dir, monkeypatch):
     import torch
-    from analysis import roles
-    from analysis.models import load_model
+    from analysis.measure import roles
+    from analysis.arch.models import load_model
     calls = []
     real = roles.attention_probabilities
     monkeypatch.setattr(roles, "attention_probabilities", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -74,7 +74,7 @@ def test_roles_and_redundancy_render(tiny_dir):
 
 
 def test_attribution_and_its_correlation_with_ablation(tiny_dir):
-    from analysis.attribution import rank_correlation
+    from analysis.measure.attribution import rank_correlation
     at = new_app(tiny_dir, page="heads")
     at.number_input(key="hs.w.heads.ablation.tokens").set_value(32).run()
     at.number_input(key="hs.w.heads.ig.tokens").set_value(32).run()

@@ -44,9 +44,9 @@ def test_default_scorer_follows_the_model_until_the_user_picks(tiny_dir, mha_dir
 
 
 def _counts_of_surgery(model_dir, pruned, kv_policy):
-    from analysis.models import load_model
-    from analysis.speed import count_parameters
-    from analysis.surgery import prune_heads
+    from analysis.arch.models import load_model
+    from analysis.compress.speed import count_parameters
+    from analysis.compress.surgery import prune_heads
     lm = load_model(str(model_dir))
     smaller, layout = prune_heads(lm.model, pruned, kv_policy=kv_policy)
     return count_parameters(smaller) - count_parameters(lm.model), sum(len(kv) for kv in layout.kv_heads)

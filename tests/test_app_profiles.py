@@ -46,7 +46,8 @@ def test_histogram_lines_and_outliers(tiny_dir, z):
 
 
 def test_moving_z_never_recomputes_norms(tiny_dir, monkeypatch):
-    from analysis import adapters, profiles
+    from analysis.arch import adapters
+    from analysis.measure import profiles
     calls = {"profile_model": 0, "read_heads": 0}
     real_profile, real_read = profiles.profile_model, adapters.Adapter.read_heads
 

@@ -71,7 +71,13 @@ def test_live_view_shows_one_mask_after_every_move(tiny_dir, downloads):
     downloads and the URL are the mask of the widgets' values, computed here independently."""
     import json
 
-    from analysis import masks, models, profiles, scoring
+    from analysis.score import masks
+
+    from analysis.arch import models
+
+    from analysis.measure import profiles
+
+    from analysis.score import scoring
     lm = models.load_model(str(tiny_dir))
     prof = profiles.profile_model(lm.model)
     at = new_app(tiny_dir, page="prune", scorer="mp-g", z="2", sparsity="0.3")
@@ -95,7 +101,8 @@ def test_live_view_shows_one_mask_after_every_move(tiny_dir, downloads):
 
 
 def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
-    from analysis import adapters, profiles
+    from analysis.arch import adapters
+    from analysis.measure import profiles
     calls = {"n": 0}
     real_read = adapters.Adapter.read_heads
     real_profile = profiles.profile_model
@@ -121,8 +128,8 @@ def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
 
 
 def test_perplexity_check_evaluates_the_shown_mask(tiny_dir):
-    from analysis.evaluation import evaluate
-    from analysis.models import load_model
+    from analysis.measure.evaluation import evaluate
+    from analysis.arch.models import load_model
     at = new_app(tiny_dir, page="prune", sparsity="0.5")
     at.number_input(key="hs.w.prune.max_tokens").set_value(64).run()
     at.button(key="prune.check").click().run()

@@ -34,8 +34,9 @@ def _shown(at) -> np.ndarray:
 
 
 def _from_analysis(tiny_dir, z: float) -> np.ndarray:
-    from analysis import profiles, scoring
-    from analysis.models import load_model
+    from analysis.measure import profiles
+    from analysis.score import scoring
+    from analysis.arch.models import load_model
     prof = profiles.profile_model(load_model(str(tiny_dir)).model)
     own, group = prof.excess_sums(z)
     mp = scoring.get_scorer("mp", z=z).score(prof).scores
@@ -101,8 +102,8 @@ def tiny_g3_dir(tmp_path_factory):
 
 def _layer0_after_surgery(model_dir, kept: list[int], group_size: int, head_dim: int) -> tuple[int, int, int]:
     """(query heads, KV heads, attention params) of layer 0 after surgery keeps kept[g] heads of group g."""
-    from analysis import surgery
-    from analysis.models import load_model
+    from analysis.compress import surgery
+    from analysis.arch.models import load_model
     lm = load_model(str(model_dir))
     pruned = np.zeros((lm.geometry.n_layers, lm.geometry.n_heads), dtype=bool)   # [L, H]
     pruned[0] = True

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.ablation import FastAblation
-from analysis.adapters import adapter_for
-from analysis.attribution import GateAttribution, gate_loss_fn, head_attribution, rank_correlation
-from analysis.errors import CancelledError, InputError
-from analysis.evaluation import token_ids
-from analysis.text import evaluation_text
+from analysis.measure.ablation import FastAblation
+from analysis.arch.adapters import adapter_for
+from analysis.measure.attribution import GateAttribution, gate_loss_fn, head_attribution, rank_correlation
+from analysis.core.errors import CancelledError, InputError
+from analysis.measure.evaluation import token_ids
+from analysis.core.text import evaluation_text
 
 from ._evalkit import tiny_loaded
 from ._tiny import tiny_input_ids, tiny_model

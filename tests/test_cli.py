@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from analysis import cli
-from analysis.masks import plan_mask
-from analysis.profiles import profile_model
-from analysis.scoring import MPGScorer
+from analysis.score.masks import plan_mask
+from analysis.measure.profiles import profile_model
+from analysis.score.scoring import MPGScorer
 from tests._tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,8 +150,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_evaluate_reports_dense_and_masked_equal_to_the_library(model_dir, capsys):
-    from analysis.evaluation import evaluate
-    from analysis.models import load_model
+    from analysis.measure.evaluation import evaluate
+    from analysis.arch.models import load_model
 
     text = "the quick brown fox jumps over the lazy dog. " * 4
     (model_dir.parent / "text.txt").write_text(text)
@@ -170,7 +170,7 @@ def test_evaluate_reports_dense_and_masked_equal_to_the_library(model_dir, capsy
 
 
 def test_export_writes_a_pruned_model_that_reloads_and_refuses_to_overwrite(model_dir, tmp_path, capsys):
-    from analysis.export import load_pruned, read_mask_json
+    from analysis.compress.export import load_pruned, read_mask_json
 
     argv = ("export", "--model", model_dir, "--sparsity", "0.5", "--policy", "uniform", "--out-dir", tmp_path,
             "--name", "half", "--quiet")
@@ -183,8 +183,8 @@ def test_export_writes_a_pruned_model_that_reloads_and_refuses_to_overwrite(mode
     assert record.pruned().sum() == data["n_pruned"] == 8 and record.sparsity == 0.5
     import torch
 
-    from analysis.head_gates import gates_from_mask, head_mask
-    from analysis.models import load_model
+    from analysis.arch.head_gates import gates_from_mask, head_mask
+    from analysis.arch.models import load_model
 
     original = load_model(str(model_dir)).model
     smaller = load_pruned(folder)
@@ -218,8 +218,8 @@ def test_default_scorer_follows_the_model(checkpoint, mha_checkpoint, capsys):
 
 
 def test_mask_summary_is_what_surgery_builds_for_each_kv_policy(checkpoint, capsys):
-    from analysis.speed import count_parameters
-    from analysis.surgery import prune_heads
+    from analysis.compress.speed import count_parameters
+    from analysis.compress.surgery import prune_heads
 
     folder, model = checkpoint
     for policy in ("global", "uniform", "balanced", "groups"):

@@ -1,4 +1,4 @@
-"""Distillation (analysis/distill.py): the KL really drops, LoRA merged == unmerged, a stopped run
+"""Distillation (analysis/compress/distill.py): the KL really drops, LoRA merged == unmerged, a stopped run
 resumed from its checkpoint ends bit-identical, checkpoints survive a full disk, bad input is refused."""
 import copy
 import errno
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import distill as D
-from analysis.distill import CheckpointError, DistillConfig, distill, mean_kl
-from analysis.errors import CancelledError, InputError, UnsupportedModelError
-from analysis.head_gates import gates_from_mask, zero_heads
-from analysis.scoring import Subject
-from analysis.surgery import prune_heads
+from analysis.compress import distill as D
+from analysis.compress.distill import CheckpointError, DistillConfig, distill, mean_kl
+from analysis.core.errors import CancelledError, InputError, UnsupportedModelError
+from analysis.arch.head_gates import gates_from_mask, zero_heads
+from analysis.score.scoring import Subject
+from analysis.compress.surgery import prune_heads
 from tests._tiny import tiny_config, tiny_input_ids, tiny_model
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 

@@ -1,4 +1,4 @@
-"""Multi-process runs (analysis/distributed.py) under a real launcher: 2 CPU processes (gloo) started by
+"""Multi-process runs (analysis/core/distributed.py) under a real launcher: 2 CPU processes (gloo) started by
 `accelerate launch --multi_gpu --num_processes 2` give exactly (==) the single-process numbers of a z
 sweep, every calibration scorer, a sparsity curve, the results script's window sums and the naive and
 fast ablation sweeps (the `ablate` CLI command); a killed worker and a hung worker each end the run
@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import cli, distributed
-from analysis.errors import InputError
+from analysis import cli
+
+from analysis.core import distributed
+from analysis.core.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = Path(sys.executable).with_name("accelerate")
@@ -61,7 +63,7 @@ def _equal(a, b) -> bool:
 
 
 def test_library_work_on_two_processes_equals_one_process(model_dir, tmp_path):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     from tests._distributed_driver import compute
 
     out = tmp_path / "two.pkl"

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.errors import CancelledError, InputError
-from analysis.evaluation import (CausalPerplexity, EmbeddingFidelity, MaskedChunk, PseudoPerplexity,
-                                 causal_windows, evaluate, lowest_scores_mask, perplexity,
-                                 sparsity_curve, sparsity_levels)
-from analysis.head_gates import zero_heads
-from analysis.text import evaluation_text
+from analysis.core.errors import CancelledError, InputError
+from analysis.measure.evaluation import (CausalPerplexity, EmbeddingFidelity, MaskedChunk, PseudoPerplexity,
+                                         causal_windows, evaluate, perplexity)
+from analysis.score.curves import lowest_scores_mask, sparsity_curve, sparsity_levels
+from analysis.arch.head_gates import zero_heads
+from analysis.core.text import evaluation_text
 
 from ._evalkit import hf_loop_perplexity, reference_pseudo_perplexity, tiny_loaded
 from ._tiny import tiny_input_ids, tiny_model
@@ -36,8 +36,8 @@ def tiny_bert(minilm):
 @pytest.fixture(scope="module")
 def tiny_encoder(minilm):
     from transformers import AutoModel
-    from analysis.adapters import adapter_for
-    from analysis.models import LoadedModel
+    from analysis.arch.adapters import adapter_for
+    from analysis.arch.models import LoadedModel
     from ._tiny import tiny_config
     torch.manual_seed(0)
     model = AutoModel.from_config(tiny_config("bert", vocab_size=len(minilm.tokenizer),
@@ -299,7 +299,7 @@ def test_sparsity_curve_points_equal_single_evaluations(tiny_llama):
 def test_sparsity_curve_leaves_out_levels_the_policy_cannot_build(tiny_llama):
     """balanced-uniform prunes in steps of one head per KV group in every layer: the levels in
     between are left out (and listed), the rest equal their single evaluations."""
-    from analysis.masks import plan_mask
+    from analysis.score.masks import plan_mask
     g = tiny_llama.geometry
     scores = np.arange(g.n_layers * g.n_heads, dtype=float).reshape(g.n_layers, g.n_heads)
 

@@ -11,15 +11,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import analysis.export as export_mod
-from analysis.adapters import adapter_for
-from analysis.errors import HeadscopeError, InputError, ModelLoadError, UnsupportedModelError
-from analysis.export import (ExportError, atomic_folder, export, export_onnx, export_pruned, export_stock,
+import analysis.compress.export as export_mod
+from analysis.arch.adapters import adapter_for
+from analysis.core.errors import HeadscopeError, InputError, ModelLoadError, UnsupportedModelError
+from analysis.compress.export import (ExportError, atomic_folder, export, export_onnx, export_pruned, export_stock,
                              export_zeroed, load_pruned, mask_from_json, mask_record, read_mask_json,
                              resolve_under)
-from analysis.head_gates import gates_from_mask, head_mask
-from analysis.masks import plan_mask
-from analysis.resize import SURGERY
+from analysis.arch.head_gates import gates_from_mask, head_mask
+from analysis.score.masks import plan_mask
+from analysis.arch.resize import SURGERY
 from tests._tiny import FAMILIES, TINY_SPECS, tiny_config, tiny_input_ids, tiny_model
 from tests.test_surgery import surgery_masks
 
@@ -345,7 +345,7 @@ def test_stock_export_without_pruning_loads_for_any_family(tmp_path):
 
 
 def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
-    from analysis.export import stock_check
+    from analysis.compress.export import stock_check
     # G = 3: a uniform or global mask at 1/3 leaves uneven groups; balanced-uniform keeps 2 of 3 per group
     model = tiny_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3)
     g = adapter_for(model).geometry(model)
@@ -377,7 +377,7 @@ def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
 def test_export_folders_get_ordinary_permissions(tmp_path):
     """Not mkdtemp's 0700: an export is a folder like any other (the umask decides)."""
     import os
-    from analysis.export import atomic_folder
+    from analysis.compress.export import atomic_folder
     umask = os.umask(0o022)
     try:
         with atomic_folder(tmp_path / "out") as tmp:
@@ -389,7 +389,7 @@ def test_export_folders_get_ordinary_permissions(tmp_path):
 
 def test_default_export_root_is_in_home_unless_the_env_says(monkeypatch, tmp_path):
     from pathlib import Path
-    from analysis.export import default_export_root
+    from analysis.compress.export import default_export_root
     monkeypatch.delenv("HEADSCOPE_EXPORT_ROOT", raising=False)
     assert default_export_root() == Path.home() / "headscope-exports"
     monkeypatch.setenv("HEADSCOPE_EXPORT_ROOT", str(tmp_path / "x"))

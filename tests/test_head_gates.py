@@ -1,4 +1,4 @@
-"""Head gates (analysis.head_gates): hook gates == zeroed weights, for every family; batching; hook hygiene."""
+"""Head gates (analysis.arch.head_gates): hook gates == zeroed weights, for every family; batching; hook hygiene."""
 import copy
 import zlib
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.adapters import adapter_for
-from analysis.errors import InputError
-from analysis.head_gates import gates_from_mask, head_mask, kv_groups_emptied, zero_heads
+from analysis.arch.adapters import adapter_for
+from analysis.core.errors import InputError
+from analysis.arch.head_gates import gates_from_mask, head_mask, kv_groups_emptied, zero_heads
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
 
 

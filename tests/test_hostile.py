@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 from analysis import cli
-from analysis.errors import HeadscopeError, InputError, ModelLoadError
-from analysis.export import export, load_pruned, mask_from_json, mask_record
-from analysis.geometry import HeadGeometry
+from analysis.core.errors import HeadscopeError, InputError, ModelLoadError
+from analysis.compress.export import export, load_pruned, mask_from_json, mask_record
+from analysis.arch.geometry import HeadGeometry
 from tests._apptools import tiny_model_dir
 from tests._tiny import tiny_model
 
@@ -59,7 +59,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pruned_export(tmp_path_factory, model_dir) -> Path:
     """A real headscope 'pruned' export of the tiny model."""
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     lm = load_model(str(model_dir))
     pruned = np.zeros((2, 4), dtype=bool)
     pruned[0, 0] = True
@@ -479,7 +479,7 @@ def test_killed_exports_leave_nothing_behind(tmp_path, big_model_dir, model_dir)
     assert not any(t.exists() for t in temps["term"]) and not (root / "term").exists()
     # SIGKILL cannot be handled: the temporary folder stays, and the next export into the root removes it
     assert kill.returncode == -signal.SIGKILL and all(t.exists() for t in temps["kill"])
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     lm = load_model(str(model_dir))
     result = export("zeroed", lm.model, np.zeros((2, 4), dtype=bool), root, "next")
     assert any("killed" in note for note in result.notes), result.notes
@@ -494,7 +494,7 @@ def _dead_pid() -> int:
 
 def test_overwrite_killed_between_renames_is_recovered(pruned_export, tmp_path, model_dir):
     """State after a kill between the two renames of an overwrite: only `.NAME.old-PID-*` exists."""
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     root = tmp_path / "root"
     root.mkdir()
     old = root / f".base.old-{_dead_pid()}-abc123"
@@ -557,8 +557,8 @@ def _pruned_with_custom_code(base: Path, kind: str, pruned_export: Path, marker:
 
 
 def _entry(name: str, folder: Path, trust: bool = False):
-    from analysis.models import load_model
-    from analysis.streaming import profile_checkpoint
+    from analysis.arch.models import load_model
+    from analysis.measure.streaming import profile_checkpoint
     table = {
         "cli-score-checkpoint": lambda: cli.main(["score", "--quiet", "--checkpoint", str(folder)]),
         "cli-score-model": lambda: cli.main(["score", "--quiet", "--scorer", "magnitude", "--model", str(folder)]),
@@ -727,7 +727,7 @@ def test_load_pruned_tampered(name, pruned_export, tmp_path):
 # -- 12: messages that mislead --------------------------------------------------------------------------
 
 def test_malicious_pickle_is_not_called_damaged(model_dir, tmp_path, capfd):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     folder = copy_folder(model_dir, tmp_path / "m")
     _bin_only(folder)
     with pytest.raises(ModelLoadError) as info:
@@ -739,7 +739,7 @@ def test_malicious_pickle_is_not_called_damaged(model_dir, tmp_path, capfd):
 
 
 def test_memory_guard_offers_no_option_that_does_not_exist(model_dir):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     with pytest.raises(ModelLoadError) as info:
         load_model(str(model_dir), available_bytes=1)
     assert "bfloat16" not in str(info.value) and "close other programs" in str(info.value).lower()
@@ -747,7 +747,7 @@ def test_memory_guard_offers_no_option_that_does_not_exist(model_dir):
 
 def test_no_load_report_table_before_the_error(model_dir, tmp_path, capfd):
     from safetensors.torch import load_file, save_file
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     folder = copy_folder(model_dir, tmp_path / "m")
     state = load_file(str(folder / "model.safetensors"))
     state.pop(next(k for k in state if "q_proj" in k))
@@ -758,7 +758,7 @@ def test_no_load_report_table_before_the_error(model_dir, tmp_path, capfd):
 
 
 def test_streaming_memory_guard_checks_each_tensor_before_reading(tmp_path):
-    from analysis.streaming import check_tensor_header
+    from analysis.arch.checkpoint import check_tensor_header
     g = HeadGeometry(n_layers=1, n_heads=96, n_kv_heads=96, head_dim=1024, hidden=98304)
     with pytest.raises(ModelLoadError, match="GiB of RAM to profile") as info:
         check_tensor_header("q.weight", "q", [98304, 98304], g, tmp_path / "x.safetensors", available_bytes=2**30)
@@ -780,7 +780,7 @@ def test_streamlit_config_is_explicit_about_xsrf_and_error_details():
 
 @pytest.mark.parametrize("char", ["a", "é", "€", "𐀀"])           # 1, 2, 3 and 4 UTF-8 bytes
 def test_text_file_cap_cuts_at_a_character_boundary(char, tmp_path):
-    from analysis.text import clean_user_text, read_text_file
+    from analysis.core.text import clean_user_text, read_text_file
     path = tmp_path / "long.txt"
     path.write_text(char * 5000, encoding="utf-8")
     for cap in range(1001, 1009):

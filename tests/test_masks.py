@@ -7,8 +7,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from analysis.errors import InputError
-from analysis.masks import (
+from analysis.core.errors import InputError
+from analysis.score.masks import (
     attention_costs,
     check_sparsity,
     plan_mask,
@@ -16,7 +16,7 @@ from analysis.masks import (
     summarize_mask,
     tie_order_of,
 )
-from analysis.scoring import MPGScorer, MPScorer
+from analysis.score.scoring import MPGScorer, MPScorer
 from tests._scoring_fixtures import HAND_ORDER_Z05, hand_profile, random_profile
 
 SPARSITIES = [f"{i / 40:.3f}" for i in range(40)] + ["0.125", "0.29", "0.3", "0.7", "0.999"]
@@ -163,7 +163,7 @@ def test_mask_follows_z_on_real_profile():
 
 
 def test_jaccard_by_hand():
-    from analysis.masks import jaccard
+    from analysis.score.masks import jaccard
 
     a = np.array([[1, 1, 0], [0, 0, 1]], bool)
     b = np.array([[1, 0, 0], [0, 1, 1]], bool)

@@ -12,9 +12,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, MambaConfig, PreTrainedTokenizerFast, ResNetConfig,
                           RwkvConfig, T5Config)
 
-from analysis import models as M
-from analysis.errors import ModelLoadError, UnsupportedModelError
-from analysis.text import evaluation_text, tokenize
+from analysis.arch import models as M
+from analysis.core.errors import ModelLoadError, UnsupportedModelError
+from analysis.core.text import evaluation_text, tokenize
 from tests._tiny import VOCAB, tiny_config, tiny_input_ids, tiny_model
 
 
@@ -354,8 +354,8 @@ def test_an_unreachable_hub_means_local_cache_only(monkeypatch, listening):
     """Unreachable (a refused connect), an uncached id fails at once from the local cache instead of
     ~25 s of network retries; a reachable endpoint is asked normally."""
     import socket
-    from analysis import models
-    from analysis.errors import ModelLoadError
+    from analysis.arch import models
+    from analysis.core.errors import ModelLoadError
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     port = server.getsockname()[1]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.adapters import input_device, is_dispatched, is_offloaded
-from analysis.errors import UnsupportedModelError
+from analysis.arch.adapters import input_device, is_dispatched, is_offloaded
+from analysis.core.errors import UnsupportedModelError
 
 REL = 1e-5
 TOKENS = 64
@@ -18,7 +18,7 @@ TOKENS = 64
 
 @pytest.fixture(scope="module")
 def offloaded(builtin_cache_dir, tmp_path_factory):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     folder = tmp_path_factory.mktemp("offload")
     return load_model("smollm2-135m", cache_dir=builtin_cache_dir, max_memory="cpu=420MiB", offload_folder=folder)
 
@@ -57,7 +57,7 @@ def test_real_weights_of_an_offloaded_layer(smollm2, offloaded):
 
 
 def test_dense_and_masked_perplexity(smollm2, offloaded, mask):
-    from analysis.evaluation import perplexity
+    from analysis.measure.evaluation import perplexity
     pruned = np.stack([np.zeros_like(mask), mask])                         # [2, L, H]: dense and masked
     want = perplexity(smollm2, pruned=pruned, max_tokens=TOKENS)
     got = perplexity(offloaded, pruned=pruned, max_tokens=TOKENS)
@@ -66,7 +66,7 @@ def test_dense_and_masked_perplexity(smollm2, offloaded, mask):
 
 
 def test_mp_g_scores(smollm2, offloaded):
-    from analysis.scoring import get_scorer
+    from analysis.score.scoring import get_scorer
     want = get_scorer("mp-g").score(smollm2)
     got = get_scorer("mp-g").score(offloaded)
     assert (want.scores > 0).any()
@@ -75,9 +75,9 @@ def test_mp_g_scores(smollm2, offloaded):
 
 
 def test_ablation_deltas(smollm2, offloaded):
-    from analysis.ablation import FastAblation, split_sequences
-    from analysis.evaluation import token_ids
-    from analysis.text import evaluation_text
+    from analysis.measure.ablation import FastAblation, split_sequences
+    from analysis.measure.evaluation import token_ids
+    from analysis.core.text import evaluation_text
     ids = split_sequences(token_ids(smollm2.tokenizer, evaluation_text(4000), max_tokens=48), 24)  # [2, 24]
     layers = [_disk_layers(offloaded)[-2]]                                # a block on the disk, and the one after
     want = FastAblation(batch_size=8).sweep(smollm2.model, ids, layers=layers)
@@ -93,10 +93,10 @@ def test_surgery_and_export_from_the_offloaded_model(smollm2, offloaded, mask, t
     """prune_heads works on the dispatched model (offloaded layers read through their hooks) and
     computes the masked in-memory model; the pruned export writes exactly its real tensors."""
     from safetensors import safe_open
-    from analysis.adapters import real_state_dict
-    from analysis.export import WEIGHTS_FILE, export
-    from analysis.head_gates import gates_from_mask, head_mask
-    from analysis.surgery import prune_heads
+    from analysis.arch.adapters import real_state_dict
+    from analysis.compress.export import WEIGHTS_FILE, export
+    from analysis.arch.head_gates import gates_from_mask, head_mask
+    from analysis.compress.surgery import prune_heads
     x = torch.randint(4, 1000, (1, 16), generator=torch.Generator().manual_seed(0))  # [1, 16]
     with torch.no_grad(), head_mask(smollm2.model, gates_from_mask(mask)):
         masked = smollm2.model(input_ids=x).logits                        # [1, 16, V]
@@ -116,6 +116,6 @@ def test_surgery_and_export_from_the_offloaded_model(smollm2, offloaded, mask, t
 
 
 def test_gradient_scorer_refuses_offloaded_weights(offloaded):
-    from analysis.scoring import get_scorer
+    from analysis.score.scoring import get_scorer
     with pytest.raises(UnsupportedModelError, match="offload"):
         get_scorer("gradient", n_sequences=1, seq_len=8).score(offloaded)

@@ -1,4 +1,4 @@
-"""The iterative schedule (analysis/pipeline.py): exact target counts, rounds recorded in the head
+"""The iterative schedule (analysis/compress/pipeline.py): exact target counts, rounds recorded in the head
 layout, every round's model reloads from every export format equal to itself, the budget rule."""
 import json
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.distill import DistillConfig
-from analysis.errors import InputError
-from analysis.export import FORMATS, LAYOUT_FILE, ONNX_FILE, load_pruned
-from analysis.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
-from analysis.surgery import prune_heads
+from analysis.compress.distill import DistillConfig
+from analysis.core.errors import InputError
+from analysis.compress.export import FORMATS, LAYOUT_FILE, ONNX_FILE, load_pruned
+from analysis.compress.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
+from analysis.compress.surgery import prune_heads
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
@@ -119,7 +119,7 @@ def test_budget_keeps_the_last_model_inside_it(tokenizer):
 
 
 def test_stop_ends_the_run_as_cancelled(tokenizer):
-    from analysis.errors import CancelledError
+    from analysis.core.errors import CancelledError
     loaded = _loaded(tokenizer, num_hidden_layers=4)
     rounds = []
     with pytest.raises(CancelledError):

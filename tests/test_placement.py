@@ -1,4 +1,4 @@
-"""Device / dtype / placement options (analysis/placement.py): parsing, the memory guard with a
+"""Device / dtype / placement options (analysis/core/placement.py): parsing, the memory guard with a
 simulated amount of free RAM (`available_bytes`), and every bad option as one clear CLI line.
 
 The guard's test model is a tiny Llama folder: its float32 estimate does not fit a budget that its
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from analysis import placement as P
-from analysis.errors import InputError, ModelLoadError, OutputError
+from analysis.core import placement as P
+from analysis.core.errors import InputError, ModelLoadError, OutputError
 from tests._apptools import tiny_model_dir
 
 
@@ -82,14 +82,14 @@ def test_unwritable_offload_folder(tmp_path):
 # -- the memory guard ---------------------------------------------------------------------------
 
 def _estimates(folder):
-    from analysis.models import estimate_model_bytes
+    from analysis.arch.models import estimate_model_bytes
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(folder)
     return {dtype: estimate_model_bytes(config, dtype) for dtype in (torch.float32, torch.bfloat16)}
 
 
 def test_guard_refuses_float32_and_names_bfloat16_which_then_loads(tiny):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     need = _estimates(tiny)
     free = need[torch.bfloat16]
     assert need[torch.float32] > free
@@ -101,7 +101,7 @@ def test_guard_refuses_float32_and_names_bfloat16_which_then_loads(tiny):
 
 
 def test_guard_lets_an_offloaded_float32_model_load(tiny, tmp_path):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     free = _estimates(tiny)[torch.bfloat16]
     loaded = load_model(str(tiny), available_bytes=free, offload_folder=tmp_path / "offload")
     assert loaded.dtype == torch.float32 and loaded.placement.dispatched
@@ -110,7 +110,7 @@ def test_guard_lets_an_offloaded_float32_model_load(tiny, tmp_path):
 
 
 def test_guard_names_max_memory_when_nothing_fits(tiny):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     with pytest.raises(ModelLoadError) as info:
         load_model(str(tiny), max_memory="cpu=1KiB")
     text = str(info.value)

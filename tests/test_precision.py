@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.adapters import adapter_for
-from analysis.errors import ModelLoadError
-from analysis.head_gates import gates_from_mask, head_mask, zero_heads
-from analysis.profiles import profile_model
-from analysis.surgery import prune_heads
+from analysis.arch.adapters import adapter_for
+from analysis.core.errors import ModelLoadError
+from analysis.arch.head_gates import gates_from_mask, head_mask, zero_heads
+from analysis.measure.profiles import profile_model
+from analysis.compress.surgery import prune_heads
 from tests._tiny import tiny_input_ids, tiny_model
 
 HALF = (torch.bfloat16, torch.float16)
@@ -74,7 +74,7 @@ def test_half_profile_is_the_float32_profile_of_the_same_weights(family):
 def test_gate_gradients_of_a_half_model_are_float32():
     """A float32 gate on a bf16 model: the product is formed in float32, so dL/dgate is float32 and
     close to the float32 model's with the same weights."""
-    from analysis.loss import lm_sequence_losses
+    from analysis.measure.loss import lm_sequence_losses
     half = tiny_model("llama").to(torch.bfloat16)
     full = copy.deepcopy(half).float()
     x = tiny_input_ids(2, 12)
@@ -93,8 +93,8 @@ def test_gate_gradients_of_a_half_model_are_float32():
 
 
 def test_missing_half_kernels_are_a_clear_refusal(tmp_path, monkeypatch):
-    from analysis import placement
-    from analysis.models import load_model
+    from analysis.core import placement
+    from analysis.arch.models import load_model
     from tests._apptools import tiny_model_dir
     folder = tiny_model_dir(tmp_path / "tiny")
     monkeypatch.setattr(placement, "_kernels_work", lambda *a: "no kernel for 'addmm' in Half")
@@ -105,7 +105,7 @@ def test_missing_half_kernels_are_a_clear_refusal(tmp_path, monkeypatch):
 
 
 def test_half_load_has_the_dtype_and_the_same_geometry(tmp_path):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     from tests._apptools import tiny_model_dir
     folder = tiny_model_dir(tmp_path / "tiny")
     for name, dtype in (("bf16", torch.bfloat16), ("float16", torch.float16)):
@@ -117,12 +117,12 @@ def test_half_load_has_the_dtype_and_the_same_geometry(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_bf16(builtin_cache_dir):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     return load_model("smollm2-135m", cache_dir=builtin_cache_dir, dtype="bfloat16")
 
 
 def test_smollm2_bfloat16_perplexity_within_two_percent(smollm2, smollm2_bf16):
-    from analysis.evaluation import perplexity
+    from analysis.measure.evaluation import perplexity
     full = float(perplexity(smollm2, max_tokens=256))
     half = float(perplexity(smollm2_bf16, max_tokens=256))
     assert smollm2_bf16.dtype == torch.bfloat16

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.errors import InputError
-from analysis.profiles import NormProfile, check_z, head_norms, profile_model, row_norms
+from analysis.core.errors import InputError
+from analysis.measure.profiles import NormProfile, check_z, head_norms, profile_model, row_norms
 from tests._scoring_fixtures import constant_profile, hand_profile
 from tests._tiny import tiny_model
 
@@ -187,7 +187,7 @@ def test_row_norms_every_path_matches_the_definition(dtype, strided):
 
 
 def test_head_norms_reject_bad_orders():
-    from analysis.adapters import HeadWeights
+    from analysis.arch.adapters import HeadWeights
     hw = HeadWeights(q=torch.ones(2, 3, 4), k=torch.ones(1, 3, 4), v=torch.ones(1, 3, 4), o=torch.ones(2, 3, 4))
     assert head_norms(hw, (1,))[1]["q"].tolist() == [[4.0] * 3] * 2
     with pytest.raises(InputError, match="norm order"):
@@ -210,7 +210,7 @@ def _zscores(profile: NormProfile, ord: int, scope: str) -> np.ndarray:
 def test_excess_sums_equal_the_sums_of_the_row_excess(scope, ord):
     # The indexed fast path must agree with summing `excess` per head / group, including a z that
     # lands exactly on a row's z-score (that row's excess is 0 either way) and the zero pattern.
-    from analysis.scoring import head_and_group_sums
+    from analysis.score.scoring import head_and_group_sums
     from tests._scoring_fixtures import random_profile
 
     for profile in (hand_profile(l1_scale=2.0), random_profile(seed=3), constant_profile(0.3)):
@@ -233,7 +233,7 @@ def test_excess_sums_validate_z():
 def test_sample_std_is_torchs_default_std():
     import torch
 
-    from analysis.profiles import STD_DDOF, NormProfile
+    from analysis.measure.profiles import STD_DDOF, NormProfile
 
     rng = np.random.default_rng(4)
     l2 = {p: rng.gamma(4.0, 0.25, size=(3, units, 5)) for p, units in (("q", 4), ("k", 2), ("v", 2), ("o", 4))}
@@ -259,7 +259,7 @@ def test_sample_std_is_torchs_default_std():
 
 
 def test_sample_std_puts_more_heads_in_the_bulk_on_smollm2(smollm2):
-    from analysis.scoring import MPGScorer
+    from analysis.score.scoring import MPGScorer
 
     profile = profile_model(smollm2.model, adapter=smollm2.adapter)
     population = MPGScorer(z=2.5).score(profile)
@@ -287,9 +287,9 @@ def test_excluding_pruned_heads_scores_like_the_surviving_rows_alone(scope):
     the exclusion the zero rows pull the mean and std and the scores differ."""
     import copy
 
-    from analysis.head_gates import zero_heads
-    from analysis.scoring import get_scorer
-    from analysis.surgery import HeadLayout
+    from analysis.arch.head_gates import zero_heads
+    from analysis.score.scoring import get_scorer
+    from analysis.compress.surgery import HeadLayout
 
     model = tiny_model("llama", num_hidden_layers=3)                       # H = 4, Hkv = 2
     pruned = _balanced_pruned(3, 4, 2)
@@ -309,7 +309,7 @@ def test_excluding_pruned_heads_scores_like_the_surviving_rows_alone(scope):
 
 
 def full_geometry(model):
-    from analysis.adapters import adapter_for
+    from analysis.arch.adapters import adapter_for
     return adapter_for(model).geometry(model)
 
 

@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of the parsers that read what a user or a file hands in:
-mask.json (`analysis.export.read_mask_json`), head_layout.json (`HeadLayout.from_dict` /
+mask.json (`analysis.compress.export.read_mask_json`), head_layout.json (`HeadLayout.from_dict` /
 `from_json`) and the app's URL parameters (`components.state.FIELDS`).
 
 The contract for every parser: any input either parses into a value that meets every invariant
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis.errors import InputError
-from analysis.export import MaskRecord, mask_from_json, mask_record, read_mask_json
-from analysis.geometry import HeadGeometry
-from analysis.surgery import HeadLayout
+from analysis.core.errors import InputError
+from analysis.compress.export import MaskRecord, mask_from_json, mask_record, read_mask_json
+from analysis.arch.geometry import HeadGeometry
+from analysis.compress.surgery import HeadLayout
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""INT8 (analysis/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
+"""INT8 (analysis/compress/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
 ONNX perplexity path equals the PyTorch one, torch dynamic INT8 of the Linear layers; SmolLM2's
 INT8 ONNX check against float32 (top-1, perplexity, file size; bench/bench_recovery.py measures it on
 the pruned and distilled models too)."""
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.errors import InputError
-from analysis.evaluation import evaluate
-from analysis.export import ExportError, export
-from analysis.quantize import (OnnxLM, compare_onnx, quantize_linear, quantize_onnx, state_bytes,
+from analysis.core.errors import InputError
+from analysis.measure.evaluation import evaluate
+from analysis.compress.export import ExportError, export
+from analysis.compress.quantize import (OnnxLM, compare_onnx, quantize_linear, quantize_onnx, state_bytes,
                                top1_agreement)
 from tests._evalkit import tiny_loaded
 from tests._tiny import tiny_input_ids, tiny_model
@@ -46,7 +46,7 @@ def test_onnx_int8_runs_close_to_float32_and_is_smaller(onnx_pair, method):
 
 
 def test_onnx_perplexity_path_equals_pytorch(onnx_pair):
-    from analysis.surgery import prune_heads
+    from analysis.compress.surgery import prune_heads
     loaded, pruned, fp32, _ = onnx_pair
     small, _ = prune_heads(loaded.model, pruned)
     torch_ppl = evaluate(replace(loaded, model=small), TEXT, max_tokens=96).value

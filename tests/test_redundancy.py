@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.adapters import adapter_for
-from analysis.errors import CancelledError, InputError
-from analysis.redundancy import (RedundancyFinder, cosine_from_gram, head_output_gram, head_redundancy,
+from analysis.arch.adapters import adapter_for
+from analysis.core.errors import CancelledError, InputError
+from analysis.measure.redundancy import (RedundancyFinder, cosine_from_gram, head_output_gram, head_redundancy,
                                  near_duplicate_groups, redundancy_from_similarity)
 
 from ._evalkit import tiny_loaded

@@ -1,4 +1,4 @@
-"""The compression report (analysis/report.py): every stage measured, ratios to dense, the
+"""The compression report (analysis/compress/report.py): every stage measured, ratios to dense, the
 one-shot curve equals the first iterative round (same mask from the same dense scores), files
 written atomically (JSON, markdown, PNG)."""
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from analysis.distill import DistillConfig
-from analysis.export import ExportError
-from analysis.pipeline import PipelineConfig
-from analysis.report import REPORT_FILES, compression_report, write_report
-from analysis.speed import torch_threads
+from analysis.compress.distill import DistillConfig
+from analysis.compress.export import ExportError
+from analysis.compress.pipeline import PipelineConfig
+from analysis.compress.report import REPORT_FILES, compression_report, write_report
+from analysis.compress.speed import torch_threads
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 

@@ -1,6 +1,6 @@
 """scripts/results.py on a tiny model: every row and table is there, every cell's CI holds its value,
-one token stream for every row, perplexities equal analysis.evaluation's, policy rows' parameter
-counts equal what surgery removes, and main() writes through analysis.atomic.atomic_write."""
+one token stream for every row, perplexities equal analysis.measure.evaluation's, policy rows' parameter
+counts equal what surgery removes, and main() writes through analysis.core.atomic.atomic_write."""
 import importlib.util
 import sys
 
@@ -23,7 +23,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def tiny_run(results, tmp_path_factory):
-    from analysis.models import load_model
+    from analysis.arch.models import load_model
     folder = tiny_model_dir(tmp_path_factory.mktemp("tiny-results"), hidden_size=48, num_attention_heads=6,
                             num_key_value_heads=2)
     loaded = load_model(str(folder))
@@ -54,8 +54,8 @@ def test_cells_have_cis_that_hold_their_values(tiny_run):
 
 
 def test_perplexities_equal_the_library_on_the_same_ids(tiny_run):
-    from analysis.evaluation import perplexity
-    from analysis.text import evaluation_text
+    from analysis.measure.evaluation import perplexity
+    from analysis.core.text import evaluation_text
     loaded, options, _, data = tiny_run
     text = evaluation_text(max_chars=16 * options.eval_tokens + 4096)
     some = [data["dense"], data["cells"][("MP-G (z = 2.0)", 0.5)], data["cells"][("Wanda-Head", 0.25)]]
@@ -67,8 +67,8 @@ def test_perplexities_equal_the_library_on_the_same_ids(tiny_run):
 
 
 def test_policy_rows_count_what_surgery_removes(tiny_run):
-    from analysis.speed import count_parameters
-    from analysis.surgery import prune_heads
+    from analysis.compress.speed import count_parameters
+    from analysis.compress.surgery import prune_heads
     loaded, options, text, data = tiny_run
     for (policy, s), plan in data["policy_plans"].items():
         if isinstance(plan, str):
@@ -84,7 +84,7 @@ def test_main_writes_the_file_with_the_shared_atomic_writer(results, monkeypatch
     written = {}
     monkeypatch.setattr(results, "atomic_write", lambda path, text, what: written.update(path=path, text=text))
     monkeypatch.setattr(results, "run", lambda loaded, options, team=None: (f"table for {options.eval_tokens}", {}))
-    monkeypatch.setattr("analysis.models.load_model", lambda name, cache_dir=None: name)
+    monkeypatch.setattr("analysis.arch.models.load_model", lambda name, cache_dir=None: name)
     results.main(["--out", str(tmp_path / "r.md"), "--eval-tokens", "16384", "--quiet"])
     assert written == {"path": tmp_path / "r.md", "text": "table for 16384\n"}
 
@@ -92,13 +92,13 @@ def test_main_writes_the_file_with_the_shared_atomic_writer(results, monkeypatch
 def test_main_keeps_the_recovery_section_of_bench_recovery(results, monkeypatch, tmp_path):
     """docs/results.md has two generators: regenerating the scorer tables keeps the section that
     bench/bench_recovery.py --write-docs owns, and that bench's writer keeps the rest."""
-    from analysis.atomic import write_section
-    from analysis.report import RECOVERY_MARKERS
+    from analysis.core.atomic import write_section
+    from analysis.compress.report import RECOVERY_MARKERS
     out = tmp_path / "r.md"
     section = f"{RECOVERY_MARKERS[0]}\n## Recovery\nnumbers\n{RECOVERY_MARKERS[1]}"
     out.write_text("old table\n\n" + section + "\n", encoding="utf-8")
     monkeypatch.setattr(results, "run", lambda loaded, options, team=None: ("new table", {}))
-    monkeypatch.setattr("analysis.models.load_model", lambda name, cache_dir=None: name)
+    monkeypatch.setattr("analysis.arch.models.load_model", lambda name, cache_dir=None: name)
     results.main(["--out", str(out), "--quiet"])
     assert out.read_text(encoding="utf-8") == "new table\n\n" + section + "\n"
     write_section(out, section.replace("numbers", "new numbers"), *RECOVERY_MARKERS)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from analysis.adapters import adapter_for
-from analysis.errors import CancelledError, InputError
-from analysis.roles import (RoleTagger, attention_probabilities, eager_attention, head_roles, pattern_stats,
+from analysis.arch.adapters import adapter_for
+from analysis.core.errors import CancelledError, InputError
+from analysis.measure.roles import (RoleTagger, attention_probabilities, eager_attention, head_roles, pattern_stats,
                             roles_from_stats, token_frequencies)
 
 P = 16          # positions = sequence length of the planted model

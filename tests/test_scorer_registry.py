@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import cli, scoring
-from analysis.errors import InputError
-from analysis.profiles import profile_model
+from analysis import cli
+
+from analysis.score import scoring
+from analysis.core.errors import InputError
+from analysis.measure.profiles import profile_model
 from tests._tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

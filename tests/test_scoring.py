@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from analysis.errors import InputError, UnsupportedModelError
-from analysis.head_gates import head_mask
-from analysis.profiles import profile_model
-from analysis.scoring import (
+from analysis.core.errors import InputError, UnsupportedModelError
+from analysis.arch.head_gates import head_mask
+from analysis.measure.profiles import profile_model
+from analysis.score.scoring import (
     SCORERS,
     AblationOracle,
     GradientHeadScorer,
@@ -295,7 +295,7 @@ def test_masked_lm_gradient_uses_the_mask_token():
 
 
 def _adapter_geometry(model):
-    from analysis.adapters import adapter_for
+    from analysis.arch.adapters import adapter_for
     adapter = adapter_for(model)
     return adapter, adapter.geometry(model)
 
@@ -324,7 +324,7 @@ def test_calibration_input_errors():
 
 
 def test_cancel_stops_a_calibration_scorer():
-    from analysis.errors import CancelledError
+    from analysis.core.errors import CancelledError
     with pytest.raises(CancelledError):
         WandaHeadScorer().score(tiny_model("llama"), calibration=tiny_input_ids(2, 8), should_stop=lambda: True)
 
@@ -372,9 +372,9 @@ def _expanded_to_mha(loaded):
 
 @pytest.mark.slow
 def test_smollm2_expanded_to_mha_keeps_perplexity_and_mp(smollm2):
-    from analysis.adapters import adapter_for
-    from analysis.evaluation import perplexity
-    from analysis.models import LoadedModel
+    from analysis.arch.adapters import adapter_for
+    from analysis.measure.evaluation import perplexity
+    from analysis.arch.models import LoadedModel
 
     expanded = _expanded_to_mha(smollm2)
     adapter = adapter_for(expanded)

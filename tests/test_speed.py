@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.errors import InputError
-from analysis.speed import (Timings, alternating_times, count_parameters, forward_flops, measure, saving_ratio,
+from analysis.core.errors import InputError
+from analysis.compress.speed import (Timings, alternating_times, count_parameters, forward_flops, measure, saving_ratio,
                             torch_threads)
-from analysis.surgery import prune_heads
+from analysis.compress.surgery import prune_heads
 from tests._tiny import tiny_model
 
 

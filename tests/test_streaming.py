@@ -11,9 +11,10 @@ import pytest
 import torch
 import transformers
 
-from analysis.errors import ModelLoadError, UnsupportedModelError
-from analysis.profiles import profile_model
-from analysis.streaming import INDEX_FILE, profile_checkpoint
+from analysis.core.errors import ModelLoadError, UnsupportedModelError
+from analysis.measure.profiles import profile_model
+from analysis.arch.checkpoint import INDEX_FILE
+from analysis.measure.streaming import profile_checkpoint
 from tests._tiny import tiny_model
 
 

@@ -1,6 +1,6 @@
 """Surgery: the physically pruned copy computes what the masked model computes, for every family.
 
-Oracle: `analysis.head_gates.head_mask` with the same mask (itself tested == zeroed weights). Masks
+Oracle: `analysis.arch.head_gates.head_mask` with the same mask (itself tested == zeroed weights). Masks
 include uneven GQA groups (K/V expanded), emptied groups, emptied layers and random masks.
 """
 import copy
@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from analysis.adapters import HeadWeights, adapter_for
-from analysis.errors import InputError, UnsupportedModelError
-from analysis.geometry import HeadGeometry
-from analysis.head_gates import gates_from_mask, head_mask
-from analysis.surgery import HeadLayout, prune_heads, select_heads
+from analysis.arch.adapters import HeadWeights, adapter_for
+from analysis.core.errors import InputError, UnsupportedModelError
+from analysis.arch.geometry import HeadGeometry
+from analysis.arch.head_gates import gates_from_mask, head_mask
+from analysis.compress.surgery import HeadLayout, prune_heads, select_heads
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
 
 TOL = 1e-4

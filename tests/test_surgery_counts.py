@@ -1,6 +1,6 @@
 """Summary == surgery: every number shown for a mask equals what the physically pruned model has.
 
-Oracle: the model `analysis.surgery.prune_heads` builds -- its parameter count, its K projections'
+Oracle: the model `analysis.compress.surgery.prune_heads` builds -- its parameter count, its K projections'
 rows, the KV cache it really fills on a forward pass, its weights' bytes -- for every mask policy x
 kv_policy on tiny GQA models (G = 2 and G = 3, with and without Q/K/V biases; masks with uneven and
 emptied groups and emptied layers), and one SmolLM2 case (the issue's uniform mask at 1/3).
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.errors import InputError
-from analysis.masks import GQA_POLICIES, KV_POLICIES, POLICIES, MaskPlan, plan_mask, summarize_mask, surgery_counts
-from analysis.speed import count_parameters, forward_flops
-from analysis.surgery import prune_heads
+from analysis.core.errors import InputError
+from analysis.score.masks import GQA_POLICIES, KV_POLICIES, POLICIES, MaskPlan, plan_mask, summarize_mask, surgery_counts
+from analysis.compress.speed import count_parameters, forward_flops
+from analysis.compress.surgery import prune_heads
 from tests._tiny import tiny_input_ids, tiny_model
 
 # (family, overrides): G = 2 (llama), G = 3 with biases (qwen2), G = 3 uneven-prone 3-layer llama
@@ -57,7 +57,7 @@ def hand_masks(L, H, G):
 def tiny(request):
     family, overrides = MODELS[request.param]
     model = tiny_model(family, **overrides)
-    from analysis.adapters import adapter_for
+    from analysis.arch.adapters import adapter_for
     adapter = adapter_for(model)
     return model, adapter, adapter.geometry(model)
 
@@ -127,8 +127,8 @@ def test_growth_is_shown_as_growth_with_its_cause():
 
 
 def test_smollm2_uniform_third_summary_equals_surgery(smollm2):
-    from analysis.profiles import profile_model
-    from analysis.scoring import MPGScorer
+    from analysis.measure.profiles import profile_model
+    from analysis.score.scoring import MPGScorer
 
     g, adapter = smollm2.geometry, smollm2.adapter
     scores = MPGScorer(z=2.5).score(profile_model(smollm2.model, adapter=adapter))

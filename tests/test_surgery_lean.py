@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.adapters import adapter_for
-from analysis.distill import DistillConfig, distill
-from analysis.export import export
-from analysis.head_gates import gates_from_mask, head_mask
-from analysis.surgery import own_tensors, prune_heads, shared_tensors, structural_twin
+from analysis.arch.adapters import adapter_for
+from analysis.compress.distill import DistillConfig, distill
+from analysis.compress.export import export
+from analysis.arch.head_gates import gates_from_mask, head_mask
+from analysis.compress.surgery import own_tensors, prune_heads, shared_tensors, structural_twin
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 from tests._tiny import tiny_input_ids, tiny_model
 from tests.test_surgery import surgery_masks

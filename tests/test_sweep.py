@@ -5,10 +5,10 @@ asked, and bad inputs."""
 import numpy as np
 import pytest
 
-from analysis.errors import CancelledError, InputError
-from analysis.masks import plan_mask
-from analysis.scoring import MPGScorer, MPScorer
-from analysis.sweep import suggest, sweep_z, z_grid
+from analysis.core.errors import CancelledError, InputError
+from analysis.score.masks import plan_mask
+from analysis.score.scoring import MPGScorer, MPScorer
+from analysis.score.sweep import suggest, sweep_z, z_grid
 from tests._scoring_fixtures import random_profile
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from analysis import text as T
-from analysis.errors import HeadscopeError, InputError
+from analysis.core import text as T
+from analysis.core.errors import HeadscopeError, InputError
 
 
 def _raw_file():

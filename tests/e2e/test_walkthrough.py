@@ -15,7 +15,8 @@ START_Z, STEPS, STEP = 0.5, 3, 0.05          # the slider's step is 0.05
 
 def _expected(smollm2, z: float) -> dict[str, str]:
     """The worked numbers of layer 0, head 0 at z, from analysis, formatted as the page prints them."""
-    from analysis import profiles, scoring
+    from analysis.measure import profiles
+    from analysis.score import scoring
     from components.explain import num
     prof = profiles.profile_model(smollm2.model, adapter=smollm2.adapter)
     own, group = prof.excess_sums(z)

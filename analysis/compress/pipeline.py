@@ -1,0 +1,370 @@
+"""The iterative compression schedule: score -> prune a step -> recover, until a target or a budget.
+
+`run_pipeline(loaded, config)` works on a full-shape copy of the dense model (the cached model
+is never changed) whose pruned heads are zeroed (`head_gates.zero_heads`: the same function as
+the head mask and as the physical cut). Each round:
+1. rescore the heads on the current (recovered) weights with the configured scorer (MP-G by
+   default; calibration scorers run on the current model); weight-only scorers leave the rows of
+   the heads already pruned out of their populations (`NormProfile.excluding`: those heads are
+   gone, their zero rows must not pull the mean and std); heads already pruned are forced to the
+   front of the ranking, so the masks only grow;
+2. plan the mask of the round's cumulative head count (`masks.plan_mask`, the chosen policy);
+3. zero the new heads on a candidate copy and, with recovery_steps > 0, distill it from the
+   dense model under the mask (`distill.distill` with gates: pruned heads get no gradient, so
+   they stay zero and the candidate still equals its physical cut);
+4. evaluate it on the evaluation text; with a perplexity budget, a round that ends above the
+   budget is discarded and the schedule stops with the last model inside it.
+One-shot is the same code path with one round and no recovery (`PipelineConfig.one_shot`).
+
+Round r's cumulative count is min(r * floor(step * L * H), floor(target * L * H)), so the last
+round prunes exactly floor(target * L * H) heads (the global and min-per-layer policies; uniform
+prunes floor(s * H) per layer). `PipelineResult.head_rounds` [L, H] says which round pruned each
+head (0 = kept); it goes into head_layout.json of every export (`export_round`).
+
+Also here: the `pipeline` CLI command's options and run (registered in analysis/cli.py).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from analysis.compress.distill import DistillConfig, DistillResult, distill, with_steps
+from analysis.core.errors import InputError
+from analysis.measure.evaluation import evaluate
+from analysis.arch.head_gates import gates_from_mask, zero_heads
+from analysis.score.masks import POLICIES, heads_to_prune, plan_mask
+from analysis.measure.profiles import profile_model
+from analysis.core.progress import Progress, ShouldStop, check_stop, report
+from analysis.score.scoring import get_scorer
+from analysis.compress.surgery import prune_heads
+
+DEFAULT_SCORER = "mp-g"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the schedule does. step: fraction of all heads pruned per round (>= target: one round)."""
+    target_sparsity: float = 0.25
+    step: float = 0.10
+    recovery_steps: int = 0
+    ppl_budget: float | None = None
+    scorer: str = DEFAULT_SCORER
+    scorer_params: dict = field(default_factory=dict)
+    policy: str = "global"
+    kv_policy: str = "auto"
+    distill: DistillConfig = DistillConfig()
+    eval_tokens: int = 512
+
+    def one_shot(self) -> "PipelineConfig":
+        """The same target in one round, without recovery."""
+        return replace(self, step=self.target_sparsity, recovery_steps=0)
+
+    def validate(self, dense_metric: float | None = None) -> "PipelineConfig":
+        if not (0 < self.target_sparsity < 1):
+            raise InputError(f"The target sparsity must be between 0 and 1 (exclusive); got {self.target_sparsity!r}.")
+        if not (0 < self.step <= 1):
+            raise InputError(f"The step (fraction of heads per round) must be in (0, 1]; got {self.step!r}.")
+        if isinstance(self.recovery_steps, bool) or not isinstance(self.recovery_steps, int) or self.recovery_steps < 0:
+            raise InputError(f"Recovery steps per round must be a whole number >= 0; got {self.recovery_steps!r}.")
+        if self.policy not in POLICIES:
+            raise InputError(f"Unknown mask policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
+        if self.ppl_budget is not None and not (self.ppl_budget > 0 and math.isfinite(self.ppl_budget)):
+            raise InputError(f"The perplexity budget must be a positive number; got {self.ppl_budget!r}.")
+        if self.ppl_budget is not None and dense_metric is not None and self.ppl_budget <= dense_metric:
+            raise InputError(f"The perplexity budget {self.ppl_budget:g} is not above the dense model's perplexity "
+                             f"{dense_metric:.3f}: no pruned model can meet it. Raise the budget.")
+        if self.recovery_steps:
+            with_steps(self.distill, self.recovery_steps).validate()
+        get_scorer(self.scorer, **self.scorer_params)       # InputError for an unknown scorer
+        return self
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def round_counts(target_sparsity: float, step: float, n_heads: int) -> list[int]:
+    """Cumulative pruned-head counts per round; the last is floor(target * n_heads)."""
+    final = heads_to_prune(target_sparsity, n_heads)
+    per = max(1, heads_to_prune(min(step, 1.0), n_heads))
+    counts = list(range(per, final, per)) + [final]
+    return [c for c in counts if c > 0]
+
+
+@dataclass
+class Round:
+    """One round of the schedule (metric values on the evaluation text)."""
+    index: int                        # 1-based
+    n_pruned: int                     # cumulative heads pruned after the round
+    sparsity: float                   # n_pruned / (L * H)
+    new_heads: list[tuple[int, int]]  # (layer, head) pruned in this round
+    metric_cut: float                 # right after the cut
+    metric: float                     # after recovery (= metric_cut without recovery)
+    accepted: bool                    # False: it broke the budget and was discarded
+    seconds: float
+    history: list[dict] = field(default_factory=list)   # distillation steps of the round
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PipelineResult:
+    """The final (full-shape, pruned heads zeroed) model, its mask and what every round did."""
+    model: torch.nn.Module
+    pruned: np.ndarray                # [L, H] bool
+    head_rounds: np.ndarray           # [L, H] int, 0 = kept
+    metric: str
+    higher_is_better: bool
+    dense_metric: float
+    rounds: list[Round]
+    config: PipelineConfig
+    stopped_by_budget: bool = False
+    round_models: list[torch.nn.Module] = field(default_factory=list)   # with keep_round_models
+
+    @property
+    def accepted(self) -> list[Round]:
+        return [r for r in self.rounds if r.accepted]
+
+    @property
+    def final_metric(self) -> float:
+        return self.accepted[-1].metric if self.accepted else self.dense_metric
+
+    def smaller(self, kv_policy: str | None = None, *, share: bool = True):
+        """(physically pruned model, HeadLayout with the rounds) of the final model. share=True: its
+        untouched weights are `self.model`'s (read-only use); share=False to train or edit it."""
+        return prune_heads(self.model, self.pruned, kv_policy=kv_policy or self.config.kv_policy,
+                           rounds=self.head_rounds, share=share)
+
+    def as_dict(self) -> dict:
+        return {"metric": self.metric, "dense": self.dense_metric, "final": self.final_metric,
+                "n_pruned": int(self.pruned.sum()), "n_heads": int(self.pruned.size),
+                "stopped_by_budget": self.stopped_by_budget, "config": self.config.as_dict(),
+                "rounds": [r.as_dict() for r in self.rounds], "head_rounds": self.head_rounds.tolist()}
+
+
+def _measure(loaded, model, text, config: PipelineConfig, should_stop: ShouldStop):
+    return evaluate(replace(loaded, model=model), text, max_tokens=config.eval_tokens, should_stop=should_stop)
+
+
+def _over_budget(value: float, budget: float | None) -> bool:
+    return budget is not None and value > budget
+
+
+def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineConfig, calibration=None,
+              should_stop: ShouldStop | None = None) -> tuple[np.ndarray, object]:
+    """Score `model` (the current weights) and plan the mask of `count` heads that keeps every
+    head of `previous` [L, H] pruned. Returns (pruned [L, H], HeadScores)."""
+    scorer = get_scorer(config.scorer, **config.scorer_params)
+    if scorer.needs_calibration:
+        target = replace(loaded, model=model)
+    else:   # the zeroed heads are gone: keep their rows out of the MP populations (NormProfile.excluding)
+        target = profile_model(model, adapter=loaded.adapter, should_stop=should_stop).excluding(previous)
+    scores = scorer.score(target, calibration=calibration, should_stop=should_stop)
+    s = np.array(scores.scores, dtype=np.float64)                       # [L, H]
+    if previous.any():
+        s[previous] = s.min() - 1.0 - np.abs(s).max()                  # already pruned: first in line
+    g = loaded.geometry
+    plan = plan_mask(s, count / s.size, group_size=g.group_size, tiebreak=scores.tiebreak, policy=config.policy)
+    pruned = plan.pruned
+    if (previous & ~pruned).any():
+        raise InputError(f"The {config.policy!r} policy cannot keep the earlier rounds' heads pruned at this "
+                         f"sparsity; use the global policy for iterative pruning.")
+    return pruned, scores
+
+
+def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_data=None, eval_text=None,
+                 calibration=None, checkpoint_dir=None, keep_round_models: bool = False,
+                 progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                 on_step: Callable[[dict], None] | None = None,
+                 on_round: Callable[[Round, torch.nn.Module, np.ndarray], None] | None = None) -> PipelineResult:
+    """Run the schedule on a copy of `loaded.model` (a LoadedModel; it is not changed).
+
+    train_data: distillation text or ids [n, T] (None = the built-in calibration split);
+    eval_text: the evaluation text (None = the built-in evaluation split); calibration: ids for
+    calibration scorers. checkpoint_dir: distillation checkpoints, one subfolder per round.
+    on_step(record) after each distillation step (record has "round"); on_round(round, model,
+    pruned) after each accepted round, with that round's full-shape model (do not keep it: it is
+    the next round's starting point unless keep_round_models). CancelledError on should_stop."""
+    config.validate()
+    geometry = loaded.geometry
+    dense = _measure(loaded, loaded.model, eval_text, config, should_stop)
+    if config.ppl_budget is not None and dense.higher_is_better:
+        raise InputError(f"A perplexity budget needs a language model; this {loaded.kind} model is measured by "
+                         f"{dense.metric}.")
+    config.validate(dense.value)
+    counts = round_counts(config.target_sparsity, config.step, geometry.n_total_heads)
+    if config.policy == "uniform":
+        counts = [geometry.n_layers * heads_to_prune(c / geometry.n_total_heads, geometry.n_heads) for c in counts]
+    model = copy.deepcopy(loaded.model)                                  # never the cached model
+    model.requires_grad_(False)
+    pruned = np.zeros((geometry.n_layers, geometry.n_heads), dtype=bool)  # [L, H]
+    head_rounds = np.zeros(pruned.shape, dtype=np.int64)                 # [L, H]
+    rounds, kept_models, stopped = [], [], False
+    for index, count in enumerate(counts, start=1):
+        check_stop(should_stop, "The pipeline")
+        began = time.perf_counter()
+        span = (index - 1) / len(counts), 1 / len(counts)
+        report(progress, span[0], f"round {index}/{len(counts)}: scoring {config.scorer}")
+        mask, _ = next_mask(loaded, model, pruned, count, config, calibration, should_stop)
+        candidate = zero_heads(copy.deepcopy(model), mask)
+        cut = _measure(loaded, candidate, eval_text, config, should_stop).value
+        history: list[dict] = []
+        if config.recovery_steps:
+            def step_report(record, index=index):
+                history_record = {"round": index, **record}
+                if on_step is not None:
+                    on_step(history_record)
+
+            def sub_progress(fraction, message, index=index):
+                report(progress, span[0] + span[1] * (0.1 + 0.8 * fraction), f"round {index}: {message}")
+
+            result: DistillResult = distill(
+                loaded, candidate, train_data, with_steps(config.distill, config.recovery_steps),
+                gates=gates_from_mask(mask), on_step=step_report, progress=sub_progress, should_stop=should_stop,
+                checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir) / f"round-{index}")
+            candidate = zero_heads(result.model, mask)    # LoRA merges touch pruned rows: zero them again
+            history = [{"round": index, **r} for r in result.history]
+            value = _measure(loaded, candidate, eval_text, config, should_stop).value
+        else:
+            value = cut
+        new = [(int(l), int(h)) for l, h in zip(*np.nonzero(mask & ~pruned))]
+        accepted = not _over_budget(value, config.ppl_budget)
+        done = Round(index, int(mask.sum()), float(mask.sum() / mask.size), new, float(cut), float(value),
+                     accepted, time.perf_counter() - began, history)
+        rounds.append(done)
+        report(progress, span[0] + span[1], f"round {index}/{len(counts)}: {mask.sum()} heads pruned, "
+                                            f"{dense.metric} {value:.3f}")
+        if not accepted:
+            stopped = True
+            break
+        model, pruned = candidate, mask
+        head_rounds[mask & (head_rounds == 0)] = index
+        if keep_round_models:
+            kept_models.append(copy.deepcopy(model))
+        if on_round is not None:
+            on_round(done, model, pruned.copy())
+    model.eval()
+    return PipelineResult(model=model, pruned=pruned, head_rounds=head_rounds, metric=dense.metric,
+                          higher_is_better=dense.higher_is_better, dense_metric=float(dense.value), rounds=rounds,
+                          config=config, stopped_by_budget=stopped, round_models=kept_models)
+
+
+def export_round(fmt: str, model, pruned, head_rounds, root, name: str, *, tokenizer=None, kv_policy="auto",
+                 overwrite: bool = False, scores=None):
+    """Export a pipeline model (full-shape, pruned heads zeroed) in format `fmt`; the head layout
+    of the formats that have one records which round pruned each head."""
+    from analysis.compress.export import export
+    rounds = np.where(np.asarray(pruned, bool), np.asarray(head_rounds), 0)
+    kwargs = {} if fmt == "zeroed" else {"kv_policy": kv_policy, "rounds": rounds}
+    return export(fmt, model, pruned, root, name, tokenizer=tokenizer, overwrite=overwrite, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: `python -m analysis pipeline ...` (registered in analysis/cli.py)
+# ---------------------------------------------------------------------------------------------
+
+def cli_arguments(parser) -> None:
+    from analysis.cli import add_output_arguments, add_scorer_arguments, add_source_arguments
+    from analysis.compress.export import FORMATS
+    add_source_arguments(parser, streaming=False)
+    add_scorer_arguments(parser, default=DEFAULT_SCORER)
+    parser.add_argument("--target", type=float, default=0.25, help="target head sparsity (fraction of all heads)")
+    parser.add_argument("--step", type=float, default=0.10, help="fraction of all heads pruned per round")
+    parser.add_argument("--one-shot", dest="one_shot", action="store_true", help="one round, no recovery")
+    parser.add_argument("--recovery-steps", dest="recovery_steps", type=int, default=0,
+                        help="distillation steps after each round (0 = none)")
+    parser.add_argument("--budget", type=float, default=None, help="perplexity budget: stop before a round breaks it")
+    parser.add_argument("--policy", choices=POLICIES, default="global")
+    parser.add_argument("--kv-policy", dest="kv_policy", choices=("auto", "expand", "strict"), default="auto")
+    parser.add_argument("--lr", type=float, default=1e-4, help="distillation learning rate")
+    parser.add_argument("--train-batch", dest="train_batch", type=int, default=4, help="sequences per batch")
+    parser.add_argument("--train-seq-len", dest="train_seq_len", type=int, default=128)
+    parser.add_argument("--grad-accum", dest="grad_accum", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=0, help="warmup steps")
+    parser.add_argument("--temperature", type=float, default=2.0)
+    parser.add_argument("--ce-weight", dest="ce_weight", type=float, default=0.0)
+    parser.add_argument("--hidden-weight", dest="hidden_weight", type=float, default=0.0)
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters (merged at export) instead of full tuning")
+    parser.add_argument("--lora-rank", dest="lora_rank", type=int, default=8)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--train-seed", dest="train_seed", type=int, default=0)
+    parser.add_argument("--train-text", dest="train_text", default=None, help="UTF-8 file to distill on")
+    parser.add_argument("--eval-text", dest="eval_text", default=None, help="UTF-8 file to evaluate on")
+    parser.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=512)
+    parser.add_argument("--formats", default="pruned,onnx", help=f"comma-separated, of {', '.join(FORMATS)}")
+    parser.add_argument("--no-int8", dest="int8", action="store_false", help="skip the INT8 ONNX stage")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the timings")
+    parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
+    parser.add_argument("--name", required=True, help="run folder to create under --out-dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing folders")
+    add_output_arguments(parser)
+
+
+def _read_text(path: str | None) -> str | None:
+    from analysis.core.text import clean_user_text
+    if path is None:
+        return None
+    try:
+        return clean_user_text(Path(path).read_bytes())
+    except OSError as err:
+        raise InputError(f"Cannot read the text file {path} ({err.strerror or type(err).__name__}).") from err
+
+
+def config_from(ns) -> PipelineConfig:
+    """A PipelineConfig from the `pipeline` command's options."""
+    from analysis.cli import scorer_from
+    scorer = scorer_from(ns)
+    cfg = PipelineConfig(
+        target_sparsity=ns.target, step=ns.step, recovery_steps=ns.recovery_steps, ppl_budget=ns.budget,
+        scorer=scorer.name, scorer_params=scorer.params(), policy=ns.policy, kv_policy=ns.kv_policy,
+        eval_tokens=ns.eval_tokens,
+        distill=DistillConfig(lr=ns.lr, batch_size=ns.train_batch, seq_len=ns.train_seq_len, grad_accum=ns.grad_accum,
+                              warmup_steps=ns.warmup, temperature=ns.temperature, ce_weight=ns.ce_weight,
+                              hidden_weight=ns.hidden_weight, lora=ns.lora, lora_rank=ns.lora_rank,
+                              precision=ns.precision, seed=ns.train_seed))
+    return (cfg.one_shot() if ns.one_shot else cfg).validate()
+
+
+def run_cli(ns):
+    """Run the pipeline, write the report and the final model's exports under --out-dir/--name."""
+    from analysis.cli import placement_kwargs, progress_bar
+    from analysis.compress.export import FORMATS, resolve_under
+    from analysis.arch.models import DEFAULT_MODEL, load_model
+    from analysis.compress.report import compression_report, write_report
+    formats = [f.strip() for f in ns.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise InputError(f"Unknown export format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}.")
+    config = config_from(ns)
+    run_dir = resolve_under(ns.out_dir, ns.name)
+    train, held_out = _read_text(ns.train_text), _read_text(ns.eval_text)
+    with progress_bar("loading", not ns.quiet) as bar:
+        loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code, cache_dir=ns.cache_dir,
+                            progress=bar, **placement_kwargs(ns))
+    with progress_bar("pipeline", not ns.quiet) as bar:
+        rep, result = compression_report(loaded, config, train_data=train, eval_text=held_out, int8=ns.int8,
+                                         threads=ns.threads, progress=bar)
+    files = {name: str(path) for name, path in write_report(rep, run_dir / "report", overwrite=ns.overwrite).items()}
+    exports = {}
+    for fmt in formats:
+        out = export_round(fmt, result.model, result.pruned, result.head_rounds, run_dir, fmt,
+                           tokenizer=loaded.tokenizer, kv_policy=config.kv_policy, overwrite=ns.overwrite)
+        exports[fmt] = str(out.path)
+    if ns.int8 and "onnx" in formats:
+        from analysis.compress.quantize import quantize_onnx
+        exports["onnx-int8"] = str(quantize_onnx(Path(exports["onnx"]), run_dir / "onnx-int8",
+                                                 overwrite=ns.overwrite).parent)
+    stages = [{"stage": s.name, "sparsity": s.sparsity, "parameters": s.parameters, "size_mb": s.size_mb,
+               rep.metric: s.metric, **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]
+    payload = {"model": loaded.name, "metric": rep.metric, "n_pruned": int(result.pruned.sum()),
+               "stopped_by_budget": result.stopped_by_budget, "stages": stages, "curves": rep.curves,
+               "report": files, "exports": exports}
+    return payload, stages
+

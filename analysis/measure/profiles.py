@@ -1,0 +1,443 @@
+"""Row-norm profiles, MP thresholds and excesses (docs/DEFINITIONS.md).
+
+A `NormProfile` holds, for every layer and projection, the L2 and L1 norms of the rows of
+W_Q, W_K, W_V and of the *columns* of W_O, head-major:
+
+    q: [L, H, d]     k: [L, Hkv, d]     v: [L, Hkv, d]     o: [L, H, d]
+
+It is computed once per model (from memory with `profile_model`, or from safetensors files
+with `analysis.measure.streaming.profile_checkpoint`). Everything that depends on the threshold z is
+an array operation on these cached norms: the per-population mean and std are memoized, so
+moving z costs one subtraction per row and never touches the weights again. Scorers need only
+each head's *sum* of excesses (`excess_sums`), and at z >= 1 only rows with a z-score >= 1 can
+be in excess: those rows are indexed once, bucketed by z-score, so a new z reads just the rows of
+the buckets above the new threshold (a prefix) and adds them into per-head bins.
+
+Threshold of a population: tau = mean(n) + z * std(n), with the population std (ddof = 0) by
+default, or the sample std (ddof = 1, PyTorch's `Tensor.std` default): `std="sample"`.
+Population scope "layer": the rows of one projection of one layer; scope "model": the rows
+of one projection across all layers. A population whose norms are all equal (std = 0) has
+tau equal to that common norm and no row in excess.
+
+Pruned heads of a full-shape model (the iterative pipeline zeroes them) are not part of the
+model any more: `NormProfile.excluding(pruned)` leaves their Q rows / O columns, and the K/V rows
+of KV groups with no query head left, out of every population (mean and std), so the remaining
+heads are scored against the rows that are still there. Each remaining row counts once (where
+surgery would copy a KV group's rows, kv_policy "expand", the copies are not counted again).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import numpy as np
+import torch
+
+from analysis.arch.adapters import Adapter, HeadWeights, adapter_for
+from analysis.core.errors import InputError
+from analysis.core.progress import Progress, ShouldStop, check_stop, report
+
+PROJECTIONS = ("q", "k", "v", "o")
+ORDS = (1, 2)
+SCOPES = ("layer", "model")
+STD_DDOF = {"population": 0, "sample": 1}  # std convention -> ddof (numpy's `std(ddof=...)`)
+DEFAULT_STD = "population"
+DEFAULT_Z = 2.0
+Z_MAX = 10.0  # beyond this every row of a real model is in the bulk; the mask is pure tie-break
+
+
+def check_z(z: float) -> float:
+    """Validate a threshold z; return it as a float. InputError for NaN, negative, huge."""
+    try:
+        value = float(z)
+    except (TypeError, ValueError):
+        raise InputError(f"z must be a number between 0 and {Z_MAX:g}; got {z!r}.") from None
+    if math.isnan(value) or math.isinf(value):
+        raise InputError(f"z must be a finite number between 0 and {Z_MAX:g}; got {value}.")
+    if value < 0:
+        raise InputError(
+            f"z = {value:g} is negative: the threshold would fall inside the bulk and count "
+            f"ordinary rows as outliers. Use a z between 0 and {Z_MAX:g} (the default is {DEFAULT_Z:g})."
+        )
+    if value > Z_MAX:
+        raise InputError(
+            f"z = {value:g} is too large: every row would be in the bulk and every head would score 0. "
+            f"Use a z between 0 and {Z_MAX:g} (the paper uses 1.5 to 2.5)."
+        )
+    return value
+
+
+def check_scope(scope: str) -> str:
+    """Validate a population scope name."""
+    if scope not in SCOPES:
+        raise InputError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}.")
+    return scope
+
+
+def check_std(std: str) -> str:
+    """Validate a std convention name ("population", ddof = 0, or "sample", ddof = 1)."""
+    if std not in STD_DDOF:
+        raise InputError(f"std must be one of {', '.join(STD_DDOF)} (ddof 0 or 1); got {std!r}.")
+    return std
+
+
+def check_ord(ord: int) -> int:
+    """Validate a norm order (1 or 2)."""
+    if ord not in ORDS:
+        raise InputError(f"norm order must be 1 (L1) or 2 (L2); got {ord!r}.")
+    return int(ord)
+
+
+@dataclass
+class NormProfile:
+    """Head-major row norms of one model; see the module docstring for shapes.
+
+    `l2[p]` / `l1[p]` for p in PROJECTIONS, float64 numpy arrays. L1 may be left to
+    `l1_loader` (a callable returning the L1 dict), computed on first use: the in-memory path
+    reads the weights once for L2 and only reads them again if someone asks for L1. The stats
+    cache (population mean/std keyed by ord, scope) is filled lazily.
+    """
+
+    l2: dict[str, np.ndarray]
+    l1: dict[str, np.ndarray] | None = None
+    source: str = ""
+    l1_loader: Callable[[], dict[str, np.ndarray]] | None = field(default=None, repr=False, compare=False)
+    members: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)  # p -> bool [L, units]
+    _stats: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_norm_table(self.l2)
+        if self.l1 is not None:
+            _check_norm_table(self.l1, self.l2)
+
+    @property
+    def n_layers(self) -> int:
+        return self.l2["q"].shape[0]
+
+    @property
+    def n_heads(self) -> int:
+        return self.l2["q"].shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.l2["k"].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.l2["q"].shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def norms(self, ord: int = 2) -> dict[str, np.ndarray]:
+        """The norm arrays for L2 (ord=2) or L1 (ord=1; computed now if it was left lazy)."""
+        if check_ord(ord) == 2:
+            return self.l2
+        if self.l1 is None:
+            if self.l1_loader is None:
+                raise InputError("This profile has no L1 norms; profile the model again to get them.")
+            self.l1 = _check_norm_table(self.l1_loader(), self.l2)
+        return self.l1
+
+    def stats(self, ord: int = 2, scope: str = "layer", std: str = DEFAULT_STD
+              ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per projection (mean [L], std [L]) of the population; memoized.
+
+        With scope "model" the one model-wide value is broadcast to every layer. `std`: the
+        population ("population", ddof 0) or sample ("sample", ddof 1) standard deviation.
+        """
+        key = (check_ord(ord), check_scope(scope), check_std(std))
+        if key not in self._stats:
+            members = self.members or {}
+            self._stats[key] = {p: population_stats(n, scope, STD_DDOF[std], members.get(p))
+                                for p, n in self.norms(ord).items()}
+        return self._stats[key]
+
+    def excluding(self, pruned) -> "NormProfile":
+        """This profile with the heads where pruned [L, H] is True left out of every population
+        (their Q rows and O columns; the K/V rows of groups with no query head left). The norms
+        are shared, not copied; an all-False mask gives a profile equal to this one."""
+        p = np.asarray(pruned, dtype=bool)                                 # [L, H]
+        if p.shape != (self.n_layers, self.n_heads):
+            raise InputError(f"The pruned mask must have shape [{self.n_layers}, {self.n_heads}]; got {list(p.shape)}.")
+        kept = ~p                                                          # [L, H]
+        groups = kept.reshape(self.n_layers, self.n_kv_heads, self.group_size).any(axis=2)   # [L, Hkv]
+        members = None if kept.all() else {"q": kept, "o": kept, "k": groups, "v": groups}
+        return NormProfile(l2=self.l2, l1=self.l1, source=self.source, l1_loader=self.l1_loader, members=members)
+
+    def memo(self, key, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """A z-independent derived array (e.g. a scorer's plain-magnitude tie-break), computed once."""
+        if key not in self._stats:
+            self._stats[key] = compute()
+        return self._stats[key]
+
+    def thresholds(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer",
+                   std: str = DEFAULT_STD) -> dict[str, np.ndarray]:
+        """tau per projection, each [L]."""
+        z = check_z(z)
+        return {p: mean + z * sd for p, (mean, sd) in self.stats(ord, scope, std).items()}
+
+    def excess(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer",
+               std: str = DEFAULT_STD) -> dict[str, np.ndarray]:
+        """e = max(0, n - tau) per projection, same shapes as the norms."""
+        taus = self.thresholds(z, ord=ord, scope=scope, std=std)
+        return {p: row_excess(n, taus[p]) for p, n in self.norms(ord).items()}
+
+    def excess_sums(self, z: float = DEFAULT_Z, *, ord: int = 2, scope: str = "layer", std: str = DEFAULT_STD
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(own [L, H], group [L, Hkv]): per query head the summed excess of its Q rows and O
+        columns, per KV group that of its K and V rows. Each row's excess is the same float
+        expression as `excess` (n - (mean + z*std), floored at 0); only the order of the sums differs.
+        """
+        z = check_z(z)
+        if z < ExcessRows.Z_MIN:  # most rows are in excess: the dense sums are cheaper than an index
+            return head_and_group_sums(self.excess(z, ord=ord, scope=scope, std=std))
+        rows = self.memo(("excess-rows", check_ord(ord), check_scope(scope), check_std(std)),
+                         lambda: ExcessRows.index(self.norms(ord), self.stats(ord, scope, std)))
+        k = rows.prefix(z)  # the rows whose z-score bucket can hold a z-score > z
+        excess = rows.norm[:k] - (rows.mean[:k] + z * rows.std[:k])  # [k]
+        np.maximum(excess, 0.0, out=excess)  # [k]; rows of the lowest bucket below z add exact zeros
+        sums = np.bincount(rows.bin[:k], weights=excess, minlength=rows.n_bins)  # [L*H + L*Hkv]
+        L, H, Hkv = self.n_layers, self.n_heads, self.n_kv_heads
+        return sums[: L * H].reshape(L, H), sums[L * H:].reshape(L, Hkv)
+
+
+_Z_MARGIN = 1e-9  # z-scores are rounded: rows this close below z are read too, and n > tau decides
+
+
+@dataclass(frozen=True)
+class ExcessRows:
+    """The rows that can be in excess at some z >= Z_MIN -- z-score (n - mean) / std above Z_MIN,
+    in a population with std > 0 -- grouped by z-score into buckets of width BUCKET_Z, highest
+    bucket first, so the rows that can be in excess at z are a prefix. (Buckets, not a full sort:
+    a stable sort of 8-bit keys is a radix sort, ~10x cheaper to build.) Below Z_MIN most rows
+    above the mean are in excess and `excess_sums` uses the dense sums instead. Each row carries
+    its norm, its population's mean and std, and its bin: l*H + h for Q rows and O columns of
+    query head h, L*H + l*Hkv + g for K/V rows of group g.
+    """
+
+    norm: np.ndarray  # [M]
+    mean: np.ndarray  # [M]
+    std: np.ndarray  # [M]
+    bin: np.ndarray  # [M] int
+    ends: np.ndarray  # [N_BUCKETS] prefix length that covers buckets N_BUCKETS-1 .. b
+    n_bins: int
+
+    Z_MIN: ClassVar[float] = 1.0
+    BUCKET_Z: ClassVar[float] = 0.125
+    N_BUCKETS: ClassVar[int] = int(Z_MAX / 0.125) + 1  # the last one holds every z-score >= Z_MAX
+
+    def prefix(self, z: float) -> int:
+        """Rows to read at threshold z: every bucket that can hold a z-score above z (with a
+        margin for the rounding of z-scores; the exact test n > tau is made on the rows read)."""
+        lowest = min(int(max(z - _Z_MARGIN, 0.0) / self.BUCKET_Z), self.N_BUCKETS - 1)
+        return int(self.ends[lowest])
+
+    @classmethod
+    def index(cls, norms: dict[str, np.ndarray], stats: dict[str, tuple[np.ndarray, np.ndarray]]) -> "ExcessRows":
+        L, H = norms["q"].shape[:2]
+        Hkv = norms["k"].shape[1]
+        offsets = {"q": 0, "o": 0, "k": L * H, "v": L * H}  # own bins first, then group bins
+        parts = []
+        for p, n in norms.items():
+            units, d = n.shape[1:]
+            mean_l, std_l = stats[p]  # [L] each
+            floor = mean_l + (cls.Z_MIN - _Z_MARGIN) * std_l  # [L] a little below tau at Z_MIN
+            keep = (n > floor[:, None, None]) & (std_l > 0)[:, None, None]  # [L, units, d]
+            rows = np.flatnonzero(keep)  # [m] flat indices l*units*d + u*d + j
+            layer = rows // (units * d)  # [m]
+            parts.append((n.reshape(-1)[rows], mean_l[layer], std_l[layer], offsets[p] + rows // d))
+        norm, mean, std, bins = (np.concatenate(column) for column in zip(*parts))  # [M] each
+        bucket = np.minimum((norm - mean) / std / cls.BUCKET_Z, cls.N_BUCKETS - 1).astype(np.uint8)  # [M]
+        key = cls.N_BUCKETS - 1 - bucket  # [M] uint8, 0 = highest bucket
+        order = np.argsort(key, kind="stable")  # [M] a radix sort for 8-bit keys
+        ends = np.cumsum(np.bincount(key, minlength=cls.N_BUCKETS))[::-1].copy()  # [N_BUCKETS] by bucket
+        return cls(norm=norm[order], mean=mean[order], std=std[order], bin=bins[order],
+                   ends=ends, n_bins=L * H + L * Hkv)
+
+
+def _check_norm_table(table: dict[str, np.ndarray], like: dict[str, np.ndarray] | None = None) -> dict:
+    """Validate {q, o: [L, H, d], k, v: [L, Hkv, d]} (shapes equal to `like` when given)."""
+    missing = [p for p in PROJECTIONS if p not in table]
+    if missing:
+        raise InputError(f"a norm profile needs projections {PROJECTIONS}; missing {missing}.")
+    q, k, v, o = (np.shape(table[p]) for p in PROJECTIONS)
+    if len(q) != 3 or q != o or k != v or len(k) != 3 or k[0] != q[0] or k[2] != q[2] or q[1] % k[1]:
+        raise InputError("norm arrays must be q/o [L, H, d] and k/v [L, Hkv, d] with Hkv dividing H; got "
+                         f"q {q}, k {k}, v {v}, o {o}.")
+    if like is not None and any(np.shape(table[p]) != np.shape(like[p]) for p in PROJECTIONS):
+        raise InputError("L1 and L2 norm arrays of a profile must have the same shapes.")
+    return table
+
+
+def head_and_group_sums(rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row values {q,o: [L, H, d], k,v: [L, Hkv, d]} -> (own [L, H], group [L, Hkv]).
+
+    own = sum over the head's Q rows and O columns; group = sum over the group's K and V rows.
+    """
+    own = rows["q"].sum(axis=-1) + rows["o"].sum(axis=-1)  # [L, H]
+    group = rows["k"].sum(axis=-1) + rows["v"].sum(axis=-1)  # [L, Hkv]
+    return own, group
+
+
+def population_stats(norms: np.ndarray, scope: str, ddof: int = 0, members: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std (ddof 0: population, 1: sample) of norms [L, units, d] per layer (scope
+    "layer") or model-wide.
+
+    members: optional bool [L, units], the units (heads / KV groups) still in the population
+    (None = all). Returns (mean [L], std [L]). A population with all-equal norms gets its exact
+    common value as mean and std 0, so floating-point noise cannot put a row above tau; a layer
+    with no member left gets mean 0 and std 0 (it has no rows to score).
+    """
+    if members is not None:
+        return _member_stats(norms, scope, ddof, np.asarray(members, dtype=bool))
+    n_layers = norms.shape[0]
+    flat = norms.reshape(n_layers, -1) if scope == "layer" else norms.reshape(1, -1)  # [P, rows]
+    mean = flat.mean(axis=1)  # [P]
+    std = flat.std(axis=1, ddof=ddof)  # [P]
+    constant = flat.max(axis=1) == flat.min(axis=1)  # [P]
+    mean = np.where(constant, flat[:, 0], mean)  # [P]
+    std = np.where(constant, 0.0, std)  # [P]
+    if scope == "model":
+        mean = np.repeat(mean, n_layers)  # [L]
+        std = np.repeat(std, n_layers)  # [L]
+    return mean, std
+
+
+def _member_stats(norms: np.ndarray, scope: str, ddof: int, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """population_stats over the rows of the member units only (members [L, units])."""
+    n_layers = norms.shape[0]
+    rows = np.broadcast_to(members[:, :, None], norms.shape)              # [L, units, d]
+    pops = ([(norms[layer][rows[layer]]) for layer in range(n_layers)] if scope == "layer"
+            else [norms[rows]])                                            # P x [rows]
+    mean, std = np.zeros(len(pops)), np.zeros(len(pops))                   # [P]
+    for i, flat in enumerate(pops):
+        if flat.size == 0:
+            continue
+        constant = flat.max() == flat.min()
+        mean[i] = flat[0] if constant else flat.mean()
+        std[i] = 0.0 if constant or flat.size <= ddof else flat.std(ddof=ddof)
+    if scope == "model":
+        mean, std = np.repeat(mean, n_layers), np.repeat(std, n_layers)  # [L]
+    return mean, std
+
+
+def row_excess(norms: np.ndarray, tau: np.ndarray) -> np.ndarray:
+    """max(0, n - tau) for norms [L, units, d] and tau [L]."""
+    return np.maximum(norms - tau[:, None, None], 0.0)  # [L, units, d]
+
+
+IN_MEMORY_CHUNK = 1 << 22  # elements of one float temp in memory, where the model is resident anyway
+STREAM_CHUNK = 1 << 16  # and when streaming, where the peak should stay near one layer's tensors
+
+
+def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK,
+              scratch: dict | None = None) -> dict[int, torch.Tensor]:
+    """{ord: norms [units, d]} over the last axis of rows [units, d, width], ord 1 (L1) and/or 2 (L2).
+
+    Computed and returned in float32 (float64 stays float64); `stack_layers` makes them numpy.
+    Contiguous float rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy.
+    Two cases go through |x| (and then x^2, in place) in a float temp instead, a chunk of units
+    at a time (at most `chunk_elements` elements, so a bf16 tensor never exists whole in float32),
+    then a plain sum: half types, which need the upcast, and a strided last axis -- O's *columns*
+    in the head view (o[h, j, :] = W_O[:, h*d + j]) -- where `vector_norm` is ~10x slower than a
+    sum, which torch reduces fast along any axis. Both orders then share one temp, laid out like
+    the chunk (so |x| is a streaming pass, not a transpose); pass the same `scratch` dict to every
+    call of a pass and the temp is allocated once, not once per layer.
+    """
+    rows = rows.detach()
+    exact = rows.dtype in (torch.float32, torch.float64)
+    if exact and rows.stride(-1) == 1:
+        return {o: torch.linalg.vector_norm(rows, ord=o, dim=-1) for o in ords}  # [units, d] each
+    step = max(1, chunk_elements // max(1, rows[0].numel()))
+    sums: dict[int, list[torch.Tensor]] = {o: [] for o in ords}
+    dtype = rows.dtype if exact else torch.float32
+    scratch = {} if scratch is None else scratch
+    parts = (rows,) if step >= rows.shape[0] else torch.split(rows, step, dim=0)  # [<=step, d, width] each
+    for part in parts:
+        powered = _temp_like(part, dtype, scratch)  # [<=step, d, width]
+        if exact and ords == (2,):
+            torch.square(part, out=powered)
+        else:
+            if exact:
+                torch.abs(part, out=powered)
+            else:
+                powered.copy_(part).abs_()  # the upcast first: x^2 is taken in float32
+            if 1 in ords:
+                sums[1].append(powered.sum(dim=-1))  # [<=step, d]
+            if 2 in ords:
+                powered.square_()
+        if 2 in ords:
+            sums[2].append(powered.sum(dim=-1))  # [<=step, d] squared L2
+    out = {o: pieces[0] if len(pieces) == 1 else torch.cat(pieces) for o, pieces in sums.items()}  # [units, d]
+    if 2 in out:
+        out[2].sqrt_()
+    return out
+
+
+def _temp_like(part: torch.Tensor, dtype: torch.dtype, scratch: dict) -> torch.Tensor:
+    """A dense `dtype` tensor of part's shape whose strides run in part's order (reused via scratch)."""
+    key = (tuple(part.shape), part.stride(), dtype, part.device)
+    if key not in scratch:
+        order = sorted(range(part.dim()), key=lambda i: -part.stride(i))  # outermost axis first
+        dense = torch.empty([part.shape[i] for i in order], dtype=dtype, device=part.device)  # [part's axes, outermost first]
+        scratch.clear()  # one temp at a time: a new shape replaces the last one
+        scratch[key] = dense.permute([order.index(i) for i in range(part.dim())])  # [<=step, d, width]
+    return scratch[key]
+
+
+def head_norms(hw: HeadWeights, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK,
+               scratch: dict | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """{ord: {projection: norms [units, d]}} of one layer's head-major weights (see row_norms)."""
+    ords = tuple(check_ord(o) for o in ords)
+    # q [H, d, D], k/v [Hkv, d, D], o [H, d, D_out]: every norm runs over the last axis
+    per_projection = {p: row_norms(getattr(hw, p), ords, chunk_elements, scratch) for p in PROJECTIONS}
+    return {o: {p: norms[o] for p, norms in per_projection.items()} for o in ords}
+
+
+def stack_layers(layers: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
+    """Per-layer {projection: [units, d]} (on any device) -> {projection: [L, units, d]} float64 numpy."""
+    return {p: torch.stack([layer[p].cpu() for layer in layers]).numpy().astype(np.float64) for p in PROJECTIONS}
+
+
+def profile_model(
+    model: torch.nn.Module,
+    *,
+    adapter: Adapter | None = None,
+    source: str = "",
+    progress: Progress | None = None,
+    should_stop: ShouldStop | None = None,
+) -> NormProfile:
+    """Row norms of every layer of an in-memory model, read through its adapter.
+
+    L2 now; L1 on first use (`NormProfile.norms(1)`), from the same model. The norms are taken
+    where the weights are (a GPU's, or an offloaded layer's real weights, loaded one layer at a
+    time) and in float32 for half-precision weights (`row_norms`).
+    """
+    adapter = adapter or adapter_for(model)
+    geometry = adapter.geometry(model)
+
+    def norms_of(ord: int, progress_of: Progress | None = None) -> dict[str, np.ndarray]:
+        layers, scratch = [], {}
+        with torch.no_grad():
+            for layer in range(geometry.n_layers):
+                check_stop(should_stop, "Profiling")
+                with adapter.real_weights(model, layer):  # offloaded weights: loaded for this layer only
+                    layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
+                report(progress_of, (layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
+        return stack_layers(layers)
+
+    return NormProfile(l2=norms_of(2, progress), source=source, l1_loader=lambda: norms_of(1))
+
+
+def weight_views(model: torch.nn.Module, adapter: Adapter, layer: int, geometry) -> HeadWeights:
+    """Head-major *views* of a layer's projection weights (no copy, unlike read_heads; read only).
+
+    For an offloaded model call it inside `adapter.real_weights(model, layer)`."""
+    tensors = {f"{role}.weight": module.weight
+               for role, module in adapter.projection_modules(model, layer).items()}
+    return adapter.heads_from_tensors(tensors, geometry)
