@@ -1,7 +1,8 @@
 """Tiny random-weight models of every supported family, built in-process from configs.
 
 Good for structure and exactness tests (masking == zeroed weights, surgery == masking),
-meaningless for quality. Every model is float32, eval mode, seeded.
+meaningless for quality. Every model is eval mode and seeded; float32 unless the test asks for
+float64 (the exactness tests do: see tests/_tolerance.py).
 """
 import torch
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,
@@ -49,8 +50,9 @@ def tiny_config(model_type: str, **overrides):
     return cfg
 
 
-def tiny_model(model_type: str, seed: int = 0, **overrides):
-    """A seeded random-weight tiny model (float32, eval) with every bias non-zero."""
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A seeded random-weight tiny model (eval) with every bias non-zero; float32 unless `dtype`
+    says otherwise (exactness tests pass torch.float64: the same seeded weights, cast)."""
     auto_cls, _ = TINY_SPECS[model_type]
     torch.manual_seed(seed)
     model = auto_cls.from_config(tiny_config(model_type, **overrides), attn_implementation="eager")
@@ -60,7 +62,7 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.1)  # HF inits biases to 0, which would hide bias bugs
             elif "norm" in name or "ln" in name:
                 p.normal_(1.0, 0.1)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def tiny_input_ids(batch: int = 2, seq: int = 10, seed: int = 1) -> torch.Tensor:

@@ -44,3 +44,12 @@ def minilm(builtin_cache_dir):
     """The built-in all-MiniLM-L6-v2 encoder (LoadedModel)."""
     from analysis.arch.models import load_model
     return load_model("minilm-l6", cache_dir=builtin_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_f64(smollm2):
+    """A float64 copy of the built-in SmolLM2 (~1 GB), for equality claims that must hold on
+    every CPU (tests/_tolerance.py); the shared float32 `smollm2` fixture is never changed."""
+    import copy
+    import dataclasses
+    return dataclasses.replace(smollm2, model=copy.deepcopy(smollm2.model).double(), placement=None)

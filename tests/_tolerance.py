@@ -1,0 +1,41 @@
+"""Tolerances for comparing two computations of the same model output: one home.
+
+Claims of equality ("the cut model computes what the masked model computes") are tested in
+float64, where rounding is ~1e-16 relative, and asserted with EXACT (1e-12, absolute): a real
+difference (a wrong head, a lost bias) is >= 1e-3 on these models, far above it, and no CPU's
+summation order can reach it.
+
+Checks that must stay in a lower precision (ONNX Runtime float32, bf16/fp16 precision paths,
+offloaded float32) use `forward_tolerance`, derived rather than tuned:
+
+    |a - b| <= eps(dtype) * width * depth * scale
+
+- eps(dtype): the unit roundoff (torch.finfo(dtype).eps: 1.19e-7 float32, 7.8e-3 bf16).
+- width: the longest dot product in one layer (hidden or intermediate size). A length-K dot
+  product computed in two different summation orders differs by at most ~K * eps relative to
+  sum |a_i b_i| (Higham, "Accuracy and Stability of Numerical Algorithms", eq. 3.5, gamma_K).
+- depth: the number of layers; each adds its own rounding to the residual stream, which the
+  next layers carry (to first order the errors add, hence linear in depth).
+- scale: the largest |value| compared (e.g. max |logit| of the reference), as the bound is
+  relative to the magnitudes involved.
+
+It is the worst case, not the typical one (which is ~sqrt(K) smaller), so it holds whatever
+order a CPU's kernels (AVX2, AVX-512, AMX, AMD or Intel) sum in; it still catches real bugs,
+which change the output by a fraction of the scale, not by eps.
+"""
+from __future__ import annotations
+
+import torch
+
+EXACT = 1e-12   # float64 equality claims: absolute, for values of scale <= ~100
+
+
+def forward_tolerance(dtype: torch.dtype, *, width: int, depth: int, scale: float) -> float:
+    """The worst-case summation-order difference of a depth-`depth` network whose longest dot
+    product has `width` terms, on outputs of magnitude `scale` (see the module docstring)."""
+    return torch.finfo(dtype).eps * width * depth * max(float(scale), 1.0)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| as a Python float (in float64, so the subtraction adds no rounding)."""
+    return (a.double() - b.double()).abs().max().item()
