@@ -1,5 +1,6 @@
 """SmolLM2 placed by accelerate with a max_memory that sends some blocks to disk offload computes
-what the in-memory model computes (float32: relative differences <= 1e-5; measured: 0), and
+what the in-memory model computes (float32, as offloading needs; measured difference: 0; the
+bound is the derived float32 worst case of tests/_tolerance.py, which holds on any CPU), and
 surgery and export work from it.
 
 One offloaded load for the module (cpu=420MiB: the last few blocks and the final norm on the disk); small token
@@ -12,7 +13,11 @@ import torch
 from analysis.arch.adapters import input_device, is_dispatched, is_offloaded
 from analysis.core.errors import UnsupportedModelError
 
-REL = 1e-5
+from tests._tolerance import forward_tolerance, max_diff
+
+# SmolLM2: 30 layers, longest dot product the MLP's 1536; relative (scale 1): eps32 * 1536 * 30 = 5.5e-3,
+# while the mask below moves perplexity by > 1% and logits by whole units
+REL = forward_tolerance(torch.float32, width=1536, depth=30, scale=1.0)
 TOKENS = 64
 
 
@@ -100,9 +105,15 @@ def test_surgery_and_export_from_the_offloaded_model(smollm2, offloaded, mask, t
     x = torch.randint(4, 1000, (1, 16), generator=torch.Generator().manual_seed(0))  # [1, 16]
     with torch.no_grad(), head_mask(smollm2.model, gates_from_mask(mask)):
         masked = smollm2.model(input_ids=x).logits                        # [1, 16, V]
-    smaller, layout = prune_heads(offloaded.model, mask)
     with torch.no_grad():
-        assert (smaller(input_ids=x).logits - masked).abs().max() <= 1e-4 * masked.abs().max()
+        dense = smollm2.model(input_ids=x).logits                         # [1, 16, V]
+    smaller, layout = prune_heads(offloaded.model, mask)
+    # different matmul shapes (cut vs masked) in float32: the derived worst case at the logit scale,
+    # far below what the mask itself changes (asserted, so the comparison can fail)
+    tol = REL * masked.abs().max().item()
+    assert max_diff(dense, masked) > 10 * tol
+    with torch.no_grad():
+        assert max_diff(smaller(input_ids=x).logits, masked) <= tol
     assert is_offloaded(offloaded.model)                                  # the original is untouched
     result = export("pruned", offloaded.model, mask, tmp_path, "from-offload", tokenizer=offloaded.tokenizer)
     assert result.layout.heads == layout.heads
