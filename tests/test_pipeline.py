@@ -1,5 +1,6 @@
 """The iterative schedule (analysis/compress/pipeline.py): exact target counts, rounds recorded in the head
 layout, every round's model reloads from every export format equal to itself, the budget rule."""
+import copy
 import json
 
 import numpy as np
@@ -12,6 +13,7 @@ from analysis.compress.export import FORMATS, LAYOUT_FILE, ONNX_FILE, load_prune
 from analysis.compress.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
 from analysis.compress.surgery import prune_heads
 from tests._evalkit import tiny_loaded
+from tests._tolerance import EXACT, forward_tolerance, max_diff
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 SMALL_DISTILL = DistillConfig(lr=1e-3, batch_size=2, seq_len=16, max_sequences=8)
@@ -93,12 +95,18 @@ def test_every_round_reloads_from_every_format(tokenizer, tmp_path):
             else:
                 back = _logits(load_pruned(out.path), ids)
                 reference = _logits(small, ids)
-            torch.testing.assert_close(back, reference, rtol=1e-4, atol=1e-4, msg=f"round {index} {fmt}")
+            # float32 through another runtime (ONNX Runtime) or attention kernel (a reload picks
+            # its own): the derived worst case for this depth and width (tests/_tolerance.py)
+            cfg_ = model.config
+            tol = forward_tolerance(torch.float32, width=cfg_.intermediate_size, depth=cfg_.num_hidden_layers,
+                                    scale=reference.abs().max().item())
+            assert max_diff(back, reference) <= tol, f"round {index} {fmt}"
             if fmt != "zeroed":
                 rounds = np.array(json.loads((out.path / LAYOUT_FILE).read_text())["rounds"])
                 assert np.array_equal(rounds > 0, mask) and rounds.max() == index
-    masked_equals_cut = _logits(prune_heads(result.model, result.pruned)[0], ids)
-    torch.testing.assert_close(masked_equals_cut, _logits(result.model, ids), rtol=0, atol=1e-5)
+    # the claim "the final model equals its cut" in float64, where it holds on every CPU
+    final64 = copy.deepcopy(result.model).double()
+    assert max_diff(_logits(prune_heads(final64, result.pruned)[0], ids), _logits(final64, ids)) <= EXACT
 
 
 def test_budget_keeps_the_last_model_inside_it(tokenizer):
