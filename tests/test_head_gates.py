@@ -10,6 +10,7 @@ from analysis.arch.adapters import adapter_for
 from analysis.core.errors import InputError
 from analysis.arch.head_gates import gates_from_mask, head_mask, kv_groups_emptied, zero_heads
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
+from tests._tolerance import EXACT, max_diff
 
 
 def _logits(model, ids):
@@ -33,7 +34,7 @@ def _masks(geometry, seed):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hook_mask_equals_zeroed_weights(family):
-    model = tiny_model(family)
+    model = tiny_model(family, dtype=torch.float64)     # equality claims in float64 (tests/_tolerance.py)
     g = adapter_for(model).geometry(model)
     ids = tiny_input_ids()
     for pruned in _masks(g, seed=zlib.crc32(family.encode())):
@@ -41,7 +42,7 @@ def test_hook_mask_equals_zeroed_weights(family):
             masked = _logits(model, ids)
         zeroed = _logits(zero_heads(copy.deepcopy(model), pruned), ids)
         dense = _logits(model, ids)
-        assert (masked - zeroed).abs().max().item() <= 1e-5
+        assert max_diff(masked, zeroed) <= EXACT
         assert (masked - dense).abs().max().item() > 1e-4, "mask had no effect: the oracle proves nothing"
 
 
@@ -49,7 +50,7 @@ def test_hook_mask_equals_zeroed_weights(family):
 def test_zeroing_a_groups_values_equals_gating_its_heads(family):
     # An independent check of the K/V layout: V rows (and bias) of group g all zero make every
     # head of that group output exactly zero, like gating those heads.
-    model = tiny_model(family)
+    model = tiny_model(family, dtype=torch.float64)
     ad = adapter_for(model)
     g = ad.geometry(model)
     ids = tiny_input_ids()
@@ -63,7 +64,7 @@ def test_zeroing_a_groups_values_equals_gating_its_heads(family):
     pruned[1, g.group_size:2 * g.group_size] = True
     with head_mask(model, gates_from_mask(pruned)):
         masked = _logits(model, ids)
-    assert torch.allclose(masked, _logits(twin, ids), atol=1e-5)
+    assert max_diff(masked, _logits(twin, ids)) <= EXACT
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
@@ -97,7 +98,7 @@ def test_hooks_are_removed_when_the_body_raises():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "gpt_neox"])
 def test_a_batch_of_masks_equals_separate_forwards(family):
-    model = tiny_model(family)
+    model = tiny_model(family, dtype=torch.float64)
     g = adapter_for(model).geometry(model)
     ids = tiny_input_ids(batch=2)
     rng = np.random.default_rng(0)
@@ -108,7 +109,7 @@ def test_a_batch_of_masks_equals_separate_forwards(family):
     for k in range(3):
         with head_mask(model, gates[k]):
             single = _logits(model, ids)
-        assert torch.allclose(batched[2 * k:2 * k + 2], single, atol=1e-5)
+        assert max_diff(batched[2 * k:2 * k + 2], single) <= EXACT
 
 
 def test_fractional_gates_carry_gradients():
