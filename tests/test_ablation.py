@@ -15,6 +15,7 @@ from analysis.core.text import evaluation_text
 
 from ._evalkit import tiny_loaded
 from ._tiny import tiny_input_ids, tiny_model
+from ._tolerance import EXACT
 
 TEXT = evaluation_text(max_chars=2000)
 
@@ -37,15 +38,15 @@ def test_ablation_gates_hand_built():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "bloom", "opt", "phi3", "qwen3", "gemma3_text"])
 def test_fast_sweep_equals_naive_loop_on_tiny_models(family):
-    model = tiny_model(family)
+    model = tiny_model(family, dtype=torch.float64)                    # equality in float64: EXACT
     x = tiny_input_ids(3, 12)                                          # n = 3 sequences
     fast = FastAblation(batch_size=4).sweep(model, x)                   # 1 mask per pass: chunked rows
     naive = naive_sweep(model, x)
     assert fast.method == "fast"
     assert fast.base_loss == naive.base_loss
-    np.testing.assert_allclose(fast.head_delta, naive.head_delta, rtol=1e-4, atol=0)
+    np.testing.assert_allclose(fast.head_delta, naive.head_delta, rtol=0, atol=EXACT)
     if naive.group_delta is not None:
-        np.testing.assert_allclose(fast.group_delta, naive.group_delta, rtol=1e-4, atol=0)
+        np.testing.assert_allclose(fast.group_delta, naive.group_delta, rtol=0, atol=EXACT)
     assert np.abs(naive.head_delta).min() > 0                           # every head does something
 
 
@@ -55,43 +56,43 @@ def test_fast_sweep_equals_naive_loop_on_tiny_models(family):
 ])
 def test_fast_sweep_with_per_layer_attention_masks(family, overrides):
     """Layers called with different masks (sliding vs full) each get their own batch probe."""
-    model = tiny_model(family, **overrides)
+    model = tiny_model(family, dtype=torch.float64, **overrides)
     x = tiny_input_ids(3, 12)                                          # longer than the window
     fast = FastAblation(batch_size=6).sweep(model, x)
     assert fast.method == "fast"
-    np.testing.assert_allclose(fast.head_delta, naive_sweep(model, x).head_delta, rtol=1e-4, atol=0)
+    np.testing.assert_allclose(fast.head_delta, naive_sweep(model, x).head_delta, rtol=0, atol=EXACT)
 
 
 def test_fast_sweep_equals_zeroed_weight_copies():
-    model = tiny_model("llama")                                         # GQA: 4 heads, 2 KV groups
+    model = tiny_model("llama", dtype=torch.float64)                    # GQA: 4 heads, 2 KV groups
     x = tiny_input_ids(2, 10)
     res = FastAblation(batch_size=16).sweep(model, x)
     dense = _loss(model, x)
-    assert res.base_loss == pytest.approx(dense, rel=1e-6)
+    assert res.base_loss == pytest.approx(dense, rel=0, abs=EXACT)
     for l, h in [(0, 0), (1, 3)]:
         p = np.zeros((2, 4), dtype=bool)
         p[l, h] = True
-        assert res.head_delta[l, h] == pytest.approx(_loss(zero_heads(copy.deepcopy(model), p), x) - dense, rel=1e-3)
+        assert res.head_delta[l, h] == pytest.approx(_loss(zero_heads(copy.deepcopy(model), p), x) - dense, rel=0, abs=EXACT)
     p = np.zeros((2, 4), dtype=bool)
     p[1, 2:] = True                                                     # KV group 1 of layer 1
-    assert res.group_delta[1, 1] == pytest.approx(_loss(zero_heads(copy.deepcopy(model), p), x) - dense, rel=1e-3)
+    assert res.group_delta[1, 1] == pytest.approx(_loss(zero_heads(copy.deepcopy(model), p), x) - dense, rel=0, abs=EXACT)
 
 
 def test_model_whose_tail_cannot_be_replayed_falls_back_to_naive():
-    model = tiny_model("gemma2")                                        # final logit soft-capping
+    model = tiny_model("gemma2", dtype=torch.float64)                   # final logit soft-capping
     x = tiny_input_ids(2, 8)
     fast = FastAblation().sweep(model, x)
     assert fast.method.startswith("naive")
-    np.testing.assert_allclose(fast.head_delta, naive_sweep(model, x).head_delta, rtol=1e-6)
+    np.testing.assert_allclose(fast.head_delta, naive_sweep(model, x).head_delta, rtol=0, atol=EXACT)
 
 
 def test_layer_subset_leaves_other_rows_nan():
-    model = tiny_model("gpt2")
+    model = tiny_model("gpt2", dtype=torch.float64)
     x = tiny_input_ids(1, 10)
     part = FastAblation().sweep(model, x, layers=[1])
     full = naive_sweep(model, x)
     assert np.isnan(part.head_delta[0]).all()
-    np.testing.assert_allclose(part.head_delta[1], full.head_delta[1], rtol=1e-4)
+    np.testing.assert_allclose(part.head_delta[1], full.head_delta[1], rtol=0, atol=EXACT)
     with pytest.raises(InputError, match="not valid"):
         FastAblation().sweep(model, x, layers=[2])
 
@@ -146,17 +147,16 @@ def test_head_ablation_for_other_kinds_matches_single_mask_evaluations(minilm, k
 
 
 @pytest.mark.slow
-def test_fast_sweep_equals_naive_loop_on_smollm2(smollm2):
-    """Real model, float32: batched GEMMs with other row counts reorder sums, so single losses
-    differ by ~1e-6 nats; the deltas must agree to 1e-4 of the largest effect (the tiny models
-    above agree bit for bit)."""
-    x = token_ids(smollm2.tokenizer, TEXT, max_tokens=16).unsqueeze(0)  # [1, 16]
+def test_fast_sweep_equals_naive_loop_on_smollm2(smollm2_f64):
+    """Real model, float64: batched GEMMs with other row counts reorder sums (in float32 single
+    losses differed by ~1e-6 nats, CPU-dependent); in float64 the deltas agree to EXACT."""
+    x = token_ids(smollm2_f64.tokenizer, TEXT, max_tokens=16).unsqueeze(0)  # [1, 16]
     layers = [10, 29]
-    fast = FastAblation().sweep(smollm2.model, x, layers=layers)
-    naive = naive_sweep(smollm2.model, x, layers=layers)
+    fast = FastAblation().sweep(smollm2_f64.model, x, layers=layers)
+    naive = naive_sweep(smollm2_f64.model, x, layers=layers)
     assert fast.method == "fast" and fast.group_delta.shape == (30, 3)
     assert fast.base_loss == naive.base_loss
     for got, want in [(fast.head_delta[layers], naive.head_delta[layers]),
                       (fast.group_delta[layers], naive.group_delta[layers])]:
-        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        assert np.abs(got - want).max() <= EXACT
         assert np.abs(want).max() > 1e-2                                # real effects, not noise
