@@ -19,6 +19,14 @@ offloaded float32) use `forward_tolerance`, derived rather than tuned:
 - scale: the largest |value| compared (e.g. max |logit| of the reference), as the bound is
   relative to the magnitudes involved.
 
+A caveat on "float64": Llama-family RMSNorms (Llama, Qwen, Mistral, SmolLM2...) compute in
+float32 whatever the model's dtype and cast back. Both sides of an equality claim then round the
+same float64 residual stream to float32; the sides differ only if a value lies within the float64
+difference (~1e-16 relative) of a float32 rounding boundary (~1e-7 apart), about 1e-9 per
+element: the float32 part cannot make an EXACT claim fail except by that rare tie, on any CPU.
+Where a test compares a computation against a hand-written float64 reference on such a model
+(the calibration scorers), float64 does not help and the float32 bound below is used.
+
 It is the worst case, not the typical one (which is ~sqrt(K) smaller), so it holds whatever
 order a CPU's kernels (AVX2, AVX-512, AMX, AMD or Intel) sum in; it still catches real bugs,
 which change the output by a fraction of the scale, not by eps.
