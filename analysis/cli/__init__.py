@@ -243,17 +243,17 @@ ARRAY_FILE_MAX_BYTES = 64 * 2**20   # a [L, H] table of numbers is far smaller
 
 
 def read_array(path: str) -> np.ndarray:
-    """A finite [L, H] float array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    """A finite [L, H] float array from a .npy or JSON file (a list of lists, or {"head_delta": ...}),
+    read through the one capped, regular-file-only reader (`analysis.core.files`)."""
+    from analysis.core.files import read_file_bytes
     fix = ("Give a .npy file or a JSON list of lists of numbers, one row per layer "
            "(e.g. the head_delta of an ablation run).")
+    raw = read_file_bytes(path, ARRAY_FILE_MAX_BYTES, what="--ablation-file", fix="give a .npy file or a JSON list of lists")
     try:
-        if Path(path).stat().st_size > ARRAY_FILE_MAX_BYTES:
-            raise InputError(f"--ablation-file {path} is larger than {ARRAY_FILE_MAX_BYTES // 2**20} MiB, far more "
-                             f"than a [layers, heads] table. {fix}")
         if path.endswith(".npy"):
-            arr = np.load(path, allow_pickle=False)
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
         else:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            data = json.loads(raw.decode("utf-8"))
             arr = data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data
         arr = np.asarray(arr, dtype=np.float64)
     except (OSError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as err:

@@ -53,6 +53,8 @@ from analysis.core import schemas
 from analysis.arch.adapters import adapter_for, in_memory_copy, input_device, is_dispatched
 from analysis.core.atomic import disk_full, os_problem
 from analysis.core.errors import HeadscopeError, InputError, ModelLoadError, custom_code_refused, first_line
+from analysis.core.files import read_file_text
+from analysis.core.placement import DTYPES, dtype_name
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import zero_heads
 from analysis.arch.models import quiet_load_report, quiet_progress_bars
@@ -100,10 +102,6 @@ def resolve_under(root, user_path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Atomic folders
 # ---------------------------------------------------------------------------------------------
-
-def _os_reason(err: OSError) -> str:
-    return os_problem(err)[0]
-
 
 # An export name: each folder name on it is 1-100 safe characters (letters, digits, . _ - + = @,
 # inner spaces), so it is one path component, fits the temporary-folder names, and prints on one line.
@@ -413,16 +411,13 @@ def read_mask_json(source, *, geometry: HeadGeometry | None = None) -> MaskRecor
     else:
         text = str(source)
         if not text.lstrip().startswith(("{", "[")):
+            # a path: through the one capped, regular-file-only reader (no FIFO hang, no /dev/zero)
             try:
-                path = Path(text)
-                path = path / MASK_FILE if path.is_dir() else path
-                if path.is_file() and path.stat().st_size > schemas.MAX_JSON_CHARS:
-                    raise InputError(f"The mask file {path} is larger than any mask.json; {fix}.")
-                text = path.read_text(encoding="utf-8")
-            except (OSError, ValueError) as err:   # ValueError: a NUL byte, or not UTF-8
-                reason = _os_reason(err) if isinstance(err, OSError) else "it is not UTF-8 text or not a path"
-                raise InputError(f"Cannot read the mask file {text[:80]!r} ({reason}); give the path of a "
-                                 f"mask.json or of an export folder holding one.") from None
+                path = Path(text) / MASK_FILE if os.path.isdir(text) else Path(text)
+            except (OSError, ValueError):           # a name too long, a NUL byte: the reader words it
+                path = text
+            text = read_file_text(path, schemas.MAX_JSON_CHARS, what="The mask file",
+                                  fix="give the path of a mask.json or of an export folder holding one")
         data = schemas.load_json_text(text, "The mask file", fix)
         if not isinstance(data, dict):
             raise InputError(f"The mask file must hold a JSON object; {fix}.")
@@ -768,6 +763,10 @@ def _producer(weights: Path) -> str | None:
         return (handle.metadata() or {}).get("producer")
 
 
+# the dtypes a pruned export's config.json may name (what headscope loads in, and float64)
+LOADABLE_DTYPES = (*DTYPES.values(), torch.float64)
+
+
 def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild a model exported by `export_pruned`: build it from config.json, apply
     head_layout.json's shapes, load model.safetensors. A stock export (a save_pretrained
@@ -782,10 +781,8 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
     if not layout_file.is_file():
         raise ModelLoadError(f"{folder} has no {LAYOUT_FILE}; it is not a headscope pruned export. Load zeroed "
                              f"or stock exports with transformers' from_pretrained.")
-    try:
-        layout = HeadLayout.from_json(layout_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"Cannot read {layout_file} ({type(err).__name__}); export the pruned model again.") from None
+    layout = HeadLayout.from_json(read_file_text(layout_file, schemas.MAX_JSON_CHARS, what=LAYOUT_FILE,
+                                                 fix="export the pruned model again"))
     if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
         pickled = sorted(p.name for p in folder.glob("*.bin"))
         if pickled:
@@ -798,6 +795,9 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=bool(trust_remote_code))
+        if layout.model_type != config.model_type:
+            raise ModelLoadError(f"{LAYOUT_FILE} in {folder} is for a {str(layout.model_type)[:40]!r} model but its "
+                                 f"config.json builds {config.model_type!r}; export the pruned model again.")
         adapter = adapter_for(config)
         g = adapter.geometry(config)
         cls = _architecture_class(config)
@@ -823,6 +823,10 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
     if isinstance(dtype, torch.dtype):
+        if dtype not in LOADABLE_DTYPES:     # float8, bool, ints: no model is built in them
+            raise ModelLoadError(f"config.json in {folder} names dtype {dtype_name(dtype)}, which a model cannot be "
+                                 f"built in (use one of {', '.join(dtype_name(d) for d in LOADABLE_DTYPES)}); "
+                                 f"export the pruned model again.")
         kwargs["dtype"] = dtype
     model = cls._from_config(config, **kwargs)
     apply_layout(model, layout, adapter=adapter)

@@ -307,14 +307,17 @@ def cli_arguments(parser) -> None:
     add_output_arguments(parser)
 
 
-def _read_text(path: str | None) -> str | None:
+PIPELINE_TEXT_MAX_BYTES = 256 * 2**20   # --train-text / --eval-text: far more text than a run trains on
+
+
+def _read_text(path: str | None, option: str) -> str | None:
+    """--train-text / --eval-text through the one capped, regular-file-only reader."""
+    from analysis.core.files import read_file_bytes
     from analysis.core.text import clean_user_text
     if path is None:
         return None
-    try:
-        return clean_user_text(Path(path).read_bytes())
-    except OSError as err:
-        raise InputError(f"Cannot read the text file {path} ({err.strerror or type(err).__name__}).") from err
+    return clean_user_text(read_file_bytes(path, PIPELINE_TEXT_MAX_BYTES, what=option,
+                                           fix="give the path of a UTF-8 .txt file (at most 256 MiB)"))
 
 
 def config_from(ns) -> PipelineConfig:
@@ -344,7 +347,7 @@ def run_cli(ns):
         raise InputError(f"Unknown export format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}.")
     config = config_from(ns)
     run_dir = resolve_under(ns.out_dir, ns.name)
-    train, held_out = _read_text(ns.train_text), _read_text(ns.eval_text)
+    train, held_out = _read_text(ns.train_text, "--train-text"), _read_text(ns.eval_text, "--eval-text")
     with progress_bar("loading", not ns.quiet) as bar:
         loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code, cache_dir=ns.cache_dir,
                             progress=bar, **placement_kwargs(ns))

