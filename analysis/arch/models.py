@@ -45,6 +45,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 from transformers.utils import logging as hf_logging
 
 from analysis.arch.adapters import Adapter, adapter_for
+from analysis.core.atomic import remove_dead_temps, temp_prefix
 from analysis.core.errors import ModelLoadError, UnsupportedModelError
 from analysis.core.errors import first_line as _first_line
 from analysis.arch.geometry import HeadGeometry
@@ -292,7 +293,8 @@ def _cached_builtin(builtin: BuiltinModel, cache_root: Path, marker: dict, progr
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{builtin.name}.tmp-", dir=final.parent))
+        remove_dead_temps(final.parent, builtin.name)       # a conversion killed earlier (SIGKILL)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(builtin.name), dir=final.parent))
     except OSError as err:
         raise ModelLoadError(f"Cannot write the model cache at {final.parent} ({err.strerror}). Set "
                              "HEADSCOPE_CACHE to a writable folder.") from err

@@ -28,6 +28,7 @@ a checkpoint from other settings -> InputError / UnsupportedModelError with what
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from analysis.core.atomic import replaced_atomically
+from analysis.core.atomic import disk_full, os_problem, remove_dead_temps, replaced_atomically
 from analysis.core.errors import HeadscopeError, InputError, UnsupportedModelError
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import next_token_nll
@@ -260,29 +261,55 @@ def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """torch.save `state` to `path` atomically (`atomic.replaced_atomically`): any failure leaves
-    `path` with its old content and no temporary file behind."""
+    `path` with its old content and no temporary file behind; temporaries of a run killed earlier
+    (SIGKILL) are removed first (`atomic.remove_dead_temps`)."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_temps(path.parent, path.name)
         with replaced_atomically(path) as handle:
             torch.save(state, handle)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
+        # torch reports a failed write as RuntimeError ("[enforce fail at inline_container.cc]"),
+        # sometimes without the OS error; a RuntimeError that is no write failure passes through
+        if isinstance(err, RuntimeError) and not (disk_full(err) or "inline_container" in str(err)):
+            raise
+        if isinstance(err, OSError):
+            problem, fix = os_problem(err)
+        elif disk_full(err):
+            problem, fix = os_problem(OSError(errno.ENOSPC, ""))
+        else:
+            problem, fix = "the file could not be written (the disk may be full)", "free some space or write to another disk"
         previous = "the previous checkpoint is intact" if path.is_file() else "no earlier checkpoint exists"
-        raise CheckpointError(f"The checkpoint at step {state.get('step')} could not be written to {path} "
-                              f"({err.strerror or type(err).__name__}); {previous}. Free disk space (or choose "
-                              f"another folder) and resume.") from err
+        raise CheckpointError(f"The checkpoint at step {state.get('step')} could not be written to {path}: "
+                              f"{problem}; {previous}. To go on, {fix} (or choose another checkpoint folder) "
+                              f"and resume.") from None
+
+
+def param_shapes(params: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """What a checkpoint records of the trainable tensors, so a resume can check the student fits."""
+    return {name: list(p.shape) for name, p in params.items()}
 
 
 def load_checkpoint(path: Path, config: DistillConfig) -> dict | None:
+    """The checkpoint at `path` (None if there is none), loaded weights-only: tensors and plain
+    data, never code (a crafted pickle is refused, its payload never runs)."""
+    import pickle
+    import warnings
     path = Path(path)
+    remove_dead_temps(path.parent, path.name)
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a truncated or foreign file
-        raise InputError(f"The checkpoint {path} cannot be read ({type(err).__name__}); delete it to start "
-                         f"over.") from err
-    if state.get("fingerprint") != config.fingerprint():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")              # torch's notes on old pickle protocols, before our line
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError, TypeError,
+            AttributeError, KeyError, IndexError, ImportError, MemoryError) as err:
+        reason = ("it holds objects other than tensors and plain data, which are never loaded (they can run code)"
+                  if isinstance(err, pickle.UnpicklingError) else f"{type(err).__name__}: truncated or not a checkpoint")
+        raise InputError(f"The checkpoint {path} cannot be read ({reason}); delete it to start over.") from None
+    if not isinstance(state, dict) or state.get("fingerprint") != config.fingerprint():
         raise InputError(f"The checkpoint {path} was written with other distillation settings; use the same "
                          f"settings to resume, or delete it to start over.")
     return state
@@ -358,6 +385,9 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     history: list[dict] = []
     start = 0
     state = load_checkpoint(path, config) if resume else None
+    if state is not None and state.get("shapes") != param_shapes(params):
+        raise InputError(f"The checkpoint {path} was written for a student of another shape (its trainable "
+                         f"tensors differ); resume with the same student, or delete it to start over.")
     if state is not None:
         with torch.no_grad():
             for name, value in state["params"].items():
@@ -406,6 +436,7 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
                 if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
                     save_checkpoint(path, {
                         "step": step + 1, "fingerprint": config.fingerprint(), "history": history,
+                        "shapes": param_shapes(params),
                         "params": {n: p.detach().clone() for n, p in params.items()},
                         "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                         "rng": torch.get_rng_state()})

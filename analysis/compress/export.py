@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-import psutil
 import torch
 from torch import nn
 
@@ -51,7 +50,7 @@ from analysis.arch import resize
 
 from analysis.core import schemas
 from analysis.arch.adapters import adapter_for, in_memory_copy, input_device, is_dispatched
-from analysis.core.atomic import disk_full, os_problem
+from analysis.core.atomic import LEFTOVER, disk_full, os_problem, pid_alive
 from analysis.core.errors import HeadscopeError, InputError, ModelLoadError, custom_code_refused, first_line
 from analysis.core.files import read_file_text
 from analysis.core.placement import DTYPES, dtype_name
@@ -132,7 +131,7 @@ def check_export_name(name) -> str:
 # mask.json inside), and puts back an .old copy whose export is missing.
 
 TMP_MARKER = ".headscope-export-in-progress"
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[^/]+")
+_LEFTOVER = LEFTOVER                 # the one leftover pattern (analysis.core.atomic)
 
 
 def is_headscope_export(folder: Path) -> bool:
@@ -159,7 +158,7 @@ def clean_leftovers(root) -> list[str]:
         return notes
     for entry in entries:
         match = _LEFTOVER.fullmatch(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink() or psutil.pid_exists(int(match["pid"])):
+        if not match or not entry.is_dir() or entry.is_symlink() or pid_alive(int(match["pid"])):
             continue
         final = entry.with_name(match["name"])
         if match["kind"] == "tmp" and _ours(entry):

@@ -8,12 +8,19 @@
 - `os_problem(err)`: (what went wrong, how to fix it) for an OSError, by errno, from one table;
   `disk_full(err)` finds a full disk anywhere in an exception chain (libraries often wrap it).
 
+- `temp_prefix(name)` / `remove_dead_temps(folder, name)`: every temporary file or folder is named
+  `.<name>.tmp-<pid>-<random>`; a process killed by SIGKILL cannot remove its own, so the next run
+  removes those of dead processes (`LEFTOVER`, `pid_alive`: the one leftover mechanism, which the
+  export's `clean_leftovers`, the distillation checkpoints and the built-in model cache share).
+
 Export folders are made atomic the same way, one level up, by `analysis.compress.export.atomic_folder`.
 """
 from __future__ import annotations
 
 import errno
 import os
+import re
+import shutil
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -23,6 +30,46 @@ from analysis.core.errors import OutputError
 
 TMP_INFIX = ".tmp-"
 NEW_FILE_MODE = 0o644
+# .<name>.<kind>-<pid>-<random>: a temporary (tmp) or a replaced copy waiting to be deleted (old)
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[^/]+")
+
+
+def temp_prefix(name: str) -> str:
+    """The prefix of this process's temporaries for `name` (mkstemp / mkdtemp add the random part)."""
+    return f".{name[:64]}{TMP_INFIX}{os.getpid()}-"
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process `pid` exists (one we may not signal counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def remove_dead_temps(folder, name: str) -> list[str]:
+    """Remove `folder`'s temporaries of `name` (`.<name>.tmp-<pid>-*`, files or folders) whose
+    process is dead (killed before it could clean up); returns the names removed. Temporaries of
+    live processes and anything else are left alone."""
+    removed = []
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = LEFTOVER.fullmatch(entry.name)
+        if (not match or match["kind"] != "tmp" or match["name"] != name[:64] or entry.is_symlink()
+                or pid_alive(int(match["pid"]))):
+            continue
+        with suppress(OSError):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            removed.append(entry.name)
+    return removed
 
 # errno -> (what went wrong, how to fix it)
 _OS_PROBLEMS = {
@@ -98,7 +145,7 @@ def replaced_atomically(target: Path) -> Iterator[BinaryIO]:
     distillation checkpoints both write through it."""
     target = Path(target)
     mode = target.stat().st_mode & 0o7777 if target.exists() else NEW_FILE_MODE
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name[:64]}{TMP_INFIX}", dir=target.parent)
+    handle, tmp_name = tempfile.mkstemp(prefix=temp_prefix(target.name), dir=target.parent)
     try:
         with os.fdopen(handle, "wb") as stream:
             yield stream
