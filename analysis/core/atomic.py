@@ -3,7 +3,8 @@
 - `check_output_file(path, what)`: before any work, say what is wrong with an output path (its
   folder is missing, it is a folder, the folder is read-only) as an OutputError with the fix.
 - `atomic_write(path, data)`: write to a temporary file in the same folder, flush and fsync it,
-  then `os.replace` it over `path`; on any failure the temporary file is removed and an existing
+  then `os.replace` it over `path` (a regular file; a link is followed to the file it names; a
+  character device or FIFO such as /dev/null or /dev/stdout is written to directly, never replaced); on any failure the temporary file is removed and an existing
   `path` is left exactly as it was (a full disk never leaves a truncated, valid-looking file).
 - `os_problem(err)`: (what went wrong, how to fix it) for an OSError, by errno, from one table;
   `disk_full(err)` finds a full disk anywhere in an exception chain (libraries often wrap it).
@@ -21,6 +22,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -115,6 +117,15 @@ def check_output_file(path, what: str = "The output file") -> Path:
     if not text.strip() or "\x00" in text:
         raise OutputError(f"{what} path {text!r} is empty or holds a NUL byte; give a file path such as out.json.")
     target = Path(text).expanduser()
+    kind = _special_kind(target)
+    if kind == "stream":                     # /dev/null, a FIFO, /dev/stdout: written directly
+        if not os.access(target, os.W_OK):
+            problem, fix = os_problem(OSError(errno.EACCES, ""))
+            raise OutputError(f"Cannot write {what.lower()} {target}: {problem}; {fix}.")
+        return target
+    if kind is not None:
+        raise OutputError(f"{what} {target} is {kind}, which cannot hold a result; give the path of a regular "
+                          f"file (e.g. out.json).")
     if target.is_dir():
         raise OutputError(f"{what} {target} is a folder; give the path of a file inside it (e.g. {target / 'out.json'}).")
     folder = target.parent
@@ -125,6 +136,49 @@ def check_output_file(path, what: str = "The output file") -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         problem, fix = os_problem(OSError(errno.EROFS if _read_only(folder) else errno.EACCES, ""))
         raise OutputError(f"Cannot write {what.lower()} {target}: {problem}; {fix}.")
+    return target
+
+
+# st_mode test -> what an existing non-regular output is: "stream" is written to directly (a device
+# or pipe is never replaced by a regular file); anything else is refused
+_SPECIAL_OUTPUTS = (
+    (stat.S_ISCHR, "stream"),
+    (stat.S_ISFIFO, "stream"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _special_kind(target: Path) -> str | None:
+    """None for a regular file, a folder or a new path; else "stream" or what the target is. A
+    symbolic link is judged by what it points to (/dev/stdout -> /proc/self/fd/1 -> a pipe or tty)."""
+    try:
+        mode = os.stat(target).st_mode
+    except (OSError, ValueError):
+        return None
+    return next((kind for test, kind in _SPECIAL_OUTPUTS if test(mode)), None)
+
+
+def _write_stream(target: Path, payload: bytes, what: str) -> Path:
+    """Write to a device or pipe in place (O_NONBLOCK open: a FIFO without a reader is an error, not a hang)."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        if err.errno == errno.ENXIO:
+            raise OutputError(f"Cannot write {what.lower()} {target}: the pipe has no reader; start the reader "
+                              f"first or write to a regular file.") from None
+        problem, fix = os_problem(err)
+        raise OutputError(f"Cannot write {what.lower()} {target}: {problem}; {fix}.") from None
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as err:
+        problem, fix = os_problem(err)
+        raise OutputError(f"Writing {what.lower()} {target} failed: {problem}; {fix}.") from None
+    finally:
+        os.close(fd)
     return target
 
 
@@ -167,6 +221,10 @@ def atomic_write(path, data: str | bytes, *, encoding: str = "utf-8", what: str 
     OutputError names the problem (e.g. a full disk) and its fix."""
     target = check_output_file(path, what)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
+    if _special_kind(target) == "stream":
+        return _write_stream(target, payload, what)
+    if target.is_symlink():                  # replace the file the link names, keep the link
+        target = Path(os.path.realpath(target))
     opened = False
     try:
         with replaced_atomically(target) as stream:
