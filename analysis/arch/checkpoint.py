@@ -23,6 +23,7 @@ import psutil
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
+from analysis.core.atomic import path_problem
 from analysis.arch.adapters import Adapter
 from analysis.core.errors import ModelLoadError, custom_code_refused, first_line
 
@@ -43,6 +44,10 @@ ROLE_ROWS = {
 def checkpoint_folder(path) -> Path:
     """The folder of a checkpoint given as a folder, its index file or a .safetensors file."""
     p = Path(path).expanduser()
+    problem = path_problem(p)                # a name too long (errno 36) would raise from is_file()
+    if problem is not None:
+        raise ModelLoadError(f"The checkpoint path {str(p)[:80]!r}{'...' if len(str(p)) > 80 else ''} cannot be "
+                             f"used: {problem[0]}; {problem[1]}.")
     if p.is_file() and (p.name == INDEX_FILE or p.suffix == ".safetensors"):
         return p.parent
     if not p.is_dir():

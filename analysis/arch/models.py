@@ -45,7 +45,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 from transformers.utils import logging as hf_logging
 
 from analysis.arch.adapters import Adapter, adapter_for
-from analysis.core.atomic import remove_dead_temps, temp_prefix
+from analysis.core.atomic import path_problem, remove_dead_temps, temp_prefix
 from analysis.core.errors import ModelLoadError, UnsupportedModelError
 from analysis.core.errors import first_line as _first_line
 from analysis.arch.geometry import HeadGeometry
@@ -388,6 +388,10 @@ def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]
         builtin = BUILTIN_MODELS[name]
         return str(builtin.prepare(builtin, cache_root, scaled(progress, 0.0, 0.6))), True
     path = Path(name).expanduser()
+    problem = path_problem(path)             # a name too long (errno 36) would raise from every probe below
+    if problem is not None:
+        raise ModelLoadError(f"The model path {name[:80]!r}{'...' if len(name) > 80 else ''} cannot be used: "
+                             f"{problem[0]}; {problem[1]}, or use a built-in model: {', '.join(BUILTIN_MODELS)}.")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(

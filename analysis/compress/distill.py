@@ -47,7 +47,7 @@ from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import next_token_nll
 from analysis.arch.models import mean_pool
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.score.scoring import as_subject
+from analysis.score.scoring import as_subject, check_seed
 from analysis.compress.surgery import own_tensors
 from analysis.core.text import calibration_text, tokenize
 
@@ -95,13 +95,17 @@ class DistillConfig:
         for name in ("warmup_steps", "checkpoint_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InputError(f"Distillation setting {name} must be a whole number >= 0.")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
+        if not (_finite_number(self.lr) and self.lr > 0):
             raise InputError(f"The learning rate must be a positive number; got {self.lr!r}.")
-        if not self.temperature > 0:
-            raise InputError(f"The temperature must be > 0; got {self.temperature!r}.")
-        weights = (self.kl_weight, self.ce_weight, self.hidden_weight)
-        if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
+        if not _finite_number(self.temperature) or not self.temperature > 0:
+            raise InputError(f"The temperature must be a finite number > 0 (e.g. 2); got {self.temperature!r}.")
+        weights = {"kl_weight": self.kl_weight, "ce_weight": self.ce_weight, "hidden_weight": self.hidden_weight}
+        for name, w in weights.items():                 # inf (or nan) would train a NaN model without a word
+            if not _finite_number(w):
+                raise InputError(f"Distillation setting {name} must be a finite number >= 0; got {w!r}.")
+        if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
             raise InputError("The loss weights (KL, cross-entropy, hidden states) must be >= 0 and not all 0.")
+        check_seed(self.seed, "Distillation setting seed")
         if self.precision not in PRECISIONS:
             raise InputError(f"Unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}.")
         return self
@@ -151,6 +155,10 @@ def check_sequences(ids, config: DistillConfig) -> torch.Tensor:
                          f"than one batch of {config.batch_size}. Give a longer text, or lower the batch size "
                          f"or the sequence length.")
     return ids.long()
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def batch_indices(n: int, batch_size: int, micro_step: int, seed: int) -> torch.Tensor:

@@ -89,9 +89,18 @@ def resolve_under(root, user_path) -> Path:
         raise InputError("Give a folder name for the export (a path inside the output folder).")
     if "\x00" in text:
         raise InputError(f"The export path {text[:60]!r} holds a NUL byte; give a plain folder name.")
-    base = Path(root).expanduser().resolve()
-    candidate = Path(text).expanduser()
-    resolved = (candidate if candidate.is_absolute() else base / candidate).resolve()
+    root_text = str(root) if root is not None else ""
+    if not root_text.strip() or "\x00" in root_text:      # "" would mean the current folder, silently
+        raise InputError(f"The output folder {root_text[:60]!r} (--out-dir) is empty or holds a NUL byte; give "
+                         f"a folder path such as exports.")
+    try:
+        base = Path(root_text).expanduser().resolve()
+        candidate = Path(text).expanduser()
+        resolved = (candidate if candidate.is_absolute() else base / candidate).resolve()
+    except OSError as err:                                  # e.g. a name too long (errno 36)
+        problem, fix = os_problem(err)
+        raise InputError(f"The export path {text[:60]!r} under {root_text[:60]!r} cannot be used: {problem}; "
+                         f"{fix}.") from None
     if resolved == base or not resolved.is_relative_to(base):
         raise InputError(f"The export path {text!r} is outside the output folder {base}. Use a folder name "
                          f"inside it (no '..', no absolute path elsewhere).")

@@ -95,6 +95,21 @@ def os_problem(err: OSError) -> tuple[str, str]:
     return _OS_PROBLEMS.get(err.errno, (reason.lower(), "check the path, free disk space and permissions"))
 
 
+def path_problem(path) -> tuple[str, str] | None:
+    """(what is wrong, how to fix it) when `path` cannot even be looked up (a name too long, errno
+    36; a NUL byte; a loop of links), else None (it may still not exist). Python 3.11's
+    Path.exists() / is_dir() raise for these instead of answering, so entry points ask this first."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        return os_problem(err)
+    except ValueError:
+        return "the path holds a NUL byte", "give a plain path"
+    return None
+
+
 def disk_full(err: BaseException | None) -> bool:
     """True when `err` or an exception it was raised from is a full disk (also when a library
     only kept the OS message, as safetensors and torch do)."""
@@ -117,6 +132,9 @@ def check_output_file(path, what: str = "The output file") -> Path:
     if not text.strip() or "\x00" in text:
         raise OutputError(f"{what} path {text!r} is empty or holds a NUL byte; give a file path such as out.json.")
     target = Path(text).expanduser()
+    problem = path_problem(target)           # e.g. a name too long (errno 36): every probe below would raise
+    if problem is not None:
+        raise OutputError(f"Cannot write {what.lower()} {_short(target)}: {problem[0]}; {problem[1]}.")
     kind = _special_kind(target)
     if kind == "stream":                     # /dev/null, a FIFO, /dev/stdout: written directly
         if not os.access(target, os.W_OK):
@@ -180,6 +198,12 @@ def _write_stream(target: Path, payload: bytes, what: str) -> Path:
     finally:
         os.close(fd)
     return target
+
+
+def _short(path, limit: int = 100) -> str:
+    """A path for a one-line message: long ones cut, with "..." saying so."""
+    text = str(path)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _read_only(folder: Path) -> bool:

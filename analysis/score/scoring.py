@@ -415,7 +415,7 @@ class RandomScorer(Scorer):
     label = "Random (floor)"
 
     def __init__(self, seed: int = 0):
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
 
     def params(self) -> dict:
         return dict(seed=self.seed)
@@ -424,6 +424,16 @@ class RandomScorer(Scorer):
         L, H = _grid(target)
         ranks = np.random.default_rng(self.seed).permutation(L * H)  # [L*H]
         return ranks.reshape(L, H).astype(np.float64), None
+
+
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(seed, what: str = "The seed") -> int:
+    """`seed` as an int in 0 .. 2**63-1 (what numpy's and torch's generators both take); InputError otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= SEED_MAX:
+        raise InputError(f"{what} must be a whole number from 0 to {SEED_MAX}; got {seed!r}.")
+    return int(seed)
 
 
 def _grid(target) -> tuple[int, int]:
