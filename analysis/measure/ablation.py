@@ -37,7 +37,8 @@ import torch
 
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_whole_number
+from analysis.core.text import MAX_TOKENS_LIMIT, check_max_tokens
 from analysis.measure.evaluation import default_text, evaluator_for, gate_batch, token_ids
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import head_mask
@@ -453,6 +454,9 @@ def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 
     at most `seq_len`. team: the processes of a launch that split the work (analysis.core.distributed)."""
     if method not in ("fast", "naive"):
         raise InputError(f"Unknown ablation method {method!r}; use 'fast' or 'naive'.")
+    check_max_tokens(max_tokens)                                       # before a byte of text is tokenized
+    seq_len = check_whole_number(seq_len, "seq_len", low=2, high=MAX_TOKENS_LIMIT)
+    batch_size = check_whole_number(batch_size, "batch_size", low=1, high=2**16)
     text = default_text() if text is None else text
     if loaded.kind == "causal-lm":
         x = split_sequences(token_ids(loaded.tokenizer, text, max_tokens=max_tokens), seq_len)  # [n, T]

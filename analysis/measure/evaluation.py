@@ -47,12 +47,12 @@ import torch.nn.functional as F
 
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_whole_number
 from analysis.arch.head_gates import as_gates, gates_from_mask, head_mask
 from analysis.measure.loss import token_nll
 from analysis.arch.models import mean_pool
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.core.text import clean_user_text, evaluation_text, tokenize
+from analysis.core.text import MAX_TOKENS_LIMIT, check_max_tokens, clean_user_text, evaluation_text, tokenize
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_CAUSAL_WINDOW = 512
@@ -486,6 +486,10 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
     batch_size: sequences per forward pass. team: the processes of a launch that split the forward
     passes (analysis.core.distributed; None = this process alone). Raises InputError for bad text or masks,
     CancelledError when should_stop() returns True."""
+    check_max_tokens(max_tokens)                                       # before a byte of text is tokenized
+    window = check_whole_number(window, "window", low=2, high=MAX_TOKENS_LIMIT, none_ok=True)
+    stride = check_whole_number(stride, "stride", low=1, high=MAX_TOKENS_LIMIT, none_ok=True)
+    batch_size = check_whole_number(batch_size, "batch_size", low=1, high=2**16)
     model = loaded.model
     g = gate_batch(model, gates, pruned)                               # [B, L, H] | None
     ev = evaluator_for(loaded.kind, window=window, stride=stride, batch_size=batch_size)

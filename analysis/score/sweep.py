@@ -26,7 +26,7 @@ from analysis.score.masks import plan_mask
 from analysis.measure.profiles import DEFAULT_Z, NormProfile, check_z
 from analysis.core.progress import Progress, ShouldStop, tick
 from analysis.score.scoring import MPGScorer, MPScorer
-from analysis.core.text import calibration_text, evaluation_text
+from analysis.core.text import calibration_text, check_max_tokens, evaluation_text
 
 MaskEvaluator = Callable[[np.ndarray], np.ndarray]
 SWEEP_SCORERS = {"mp": MPScorer, "mp-g": MPGScorer}
@@ -129,7 +129,7 @@ def split_evaluators(loaded, *, max_tokens: int = 512, window: int | None = None
     built-in split, every mask of the batch in the same forward passes; with a `team` the processes
     of a launch split those passes (the values are the single-process ones, analysis.core.distributed).
     """
-    chars = max(4096, 12 * max_tokens)
+    chars = max(4096, 12 * check_max_tokens(max_tokens, "max_tokens (--max-tokens)"))
     texts = {"calibration": calibration_text(max_chars=chars), "evaluation": evaluation_text(max_chars=chars)}
 
     def make(split: str) -> MaskEvaluator:
