@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from analysis.core.atomic import path_problem
 from analysis.arch.adapters import Adapter
-from analysis.core.errors import ModelLoadError, custom_code_refused, first_line
+from analysis.core.errors import HeadscopeError, ModelLoadError, custom_code_refused, first_line
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -114,10 +114,58 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         raise ModelLoadError(f"Could not read {singles[0]}: {err}. Re-download or re-save the weights.") from err
 
 
+CONFIG_MAX_BYTES = 16 * 2**20        # a config.json is a few KiB
+# geometry fields under their names in the families' configs -> what they count
+_COUNT_FIELDS = {
+    "num_attention_heads": "attention heads", "n_head": "attention heads", "n_heads": "attention heads",
+    "num_key_value_heads": "KV heads", "num_hidden_layers": "layers", "n_layer": "layers", "n_layers": "layers",
+    "hidden_size": "hidden size", "n_embd": "hidden size", "dim": "hidden size", "d_model": "hidden size",
+    "head_dim": "head size",
+}
+_FIELD_GROUPS = {"heads": ("num_attention_heads", "n_head", "n_heads"), "hidden": ("hidden_size", "n_embd", "dim", "d_model")}
+
+
+def read_config_json(folder: Path) -> dict:
+    """The checked contents of `folder`/config.json, before transformers builds anything from it.
+
+    ModelLoadError (one line, with the fix) for a file that is no regular file or too large, not
+    JSON, nested too deeply, not a JSON object, or with impossible geometry (0 heads, "two"
+    layers, a hidden size the heads do not divide): transformers would raise ZeroDivisionError,
+    TypeError or its strict-config errors, which are no ValueErrors. The one config validator:
+    `load_config` (streaming) and `analysis.arch.models` (loading) both call it."""
+    from analysis.core import schemas
+    from analysis.core.files import read_file_text
+    fix = "replace it with the model's original config.json"
+    path = Path(folder) / "config.json"
+    try:
+        text = read_file_text(path, CONFIG_MAX_BYTES, what="config.json", fix=fix)
+        data = schemas.load_json_text(text, f"{path}", fix)
+    except HeadscopeError as err:
+        raise ModelLoadError(str(err)) from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__ if data is not None else 'null'}, not a "
+                             f"config object; {fix}.")
+    for key, meaning in _COUNT_FIELDS.items():
+        value = data.get(key)
+        if key in data and value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ModelLoadError(f"{path} gives {key} = {str(value)[:40]!r}; the number of {meaning} must be a whole "
+                                 f"number >= 1. {fix[0].upper()}{fix[1:]}.")
+    heads = next((data[k] for k in _FIELD_GROUPS["heads"] if isinstance(data.get(k), int)), None)
+    hidden = next((data[k] for k in _FIELD_GROUPS["hidden"] if isinstance(data.get(k), int)), None)
+    kv = data.get("num_key_value_heads")
+    if heads and hidden and not data.get("head_dim") and hidden % heads:
+        raise ModelLoadError(f"{path}: {heads} attention heads do not divide the hidden size {hidden} (and no "
+                             f"head_dim is given), so no head has a size. {fix[0].upper()}{fix[1:]}.")
+    if heads and isinstance(kv, int) and (kv > heads or heads % kv):
+        raise ModelLoadError(f"{path}: {kv} KV heads do not divide the {heads} attention heads. "
+                             f"{fix[0].upper()}{fix[1:]}.")
+    return data
+
+
 def _has_auto_map(folder: Path) -> bool:
     try:
-        return bool(json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map"))
-    except (OSError, ValueError, AttributeError, RecursionError):
+        return bool(read_config_json(folder).get("auto_map"))
+    except ModelLoadError:
         return False
 
 
@@ -128,10 +176,11 @@ def load_config(folder: Path, *, trust_remote_code: bool = False):
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"{folder} has no config.json; the streaming profiler needs it for the "
                              "architecture and head counts. Copy the model's config.json next to the weights.")
+    read_config_json(folder)                 # not a config, or impossible geometry: refused before building
     try:
         return AutoConfig.from_pretrained(str(folder), trust_remote_code=bool(trust_remote_code),
                                           local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+    except Exception as err:                 # transformers 5's strict-config errors are no ValueErrors
         if _has_auto_map(folder) and not trust_remote_code:
             raise custom_code_refused(str(folder / "config.json"), "--trust-remote-code (trust_remote_code=True)") from None
         raise ModelLoadError(f"Could not read {folder / 'config.json'} ({first_line(err)}). Replace it with the "

@@ -46,7 +46,7 @@ from transformers.utils import logging as hf_logging
 
 from analysis.arch.adapters import Adapter, adapter_for
 from analysis.core.atomic import path_problem, remove_dead_temps, temp_prefix
-from analysis.core.errors import ModelLoadError, UnsupportedModelError
+from analysis.core.errors import HeadscopeError, ModelLoadError, UnsupportedModelError
 from analysis.core.errors import first_line as _first_line
 from analysis.arch.geometry import HeadGeometry
 from analysis.core.placement import Placement, ResolvedPlacement, check_fit
@@ -424,23 +424,30 @@ def _hub_error(name: str, err: Exception) -> ModelLoadError:
 
 
 def _read_raw_config(source: str) -> dict:
+    from analysis.arch.checkpoint import read_config_json
     try:
-        return json.loads((Path(source) / "config.json").read_text())
-    except (OSError, ValueError):
+        return read_config_json(Path(source))
+    except ModelLoadError:
         return {}
 
 
 def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool):
+    from analysis.arch.checkpoint import read_config_json
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_local or _hub_offline())
+    if is_local:
+        read_config_json(Path(source))      # not a config, or impossible geometry: refused before building
     try:
         return AutoConfig.from_pretrained(source, **kwargs)
-    except ValueError as err:
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raw = _read_raw_config(source) if is_local else {}
         model_type = raw.get("model_type")
         if raw.get("auto_map") and not trust_remote_code:
             raise UnsupportedModelError(
                 f"'{name}' needs custom model code (its config has auto_map). Load it with "
                 f"trust_remote_code=True only if you trust that code.") from err
+        if model_type and _known_model_type(model_type):
+            raise ModelLoadError(f"The config.json of '{name}' is not a valid {model_type} config "
+                                 f"({_first_line(err)}). Replace it with the model's original config.json.") from None
         if model_type:
             raise UnsupportedModelError(
                 f"'{name}' has model_type '{model_type}', which this version of transformers does not "
@@ -452,6 +459,16 @@ def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool
             raise ModelLoadError(f"Cannot read the config.json of '{name}' ({_first_line(err)}). "
                                  f"Replace it with the model's original config.json.") from err
         raise _hub_error(name, err) from err
+    except Exception as err:                # transformers 5's strict-config errors are no ValueErrors
+        if isinstance(err, HeadscopeError):
+            raise
+        raise ModelLoadError(f"The config.json of '{name}' is not valid ({_first_line(err)}). Replace it with "
+                             f"the model's original config.json.") from None
+
+
+def _known_model_type(model_type) -> bool:
+    from transformers import CONFIG_MAPPING
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
 
 
 def _load_weights(auto_cls, source: str, name: str, is_local: bool, placement: dict, trust_remote_code: bool):
