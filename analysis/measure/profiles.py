@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from analysis.arch.adapters import Adapter, HeadWeights, adapter_for
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, ModelLoadError
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 
 PROJECTIONS = ("q", "k", "v", "o")
@@ -399,6 +399,21 @@ def head_norms(hw: HeadWeights, ords: tuple[int, ...] = (2,), chunk_elements: in
     return {o: {p: norms[o] for p, norms in per_projection.items()} for o in ords}
 
 
+def check_finite_norms(norms: dict[str, torch.Tensor], layer: int, tensors: dict[str, str] | None = None,
+                       where: str = "the model") -> None:
+    """ModelLoadError naming the tensor and layer when a projection's row norms are NaN or infinite
+    (its weights hold NaN / Inf, or values so large their norms overflow): such scores would be
+    silently wrong, so the in-memory and the streaming profile both refuse them. `tensors`: role
+    -> tensor name where known (the streaming reader knows the checkpoint's names)."""
+    for projection, values in norms.items():
+        if not bool(torch.isfinite(values).all()):
+            name = next((n for role, n in (tensors or {}).items() if role.split(".")[0] in (projection, "qkv")), None)
+            tensor = f"tensor {name}" if name else f"the {projection} projection's weight"
+            raise ModelLoadError(f"The weights of {where} hold NaN or infinite values in layer {layer} ({tensor}); "
+                                 f"its heads cannot be scored. Use an intact copy of the weights (re-download or "
+                                 f"re-save them).")
+
+
 def stack_layers(layers: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
     """Per-layer {projection: [units, d]} (on any device) -> {projection: [L, units, d]} float64 numpy."""
     return {p: torch.stack([layer[p].cpu() for layer in layers]).numpy().astype(np.float64) for p in PROJECTIONS}
@@ -428,6 +443,7 @@ def profile_model(
                 check_stop(should_stop, "Profiling")
                 with adapter.real_weights(model, layer):  # offloaded weights: loaded for this layer only
                     layers.append(head_norms(weight_views(model, adapter, layer, geometry), (ord,), scratch=scratch)[ord])
+                check_finite_norms(layers[-1], layer, where=source or "the model")
                 report(progress_of, (layer + 1) / geometry.n_layers, f"row norms of layer {layer + 1}/{geometry.n_layers}")
         return stack_layers(layers)
 

@@ -15,7 +15,7 @@ from analysis.arch.checkpoint import (checkpoint_folder, layer_tensor_names, loa
                                       tensor_files)
 from analysis.core.errors import ModelLoadError, first_line
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.measure.profiles import STREAM_CHUNK, NormProfile, head_norms, stack_layers
+from analysis.measure.profiles import STREAM_CHUNK, NormProfile, check_finite_norms, head_norms, stack_layers
 
 
 def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: ShouldStop | None = None,
@@ -39,6 +39,8 @@ def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: S
                                  f"config.json describes ({first_line(err)}). Use the config.json that belongs "
                                  f"to these weights.") from None
         norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass over the file
+        for values in norms.values():
+            check_finite_norms(values, layer, roles, where=f"the checkpoint {folder}")
         l2_layers.append(norms[2])
         l1_layers.append(norms[1])
         del tensors, hw
