@@ -51,6 +51,7 @@ import numpy as np
 from tqdm import tqdm
 
 from analysis.core import distributed
+from analysis.core import progress as cancel     # signals: a flag checked at cancel points
 from analysis.core.atomic import atomic_write, check_output_file
 from analysis.core.errors import HeadscopeError, InputError, first_line
 from analysis.score.masks import KV_POLICIES, POLICIES, plan_mask, summarize_mask
@@ -621,20 +622,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _terminate(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    """Record the signal; the next cancel point raises KeyboardInterrupt (analysis.core.progress).
+    A second signal before that point raises at once (work with no cancel point for a long time)."""
+    if cancel.stop_requested():
+        raise KeyboardInterrupt(f"signal {signum}")
+    cancel.request_stop(signum)
 
 
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt like Ctrl-C, so `finally` blocks remove temporaries; restored after."""
+    """SIGTERM and SIGINT stop the run like Ctrl-C at the next cancel point, so `finally` blocks remove
+    temporaries; the handlers are restored after. A signal landing in a finalizer (tqdm.__del__) is
+    not lost: the handler only sets a flag."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    cancel.clear_stop()
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        cancel.clear_stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -654,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             if out is not None:
                 check_output_file(out, "--out")          # before any work: say now what is wrong with it
             payload, rows = command.run(ns)
+            cancel.raise_if_signalled()        # stopped after the last cancel point: write nothing
             text = render(payload, rows, getattr(ns, "format", "json"))
             if not team.is_main:
                 pass                                     # rank 0 alone writes the result

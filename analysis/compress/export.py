@@ -57,7 +57,7 @@ from analysis.core.placement import DTYPES, dtype_name
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import zero_heads
 from analysis.arch.models import quiet_load_report, quiet_progress_bars
-from analysis.core.progress import Progress, no_progress
+from analysis.core.progress import Progress, check_stop, no_progress
 from analysis.compress.surgery import HeadLayout, apply_layout, prune_heads
 
 TOOL = "headscope"
@@ -518,6 +518,7 @@ def _run_export(fmt: str, target, overwrite: bool, write: Callable[[Path], HeadL
     report(0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
         layout = write(tmp)
+        check_stop(None, f"The {fmt} export")     # a signal during the write: the temporary folder goes
         report(0.9, f"{fmt} export: moving into place")
     report(1.0, f"{fmt} export written to {target}")
     return ExportResult(format=fmt, path=target, files=_listing(target), layout=layout, notes=notes)
