@@ -139,9 +139,12 @@ def read_config_json(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     try:
         text = read_file_text(path, CONFIG_MAX_BYTES, what="config.json", fix=fix)
-        data = schemas.load_json_text(text, f"{path}", fix)
     except HeadscopeError as err:
         raise ModelLoadError(str(err)) from None
+    try:
+        data = schemas.load_json_text(text, "it", fix)
+    except HeadscopeError as err:
+        raise ModelLoadError(f"Could not read {path}: {err}") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} holds a JSON {type(data).__name__ if data is not None else 'null'}, not a "
                              f"config object; {fix}.")

@@ -12,7 +12,6 @@ import json
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
