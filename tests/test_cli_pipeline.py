@@ -30,7 +30,7 @@ def test_pipeline_command_writes_report_and_exports(tiny_folder, tmp_path, capsy
     assert payload["n_pruned"] == 8
     assert [s["stage"] for s in payload["stages"]][0] == "dense" and payload["stages"][-1]["stage"].startswith("INT8")
     run = out / "run1"
-    assert sorted(p.name for p in run.iterdir()) == ["onnx", "onnx-int8", "pruned", "report"]
+    assert sorted(p.name for p in run.iterdir()) == ["onnx", "onnx-int8", "pruned", "report", "run.json"]
     assert sorted(p.name for p in (run / "report").iterdir()) == ["ppl_vs_sparsity.png", "report.json", "report.md"]
     layout = json.loads((run / "pruned" / "head_layout.json").read_text())
     assert sorted({r for row in layout["rounds"] for r in row}) == [0, 1, 2]

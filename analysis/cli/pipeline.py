@@ -3,10 +3,13 @@ runs the iterative schedule with the compression report (analysis.compress.repor
 report and the final model's exports under --out-dir/--name."""
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 from analysis.cli.common import (add_output_arguments, add_scorer_arguments, add_source_arguments, placement_kwargs,
                                  progress_bar, register, scorer_from)
+from analysis.core import progress as cancel     # signals: a flag checked at cancel points
 from analysis.core.errors import InputError
 from analysis.core.text import clean_user_text
 from analysis.score.masks import POLICIES
@@ -83,37 +86,50 @@ def config_from(ns):
 def run_pipeline_command(ns):
     """Run the pipeline, write the report and the final model's exports under --out-dir/--name."""
     from analysis.arch.models import DEFAULT_MODEL, load_model
-    from analysis.compress.export import FORMATS, resolve_under
+    from analysis.compress.export import FORMATS, TOOL, resolve_under
+    from analysis.compress.export.folder import RUN_FILE, atomic_folder, clean_leftovers
     from analysis.compress.pipeline import export_round
     from analysis.compress.report import compression_report, write_report
     formats = [f.strip() for f in ns.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         raise InputError(f"Unknown export format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}.")
+    if len(set(formats)) != len(formats):
+        raise InputError(f"--formats names a format twice ({ns.formats}); give each format once, e.g. zeroed,onnx.")
     config = config_from(ns)
     run_dir = resolve_under(ns.out_dir, ns.name)
     train, held_out = _read_text(ns.train_text, "--train-text"), _read_text(ns.eval_text, "--eval-text")
-    with progress_bar("loading", not ns.quiet) as bar:
-        loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code, cache_dir=ns.cache_dir,
-                            progress=bar, **placement_kwargs(ns))
-    with progress_bar("pipeline", not ns.quiet) as bar:
-        rep, result = compression_report(loaded, config, train_data=train, eval_text=held_out, int8=ns.int8,
-                                         threads=ns.threads, progress=bar)
-    files = {name: str(path) for name, path in write_report(rep, run_dir / "report", overwrite=ns.overwrite).items()}
-    exports = {}
-    for fmt in formats:
-        out = export_round(fmt, result.model, result.pruned, result.head_rounds, run_dir, fmt,
-                           tokenizer=loaded.tokenizer, kv_policy=config.kv_policy, overwrite=ns.overwrite)
-        exports[fmt] = str(out.path)
-    if ns.int8 and "onnx" in formats:
-        from analysis.compress.quantize import quantize_onnx   # onnxruntime: only for this stage
-        exports["onnx-int8"] = str(quantize_onnx(Path(exports["onnx"]), run_dir / "onnx-int8",
-                                                 overwrite=ns.overwrite).parent)
-    stages = [{"stage": s.name, "sparsity": s.sparsity, "parameters": s.parameters, "size_mb": s.size_mb,
-               rep.metric: s.metric, **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]
-    payload = {"model": loaded.name, "metric": rep.metric, "n_pruned": int(result.pruned.sum()),
-               "stopped_by_budget": result.stopped_by_budget, "stages": stages, "curves": rep.curves,
-               "report": files, "exports": exports}
+    for note in clean_leftovers(run_dir.parent):              # a run killed earlier (SIGKILL)
+        sys.stderr.write(f"note: {note}\n")
+    # the run folder is written like an export: a temporary folder, made before the first round (a
+    # read-only --out-dir or an existing run fails now, not after the rounds), moved into place at the
+    # end; a failure, SIGTERM or Ctrl-C removes it, and --overwrite replaces only a headscope run
+    with atomic_folder(run_dir, overwrite=ns.overwrite) as tmp:
+        with progress_bar("loading", not ns.quiet) as bar:
+            loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
+                                cache_dir=ns.cache_dir, progress=bar, **placement_kwargs(ns))
+        with progress_bar("pipeline", not ns.quiet) as bar:
+            rep, result = compression_report(loaded, config, train_data=train, eval_text=held_out, int8=ns.int8,
+                                             threads=ns.threads, progress=bar)
+        def moved(path) -> str:                  # where a file written into `tmp` will be
+            return str(run_dir / Path(path).resolve().relative_to(tmp.resolve()))
+        files = {name: moved(path) for name, path in write_report(rep, tmp / "report").items()}
+        exports = {}
+        for fmt in formats:
+            out = export_round(fmt, result.model, result.pruned, result.head_rounds, tmp, fmt,
+                               tokenizer=loaded.tokenizer, kv_policy=config.kv_policy)
+            exports[fmt] = moved(out.path)
+        if ns.int8 and "onnx" in formats:
+            from analysis.compress.quantize import quantize_onnx   # onnxruntime: only for this stage
+            quantize_onnx(tmp / "onnx", tmp / "onnx-int8")
+            exports["onnx-int8"] = str(run_dir / "onnx-int8")
+        stages = [{"stage": s.name, "sparsity": s.sparsity, "parameters": s.parameters, "size_mb": s.size_mb,
+                   rep.metric: s.metric, **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]
+        payload = {"model": loaded.name, "metric": rep.metric, "n_pruned": int(result.pruned.sum()),
+                   "stopped_by_budget": result.stopped_by_budget, "stages": stages, "curves": rep.curves,
+                   "report": files, "exports": exports}
+        (tmp / RUN_FILE).write_text(json.dumps({"tool": TOOL, "model": loaded.name, "formats": formats}, indent=1))
+        cancel.raise_if_signalled()              # a signal during the last export: the run folder goes
     return payload, stages
 
 

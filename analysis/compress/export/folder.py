@@ -107,13 +107,20 @@ TMP_MARKER = ".headscope-export-in-progress"
 _LEFTOVER = LEFTOVER                 # the one leftover pattern (analysis.core.atomic)
 
 
+RUN_FILE = "run.json"      # what a pipeline run folder holds at its top (its exports sit inside it)
+
+
 def is_headscope_export(folder: Path) -> bool:
-    """True when `folder` holds a mask.json written by headscope (what --overwrite may replace)."""
-    try:
-        data = json.loads((Path(folder) / MASK_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        return False
-    return isinstance(data, dict) and data.get("tool") == TOOL
+    """True when `folder` holds a mask.json (an export) or a run.json (a pipeline run) written by
+    headscope: what --overwrite may replace."""
+    for name in (MASK_FILE, RUN_FILE):
+        try:
+            data = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        if isinstance(data, dict) and data.get("tool") == TOOL:
+            return True
+    return False
 
 
 def _ours(folder: Path) -> bool:
