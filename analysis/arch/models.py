@@ -289,11 +289,11 @@ def _cached_builtin(builtin: BuiltinModel, cache_root: Path, marker: dict, progr
     removed on failure."""
     final = cache_root / "models" / builtin.name
     marker = {"format": _CACHE_FORMAT, "name": builtin.name, **marker}
+    remove_dead_temps(final.parent, builtin.name)           # a conversion killed earlier (SIGKILL)
     if _read_marker(final) == marker:
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        remove_dead_temps(final.parent, builtin.name)       # a conversion killed earlier (SIGKILL)
         tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(builtin.name), dir=final.parent))
     except OSError as err:
         raise ModelLoadError(f"Cannot write the model cache at {final.parent} ({err.strerror}). Set "
