@@ -172,7 +172,7 @@ def test_cli_more_hostile_input(case: Case, ckpt, model_dir, tmp_path, capsys, m
 
 # the real CLI in a subprocess: one line on stderr, nothing before it (no warning, no traceback)
 SUBPROCESS_CASES = ["random-seed-negative", "evaluate-max-tokens-1e30", "model-5000-chars",
-                    "config-list---checkpoint", "nan-weights-checkpoint", "export-out-dir-empty",
+                    "config-list-checkpoint", "nan-weights-checkpoint", "export-out-dir-empty",
                     "ablation-file-fifo", "pipeline-temperature-inf"]
 
 
