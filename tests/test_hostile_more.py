@@ -419,3 +419,42 @@ def test_evaluate_validates_window_at_the_library_boundary(model_dir, window):
         evaluate(lm, "some text to evaluate", window=window)
     with pytest.raises(InputError, match="max_tokens must be a whole number"):
         evaluate(lm, "some text", max_tokens=10**12)
+
+
+# -- 18: no warning before the one line ------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_pickle_model_refusal_is_the_only_line_on_stderr(model_dir, tmp_path):
+    """torch's weights-only loader warns "Detected pickle protocol 4 ..." (two lines) before the
+    refusal; the CLI holds warnings while a command runs and drops them after a user error."""
+    import shutil
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'PICKLE_RAN'}",))
+
+    folder = Path(shutil.copytree(model_dir, tmp_path / "pickled"))
+    (folder / "model.safetensors").unlink()
+    with open(folder / "pytorch_model.bin", "wb") as handle:
+        pickle.dump({"w": Evil()}, handle, protocol=4)
+    done = _cli(["score", "--quiet", "--model", folder], cwd=tmp_path)
+    assert done.returncode == 2
+    assert len([line for line in done.stderr.splitlines() if line.strip()]) == 1, done.stderr
+    assert_one_line_error(done.stderr, r"pickle", r"safetensors copy")
+    assert not (tmp_path / "PICKLE_RAN").exists()
+
+
+def test_held_warnings_are_shown_after_a_success(caplog):
+    """Holding warnings must not hide them from a run that succeeds: emit() shows them again."""
+    import logging
+    import warnings as w
+    from analysis.cli.main import held_warnings
+    with w.catch_warnings(record=True) as shown:
+        w.simplefilter("always")
+        with held_warnings() as held:
+            w.warn("a note for the user", UserWarning)
+            logging.getLogger("accelerate.test").warning("an accelerate note")
+        assert not shown and "an accelerate note" not in caplog.text             # held, not shown
+        held.emit()
+    assert [str(x.message) for x in shown] == ["a note for the user"]
+    assert "an accelerate note" in caplog.text

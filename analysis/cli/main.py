@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -59,6 +61,48 @@ def sigterm_as_interrupt() -> Iterator[None]:
         cancel.clear_stop()
 
 
+# libraries whose WARNING log records are held like warnings (accelerate's "Some parameters are on
+# the meta device ..." comes before the error that a Gradient-Head scorer on an offloaded model gives)
+HELD_LOGGERS = ("accelerate",)
+
+
+class _Held:
+    """The warnings and library log warnings of one command: `emit()` shows them (after a success);
+    after a user error they are dropped, so the error line is all of stderr."""
+
+    def __init__(self, caught: list, records: list, showwarning):
+        self.caught, self.records, self.showwarning = caught, records, showwarning
+
+    def emit(self) -> None:
+        for w in self.caught:
+            self.showwarning(w.message, w.category, w.filename, w.lineno)
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+
+
+@contextmanager
+def held_warnings() -> Iterator[_Held]:
+    """Hold Python warnings (torch's "Detected pickle protocol 4 ..." before a pickle refusal) and
+    HELD_LOGGERS' warnings while a command runs; the caller emits them once the command succeeded."""
+    showwarning = warnings.showwarning
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in HELD_LOGGERS]
+    saved = [(lg, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")           # each distinct warning once, as without holding
+            yield _Held(caught, records, showwarning)
+    finally:
+        for lg, propagate in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
@@ -67,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     command = COMMANDS[ns.command]
     team = distributed.SOLO
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), held_warnings() as held:
             team = ns.team = distributed.team()          # SOLO unless a launcher started several processes
             if not team.is_main:
                 if not command.distributed:
@@ -85,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 atomic_write(out, text, what="--out")
             else:
                 sys.stdout.write(text)
+        held.emit()                                  # a success: the held warnings, after the result
     except HeadscopeError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)   # one line, whatever the message holds
         return 2
