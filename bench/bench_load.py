@@ -10,7 +10,6 @@ Target: load_model / from_pretrained <= 1.2x.
 """
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from analysis.arch.models import load_model  # noqa: E402
-from bench._timing import alternate_times, timed  # noqa: E402
+from bench._timing import compare, timed  # noqa: E402
 
 
 def main() -> None:
@@ -42,16 +41,13 @@ def main() -> None:
             AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False).eval()
             AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
-        times = alternate_times({"load_model": ours, "from_pretrained": bare}, args.repeats,
-                                collect=True)  # warms both first
+        cmp = compare({"load_model": ours, "from_pretrained": bare}, min_pairs=args.repeats,
+                      max_pairs=4 * args.repeats + 1, collect=True)  # warms both first
 
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["load_model"] / med["from_pretrained"]
     print(f"one-time conversion (GGUF -> safetensors, first load_model): {convert:.1f} s")
-    for label, values in times.items():
-        print(f"{label:>16}: median {med[label] * 1000:.0f} ms  "
-              f"(runs: {', '.join(f'{v * 1000:.0f}' for v in values)})")
-    print(f"ratio load_model / from_pretrained: {ratio:.2f}x (target <= 1.2x) "
+    cmp.report("load_model vs bare from_pretrained (+ tokenizer)", target="<= 1.2x")
+    ratio = cmp.ratio
+    print(f"ratio load_model / from_pretrained (median of interleaved pairs): {ratio:.2f}x (target <= 1.2x) "
           f"-> {'OK' if ratio <= 1.2 else 'ABOVE TARGET'}")
 
 

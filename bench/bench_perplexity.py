@@ -13,12 +13,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench._timing import compare  # noqa: E402
 
 TARGET = 1.0
 
@@ -52,24 +53,26 @@ def main(argv=None, lm=None) -> bool:
     print(f"{lm.name}, {ids.numel()} tokens, window {args.window}, stride {args.stride}: "
           f"{n_windows} windows, batch {args.batch_size}")
 
-    times = {"hf": [], "ours": []}
     values = {}
-    for r in range(args.repeats):
-        order = ("hf", "ours") if r % 2 == 0 else ("ours", "hf")
-        for name in order:
-            t0 = time.perf_counter()
-            values[name] = (hf_loop(lm.model, device_ids, args.window, args.stride) if name == "hf"
-                            else ours.measure(lm.model, ids).value)
-            times[name].append(time.perf_counter() - t0)
-    hf_t, our_t = statistics.median(times["hf"]), statistics.median(times["ours"])
+
+    def hf():
+        values["hf"] = hf_loop(lm.model, device_ids, args.window, args.stride)
+
+    def mine():
+        values["ours"] = ours.measure(lm.model, ids).value
+
+    # interleaved pairs (bench/_timing.compare); throughput ours / HF = time HF / time ours per pair
+    cmp = compare({"HF loop": hf, "ours": mine}, min_pairs=args.repeats, max_pairs=4 * args.repeats + 1)
+    cmp.report("perplexity: HF loop vs ours (seconds per evaluation)", unit=1.0, unit_name="s",
+               target=f">= {TARGET}x")
     n = ids.numel() - 1
     rel = abs(values["ours"] - values["hf"]) / values["hf"]
-    print(f"HF loop : {hf_t:7.2f} s  {n / hf_t:7.1f} tokens/s  perplexity {values['hf']:.5f}")
-    print(f"ours    : {our_t:7.2f} s  {n / our_t:7.1f} tokens/s  perplexity {values['ours']:.5f}")
-    ratio = hf_t / our_t
+    print(f"HF loop : median {n / statistics.median(cmp.times['HF loop']):7.1f} tokens/s  perplexity {values['hf']:.5f}")
+    print(f"ours    : median {n / statistics.median(cmp.times['ours']):7.1f} tokens/s  perplexity {values['ours']:.5f}")
+    ratio = cmp.ratio
     ok = ratio >= TARGET and rel <= 1e-4
-    print(f"throughput ours / HF = {ratio:.2f}x (target >= {TARGET}x), perplexity rel. diff {rel:.1e} "
-          f"-> {'PASS' if ok else 'FAIL'}")
+    print(f"throughput ours / HF = {ratio:.2f}x (median of {len(cmp.ratios)} interleaved pairs; target >= {TARGET}x), "
+          f"perplexity rel. diff {rel:.1e} -> {'PASS' if ok else 'FAIL'}")
     return ok
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._timing import alternate_times  # noqa: E402
+from bench._timing import compare  # noqa: E402
 
 from analysis.core.atomic import write_section  # noqa: E402
 from analysis.compress.distill import DistillConfig, batch_indices, distill, training_sequences  # noqa: E402
@@ -130,11 +130,14 @@ def throughput(loaded, args) -> dict:
                 opt.step()
                 sched.step()
 
-    times = alternate_times({"headscope": ours, "plain": plain}, repeats=args.tp_repeats, warm=False, collect=True)
-    per = {k: float(np.median(v)) / cfg.steps for k, v in times.items()}
-    ratio = per["plain"] / per["headscope"]
+    # interleaved pairs (bench/_timing.compare); throughput headscope / plain = time plain / time headscope
+    cmp = compare({"plain": plain, "headscope": ours}, min_pairs=args.tp_repeats, max_pairs=4 * args.tp_repeats + 1,
+                  warm=False, collect=True)
+    cmp.report(f"  distillation throughput, {cfg.steps} steps per run (seconds per run)", unit=1.0, unit_name="s")
+    per = {k: float(np.median(v)) / cfg.steps for k, v in cmp.times.items()}
+    ratio = cmp.ratio
     print(f"  throughput: headscope {per['headscope']:.3f} s/step, plain loop {per['plain']:.3f} s/step -> "
-          f"{ratio:.3f}x", flush=True)
+          f"{ratio:.3f}x (median of {len(cmp.ratios)} interleaved pairs)", flush=True)
     return {"seconds_per_step": per, "ratio": ratio}
 
 
