@@ -458,3 +458,36 @@ def test_held_warnings_are_shown_after_a_success(caplog):
         held.emit()
     assert [str(x.message) for x in shown] == ["a note for the user"]
     assert "an accelerate note" in caplog.text
+
+
+# -- 9: the pipeline's run folder ----------------------------------------------------------------------
+
+def test_pipeline_on_a_read_only_out_dir_fails_before_the_first_round(tmpfs, model_dir, capsys):
+    disk = tmpfs("size=1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    started = time.perf_counter()
+    code = cli.main([*PIPE, "--model", str(model_dir), "--out-dir", str(disk / "runs"), "--name", "run"])
+    assert code == 2 and time.perf_counter() - started < 30, "it ran the rounds before checking the output"
+    assert_one_line_error(capsys.readouterr().err, r"read-only", r"writable")
+    assert list(disk.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_pipeline_overwrite_replaces_its_own_run_and_nothing_else(model_dir, tmp_path, capsys):
+    argv = [*PIPE, "--model", str(model_dir), "--target", "0.25", "--step", "0.25", "--train-batch", "2",
+            "--train-seq-len", "16", "--out-dir", str(tmp_path), "--name", "run"]
+    assert cli.main(argv) == 0
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == ["pruned", "report", "run.json"]
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    capsys.readouterr()
+    assert cli.main(argv) == 2                                         # exists: refused before the rounds
+    assert cli.main([*argv, "--overwrite"]) == 0                       # its own run: replaced
+    assert sorted(p.name for p in run.iterdir()) == ["pruned", "report", "run.json"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.main([*argv[:-1], "other", "--overwrite"]) == 2         # not a headscope run: left alone
+    assert_one_line_error(capsys.readouterr().err, r"not a headscope export", r"choose another name")
+    assert (other / "notes.txt").read_text() == "mine"
