@@ -39,7 +39,7 @@ from analysis.compress.distill import DistillConfig, DistillResult, distill, wit
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate
 from analysis.arch.head_gates import gates_from_mask, zero_heads
-from analysis.score.masks import POLICIES, heads_to_prune, plan_mask
+from analysis.score.masks import POLICIES, default_policy, heads_to_prune, plan_mask
 from analysis.measure.profiles import profile_model
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.score.scoring import get_scorer
@@ -50,21 +50,41 @@ DEFAULT_SCORER = "mp-g"
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What the schedule does. step: fraction of all heads pruned per round (>= target: one round)."""
+    """What the schedule does. step: fraction of all heads pruned per round (>= target: one round).
+
+    policy: the mask policy (analysis.score.masks.POLICIES); None = `masks.default_policy` of the
+    model ("groups" on GQA models, which never grows the model; "global" on MHA), fixed by
+    `for_model` when the run starts. Recovery per round: recovery_steps optimizer steps, or
+    recovery_tokens training tokens (converted with the distillation batch: `steps_per_round`), and
+    at most distill.max_seconds of training; distill.eval_every > 0 also measures the held-out
+    metric every that many steps (into the round's history)."""
     target_sparsity: float = 0.25
     step: float = 0.10
     recovery_steps: int = 0
     ppl_budget: float | None = None
     scorer: str = DEFAULT_SCORER
     scorer_params: dict = field(default_factory=dict)
-    policy: str = "global"
+    policy: str | None = None
     kv_policy: str = "auto"
     distill: DistillConfig = DistillConfig()
     eval_tokens: int = 512
+    recovery_tokens: int | None = None
 
     def one_shot(self) -> "PipelineConfig":
         """The same target in one round, without recovery."""
-        return replace(self, step=self.target_sparsity, recovery_steps=0)
+        return replace(self, step=self.target_sparsity, recovery_steps=0, recovery_tokens=None)
+
+    def for_model(self, geometry) -> "PipelineConfig":
+        """This config with the policy fixed for a model of `geometry` (None -> default_policy)."""
+        return self if self.policy is not None else replace(self, policy=default_policy(geometry.group_size))
+
+    def steps_per_round(self) -> int:
+        """Distillation steps of each round: recovery_tokens / (batch x seq x grad_accum tokens per
+        step), rounded up, when a token budget is given; else recovery_steps."""
+        if self.recovery_tokens is None:
+            return self.recovery_steps
+        d = self.distill
+        return math.ceil(self.recovery_tokens / (d.batch_size * d.seq_len * d.grad_accum))
 
     def validate(self, dense_metric: float | None = None) -> "PipelineConfig":
         if not (0 < self.target_sparsity < 1):
@@ -73,15 +93,18 @@ class PipelineConfig:
             raise InputError(f"The step (fraction of heads per round) must be in (0, 1]; got {self.step!r}.")
         if isinstance(self.recovery_steps, bool) or not isinstance(self.recovery_steps, int) or self.recovery_steps < 0:
             raise InputError(f"Recovery steps per round must be a whole number >= 0; got {self.recovery_steps!r}.")
-        if self.policy not in POLICIES:
+        tokens = self.recovery_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise InputError(f"Recovery tokens per round must be a whole number >= 0; got {tokens!r}.")
+        if self.policy is not None and self.policy not in POLICIES:
             raise InputError(f"Unknown mask policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
         if self.ppl_budget is not None and not (self.ppl_budget > 0 and math.isfinite(self.ppl_budget)):
             raise InputError(f"The perplexity budget must be a positive number; got {self.ppl_budget!r}.")
         if self.ppl_budget is not None and dense_metric is not None and self.ppl_budget <= dense_metric:
             raise InputError(f"The perplexity budget {self.ppl_budget:g} is not above the dense model's perplexity "
                              f"{dense_metric:.3f}: no pruned model can meet it. Raise the budget.")
-        if self.recovery_steps:
-            with_steps(self.distill, self.recovery_steps).validate()
+        if self.steps_per_round():
+            with_steps(self.distill, self.steps_per_round()).validate()
         get_scorer(self.scorer, **self.scorer_params)       # InputError for an unknown scorer
         return self
 
@@ -175,7 +198,8 @@ def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineC
     pruned = plan.pruned
     if (previous & ~pruned).any():
         raise InputError(f"The {config.policy!r} policy cannot keep the earlier rounds' heads pruned at this "
-                         f"sparsity; use the global policy for iterative pruning.")
+                         f"sparsity; use one round (step >= target), or the global or groups policy for "
+                         f"iterative pruning.")
     return pruned, scores
 
 
@@ -192,8 +216,8 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
     on_step(record) after each distillation step (record has "round"); on_round(round, model,
     pruned) after each accepted round, with that round's full-shape model (do not keep it: it is
     the next round's starting point unless keep_round_models). CancelledError on should_stop."""
-    config.validate()
     geometry = loaded.geometry
+    config = config.for_model(geometry).validate()
     dense = _measure(loaded, loaded.model, eval_text, config, should_stop)
     if config.ppl_budget is not None and dense.higher_is_better:
         raise InputError(f"A perplexity budget needs a language model; this {loaded.kind} model is measured by "
@@ -216,7 +240,7 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
         candidate = zero_heads(copy.deepcopy(model), mask)
         cut = _measure(loaded, candidate, eval_text, config, should_stop).value
         history: list[dict] = []
-        if config.recovery_steps:
+        if config.steps_per_round():
             def step_report(record, index=index):
                 history_record = {"round": index, **record}
                 if on_step is not None:
@@ -226,8 +250,9 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
                 report(progress, span[0] + span[1] * (0.1 + 0.8 * fraction), f"round {index}: {message}")
 
             result: DistillResult = distill(
-                loaded, candidate, train_data, with_steps(config.distill, config.recovery_steps),
+                loaded, candidate, train_data, with_steps(config.distill, config.steps_per_round()),
                 gates=gates_from_mask(mask), on_step=step_report, progress=sub_progress, should_stop=should_stop,
+                evaluate_fn=lambda m: _measure(loaded, m, eval_text, config, should_stop).value,
                 checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir) / f"round-{index}")
             candidate = zero_heads(result.model, mask)    # LoRA merges touch pruned rows: zero them again
             history = [{"round": index, **r} for r in result.history]
