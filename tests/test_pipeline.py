@@ -31,12 +31,17 @@ def test_round_counts():
     assert round_counts(0.5, 0.2, 16) == [3, 6, 8]
     assert round_counts(0.25, 0.25, 270) == [67]
     assert round_counts(0.25, 0.1, 270) == [27, 54, 67]
+    assert round_counts(0.25, 0.1, 270, unit=3) == [27, 54, 67]       # SmolLM2, groups of G = 3
+    assert round_counts(0.25, 0.1, 8, unit=2) == [2]                  # 1 head per round is not a group
+    assert round_counts(0.5, 0.2, 16, unit=4) == [4, 8]               # 3 -> 4 (a multiple of the unit)
+    assert round_counts(0.5, 0.2, 17, unit=4) == [4, 8]               # final 8: no round within a unit of it
 
 
 def test_prunes_exactly_the_target_and_layout_records_rounds(tokenizer):
     loaded = _loaded(tokenizer, num_hidden_layers=4)                    # 16 heads
     dense_state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
-    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=2, distill=SMALL_DISTILL, eval_tokens=64)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=2, distill=SMALL_DISTILL, eval_tokens=64,
+                         policy="global")
     steps = []
     result = run_pipeline(loaded, cfg, train_data=IDS, on_step=steps.append)
     assert [r.n_pruned for r in result.rounds] == [3, 6, 8]
@@ -53,7 +58,8 @@ def test_prunes_exactly_the_target_and_layout_records_rounds(tokenizer):
 
 def test_one_shot_is_one_round_without_recovery(tokenizer):
     loaded = _loaded(tokenizer, num_hidden_layers=4)
-    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=3, distill=SMALL_DISTILL, eval_tokens=64)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=3, distill=SMALL_DISTILL, eval_tokens=64,
+                         policy="global")
     result = run_pipeline(loaded, cfg.one_shot(), train_data=IDS)
     assert len(result.rounds) == 1 and result.rounds[0].history == []
     assert result.rounds[0].metric == result.rounds[0].metric_cut and int(result.pruned.sum()) == 8

@@ -39,7 +39,7 @@ from analysis.compress.distill import DistillConfig, DistillResult, distill, wit
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate
 from analysis.arch.head_gates import gates_from_mask, zero_heads
-from analysis.score.masks import POLICIES, default_policy, heads_to_prune, plan_mask
+from analysis.score.masks import GQA_POLICIES, POLICIES, default_policy, feasible_counts, heads_to_prune, plan_mask
 from analysis.measure.profiles import profile_model
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.score.scoring import get_scorer
@@ -112,12 +112,22 @@ class PipelineConfig:
         return asdict(self)
 
 
-def round_counts(target_sparsity: float, step: float, n_heads: int) -> list[int]:
-    """Cumulative pruned-head counts per round; the last is floor(target * n_heads)."""
+def round_counts(target_sparsity: float, step: float, n_heads: int, unit: int = 1) -> list[int]:
+    """Cumulative pruned-head counts per round; the last is floor(target * n_heads). unit: the
+    policy's step (`policy_unit`): every earlier round prunes a multiple of it, and none lies within
+    one unit of the last (whose count the policy rounds to its nearest feasible one)."""
     final = heads_to_prune(target_sparsity, n_heads)
     per = max(1, heads_to_prune(min(step, 1.0), n_heads))
-    counts = list(range(per, final, per)) + [final]
+    per = unit * math.ceil(per / unit)
+    counts = [c for c in range(per, final, per) if final - c >= unit] + [final]
     return [c for c in counts if c > 0]
+
+
+def policy_unit(policy: str, geometry) -> int:
+    """The head count a GQA policy prunes in steps of (masks.feasible_counts); 1 for the others and on MHA."""
+    if policy not in GQA_POLICIES or geometry.group_size == 1:
+        return 1
+    return int(feasible_counts(policy, geometry.n_layers, geometry.n_heads, geometry.group_size)[1])
 
 
 @dataclass
@@ -132,6 +142,10 @@ class Round:
     accepted: bool                    # False: it broke the budget and was discarded
     seconds: float
     history: list[dict] = field(default_factory=list)   # distillation steps of the round
+    accuracy_cut: float | None = None  # next-token top-1 accuracy right after the cut (causal LMs)
+    accuracy: float | None = None      # ... after recovery
+    recovery_seconds: float = 0.0
+    precision: str | None = None       # the distillation's precision ("auto" resolved); None: no recovery
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -150,6 +164,7 @@ class PipelineResult:
     config: PipelineConfig
     stopped_by_budget: bool = False
     round_models: list[torch.nn.Module] = field(default_factory=list)   # with keep_round_models
+    dense_accuracy: float | None = None   # the dense model's next-token top-1 accuracy (causal LMs)
 
     @property
     def accepted(self) -> list[Round]:
@@ -159,6 +174,10 @@ class PipelineResult:
     def final_metric(self) -> float:
         return self.accepted[-1].metric if self.accepted else self.dense_metric
 
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.accepted[-1].accuracy if self.accepted else self.dense_accuracy
+
     def smaller(self, kv_policy: str | None = None, *, share: bool = True):
         """(physically pruned model, HeadLayout with the rounds) of the final model. share=True: its
         untouched weights are `self.model`'s (read-only use); share=False to train or edit it."""
@@ -167,6 +186,7 @@ class PipelineResult:
 
     def as_dict(self) -> dict:
         return {"metric": self.metric, "dense": self.dense_metric, "final": self.final_metric,
+                "dense_accuracy": self.dense_accuracy, "final_accuracy": self.final_accuracy,
                 "n_pruned": int(self.pruned.sum()), "n_heads": int(self.pruned.size),
                 "stopped_by_budget": self.stopped_by_budget, "config": self.config.as_dict(),
                 "rounds": [r.as_dict() for r in self.rounds], "head_rounds": self.head_rounds.tolist()}
@@ -223,7 +243,8 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
         raise InputError(f"A perplexity budget needs a language model; this {loaded.kind} model is measured by "
                          f"{dense.metric}.")
     config.validate(dense.value)
-    counts = round_counts(config.target_sparsity, config.step, geometry.n_total_heads)
+    counts = round_counts(config.target_sparsity, config.step, geometry.n_total_heads,
+                          policy_unit(config.policy, geometry))
     if config.policy == "uniform":
         counts = [geometry.n_layers * heads_to_prune(c / geometry.n_total_heads, geometry.n_heads) for c in counts]
     model = copy.deepcopy(loaded.model)                                  # never the cached model
@@ -238,8 +259,10 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
         report(progress, span[0], f"round {index}/{len(counts)}: scoring {config.scorer}")
         mask, _ = next_mask(loaded, model, pruned, count, config, calibration, should_stop)
         candidate = zero_heads(copy.deepcopy(model), mask)
-        cut = _measure(loaded, candidate, eval_text, config, should_stop).value
+        cut_eval = _measure(loaded, candidate, eval_text, config, should_stop)
+        cut, accuracy_cut = cut_eval.value, cut_eval.accuracy
         history: list[dict] = []
+        recovery_seconds, precision = 0.0, None
         if config.steps_per_round():
             def step_report(record, index=index):
                 history_record = {"round": index, **record}
@@ -256,13 +279,16 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
                 checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir) / f"round-{index}")
             candidate = zero_heads(result.model, mask)    # LoRA merges touch pruned rows: zero them again
             history = [{"round": index, **r} for r in result.history]
-            value = _measure(loaded, candidate, eval_text, config, should_stop).value
+            recovered = _measure(loaded, candidate, eval_text, config, should_stop)
+            value, accuracy = recovered.value, recovered.accuracy
+            recovery_seconds, precision = result.seconds, result.precision
         else:
-            value = cut
+            value, accuracy = cut, accuracy_cut
         new = [(int(l), int(h)) for l, h in zip(*np.nonzero(mask & ~pruned))]
         accepted = not _over_budget(value, config.ppl_budget)
         done = Round(index, int(mask.sum()), float(mask.sum() / mask.size), new, float(cut), float(value),
-                     accepted, time.perf_counter() - began, history)
+                     accepted, time.perf_counter() - began, history, accuracy_cut, accuracy, recovery_seconds,
+                     precision)
         rounds.append(done)
         report(progress, span[0] + span[1], f"round {index}/{len(counts)}: {mask.sum()} heads pruned, "
                                             f"{dense.metric} {value:.3f}")
@@ -278,7 +304,8 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
     model.eval()
     return PipelineResult(model=model, pruned=pruned, head_rounds=head_rounds, metric=dense.metric,
                           higher_is_better=dense.higher_is_better, dense_metric=float(dense.value), rounds=rounds,
-                          config=config, stopped_by_budget=stopped, round_models=kept_models)
+                          config=config, stopped_by_budget=stopped, round_models=kept_models,
+                          dense_accuracy=dense.accuracy)
 
 
 def export_round(fmt: str, model, pruned, head_rounds, root, name: str, *, tokenizer=None, kv_policy="auto",

@@ -7,10 +7,17 @@ Two routes:
   "weight-only" (default): the embedding Gather gets per-channel INT8 weights
   (`quantize_dynamic` with op_types ["Gather"]), then every MatMul gets INT8 weights in blocks
   of `block_size` along the input (`MatMulNBitsQuantizer`, bits=8); activations stay float32.
-  "dynamic": `quantize_dynamic` of MatMul and Gather, activations quantized to 8 bits on the
-  fly. Measured on SmolLM2 at 25% MP-G (512 evaluation tokens): "dynamic" agrees with float32 on
-  only ~48% of next-token top-1 predictions (perplexity x2.2: its activations have outliers a
-  per-tensor 8-bit scale cannot hold); "weight-only" stays within ~2% perplexity.
+  "dynamic" (integer kernels: MatMulInteger, which is what makes INT8 faster than float32): the
+  weight MatMuls (those with an initializer input: the Linear layers) get per-channel INT8 weights
+  and 8-bit activations quantized on the fly (one asymmetric scale per tensor per call); the
+  activation x activation MatMuls of attention (Q K^T, P V) stay float, and so do the Linear layers
+  named in `keep_float`. Why the first version agreed with float32 on only ~48-56 % of top-1
+  predictions on SmolLM2 (measured: docs/results.md and issue 23's report): it quantized every
+  MatMul per tensor, but above all the inputs of some MLP down projections carry a few huge
+  values (SmolLM2 layer 11: max 3066 at an RMS of 5, 256 calibration tokens), so one 8-bit step
+  is larger than the typical value and the rest of the tensor rounds to 0. `sensitive_linears`
+  finds those layers from one forward pass on calibration text (8-bit step / input RMS above
+  `OUTLIER_STEP`) and keeps them in float.
 - PyTorch: `quantize_linear(model)` is `torch.ao.quantization.quantize_dynamic` of every
   nn.Linear on a copy (the input model is not changed).
 
@@ -25,11 +32,14 @@ import contextlib
 import copy
 import io
 import logging
+import math
+import re
 import shutil
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -43,7 +53,7 @@ from analysis.compress.speed import alternating_times, torch_threads
 DEFAULT_BLOCK = 32
 
 
-def _weight_only(src: Path, dst: Path, block_size: int) -> None:
+def _weight_only(src: Path, dst: Path, block_size: int, keep_float: Sequence[str] = ()) -> None:
     """Per-channel INT8 Gather (embedding), then 8-bit block-quantized MatMul weights."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -58,9 +68,28 @@ def _weight_only(src: Path, dst: Path, block_size: int) -> None:
     staged.unlink()
 
 
-def _dynamic(src: Path, dst: Path, block_size: int) -> None:
+def _onnx_path_of(module_name: str) -> str:
+    """The ONNX scope of a module: 'model.layers.28.mlp.down_proj' -> 'model/layers.28/mlp/down_proj'
+    (the TorchScript exporter keeps a ModuleList index with its list's name)."""
+    return re.sub(r"\.(\d+)", r"#\1", module_name).replace(".", "/").replace("#", ".")
+
+
+def weight_matmuls(model_proto, keep_float: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """(MatMul nodes with an initializer input, to quantize; those of them kept float because their
+    module is in keep_float)."""
+    inits = {i.name for i in model_proto.graph.initializer}
+    scopes = [f"/{_onnx_path_of(name)}/" for name in keep_float]
+    weights = [n.name for n in model_proto.graph.node if n.op_type == "MatMul" and any(x in inits for x in n.input)]
+    kept = [n for n in weights if any(scope in n + "/" for scope in scopes)]
+    return [n for n in weights if n not in kept], kept
+
+
+def _dynamic(src: Path, dst: Path, block_size: int, keep_float: Sequence[str] = ()) -> None:
+    """Integer-kernel INT8: per-channel weights, dynamic 8-bit activations, sensitive layers float."""
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gather"])
+    nodes, _ = weight_matmuls(onnx.load(str(src), load_external_data=False), keep_float)
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, nodes_to_quantize=nodes, per_channel=True)
 
 
 ONNX_METHODS = {"weight-only": _weight_only, "dynamic": _dynamic}
@@ -75,9 +104,10 @@ def _onnx_file(path) -> Path:
 
 
 def quantize_onnx(source, target, *, method: str = "weight-only", block_size: int = DEFAULT_BLOCK,
-                  overwrite: bool = False) -> Path:
+                  keep_float: Sequence[str] = (), overwrite: bool = False) -> Path:
     """INT8 copy of an ONNX export folder (or model.onnx) written atomically to folder `target`.
-    Returns the new model.onnx path."""
+    keep_float: module names ("model.layers.11.mlp.down_proj", from `sensitive_linears`) whose
+    MatMul stays float32 ("dynamic"). Returns the new model.onnx path."""
     if method not in ONNX_METHODS:
         raise InputError(f"Unknown ONNX quantization method {method!r}; choose one of {', '.join(ONNX_METHODS)}.")
     src = _onnx_file(source)
@@ -88,7 +118,7 @@ def quantize_onnx(source, target, *, method: str = "weight-only", block_size: in
                 shutil.copy2(side, tmp / side.name)
         with warnings.catch_warnings(), _quiet_logs():
             warnings.simplefilter("ignore")
-            ONNX_METHODS[method](src, tmp / ONNX_FILE, int(block_size))
+            ONNX_METHODS[method](src, tmp / ONNX_FILE, int(block_size), tuple(keep_float))
     return target / ONNX_FILE
 
 
@@ -103,13 +133,49 @@ def _quiet_logs():
         logging.disable(previous)
 
 
-def quantize_linear(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose nn.Linear layers are PyTorch dynamic INT8 (CPU inference only)."""
-    from torch.ao.quantization import quantize_dynamic
+OUTLIER_STEP = 0.5     # 8-bit step / input RMS above which a Linear layer stays float
+
+
+@torch.no_grad()
+def activation_steps(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """For every nn.Linear of `model`: the step of a per-tensor 8-bit activation quantizer
+    ((max - min) / 255 of its input) over the input's RMS, on ids [B, T]. Above ~1 the typical input
+    value is below one step, so dynamic INT8 of that layer rounds most of its input to zero."""
+    steps: dict[str, float] = {}
+
+    def hook(name):
+        def record(module, inputs):
+            x = inputs[0].detach().float()                                 # [B, T, D_in]
+            rms = float(x.pow(2).mean().sqrt())
+            steps[name] = max(steps.get(name, 0.0), float(x.max() - x.min()) / 255 / rms if rms else math.inf)
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if type(m) is nn.Linear]
+    try:
+        model(input_ids=torch.as_tensor(ids).long())
+    finally:
+        for h in handles:
+            h.remove()
+    return steps
+
+
+def sensitive_linears(model: nn.Module, ids: torch.Tensor, threshold: float = OUTLIER_STEP) -> list[str]:
+    """Names of the nn.Linear layers whose calibration input (ids [B, T]) has an 8-bit step above
+    `threshold` x its RMS (`activation_steps`): the layers dynamic INT8 keeps in float."""
+    return sorted(name for name, step in activation_steps(model, ids).items() if step > threshold)
+
+
+def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_channel: bool = True) -> nn.Module:
+    """A copy of `model` whose nn.Linear layers are PyTorch dynamic INT8 (CPU inference only): INT8
+    weights (per output channel by default), activations quantized per tensor on the fly, integer
+    matmuls (fbgemm / onednn). keep_float: module names left float (`sensitive_linears`)."""
+    from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
     twin = copy.deepcopy(model).eval()
+    qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
+    spec = {name: qconfig for name, m in twin.named_modules() if type(m) is nn.Linear and name not in set(keep_float)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")        # torch.ao.quantization's deprecation notice
-        return quantize_dynamic(twin, {nn.Linear}, dtype=torch.qint8)
+        return quantize_dynamic(twin, spec, dtype=torch.qint8)
 
 
 def state_bytes(model: nn.Module) -> int:
