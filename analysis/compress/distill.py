@@ -22,7 +22,8 @@ cross-entropy of `kl_term` / `next_token_nll`, the hidden-state MSE) is computed
 float32 copies of the logits; "auto" = bf16 where the hardware has bfloat16 units (a CUDA device
 that supports it, or a CPU whose /proc/cpuinfo flags list avx512_bf16 or amx_bf16), else fp32.
 Budgets: `steps` sets the schedule; `max_seconds` stops training early once that much time has
-passed (the cosine then has not reached 0; the result says how many steps were done), and
+passed, after at least one step (the cosine then has not reached 0; the result says how many steps
+were done), and
 `eval_every` > 0 calls `evaluate_fn(student)` (the held-out metric, under the gates) every that
 many steps and at the end, into the step's history record as "heldout". Full fine-tuning, or LoRA adapters through
 peft on every Linear layer but the output head (merged into the weights before `distill`
@@ -430,7 +431,8 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
         with mask:
             for step in range(start, config.steps):
                 check_stop(should_stop, "Distillation")
-                if config.max_seconds is not None and time.perf_counter() - began >= config.max_seconds:
+                if (config.max_seconds is not None and step > start
+                        and time.perf_counter() - began >= config.max_seconds):     # at least one step
                     stopped_by_time = True
                     break
                 optimizer.zero_grad(set_to_none=True)
