@@ -18,8 +18,11 @@ Two routes:
   is larger than the typical value and the rest of the tensor rounds to 0. `sensitive_linears`
   finds those layers from one forward pass on calibration text (8-bit step / input RMS above
   `OUTLIER_STEP`) and keeps them in float.
-- PyTorch: `quantize_linear(model)` is `torch.ao.quantization.quantize_dynamic` of every
-  nn.Linear on a copy (the input model is not changed).
+- PyTorch: `quantize_linear(model, keep_float)` is `torch.ao.quantization.quantize_dynamic` of
+  every nn.Linear but those kept float, per-channel INT8 weights, on a copy (the input model is not
+  changed); `torch_int8_report` measures it against float32 in PyTorch (prefill and KV-cache decode).
+Which layers stay float in the integer routes (`int8_keep_float`): the LM head, and the layers
+whose calibration input has outliers (`sensitive_linears`: on SmolLM2 mostly MLP down projections).
 
 `OnnxLM` wraps an ONNX Runtime session as a module with `.config` and `forward(input_ids) ->
 .logits`, so the perplexity of an ONNX file is `evaluation.evaluate`'s own. `compare_onnx`
@@ -133,7 +136,8 @@ def _quiet_logs():
         logging.disable(previous)
 
 
-OUTLIER_STEP = 0.5     # 8-bit step / input RMS above which a Linear layer stays float
+OUTLIER_STEP = 0.3     # 8-bit step / input RMS above which a Linear layer stays float
+CALIBRATION_SHAPE = (2, 256)   # sequences x tokens of the calibration split that find the sensitive layers
 
 
 @torch.no_grad()
@@ -165,6 +169,30 @@ def sensitive_linears(model: nn.Module, ids: torch.Tensor, threshold: float = OU
     return sorted(name for name, step in activation_steps(model, ids).items() if step > threshold)
 
 
+def output_head_names(model: nn.Module) -> list[str]:
+    """The module name(s) of the LM head (tied to the embedding in SmolLM2): kept float by default,
+    it is the last projection, whose errors go straight into the logits."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, m in model.named_modules() if head is not None and m is head]
+
+
+def calibration_ids(tokenizer, shape: tuple[int, int] = CALIBRATION_SHAPE) -> torch.Tensor:
+    """Token ids [n, T] from the built-in calibration split (disjoint from the evaluation split)."""
+    from analysis.core.text import calibration_text, tokenize
+    n, t = shape
+    ids = tokenize(tokenizer, calibration_text(max_chars=n * t * 12), max_tokens=n * t)[0]   # [<= n*t]
+    rows = ids.numel() // t
+    if rows < 1:
+        raise InputError(f"The calibration text gives fewer than {t} tokens.")
+    return ids[:rows * t].reshape(rows, t)                                  # [rows, T]
+
+
+def int8_keep_float(model: nn.Module, ids: torch.Tensor, threshold: float = OUTLIER_STEP) -> list[str]:
+    """What integer INT8 keeps float: the outlier layers (`sensitive_linears` on ids [n, T]) and the
+    LM head (`output_head_names`)."""
+    return sorted(set(sensitive_linears(model, ids, threshold)) | set(output_head_names(model)))
+
+
 def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_channel: bool = True) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are PyTorch dynamic INT8 (CPU inference only): INT8
     weights (per output channel by default), activations quantized per tensor on the fly, integer
@@ -172,7 +200,8 @@ def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_cha
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
     twin = copy.deepcopy(model).eval()
     qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
-    spec = {name: qconfig for name, m in twin.named_modules() if type(m) is nn.Linear and name not in set(keep_float)}
+    spec = {name: qconfig for name, m in twin.named_modules()       # an emptied layer's 0-row Linear stays as it is
+            if type(m) is nn.Linear and name not in set(keep_float) and m.weight.numel()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")        # torch.ao.quantization's deprecation notice
         return quantize_dynamic(twin, spec, dtype=torch.qint8)
@@ -221,6 +250,11 @@ class QuantComparison:
     latency_ms_fp32: float
     latency_ms_int8: float
     n_tokens: int
+    accuracy_fp32: float | None = None    # next-token top-1 accuracy on the text
+    accuracy_int8: float | None = None
+    one_token_ms_fp32: float | None = None  # a 1-token forward: the weight-bound work of a decode step
+    one_token_ms_int8: float | None = None  # (the ONNX export has no KV cache, so no real decode)
+    keep_float: tuple = ()
 
     @property
     def size_ratio(self) -> float:
@@ -255,15 +289,18 @@ def compare_onnx(loaded, fp32, int8, text=None, *, max_tokens: int = 1024, windo
     a, b = OnnxLM(fp32, config, threads), OnnxLM(int8, config, threads)
     ids = token_ids(loaded.tokenizer, evaluation_text_or(text), max_tokens=max_tokens)   # [N]
     agree = top1_agreement(a, b, ids, window)
-    ppl = [evaluate(replace(loaded, model=m), text, max_tokens=max_tokens).value for m in (a, b)]
-    x = ids[:latency_tokens].unsqueeze(0)                                  # [1, T]
+    evs = [evaluate(replace(loaded, model=m), text, max_tokens=max_tokens) for m in (a, b)]
+    x, x1 = ids[:latency_tokens].unsqueeze(0), ids[:1].unsqueeze(0)         # [1, T], [1, 1]
     with torch_threads(threads):
-        times = alternating_times({"fp32": lambda: a(input_ids=x), "int8": lambda: b(input_ids=x)},
+        times = alternating_times({"fp32": lambda: a(input_ids=x), "int8": lambda: b(input_ids=x),
+                                   "fp32-1": lambda: a(input_ids=x1), "int8-1": lambda: b(input_ids=x1)},
                                   repeats=repeats, warmup=1)
     ms = times.median_ms("wall")
-    return QuantComparison(top1_agreement=agree, perplexity_fp32=ppl[0], perplexity_int8=ppl[1],
+    return QuantComparison(top1_agreement=agree, perplexity_fp32=evs[0].value, perplexity_int8=evs[1].value,
                            bytes_fp32=a.path.stat().st_size, bytes_int8=b.path.stat().st_size,
-                           latency_ms_fp32=ms["fp32"], latency_ms_int8=ms["int8"], n_tokens=int(ids.numel()))
+                           latency_ms_fp32=ms["fp32"], latency_ms_int8=ms["int8"], n_tokens=int(ids.numel()),
+                           accuracy_fp32=evs[0].accuracy, accuracy_int8=evs[1].accuracy,
+                           one_token_ms_fp32=ms["fp32-1"], one_token_ms_int8=ms["int8-1"])
 
 
 def evaluation_text_or(text):
@@ -272,17 +309,33 @@ def evaluation_text_or(text):
 
 
 def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 512, latency_tokens: int = 128,
-                      repeats: int = 5, threads: int | None = None) -> dict:
-    """PyTorch dynamic INT8 of `model`'s Linear layers vs the float32 model: size, latency, metric."""
-    q = quantize_linear(model)
-    metric = {name: evaluate(replace(loaded, model=m), text, max_tokens=max_tokens).value
-              for name, m in (("fp32", model), ("int8", q))}
-    ids = token_ids(loaded.tokenizer, evaluation_text_or(text), max_tokens=latency_tokens).unsqueeze(0)  # [1, T]
+                      repeats: int = 5, threads: int | None = None, keep_float: Sequence[str] | None = None,
+                      window: int = 256) -> dict:
+    """PyTorch dynamic INT8 of `model`'s Linear layers (`quantize_linear`; keep_float None = the
+    sensitive layers and the LM head, `int8_keep_float` on the calibration split) vs the float32
+    model in the same runtime: size, prefill and decode latency (alternating), metric, top-1."""
+    from analysis.compress.speed import _decode_step
+    if keep_float is None:
+        keep_float = int8_keep_float(model, calibration_ids(loaded.tokenizer))
+    q = quantize_linear(model, keep_float)
+    evs = {name: evaluate(replace(loaded, model=m), text, max_tokens=max_tokens) for name, m in (("fp32", model),
+                                                                                               ("int8", q))}
+    all_ids = token_ids(loaded.tokenizer, evaluation_text_or(text), max_tokens=max_tokens)   # [N]
+    ids = all_ids[:latency_tokens].unsqueeze(0)                            # [1, T]
     with torch.inference_mode(), torch_threads(threads):
+        agree = top1_agreement(model, q, all_ids, window)
         times = alternating_times({"fp32": lambda: model(input_ids=ids), "int8": lambda: q(input_ids=ids)},
                                   repeats=repeats, warmup=1)
+        steps = {"fp32": _decode_step(model, ids, 8), "int8": _decode_step(q, ids, 8)}
+        decode = {name: [] for name in steps}
+        for _ in range(max(1, repeats)):                                   # alternating, per-token medians
+            for name, step in steps.items():
+                decode[name].append(step()[0])
     ms = times.median_ms("wall")
     sizes = {"fp32": state_bytes(model), "int8": state_bytes(q)}
-    return {"metric_fp32": metric["fp32"], "metric_int8": metric["int8"], "bytes_fp32": sizes["fp32"],
+    return {"metric_fp32": evs["fp32"].value, "metric_int8": evs["int8"].value, "bytes_fp32": sizes["fp32"],
+            "accuracy_fp32": evs["fp32"].accuracy, "accuracy_int8": evs["int8"].accuracy, "top1_agreement": agree,
             "bytes_int8": sizes["int8"], "size_ratio": sizes["int8"] / sizes["fp32"],
-            "latency_ms_fp32": ms["fp32"], "latency_ms_int8": ms["int8"], "model": q}
+            "latency_ms_fp32": ms["fp32"], "latency_ms_int8": ms["int8"],
+            "decode_ms_fp32": 1e3 * float(np.median(decode["fp32"])), "decode_ms_int8": 1e3 * float(np.median(decode["int8"])),
+            "keep_float": list(keep_float), "model": q}

@@ -94,7 +94,9 @@ class CompressionReport:
                         f"{s.metric:.3f} ({r['metric']:.3f}x) | {top1} |")
         curves = "\n".join(f"- {name}: " + ", ".join(f"{x:.1%} -> {y:.3f}" for x, y in zip(c["sparsity"], c["metric"]))
                            for name, c in self.curves.items())
-        return head + "\n".join(rows) + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n"
+        int8 = "" if not self.int8 else "\n\n## INT8 against float32 in the same runtime\n\n" + "\n".join(
+            int8_lines(self.int8))
+        return head + "\n".join(rows) + int8 + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n"
 
     def plot_png(self, path) -> None:
         import matplotlib
@@ -189,7 +191,8 @@ SIZE_KEYS = {"parameters": "parameters", "size_mb": "file size", "kv_bytes_per_t
 
 
 def growth_warnings(stages: list[Stage]) -> list[str]:
-    """A sentence for every pruned stage whose parameters, file size or KV cache is not below dense's."""
+    """A sentence for every pruned stage whose parameters, file size or KV cache is not below dense's
+    (stages of one format: the safetensors-sized PyTorch models, not the ONNX / INT8 files)."""
     out = []
     for s in stages[1:]:
         grown = [what for key, what in SIZE_KEYS.items() if s.sparsity > 0 and (s.ratios.get(key) or 0) >= 1.0]
@@ -237,21 +240,21 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
 
     result = run_pipeline(loaded, config, train_data=train_data, eval_text=eval_text, should_stop=should_stop,
                           on_step=on_step, on_round=measure_round, progress=lambda f, m: report(0.05 + 0.6 * f, m))
-    small, layout = result.smaller()
     final = (replace(stages[-1], name="final") if result.accepted else replace(stages[0], name="final"))
     stages.append(final)
+    n_torch = len(stages)          # the safetensors-sized stages, compared with dense in growth_warnings
     int8_info = None
     if int8 and causal:
-        report(0.7, "INT8: ONNX export and quantization")
-        int8_info, int8_stage = _int8_stage(loaded, result, final, eval_text, workdir, config, threads, repeats)
-        stages.append(int8_stage)
+        report(0.7, "INT8: ONNX export and quantization, PyTorch dynamic INT8")
+        int8_info, int8_stages = _int8_stages(loaded, result, final, eval_text, workdir, config, threads, repeats)
+        stages.extend(int8_stages)
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
     report(1.0, "report ready")
     stages = _with_ratios(stages)
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
                             stages=stages, curves=curves, rounds=[r.as_dict() for r in result.rounds],
-                            int8=int8_info, warnings=growth_warnings(stages))
+                            int8=int8_info, warnings=growth_warnings(stages[:n_torch]))
     return rep, result
 
 
@@ -272,20 +275,57 @@ def _curves(loaded, config, result, eval_text, train_data, should_stop) -> dict:
             for name, c in curves.items()}
 
 
-def _int8_stage(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats):
-    from analysis.compress.quantize import OnnxLM, compare_onnx, quantize_onnx
+# INT8 stages: name -> ONNX Runtime method (analysis.compress.quantize.ONNX_METHODS); the PyTorch route after them
+ONNX_INT8 = {"INT8 weight-only (ONNX)": "weight-only", "INT8 integer (ONNX dynamic)": "dynamic"}
+TORCH_INT8 = "INT8 integer (PyTorch dynamic)"
+
+
+def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats):
+    """The final model in float32 ONNX, its two ONNX INT8 files and PyTorch dynamic INT8, each
+    measured against float32 in its own runtime (info[...]: agreement, speed-ups, sizes)."""
+    from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float, quantize_onnx,
+                                            torch_int8_report)
+    small, _ = result.smaller()
+    keep = int8_keep_float(small, calibration_ids(loaded.tokenizer))
+    info, stages = {"keep_float": keep}, []
     with tempfile.TemporaryDirectory(prefix="headscope-int8-", dir=workdir) as folder:
         fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, folder, "fp32",
                             kv_policy=config.kv_policy)
-        int8_file = quantize_onnx(fp32.path, Path(folder) / "int8")
-        cmp = compare_onnx(loaded, fp32.path, int8_file, eval_text, max_tokens=config.eval_tokens, repeats=repeats,
-                           threads=threads)
-        model = OnnxLM(int8_file, loaded.model.config, threads)
-        x = _ids(loaded, 128)
-        ms = alternating_times({"p": lambda: model(input_ids=x)}, repeats=repeats, warmup=1).median_ms("wall")["p"]
-    stage = replace(final, name="INT8 (ONNX, weight-only)", size_mb=cmp.bytes_int8 / 2 ** 20, prefill_ms=ms,
-                    decode_ms=None, metric=cmp.perplexity_int8)
-    return cmp.as_dict(), stage
+        for name, method in ONNX_INT8.items():
+            int8_file = quantize_onnx(fp32.path, Path(folder) / method, method=method,
+                                      keep_float=keep if method == "dynamic" else ())
+            cmp = compare_onnx(loaded, fp32.path, int8_file, eval_text, max_tokens=config.eval_tokens,
+                               repeats=repeats, threads=threads)
+            info[method] = cmp.as_dict()
+            if not stages:
+                stages.append(replace(final, name="final (ONNX fp32)", size_mb=cmp.bytes_fp32 / 2 ** 20,
+                                      prefill_ms=cmp.latency_ms_fp32, decode_ms=None, metric=cmp.perplexity_fp32,
+                                      top1=cmp.accuracy_fp32))
+            stages.append(replace(final, name=name, size_mb=cmp.bytes_int8 / 2 ** 20, prefill_ms=cmp.latency_ms_int8,
+                                  decode_ms=None, metric=cmp.perplexity_int8, top1=cmp.accuracy_int8))
+    t = torch_int8_report(loaded, small, eval_text, max_tokens=config.eval_tokens, repeats=repeats, threads=threads,
+                          keep_float=keep)
+    info["torch"] = {k: v for k, v in t.items() if k != "model"}
+    stages.append(replace(final, name=TORCH_INT8, size_mb=t["bytes_int8"] / 2 ** 20, prefill_ms=t["latency_ms_int8"],
+                          decode_ms=t["decode_ms_int8"], metric=t["metric_int8"], top1=t["accuracy_int8"]))
+    return info, stages
+
+
+def int8_lines(info: dict) -> list[str]:
+    """Markdown bullets: each INT8 route against float32 in the same runtime."""
+    rows = [f"- Kept in float32 by the integer routes: {', '.join(info['keep_float']) or 'nothing'}."]
+    for method in ONNX_INT8.values():
+        c = info[method]
+        rows.append(f"- ONNX {method}: top-1 agreement with fp32 {c['top1_agreement']:.3f}, perplexity "
+                    f"{c['perplexity_ratio']:.3f}x, file {c['size_ratio']:.3f}x, prefill "
+                    f"{c['latency_ms_fp32'] / c['latency_ms_int8']:.2f}x faster, 1-token forward "
+                    f"{c['one_token_ms_fp32'] / c['one_token_ms_int8']:.2f}x faster (ONNX Runtime, same threads).")
+    t = info["torch"]
+    rows.append(f"- PyTorch dynamic: top-1 agreement {t['top1_agreement']:.3f}, perplexity "
+                f"{t['metric_int8'] / t['metric_fp32']:.3f}x, state {t['size_ratio']:.3f}x, prefill "
+                f"{t['latency_ms_fp32'] / t['latency_ms_int8']:.2f}x faster, decode "
+                f"{t['decode_ms_fp32'] / t['decode_ms_int8']:.2f}x faster (PyTorch, same threads).")
+    return rows
 
 
 def write_report(report: CompressionReport, folder, *, overwrite: bool = False) -> dict[str, Path]:
