@@ -151,3 +151,21 @@ def test_bad_input(tokenizer):
     with pytest.raises(InputError, match="fewer than one batch"):
         run_pipeline(loaded, PipelineConfig(recovery_steps=1, distill=SMALL_DISTILL, eval_tokens=64),
                      train_data="Too short.")
+
+
+@pytest.mark.parametrize("scorer", sorted(__import__("analysis.score.scoring", fromlist=["SCORERS"]).SCORERS))
+def test_every_registered_scorer_drives_the_cut(tokenizer, scorer):
+    """Each scorer of the registry (calibration ones on the current weights) plans every round of a
+    two-round schedule with recovery, under the default (groups) policy: whole KV groups go, the
+    rounds only grow, and the final model is smaller than dense."""
+    from analysis.score.scoring import calibration_ids
+    loaded = _loaded(tokenizer, num_hidden_layers=4)                    # 16 heads, G = 2
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.25, recovery_steps=1, distill=SMALL_DISTILL, eval_tokens=64,
+                         scorer=scorer)
+    result = run_pipeline(loaded, cfg, train_data=IDS, calibration=calibration_ids(tokenizer, 2, 16))
+    assert result.config.policy == "groups" and [r.n_pruned for r in result.rounds] == [4, 8]
+    groups = result.pruned.reshape(4, 2, 2)                             # [L, Hkv, G]
+    assert np.array_equal(groups.all(-1), groups.any(-1))               # whole groups only
+    assert np.isfinite(result.final_metric) and result.final_accuracy is not None
+    small, _ = result.smaller()
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in loaded.model.parameters())

@@ -177,14 +177,9 @@ def output_head_names(model: nn.Module) -> list[str]:
 
 
 def calibration_ids(tokenizer, shape: tuple[int, int] = CALIBRATION_SHAPE) -> torch.Tensor:
-    """Token ids [n, T] from the built-in calibration split (disjoint from the evaluation split)."""
-    from analysis.core.text import calibration_text, tokenize
-    n, t = shape
-    ids = tokenize(tokenizer, calibration_text(max_chars=n * t * 12), max_tokens=n * t)[0]   # [<= n*t]
-    rows = ids.numel() // t
-    if rows < 1:
-        raise InputError(f"The calibration text gives fewer than {t} tokens.")
-    return ids[:rows * t].reshape(rows, t)                                  # [rows, T]
+    """Token ids [n, T] of the built-in calibration split (the scorers' `scoring.calibration_ids`)."""
+    from analysis.score.scoring import calibration_ids as scorer_calibration
+    return scorer_calibration(tokenizer, n_sequences=shape[0], seq_len=shape[1])
 
 
 def int8_keep_float(model: nn.Module, ids: torch.Tensor, threshold: float = OUTLIER_STEP) -> list[str]:
