@@ -188,6 +188,69 @@ def int8_keep_float(model: nn.Module, ids: torch.Tensor, threshold: float = OUTL
     return sorted(set(sensitive_linears(model, ids, threshold)) | set(output_head_names(model)))
 
 
+# SmoothQuant (Xiao et al. 2023): for x @ W^T with a per-input-channel scale s, (x / s) @ (W * s)^T is the
+# same product; dividing the outlier channels of the activation moves their range into the weights,
+# which per-channel INT8 holds well. The division is folded into the module that produces x, so the
+# smoothed model computes the same function (exact up to float rounding). Per decoder layer, for the
+# Llama-style layout: (producer, its parameter scaled per channel, consumers). The norms scale their
+# weight; up_proj's rows scale the MLP product act(gate) * up, which down_proj consumes.
+SMOOTH_PAIRS = (
+    ("input_layernorm", "weight", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", "weight", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", "weight", ("mlp.down_proj",)),
+)
+SMOOTH_ALPHA = 0.5
+
+
+def _layers_of(model: nn.Module):
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise InputError("Smoothing knows the Llama-style layout (model.model.layers[i] with input_layernorm, "
+                         "self_attn.q/k/v_proj, post_attention_layernorm, mlp.gate/up/down_proj) only.")
+    return layers
+
+
+@torch.no_grad()
+def smooth_activations(model: nn.Module, ids: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> nn.Module:
+    """A copy of `model` with SmoothQuant's per-channel scales (SMOOTH_PAIRS) from calibration ids
+    [n, T]: s_j = max|x_j|^alpha / max|W_.j|^(1 - alpha) over the consumers, clamped to [1e-5, 1e5].
+    The copy computes the same function; its activations have smaller outliers for dynamic INT8."""
+    twin = copy.deepcopy(model).eval()
+    layers = _layers_of(twin)
+    amax: dict[tuple[int, str], torch.Tensor] = {}
+
+    def hook(key):
+        def record(module, inputs):
+            x = inputs[0].detach().float().abs().reshape(-1, inputs[0].shape[-1]).amax(0)   # [D_in]
+            amax[key] = torch.maximum(amax[key], x) if key in amax else x
+        return record
+
+    handles = [layer.get_submodule(consumers[0]).register_forward_pre_hook(hook((i, producer)))
+               for i, layer in enumerate(layers) for producer, _, consumers in SMOOTH_PAIRS]
+    try:
+        twin(input_ids=torch.as_tensor(ids).long())
+    finally:
+        for h in handles:
+            h.remove()
+    for i, layer in enumerate(layers):
+        for producer, param, consumers in SMOOTH_PAIRS:
+            linears = [layer.get_submodule(c) for c in consumers]
+            w_max = torch.stack([m.weight.abs().amax(0) for m in linears]).amax(0).float()   # [D_in]
+            s = (amax[(i, producer)].clamp(min=1e-5) ** alpha / w_max.clamp(min=1e-5) ** (1 - alpha)).clamp(1e-5, 1e5)
+            target = getattr(layer.get_submodule(producer), param)
+            if target.dim() == 2:                          # a Linear producer: its output rows
+                target.div_(s.to(target.dtype)[:, None])   # [D_in, D] / [D_in, 1]
+                bias = getattr(layer.get_submodule(producer), "bias", None)
+                if bias is not None:
+                    bias.div_(s.to(bias.dtype))
+            else:                                          # a norm's weight [D_in]
+                target.div_(s.to(target.dtype))
+            for m in linears:
+                m.weight.mul_(s.to(m.weight.dtype)[None, :])   # [D_out, D_in] * [1, D_in]
+    return twin
+
+
 def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_channel: bool = True) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are PyTorch dynamic INT8 (CPU inference only): INT8
     weights (per output channel by default), activations quantized per tensor on the fly, integer

@@ -516,6 +516,16 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
     return ev.measure(model, inputs, g, progress=progress, should_stop=should_stop, team=team)
 
 
+def bootstrap_perplexity(sums: np.ndarray, counts: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """Perplexity per row over n bootstrap resamples of the windows (the same resamples for every row).
+
+    sums [B, W] summed NLL per row and window, counts [W] scored tokens (`CausalPerplexity.window_nll`)
+    -> [n, B]; a 95 % CI is np.percentile(..., [2.5, 97.5], axis=0)."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, counts.size, size=(n, counts.size))                # [n, W]
+    return np.exp(sums[:, picks].sum(axis=2).T / counts[picks].sum(axis=1)[:, None])   # [n, B]
+
+
 def accuracy_ratio(pruned: Evaluation, dense: Evaluation) -> float | None:
     """Top-1 accuracy of `pruned` (its first mask) over the dense model's; None without accuracy."""
     if pruned.accuracy is None or not dense.accuracy:
