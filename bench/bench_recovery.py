@@ -4,8 +4,9 @@
    scorer (--scorers, default MP-G and the Michel head gate, the best scorer of docs/results.md's
    table), under the mask policy (--policy; default `masks.default_policy`: "groups" on SmolLM2,
    which never grows the model): the one-shot cut, the same cut recovered by distillation
-   (analysis.compress.pipeline with the same budget for every scorer: at most --steps steps of
-   --batch x --seq tokens and at most --minutes of training, precision --precision), and its integer
+   (analysis.compress.pipeline with the same budget for every scorer: --steps steps of --batch x
+   --seq tokens, the cosine schedule's length, stopped after --minutes of training if not done;
+   precision --precision), and its integer
    INT8 (ONNX Runtime dynamic, per-channel weights, the sensitive layers and the LM head float; plus
    weight-only INT8 as the size option). Every row: held-out perplexity on --eval-tokens tokens of
    the evaluation split (--window-token non-overlapping windows, 95 % bootstrap CI over windows,
@@ -22,7 +23,7 @@
    prefill@128 and 1-token latency (ONNX Runtime), and PyTorch dynamic INT8 (prefill, KV-cache decode).
 
 Usage: nice -n 10 .venv/bin/python bench/bench_recovery.py [--sparsities 0.125,0.25,0.5]
-       [--scorers mp-g,gate] [--minutes 20] [--steps 2000] [--eval-tokens 16384] [--threads 2]
+       [--scorers mp-g,gate] [--minutes 20] [--steps 300] [--eval-tokens 16384] [--threads 2]
        [--parts recovery,precision,formats] [--write-docs] [--quick]
 --quick: 25 % only, MP-G only, 4 steps, 1024 evaluation tokens, 50 bootstrap resamples: checks the
 script in a few minutes (its numbers are not the table). --write-docs replaces the section between
@@ -320,7 +321,8 @@ def main() -> int:
     p.add_argument("--sparsities", default="0.125,0.25,0.5")
     p.add_argument("--scorers", default="mp-g,gate")
     p.add_argument("--policy", default=None, help="mask policy (default: masks.default_policy)")
-    p.add_argument("--steps", type=int, default=2000, help="most distillation steps (the cosine schedule's length)")
+    p.add_argument("--steps", type=int, default=300,
+                   help="distillation steps (the cosine schedule's length; 300 x ~4 s = the 20 minutes on 2 cores)")
     p.add_argument("--minutes", type=float, default=20.0, help="most minutes of distillation per cut")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
