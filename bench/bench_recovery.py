@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import sys
 import tempfile
@@ -283,6 +284,7 @@ def markdown(out: dict, args, command: str) -> str:
                              f"{t['decode_ms_fp32'] / t['decode_ms_int8']:.2f}x. Kept float: "
                              f"{', '.join(i['keep_float'])}.")
         lines.append("")
+    lines += target_lines(out, args) + [""]
     if "precision" in out:
         p = out["precision"]
         s = p["seconds_per_step"]
@@ -310,6 +312,45 @@ def markdown(out: dict, args, command: str) -> str:
                       f"by design (pruned heads are zero rows), so it is never smaller.", ""]
     lines.append(END)
     return "\n".join(lines) + "\n"
+
+
+# issue 23's targets: sparsity -> the recovered perplexity's most allowed ratio to dense
+PPL_TARGETS = {0.125: 1.05, 0.25: 1.15}
+
+
+def target_lines(out: dict, args) -> list[str]:
+    """Each target of issue 23 with what this run measured: met or not, never tuned."""
+    dense, lines = out["dense"], ["Targets (issue 23), as measured in this run:"]
+    for sparsity, by_scorer in out.get("recovery", {}).items():
+        limit = PPL_TARGETS.get(float(sparsity))
+        for scorer, res in by_scorer.items():
+            rows = res["rows"]
+            ratio = rows["recovered"]["ppl"] / dense["ppl"]
+            if limit is not None:
+                lines.append(f"- {float(sparsity):.1%} {scorer}: recovered perplexity {ratio:.3f}x dense (target <= "
+                             f"{limit}x in <= 20 min; {rows['recovered']['seconds'] / 60:.1f} min, "
+                             f"{rows['recovered']['steps']} steps): {'met' if ratio <= limit else 'NOT met'}.")
+            if "int8" in res:
+                c = res["int8"]["dynamic"]
+                ok = (c["top1_agreement"] >= 0.95 and c["perplexity_ratio"] <= 1.05
+                      and c["latency_ms_fp32"] / c["latency_ms_int8"] >= 1.5
+                      and c["one_token_ms_fp32"] / c["one_token_ms_int8"] >= 1.5)
+                lines.append(f"- {float(sparsity):.1%} {scorer}: integer INT8 (>= 1.5x prefill and 1-token, top-1 "
+                             f">= 0.95, perplexity <= 1.05x): {'met' if ok else 'NOT met'}; weight-only file "
+                             f"{res['int8']['weight-only']['size_ratio']:.3f}x (target <= 0.3x).")
+    if "precision" in out:
+        p = out["precision"]
+        ok = p["ratio"] >= 1.5 and abs(p.get("ppl_ratio", 1.0) - 1) <= 0.02
+        lines.append(f"- bf16 recovery steps {p['ratio']:.2f}x fp32, final perplexity {p.get('ppl_ratio', float('nan')):.3f}x "
+                     f"(target >= 1.5x, within 2 %): {'met' if ok else 'NOT met'}.")
+    if "formats" in out:
+        f = out["formats"]
+        sized = {k: v for k, v in f.items() if k in FORMATS and k != "zeroed" and all(isinstance(x, int) for x in v.values())}
+        small = all(v["pruned"] < v["dense"] for v in sized.values()) and f["parameters"][1] < f["parameters"][0] \
+            and f["kv"][1] < f["kv"][0]
+        lines.append(f"- pruned + recovered 25 % smaller than dense in parameters, KV bytes and every format that "
+                     f"exported ({', '.join(sized)}): {'met' if small else 'NOT met'}.")
+    return lines
 
 
 def write_docs(section: str) -> None:
@@ -349,6 +390,9 @@ def main() -> int:
                    help="recovery steps of the formats part's model (0: sizes do not depend on them)")
     p.add_argument("--cache-dir", dest="cache_dir", default=None)
     p.add_argument("--write-docs", dest="write_docs", action="store_true")
+    p.add_argument("--save-json", dest="save_json", default=None, help="also write the measured numbers here")
+    p.add_argument("--from-json", dest="from_json", default=None,
+                   help="render the markdown from numbers saved by --save-json (nothing is measured)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     command = "nice -n 10 .venv/bin/python bench/bench_recovery.py " + " ".join(sys.argv[1:])
@@ -359,6 +403,12 @@ def main() -> int:
         args.max_sequences, args.minutes = 64, 2.0
     args.parts = set(args.parts.split(","))
     args.scorers = [s.strip() for s in args.scorers.split(",") if s.strip()]
+    if args.from_json:
+        section = markdown(json.loads(Path(args.from_json).read_text()), args, command)
+        print(section)
+        if args.write_docs:
+            write_docs(section)
+        return 0
     out = {"machine": f"{platform.machine()}, {args.threads} torch thread(s)",
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     began = time.perf_counter()
@@ -381,6 +431,9 @@ def main() -> int:
         if "formats" in args.parts:
             out["formats"] = formats(loaded, args, calibration)
     print(f"  whole run: {time.perf_counter() - began:.0f} s", flush=True)
+    if args.save_json:
+        Path(args.save_json).write_text(json.dumps(out, indent=1, default=str))
+        out = json.loads(Path(args.save_json).read_text())      # the same keys (str sparsities) as --from-json
     section = markdown(out, args, command)
     print(section)
     if args.write_docs:
