@@ -79,3 +79,16 @@ def test_files_json_markdown_png(built, tmp_path):
     assert files["ppl_vs_sparsity.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ExportError, match="already exists"):
         write_report(rep, tmp_path / "report")
+
+
+def test_growth_warnings_name_the_stage_and_what_grew():
+    from analysis.compress.report import Stage, _with_ratios, growth_warnings
+
+    def stage(name, sparsity, parameters, size_mb, kv):
+        return Stage(name, sparsity, parameters, size_mb, 1, 1.0, None, 10.0, kv_bytes_per_token=kv)
+
+    stages = _with_ratios([stage("dense", 0.0, 100, 4.0, 80), stage("global", 0.125, 104, 4.1, 130),
+                           stage("groups", 0.125, 90, 3.6, 70)])
+    warnings = growth_warnings(stages)
+    assert len(warnings) == 1 and "'global'" in warnings[0]
+    assert all(w in warnings[0] for w in ("parameters", "file size", "KV cache per token"))
