@@ -100,10 +100,10 @@ def size_row(loaded, model, pruned, kv_policy="auto") -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def distill_config(args, **over) -> DistillConfig:
-    return DistillConfig(steps=args.steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,
-                         temperature=args.temperature, warmup_steps=args.warmup, precision=args.precision,
-                         max_seconds=None if args.minutes is None else 60 * args.minutes,
-                         eval_every=args.eval_every, max_sequences=args.max_sequences, **over)
+    return replace(DistillConfig(steps=args.steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,
+                                 temperature=args.temperature, warmup_steps=args.warmup, precision=args.precision,
+                                 max_seconds=None if args.minutes is None else 60 * args.minutes,
+                                 eval_every=args.eval_every, max_sequences=args.max_sequences), **over)
 
 
 def recover(loaded, held: HeldOut, sparsity: float, scorer: str, args, calibration) -> dict:
@@ -165,8 +165,7 @@ def int8_rows(loaded, held: HeldOut, result, small, args, rows) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def precision(loaded, args) -> dict:
-    cfg = distill_config(args, steps=args.tp_steps, max_grad_norm=None)
-    cfg = replace(cfg, max_seconds=None, eval_every=0)
+    cfg = distill_config(args, steps=args.tp_steps, max_grad_norm=None, max_seconds=None, eval_every=0, warmup_steps=0)
     ids = training_sequences(loaded.tokenizer, None, cfg)                                # [n, T]
     pruned = get_scorer("mp-g").score(loaded)
     from analysis.score.masks import plan_mask
