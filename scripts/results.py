@@ -49,7 +49,7 @@ from analysis.core import distributed  # noqa: E402
 from analysis.core.atomic import atomic_write, marked_section  # noqa: E402
 from analysis.measure.attribution import rank_correlation  # noqa: E402
 from analysis.core.errors import InputError  # noqa: E402
-from analysis.measure.evaluation import evaluator_for, gate_batch, token_ids  # noqa: E402
+from analysis.measure.evaluation import bootstrap_perplexity, evaluator_for, gate_batch, token_ids  # noqa: E402
 from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.measure.profiles import profile_model  # noqa: E402
 from analysis.compress.report import RECOVERY_MARKERS  # noqa: E402
@@ -131,13 +131,7 @@ class MaskTable:
         return self.index[key]
 
 
-def bootstrap_ppl(sums: np.ndarray, counts: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
-    """Perplexity per row over n resamples of the windows (the same resamples for every row).
-
-    sums [B, W] summed NLL per row and window, counts [W] scored tokens -> [n, B]."""
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, counts.size, size=(n, counts.size))                # [n, W]
-    return np.exp(sums[:, picks].sum(axis=2).T / counts[picks].sum(axis=1)[:, None])   # [n, B]
+bootstrap_ppl = bootstrap_perplexity     # one home: analysis.measure.evaluation
 
 
 def cell(value: float, lo: float, hi: float) -> str:

@@ -22,16 +22,22 @@ def tiny_folder(smollm2, tmp_path_factory):
 def test_pipeline_command_writes_report_and_exports(tiny_folder, tmp_path, capsys):
     out = tmp_path / "runs"
     code = main(["pipeline", "--model", str(tiny_folder), "--target", "0.5", "--step", "0.25",
-                 "--recovery-steps", "2", "--train-batch", "2", "--train-seq-len", "16", "--lr", "1e-3",
+                 "--recovery-tokens", "64", "--eval-every", "1", "--train-batch", "2", "--train-seq-len", "16",
+                 "--lr", "1e-3",
                  "--eval-tokens", "64", "--formats", "pruned,onnx", "--out-dir", str(out), "--name", "run1",
                  "--quiet"])
     assert code == 0
     payload = json.loads(capsys.readouterr().out)
-    assert payload["n_pruned"] == 8
+    assert payload["n_pruned"] == 8 and payload["policy"] == "groups" and payload["warnings"] == []
+    assert all(s["kv_bytes_per_token"] and s["top1"] is not None for s in payload["stages"])
     assert [s["stage"] for s in payload["stages"]][0] == "dense" and payload["stages"][-1]["stage"].startswith("INT8")
     run = out / "run1"
     assert sorted(p.name for p in run.iterdir()) == ["onnx", "onnx-int8", "pruned", "report", "run.json"]
     assert sorted(p.name for p in (run / "report").iterdir()) == ["ppl_vs_sparsity.png", "report.json", "report.md"]
+    rounds = json.loads((run / "report" / "report.json").read_text())["rounds"]
+    # 64 tokens per round = 2 steps of 2 x 16; the held-out metric after each step (the loss curve)
+    assert [[h["step"] for h in r["history"]] for r in rounds] == [[1, 2], [1, 2]]
+    assert all(h["heldout"] > 0 for r in rounds for h in r["history"])
     layout = json.loads((run / "pruned" / "head_layout.json").read_text())
     assert sorted({r for row in layout["rounds"] for r in row}) == [0, 1, 2]
 

@@ -317,3 +317,46 @@ def test_sparsity_curve_leaves_out_levels_the_policy_cannot_build(tiny_llama):
                                             rel=1e-6)
     with pytest.raises(InputError, match="cannot build any"):
         sparsity_curve(tiny_llama, scores, TEXT, sparsities=[0.25], mask_fn=mask_fn, max_tokens=64)
+
+
+# -- next-token top-1 accuracy ----------------------------------------------------------------
+
+@torch.no_grad()
+def _reference_top1(model, ids: torch.Tensor, window: int) -> tuple[int, int]:
+    """Correct argmax predictions and scored tokens over non-overlapping windows, one plain forward
+    per window (the first token of each window is context only)."""
+    hits = total = 0
+    for begin in range(0, ids.numel(), window):
+        x = ids[begin:begin + window].unsqueeze(0)                    # [1, T]
+        if x.shape[1] < 2:
+            break
+        pred = model(input_ids=x).logits[0, :-1].argmax(-1)          # [T-1]
+        hits += int((pred == x[0, 1:]).sum())
+        total += x.shape[1] - 1
+    return hits, total
+
+
+def test_top1_accuracy_matches_a_plain_loop_and_batched_masks(smollm2):
+    """SmolLM2 (a real LM, so the accuracy is far from 0 and 1): the accuracy from the perplexity passes
+    equals a plain argmax loop; two masks in one batch equal their separate runs; ratio to dense."""
+    from analysis.measure.evaluation import accuracy_ratio, token_ids
+    ids = token_ids(smollm2.tokenizer, TEXT, max_tokens=192)           # [192]
+    hits, total = _reference_top1(smollm2.model, ids, 64)
+    dense = evaluate(smollm2, TEXT, max_tokens=192, window=64, stride=64)
+    assert dense.n_tokens == total and 0.1 < hits / total < 0.9
+    assert dense.accuracy == hits / total
+    pruned = np.zeros((2, 30, 9), dtype=bool)
+    pruned[0, :, :3] = True                                            # a third of every layer
+    pruned[1, 5] = True                                                # all of layer 5
+    both = evaluate(smollm2, TEXT, max_tokens=192, window=64, stride=64, pruned=pruned)
+    for b in range(2):   # batched float32 logits may differ in the last bits: at most one argmax near a tie flips
+        one = evaluate(smollm2, TEXT, max_tokens=192, window=64, stride=64, pruned=pruned[b])
+        assert abs(both.top1[b] - one.accuracy) * total <= 1
+    cut = evaluate(smollm2, TEXT, max_tokens=192, window=64, stride=64, pruned=pruned[0])
+    assert cut.accuracy < dense.accuracy                               # a third of all heads: worse
+    assert accuracy_ratio(cut, dense) == cut.accuracy / dense.accuracy
+
+
+def test_no_accuracy_for_masked_lms(tiny_bert):
+    ev = evaluate(tiny_bert, TEXT, max_tokens=40)
+    assert ev.top1 is None and ev.accuracy is None

@@ -33,12 +33,17 @@ def test_round_counts():
     assert round_counts(0.5, 0.2, 16) == [3, 6, 8]
     assert round_counts(0.25, 0.25, 270) == [67]
     assert round_counts(0.25, 0.1, 270) == [27, 54, 67]
+    assert round_counts(0.25, 0.1, 270, unit=3) == [27, 54, 67]       # SmolLM2, groups of G = 3
+    assert round_counts(0.25, 0.1, 8, unit=2) == [2]                  # 1 head per round is not a group
+    assert round_counts(0.5, 0.2, 16, unit=4) == [4, 8]               # 3 -> 4 (a multiple of the unit)
+    assert round_counts(0.5, 0.2, 17, unit=4) == [4, 8]               # final 8: no round within a unit of it
 
 
 def test_prunes_exactly_the_target_and_layout_records_rounds(tokenizer):
     loaded = _loaded(tokenizer, num_hidden_layers=4)                    # 16 heads
     dense_state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
-    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=2, distill=SMALL_DISTILL, eval_tokens=64)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=2, distill=SMALL_DISTILL, eval_tokens=64,
+                         policy="global")
     steps = []
     result = run_pipeline(loaded, cfg, train_data=IDS, on_step=steps.append)
     assert [r.n_pruned for r in result.rounds] == [3, 6, 8]
@@ -55,7 +60,8 @@ def test_prunes_exactly_the_target_and_layout_records_rounds(tokenizer):
 
 def test_one_shot_is_one_round_without_recovery(tokenizer):
     loaded = _loaded(tokenizer, num_hidden_layers=4)
-    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=3, distill=SMALL_DISTILL, eval_tokens=64)
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.2, recovery_steps=3, distill=SMALL_DISTILL, eval_tokens=64,
+                         policy="global")
     result = run_pipeline(loaded, cfg.one_shot(), train_data=IDS)
     assert len(result.rounds) == 1 and result.rounds[0].history == []
     assert result.rounds[0].metric == result.rounds[0].metric_cut and int(result.pruned.sum()) == 8
@@ -153,3 +159,21 @@ def test_bad_input(tokenizer):
     with pytest.raises(InputError, match="fewer than one batch"):
         run_pipeline(loaded, PipelineConfig(recovery_steps=1, distill=SMALL_DISTILL, eval_tokens=64),
                      train_data="Too short.")
+
+
+@pytest.mark.parametrize("scorer", sorted(__import__("analysis.score.scoring", fromlist=["SCORERS"]).SCORERS))
+def test_every_registered_scorer_drives_the_cut(tokenizer, scorer):
+    """Each scorer of the registry (calibration ones on the current weights) plans every round of a
+    two-round schedule with recovery, under the default (groups) policy: whole KV groups go, the
+    rounds only grow, and the final model is smaller than dense."""
+    from analysis.score.scoring import calibration_ids
+    loaded = _loaded(tokenizer, num_hidden_layers=4)                    # 16 heads, G = 2
+    cfg = PipelineConfig(target_sparsity=0.5, step=0.25, recovery_steps=1, distill=SMALL_DISTILL, eval_tokens=64,
+                         scorer=scorer)
+    result = run_pipeline(loaded, cfg, train_data=IDS, calibration=calibration_ids(tokenizer, 2, 16))
+    assert result.config.policy == "groups" and [r.n_pruned for r in result.rounds] == [4, 8]
+    groups = result.pruned.reshape(4, 2, 2)                             # [L, Hkv, G]
+    assert np.array_equal(groups.all(-1), groups.any(-1))               # whole groups only
+    assert np.isfinite(result.final_metric) and result.final_accuracy is not None
+    small, _ = result.smaller()
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in loaded.model.parameters())

@@ -101,3 +101,96 @@ def test_smollm2_int8_onnx_agrees_with_float32(smollm2, tmp_path):
     assert c.top1_agreement >= 0.95, c.as_dict()
     assert c.perplexity_ratio <= 1.05, c.as_dict()
     assert c.size_ratio <= 0.35, c.as_dict()
+
+
+# -- integer INT8 (issue 23) ----------------------------------------------------------------------
+
+def _markov_ids(n: int, seq: int, seed: int) -> torch.Tensor:
+    """ids [n, seq] of a learnable chain: next = (5 * token + 3) mod VOCAB with probability 0.9,
+    else uniform: a trained model predicts it with a wide logit margin, so top-1 agreement measures
+    the quantization error, not ties between near-uniform logits (a random-weight model's case)."""
+    from tests._tiny import VOCAB
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.empty(n, seq, dtype=torch.long)
+    ids[:, 0] = torch.randint(4, VOCAB, (n,), generator=g)
+    for t in range(1, seq):
+        jump = torch.rand(n, generator=g) < 0.1
+        ids[:, t] = torch.where(jump, torch.randint(4, VOCAB, (n,), generator=g), (5 * ids[:, t - 1] + 3) % VOCAB)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def trained_tiny():
+    """A tiny llama trained 150 steps on the chain (a few seconds): top-1 accuracy ~0.9 on fresh text."""
+    model = tiny_model("llama")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = _markov_ids(256, 32, seed=0)                                   # [256, 32]
+    for step in range(150):
+        x = data[(step * 16) % 256:(step * 16) % 256 + 16]                 # [16, 32]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval().requires_grad_(False)
+
+
+def test_integer_int8_of_a_trained_tiny_model_agrees_on_top1(trained_tiny, tmp_path):
+    from analysis.compress.quantize import int8_keep_float
+    held = _markov_ids(8, 32, seed=1)                                     # [8, 32] unseen sequences
+    with torch.no_grad():
+        accuracy = float((trained_tiny(input_ids=held).logits[:, :-1].argmax(-1) == held[:, 1:]).float().mean())
+    assert accuracy > 0.7                                                 # trained: the agreement is meaningful
+    keep = int8_keep_float(trained_tiny, _markov_ids(2, 32, seed=2))
+    assert "lm_head" in keep
+    fp32 = export("onnx", trained_tiny, np.zeros((2, 4), dtype=bool), tmp_path, "fp32")
+    int8 = quantize_onnx(fp32.path, tmp_path / "int8", method="dynamic", keep_float=keep)
+    import onnx
+    ops = {n.op_type for n in onnx.load(str(int8)).graph.node}
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops               # integer kernels, not dequantized weights
+    a, b = OnnxLM(fp32.path, trained_tiny.config), OnnxLM(int8, trained_tiny.config)
+    assert top1_agreement(a, b, held.reshape(-1), window=32) >= 0.95
+    q = quantize_linear(trained_tiny, keep)
+    assert top1_agreement(trained_tiny, q, held.reshape(-1), window=32) >= 0.95
+    assert type(q.lm_head) is torch.nn.Linear                            # kept float
+    assert type(q.model.layers[0].self_attn.q_proj) is not torch.nn.Linear
+
+
+def test_sensitive_linears_find_an_injected_outlier():
+    """A massive activation as in SmolLM2: one token drives one MLP channel of layer 1 to ~1e5, so
+    down_proj's input has one huge value; its 8-bit step then exceeds OUTLIER_STEP x its RMS (for one
+    outlier among n values the ratio is about sqrt(n) / 255: 4 x 64 tokens x 64 channels -> ~0.5)."""
+    from analysis.compress.quantize import OUTLIER_STEP, activation_steps, sensitive_linears
+    model = tiny_model("llama")
+    ids = tiny_input_ids(4, 64, seed=5)
+    ids[ids == 7] = 8
+    ids[0, 10] = 7                                                        # token 7 once in the batch
+    clean = activation_steps(model, ids)["model.layers.1.mlp.down_proj"]
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.0
+        model.model.embed_tokens.weight[7] = 0.0
+        model.model.embed_tokens.weight[7, 0] = 1.0                     # token 7 = channel 0 only
+        mlp = model.model.layers[1].mlp
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            proj.weight[7] = 0.0
+            proj.weight[7, 0] = 50.0                                      # MLP channel 7 reads channel 0
+    steps = activation_steps(model, ids)
+    found = sensitive_linears(model, ids)
+    assert clean < OUTLIER_STEP < steps["model.layers.1.mlp.down_proj"], (clean, steps)
+    assert "model.layers.1.mlp.down_proj" in found and "model.layers.0.mlp.down_proj" not in found
+
+
+@pytest.mark.slow
+def test_smollm2_integer_int8_keeps_perplexity_within_5_percent(smollm2, tmp_path):
+    """Issue 23's perplexity target for integer INT8 on the real model (a few minutes): the old
+    per-tensor 'dynamic' file was 1.8x; with the outlier layers and the LM head float it is within 5 %.
+    (Its top-1 agreement, ~0.87-0.92 measured on 512 tokens, is below the issue's 0.95: reported in
+    docs/results.md, not asserted.)"""
+    from analysis.compress.quantize import calibration_ids, int8_keep_float
+    fp32 = export("onnx", smollm2.model, np.zeros((30, 9), dtype=bool), tmp_path, "fp32")
+    keep = int8_keep_float(smollm2.model, calibration_ids(smollm2.tokenizer))
+    assert "lm_head" in keep and any("down_proj" in name for name in keep)
+    int8 = quantize_onnx(fp32.path, tmp_path / "int8", method="dynamic", keep_float=keep)
+    c = compare_onnx(smollm2, fp32.path, int8, max_tokens=512, repeats=1)
+    assert c.perplexity_ratio <= 1.05, c.as_dict()
+    assert c.top1_agreement > 0.8, c.as_dict()          # far above the old variant's 0.56

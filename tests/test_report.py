@@ -32,15 +32,28 @@ def test_stages_and_ratios(built):
     loaded, rep, result = built
     names = [s.name for s in rep.stages]
     assert names == ["dense", "round 1 cut", "round 1 recovered", "round 2 cut", "round 2 recovered", "final",
-                     "INT8 (ONNX, weight-only)"]
-    dense, final = rep.stages[0], rep.stages[-2]
+                     "final (ONNX fp32)", "INT8 weight-only (ONNX)", "INT8 integer (ONNX dynamic)",
+                     "INT8 integer (PyTorch dynamic)"]
+    dense, final = rep.stages[0], rep.stages[names.index("final")]
     assert all(v == pytest.approx(1.0) for v in dense.ratios.values())
     assert final.parameters < dense.parameters and final.attention_flops < dense.attention_flops
     assert final.ratios["parameters"] == pytest.approx(final.parameters / dense.parameters)
     assert final.metric == result.final_metric and final.sparsity == 0.5
     assert rep.stages[1].metric == result.rounds[0].metric_cut
-    assert rep.int8["bytes_int8"] < rep.int8["bytes_fp32"]
-    assert rep.stages[-1].metric == rep.int8["perplexity_int8"]
+    for method in ("weight-only", "dynamic"):
+        assert rep.int8[method]["bytes_int8"] < rep.int8[method]["bytes_fp32"]
+    assert rep.stages[names.index("INT8 weight-only (ONNX)")].metric == rep.int8["weight-only"]["perplexity_int8"]
+    assert rep.stages[-1].metric == rep.int8["torch"]["metric_int8"]
+    assert "lm_head" in rep.int8["keep_float"]                           # the LM head stays float
+    # every stage: parameters, size, KV bytes and top-1 next to the metric; the KV bytes are surgery's
+    from analysis.score.masks import surgery_counts
+    g = loaded.geometry
+    counts = surgery_counts(result.pruned, group_size=g.group_size, head_dim=g.head_dim, hidden=g.hidden)
+    assert final.kv_bytes_per_token == counts.kv_cache_bytes_per_token_after
+    assert dense.kv_bytes_per_token == counts.kv_cache_bytes_per_token
+    assert all(s.top1 is not None and s.kv_bytes_per_token for s in rep.stages)
+    assert rep.config["policy"] == "groups"                                # the GQA default
+    assert final.ratios["kv_bytes_per_token"] < 1 and not rep.warnings     # groups: smaller, no warning
 
 
 def test_curves_share_the_first_round(built):
@@ -66,3 +79,16 @@ def test_files_json_markdown_png(built, tmp_path):
     assert files["ppl_vs_sparsity.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ExportError, match="already exists"):
         write_report(rep, tmp_path / "report")
+
+
+def test_growth_warnings_name_the_stage_and_what_grew():
+    from analysis.compress.report import Stage, _with_ratios, growth_warnings
+
+    def stage(name, sparsity, parameters, size_mb, kv):
+        return Stage(name, sparsity, parameters, size_mb, 1, 1.0, None, 10.0, kv_bytes_per_token=kv)
+
+    stages = _with_ratios([stage("dense", 0.0, 100, 4.0, 80), stage("global", 0.125, 104, 4.1, 130),
+                           stage("groups", 0.125, 90, 3.6, 70)])
+    warnings = growth_warnings(stages)
+    assert len(warnings) == 1 and "'global'" in warnings[0]
+    assert all(w in warnings[0] for w in ("parameters", "file size", "KV cache per token"))

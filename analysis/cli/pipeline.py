@@ -28,8 +28,17 @@ def _pipeline_arguments(parser) -> None:
     parser.add_argument("--one-shot", dest="one_shot", action="store_true", help="one round, no recovery")
     parser.add_argument("--recovery-steps", dest="recovery_steps", type=int, default=0,
                         help="distillation steps after each round (0 = none)")
+    parser.add_argument("--recovery-tokens", dest="recovery_tokens", type=int, default=None,
+                        help="distillation tokens per round instead of --recovery-steps (steps = tokens / "
+                             "(train batch x seq len x grad accum), rounded up)")
+    parser.add_argument("--recovery-minutes", dest="recovery_minutes", type=float, default=None,
+                        help="stop each round's distillation after this many minutes (at least one step)")
+    parser.add_argument("--eval-every", dest="eval_every", type=int, default=0,
+                        help="held-out metric every N distillation steps, into the round's loss curve (0 = never)")
     parser.add_argument("--budget", type=float, default=None, help="perplexity budget: stop before a round breaks it")
-    parser.add_argument("--policy", choices=POLICIES, default="global")
+    parser.add_argument("--policy", choices=POLICIES, default=None,
+                        help="mask policy (default: 'groups' on GQA models, which never grows the model; "
+                             "'global' on MHA)")
     parser.add_argument("--kv-policy", dest="kv_policy", choices=("auto", "expand", "strict"), default="auto")
     parser.add_argument("--lr", type=float, default=1e-4, help="distillation learning rate")
     parser.add_argument("--train-batch", dest="train_batch", type=int, default=4, help="sequences per batch")
@@ -41,7 +50,9 @@ def _pipeline_arguments(parser) -> None:
     parser.add_argument("--hidden-weight", dest="hidden_weight", type=float, default=0.0)
     parser.add_argument("--lora", action="store_true", help="LoRA adapters (merged at export) instead of full tuning")
     parser.add_argument("--lora-rank", dest="lora_rank", type=int, default=8)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "auto"), default="fp32",
+                        help="distillation precision: bf16 = bfloat16 autocast (master weights, optimizer state "
+                             "and loss stay float32); auto = bf16 where the CPU / GPU has bfloat16 units")
     parser.add_argument("--train-seed", dest="train_seed", type=int, default=0)
     parser.add_argument("--train-text", dest="train_text", default=None, help="UTF-8 file to distill on")
     parser.add_argument("--eval-text", dest="eval_text", default=None, help="UTF-8 file to evaluate on")
@@ -75,8 +86,10 @@ def config_from(ns):
     cfg = PipelineConfig(
         target_sparsity=ns.target, step=ns.step, recovery_steps=ns.recovery_steps, ppl_budget=ns.budget,
         scorer=scorer.name, scorer_params=scorer.params(), policy=ns.policy, kv_policy=ns.kv_policy,
-        eval_tokens=ns.eval_tokens,
-        distill=DistillConfig(lr=ns.lr, batch_size=ns.train_batch, seq_len=ns.train_seq_len, grad_accum=ns.grad_accum,
+        eval_tokens=ns.eval_tokens, recovery_tokens=ns.recovery_tokens,
+        distill=DistillConfig(max_seconds=None if ns.recovery_minutes is None else 60 * ns.recovery_minutes,
+                              eval_every=ns.eval_every,
+                              lr=ns.lr, batch_size=ns.train_batch, seq_len=ns.train_seq_len, grad_accum=ns.grad_accum,
                               warmup_steps=ns.warmup, temperature=ns.temperature, ce_weight=ns.ce_weight,
                               hidden_weight=ns.hidden_weight, lora=ns.lora, lora_rank=ns.lora_rank,
                               precision=ns.precision, seed=ns.train_seed))
@@ -124,8 +137,10 @@ def run_pipeline_command(ns):
             quantize_onnx(tmp / "onnx", tmp / "onnx-int8")
             exports["onnx-int8"] = str(run_dir / "onnx-int8")
         stages = [{"stage": s.name, "sparsity": s.sparsity, "parameters": s.parameters, "size_mb": s.size_mb,
-                   rep.metric: s.metric, **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]
-        payload = {"model": loaded.name, "metric": rep.metric, "n_pruned": int(result.pruned.sum()),
+                   "kv_bytes_per_token": s.kv_bytes_per_token, rep.metric: s.metric, "top1": s.top1,
+                   **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]
+        payload = {"model": loaded.name, "metric": rep.metric, "policy": result.config.policy,
+                   "warnings": rep.warnings, "n_pruned": int(result.pruned.sum()),
                    "stopped_by_budget": result.stopped_by_budget, "stages": stages, "curves": rep.curves,
                    "report": files, "exports": exports}
         (tmp / RUN_FILE).write_text(json.dumps({"tool": TOOL, "model": loaded.name, "formats": formats}, indent=1))

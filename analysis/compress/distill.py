@@ -13,7 +13,19 @@ never writes into the teacher. The loss is a table keyed by the teacher's kind (
 Any other kind is refused (UnsupportedModelError).
 
 Training: AdamW, linear warmup then cosine decay, gradient accumulation, gradient clipping,
-optional bfloat16 autocast (CPU and CUDA), a seed. Full fine-tuning, or LoRA adapters through
+optional bfloat16 autocast (CPU and CUDA), a seed.
+Precision (`PRECISIONS`, `resolve_precision`): "fp32"; "bf16" = torch.autocast(bfloat16): the
+Linear / matmul work of the teacher and student forwards and of the backward runs in bfloat16,
+while the master weights, their gradients and AdamW's state stay float32 (autocast casts a copy of
+each weight per forward; the parameters are never bfloat16), and the loss (the log-softmax, KL and
+cross-entropy of `kl_term` / `next_token_nll`, the hidden-state MSE) is computed in float32 on
+float32 copies of the logits; "auto" = bf16 where the hardware has bfloat16 units (a CUDA device
+that supports it, or a CPU whose /proc/cpuinfo flags list avx512_bf16 or amx_bf16), else fp32.
+Budgets: `steps` sets the schedule; `max_seconds` stops training early once that much time has
+passed, after at least one step (the cosine then has not reached 0; the result says how many steps
+were done), and
+`eval_every` > 0 calls `evaluate_fn(student)` (the held-out metric, under the gates) every that
+many steps and at the end, into the step's history record as "heldout". Full fine-tuning, or LoRA adapters through
 peft on every Linear layer but the output head (merged into the weights before `distill`
 returns). The batch of each step is a pure function of (seed, step), so a run resumed from a
 checkpoint sees the batches the uninterrupted run saw; a checkpoint (trainable weights,
@@ -54,7 +66,8 @@ from analysis.core.text import calibration_text, tokenize
 OnStep = Callable[[dict], None] | None
 
 CHECKPOINT_FILE = "distill_checkpoint.pt"
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "auto": "auto"}
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")     # /proc/cpuinfo flags of CPUs with bfloat16 units
 
 
 class CheckpointError(HeadscopeError):
@@ -85,6 +98,8 @@ class DistillConfig:
     checkpoint_every: int = 0        # 0 = no checkpoints
     max_sequences: int = 256         # sequences cut from the text (the training set)
     dropout: bool = False            # train with the student's dropout on (off: it imitates the eval-mode teacher)
+    max_seconds: float | None = None  # stop training after this long (None = run all steps)
+    eval_every: int = 0              # held-out metric every N steps (0 = never; needs evaluate_fn)
 
     def validate(self) -> "DistillConfig":
         whole = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "lora_rank": 1, "max_sequences": 1}
@@ -92,7 +107,9 @@ class DistillConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InputError(f"Distillation setting {name} must be a whole number >= {low}; got {value!r}.")
-        for name in ("warmup_steps", "checkpoint_every"):
+        if self.max_seconds is not None and not (self.max_seconds > 0 and math.isfinite(self.max_seconds)):
+            raise InputError(f"The time budget must be a positive number of seconds; got {self.max_seconds!r}.")
+        for name in ("warmup_steps", "checkpoint_every", "eval_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InputError(f"Distillation setting {name} must be a whole number >= 0.")
         if not (_finite_number(self.lr) and self.lr > 0):
@@ -112,7 +129,8 @@ class DistillConfig:
 
     def fingerprint(self) -> str:
         """What a checkpoint must agree on to be resumed (everything but the step count)."""
-        keys = {k: v for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every")}
+        keys = {k: v for k, v in asdict(self).items()
+                if k not in ("steps", "checkpoint_every", "max_seconds", "eval_every")}
         return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -125,6 +143,8 @@ class DistillResult:
     resumed_from: int = 0
     seconds: float = 0.0
     tokens_per_second: float = 0.0
+    precision: str = "fp32"          # what ran ("auto" resolved)
+    stopped_by_time: bool = False    # max_seconds ended it before `steps`
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,8 +361,36 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model.merge_and_unload().eval()
 
 
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU reports bfloat16 units (a flag of BF16_CPU_FLAGS in /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+BF16_UNITS = {
+    "cpu": lambda device: cpu_has_bf16(),
+    "cuda": lambda device: torch.cuda.is_bf16_supported(),
+}
+
+
+def resolve_precision(precision: str, device) -> str:
+    """"auto" -> "bf16" where `device` has bfloat16 units (BF16_UNITS), else "fp32"; others as given."""
+    if precision != "auto":
+        return precision
+    has = BF16_UNITS.get(torch.device(device).type, lambda device: False)
+    return "bf16" if has(device) else "fp32"
+
+
 def _autocast(config: DistillConfig, device: torch.device):
-    dtype = PRECISIONS[config.precision]
+    dtype = PRECISIONS[resolve_precision(config.precision, device)]
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
@@ -350,7 +398,8 @@ def _autocast(config: DistillConfig, device: torch.device):
 
 def distill(teacher, student: nn.Module, data=None, config: DistillConfig = DistillConfig(), *,
             gates=None, checkpoint_dir=None, resume: bool = False, merge: bool = True,
-            progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None) -> DistillResult:
+            progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None,
+            evaluate_fn: Callable[[nn.Module], float] | None = None) -> DistillResult:
     """Train `student` (changed in place: a pruned copy; any tensor it shares with the teacher is
     copied first, `surgery.own_tensors`) to imitate `teacher`.
 
@@ -359,6 +408,8 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     the student during training (a full-shape student whose pruned heads are masked).
     checkpoint_dir: where `distill_checkpoint.pt` goes every `config.checkpoint_every` steps;
     resume=True continues from it (from step 0 when there is none yet). on_step(record) after every step (for live loss curves).
+    evaluate_fn(student) -> the held-out metric, called every `config.eval_every` steps and after the
+    last one (the student in eval mode, the gates applied); its value goes into the record as "heldout".
     Returns a DistillResult whose model is the trained student in eval mode, its LoRA adapters
     merged into the weights (merge=False: the peft model, for `merge_lora` later)."""
     config = config.validate()
@@ -411,11 +462,17 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     mask = contextlib.nullcontext() if gates is None else head_mask(base, gates)
     subject.model.eval()
     trained.train(config.dropout)
+    precision = resolve_precision(config.precision, device)
+    stopped_by_time, done = False, 0
     began = time.perf_counter()
     try:
         with mask:
             for step in range(start, config.steps):
                 check_stop(should_stop, "Distillation")
+                if (config.max_seconds is not None and step > start
+                        and time.perf_counter() - began >= config.max_seconds):     # at least one step
+                    stopped_by_time = True
+                    break
                 optimizer.zero_grad(set_to_none=True)
                 sums: dict[str, float] = {}
                 for a in range(config.grad_accum):
@@ -436,6 +493,13 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
                 record = {"step": step + 1, **sums, "lr": optimizer.param_groups[0]["lr"]}
                 optimizer.step()
                 schedule.step()
+                done += 1
+                last = step + 1 == config.steps or (config.max_seconds is not None and
+                                                     time.perf_counter() - began >= config.max_seconds)
+                if evaluate_fn is not None and config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                    trained.eval()
+                    record["heldout"] = float(evaluate_fn(base))
+                    trained.train(config.dropout)
                 history.append(record)
                 if on_step is not None:
                     on_step(record)
@@ -451,12 +515,12 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     finally:
         trained.eval()
     seconds = time.perf_counter() - began
-    done = config.steps - start
     model = merge_lora(trained) if config.lora and merge else trained
     model.requires_grad_(False)
     tokens = done * config.grad_accum * config.batch_size * ids.shape[1]
-    return DistillResult(model=model.eval(), history=history, steps_done=config.steps, resumed_from=start,
-                         seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0)
+    return DistillResult(model=model.eval(), history=history, steps_done=start + done, resumed_from=start,
+                         seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+                         precision=precision, stopped_by_time=stopped_by_time)
 
 
 def with_steps(config: DistillConfig, steps: int) -> DistillConfig:

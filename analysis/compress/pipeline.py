@@ -39,7 +39,7 @@ from analysis.compress.distill import DistillConfig, DistillResult, distill, wit
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate
 from analysis.arch.head_gates import gates_from_mask, zero_heads
-from analysis.score.masks import POLICIES, heads_to_prune, plan_mask
+from analysis.score.masks import GQA_POLICIES, POLICIES, default_policy, feasible_counts, heads_to_prune, plan_mask
 from analysis.measure.profiles import profile_model
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.score.scoring import get_scorer
@@ -50,21 +50,41 @@ DEFAULT_SCORER = "mp-g"
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What the schedule does. step: fraction of all heads pruned per round (>= target: one round)."""
+    """What the schedule does. step: fraction of all heads pruned per round (>= target: one round).
+
+    policy: the mask policy (analysis.score.masks.POLICIES); None = `masks.default_policy` of the
+    model ("groups" on GQA models, which never grows the model; "global" on MHA), fixed by
+    `for_model` when the run starts. Recovery per round: recovery_steps optimizer steps, or
+    recovery_tokens training tokens (converted with the distillation batch: `steps_per_round`), and
+    at most distill.max_seconds of training; distill.eval_every > 0 also measures the held-out
+    metric every that many steps (into the round's history)."""
     target_sparsity: float = 0.25
     step: float = 0.10
     recovery_steps: int = 0
     ppl_budget: float | None = None
     scorer: str = DEFAULT_SCORER
     scorer_params: dict = field(default_factory=dict)
-    policy: str = "global"
+    policy: str | None = None
     kv_policy: str = "auto"
     distill: DistillConfig = DistillConfig()
     eval_tokens: int = 512
+    recovery_tokens: int | None = None
 
     def one_shot(self) -> "PipelineConfig":
         """The same target in one round, without recovery."""
-        return replace(self, step=self.target_sparsity, recovery_steps=0)
+        return replace(self, step=self.target_sparsity, recovery_steps=0, recovery_tokens=None)
+
+    def for_model(self, geometry) -> "PipelineConfig":
+        """This config with the policy fixed for a model of `geometry` (None -> default_policy)."""
+        return self if self.policy is not None else replace(self, policy=default_policy(geometry.group_size))
+
+    def steps_per_round(self) -> int:
+        """Distillation steps of each round: recovery_tokens / (batch x seq x grad_accum tokens per
+        step), rounded up, when a token budget is given; else recovery_steps."""
+        if self.recovery_tokens is None:
+            return self.recovery_steps
+        d = self.distill
+        return math.ceil(self.recovery_tokens / (d.batch_size * d.seq_len * d.grad_accum))
 
     def validate(self, dense_metric: float | None = None) -> "PipelineConfig":
         if not (0 < self.target_sparsity < 1):
@@ -73,15 +93,18 @@ class PipelineConfig:
             raise InputError(f"The step (fraction of heads per round) must be in (0, 1]; got {self.step!r}.")
         if isinstance(self.recovery_steps, bool) or not isinstance(self.recovery_steps, int) or self.recovery_steps < 0:
             raise InputError(f"Recovery steps per round must be a whole number >= 0; got {self.recovery_steps!r}.")
-        if self.policy not in POLICIES:
+        tokens = self.recovery_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise InputError(f"Recovery tokens per round must be a whole number >= 0; got {tokens!r}.")
+        if self.policy is not None and self.policy not in POLICIES:
             raise InputError(f"Unknown mask policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
         if self.ppl_budget is not None and not (self.ppl_budget > 0 and math.isfinite(self.ppl_budget)):
             raise InputError(f"The perplexity budget must be a positive number; got {self.ppl_budget!r}.")
         if self.ppl_budget is not None and dense_metric is not None and self.ppl_budget <= dense_metric:
             raise InputError(f"The perplexity budget {self.ppl_budget:g} is not above the dense model's perplexity "
                              f"{dense_metric:.3f}: no pruned model can meet it. Raise the budget.")
-        if self.recovery_steps:
-            with_steps(self.distill, self.recovery_steps).validate()
+        if self.steps_per_round():
+            with_steps(self.distill, self.steps_per_round()).validate()
         get_scorer(self.scorer, **self.scorer_params)       # InputError for an unknown scorer
         return self
 
@@ -89,12 +112,22 @@ class PipelineConfig:
         return asdict(self)
 
 
-def round_counts(target_sparsity: float, step: float, n_heads: int) -> list[int]:
-    """Cumulative pruned-head counts per round; the last is floor(target * n_heads)."""
+def round_counts(target_sparsity: float, step: float, n_heads: int, unit: int = 1) -> list[int]:
+    """Cumulative pruned-head counts per round; the last is floor(target * n_heads). unit: the
+    policy's step (`policy_unit`): every earlier round prunes a multiple of it, and none lies within
+    one unit of the last (whose count the policy rounds to its nearest feasible one)."""
     final = heads_to_prune(target_sparsity, n_heads)
     per = max(1, heads_to_prune(min(step, 1.0), n_heads))
-    counts = list(range(per, final, per)) + [final]
+    per = unit * math.ceil(per / unit)
+    counts = [c for c in range(per, final, per) if final - c >= unit] + [final]
     return [c for c in counts if c > 0]
+
+
+def policy_unit(policy: str, geometry) -> int:
+    """The head count a GQA policy prunes in steps of (masks.feasible_counts); 1 for the others and on MHA."""
+    if policy not in GQA_POLICIES or geometry.group_size == 1:
+        return 1
+    return int(feasible_counts(policy, geometry.n_layers, geometry.n_heads, geometry.group_size)[1])
 
 
 @dataclass
@@ -109,6 +142,10 @@ class Round:
     accepted: bool                    # False: it broke the budget and was discarded
     seconds: float
     history: list[dict] = field(default_factory=list)   # distillation steps of the round
+    accuracy_cut: float | None = None  # next-token top-1 accuracy right after the cut (causal LMs)
+    accuracy: float | None = None      # ... after recovery
+    recovery_seconds: float = 0.0
+    precision: str | None = None       # the distillation's precision ("auto" resolved); None: no recovery
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -127,6 +164,7 @@ class PipelineResult:
     config: PipelineConfig
     stopped_by_budget: bool = False
     round_models: list[torch.nn.Module] = field(default_factory=list)   # with keep_round_models
+    dense_accuracy: float | None = None   # the dense model's next-token top-1 accuracy (causal LMs)
 
     @property
     def accepted(self) -> list[Round]:
@@ -136,6 +174,10 @@ class PipelineResult:
     def final_metric(self) -> float:
         return self.accepted[-1].metric if self.accepted else self.dense_metric
 
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.accepted[-1].accuracy if self.accepted else self.dense_accuracy
+
     def smaller(self, kv_policy: str | None = None, *, share: bool = True):
         """(physically pruned model, HeadLayout with the rounds) of the final model. share=True: its
         untouched weights are `self.model`'s (read-only use); share=False to train or edit it."""
@@ -144,6 +186,7 @@ class PipelineResult:
 
     def as_dict(self) -> dict:
         return {"metric": self.metric, "dense": self.dense_metric, "final": self.final_metric,
+                "dense_accuracy": self.dense_accuracy, "final_accuracy": self.final_accuracy,
                 "n_pruned": int(self.pruned.sum()), "n_heads": int(self.pruned.size),
                 "stopped_by_budget": self.stopped_by_budget, "config": self.config.as_dict(),
                 "rounds": [r.as_dict() for r in self.rounds], "head_rounds": self.head_rounds.tolist()}
@@ -175,7 +218,8 @@ def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineC
     pruned = plan.pruned
     if (previous & ~pruned).any():
         raise InputError(f"The {config.policy!r} policy cannot keep the earlier rounds' heads pruned at this "
-                         f"sparsity; use the global policy for iterative pruning.")
+                         f"sparsity; use one round (step >= target), or the global or groups policy for "
+                         f"iterative pruning.")
     return pruned, scores
 
 
@@ -192,14 +236,15 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
     on_step(record) after each distillation step (record has "round"); on_round(round, model,
     pruned) after each accepted round, with that round's full-shape model (do not keep it: it is
     the next round's starting point unless keep_round_models). CancelledError on should_stop."""
-    config.validate()
     geometry = loaded.geometry
+    config = config.for_model(geometry).validate()
     dense = _measure(loaded, loaded.model, eval_text, config, should_stop)
     if config.ppl_budget is not None and dense.higher_is_better:
         raise InputError(f"A perplexity budget needs a language model; this {loaded.kind} model is measured by "
                          f"{dense.metric}.")
     config.validate(dense.value)
-    counts = round_counts(config.target_sparsity, config.step, geometry.n_total_heads)
+    counts = round_counts(config.target_sparsity, config.step, geometry.n_total_heads,
+                          policy_unit(config.policy, geometry))
     if config.policy == "uniform":
         counts = [geometry.n_layers * heads_to_prune(c / geometry.n_total_heads, geometry.n_heads) for c in counts]
     model = copy.deepcopy(loaded.model)                                  # never the cached model
@@ -214,9 +259,11 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
         report(progress, span[0], f"round {index}/{len(counts)}: scoring {config.scorer}")
         mask, _ = next_mask(loaded, model, pruned, count, config, calibration, should_stop)
         candidate = zero_heads(copy.deepcopy(model), mask)
-        cut = _measure(loaded, candidate, eval_text, config, should_stop).value
+        cut_eval = _measure(loaded, candidate, eval_text, config, should_stop)
+        cut, accuracy_cut = cut_eval.value, cut_eval.accuracy
         history: list[dict] = []
-        if config.recovery_steps:
+        recovery_seconds, precision = 0.0, None
+        if config.steps_per_round():
             def step_report(record, index=index):
                 history_record = {"round": index, **record}
                 if on_step is not None:
@@ -226,18 +273,22 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
                 report(progress, span[0] + span[1] * (0.1 + 0.8 * fraction), f"round {index}: {message}")
 
             result: DistillResult = distill(
-                loaded, candidate, train_data, with_steps(config.distill, config.recovery_steps),
+                loaded, candidate, train_data, with_steps(config.distill, config.steps_per_round()),
                 gates=gates_from_mask(mask), on_step=step_report, progress=sub_progress, should_stop=should_stop,
+                evaluate_fn=lambda m: _measure(loaded, m, eval_text, config, should_stop).value,
                 checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir) / f"round-{index}")
             candidate = zero_heads(result.model, mask)    # LoRA merges touch pruned rows: zero them again
             history = [{"round": index, **r} for r in result.history]
-            value = _measure(loaded, candidate, eval_text, config, should_stop).value
+            recovered = _measure(loaded, candidate, eval_text, config, should_stop)
+            value, accuracy = recovered.value, recovered.accuracy
+            recovery_seconds, precision = result.seconds, result.precision
         else:
-            value = cut
+            value, accuracy = cut, accuracy_cut
         new = [(int(l), int(h)) for l, h in zip(*np.nonzero(mask & ~pruned))]
         accepted = not _over_budget(value, config.ppl_budget)
         done = Round(index, int(mask.sum()), float(mask.sum() / mask.size), new, float(cut), float(value),
-                     accepted, time.perf_counter() - began, history)
+                     accepted, time.perf_counter() - began, history, accuracy_cut, accuracy, recovery_seconds,
+                     precision)
         rounds.append(done)
         report(progress, span[0] + span[1], f"round {index}/{len(counts)}: {mask.sum()} heads pruned, "
                                             f"{dense.metric} {value:.3f}")
@@ -253,7 +304,8 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
     model.eval()
     return PipelineResult(model=model, pruned=pruned, head_rounds=head_rounds, metric=dense.metric,
                           higher_is_better=dense.higher_is_better, dense_metric=float(dense.value), rounds=rounds,
-                          config=config, stopped_by_budget=stopped, round_models=kept_models)
+                          config=config, stopped_by_budget=stopped, round_models=kept_models,
+                          dense_accuracy=dense.accuracy)
 
 
 def export_round(fmt: str, model, pruned, head_rounds, root, name: str, *, tokenizer=None, kv_policy="auto",

@@ -4,9 +4,12 @@
 the plot, the same schedule without recovery and the one-shot cut (masks planned once from the
 dense model's scores) at every round's sparsity. Stages: dense; each accepted round (cut and,
 with recovery, recovered); final; INT8 (ONNX Runtime, weight-only, when `int8=True`). Each stage
-is measured on its physically pruned model: parameters, checkpoint size (safetensors), attention
-FLOPs of a `seq_len` prefill, prefill and decode latency (median of `repeats`), the metric on the
-evaluation text; every number also as a ratio to dense.
+is measured on its physically pruned model: parameters (`count_parameters` of the model surgery
+built), checkpoint size (safetensors), KV-cache bytes per token (`masks.surgery_counts` of the
+mask under the run's kv_policy: what that surgery builds), attention FLOPs of a `seq_len` prefill,
+prefill and decode latency (median of `repeats`), the metric and the next-token top-1 accuracy on
+the evaluation text; every number also as a ratio to dense (a ratio above 1 in parameters, size or
+KV bytes means the cut GREW the model, and `CompressionReport.warnings` says so).
 
 `write_report(report, folder)` writes report.json, report.md and ppl_vs_sparsity.png atomically
 (one folder, renamed into place when complete).
@@ -25,7 +28,7 @@ from analysis.measure.evaluation import evaluate
 from analysis.compress.export import atomic_folder
 from analysis.compress.pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
 from analysis.core.progress import Progress, ShouldStop
-from analysis.score.masks import plan_mask
+from analysis.score.masks import plan_mask, surgery_counts
 from analysis.score.scoring import get_scorer
 from analysis.arch.models import count_parameters
 from analysis.compress.speed import _decode_step, alternating_times, forward_flops, saved_bytes, torch_threads
@@ -47,6 +50,8 @@ class Stage:
     prefill_ms: float
     decode_ms: float | None
     metric: float
+    kv_bytes_per_token: int | None = None        # K/V cached per token (None: not a cached decoder)
+    top1: float | None = None                    # next-token top-1 accuracy (causal LMs)
     ratios: dict = field(default_factory=dict)   # every number / dense's
 
 
@@ -59,32 +64,39 @@ class CompressionReport:
     curves: dict                                  # name -> {"sparsity": [...], "metric": [...]}
     rounds: list[dict]
     int8: dict | None = None
+    warnings: list = field(default_factory=list)  # e.g. a stage bigger than dense
 
     def as_dict(self) -> dict:
         return {"model": self.model, "metric": self.metric, "config": self.config,
                 "stages": [asdict(s) for s in self.stages], "curves": self.curves, "rounds": self.rounds,
-                "int8": self.int8}
+                "int8": self.int8, "warnings": self.warnings}
 
     def to_json(self) -> str:
         return json.dumps(_plain(self.as_dict()), indent=1)
 
     def to_markdown(self) -> str:
+        policy = self.config.get("policy")
         head = (f"# Compression report: {self.model}\n\n"
-                f"Metric: {self.metric} on the evaluation text (lower is better for perplexity). Ratios are to "
-                f"the dense model.\n\n"
-                "| stage | sparsity | parameters | size MB | attention FLOPs | prefill ms | decode ms | "
-                f"{self.metric} |\n|---|---|---|---|---|---|---|---|\n")
+                f"Metric: {self.metric} on the evaluation text (lower is better for perplexity); top-1 = next-token "
+                f"top-1 accuracy on the same text. Mask policy: {policy}. Ratios are to the dense model.\n\n"
+                + "".join(f"**Warning:** {w}\n\n" for w in self.warnings) +
+                "| stage | sparsity | parameters | size MB | KV bytes / token | attention FLOPs | prefill ms | "
+                f"decode ms | {self.metric} | top-1 |\n|---|---|---|---|---|---|---|---|---|---|\n")
         rows = []
         for s in self.stages:
             r = s.ratios
             decode = "n/a" if s.decode_ms is None else f"{s.decode_ms:.2f} ({r.get('decode_ms', 1):.2f}x)"
+            kv = "n/a" if s.kv_bytes_per_token is None else f"{s.kv_bytes_per_token:,}{_times(r, 'kv_bytes_per_token')}"
+            top1 = "n/a" if s.top1 is None else f"{s.top1:.3f}{_times(r, 'top1')}"
             rows.append(f"| {s.name} | {s.sparsity:.1%} | {s.parameters:,} ({r['parameters']:.3f}x) | "
-                        f"{s.size_mb:.1f} ({r['size_mb']:.3f}x) | {s.attention_flops:.3g} ({r['attention_flops']:.3f}x) "
-                        f"| {s.prefill_ms:.2f} ({r['prefill_ms']:.2f}x) | {decode} | {s.metric:.3f} "
-                        f"({r['metric']:.3f}x) |")
+                        f"{s.size_mb:.1f} ({r['size_mb']:.3f}x) | {kv} | {s.attention_flops:.3g} "
+                        f"({r['attention_flops']:.3f}x) | {s.prefill_ms:.2f} ({r['prefill_ms']:.2f}x) | {decode} | "
+                        f"{s.metric:.3f} ({r['metric']:.3f}x) | {top1} |")
         curves = "\n".join(f"- {name}: " + ", ".join(f"{x:.1%} -> {y:.3f}" for x, y in zip(c["sparsity"], c["metric"]))
                            for name, c in self.curves.items())
-        return head + "\n".join(rows) + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n"
+        int8 = "" if not self.int8 else "\n\n## INT8 against float32 in the same runtime\n\n" + "\n".join(
+            int8_lines(self.int8))
+        return head + "\n".join(rows) + int8 + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n"
 
     def plot_png(self, path) -> None:
         import matplotlib
@@ -103,6 +115,10 @@ class CompressionReport:
             fig.savefig(path, format="png")
         finally:
             plt.close(fig)
+
+
+def _times(ratios: dict, key: str) -> str:
+    return f" ({ratios[key]:.3f}x)" if key in ratios else ""
 
 
 def _plain(value):
@@ -126,9 +142,19 @@ def _ids(loaded, n: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))   # [1, n]
 
 
+def kv_bytes_per_token(loaded, pruned, kv_policy: str, dtype: torch.dtype = torch.float32) -> int:
+    """KV-cache bytes per token of the model surgery builds from pruned [L, H] (masks.surgery_counts)."""
+    g = loaded.geometry
+    counts = surgery_counts(pruned, group_size=g.group_size, head_dim=g.head_dim, hidden=g.hidden,
+                            kv_policy=kv_policy, dtype_bytes=torch.finfo(dtype).bits // 8)
+    return counts.kv_cache_bytes_per_token_after
+
+
 def measure_stage(name: str, loaded, model, layout, sparsity: float, eval_text, *, eval_tokens: int, seq_len: int,
-                  repeats: int, threads: int | None, causal: bool, metric: float | None = None) -> Stage:
-    """Stage numbers of a physically pruned `model` (layout None = dense)."""
+                  repeats: int, threads: int | None, causal: bool, metric: float | None = None,
+                  top1: float | None = None, pruned=None, kv_policy: str = "auto") -> Stage:
+    """Stage numbers of a physically pruned `model` (layout None = dense) cut by pruned [L, H]
+    (None = nothing pruned). metric/top1 given: not measured again."""
     x = _ids(loaded, seq_len)                                              # [1, T]
     calls = {"prefill": lambda: model(input_ids=x)}
     with torch_threads(threads):
@@ -140,20 +166,41 @@ def measure_stage(name: str, loaded, model, layout, sparsity: float, eval_text, 
                 step()
                 decode = 1e3 * float(np.median([step()[0] for _ in range(repeats)]))   # per token
     if metric is None:
-        metric = evaluate(replace(loaded, model=model), eval_text, max_tokens=eval_tokens).value
+        ev = evaluate(replace(loaded, model=model), eval_text, max_tokens=eval_tokens)
+        metric, top1 = ev.value, ev.accuracy
+    pruned = np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), bool) if pruned is None else pruned
+    kv = kv_bytes_per_token(loaded, pruned, kv_policy, next(model.parameters()).dtype) if causal else None
     return Stage(name=name, sparsity=float(sparsity), parameters=count_parameters(model),
                  size_mb=saved_bytes(model) / 2 ** 20,
                  attention_flops=forward_flops(model, seq_len, seq_len, layout=layout).attention,
-                 prefill_ms=ms["prefill"], decode_ms=decode, metric=float(metric))
+                 prefill_ms=ms["prefill"], decode_ms=decode, metric=float(metric), kv_bytes_per_token=kv,
+                 top1=None if top1 is None else float(top1))
 
 
 def _with_ratios(stages: list[Stage]) -> list[Stage]:
     dense = stages[0]
     for s in stages:
-        s.ratios = {key: (getattr(s, key) / getattr(dense, key)) if getattr(dense, key) else None
-                    for key in ("parameters", "size_mb", "attention_flops", "prefill_ms", "decode_ms", "metric")
-                    if getattr(s, key) is not None and getattr(dense, key) is not None}
+        s.ratios = {key: getattr(s, key) / getattr(dense, key)               # no ratio to a dense 0 or n/a
+                    for key in RATIO_KEYS if getattr(s, key) is not None and getattr(dense, key)}
     return stages
+
+
+RATIO_KEYS = ("parameters", "size_mb", "kv_bytes_per_token", "attention_flops", "prefill_ms", "decode_ms", "metric",
+              "top1")
+SIZE_KEYS = {"parameters": "parameters", "size_mb": "file size", "kv_bytes_per_token": "KV cache per token"}
+
+
+def growth_warnings(stages: list[Stage]) -> list[str]:
+    """A sentence for every pruned stage whose parameters, file size or KV cache is not below dense's
+    (stages of one format: the safetensors-sized PyTorch models, not the ONNX / INT8 files)."""
+    out = []
+    for s in stages[1:]:
+        grown = [what for key, what in SIZE_KEYS.items() if s.sparsity > 0 and (s.ratios.get(key) or 0) >= 1.0]
+        if grown:
+            out.append(f"stage '{s.name}' is not smaller than dense in {', '.join(grown)} (the mask policy "
+                       f"leaves uneven KV groups, so surgery copies K/V per query head; the 'groups' or "
+                       f"'balanced' policy never grows the model).")
+    return out
 
 
 def one_shot_curve(loaded, sparsities, config: PipelineConfig, eval_text) -> list[float]:
@@ -172,6 +219,8 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     """Run the pipeline and measure every stage (each round as it is accepted, so no round's model
     is kept). on_round(round, model, pruned) is passed through. Returns (report, result)."""
     report = progress or (lambda f, m: None)
+    config = config.for_model(loaded.geometry)
+    recovering = bool(config.steps_per_round())
     causal = loaded.kind == "causal-lm"
     common = dict(eval_tokens=config.eval_tokens, seq_len=seq_len, repeats=repeats, threads=threads, causal=causal)
     report(0.0, "measuring the dense model")
@@ -179,30 +228,33 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
 
     def measure_round(r, model, mask):
         small, layout = prune_heads(model, mask, kv_policy=config.kv_policy)
-        name = f"round {r.index}" + (" recovered" if config.recovery_steps else "")
-        stage = measure_stage(name, loaded, small, layout, r.sparsity, eval_text, metric=r.metric, **common)
-        if config.recovery_steps:
-            stages.append(replace(stage, name=f"round {r.index} cut", metric=r.metric_cut))  # same shapes
+        name = f"round {r.index}" + (" recovered" if recovering else "")
+        stage = measure_stage(name, loaded, small, layout, r.sparsity, eval_text, metric=r.metric, top1=r.accuracy,
+                              pruned=mask, kv_policy=config.kv_policy, **common)
+        if recovering:
+            stages.append(replace(stage, name=f"round {r.index} cut", metric=r.metric_cut,
+                                  top1=r.accuracy_cut))  # same shapes
         stages.append(stage)
         if on_round is not None:
             on_round(r, model, mask)
 
     result = run_pipeline(loaded, config, train_data=train_data, eval_text=eval_text, should_stop=should_stop,
                           on_step=on_step, on_round=measure_round, progress=lambda f, m: report(0.05 + 0.6 * f, m))
-    small, layout = result.smaller()
     final = (replace(stages[-1], name="final") if result.accepted else replace(stages[0], name="final"))
     stages.append(final)
+    n_torch = len(stages)          # the safetensors-sized stages, compared with dense in growth_warnings
     int8_info = None
     if int8 and causal:
-        report(0.7, "INT8: ONNX export and quantization")
-        int8_info, int8_stage = _int8_stage(loaded, result, final, eval_text, workdir, config, threads, repeats)
-        stages.append(int8_stage)
+        report(0.7, "INT8: ONNX export and quantization, PyTorch dynamic INT8")
+        int8_info, int8_stages = _int8_stages(loaded, result, final, eval_text, workdir, config, threads, repeats)
+        stages.extend(int8_stages)
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
     report(1.0, "report ready")
+    stages = _with_ratios(stages)
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
-                            stages=_with_ratios(stages), curves=curves, rounds=[r.as_dict() for r in result.rounds],
-                            int8=int8_info)
+                            stages=stages, curves=curves, rounds=[r.as_dict() for r in result.rounds],
+                            int8=int8_info, warnings=growth_warnings(stages[:n_torch]))
     return rep, result
 
 
@@ -211,8 +263,9 @@ def _curves(loaded, config, result, eval_text, train_data, should_stop) -> dict:
     curves = {}
     if sparsities:
         curves["one-shot"] = {"sparsity": sparsities, "metric": one_shot_curve(loaded, sparsities, config, eval_text)}
-    if config.recovery_steps and len(sparsities):
-        plain = run_pipeline(loaded, replace(config, recovery_steps=0), eval_text=eval_text, should_stop=should_stop)
+    if config.steps_per_round() and len(sparsities):
+        plain = run_pipeline(loaded, replace(config, recovery_steps=0, recovery_tokens=None), eval_text=eval_text,
+                             should_stop=should_stop)
         curves["iterative"] = {"sparsity": [r.sparsity for r in plain.accepted],
                                "metric": [r.metric for r in plain.accepted]}
         curves["iterative + recovery"] = {"sparsity": sparsities, "metric": [r.metric for r in result.accepted]}
@@ -222,20 +275,57 @@ def _curves(loaded, config, result, eval_text, train_data, should_stop) -> dict:
             for name, c in curves.items()}
 
 
-def _int8_stage(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats):
-    from analysis.compress.quantize import OnnxLM, compare_onnx, quantize_onnx
+# INT8 stages: name -> ONNX Runtime method (analysis.compress.quantize.ONNX_METHODS); the PyTorch route after them
+ONNX_INT8 = {"INT8 weight-only (ONNX)": "weight-only", "INT8 integer (ONNX dynamic)": "dynamic"}
+TORCH_INT8 = "INT8 integer (PyTorch dynamic)"
+
+
+def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats):
+    """The final model in float32 ONNX, its two ONNX INT8 files and PyTorch dynamic INT8, each
+    measured against float32 in its own runtime (info[...]: agreement, speed-ups, sizes)."""
+    from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float, quantize_onnx,
+                                            torch_int8_report)
+    small, _ = result.smaller()
+    keep = int8_keep_float(small, calibration_ids(loaded.tokenizer))
+    info, stages = {"keep_float": keep}, []
     with tempfile.TemporaryDirectory(prefix="headscope-int8-", dir=workdir) as folder:
         fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, folder, "fp32",
                             kv_policy=config.kv_policy)
-        int8_file = quantize_onnx(fp32.path, Path(folder) / "int8")
-        cmp = compare_onnx(loaded, fp32.path, int8_file, eval_text, max_tokens=config.eval_tokens, repeats=repeats,
-                           threads=threads)
-        model = OnnxLM(int8_file, loaded.model.config, threads)
-        x = _ids(loaded, 128)
-        ms = alternating_times({"p": lambda: model(input_ids=x)}, repeats=repeats, warmup=1).median_ms("wall")["p"]
-    stage = replace(final, name="INT8 (ONNX, weight-only)", size_mb=cmp.bytes_int8 / 2 ** 20, prefill_ms=ms,
-                    decode_ms=None, metric=cmp.perplexity_int8)
-    return cmp.as_dict(), stage
+        for name, method in ONNX_INT8.items():
+            int8_file = quantize_onnx(fp32.path, Path(folder) / method, method=method,
+                                      keep_float=keep if method == "dynamic" else ())
+            cmp = compare_onnx(loaded, fp32.path, int8_file, eval_text, max_tokens=config.eval_tokens,
+                               repeats=repeats, threads=threads)
+            info[method] = cmp.as_dict()
+            if not stages:
+                stages.append(replace(final, name="final (ONNX fp32)", size_mb=cmp.bytes_fp32 / 2 ** 20,
+                                      prefill_ms=cmp.latency_ms_fp32, decode_ms=None, metric=cmp.perplexity_fp32,
+                                      top1=cmp.accuracy_fp32))
+            stages.append(replace(final, name=name, size_mb=cmp.bytes_int8 / 2 ** 20, prefill_ms=cmp.latency_ms_int8,
+                                  decode_ms=None, metric=cmp.perplexity_int8, top1=cmp.accuracy_int8))
+    t = torch_int8_report(loaded, small, eval_text, max_tokens=config.eval_tokens, repeats=repeats, threads=threads,
+                          keep_float=keep)
+    info["torch"] = {k: v for k, v in t.items() if k != "model"}
+    stages.append(replace(final, name=TORCH_INT8, size_mb=t["bytes_int8"] / 2 ** 20, prefill_ms=t["latency_ms_int8"],
+                          decode_ms=t["decode_ms_int8"], metric=t["metric_int8"], top1=t["accuracy_int8"]))
+    return info, stages
+
+
+def int8_lines(info: dict) -> list[str]:
+    """Markdown bullets: each INT8 route against float32 in the same runtime."""
+    rows = [f"- Kept in float32 by the integer routes: {', '.join(info['keep_float']) or 'nothing'}."]
+    for method in ONNX_INT8.values():
+        c = info[method]
+        rows.append(f"- ONNX {method}: top-1 agreement with fp32 {c['top1_agreement']:.3f}, perplexity "
+                    f"{c['perplexity_ratio']:.3f}x, file {c['size_ratio']:.3f}x, prefill "
+                    f"{c['latency_ms_fp32'] / c['latency_ms_int8']:.2f}x faster, 1-token forward "
+                    f"{c['one_token_ms_fp32'] / c['one_token_ms_int8']:.2f}x faster (ONNX Runtime, same threads).")
+    t = info["torch"]
+    rows.append(f"- PyTorch dynamic: top-1 agreement {t['top1_agreement']:.3f}, perplexity "
+                f"{t['metric_int8'] / t['metric_fp32']:.3f}x, state {t['size_ratio']:.3f}x, prefill "
+                f"{t['latency_ms_fp32'] / t['latency_ms_int8']:.2f}x faster, decode "
+                f"{t['decode_ms_fp32'] / t['decode_ms_int8']:.2f}x faster (PyTorch, same threads).")
+    return rows
 
 
 def write_report(report: CompressionReport, folder, *, overwrite: bool = False) -> dict[str, Path]:

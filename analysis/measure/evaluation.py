@@ -1,7 +1,10 @@
 """Evaluation of a (head-masked) model on real text: the evidence behind every score.
 
 Three metrics, one per `LoadedModel.kind` (dispatch table `EVALUATORS`):
-- "causal-lm": perplexity = exp(mean token NLL), with a sliding window of `window` tokens moved
+- "causal-lm": perplexity = exp(mean token NLL), and from the same forward passes the next-token
+  top-1 accuracy (`Evaluation.top1`: the share of scored tokens whose argmax prediction is the
+  actual next token, "accuracy" as the compression literature reports it; `accuracy_ratio` divides
+  it by the dense model's), with a sliding window of `window` tokens moved
   by `stride` as in the Hugging Face perplexity guide: every token is scored at most once,
   with up to `window - 1` tokens of context (with stride < window every token after the first
   is scored; with stride = window the first token of each window has no context and is not).
@@ -135,6 +138,12 @@ class Evaluation:
     mean_nll: np.ndarray | None  # [B] mean token NLL (nats) for LM metrics, None for fidelity
     n_tokens: int              # tokens scored (LM) or tokens embedded (fidelity)
     higher_is_better: bool
+    top1: np.ndarray | None = None  # [B] next-token top-1 accuracy (causal LMs), None otherwise
+
+    @property
+    def accuracy(self) -> float | None:
+        """Top-1 next-token accuracy of the first mask (causal LMs; None otherwise)."""
+        return None if self.top1 is None else float(self.top1[0])
 
     @property
     def value(self) -> float:
@@ -207,13 +216,21 @@ class CausalPerplexity:
         sums, counts = self.window_nll(model, ids, gates, progress=progress, should_stop=should_stop, team=team)
         return sums.sum(axis=1), int(counts.sum())
 
-    @torch.no_grad()
     def window_nll(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
                    progress: Progress = None, should_stop: ShouldStop = None,
                    team: Team | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Summed token NLL per mask and window [B, W] (float64) and scored tokens per window [W]
         (the windows of `plan`, in order): what a bootstrap over windows resamples. `team`: the
         processes that split the jobs (module docstring)."""
+        sums, _, counts = self.window_stats(model, ids, gates, progress=progress, should_stop=should_stop, team=team)
+        return sums, counts
+
+    @torch.no_grad()
+    def window_stats(self, model, ids: torch.Tensor, gates: torch.Tensor | None = None, *,
+                     progress: Progress = None, should_stop: ShouldStop = None,
+                     team: Team | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`window_nll`'s sums [B, W] and counts [W], and the correct top-1 next-token predictions
+        per mask and window [B, W] (argmax of the logits == the next token), from the same passes."""
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)      # [N]
         if ids.numel() < 2:
             raise InputError("Perplexity needs at least two tokens; use a longer text.")
@@ -229,6 +246,7 @@ class CausalPerplexity:
                 for r in _chunks(len(idx), max(1, self.batch_size // min(B, self.batch_size)))
                 for mr in mask_chunks]
         sums = torch.zeros(B, len(windows), dtype=torch.float64)       # [B, W]
+        correct = torch.zeros(B, len(windows), dtype=torch.float64)    # [B, W]
 
         def run(j: int) -> torch.Tensor:
             (length, m), idx, mr = jobs[j]
@@ -243,20 +261,25 @@ class CausalPerplexity:
                     logits = model(input_ids=xb, use_cache=False, logits_to_keep=m + 1).logits[:, :-1]  # [b*k, m, V]
                 else:
                     logits = model(input_ids=xb, use_cache=False).logits[:, length - m - 1:-1]      # [b*k, m, V]
-            nll = token_nll(logits, y.repeat(b, 1)).cpu().double()       # [b*k, m] float32 at least, summed in float64
+            targets = y.repeat(b, 1)                                    # [b*k, m]
+            nll = token_nll(logits, targets).cpu().double()             # [b*k, m] float32 at least, summed in float64
+            hits = (logits.argmax(-1) == targets).cpu().double()         # [b*k, m]
             report(progress, (j + 1) / len(jobs), f"perplexity: window batch {j + 1}/{len(jobs)}")
-            return nll.reshape(b, len(idx), m).sum(2).cpu()             # [b, k]
+            return torch.stack([nll.reshape(b, len(idx), m).sum(2), hits.reshape(b, len(idx), m).sum(2)])  # [2, b, k]
 
         blocks = (team or SOLO).map(run, len(jobs), what="perplexity")
         for (_, idx, mr), block in zip(jobs, blocks):
-            sums[mr.start:mr.stop, idx] += block                        # [b, k]
-        return sums.numpy(), np.array([w.n_target for w in windows])
+            sums[mr.start:mr.stop, idx] += block[0]                     # [b, k]
+            correct[mr.start:mr.stop, idx] += block[1]                  # [b, k]
+        return sums.numpy(), correct.numpy(), np.array([w.n_target for w in windows])
 
     def measure(self, model, ids, gates=None, *, progress: Progress | None = None,
                 should_stop: ShouldStop | None = None, team: Team | None = None) -> Evaluation:
-        total, n = self.nll(model, ids, gates, progress=progress, should_stop=should_stop, team=team)
-        mean = total / n                                                # [B]
-        return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better)
+        sums, correct, counts = self.window_stats(model, ids, gates, progress=progress, should_stop=should_stop,
+                                                  team=team)
+        n = int(counts.sum())
+        mean = sums.sum(axis=1) / n                                     # [B]
+        return Evaluation(self.metric, np.exp(mean), mean, n, self.higher_is_better, top1=correct.sum(axis=1) / n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,6 +518,23 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
     ev = evaluator_for(loaded.kind, window=window, stride=stride, batch_size=batch_size)
     inputs = ev.prepare(loaded.tokenizer, default_text() if text is None else text, max_tokens)
     return ev.measure(model, inputs, g, progress=progress, should_stop=should_stop, team=team)
+
+
+def bootstrap_perplexity(sums: np.ndarray, counts: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
+    """Perplexity per row over n bootstrap resamples of the windows (the same resamples for every row).
+
+    sums [B, W] summed NLL per row and window, counts [W] scored tokens (`CausalPerplexity.window_nll`)
+    -> [n, B]; a 95 % CI is np.percentile(..., [2.5, 97.5], axis=0)."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, counts.size, size=(n, counts.size))                # [n, W]
+    return np.exp(sums[:, picks].sum(axis=2).T / counts[picks].sum(axis=1)[:, None])   # [n, B]
+
+
+def accuracy_ratio(pruned: Evaluation, dense: Evaluation) -> float | None:
+    """Top-1 accuracy of `pruned` (its first mask) over the dense model's; None without accuracy."""
+    if pruned.accuracy is None or not dense.accuracy:
+        return None
+    return pruned.accuracy / dense.accuracy
 
 
 def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
