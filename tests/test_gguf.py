@@ -212,3 +212,49 @@ def test_smollm2_logits_equal_pytorch(smollm2, smol_ids, smol_folder, case):
     rel = _assert_same_logits(_torch_logits(smaller, smol_ids), llamacpp.logits(written.path, smol_ids),
                               f"smollm2/{case}")
     print(f"smollm2/{case}: max |diff| / max |logit| = {rel:.2e}")
+
+
+@pytest.fixture(scope="module")
+def smol_global(smollm2, smol_folder):
+    """The uneven global 50% cut of SmolLM2 as F32, Q8_0 and Q4_K_M files (written once)."""
+    smaller, layout = prune_heads(smollm2.model, _smol_case(smollm2, "global"))
+    files = {t: write_gguf(smaller, layout, smol_folder / f"global-{t}.gguf", weight_type=t,
+                           tokenizer_gguf=source_gguf("smollm2-135m")).path for t in ("f32", "q8_0", "q4_k_m")}
+    return smaller, layout, files
+
+
+@pytest.mark.slow
+def test_llama_cpp_tokenizes_like_the_hf_tokenizer(smollm2, smol_global):
+    from analysis.core.text import wiki_articles
+    import llama_cpp
+    _, _, files = smol_global
+    vocab = llama_cpp.Llama(model_path=str(files["f32"]), vocab_only=True, verbose=False)
+    paragraphs = [a.text for a in wiki_articles()[:1000]]
+    assert len(paragraphs) == 1000
+    differ = [i for i, text in enumerate(paragraphs)
+              if vocab.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+              != smollm2.tokenizer(text)["input_ids"]]
+    assert differ == [], f"{len(differ)} of 1000 paragraphs tokenize differently, e.g. #{differ[:3]}"
+    template = _fields(files["f32"])["tokenizer.chat_template"]
+    assert template == smollm2.tokenizer.chat_template          # the chat template came along
+
+
+@pytest.mark.slow
+def test_quantized_files_run_and_keep_perplexity(smollm2, smol_global):
+    """llama.cpp perplexity on headscope's evaluation ids (512 tokens, one window; f16 KV cache as
+    deployed). F32 equals headscope's own evaluator on the pruned model within 0.5% (the f16 KV cache
+    rounds K/V to 11 bits); Q8_0 within 1% of F32 (8-bit blocks: ~0.4% weight error); Q4_K_M within
+    15% (4-bit k-quants of an already Q4_1-derived model; llama.cpp's own quantizer)."""
+    import dataclasses
+    from analysis.measure.evaluation import default_text, perplexity as hs_perplexity, token_ids
+    smaller, layout, files = smol_global
+    ids = token_ids(smollm2.tokenizer, default_text(), max_tokens=512).tolist()
+    ppl = {t: llamacpp.perplexity(path, ids, window=512).value for t, path in files.items()}
+    ours = hs_perplexity(dataclasses.replace(smollm2, model=smaller), max_tokens=512)
+    print(f"perplexity headscope {ours:.4f}, llama.cpp {ppl}")
+    assert abs(ppl["f32"] / ours - 1) <= 0.005
+    assert abs(ppl["q8_0"] / ppl["f32"] - 1) <= 0.01
+    assert abs(ppl["q4_k_m"] / ppl["f32"] - 1) <= 0.15
+    sizes = {t: path.stat().st_size for t, path in files.items()}
+    assert sizes["q4_k_m"] < sizes["q8_0"] < sizes["f32"] / 3
+    assert _fields(files["q4_k_m"])["deci.attention.head_count"] == [len(h) for h in layout.heads]

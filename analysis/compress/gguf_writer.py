@@ -57,6 +57,8 @@ WEIGHT_TYPES: dict[str, tuple[str | None, str]] = {
     "q4_k_m": (None, "MOSTLY_Q4_K_M"),
     "q5_k_m": (None, "MOSTLY_Q5_K_M"),
     "q6_k": (None, "MOSTLY_Q6_K"),
+    "q4_0": (None, "MOSTLY_Q4_0"),       # 32-value blocks: fit any width that is a multiple of 32
+    "q4_1": (None, "MOSTLY_Q4_1"),       # (the built-in SmolLM2 file's type)
 }
 DEFAULT_WEIGHT_TYPE = "f16"
 PER_LAYER_ARCH = "deci"          # llama.cpp's architecture that honours per-layer head counts
@@ -396,7 +398,9 @@ def llama_quantize(source: Path, target: Path, weight_type: str, *, threads: int
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_" + WEIGHT_TYPES[weight_type][1])
     params.nthread = threads or (os.cpu_count() or 1)
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    from analysis.compress.llamacpp import llama_log
+    with llama_log():                       # its per-tensor fallback notes stay off the console
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
     if status != 0:
         raise OutputError(f"llama.cpp could not quantize the GGUF file to {weight_type} (status {status}); "
                           f"check the free disk space at {target.parent} and try again.")

@@ -29,6 +29,7 @@ import numpy as np
 from analysis.core.errors import ModelLoadError
 
 DEFAULT_THREADS = 2
+_GGML_TYPES = {"f32": 0, "f16": 1}          # ggml_type ids of the KV cache's element type
 _KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB .*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
 
 
@@ -66,8 +67,10 @@ def llama_log() -> Iterator[list[str]]:
 
 
 def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, threads: int = DEFAULT_THREADS,
-         flash_attn: bool = False, n_batch: int | None = None):
-    """llama_cpp.Llama over the GGUF file (CPU, no mmap surprises: the file is read as is)."""
+         flash_attn: bool = False, n_batch: int | None = None, kv_type: str = "f16"):
+    """llama_cpp.Llama over the GGUF file on the CPU. kv_type: the KV cache's element type, "f16"
+    (llama.cpp's default: what a deployment uses) or "f32" (for exactness checks: an f16 cache rounds
+    K and V to 11 bits, ~1e-3 of the logits)."""
     llama_cpp = _llama_cpp()
     path = Path(path)
     if not path.is_file():
@@ -76,15 +79,17 @@ def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, 
     try:
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch or min(n_ctx, 512),
                                n_ubatch=n_batch or min(n_ctx, 512), logits_all=logits_all, n_threads=threads,
-                               n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
+                               n_threads_batch=threads, flash_attn=flash_attn, verbose=False,
+                               type_k=_GGML_TYPES[kv_type], type_v=_GGML_TYPES[kv_type])
     except ValueError as err:
         raise ModelLoadError(f"llama.cpp could not load {path.name}: {err}") from err
 
 
-def logits(path_or_llm, ids: Sequence[int]) -> np.ndarray:
-    """llama.cpp's logits [N, V] (float32) for the token ids, one fresh sequence."""
+def logits(path_or_llm, ids: Sequence[int], *, kv_type: str = "f32") -> np.ndarray:
+    """llama.cpp's logits [N, V] (float32) for the token ids, one fresh sequence (a path is loaded with
+    a float32 KV cache: the exact computation; pass a loaded Llama to choose otherwise)."""
     ids = [int(i) for i in ids]
-    llm = load(path_or_llm, n_ctx=max(len(ids), 8)) if isinstance(path_or_llm, (str, os.PathLike)) else path_or_llm
+    llm = load(path_or_llm, n_ctx=max(len(ids), 8), kv_type=kv_type) if isinstance(path_or_llm, (str, os.PathLike)) else path_or_llm
     llm.reset()
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)], dtype=np.float32)           # [N, V]
