@@ -258,3 +258,105 @@ def test_quantized_files_run_and_keep_perplexity(smollm2, smol_global):
     sizes = {t: path.stat().st_size for t, path in files.items()}
     assert sizes["q4_k_m"] < sizes["q8_0"] < sizes["f32"] / 3
     assert _fields(files["q4_k_m"])["deci.attention.head_count"] == [len(h) for h in layout.heads]
+
+
+# ---------------------------------------------------------------------------------------------
+# The export format through the CLI: a real file, and bad input (one line, nothing half-written)
+# ---------------------------------------------------------------------------------------------
+
+import os            # noqa: E402
+import signal        # noqa: E402
+import subprocess    # noqa: E402
+import sys           # noqa: E402
+import time          # noqa: E402
+
+from analysis import cli                                                     # noqa: E402
+from tests._apptools import tiny_model_dir                                   # noqa: E402
+from tests.test_hostile import ROOT, _fill, assert_one_line_error, snapshot, tmpfs  # noqa: E402,F401
+
+GGUF_EXPORT = ["export", "--quiet", "--scorer", "magnitude", "--sparsity", "0.25", "--policy", "global",
+               "--export-format", "gguf"]
+
+
+@pytest.fixture(scope="module")
+def gguf_model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("gguf-model") / "tiny", num_hidden_layers=2)
+
+
+def test_cli_export_writes_a_gguf_llama_cpp_runs(gguf_model_dir, tmp_path, capsys):
+    from analysis.compress.export import mask_from_json
+    from analysis.compress.export.pruned import load_pruned
+    code = cli.main([*GGUF_EXPORT, "--gguf-type", "q8_0", "--model", str(gguf_model_dir), "--out-dir",
+                     str(tmp_path), "--name", "cut"])
+    assert code == 0, capsys.readouterr().err
+    folder = tmp_path / "cut"
+    assert {"model.gguf", "mask.json", "head_layout.json"} <= set(os.listdir(folder))
+    fields = _fields(folder / "model.gguf")
+    assert fields["general.file_type"] == 7                                  # MOSTLY_Q8_0
+    pruned = mask_from_json(folder / "mask.json")
+    assert pruned.sum() == 2                                                 # 25% of 2 x 4 heads
+    ids = tiny_input_ids(batch=1, seq=16)[0].tolist()
+    out = llamacpp.logits(folder / "model.gguf", ids)
+    assert out.shape == (16, tiny_config("llama").vocab_size) and np.isfinite(out).all()
+
+
+def test_cli_unsupported_family_is_one_line_and_writes_nothing(tmp_path, capsys):
+    model = tiny_model_dir(tmp_path / "gpt2", model_type="gpt2")
+    out = tmp_path / "exports"
+    code = cli.main([*GGUF_EXPORT, "--model", str(model), "--out-dir", str(out), "--name", "cut"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert_one_line_error(err, r"GGUF export supports llama, mistral, qwen2 models, not 'gpt2'",
+                          r"use the 'pruned' or 'onnx' export")
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_cli_existing_target_is_refused(gguf_model_dir, tmp_path, capsys):
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "mine.txt").write_text("keep me")
+    code = cli.main([*GGUF_EXPORT, "--model", str(gguf_model_dir), "--out-dir", str(tmp_path), "--name", "cut"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert_one_line_error(err, r"exists", r"overwrite|another name")
+    assert os.listdir(tmp_path / "cut") == ["mine.txt"]
+    assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
+
+
+def test_cli_full_disk_says_so_and_leaves_nothing(tmpfs, gguf_model_dir, capsys):
+    disk = tmpfs("size=5m")
+    _fill(disk, leave=16 * 1024)
+    before = snapshot(disk)
+    code = cli.main([*GGUF_EXPORT, "--gguf-type", "f32", "--model", str(gguf_model_dir), "--out-dir", str(disk),
+                     "--name", "cut"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert_one_line_error(err, r"disk is full", r"free some space")
+    assert snapshot(disk) == before
+
+
+@pytest.mark.slow
+def test_killed_gguf_export_leaves_nothing_behind(tmp_path, gguf_model_dir):
+    """SIGKILL while model.gguf is being written: the temporary folder stays (nothing can run), no
+    export appears, and the next export into the same root removes the leftover and says so."""
+    big = tiny_model_dir(tmp_path / "big", num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                         vocab_size=32000)
+    root = tmp_path / "exports"
+    root.mkdir()
+    argv = [sys.executable, "-m", "analysis", *GGUF_EXPORT, "--gguf-type", "q8_0", "--model", str(big),
+            "--out-dir", str(root), "--name", "kill"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline, temps = time.monotonic() + 180, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        temps = [t for t in root.glob(".kill.tmp-*") if (t / "model.gguf").exists()]
+        if temps:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait(60)
+    assert temps, f"the export ended before model.gguf was started: {proc.communicate()[1].decode()[-400:]}"
+    assert proc.returncode == -signal.SIGKILL and not (root / "kill").exists()
+    code = cli.main([*GGUF_EXPORT, "--model", str(gguf_model_dir), "--out-dir", str(root), "--name", "next"])
+    assert code == 0
+    assert sorted(os.listdir(root)) == ["next"]

@@ -32,8 +32,10 @@ plus the vocabulary size (token ids only: enough for tiny test models and for ev
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -331,6 +333,18 @@ def _encode(spec: TensorSpec, array: np.ndarray, head_dim: int) -> np.ndarray:
     return gguf.quants.quantize(array, gguf.GGMLQuantizationType[spec.ggml_type])    # uint8 blocks
 
 
+def _with_errno(err: OSError, path: Path, nbytes: int) -> OSError:
+    """numpy's `tofile` reports a short write as an OSError without errno ("n requested and m
+    written"); when the disk has no room for the tensor, that is a full disk: say so (ENOSPC)."""
+    if err.errno is not None:
+        return err
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return err
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) if free < nbytes + 65536 else err
+
+
 class GGUFTensorWriter:
     """Writes one GGUF file: header, metadata and tensor table from the plan at open, then the
     tensors one at a time (`write(spec, tensor)`, in plan order), then `close()`."""
@@ -338,6 +352,7 @@ class GGUFTensorWriter:
     def __init__(self, path: str | os.PathLike, plan: GGUFPlan):
         import gguf
         self.plan = plan
+        self.path = Path(path)
         self._next = 0
         self._writer = gguf.GGUFWriter(str(path), plan.arch)
         for key, value, vtype, sub in plan.metadata:
@@ -363,8 +378,19 @@ class GGUFTensorWriter:
             raise InputError(f"GGUF export: got tensor {spec.name}, expected {expected.name} next.")
         if isinstance(tensor, torch.Tensor):
             tensor = tensor.detach().to("cpu", torch.float32).numpy()
-        self._writer.write_tensor_data(_encode(spec, tensor, self.plan.head_dim))
+        data = _encode(spec, tensor, self.plan.head_dim)
+        try:
+            self._writer.write_tensor_data(data)
+        except OSError as err:
+            raise _with_errno(err, self.path, data.nbytes) from err
         self._next += 1
+
+    def abandon(self) -> None:
+        """Close the file after a failure (the caller removes it; the export's folder is temporary)."""
+        try:
+            self._writer.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         try:
@@ -384,8 +410,10 @@ def write_tensors(path: str | os.PathLike, plan: GGUFPlan, fetch: Callable[[str]
             writer.write(spec, fetch(spec.hf_name))
             if progress:
                 progress(i / len(plan.tensors), f"GGUF: {spec.name}")
-    finally:
-        writer.close()
+    except BaseException:
+        writer.abandon()             # the error that stopped the writing is the one to report
+        raise
+    writer.close()
 
 
 # ---------------------------------------------------------------------------------------------
