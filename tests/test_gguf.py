@@ -216,8 +216,9 @@ def test_smollm2_logits_equal_pytorch(smollm2, smol_ids, smol_folder, case):
 
 @pytest.fixture(scope="module")
 def smol_global(smollm2, smol_folder):
-    """The uneven global 50% cut of SmolLM2 as F32, Q8_0 and Q4_K_M files (written once)."""
-    smaller, layout = prune_heads(smollm2.model, _smol_case(smollm2, "global"))
+    """The uneven global 25% cut of SmolLM2 as F32, Q8_0 and Q4_K_M files (written once). (At 50% the
+    one-shot cut's perplexity is ~1300: quantization noise on a broken model says nothing.)"""
+    smaller, layout = prune_heads(smollm2.model, smollm2_mask(smollm2, 0.25, "global"))
     files = {t: write_gguf(smaller, layout, smol_folder / f"global-{t}.gguf", weight_type=t,
                            tokenizer_gguf=source_gguf("smollm2-135m")).path for t in ("f32", "q8_0", "q4_k_m")}
     return smaller, layout, files
@@ -243,8 +244,9 @@ def test_llama_cpp_tokenizes_like_the_hf_tokenizer(smollm2, smol_global):
 def test_quantized_files_run_and_keep_perplexity(smollm2, smol_global):
     """llama.cpp perplexity on headscope's evaluation ids (512 tokens, one window; f16 KV cache as
     deployed). F32 equals headscope's own evaluator on the pruned model within 0.5% (the f16 KV cache
-    rounds K/V to 11 bits); Q8_0 within 1% of F32 (8-bit blocks: ~0.4% weight error); Q4_K_M within
-    15% (4-bit k-quants of an already Q4_1-derived model; llama.cpp's own quantizer)."""
+    rounds K/V to 11 bits); Q8_0 within 3% of F32 and Q4_K_M within 8% (measured here: +1.5% and +2.6% for
+    this cut, +0.7% and +4.1% for the dense model; SmolLM2's width 576 is not a multiple of the k-quants'
+    256-value super-block, so llama.cpp's quantizer falls back to q5_0/q8_0 for most of its tensors)."""
     import dataclasses
     from analysis.measure.evaluation import default_text, perplexity as hs_perplexity, token_ids
     smaller, layout, files = smol_global
@@ -253,8 +255,8 @@ def test_quantized_files_run_and_keep_perplexity(smollm2, smol_global):
     ours = hs_perplexity(dataclasses.replace(smollm2, model=smaller), max_tokens=512)
     print(f"perplexity headscope {ours:.4f}, llama.cpp {ppl}")
     assert abs(ppl["f32"] / ours - 1) <= 0.005
-    assert abs(ppl["q8_0"] / ppl["f32"] - 1) <= 0.01
-    assert abs(ppl["q4_k_m"] / ppl["f32"] - 1) <= 0.15
+    assert abs(ppl["q8_0"] / ppl["f32"] - 1) <= 0.03
+    assert abs(ppl["q4_k_m"] / ppl["f32"] - 1) <= 0.08
     sizes = {t: path.stat().st_size for t, path in files.items()}
     assert sizes["q4_k_m"] < sizes["q8_0"] < sizes["f32"] / 3
     assert _fields(files["q4_k_m"])["deci.attention.head_count"] == [len(h) for h in layout.heads]
