@@ -362,3 +362,29 @@ def test_killed_gguf_export_leaves_nothing_behind(tmp_path, gguf_model_dir):
     code = cli.main([*GGUF_EXPORT, "--model", str(gguf_model_dir), "--out-dir", str(root), "--name", "next"])
     assert code == 0
     assert sorted(os.listdir(root)) == ["next"]
+
+
+def test_cli_deploy_report_measures_dense_and_pruned_in_llama_cpp(gguf_model_dir, tmp_path, capsys):
+    import json
+    base = [*GGUF_EXPORT[:4], "--model", str(gguf_model_dir), "--out-dir", str(tmp_path), "--export-format", "gguf",
+            "--gguf-type", "f32"]
+    assert cli.main([*base, "--sparsity", "0", "--name", "dense"]) == 0
+    assert cli.main([*base, "--sparsity", "0.5", "--policy", "groups", "--name", "cut"]) == 0   # whole KV groups
+    capsys.readouterr()
+    code = cli.main(["deploy-report", "--quiet", "--model", str(gguf_model_dir), "--dense",
+                     str(tmp_path / "dense" / "model.gguf"), "--pruned", str(tmp_path / "cut"),
+                     "--max-tokens", "32", "--speed-context", "16"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    dense, cut = report["rows"]
+    assert dense["heads"] == 8 and cut["heads"] == 4 and cut["bytes"] < dense["bytes"]
+    assert cut["kv_heads"] == 2 and cut["kv_mib_8192"] == dense["kv_mib_8192"] / 2   # half the KV heads
+    # llama.cpp's perplexity of the cut equals headscope's evaluator on the same ids (f16 KV cache: 1%)
+    assert abs(cut["perplexity"] / cut["headscope_perplexity"] - 1) < 0.01
+    assert report["ratios"][0]["bytes"] == cut["bytes"] / dense["bytes"]
+    code = cli.main(["deploy-report", "--quiet", "--model", str(gguf_model_dir), "--dense", str(tmp_path / "nope"),
+                     "--pruned", str(tmp_path / "cut")])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert_one_line_error(err, r"No GGUF file at", r"export one")
