@@ -61,3 +61,33 @@ def ratios(dense: dict, pruned: dict) -> dict:
     keys = ("bytes", "perplexity", "prefill_tok_s", "decode_tok_s",
             *(k for k in dense if k.startswith("kv_mib_")))
     return {k: pruned[k] / dense[k] for k in keys if dense.get(k) and k in pruned}
+
+
+def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_tokens: int = 512,
+                    threads: int = llamacpp.DEFAULT_THREADS) -> list[dict]:
+    """The Export page's report for a written gguf export: the dense model written at the same weight
+    type (a temporary file) and the export's file, both measured by llama.cpp, each with headscope's own
+    perplexity (the dense model; the masked model, which the cut computes) next to llama.cpp's."""
+    import tempfile
+
+    import numpy as np
+
+    from analysis.compress.export.gguf import tokenizer_source
+    from analysis.compress.gguf_writer import GGUF_FILE, write_gguf
+    from analysis.compress.surgery import HeadLayout
+    from analysis.measure.evaluation import default_text, evaluate, token_ids
+
+    model, g = loaded.model, loaded.geometry
+    ids = token_ids(loaded.tokenizer, default_text(), max_tokens=max_tokens).tolist()
+    dense_layout = HeadLayout.from_mask(np.zeros((g.n_layers, g.n_heads), bool), g, loaded.adapter.model_type)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="headscope-dense-gguf-") as tmp:
+        dense_file = Path(tmp) / GGUF_FILE
+        write_gguf(model, dense_layout, dense_file, weight_type=weight_type, tokenizer_gguf=tokenizer_source(model))
+        for role, path, mask in (("dense", dense_file, None), ("pruned", Path(export_result.path) / GGUF_FILE, pruned)):
+            row = {"role": role, **measure_gguf(path, ids, threads=threads)}
+            row["headscope_perplexity"] = float(evaluate(loaded, pruned=mask, max_tokens=max_tokens).value)
+            row["file"] = Path(row["file"]).name if role == "dense" else row["file"]
+            rows.append(row)
+    rows[1]["size_ratio"] = rows[1]["bytes"] / rows[0]["bytes"]
+    return rows
