@@ -388,3 +388,34 @@ def test_cli_deploy_report_measures_dense_and_pruned_in_llama_cpp(gguf_model_dir
     _, err = capsys.readouterr()
     assert code == 2
     assert_one_line_error(err, r"No GGUF file at", r"export one")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Export page: gguf listed from the registry, its weight type a widget, the deployment report
+# ---------------------------------------------------------------------------------------------
+
+from tests._apptools import fresh_caches, new_app, no_exception, out_root, tiny_dir  # noqa: E402,F401
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_caches")
+def test_export_page_writes_a_gguf_and_measures_it_in_llama_cpp(tiny_dir, out_root):
+    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    no_exception(at)
+    box = at.selectbox(key="hs.w.export.format")
+    assert "gguf" in box.options or "GGUF (llama.cpp)" in box.options
+    box.set_value("gguf").run()
+    at.selectbox(key="hs.w.export.opt.gguf.gguf_type").set_value("f32").run()
+    at.text_input(key="hs.w.export.folder").set_value("edge").run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+    assert not at.error
+    assert _fields(out_root / "edge" / "model.gguf")["general.file_type"] == 0          # ALL_F32
+    at.button(key="export.deploy").click().run(timeout=300)
+    no_exception(at)
+    assert not at.error
+    rows = at.dataframe[-1].value
+    assert list(rows["role"]) == ["dense", "pruned"]
+    assert rows["bytes"].iloc[1] < rows["bytes"].iloc[0]
+    ratio = rows["perplexity"] / rows["headscope_perplexity"]        # llama.cpp vs headscope, same ids
+    assert ((ratio - 1).abs() < 0.01).all()
