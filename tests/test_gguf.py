@@ -419,3 +419,26 @@ def test_export_page_writes_a_gguf_and_measures_it_in_llama_cpp(tiny_dir, out_ro
     assert rows["bytes"].iloc[1] < rows["bytes"].iloc[0]
     ratio = rows["perplexity"] / rows["headscope_perplexity"]        # llama.cpp vs headscope, same ids
     assert ((ratio - 1).abs() < 0.01).all()
+
+
+@pytest.mark.slow
+def test_pipeline_final_stage_writes_a_gguf(smollm2, tmp_path, capsys):
+    """`pipeline --formats gguf`: the final (pruned, recovered) model as a GGUF that llama.cpp runs,
+    with the per-layer head counts of the run's head layout."""
+    import json
+    folder = tmp_path / "tiny"
+    tiny_model("llama", vocab_size=len(smollm2.tokenizer), num_hidden_layers=4).save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    code = cli.main(["pipeline", "--model", str(folder), "--target", "0.5", "--step", "0.25", "--recovery-steps", "2",
+                     "--train-batch", "2", "--train-seq-len", "16", "--eval-tokens", "64", "--no-int8",
+                     "--formats", "gguf", "--out-dir", str(tmp_path / "runs"), "--name", "run", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    export = tmp_path / "runs" / "run" / "gguf"
+    layout = json.loads((export / "head_layout.json").read_text())
+    fields = _fields(export / "model.gguf")
+    arch = fields["general.architecture"]
+    counts = fields[f"{arch}.attention.head_count"]
+    counts = counts if isinstance(counts, list) else [counts] * 4
+    assert counts == [len(h) for h in layout["heads"]] and sum(counts) == 8
+    out = llamacpp.logits(export / "model.gguf", list(range(10, 40)))
+    assert out.shape == (30, len(smollm2.tokenizer)) and np.isfinite(out).all()
