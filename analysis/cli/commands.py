@@ -200,3 +200,61 @@ register("evaluate", "the model's metric dense and under the mask", _evaluate_ar
          distributed=True)
 register("ablate", "the metric change when each head alone (and each KV group) is removed", _ablate_arguments,
          run_ablate, distributed=True)
+
+
+def _deploy_arguments(parser):
+    parser.add_argument("--dense", required=True, help="the dense model's GGUF file (same weight type as --pruned)")
+    parser.add_argument("--pruned", required=True, action="append",
+                        help="a pruned GGUF file, or a gguf export folder (its mask.json gives headscope's "
+                             "own perplexity next to llama.cpp's); repeatable")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="the model the files came from: its tokenizer gives the evaluation ids (and "
+                             "with a mask.json, headscope's perplexity); default smollm2-135m")
+    parser.add_argument("--cache-dir", default=None, help="headscope cache folder for built-ins")
+    parser.add_argument("--max-tokens", type=int, default=512, help="evaluation tokens (default 512)")
+    parser.add_argument("--speed-context", type=int, default=512, help="prefill length for tokens/s")
+    parser.add_argument("--threads", type=int, default=2)
+    add_output_arguments(parser)
+
+
+def run_deploy_report(ns):
+    """llama.cpp's numbers for a dense and pruned GGUF files (size, perplexity, speed, KV cache)."""
+    from pathlib import Path
+    from analysis.arch.models import load_model
+    from analysis.compress.deploy import measure_gguf, ratios
+    from analysis.compress.gguf_writer import GGUF_FILE
+    from analysis.core.errors import InputError
+    from analysis.measure.evaluation import default_text, evaluate, token_ids
+
+    def file_of(given: str) -> tuple[Path, Path | None]:
+        path = Path(given)
+        if path.is_dir():
+            return path / GGUF_FILE, (path / "mask.json" if (path / "mask.json").is_file() else None)
+        return path, None
+
+    files = [file_of(ns.dense)] + [file_of(p) for p in ns.pruned]
+    for path, _ in files:
+        if not path.is_file():
+            raise InputError(f"No GGUF file at {path}; export one with `python -m analysis export "
+                             "--export-format gguf`.")
+    loaded = load_model(ns.model, cache_dir=ns.cache_dir)
+    ids = token_ids(loaded.tokenizer, default_text(), max_tokens=ns.max_tokens).tolist()
+    rows = []
+    with progress_bar("measuring in llama.cpp", not ns.quiet) as report:
+        for i, (path, mask_file) in enumerate(files):
+            report(i / len(files), path.name)
+            row = {"role": "dense" if i == 0 else "pruned",
+                   **measure_gguf(path, ids, speed_context=ns.speed_context, threads=ns.threads)}
+            if mask_file is not None:
+                from analysis.compress.export import mask_from_json
+                pruned = mask_from_json(mask_file, geometry=loaded.geometry)
+                row["headscope_perplexity"] = float(evaluate(loaded, pruned=pruned, max_tokens=ns.max_tokens).value)
+            rows.append(row)
+    payload = {"model": ns.model, "n_tokens": len(ids), "rows": rows,
+               "ratios": [ratios(rows[0], row) for row in rows[1:]],
+               "kv_cache": "f16 K/V, flash attention (llama.cpp's exact per-layer sizes)"}
+    return payload, rows
+
+
+register("deploy-report", "llama.cpp's size, perplexity, speed and KV cache of dense vs pruned GGUF files",
+         _deploy_arguments, run_deploy_report)

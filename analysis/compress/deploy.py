@@ -1,0 +1,93 @@
+"""The deployment report: what a GGUF file costs and does in llama.cpp, dense next to pruned.
+
+Per file, all measured by llama.cpp (`analysis.compress.llamacpp`): file size, perplexity on the
+built-in evaluation split (the same token ids and windows as headscope's evaluator), prefill and
+decode tokens/s at one context length, and the KV cache llama.cpp allocates at 4096 and 8192
+tokens (f16 K/V, flash attention on: exact per-layer sizes). `headscope_perplexity` puts headscope's
+own PyTorch number for the same cut next to it when the caller has it (an export folder's mask.json
+and the model). Ratios pruned / dense come with the rows (`ratios`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from analysis.compress import llamacpp
+
+KV_CONTEXTS = (4096, 8192)
+SPEED_CONTEXT = 512
+
+
+def gguf_facts(path: str | os.PathLike) -> dict:
+    """Architecture, weight type and per-layer head counts, read from the file's metadata."""
+    from gguf import GGUFReader
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+
+    def value(key, default=None):
+        field = reader.fields.get(f"{arch}.{key}")
+        return default if field is None else field.contents()
+
+    layers = int(value("block_count"))
+    heads = value("attention.head_count")
+    kv = value("attention.head_count_kv", heads)
+    heads = heads if isinstance(heads, list) else [heads] * layers
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    ftype = reader.fields.get("general.file_type")
+    return {"arch": arch, "file_type": None if ftype is None else int(ftype.contents()),
+            "heads": int(sum(heads)), "kv_heads": int(sum(kv)), "head_counts": heads, "kv_head_counts": kv}
+
+
+def measure_gguf(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512,
+                 speed_context: int = SPEED_CONTEXT, kv_contexts: Sequence[int] = KV_CONTEXTS,
+                 decode_tokens: int = 16, repeats: int = 3, threads: int = llamacpp.DEFAULT_THREADS) -> dict:
+    """One row of the report for one GGUF file."""
+    path = Path(path)
+    facts = gguf_facts(path)
+    ppl = llamacpp.perplexity(path, ids, window=window, threads=threads)
+    speed = llamacpp.speed(path, speed_context, decode_tokens=decode_tokens, repeats=repeats, threads=threads)
+    row = {"file": str(path), "bytes": path.stat().st_size, "arch": facts["arch"], "heads": facts["heads"],
+           "kv_heads": facts["kv_heads"], "perplexity": ppl.value, "n_tokens": ppl.n_tokens,
+           "speed_context": speed_context, "prefill_tok_s": speed.prefill_tokens_per_s,
+           "decode_tok_s": speed.decode_tokens_per_s, "threads": threads}
+    for n_ctx in kv_contexts:
+        row[f"kv_mib_{n_ctx}"] = llamacpp.kv_cache_mib(path, n_ctx).mib
+    return row
+
+
+def ratios(dense: dict, pruned: dict) -> dict:
+    """pruned / dense for every number that both rows have."""
+    keys = ("bytes", "perplexity", "prefill_tok_s", "decode_tok_s",
+            *(k for k in dense if k.startswith("kv_mib_")))
+    return {k: pruned[k] / dense[k] for k in keys if dense.get(k) and k in pruned}
+
+
+def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_tokens: int = 512,
+                    threads: int = llamacpp.DEFAULT_THREADS) -> list[dict]:
+    """The Export page's report for a written gguf export: the dense model written at the same weight
+    type (a temporary file) and the export's file, both measured by llama.cpp, each with headscope's own
+    perplexity (the dense model; the masked model, which the cut computes) next to llama.cpp's."""
+    import tempfile
+
+    import numpy as np
+
+    from analysis.compress.export.gguf import tokenizer_source
+    from analysis.compress.gguf_writer import GGUF_FILE, write_gguf
+    from analysis.compress.surgery import HeadLayout
+    from analysis.measure.evaluation import default_text, evaluate, token_ids
+
+    model, g = loaded.model, loaded.geometry
+    ids = token_ids(loaded.tokenizer, default_text(), max_tokens=max_tokens).tolist()
+    dense_layout = HeadLayout.from_mask(np.zeros((g.n_layers, g.n_heads), bool), g, loaded.adapter.model_type)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="headscope-dense-gguf-") as tmp:
+        dense_file = Path(tmp) / GGUF_FILE
+        write_gguf(model, dense_layout, dense_file, weight_type=weight_type, tokenizer_gguf=tokenizer_source(model))
+        for role, path, mask in (("dense", dense_file, None), ("pruned", Path(export_result.path) / GGUF_FILE, pruned)):
+            row = {"role": role, **measure_gguf(path, ids, threads=threads)}
+            row["headscope_perplexity"] = float(evaluate(loaded, pruned=mask, max_tokens=max_tokens).value)
+            row["file"] = Path(row["file"]).name if role == "dense" else row["file"]
+            rows.append(row)
+    rows[1]["size_ratio"] = rows[1]["bytes"] / rows[0]["bytes"]
+    return rows

@@ -1,0 +1,37 @@
+"""The "gguf" format: one model.gguf that llama.cpp loads and runs (per-layer head counts included),
+written from the physically pruned model by `analysis.compress.gguf_writer` (docs/EXPORT.md, "The
+gguf format"). The tokenizer is carried over from the GGUF file a built-in model came from."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from analysis.compress.export.formats import FormatOption, PhysicalFormat, register_format
+from analysis.compress.gguf_writer import DEFAULT_WEIGHT_TYPE, GGUF_FILE, WEIGHT_TYPES, source_gguf, write_gguf
+
+BUILTIN_MARKER = "headscope-builtin.json"       # analysis.arch.models writes it into a converted built-in
+
+
+def tokenizer_source(model) -> Path | None:
+    """The GGUF file whose tokenizer.* keys the export carries: the built-in's own file when `model`
+    was loaded from a converted built-in (its folder's marker names it), else None."""
+    folder = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    try:
+        name = json.loads((folder / BUILTIN_MARKER).read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source_gguf(name)
+
+
+@register_format
+class GGUFFormat(PhysicalFormat):
+    name = "gguf"
+    label = "GGUF (llama.cpp)"
+    help = "model.gguf for llama.cpp (and what is built on it), per-layer head counts included"
+    options = {"gguf_type": FormatOption(DEFAULT_WEIGHT_TYPE, tuple(WEIGHT_TYPES),
+                                         "GGUF weight type (k-quants and q4_0/q4_1 by llama.cpp's quantizer)")}
+
+    def write_cut(self, smaller, layout, folder, *, original, gguf_type=DEFAULT_WEIGHT_TYPE, **options):
+        write_gguf(smaller, layout, Path(folder) / GGUF_FILE, weight_type=gguf_type,
+                   tokenizer_gguf=tokenizer_source(original),
+                   name=str(getattr(original.config, "_name_or_path", "") or ""))

@@ -1,0 +1,184 @@
+"""Running a GGUF file in llama.cpp (through llama-cpp-python): logits, perplexity, speed, KV cache.
+
+The measurements of the deployment report and of the GGUF tests come from llama.cpp itself:
+- `logits(path, ids)`: llama.cpp's logits [N, V] for token ids (all positions, one sequence);
+- `perplexity(path, ids, window, stride)`: the sliding windows of headscope's evaluator
+  (`analysis.measure.evaluation.causal_windows`) over the same token ids, NLL summed in float64;
+- `speed(path, context)`: prefill tokens/s over `context` tokens, then decode tokens/s one token at
+  a time after it (medians of repeats, fixed thread count);
+- `kv_cache_mib(path, n_ctx)`: the KV-cache size llama.cpp allocates for a context, as its loader
+  reports it ("llama_kv_cache: size = ... MiB"; K and V in f16). Without flash attention llama.cpp pads
+  the V cache of every layer to the widest layer, so the report uses flash attention (exact
+  per-layer sizes) and says so.
+llama_cpp is imported lazily: nothing else in headscope needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from analysis.core.errors import ModelLoadError
+
+DEFAULT_THREADS = 2
+_GGML_TYPES = {"f32": 0, "f16": 1}          # ggml_type ids of the KV cache's element type
+_KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB .*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as err:                # pragma: no cover - the dependency is required
+        raise ModelLoadError("llama-cpp-python is not installed; run `bash scripts/setup.sh` "
+                             "(or `pip install llama-cpp-python==0.3.36`).") from err
+    return llama_cpp
+
+
+_captured: list[str] | None = None
+
+
+@contextlib.contextmanager
+def llama_log() -> Iterator[list[str]]:
+    """Collect llama.cpp's log lines (and keep them off the console) while the block runs."""
+    llama_cpp = _llama_cpp()
+    global _captured
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):
+        lines.append(text.decode("utf-8", "replace"))
+
+    previous, _captured = _captured, lines
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        _captured = previous
+        from llama_cpp._logger import llama_log_callback as default
+        llama_cpp.llama_log_set(default, ctypes.c_void_p(0))
+
+
+def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, threads: int = DEFAULT_THREADS,
+         flash_attn: bool = False, n_batch: int | None = None, kv_type: str = "f16"):
+    """llama_cpp.Llama over the GGUF file on the CPU. kv_type: the KV cache's element type, "f16"
+    (llama.cpp's default: what a deployment uses) or "f32" (for exactness checks: an f16 cache rounds
+    K and V to 11 bits, ~1e-3 of the logits)."""
+    llama_cpp = _llama_cpp()
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"No GGUF file at {path}; export one with `python -m analysis export "
+                             "--export-format gguf`.")
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch or min(n_ctx, 512),
+                               n_ubatch=n_batch or min(n_ctx, 512), logits_all=logits_all, n_threads=threads,
+                               n_threads_batch=threads, flash_attn=flash_attn, verbose=False,
+                               type_k=_GGML_TYPES[kv_type], type_v=_GGML_TYPES[kv_type])
+    except ValueError as err:
+        raise ModelLoadError(f"llama.cpp could not load {path.name}: {err}") from err
+
+
+def logits(path_or_llm, ids: Sequence[int], *, kv_type: str = "f32") -> np.ndarray:
+    """llama.cpp's logits [N, V] (float32) for the token ids, one fresh sequence (a path is loaded with
+    a float32 KV cache: the exact computation; pass a loaded Llama to choose otherwise)."""
+    ids = [int(i) for i in ids]
+    llm = load(path_or_llm, n_ctx=max(len(ids), 8), kv_type=kv_type) if isinstance(path_or_llm, (str, os.PathLike)) else path_or_llm
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[:len(ids)], dtype=np.float32)           # [N, V]
+
+
+def _nll(logits_rows: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    x = logits_rows.astype(np.float64)                                  # [n, V]
+    m = x.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))                  # [n]
+    return lse - x[np.arange(len(targets)), targets]                    # [n]
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    value: float
+    mean_nll: float
+    n_tokens: int
+
+
+def perplexity(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512, stride: int | None = None,
+               threads: int = DEFAULT_THREADS) -> Perplexity:
+    """exp(mean NLL) of the ids in llama.cpp, scored window by window exactly as headscope's evaluator
+    scores them (`causal_windows`: each token at most once, up to window - 1 tokens of context)."""
+    from analysis.measure.evaluation import causal_windows
+    ids = np.asarray([int(i) for i in ids], dtype=np.int64)             # [N]
+    windows = causal_windows(len(ids), window, stride or window)
+    llm = load(path, n_ctx=max(w.end - w.begin for w in windows), threads=threads)
+    total, count = 0.0, 0
+    for w in windows:
+        rows = logits(llm, ids[w.begin:w.end])                          # [w, V]
+        scored = rows[-w.n_target - 1:-1]                               # predictions of the last n_target tokens
+        total += float(_nll(scored, ids[w.end - w.n_target:w.end]).sum())
+        count += w.n_target
+    mean = total / count
+    return Perplexity(float(np.exp(mean)), mean, count)
+
+
+@dataclass(frozen=True)
+class Speed:
+    context: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    threads: int
+
+
+def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, repeats: int = 3,
+          threads: int = DEFAULT_THREADS, seed: int = 0) -> Speed:
+    """Prefill of `context` random token ids, then `decode_tokens` single-token steps after them;
+    medians of `repeats` runs after one warm-up. Tokens/s of each."""
+    llm = load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
+               n_batch=min(context, 512))
+    rng = np.random.default_rng(seed)
+    vocab = llm.n_vocab()
+    prompt = rng.integers(4, vocab, size=context).tolist()
+    steps = rng.integers(4, vocab, size=decode_tokens).tolist()
+    prefill, decode = [], []
+    for run in range(repeats + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        for token in steps:
+            llm.eval([token])
+        t2 = time.perf_counter()
+        if run:                                  # run 0 is the warm-up
+            prefill.append(context / (t1 - t0))
+            decode.append(decode_tokens / (t2 - t1))
+    return Speed(context, statistics.median(prefill), statistics.median(decode), threads)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    n_ctx: int
+    mib: float          # K + V, as llama.cpp reports it
+    k_mib: float
+    v_mib: float
+    cache_type: str     # "f16"
+    flash_attn: bool
+
+
+def kv_cache_mib(path: str | os.PathLike, n_ctx: int, *, flash_attn: bool = True) -> KVCache:
+    """The KV cache llama.cpp allocates for an n_ctx context (its own log line)."""
+    with llama_log() as lines:
+        llm = load(path, n_ctx=n_ctx, logits_all=False, flash_attn=flash_attn, n_batch=512)
+        del llm
+    for line in lines:
+        match = _KV_LINE.search(line)
+        if match:
+            total, k_type, k, v_type, v = match.groups()
+            return KVCache(n_ctx, float(total), float(k), float(v), k_type, flash_attn)
+    raise ModelLoadError("llama.cpp did not report its KV cache size; check the llama-cpp-python version "
+                         "(0.3.36 is pinned in requirements.txt).")
