@@ -96,8 +96,8 @@ class SafetensorsWriter:
 
     def _expect(self, name: str) -> tuple[str, str, tuple[int, ...], int]:
         if self._next >= len(self._sizes) or self._sizes[self._next][0] != name:
-            raise ValueError(f"SafetensorsWriter: got {name!r}, expected "
-                             f"{self._sizes[self._next][0] if self._next < len(self._sizes) else 'nothing more'}")
+            expected = self._sizes[self._next][0] if self._next < len(self._sizes) else None
+            raise ValueError(f"SafetensorsWriter: got {name!r}, expected {expected or 'nothing more'!r}")
         self._next += 1
         return self._sizes[self._next - 1]
 
@@ -136,6 +136,10 @@ class SafetensorsWriter:
             self._file.flush()
         finally:
             self._file.close()
+
+    def abort(self) -> None:
+        """Close the file after a failure (it is incomplete; the atomic folder around it is removed)."""
+        self._file.close()
 
 
 def _copy_range(src: int, dst: int, count: int, offset: int) -> int:
@@ -379,9 +383,11 @@ def _write_shards(tmp: Path, fmt: str, shards, roles, alias, adapter, geometry, 
                     what = f"layer {item.layer + 1}/{geometry.n_layers}: cut {item.name}"
                 done += item.entry.nbytes
                 weight_map[item.name] = file_name
-                report(progress, 0.9 * done / total, f"{fmt} export: {what}")
-        finally:
-            writer.close()
+                report(progress, min(0.89, 0.89 * done / total), f"{fmt} export: {what}")
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
     if len(shards) > 1:
         total_size = sum((tmp / f).stat().st_size for f, _ in shards)
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
