@@ -6,6 +6,7 @@ from_pretrained, pruned: load_pruned) and computes the in-memory pruned model's 
 equal). Broken checkpoints are one clear error with nothing written; a full disk, a stop and a kill
 mid-export leave nothing behind and the next export works."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -394,3 +395,74 @@ def test_formats_the_stream_cannot_write(tmp_path):
     with pytest.raises(HeadscopeError, match="same head counts in every layer"):
         export_checkpoint("stock", ckpt, _masks("llama")["emptied-layer"], tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: export --checkpoint takes every mask option of the in-memory export
+# ---------------------------------------------------------------------------------------------
+
+def _cli(argv, capsys):
+    from analysis import cli
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("options", [["--sparsity", "0.5", "--policy", "groups"],
+                                     ["--sparsity", "0.25", "--scorer", "mp", "--z", "1.5", "--kv-policy", "expand"],
+                                     ["--sparsity", "0.5", "--policy", "balanced-uniform", "--export-format", "stock"]])
+def test_cli_streamed_equals_cli_in_memory(options, tmp_path, capsys):
+    from tests._apptools import trivial_tokenizer
+    _, ckpt = _checkpoint(tmp_path, "llama", shard="20KB")
+    trivial_tokenizer().save_pretrained(ckpt)                   # --model needs one
+    capsys.readouterr()
+    common = ["export", "--quiet", "--out-dir", str(tmp_path / "out"), *options]
+    code, out, err = _cli([*common, "--checkpoint", str(ckpt), "--name", "streamed"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["streamed"] is True
+    code, _, err = _cli([*common, "--model", str(ckpt), "--name", "memory"], capsys)
+    assert code == 0, err
+    _assert_same_tensors(tmp_path / "out" / "streamed", tmp_path / "out" / "memory")
+    streamed, memory = tmp_path / "out" / "streamed", tmp_path / "out" / "memory"
+    assert (json.loads((streamed / "mask.json").read_text())["kept"]
+            == json.loads((memory / "mask.json").read_text())["kept"])
+    assert {p.name for p in memory.glob("tokenizer*")} <= {p.name for p in streamed.iterdir()}
+
+
+def test_cli_mask_file(tmp_path, capsys):
+    model, ckpt = _checkpoint(tmp_path, "llama")
+    pruned = _masks("llama")["uneven-groups"]
+    export_pruned(model, pruned, tmp_path / "mem")
+    code, _, err = _cli(["export", "--quiet", "--checkpoint", str(ckpt), "--mask-file",
+                         str(tmp_path / "mem" / "mask.json"), "--out-dir", str(tmp_path / "out"), "--name", "cut"],
+                        capsys)
+    assert code == 0, err
+    assert "K/V are expanded" in err                      # growth is said, as for the in-memory export
+    _assert_same_tensors(tmp_path / "out" / "cut", tmp_path / "mem")
+
+
+@pytest.mark.parametrize("extra,match", [(["--sparsity", "0.25", "--scorer", "wanda"], "needs the model"),
+                                         (["--sparsity", "0.25", "--export-format", "onnx"], "pruned and stock"),
+                                         ([], "needs --sparsity"),
+                                         (["--sparsity", "0.25", "--policy", "uniform", "--kv-policy", "strict"], "strict"),
+                                         (["--mask-file", "nowhere.json"], "Cannot read the mask file")])
+def test_cli_errors_are_one_line_and_write_nothing(extra, match, tmp_path, capsys):
+    _, ckpt = _checkpoint(tmp_path, "llama")
+    capsys.readouterr()
+    code, out, err = _cli(["export", "--quiet", "--checkpoint", str(ckpt), "--out-dir", str(tmp_path / "out"),
+                           "--name", "cut", *extra], capsys)
+    assert code == 2 and out == ""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(match, errors[0]), err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_cli_truncated_shard_exit_2(tmp_path, capsys):
+    _, ckpt = _checkpoint(tmp_path, "llama", shard="20KB")
+    victim = sorted(ckpt.glob("*.safetensors"))[-1]
+    victim.write_bytes(victim.read_bytes()[:-8])
+    capsys.readouterr()
+    code, _, err = _cli(["export", "--quiet", "--checkpoint", str(ckpt), "--sparsity", "0.25", "--out-dir",
+                         str(tmp_path / "out"), "--name", "cut"], capsys)
+    assert code == 2 and "truncated" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -53,7 +53,7 @@ from tqdm import tqdm
 from analysis.core import distributed
 from analysis.core.atomic import atomic_write, check_output_file
 from analysis.core.errors import HeadscopeError, InputError, first_line
-from analysis.score.masks import KV_POLICIES, POLICIES, plan_mask, summarize_mask
+from analysis.score.masks import KV_POLICIES, POLICIES, MaskPlan, plan_mask, summarize_mask
 from analysis.measure.profiles import DEFAULT_STD, DEFAULT_Z, ORDS, SCOPES, STD_DDOF
 
 _STD_HELP = ("std in tau = mean + z * std: population (ddof 0, the default) or sample (ddof 1, PyTorch's "
@@ -410,11 +410,16 @@ def _stock(ns, loaded, plan) -> dict:
                          for s, p, kv, (h, k) in check.nearest[:3]])
 
 
-def _model_mask_arguments(parser):
-    """Mask arguments for commands that need the model itself (no --checkpoint streaming)."""
-    add_source_arguments(parser, streaming=False)
+def _model_mask_arguments(parser, streaming: bool = False, mask_file: bool = False):
+    """Mask arguments for commands that need the model itself (streaming=True: --checkpoint too;
+    mask_file=True: --mask-file, a mask.json instead of scores, and --sparsity becomes optional)."""
+    add_source_arguments(parser, streaming=streaming)
     add_scorer_arguments(parser)
-    parser.add_argument("--sparsity", type=float, required=True, help="fraction of heads to prune, in [0, 1)")
+    parser.add_argument("--sparsity", type=float, required=not mask_file, default=None,
+                        help="fraction of heads to prune, in [0, 1)")
+    if mask_file:
+        parser.add_argument("--mask-file", dest="mask_file", default=None,
+                            help="a mask.json (of an export, or the app's download) to cut instead of scoring")
     parser.add_argument("--policy", choices=POLICIES, default="global")
     parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -452,10 +457,11 @@ def run_evaluate(ns):
 def _export_arguments(parser):
     from analysis.compress.export import FORMATS
 
-    _model_mask_arguments(parser)
+    _model_mask_arguments(parser, streaming=True, mask_file=True)
     parser.add_argument("--export-format", dest="export_format", choices=FORMATS, default="pruned",
                         help="zeroed (original shapes), pruned (+ head_layout.json), stock (uniform policy; "
-                             "plain from_pretrained loads it) or onnx")
+                             "plain from_pretrained loads it) or onnx; with --checkpoint (streamed, the model is "
+                             "never built): pruned or stock")
     parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
     parser.add_argument("--name", required=True, help="folder to create under --out-dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
@@ -464,14 +470,22 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.compress.export import check_export_name, export, mask_record, resolve_under
+    from analysis.compress.export import check_export_name, export, mask_record, read_mask_json, resolve_under
 
-    resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
+    target = resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
     check_export_name(ns.name)
-    plan, scores, loaded, info = plan_from(ns)
-    record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
-                         model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
-                         policy=ns.policy)
+    if ns.mask_file is None and ns.sparsity is None:
+        raise InputError("export needs --sparsity (with the scorer options) or --mask-file (a mask.json).")
+    if ns.checkpoint:
+        return _export_streamed(ns, target)
+    if ns.mask_file is not None:
+        plan, scores, loaded, info = _plan_from_mask_file(ns)
+        record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
+    else:
+        plan, scores, loaded, info = plan_from(ns)
+        record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
+                             model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
+                             policy=ns.policy)
     surgery = {} if ns.export_format == "zeroed" else {"kv_policy": ns.kv_policy}   # zeroed keeps the shapes
     if surgery:
         g = loaded.geometry
@@ -487,6 +501,55 @@ def run_export(ns):
         sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
     return payload, None
+
+
+def _plan_from_mask_file(ns):
+    """(MaskPlan, None, LoadedModel, info) for --model with --mask-file: the mask as given, no scoring."""
+    from analysis.compress.export import read_mask_json
+
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
+    plan = MaskPlan.from_pruned(record.pruned(), loaded.geometry.group_size, sparsity=record.sparsity,
+                                policy=record.policy or "given")
+    return plan, None, loaded, info
+
+
+def _export_streamed(ns, target):
+    """export --checkpoint: score by streaming (or read --mask-file) and cut the checkpoint tensor by tensor
+    (analysis.compress.streamed); the model is never built."""
+    from analysis.arch.adapters import adapter_for
+    from analysis.arch.checkpoint import checkpoint_folder, load_config
+    from analysis.compress.export import mask_record, read_mask_json
+    from analysis.compress.streamed import STREAMED_FORMATS, checkpoint_has_qkv_bias, export_checkpoint
+
+    if ns.export_format not in STREAMED_FORMATS:
+        raise InputError(f"--checkpoint streams the {' and '.join(STREAMED_FORMATS)} formats; for "
+                         f"--export-format {ns.export_format} load the model with --model.")
+    folder = checkpoint_folder(ns.checkpoint)
+    config = load_config(folder, trust_remote_code=ns.trust_remote_code)
+    adapter = adapter_for(config)
+    g = adapter.geometry(config)
+    if ns.mask_file is not None:
+        record = read_mask_json(ns.mask_file, geometry=g)
+        plan = MaskPlan.from_pruned(record.pruned(), g.group_size, sparsity=record.sparsity,
+                                    policy=record.policy or "given")
+        info = dict(source=str(folder), **g.as_dict())
+    else:
+        plan, scores, _, info = plan_from(ns)
+        record = mask_record(plan.pruned, geometry=g, model=str(folder), model_type=adapter.model_type,
+                             scores=scores, sparsity=ns.sparsity, policy=ns.policy)
+    warn(summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=checkpoint_has_qkv_bias(folder, adapter),
+                        kv_policy=ns.kv_policy).warnings)
+    with progress_bar(f"exporting ({ns.export_format}, streamed)", not ns.quiet) as report:
+        result = export_checkpoint(ns.export_format, folder, plan.pruned, target, record=record,
+                                   kv_policy=ns.kv_policy, overwrite=ns.overwrite, progress=report,
+                                   trust_remote_code=ns.trust_remote_code)
+    for note in result.notes:
+        sys.stderr.write(f"note: {note}\n")
+    sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
+    return dict(model=info, format=result.format, path=str(result.path), files=result.files,
+                total_bytes=result.total_bytes, n_pruned=plan.n_pruned, streamed=True), None
 
 
 def _sweep_arguments(parser):

@@ -439,6 +439,15 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     return result
 
 
+def checkpoint_has_qkv_bias(folder: Path, adapter: Adapter) -> bool:
+    """Whether layer 0's Q (or fused QKV) projection has a bias in the checkpoint (names only, no data)."""
+    from analysis.arch.checkpoint import name_prefix, tensor_files
+    names = tensor_files(folder)
+    prefix = name_prefix(adapter, names)
+    suffixes = adapter.tensor_suffixes(0)
+    return any(prefix + suffixes[role] in names for role in ("q.bias", "qkv.bias") if role in suffixes)
+
+
 def _output_config(fmt: str, adapter: Adapter, config, layout: HeadLayout):
     """config.json of the export: the original ("pruned") or the pruned head counts ("stock")."""
     import copy
