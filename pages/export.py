@@ -6,7 +6,7 @@ import streamlit as st
 
 from analysis.compress import export as export_mod
 from analysis.compress import speed
-from components import cache, charts, controls, explain, numbers, shell, state, views
+from components import cache, charts, controls, explain, numbers, shell, state, views, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -50,8 +50,12 @@ root_text = st.text_input("Export root: every export becomes a folder in here",
                                f"{export_mod.EXPORT_ROOT_ENV}.")
 output_root = Path(root_text.strip() or default_root).expanduser()
 c1, c2 = st.columns([1, 2])
-fmt = c1.selectbox("Format", list(export_mod.FORMATS), format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
-                   key=state.widget_key("export.format", value=export_mod.FORMATS[0]))
+formats = weights.export_formats(export_mod.FORMATS)          # weights only: the streamed formats
+fmt = c1.selectbox("Format", formats, format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
+                   key=state.widget_key("export.format" + (".streamed" if state.weights_only() else ""),
+                                        value=formats[0]))
+if state.weights_only():
+    c1.caption(f"Weights only: {weights.STREAMED_HELP}.")
 kv_policy = numbers.kv_policy_choice(c1)
 surgery = {} if fmt == "zeroed" else {"kv_policy": kv_policy}       # zeroed keeps the original shapes
 auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy['policy']}-{fmt}"
@@ -66,9 +70,18 @@ overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key(
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
     with shown_errors("Exporting"):
-        with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(), report):
-            result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
-                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery)
+        if state.weights_only():
+            stop = cache.stop_button("export")
+            with cache.progress_bar(f"Exporting ({fmt}, streamed)") as report:
+                result = weights.export_streamed(lm, fmt, plan.pruned, output_root, folder.strip(), record=record,
+                                                 kv_policy=kv_policy, overwrite=overwrite, progress=report,
+                                                 should_stop=state.should_stop)
+            stop.empty()
+        else:
+            with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(),
+                                                                                      report):
+                result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
+                                           tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery)
         state.remember("export.last", result)
 last = state.recall("export.last")
 if last is not None:
@@ -77,6 +90,7 @@ if last is not None:
         st.info(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
 
+weights.needs_model(lm, "The measured report (latency of dense vs pruned)")
 st.subheader("Measured report")
 with shown_errors("Measuring"):
     c1, c2 = st.columns([2, 1])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import psutil
+import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
@@ -213,6 +214,8 @@ def read_tensors(roles: dict[str, str], files: dict[str, Path], geometry=None) -
 HEADER_MAX_BYTES = 100 * 2**20          # safetensors' own limit
 
 # safetensors dtype name -> bytes per element (every dtype a header may name whose size is whole bytes)
+# safetensors dtype name -> torch dtype of the float dtypes headscope computes on (and cuts heads of)
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
                "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 

@@ -40,7 +40,7 @@ import torch
 
 from analysis.arch import resize
 from analysis.arch.adapters import Adapter, adapter_for
-from analysis.arch.checkpoint import (INDEX_FILE, SINGLE_FILE, TensorEntry, checkpoint_entries, checkpoint_folder,
+from analysis.arch.checkpoint import (FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TensorEntry, checkpoint_entries, checkpoint_folder,
                                       check_tensor_header, load_config)
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.models import quiet_load_report
@@ -55,7 +55,7 @@ COPY_CHUNK = 64 * 2**20                      # bytes per copy_file_range call (a
 
 # safetensors dtype -> torch dtype, for the tensors the cut reads (attention: float only; a
 # quantized checkpoint's scales would have to follow the heads too)
-SLICE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+SLICE_DTYPES = FLOAT_DTYPES
 _TORCH_NAMES = {v: k for k, v in SLICE_DTYPES.items()}
 
 # files of the checkpoint folder copied into the export as they are (tokenizer and generation settings)
