@@ -75,8 +75,8 @@ def export_formats(all_formats) -> list[str]:
     """The export formats the current model can be written in (weights only: the streamed ones)."""
     if not state.weights_only():
         return list(all_formats)
-    from analysis.compress.streamed import STREAMED_FORMATS
-    return [f for f in all_formats if f in STREAMED_FORMATS]
+    from analysis.compress.streamed import streamed_formats
+    return [f for f in all_formats if f in streamed_formats()]
 
 
 def export_streamed(lm, fmt: str, pruned, root, name: str, *, record, kv_policy: str, overwrite: bool, progress,

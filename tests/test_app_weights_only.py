@@ -90,7 +90,7 @@ def test_offload_button_loads_the_model(checkpoint):
 
 
 def test_export_page_streams_and_equals_the_in_memory_export(checkpoint, out_root, tmp_path):
-    from analysis.compress.export import export_pruned, load_pruned
+    from analysis.compress.export import export_to, load_pruned
     from safetensors.torch import load_file
     at = _open(checkpoint, "export", sparsity="0.5", scorer="mp-g")
     fmt = at.selectbox(key="hs.w.export.format.streamed")
@@ -108,7 +108,7 @@ def test_export_page_streams_and_equals_the_in_memory_export(checkpoint, out_roo
     for layer, kept in enumerate(record["kept"]):
         pruned[layer, kept] = False
     assert pruned.sum() == 8
-    export_pruned(tiny_model("llama", num_hidden_layers=4).to(torch.bfloat16), pruned, tmp_path / "mem")
+    export_to("pruned", tiny_model("llama", num_hidden_layers=4).to(torch.bfloat16), pruned, tmp_path / "mem")
     mine = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     theirs = load_file(str(tmp_path / "mem" / "model.safetensors"))
     assert sorted(mine) == sorted(theirs)

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from analysis.arch.adapters import adapter_for
 from analysis.arch.checkpoint import INDEX_FILE
 from analysis.arch.resize import SURGERY
-from analysis.compress.export import ExportError, TMP_MARKER, export_pruned, export_stock, load_pruned
+from analysis.compress.export import ExportError, export_to, load_pruned
+from analysis.compress.export.folder import TMP_MARKER
 from analysis.compress.streamed import SafetensorsWriter, export_checkpoint
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, HeadscopeError, ModelLoadError
@@ -33,6 +34,16 @@ from tests.test_surgery import surgery_masks
 
 STOCK_FAMILIES = [f for f in FAMILIES if SURGERY[f].stock_config is not None]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def export_pruned(model, pruned, target, **kwargs):
+    """The in-memory pruned export (prune_heads + save_model), the reference."""
+    return export_to("pruned", model, pruned, target, **kwargs)
+
+
+def export_stock(model, pruned, target, **kwargs):
+    """The in-memory stock export (prune_heads + save_pretrained), the reference."""
+    return export_to("stock", model, pruned, target, **kwargs)
 
 
 def _geometry(family, **overrides):

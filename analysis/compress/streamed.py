@@ -44,13 +44,15 @@ from analysis.arch.checkpoint import (FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, Ten
                                       check_tensor_header, load_config)
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.models import quiet_load_report
-from analysis.compress.export import (TOOL, ExportError, ExportResult, MaskRecord, _architecture_class, _run_export,
-                                      _write_common, mask_record, stock_config_for)
+from analysis.compress.export.folder import ExportError, atomic_folder, clean_leftovers, listing
+from analysis.compress.export.formats import FORMATS, ExportResult, StreamSpec, _write_common
+from analysis.compress.export.pruned import _architecture_class
+from analysis.compress.export.records import TOOL, MaskRecord, mask_record
+from analysis.compress.export.stock import stock_config_for
 from analysis.compress.surgery import HeadLayout, select_heads
 from analysis.core.errors import InputError, ModelLoadError, UnsupportedModelError, first_line
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 
-STREAMED_FORMATS = ("pruned", "stock")
 COPY_CHUNK = 64 * 2**20                      # bytes per copy_file_range call (a stop check between)
 
 # safetensors dtype -> torch dtype, for the tensors the cut reads (attention: float only; a
@@ -281,7 +283,12 @@ class _Item:
     role: str | None = None
 
 
-def _plan(fmt: str, adapter, geometry, layout: HeadLayout, entries, names: _Names, folder: Path):
+def streamed_formats() -> list[str]:
+    """The registered export formats that can be written from a checkpoint (their `streamed` spec)."""
+    return [name for name, form in FORMATS.items() if form.streamed is not None]
+
+
+def _plan(spec: StreamSpec, adapter, geometry, layout: HeadLayout, entries, names: _Names, folder: Path):
     """(output shards [(file name, [_Item]) in input order], {layer: {role: checkpoint name}}, alias metadata)."""
     prefix = _prefix(adapter, entries)
     roles = {layer: _layer_roles(adapter, layer, entries, prefix) for layer in range(geometry.n_layers)}
@@ -316,10 +323,10 @@ def _plan(fmt: str, adapter, geometry, layout: HeadLayout, entries, names: _Name
                                  f"these weights.") from None
         cut_shapes.update({(layer, role): tuple(t.shape) for role, t in cut.items()})
 
-    # output names: "pruned" = state-dict names, a tied tensor once (save_model keeps the first name
-    # in sorted order and records the others in the metadata); "stock" = the checkpoint's names
+    # output names: "state_dict" = the model's names, a tied tensor once (save_model keeps the first
+    # name in sorted order and records the others in the metadata); "checkpoint" = the checkpoint's names
     alias = {}
-    if fmt == "pruned":
+    if spec.names == "state_dict":
         out_names = {}
         for members in [sorted(m) for m in _groups(names)]:
             out_names.setdefault(names.source[members[0]], []).append(members[0])
@@ -349,11 +356,11 @@ def _groups(names: _Names) -> list[list[str]]:
 # The export
 # ---------------------------------------------------------------------------------------------
 
-def _write_shards(tmp: Path, fmt: str, shards, roles, alias, adapter, geometry, layout: HeadLayout,
-                  entries, progress: Progress | None, should_stop: ShouldStop | None) -> None:
+def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, adapter, geometry,
+                  layout: HeadLayout, entries, progress: Progress | None, should_stop: ShouldStop | None) -> None:
     total = sum(item.entry.nbytes for _, items in shards for item in items) or 1
     done = 0
-    metadata = {"format": "pt", **({"producer": TOOL} if fmt == "pruned" else {})}
+    metadata = {"format": "pt", **({"producer": TOOL} if spec.producer else {})}
     cut_cache: dict[int, dict[str, torch.Tensor]] = {}
     remaining = {}                                      # layer -> cut tensors not yet written
     for _, items in shards:
@@ -402,8 +409,9 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     at a time, never the whole model. Same files, names and tensors as `export(fmt, model, ...)` of
     the loaded model. ModelLoadError / ExportError / InputError, each one line, before anything is
     written where the checkpoint is broken; a failure or stop mid-way leaves nothing behind."""
-    if fmt not in STREAMED_FORMATS:
-        raise InputError(f"The streamed export writes the {' and '.join(STREAMED_FORMATS)} formats, not {fmt!r}; "
+    spec = FORMATS[fmt].streamed if fmt in FORMATS else None
+    if spec is None:
+        raise InputError(f"The streamed export writes the {' and '.join(streamed_formats())} formats, not {fmt!r}; "
                          f"load the model (--model) for the others.")
     folder = checkpoint_folder(source)
     config = load_config(folder, trust_remote_code=trust_remote_code)
@@ -411,11 +419,11 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     resize.surgery_spec(adapter)                       # UnsupportedModelError before any reading
     geometry = adapter.geometry(config)
     layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
-    out_config = _output_config(fmt, adapter, config, layout)
+    out_config = _output_config(spec, config, layout)
     report(progress, 0.0, f"{fmt} export: reading the checkpoint's headers")
     entries = checkpoint_entries(folder)
     names = _names(config, entries, folder)
-    shards, roles, alias = _plan(fmt, adapter, geometry, layout, entries, names, folder)
+    shards, roles, alias = _plan(spec, adapter, geometry, layout, entries, names, folder)
     if record is None:
         record = mask_record(pruned, geometry=geometry, model=str(folder), model_type=adapter.model_type)
     elif not (record.pruned().shape == tuple(layout.pruned_mask().shape)
@@ -423,20 +431,24 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
         raise InputError("The mask record does not describe the mask being exported; build it from the same mask "
                          "(analysis.compress.export.mask_record).")
 
-    def write(tmp: Path) -> HeadLayout:
-        _write_shards(tmp, fmt, shards, roles, alias, adapter, geometry, layout, entries, progress, should_stop)
+    target = Path(target)
+    notes = clean_leftovers(target.parent)
+    for note in notes:
+        report(progress, 0.0, note)
+    if names.dropped:
+        notes.append(f"Left out {len(names.dropped)} checkpoint tensors the model does not use (e.g. "
+                     f"{names.dropped[0]}), as from_pretrained does.")
+    report(progress, 0.0, f"{fmt} export: writing to a temporary folder")
+    with atomic_folder(target, overwrite=overwrite) as tmp:
+        _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, entries, progress, should_stop)
         out_config.save_pretrained(tmp)
         _write_common(tmp, record, None, layout)
         for name in PASS_THROUGH:
             if (folder / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(folder / name, tmp / name)
-        return layout
-
-    result = _run_export(fmt, target, overwrite, write, progress)
-    if names.dropped:
-        result.notes.append(f"Left out {len(names.dropped)} checkpoint tensors the model does not use (e.g. "
-                            f"{names.dropped[0]}), as from_pretrained does.")
-    return result
+        report(progress, 0.9, f"{fmt} export: moving into place")
+    report(progress, 1.0, f"{fmt} export written to {target}")
+    return ExportResult(format=fmt, path=target, files=listing(target), layout=layout, notes=notes)
 
 
 def checkpoint_has_qkv_bias(folder: Path, adapter: Adapter) -> bool:
@@ -448,12 +460,11 @@ def checkpoint_has_qkv_bias(folder: Path, adapter: Adapter) -> bool:
     return any(prefix + suffixes[role] in names for role in ("q.bias", "qkv.bias") if role in suffixes)
 
 
-def _output_config(fmt: str, adapter: Adapter, config, layout: HeadLayout):
-    """config.json of the export: the original ("pruned") or the pruned head counts ("stock")."""
+def _output_config(spec: StreamSpec, config, layout: HeadLayout):
+    """config.json of the export: the original or the pruned head counts ("stock")."""
     import copy
-    from types import SimpleNamespace
-    if fmt == "stock":
-        new = stock_config_for(SimpleNamespace(config=config), layout)
+    if spec.config == "stock":
+        new = stock_config_for(config, layout)
     else:
         new = copy.deepcopy(config)
     new.architectures = [_architecture_class(config).__name__]
