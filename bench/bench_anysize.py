@@ -333,7 +333,7 @@ def bench_8b(args, scratch: Path) -> dict:
     ratio_fsync = statistics.median(results["export_fsync"]) / statistics.median(results["cp_fsync"])
     ratio_mpg = statistics.median(results["mpg"]) / statistics.median(results["read"])
     peak = {k: max(v) / GIB for k, v in rss.items()}
-    print(f"  peak RSS (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in peak.items()))
+    print("  peak RSS (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in peak.items()))
     print(f"  export / cp = {ratio_export:.2f}x (with fsync {ratio_fsync:.2f}x)   target <= 1.5x: "
           f"{'PASS' if ratio_export <= 1.5 else 'FAIL'}")
     print(f"  export peak RSS {peak['export']:.2f} GiB   target <= 2 GiB: {'PASS' if peak['export'] <= 2 else 'FAIL'}")

@@ -90,14 +90,11 @@ def test_offload_button_loads_the_model(checkpoint):
 
 
 def test_export_page_streams_and_equals_the_in_memory_export(checkpoint, out_root, tmp_path):
-    from analysis.compress.export import export_to, load_pruned
+    from analysis.compress.export import FORMATS, export_to, load_pruned
     from safetensors.torch import load_file
     at = _open(checkpoint, "export", sparsity="0.5", scorer="mp-g")
     fmt = at.selectbox(key="hs.w.export.format.streamed")
-    assert list(fmt.options) == ["pruned: physically smaller, with head_layout.json (load with "
-                                 "analysis.compress.export.load_pruned)", "stock: physically smaller, loads with "
-                                 "stock from_pretrained (needs the same head counts in every layer: use the "
-                                 "balanced-uniform policy)"]
+    assert list(fmt.options) == [FORMATS["pruned"].label, FORMATS["stock"].label]     # the streamed formats
     at.text_input(key="hs.w.export.folder").set_value("cut").run()
     at.button(key="export.run").click().run()
     no_exception(at)

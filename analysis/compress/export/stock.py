@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from torch import nn
 
 from analysis.arch import resize
 from analysis.arch.adapters import adapter_for
