@@ -267,6 +267,51 @@ def _cut(adapter: Adapter, geometry: HeadGeometry, tensors: dict[str, torch.Tens
     return {role: t.contiguous() for role, t in merged.items()}
 
 
+def _cut_gathers(adapter: Adapter, geometry: HeadGeometry, roles: list[str], heads: list[int],
+                 kv_heads: list[int]) -> dict[str, tuple[int, torch.Tensor] | None]:
+    """The cut as one gather per tensor: role -> (axis, positions along it, in output order), or None
+    for a tensor the cut leaves as it is (O's bias, shared by every head).
+
+    Surgery's own split / select / merge (`_cut`) run on a probe: each role tensor with its hidden
+    side of size 1 and, along its head side, the positions of its rows (or columns), offset per role;
+    what comes out names, for every output tensor, which positions of its own input it holds (K/V
+    repeated where they are expanded). `tensor.index_select(axis, positions)` then makes exactly
+    `_cut`'s values, but moves each row or column block once (no transposes of the head-major view)."""
+    from dataclasses import replace
+    from analysis.arch.adapters import HeadWeights
+    probe_g = replace(geometry, hidden=1)
+    H, Hkv, d = geometry.n_heads, geometry.n_kv_heads, geometry.head_dim
+    has = {p: any(r in roles for r in (f"{p}.bias", "qkv.bias")) for p in "qkv"}
+    meta = HeadWeights(q=torch.empty(H, d, 1), k=torch.empty(Hkv, d, 1), v=torch.empty(Hkv, d, 1),
+                       o=torch.empty(H, d, 1), q_bias=torch.empty(H, d) if has["q"] else None,
+                       k_bias=torch.empty(Hkv, d) if has["k"] else None, v_bias=torch.empty(Hkv, d) if has["v"] else None)
+    shapes = {role: tuple(t.shape) for role, t in adapter.family.layout.merge(meta).items()}   # hidden side = 1
+    probes, ranges, axes, base = {}, {}, {}, 0
+    for role in roles:
+        if role == "o.bias":
+            continue
+        shape = shapes[role]
+        n = max(shape)
+        axes[role] = 0 if len(shape) == 1 else shape.index(n)
+        probes[role] = torch.arange(base, base + n, dtype=torch.long).reshape(shape)       # positions, offset
+        ranges[role] = (base, base + n)
+        base += n
+    if "o.bias" in roles:
+        probes["o.bias"] = torch.zeros(1, dtype=torch.long)
+    out = {}
+    for role, positions in _cut(adapter, probe_g, probes, heads, kv_heads).items():
+        if role == "o.bias":
+            out[role] = None
+            continue
+        flat = positions.reshape(-1)
+        lo, hi = ranges[role]
+        if flat.numel() and not bool(((flat >= lo) & (flat < hi)).all()):
+            raise UnsupportedModelError(f"{adapter.model_type}: the cut of {role} mixes tensors; the streamed "
+                                        f"export cannot write it. Export from the loaded model (--model).")
+        out[role] = (axes[role], flat - lo)
+    return out
+
+
 def _prefix(adapter: Adapter, entries: dict[str, TensorEntry]) -> str:
     from analysis.arch.checkpoint import name_prefix
     return name_prefix(adapter, entries)
@@ -361,12 +406,7 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
     total = sum(item.entry.nbytes for _, items in shards for item in items) or 1
     done = 0
     metadata = {"format": "pt", **({"producer": TOOL} if spec.producer else {})}
-    cut_cache: dict[int, dict[str, torch.Tensor]] = {}
-    remaining = {}                                      # layer -> cut tensors not yet written
-    for _, items in shards:
-        for item in items:
-            if item.layer is not None:
-                remaining[item.layer] = remaining.get(item.layer, 0) + 1
+    gathers: dict[int, dict] = {}                       # layer -> role -> (axis, positions) of the cut
     weight_map = {}
     for file_name, items in shards:
         extra = {k: v for k, v in alias.items() if any(i.name == v for i in items)}
@@ -378,15 +418,16 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
                     writer.copy(item.name, item.entry, should_stop)
                     what = f"copied {item.name}"
                 else:
-                    if item.layer not in cut_cache:       # one layer's attention, read once
-                        tensors = {role: read_tensor(entries[name]) for role, name in roles[item.layer].items()}
-                        cut_cache[item.layer] = _cut(adapter, geometry, tensors, layout.heads[item.layer],
-                                                     layout.kv_heads[item.layer])
-                        del tensors
-                    writer.write(item.name, cut_cache[item.layer][item.role])
-                    remaining[item.layer] -= 1
-                    if not remaining[item.layer]:
-                        del cut_cache[item.layer]
+                    if item.layer not in gathers:
+                        gathers[item.layer] = _cut_gathers(adapter, geometry, list(roles[item.layer]),
+                                                           layout.heads[item.layer], layout.kv_heads[item.layer])
+                    gather = gathers[item.layer][item.role]
+                    if gather is None:
+                        writer.copy(item.name, item.entry, should_stop)
+                    else:
+                        tensor = read_tensor(item.entry)                       # this one tensor only
+                        writer.write(item.name, tensor.index_select(*gather))
+                        del tensor
                     what = f"layer {item.layer + 1}/{geometry.n_layers}: cut {item.name}"
                 done += item.entry.nbytes
                 weight_map[item.name] = file_name
