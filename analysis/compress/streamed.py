@@ -5,11 +5,12 @@ folder that `analysis.compress.export` writes from a model in memory (`prune_hea
 reading the checkpoint one tensor at a time:
 
 - the attention tensors (Q/K/V/O weights and biases, named by the adapter) of each layer whose
-  head counts change are read, split into heads by the family's layout
-  (`Adapter.heads_from_tensors`), cut to the layout surgery builds (`HeadLayout.from_mask`, i.e.
-  `analysis.score.masks.plan_layout`: expanded K/V for uneven groups, emptied layers) with
-  `surgery.select_heads`, and merged back by the layout (`layout.merge`): the same functions
-  surgery runs, so the tensors are bit for bit the in-memory export's, in the checkpoint's dtype;
+  head counts change are cut to the layout surgery builds (`HeadLayout.from_mask`, i.e.
+  `analysis.score.masks.plan_layout`: expanded K/V for uneven groups, emptied layers) by the same
+  functions surgery runs -- the family layout's split, `surgery.select_heads`, the layout's merge --
+  run once per layer on a small probe of row positions (`_cut_gathers`), which gives each tensor's
+  cut as one `index_select` of its rows or columns; each tensor is then read, gathered and written
+  alone. The values are bit for bit the in-memory export's, in the checkpoint's dtype;
 - every other tensor is copied byte for byte (`os.copy_file_range`, no trip through Python);
 - the names are the ones the in-memory export writes: a skeleton of the model on the meta
   device (no memory) gives its state-dict names, shapes and tied tensors, and transformers' own
