@@ -440,16 +440,22 @@ def test_cli_streamed_equals_cli_in_memory(options, tmp_path, capsys):
     assert {p.name for p in memory.glob("tokenizer*")} <= {p.name for p in streamed.iterdir()}
 
 
-def test_cli_mask_file(tmp_path, capsys):
+@pytest.mark.parametrize("source", ["--checkpoint", "--model"])
+def test_cli_mask_file(source, tmp_path, capsys):
+    from tests._apptools import trivial_tokenizer
     model, ckpt = _checkpoint(tmp_path, "llama")
+    trivial_tokenizer().save_pretrained(ckpt)                   # --model needs one
     pruned = _masks("llama")["uneven-groups"]
     export_pruned(model, pruned, tmp_path / "mem")
-    code, _, err = _cli(["export", "--quiet", "--checkpoint", str(ckpt), "--mask-file",
+    capsys.readouterr()
+    code, _, err = _cli(["export", "--quiet", source, str(ckpt), "--mask-file",
                          str(tmp_path / "mem" / "mask.json"), "--out-dir", str(tmp_path / "out"), "--name", "cut"],
                         capsys)
     assert code == 0, err
     assert "K/V are expanded" in err                      # growth is said, as for the in-memory export
     _assert_same_tensors(tmp_path / "out" / "cut", tmp_path / "mem")
+    assert json.loads((tmp_path / "out" / "cut" / "mask.json").read_text())["kept"] == [
+        [h for h in range(4) if not pruned[layer, h]] for layer in range(2)]
 
 
 @pytest.mark.parametrize("extra,match", [(["--sparsity", "0.25", "--scorer", "wanda"], "needs the model"),
