@@ -403,7 +403,7 @@ def _groups(names: _Names) -> list[list[str]]:
 # ---------------------------------------------------------------------------------------------
 
 def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, adapter, geometry,
-                  layout: HeadLayout, entries, progress: Progress | None, should_stop: ShouldStop | None) -> None:
+                  layout: HeadLayout, progress: Progress | None, should_stop: ShouldStop | None) -> None:
     total = sum(item.entry.nbytes for _, items in shards for item in items) or 1
     done = 0
     metadata = {"format": "pt", **({"producer": TOOL} if spec.producer else {})}
@@ -482,7 +482,7 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
                      f"{names.dropped[0]}), as from_pretrained does.")
     report(progress, 0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
-        _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, entries, progress, should_stop)
+        _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, progress, should_stop)
         out_config.save_pretrained(tmp)
         _write_common(tmp, record, None, layout)
         for name in PASS_THROUGH:
