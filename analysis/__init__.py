@@ -20,7 +20,8 @@ import importlib
 
 API: dict[str, str] = {
     # loading and geometry
-    "load_model": "analysis.arch.models", "LoadedModel": "analysis.arch.models", "BUILTIN_MODELS": "analysis.arch.models",
+    "load_model": "analysis.arch.models", "LoadedModel": "analysis.arch.models",
+    "open_weights_only": "analysis.arch.models", "BUILTIN_MODELS": "analysis.arch.models",
     "DEFAULT_MODEL": "analysis.arch.models", "count_parameters": "analysis.arch.models",
     "HeadGeometry": "analysis.arch.geometry", "adapter_for": "analysis.arch.adapters",
     "SUPPORTED_MODEL_TYPES": "analysis.arch.adapters",
@@ -42,7 +43,7 @@ API: dict[str, str] = {
     "prune_heads": "analysis.compress.surgery", "HeadLayout": "analysis.compress.surgery",
     "export": "analysis.compress.export", "export_to": "analysis.compress.export", "FORMATS": "analysis.compress.export",
     "register_format": "analysis.compress.export", "ExportFormat": "analysis.compress.export",
-    "load_pruned": "analysis.compress.export", "mask_record": "analysis.compress.export",
+    "load_pruned": "analysis.compress.export", "export_checkpoint": "analysis.compress.streamed", "mask_record": "analysis.compress.export",
     "read_mask_json": "analysis.compress.export", "distill": "analysis.compress.distill",
     "DistillConfig": "analysis.compress.distill", "run_pipeline": "analysis.compress.pipeline",
     "PipelineConfig": "analysis.compress.pipeline", "compression_report": "analysis.compress.report",

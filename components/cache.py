@@ -82,6 +82,8 @@ def stop_button(work: str, label: str = "Stop"):
 def load(name: str, how: LoadHow = False, _progress: Progress | None = None):
     """The shared LoadedModel for `name` loaded `how` (never mutate it)."""
     from analysis.arch import models
+    if state.is_weights_only_how(how):          # a checkpoint folder: structure on the meta device, no weights
+        return models.open_weights_only(name, trust_remote_code=bool(how[1]))
     trust, placement = state.load_parts(how)
     loaded = models.load_model(name, trust_remote_code=trust, progress=_progress, **placement)
     settle_heap()
@@ -105,6 +107,10 @@ def profile(name: str, how: LoadHow = False, _progress: Progress | None = None, 
     """Row norms of every layer, computed once per model."""
     from analysis.measure import profiles
     lm = load(name, how)
+    if state.is_weights_only_how(how):          # streamed from the files, one layer at a time
+        from analysis.measure.streaming import profile_checkpoint
+        return profile_checkpoint(lm.source, progress=_progress, should_stop=_should_stop,
+                                  trust_remote_code=bool(how[1]))
     return profiles.profile_model(lm.model, adapter=lm.adapter, source=name, progress=_progress,
                                   should_stop=_should_stop)
 
@@ -131,6 +137,12 @@ def model_or_stop():
 def profile_or_stop():
     """The current model's norm profile (computed once, with progress); stops the page on failure."""
     name = state.get("model")
+    if state.weights_only():                    # streaming every layer from disk: progress per layer, stoppable
+        prof = cached_call(profile, name, state.load_options(), label="Streaming the row norms from the checkpoint",
+                           stoppable=True)
+        if prof is None:
+            st.stop()
+        return prof
     try:
         with progress_bar("Computing row norms") as report:
             return profile(name, state.load_options(), _progress=report)
@@ -233,6 +245,10 @@ def scores(name: str, how: LoadHow, scorer: str, params: tuple, _progress=None, 
     instance = scoring.get_scorer(scorer, **dict(params))
     if not type(instance).needs_calibration:
         return instance.score(profile(name, how), progress=_progress, should_stop=_should_stop)
+    if state.is_weights_only_how(how):
+        raise HeadscopeError(f"The {scorer!r} scorer runs calibration text through the model, and this checkpoint "
+                             f"is open weights only: load the model on the Model page, or pick one of "
+                             f"{', '.join(scoring.weight_only_scorers())}.")
     with exclusive(name, how, _progress, _should_stop) as lm:
         return instance.score(lm, progress=_progress, should_stop=_should_stop)
 

@@ -248,7 +248,10 @@ def set_placement(value: Placement) -> None:
 
 def load_options() -> LoadHow:
     """What `cache.load` is keyed by: trust_remote_code alone while the placement is the default,
-    else (trust_remote_code, device, dtype, device_map, max_memory, offload_folder)."""
+    else (trust_remote_code, device, dtype, device_map, max_memory, offload_folder); for a checkpoint
+    opened weights only, (WEIGHTS_ONLY, trust_remote_code)."""
+    if weights_only():
+        return (WEIGHTS_ONLY, trust())
     p = placement()
     if p == Placement():
         return trust()
@@ -365,3 +368,23 @@ def mark_scored(model: str, scorer: str, params_key: tuple) -> None:
 def is_scored(model: str, scorer: str, params_key: tuple) -> bool:
     """Whether `mark_scored` noted these parameters (so the cached scores can be shown without a click)."""
     return recall(_scored_slot(model, scorer)) == params_key
+
+
+# -- a checkpoint folder opened weights only (session only) -------------------------------------
+
+WEIGHTS_ONLY = "weights-only"     # first item of load_options() for such a checkpoint (cache.load's key)
+_WEIGHTS_ONLY = PREFIX + "weights_only"
+
+
+def weights_only() -> bool:
+    """Whether the current model (a checkpoint folder) is open weights only: no model built."""
+    return bool(get("model")) and st.session_state.get(_WEIGHTS_ONLY) == get("model")
+
+
+def set_weights_only(value: bool) -> None:
+    """Open the current model weights only (True) or load it as a model (False)."""
+    st.session_state[_WEIGHTS_ONLY] = get("model") if value else None
+
+
+def is_weights_only_how(how: LoadHow) -> bool:
+    return isinstance(how, tuple) and bool(how) and how[0] == WEIGHTS_ONLY

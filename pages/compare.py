@@ -10,7 +10,7 @@ from analysis.score import masks
 from analysis.score import scoring
 from analysis.measure.attribution import rank_correlation
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -75,6 +75,7 @@ with shown_errors("Comparing masks"):
                                              zmin=-1, zmax=1), width="stretch", key="compare.spearman")
 explain.comparison()
 
+weights.needs_model(lm, "Quality vs sparsity")
 st.subheader("Quality vs sparsity")
 c1, c2 = st.columns(2)
 max_s = c1.slider("Up to sparsity", 0.1, 0.9, step=0.1, key=state.widget_key("compare.max_s", value=0.5))

@@ -7,7 +7,7 @@ import streamlit as st
 
 from analysis.compress import export as export_mod
 from analysis.compress import deploy, speed
-from components import cache, charts, controls, explain, numbers, shell, state, views
+from components import cache, charts, controls, explain, numbers, shell, state, views, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -43,11 +43,12 @@ root_text = st.text_input("Export root: every export becomes a folder in here",
                                f"{export_mod.EXPORT_ROOT_ENV}.")
 output_root = Path(root_text.strip() or default_root).expanduser()
 c1, c2 = st.columns([1, 2])
-names = list(export_mod.FORMATS)                                    # the format registry
+names = weights.export_formats(export_mod.FORMATS)                 # the format registry (weights only: streamed)
 fmt = c1.selectbox("Format", names, format_func=lambda f: export_mod.FORMATS[f].label or f,
-                   key=state.widget_key("export.format", value=names[0]))
+                   key=state.widget_key("export.format" + (".streamed" if state.weights_only() else ""),
+                                        value=names[0]))
 form = export_mod.FORMATS[fmt]
-c1.caption(form.help)
+c1.caption(form.help + (f" Weights only: {weights.STREAMED_HELP}." if state.weights_only() else ""))
 # a physical format is cut by surgery (kv_policy applies); a full-shape one keeps the original shapes
 surgery = {"kv_policy": numbers.kv_policy_choice(c1)} if form.physical else {}
 kv_policy = surgery.get("kv_policy", "auto")
@@ -64,10 +65,19 @@ overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key(
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
     with shown_errors("Exporting"):
-        with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(), report):
-            result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
-                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
-                                       **options)
+        if state.weights_only():
+            stop = cache.stop_button("export")
+            with cache.progress_bar(f"Exporting ({fmt}, streamed)") as report:
+                result = weights.export_streamed(lm, fmt, plan.pruned, output_root, folder.strip(), record=record,
+                                                 kv_policy=kv_policy, overwrite=overwrite, progress=report,
+                                                 should_stop=state.should_stop)
+            stop.empty()
+        else:
+            with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(),
+                                                                                      report):
+                result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
+                                           tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
+                                           **options)
         state.remember("export.last", result)
 last = state.recall("export.last")
 if last is not None:
@@ -91,6 +101,7 @@ if last is not None:
                        "at 512 tokens of context on this machine; KV cache as llama.cpp allocates it (f16, flash "
                        "attention).")
 
+weights.needs_model(lm, "The measured report (latency of dense vs pruned)")
 st.subheader("Measured report")
 with shown_errors("Measuring"):
     c1, c2 = st.columns([2, 1])

@@ -8,13 +8,14 @@ from analysis.measure import redundancy
 
 from analysis.measure import roles
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
 
 st.title("Heads")
 lm = cache.model_or_stop()
+weights.needs_model(lm, "The Heads page")
 g = lm.geometry
 explain.heads_page()
 

@@ -4,7 +4,7 @@ import streamlit as st
 
 from analysis.core.errors import HeadscopeError
 from analysis.core.placement import DTYPE_CHOICES, Placement, cuda_count, mps_available
-from components import cache, explain, shell, state
+from components import cache, explain, shell, state, weights
 
 shell.ensure_app()
 
@@ -43,7 +43,9 @@ def placement_form() -> None:
             st.error(str(err))
 
 
-placement_form()
+weights.weights_only_switch()
+if not state.weights_only():
+    placement_form()
 lm = cache.model_or_stop()
 g = lm.geometry
 st.subheader(lm.name)
@@ -61,6 +63,9 @@ cols[2].metric("Query heads per KV head (G)", g.group_size)
 cols[3].metric("Parameters", f"{cache.param_count(lm.name, state.load_options()):,}")
 if lm.placement is not None:
     st.caption(f"Loaded on {lm.placement.describe()}.")
+if state.weights_only():
+    st.caption("Open weights only: nothing but config.json and the tensor headers was read. Profiles, Prune, the "
+               "Walkthrough and Export work from the streamed profile; pages that run the model say so.")
 st.caption(f"Weights from `{lm.source}`. Attention: "
            + ("multi-head (MHA)" if g.group_size == 1 else
               "multi-query (MQA)" if g.n_kv_heads == 1 else f"grouped-query (GQA), G = {g.group_size}")

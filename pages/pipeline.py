@@ -12,13 +12,14 @@ from analysis.compress import export as export_mod
 from analysis.compress.distill import DistillConfig
 from analysis.compress.pipeline import PipelineConfig, export_round
 from analysis.compress.report import compression_report
-from components import cache, shell, state
+from components import cache, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
 
 st.title("Pipeline")
 lm = cache.model_or_stop()
+weights.needs_model(lm, "The Pipeline page")
 g = lm.geometry
 st.caption("Recover and compress. Score the heads, prune a step, recover by distillation from the dense model, rescore, repeat until "
            "the target sparsity or the perplexity budget; then INT8. Works on a copy: the loaded model is not "

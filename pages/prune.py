@@ -12,7 +12,7 @@ from analysis.score import masks
 from analysis.score import scoring
 
 from analysis.score import sweep
-from components import cache, charts, controls, explain, numbers, shell, state, views
+from components import cache, charts, controls, explain, numbers, shell, state, views, weights
 from components.errors import show_exception, shown_errors
 
 shell.ensure_app()
@@ -114,6 +114,7 @@ head_scores, plan, params, policy = built
 scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
 key = cache.params_key(params)
 
+weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
 st.subheader("Check this mask")
 with shown_errors("Reading the text"):
     text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256, most=8192)

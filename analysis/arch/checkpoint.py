@@ -1,6 +1,8 @@
 """Safetensors checkpoints on disk, read without building a model: the folder, its index and
 shards, config.json, the tensor names an adapter expects, header checks and one-file-at-a-time
-reads. The streamed profile (`analysis.measure.streaming`) and the streamed export read through here.
+reads, and the raw headers (`read_header`, `checkpoint_entries`: dtype, shape, byte range of every
+tensor, checked against the file size) that the streamed export copies byte ranges by.
+The streamed profile (`analysis.measure.streaming`) and the streamed export read through here.
 
 Layouts: a single `model.safetensors`, or shards listed in `model.safetensors.index.json`.
 A missing shard, a folder without safetensors weights, or a tensor the adapter expects but
@@ -17,9 +19,11 @@ MemoryError. config.json is read with trust_remote_code from the caller (default
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import psutil
+import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
@@ -253,4 +257,110 @@ def read_tensors(roles: dict[str, str], files: dict[str, Path], geometry=None) -
                     out[role] = handle.get_tensor(name)
         except (OSError, SafetensorError, MemoryError) as err:
             raise ModelLoadError(f"Could not read {file} ({first_line(err)}). Re-download or re-copy that file.") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Safetensors headers, parsed here (the streamed export reads and copies raw byte ranges)
+# ---------------------------------------------------------------------------------------------
+#
+# A .safetensors file is: 8 bytes (little-endian u64) N, N bytes of JSON header
+# {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, then the
+# data; offsets count from the end of the header.
+
+HEADER_MAX_BYTES = 100 * 2**20          # safetensors' own limit
+
+# safetensors dtype name -> bytes per element (every dtype a header may name whose size is whole bytes)
+# safetensors dtype name -> torch dtype of the float dtypes headscope computes on (and cuts heads of)
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+               "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its bytes are (absolute offsets in `file`)."""
+    name: str
+    file: Path
+    dtype: str                  # safetensors name ("BF16", "F32", ...)
+    shape: tuple[int, ...]
+    start: int                  # first byte in the file
+    end: int                    # one past the last byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _bad_file(file: Path, why: str) -> ModelLoadError:
+    return ModelLoadError(f"{file} is not a valid safetensors file ({why}). Re-download or re-copy that file.")
+
+
+def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """({name: TensorEntry} in file order, metadata) of one safetensors file, every entry checked:
+    a known dtype, a shape of non-negative integers, a byte range of exactly dtype x shape that
+    lies inside the file (a truncated file is named as such). No tensor data is read."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            head = handle.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or n > HEADER_MAX_BYTES or 8 + n > size:
+                raise _bad_file(file, f"it is {size} bytes, too short for its header: truncated"
+                                if n > 1 and 8 + n > size else "no safetensors header")
+            header = json.loads(handle.read(n).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise _bad_file(file, first_line(err)) from None
+    if not isinstance(header, dict):
+        raise _bad_file(file, "its header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    entries = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (isinstance(dtype, str) and isinstance(shape, list)
+                  and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+                  and all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end)) and 0 <= begin <= end)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise _bad_file(file, f"tensor {name!r} has a malformed header entry")
+        if dtype not in DTYPE_BYTES:
+            raise ModelLoadError(f"Tensor '{name}' in {file.name} has dtype {dtype!r}, which headscope cannot read or "
+                                 f"copy (known: {', '.join(DTYPE_BYTES)}). Convert the checkpoint to bfloat16, "
+                                 f"float16 or float32 first.")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end - begin != numel * DTYPE_BYTES[dtype]:
+            raise _bad_file(file, f"tensor {name!r} holds {end - begin} bytes, its shape {shape} x {dtype} needs "
+                                  f"{numel * DTYPE_BYTES[dtype]}")
+        if data_start + end > size:
+            raise _bad_file(file, f"it is {size} bytes but tensor {name!r} ends at byte {data_start + end}: truncated")
+        entries[name] = TensorEntry(name, file, dtype, tuple(shape), data_start + begin, data_start + end)
+    if not isinstance(metadata, dict):
+        raise _bad_file(file, "its __metadata__ is not a JSON object")
+    ordered = dict(sorted(entries.items(), key=lambda item: item[1].start))
+    return ordered, {str(k): str(v) for k, v in metadata.items()}
+
+
+def checkpoint_entries(folder: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint in `folder` (name -> TensorEntry), shard by shard in file
+    order; each shard's header is checked (`read_header`), and every name the index lists must be
+    in the shard it names (ModelLoadError otherwise)."""
+    files = tensor_files(folder)
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    out = {}
+    for file in sorted(by_file):
+        entries, _ = read_header(file)
+        absent = [name for name in by_file[file] if name not in entries]
+        if absent:
+            raise ModelLoadError(f"{INDEX_FILE} in {folder} says {file.name} holds '{absent[0]}', but that shard has "
+                                 f"no such tensor. Re-download or re-copy the checkpoint (every shard and the index "
+                                 f"must come from the same save).")
+        listed = set(by_file[file])
+        out.update((name, entry) for name, entry in entries.items() if name in listed)
     return out

@@ -569,3 +569,34 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) 
         return hidden.mean(dim=1)  # [B, D]
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)  # [B, D]
+
+
+# -- a checkpoint opened weights only ---------------------------------------------------------
+
+def open_weights_only(path, *, trust_remote_code: bool = False) -> LoadedModel:
+    """A safetensors checkpoint folder opened without loading its weights: the LoadedModel's model
+    is built on the meta device (structure, names, shapes and dtype; no memory, no values), so
+    everything that needs only the geometry (masks, counts, stock checks, parameter counts) works,
+    the profile is streamed from the files (`analysis.measure.streaming.profile_checkpoint`) and
+    the export is streamed too (`analysis.compress.streamed`). Anything that runs the model
+    (activations) must load it (`load_model`, with offload for a model larger than memory)."""
+    from analysis.arch.checkpoint import FLOAT_DTYPES, checkpoint_folder, load_config, read_header, tensor_files
+    folder = checkpoint_folder(path)
+    config = load_config(folder, trust_remote_code=trust_remote_code)
+    adapter = adapter_for(config)
+    geometry = adapter.geometry(config)
+    files = tensor_files(folder)
+    entries, _ = read_header(next(iter(sorted(set(files.values())))))
+    dtypes = [FLOAT_DTYPES[e.dtype] for e in entries.values() if e.dtype in FLOAT_DTYPES]
+    kind = model_kind(config)
+    with torch.device("meta"), quiet_load_report():
+        model = AUTO_CLASS_BY_KIND[kind].from_config(config, trust_remote_code=bool(trust_remote_code),
+                                                     dtype=dtypes[0] if dtypes else torch.float32)
+    return LoadedModel(model=model.eval(), tokenizer=None, name=str(path), kind=kind, adapter=adapter,
+                       geometry=geometry, source=str(folder), placement=None)
+
+
+def is_weights_only(loaded: LoadedModel) -> bool:
+    """Whether `loaded` came from `open_weights_only` (its weights are not in memory)."""
+    tensor = next(loaded.model.parameters(), None)
+    return tensor is not None and tensor.device.type == "meta"

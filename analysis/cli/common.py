@@ -329,10 +329,15 @@ def resolve_policy(ns: argparse.Namespace, group_size: int) -> str:
     return ns.policy if ns.policy is not None else default_policy(group_size)
 
 
-def add_model_mask_arguments(parser):
-    """Mask arguments for commands that need the model itself (no --checkpoint streaming)."""
-    add_source_arguments(parser, streaming=False)
+def add_model_mask_arguments(parser, streaming: bool = False, mask_file: bool = False):
+    """Mask arguments for commands that need the model itself (streaming=True: --checkpoint too;
+    mask_file=True: --mask-file, a mask.json instead of scores, and --sparsity becomes optional)."""
+    add_source_arguments(parser, streaming=streaming)
     add_scorer_arguments(parser)
-    parser.add_argument("--sparsity", type=float, required=True, help="fraction of heads to prune, in [0, 1)")
+    parser.add_argument("--sparsity", type=float, required=not mask_file, default=None,
+                        help="fraction of heads to prune, in [0, 1)")
+    if mask_file:
+        parser.add_argument("--mask-file", dest="mask_file", default=None,
+                            help="a mask.json (of an export, or the app's download) to cut instead of scoring")
     add_policy_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
-from analysis.cli.common import (add_kv_policy_argument, add_model_mask_arguments, plan_from, progress_bar,
-                                 register, warn)
+from analysis.cli.common import (add_kv_policy_argument, add_model_mask_arguments, load_source, plan_from,
+                                 progress_bar, register, warn)
 from analysis.core.errors import InputError
-from analysis.score.masks import summarize_mask
+from analysis.score.masks import MaskPlan, summarize_mask
 
 
 def _option_flag(name: str) -> str:
@@ -17,9 +17,11 @@ def _option_flag(name: str) -> str:
 def _export_arguments(parser):
     from analysis.compress.export import FORMATS
 
-    add_model_mask_arguments(parser)
+    add_model_mask_arguments(parser, streaming=True, mask_file=True)
     parser.add_argument("--export-format", dest="export_format", choices=FORMATS, default="pruned",
-                        help="; ".join(f"{name}: {form.help}" for name, form in FORMATS.items()))
+                        help="; ".join(f"{name}: {form.help}" for name, form in FORMATS.items())
+                        + "; with --checkpoint (streamed, the model is never built): the formats that can be "
+                          "streamed")
     seen = set()
     for name, form in FORMATS.items():          # each format's own options, e.g. --opset (onnx)
         for option, spec in form.options.items():
@@ -37,7 +39,7 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.compress.export import FORMATS, check_export_name, export, mask_record, resolve_under
+    from analysis.compress.export import FORMATS, check_export_name, export, mask_record, read_mask_json, resolve_under
 
     form = FORMATS[ns.export_format]
     given = {option: getattr(ns, f"format_{option}") for option in
@@ -46,12 +48,23 @@ def run_export(ns):
     if foreign:
         raise InputError(f"{_option_flag(foreign[0])} is an option of another export format, not of "
                          f"{ns.export_format}; leave it out or choose that format.")
-    resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
+    target = resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
     check_export_name(ns.name)
-    plan, scores, loaded, info = plan_from(ns)
-    record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
-                         model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
-                         policy=ns.policy)
+    if ns.mask_file is None and ns.sparsity is None:
+        raise InputError("export needs --sparsity (with the scorer options) or --mask-file (a mask.json).")
+    if ns.checkpoint:
+        if given:
+            raise InputError(f"{_option_flag(next(iter(given)))} is an option of the in-memory {ns.export_format} "
+                             f"export; the streamed export (--checkpoint) has none.")
+        return _export_streamed(ns, target)
+    if ns.mask_file is not None:
+        plan, scores, loaded, info = _plan_from_mask_file(ns)
+        record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
+    else:
+        plan, scores, loaded, info = plan_from(ns)
+        record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
+                             model_type=loaded.adapter.model_type, scores=scores, sparsity=ns.sparsity,
+                             policy=ns.policy)
     surgery = {"kv_policy": ns.kv_policy} if form.physical else {}   # a full-shape format keeps the shapes
     if surgery:
         g = loaded.geometry
@@ -67,6 +80,55 @@ def run_export(ns):
         sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
     return payload, None
+
+
+def _plan_from_mask_file(ns):
+    """(MaskPlan, None, LoadedModel, info) for --model with --mask-file: the mask as given, no scoring."""
+    from analysis.compress.export import read_mask_json
+
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
+    plan = MaskPlan.from_pruned(record.pruned(), loaded.geometry.group_size, sparsity=record.sparsity,
+                                policy=record.policy or "given")
+    return plan, None, loaded, info
+
+
+def _export_streamed(ns, target):
+    """export --checkpoint: score by streaming (or read --mask-file) and cut the checkpoint tensor by tensor
+    (analysis.compress.streamed); the model is never built."""
+    from analysis.arch.adapters import adapter_for
+    from analysis.arch.checkpoint import checkpoint_folder, load_config
+    from analysis.compress.export import mask_record, read_mask_json
+    from analysis.compress.streamed import checkpoint_has_qkv_bias, export_checkpoint, streamed_formats
+
+    if ns.export_format not in streamed_formats():
+        raise InputError(f"--checkpoint streams the {' and '.join(streamed_formats())} formats; for "
+                         f"--export-format {ns.export_format} load the model with --model.")
+    folder = checkpoint_folder(ns.checkpoint)
+    config = load_config(folder, trust_remote_code=ns.trust_remote_code)
+    adapter = adapter_for(config)
+    g = adapter.geometry(config)
+    if ns.mask_file is not None:
+        record = read_mask_json(ns.mask_file, geometry=g)
+        plan = MaskPlan.from_pruned(record.pruned(), g.group_size, sparsity=record.sparsity,
+                                    policy=record.policy or "given")
+        info = dict(source=str(folder), **g.as_dict())
+    else:
+        plan, scores, _, info = plan_from(ns)
+        record = mask_record(plan.pruned, geometry=g, model=str(folder), model_type=adapter.model_type,
+                             scores=scores, sparsity=ns.sparsity, policy=ns.policy)
+    warn(summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=checkpoint_has_qkv_bias(folder, adapter),
+                        kv_policy=ns.kv_policy).warnings)
+    with progress_bar(f"exporting ({ns.export_format}, streamed)", not ns.quiet) as report:
+        result = export_checkpoint(ns.export_format, folder, plan.pruned, target, record=record,
+                                   kv_policy=ns.kv_policy, overwrite=ns.overwrite, progress=report,
+                                   trust_remote_code=ns.trust_remote_code)
+    for note in result.notes:
+        sys.stderr.write(f"note: {note}\n")
+    sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
+    return dict(model=info, format=result.format, path=str(result.path), files=result.files,
+                total_bytes=result.total_bytes, n_pruned=plan.n_pruned, streamed=True), None
 
 
 register("export", "write the pruned model in a registered format and mask.json", _export_arguments, run_export)

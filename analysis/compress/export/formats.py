@@ -41,6 +41,18 @@ class FormatOption:
     help: str = ""
 
 
+@dataclass(frozen=True)
+class StreamSpec:
+    """How a format is written from a checkpoint without building the model (`analysis.compress.streamed`):
+    names "state_dict" (the model's state-dict names, a tied tensor once, as safetensors' save_model
+    keeps it) or "checkpoint" (the checkpoint's save_pretrained names); producer: headscope's
+    "producer" metadata (load_pruned reads the weights itself); config "original" or "stock" (the
+    pruned head counts)."""
+    names: str
+    producer: bool
+    config: str
+
+
 class ExportFormat:
     """One export format. Subclasses set the class attributes and implement `write`."""
     name: ClassVar[str] = ""
@@ -48,6 +60,7 @@ class ExportFormat:
     help: ClassVar[str] = ""                   # one line: what the folder holds and what loads it
     physical: ClassVar[bool] = True            # written from surgery's smaller model (kv_policy applies)
     options: ClassVar[dict[str, FormatOption]] = {}
+    streamed: ClassVar[StreamSpec | None] = None   # also written from a checkpoint, tensor by tensor
 
     def write(self, model: nn.Module, pruned, folder: Path, *, kv_policy: str = "auto", rounds=None,
               **options) -> HeadLayout | None:

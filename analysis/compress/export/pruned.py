@@ -15,7 +15,8 @@ from torch import nn
 
 from analysis.arch.adapters import adapter_for
 from analysis.arch.models import quiet_load_report, quiet_progress_bars
-from analysis.compress.export.formats import LAYOUT_FILE, WEIGHTS_FILE, PhysicalFormat, register_format
+from analysis.compress.export.formats import (LAYOUT_FILE, WEIGHTS_FILE, PhysicalFormat, StreamSpec,
+                                              register_format)
 from analysis.compress.export.records import TOOL
 from analysis.compress.surgery import HeadLayout, apply_layout
 from analysis.core import schemas
@@ -37,6 +38,9 @@ class PrunedFormat(PhysicalFormat):
     name = "pruned"
     label = "pruned checkpoint (head layout)"
     help = "physically smaller, any per-layer head counts: load_pruned loads it"
+
+    # streamed (analysis.compress.streamed): state-dict names, a tie stored once, the original config
+    streamed = StreamSpec(names="state_dict", producer=True, config="original")
 
     def write_cut(self, smaller, layout, folder, *, original, **options):
         save_pruned(smaller, folder)
@@ -99,7 +103,8 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
                                  f"model again.")
         raise ModelLoadError(f"{folder} has no {WEIGHTS_FILE}; an ONNX export holds model.onnx only (run it with "
                              f"ONNX Runtime). Otherwise export the pruned model again.")
-    weight_map(folder)                                        # shards outside the folder are refused
+    mapping = weight_map(folder)                              # shards outside the folder are refused
+    files = [folder / WEIGHTS_FILE] if mapping is None else [folder / f for f in sorted(set(mapping.values()))]
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=bool(trust_remote_code))
@@ -109,7 +114,7 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
         adapter = adapter_for(config)
         g = adapter.geometry(config)
         cls = _architecture_class(config)
-        if _producer(folder / WEIGHTS_FILE) != TOOL:           # a stock (save_pretrained) checkpoint
+        if _producer(files[0]) != TOOL:                       # a stock (save_pretrained) checkpoint
             if (g.n_heads, g.n_kv_heads) != (layout.uniform_counts() or (layout.n_heads, layout.n_kv_heads)):
                 raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) does "
                                      f"not match its {LAYOUT_FILE}; export it again.")
@@ -119,7 +124,7 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
         if (g.n_heads, g.n_kv_heads) != (layout.n_heads, layout.n_kv_heads):
             raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) is not the "
                                  f"original model's config its {LAYOUT_FILE} expects; export it again.")
-        state = load_file(str(folder / WEIGHTS_FILE))
+        state = {name: tensor for file in files for name, tensor in load_file(str(file)).items()}   # shards (streamed)
     except HeadscopeError:
         raise
     except Exception as err:  # a tampered config or file: transformers' and safetensors' own errors

@@ -7,18 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from torch import nn
 
 from analysis.arch import resize
 from analysis.arch.adapters import adapter_for
-from analysis.compress.export.formats import PhysicalFormat, register_format
+from analysis.compress.export.formats import PhysicalFormat, StreamSpec, register_format
 from analysis.compress.export.zeroed import save_hf
 from analysis.compress.surgery import HeadLayout
 from analysis.core.errors import HeadscopeError, InputError
 
 
-def stock_config_for(model: nn.Module, layout: HeadLayout):
-    """The config stock Hugging Face code needs to build `layout`'s shapes (uniform layouts only)."""
+def stock_config_for(model_or_config, layout: HeadLayout):
+    """The config stock Hugging Face code needs to build `layout`'s shapes (uniform layouts only);
+    for a model or its config (the streamed export has no model)."""
     counts = layout.uniform_counts()
     if counts is None:
         per_layer = [layout.layer_counts(layer) for layer in range(layout.n_layers)]
@@ -27,7 +27,8 @@ def stock_config_for(model: nn.Module, layout: HeadLayout):
             f"heads {per_layer} per layer. Use the 'balanced-uniform' mask policy (or 'uniform' with "
             f"kv_policy='expand', which copies K/V for uneven GQA groups), or export the head-layout checkpoint "
             f"instead.")
-    return resize.stock_config(adapter_for(model), model.config, counts[0], counts[1], layout.head_dim)
+    config = getattr(model_or_config, "config", model_or_config)
+    return resize.stock_config(adapter_for(config), config, counts[0], counts[1], layout.head_dim)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class StockFormat(PhysicalFormat):
     name = "stock"
     label = "stock checkpoint (from_pretrained)"
     help = "uniform head counts: plain from_pretrained loads it"
+    # streamed (analysis.compress.streamed): the checkpoint's names, config.json with the pruned counts
+    streamed = StreamSpec(names="checkpoint", producer=False, config="stock")
 
     def write_cut(self, smaller, layout, folder, *, original, **options):
         save_hf(smaller, folder, stock_config_for(original, layout))
