@@ -118,8 +118,10 @@ def model_or_stop():
     try:
         with progress_bar(f"Loading {name}") as report:
             lm = load(name, state.load_options(), _progress=report)
+        from analysis.score.masks import default_policy
         from analysis.score.scoring import default_scorer
-        state.follow_model_scorer(default_scorer(lm.geometry.group_size))
+        state.follow_model("scorer", default_scorer(lm.geometry.group_size))
+        state.follow_model("policy", default_policy(lm.geometry.group_size))
         return lm
     except HeadscopeError as err:
         st.error(str(err))
@@ -147,7 +149,7 @@ def cached_call(fn: Callable[..., Any], *args, label: str, stoppable: bool = Fal
     try:
         with progress_bar(label) as report:
             if stoppable:
-                return fn(*args, _progress=report, _should_stop=state.should_stop, **kwargs)
+                return fn(*args, _progress=report, _should_stop=state.stop_check(), **kwargs)
             return fn(*args, _progress=report, **kwargs)
     except Exception as err:  # noqa: BLE001
         show_exception(err, label)

@@ -50,6 +50,13 @@ GQA_POLICIES = ("balanced", "balanced-uniform", "groups")  # never expand K/V
 _FLOOR_GUARD = 1e-9
 
 
+def default_policy(group_size: int) -> str:
+    """The mask policy a fresh view uses, by G = H / Hkv: "groups" on GQA/MQA models (G > 1: whole KV
+    groups go, so K/V shrink with the queries and the model never grows), "global" on MHA (the
+    paper's setting; there every policy's groups are single heads)."""
+    return "groups" if int(group_size) > 1 else "global"
+
+
 def check_sparsity(sparsity: float) -> float:
     """Validate a head sparsity; InputError outside [0, 1) or NaN."""
     try:
