@@ -58,12 +58,13 @@ if st.button("Run the pipeline", type="primary", key="pipe.run"):
         curve.line_chart(pd.DataFrame(losses).set_index("step"), height=220)
 
     stop = cache.stop_button("pipeline")
+    stop_check = state.stop_check()
     try:
         with shown_errors("The pipeline"):
             with cache.progress_bar("Pipeline") as report, cache.exclusive(lm.name, state.load_options(), report,
-                                                                          should_stop=state.should_stop):
+                                                                          should_stop=stop_check):
                 rep, result = compression_report(lm, config, int8=int8, progress=report,
-                                                 should_stop=state.should_stop, on_step=on_step)
+                                                 should_stop=stop_check, on_step=on_step)
             state.remember("pipe.last", (rep, result, losses))
     finally:
         stop.empty()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -348,8 +349,11 @@ class FastAblation:
 
     @torch.no_grad()
     def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
-                     should_stop: ShouldStop | None = None) -> np.ndarray:
-        """Loss change [R] for every single-head (then KV-group) ablation of `layer`."""
+                     should_stop: ShouldStop | None = None,
+                     on_rows: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Loss change [R] for every single-head (then KV-group) ablation of `layer`; `on_rows(done, R)`
+        after each batch of ablations (progress inside a layer: the first layers replay every layer
+        after them, so one layer can take many seconds on a CPU)."""
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
         blocks = adapter.layers(model)
@@ -375,6 +379,8 @@ class FastAblation:
             out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).cpu().numpy() - prep.base_loss
             timings["layers"] = timings.get("layers", 0.0) + t2 - t1
             timings["lm_head"] = timings.get("lm_head", 0.0) + time.perf_counter() - t2
+            if on_rows is not None:
+                on_rows(start + r, gates.shape[0])
         return out
 
     def sweep(self, model, ids, *, layers=None, progress: Progress | None = None,
@@ -385,6 +391,7 @@ class FastAblation:
         geo = adapter_for(model).geometry(model)
         todo = layer_list(geo, layers)
         t0 = time.perf_counter()
+        report(progress, 0.0, "ablation sweep: running the dense model once (the inputs every layer replays)")
         prep = self.prepare(model, x)
         if prep is None:
             result = naive_sweep(model, x, groups=self.groups, layers=layers, progress=progress,
@@ -402,7 +409,12 @@ class FastAblation:
 
         def run(i: int) -> np.ndarray:
             nonlocal done
-            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop)  # [R]
+
+            def on_rows(rows: int, total: int) -> None:
+                report(progress, (done + work[i] * rows / total) / mine,
+                       f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}, {rows}/{total} ablations")
+
+            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop, on_rows)  # [R]
             done += work[i]
             report(progress, done / mine, f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}")
             return deltas

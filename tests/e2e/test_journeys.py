@@ -16,6 +16,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from tests.e2e.conftest import ARTIFACTS, LOAD_TIMEOUT_MS, needs_chromium
+from tests.e2e.serving import SETTLED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, needs_chromium()]
 
@@ -53,11 +54,11 @@ def test_euler_circuit_covers_every_ordered_pair():
 
 
 def _settled(page, timeout_ms: int = 60_000) -> None:
-    """Wait until the script has finished its run (no 'running' status widget for a moment)."""
+    """Wait until the script has finished its run (the app root says 'notRunning' for a moment)."""
     from playwright.sync_api import expect
     for _ in range(3):
         page.wait_for_timeout(400)
-        expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=timeout_ms)
+        expect(page.locator(SETTLED)).to_have_count(1, timeout=timeout_ms)
 
 
 def _query(page) -> dict[str, str]:
