@@ -20,7 +20,7 @@ lm = cache.model_or_stop()
 g = lm.geometry
 
 names = controls.scorer_names()
-c1, c2, c3 = st.columns([2, 1.5, 1.5])
+c1, c2, c3, c4 = st.columns([2, 1.3, 1.3, 1.4])
 chosen = c1.multiselect("Scorers", names, format_func=controls.label,
                         key=state.widget_key("compare.scorers", value=[n for n in ("mp", "mp-g", "magnitude", "random")
                                                                           if n in names]))
@@ -28,8 +28,7 @@ z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widge
 state.set("z", z)
 sparsity = c3.slider("Sparsity", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP, key=state.widget_key("sparsity"))
 state.set("sparsity", sparsity)
-with st.expander("Mask policy", expanded=False):
-    policy = controls.policy_controls(prefix="compare.policy")
+policy = controls.policy_controls(c4)
 if len(chosen) < 2:
     st.info("Pick at least two scorers to compare.")
     st.stop()
