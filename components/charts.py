@@ -16,6 +16,7 @@ Every builder takes results that `analysis/` computed and only draws them:
 """
 from __future__ import annotations
 
+import math
 from html import escape
 
 import numpy as np
@@ -190,8 +191,25 @@ def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, 
     fig.update_layout(title=title, height=360, xaxis_title=x_title, yaxis_title=y_title,
                       margin=dict(l=50, r=20, t=50, b=40))
     if log_y:
-        fig.update_yaxes(type="log")
+        log_ticks(fig, [v for _, y in series.values() for v in np.asarray(y, dtype=float).ravel()])
     return fig
+
+
+def log_ticks(fig: go.Figure, values, axis: str = "y") -> go.Figure:
+    """THE log-axis rule: a log axis labels only whole numbers a reader cannot misread -- the decades
+    (10, 100, 1000) when the values span two or more of them, else the 1-2-5 steps inside (20, 50,
+    100, 200) -- each written in full. Plotly's default labels bare minor digits ("5, 2, 1000, 5,
+    2, 100"), and a reader takes the top "5" for a perplexity of 5."""
+    v = np.asarray([x for x in values if np.isfinite(x) and x > 0], dtype=float)
+    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
+    if v.size == 0:
+        return update(type="log")
+    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
+    steps = (1,) if hi - lo >= 2 else (1, 2, 5)
+    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in steps]
+    ticks = [t for t in ticks if v.min() / 1.5 <= t <= v.max() * 1.5] or [10.0 ** lo, 10.0 ** hi]
+    return update(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks],
+                  minor=dict(showgrid=False))
 
 
 def matrix_heatmap(values: np.ndarray, labels: list[str], *, title: str, fmt: str = ".2f",

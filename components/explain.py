@@ -167,6 +167,25 @@ def export() -> None:
 """)
 
 
+def pipeline() -> None:
+    _fold("the pipeline", """
+- **What runs**: rounds of *score -> prune a step -> recover*. Each round rescores the heads on the
+  current weights (the scorer, z and policy of the Prune page), prunes the next fraction of heads,
+  then distills the pruned copy from the dense model for the recovery steps (the dense model is the
+  teacher; pruned heads stay zero). It stops at the target sparsity, or when a round ends above the
+  perplexity budget (that round is discarded). One-shot = one round, no recovery.
+- **The loss curve** is the distillation loss (KL divergence to the dense model's next-token
+  distribution, times T^2) per recovery step: it should fall within each round and jump when a
+  round prunes more heads.
+- **The report** has one row per measured model (dense, each round's result, INT8): parameters,
+  file size, attention FLOPs, latency and the metric, with ratios to the dense model. A ratio above
+  1 on a size row means that stage is BIGGER than the dense model (shown in red).
+- **Time**: every recovery step runs the teacher and the student on batch x sequence length tokens;
+  on a CPU a 135M model takes seconds per step, so steps x rounds sets the time (estimate above the
+  Run button; the bar shows the measured rate once it runs).
+""")
+
+
 # -- the Walkthrough page (visible text, not folded) -------------------------------------------
 
 def num(x: float) -> str:

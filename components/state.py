@@ -246,6 +246,13 @@ def widget_key(name: str, *, value: Any = None) -> str:
     return key
 
 
+def kept(name: str, default: Any = None) -> Any:
+    """The value of page-local widget `name` wherever it was last shown (e.g. Export's root, read by
+    the Pipeline page), else `default`."""
+    ss = st.session_state
+    return ss.get(_widget(name), ss.get(_KEPT + name, default))
+
+
 def _keep_widget_values() -> None:
     """Called by init: copy every seeded widget's value while its key still exists (the keys of the
     page just left are dropped at the end of this run), so `widget_key` can seed it when it reappears."""
