@@ -219,6 +219,8 @@ def exclusive(name: str, how: LoadHow, progress: Progress | None = None, should_
         check_stop(should_stop, "Waiting for another computation on this model")
         if progress is not None:
             progress(0.0, "waiting for another computation on this model to finish")
+    if progress is not None:
+        progress(0.0, "started")            # replaces a "waiting" note at once
     try:
         yield lm
     finally:

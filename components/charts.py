@@ -76,7 +76,7 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
         colorscale=[[0.0, KEPT_COLOR], [0.5, KEPT_COLOR], [0.5, PRUNED_COLOR], [1.0, PRUNED_COLOR]],
         showscale=False, xgap=1, ygap=1, customdata=np.asarray(scores, dtype=float), text=status,
         hovertemplate=f"layer %{{y}}, head %{{x}}: %{{text}}<br>{score_name} %{{customdata:.4g}}<extra></extra>"))
-    fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned")
+    fig.update_layout(title=f"{title or f'{n_pruned} of {pruned.size} heads pruned'} (red = pruned)")
     _group_lines(fig, n_layers, n_heads, group_size)
     return _axes(fig, n_layers, n_heads)
 
@@ -116,7 +116,9 @@ def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = Non
     def group(h: int) -> str:
         return f" (KV group {h // group_size})" if group_size > 1 else ""
 
-    cells = ['<div class="x">layer</div>'] + [f'<div class="{head_class(h, "x")}">{h}</div>' for h in range(n_heads)]
+    cells = ['<div class="h"></div>', f'<div class="h" style="grid-column:span {n_heads}">head</div>',
+             '<div class="h"></div>']
+    cells += ['<div class="x">layer</div>'] + [f'<div class="{head_class(h, "x")}">{h}</div>' for h in range(n_heads)]
     cells.append('<div class="n">pruned</div>')
     for layer in range(n_layers):
         cells.append(f'<div class="y">{layer}</div>')
@@ -124,14 +126,17 @@ def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = Non
             state = "p" if pruned[layer, h] else "k"
             word = "pruned" if pruned[layer, h] else "kept"
             score = float(scores[layer, h])
-            cells.append(f'<div class="{head_class(h, state)}" data-s="{score!r}" '
-                         f'title="layer {layer}, head {h}{group(h)}: {word}&#10;{name} {score:.4g}"></div>')
+            tip = f"layer {layer}, head {h}{group(h)}: {word}&#10;{name} {score:.4g}"
+            cells.append(f'<div class="{head_class(h, state)}" data-s="{score!r}" data-t="{tip}"></div>')
         count = int(per_layer[layer])
         cells.append(f'<div class="n" data-n="{count}"><b style="width:{round(48 * count / n_heads)}px"></b>'
                      f'{count}</div>')
     columns = f"2.5em repeat({n_heads}, minmax(0, 1fr)) 6em"
     return (f'<style>{_GRID_CSS}</style><div class="hsm" data-layers="{n_layers}" data-heads="{n_heads}">'
-            f'<div class="hsm-t">{title}</div><div class="hsm-g" style="grid-template-columns:{columns}">'
+            f'<div class="hsm-t">{title}</div>'
+            f'<div class="hsm-l"><i style="background:{PRUNED_COLOR}"></i>red = pruned'
+            f'<i style="background:{KEPT_COLOR}"></i>blue = kept; hover a cell for its score</div>'
+            f'<div class="hsm-g" style="grid-template-columns:{columns}">'
             + "".join(cells) + "</div></div>")
 
 
@@ -179,13 +184,20 @@ def log_axis(metric: str) -> bool:
     return metric.endswith("perplexity")
 
 
+# one colour per scorer, fixed by its place in the registry (so MP and MP-G never share one)
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39")
+
+
 def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, log_y: bool = False,
-           marker_x: float | None = None) -> go.Figure:
-    """Lines {name: (x, y)}; optional vertical marker (e.g. the current sparsity or z)."""
+           marker_x: float | None = None, colors: dict[str, str] | None = None) -> go.Figure:
+    """Lines {name: (x, y)}; optional vertical marker (e.g. the current sparsity or z); `colors`
+    {name: colour} (else PALETTE in order)."""
     fig = go.Figure()
-    for name, (x, y) in series.items():
+    for i, (name, (x, y)) in enumerate(series.items()):
+        color = (colors or {}).get(name, PALETTE[i % len(PALETTE)])
         fig.add_trace(go.Scatter(x=np.asarray(x, dtype=float), y=np.asarray(y, dtype=float), name=name,
-                                 mode="lines+markers"))
+                                 mode="lines+markers", line=dict(color=color), marker=dict(color=color)))
     if marker_x is not None:
         fig.add_vline(x=marker_x, line=dict(color="#999", dash="dot"))
     fig.update_layout(title=title, height=360, xaxis_title=x_title, yaxis_title=y_title,
@@ -214,9 +226,14 @@ def log_ticks(fig: go.Figure, values, axis: str = "y") -> go.Figure:
 
 def matrix_heatmap(values: np.ndarray, labels: list[str], *, title: str, fmt: str = ".2f",
                    zmin: float | None = None, zmax: float | None = None) -> go.Figure:
-    """A square labelled matrix (Jaccard overlaps, rank correlations) with the numbers written in."""
+    """A square labelled matrix (Jaccard overlaps, rank correlations) with the numbers written in.
+
+    A range that includes negative values (a correlation, -1 .. 1) gets a diverging scale centred
+    at 0 (blue negative, white 0, red positive), so -0.10 does not look positive."""
     values = np.asarray(values, dtype=float)
-    fig = go.Figure(go.Heatmap(z=values, x=labels, y=labels, zmin=zmin, zmax=zmax, colorscale="Blues",
+    signed = zmin is not None and zmin < 0
+    scale = dict(colorscale="RdBu_r", zmid=0.0) if signed else dict(colorscale="Blues")
+    fig = go.Figure(go.Heatmap(z=values, x=labels, y=labels, zmin=zmin, zmax=zmax, **scale,
                                text=[[format(v, fmt) for v in row] for row in values],
                                texttemplate="%{text}", hovertemplate="%{y} vs %{x}: %{z:.3f}<extra></extra>"))
     fig.update_layout(title=title, height=120 + 45 * len(labels), margin=dict(l=80, r=20, t=50, b=60))

@@ -74,6 +74,13 @@ def label(name: str) -> str:
     return cls.label if cls is not None else name
 
 
+def scorer_color(name: str) -> str:
+    """The scorer's own colour in every chart (its place in the registry picks it)."""
+    from components.charts import PALETTE
+    names = list(scoring.SCORERS)
+    return PALETTE[names.index(name) % len(PALETTE)] if name in names else PALETTE[-1]
+
+
 def scorer_choice(where=st, *, key: str = "scorer", group_size: int = 1) -> str:
     """The shared scorer selectbox (view field `scorer`); an unknown one falls back to the model's default."""
     names = scorer_names()

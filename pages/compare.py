@@ -20,10 +20,11 @@ lm = cache.model_or_stop()
 g = lm.geometry
 
 names = controls.scorer_names()
-c1, c2, c3, c4 = st.columns([2, 1.3, 1.3, 1.4])
-chosen = c1.multiselect("Scorers", names, format_func=controls.label,
+chosen = st.multiselect("Scorers", names, format_func=controls.label,
                         key=state.widget_key("compare.scorers", value=[n for n in ("mp", "mp-g", "magnitude", "random")
-                                                                          if n in names]))
+                                                                          if n in names]),
+                        help="Every scorer chosen here is compared at the same sparsity, z and policy.")
+c2, c3, c4 = st.columns([1, 1, 1.3])
 z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"))
 state.set("z", z)
 sparsity = c3.slider("Sparsity", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP, key=state.widget_key("sparsity"))
@@ -98,7 +99,8 @@ if curves is not None:
     metric = next(iter(curves.values())).metric
     st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
-                                  log_y=charts.log_axis(metric), marker_x=sparsity),
+                                  log_y=charts.log_axis(metric), marker_x=sparsity,
+                                  colors={controls.label(n): controls.scorer_color(n) for n in curves}),
                     width="stretch", key="compare.curve_chart")
     skipped = sorted({x for c in curves.values() for x, _ in c.skipped})
     if skipped:

@@ -350,10 +350,10 @@ class FastAblation:
     @torch.no_grad()
     def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
                      should_stop: ShouldStop | None = None,
-                     on_rows: Callable[[int, int], None] | None = None) -> np.ndarray:
-        """Loss change [R] for every single-head (then KV-group) ablation of `layer`; `on_rows(done, R)`
-        after each batch of ablations (progress inside a layer: the first layers replay every layer
-        after them, so one layer can take many seconds on a CPU)."""
+                     on_part: Callable[[float], None] | None = None) -> np.ndarray:
+        """Loss change [R] for every single-head (then KV-group) ablation of `layer`; `on_part(f)` with
+        the fraction f of the layer's work done after each replayed block (progress inside a layer:
+        the first layers replay every layer after them, so one layer can take many seconds on a CPU)."""
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
         blocks = adapter.layers(model)
@@ -374,13 +374,13 @@ class FastAblation:
                     args, kwargs = repeat_batched(prep.calls[j], prep.batched[j], r)
                     args, kwargs = _with_input(args, kwargs, hidden)
                     hidden = _first(blocks[j](*args, **kwargs))          # [r*n, T, D]
+                    if on_part is not None:
+                        on_part((start + r * (j - layer + 1) / (geo.n_layers - layer)) / gates.shape[0])
             t2 = time.perf_counter()
             nll = self._tail_nll(prep.chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
             out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).cpu().numpy() - prep.base_loss
             timings["layers"] = timings.get("layers", 0.0) + t2 - t1
             timings["lm_head"] = timings.get("lm_head", 0.0) + time.perf_counter() - t2
-            if on_rows is not None:
-                on_rows(start + r, gates.shape[0])
         return out
 
     def sweep(self, model, ids, *, layers=None, progress: Progress | None = None,
@@ -410,11 +410,11 @@ class FastAblation:
         def run(i: int) -> np.ndarray:
             nonlocal done
 
-            def on_rows(rows: int, total: int) -> None:
-                report(progress, (done + work[i] * rows / total) / mine,
-                       f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}, {rows}/{total} ablations")
+            def on_part(part: float) -> None:
+                report(progress, (done + work[i] * part) / mine,
+                       f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}, {100 * part:.0f}% of its ablations")
 
-            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop, on_rows)  # [R]
+            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop, on_part)  # [R]
             done += work[i]
             report(progress, done / mine, f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}")
             return deltas
