@@ -21,6 +21,15 @@ KV_POLICY_HELP = ("How surgery handles a GQA layer whose kept query heads are sp
                   "refuses such masks. The balanced and groups mask policies never need it.")
 
 
+KIND_WORDS = {"causal-lm": "a causal language model", "masked-lm": "a masked language model",
+              "encoder": "an encoder without a language-model head"}    # LoadedModel.kind -> words
+
+
+def kind_words(kind: str) -> str:
+    """The model kind in a sentence ("this model is an encoder ...")."""
+    return KIND_WORDS.get(kind, f"a {kind}")
+
+
 def kv_policy_choice(where=st) -> str:
     """The kv_policy selectbox (view field `kv_policy`: kept across pages and in the URL)."""
     choice = where.selectbox("KV policy (surgery)", list(masks.KV_POLICIES), key=state.widget_key("kv_policy"),

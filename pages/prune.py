@@ -17,6 +17,14 @@ from components.errors import show_exception, shown_errors
 
 shell.ensure_app()
 
+# why "Tokens scored" differs from "Tokens to use", by model kind
+SCORED_HELP = {
+    "causal-lm": "One less than the tokens used: each token is predicted from the ones before it, so the first "
+                 "token has nothing to be predicted from.",
+    "masked-lm": "The token positions whose pseudo-likelihood is scored: each is masked in turn.",
+    "encoder": "Token positions of the text, with the tokenizer's special tokens.",
+}
+
 st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
@@ -136,7 +144,7 @@ with shown_errors("Reading the text"):
         m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
         m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
                   delta_color="normal" if result.higher_is_better else "inverse")
-        m3.metric("Tokens scored", result.n_tokens)
+        m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
 explain.evaluation()
 
 st.subheader("z sweep")

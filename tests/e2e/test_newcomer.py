@@ -163,3 +163,13 @@ def test_exported_files_get_the_modes_of_the_umask(server, page, export_root):
     assert any(p.name == "model.safetensors" for p in files), files
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_an_unknown_scorer_in_the_link_falls_back_to_the_models_default(server, page):
+    from playwright.sync_api import expect
+    page.goto(f"{server}/prune?model=smollm2-135m&scorer=nope")
+    _arrive(page, "prune")
+    box = _main(page).get_by_test_id("stSelectbox").filter(has_text="Scorer").first.get_by_role("combobox")
+    expect(box).to_have_value("MP-G (GQA-aware MP)", timeout=60_000)      # SmolLM2 is GQA: MP-G, not MP
+    expect(_main(page).get_by_test_id("stAlert").filter(has_text="scorer='nope' was ignored")).to_have_count(1)
+    assert "scorer=mp-g" in page.url
