@@ -314,7 +314,7 @@ def _gguf_tensor_progress(progress: Progress):
     def reporting(iterable, desc="", **_):
         items = list(iterable)
         for i, item in enumerate(items):
-            progress(i / max(len(items), 1), "dequantizing GGUF tensors")
+            progress(i / max(len(items), 1), f"dequantizing GGUF tensor {i + 1}/{len(items)}")
             yield item
 
     gguf_utils.tqdm = reporting
@@ -333,11 +333,14 @@ def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress
     gguf = gguf_files[0]
 
     def convert(dest: Path, report: Progress) -> None:
-        report(0.0, f"converting {gguf.name} once (about 20 s)")
+        # fractions follow where the time goes (measured cold: the metadata and tokenizer reads and the
+        # model build before the first tensor are a third of it, the tensors and the write the rest)
+        report(0.0, f"converting {gguf.name} once (a minute or two on a busy CPU): reading its metadata")
         config = AutoConfig.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
+        report(0.1, "reading the tokenizer from the GGUF file")
         tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
-        report(0.2, "dequantizing GGUF tensors")
-        with _gguf_tensor_progress(scaled(report, 0.2, 0.8)):
+        report(0.2, "building the model before its tensors are dequantized")
+        with _gguf_tensor_progress(scaled(report, 0.3, 0.8)):
             quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32,
                                                              trust_remote_code=False)
         # save_pretrained refuses a GGUF-loaded model: move its (already permuted back,
@@ -345,7 +348,7 @@ def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress
         with torch.device("meta"):
             plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
         plain.load_state_dict(quantized.state_dict(), assign=True)
-        report(0.85, "writing the converted checkpoint")
+        report(0.85, "writing the converted float32 checkpoint (about 540 MB)")
         plain.save_pretrained(dest)
         tokenizer.save_pretrained(dest)
 
@@ -384,7 +387,7 @@ def _locate(name: str, cache_root: Path, progress: Progress) -> tuple[str, bool]
     """(folder or hub id, is_local) for `name`; converts a built-in first when needed."""
     if name in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[name]
-        return str(builtin.prepare(builtin, cache_root, scaled(progress, 0.0, 0.6))), True
+        return str(builtin.prepare(builtin, cache_root, scaled(progress, 0.0, 0.9))), True
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -522,16 +525,18 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)
-        report(0.6, "reading the config")
+        # a built-in's first load spends its time converting (0 .. 0.9, above); the rest is quick
+        rest = scaled(report, 0.9 if name in BUILTIN_MODELS else 0.6, 1.0)
+        rest(0.0, "reading the config")
         config = _load_config(source, name, is_local, trust_remote_code)
         adapter = adapter_for(config)  # UnsupportedModelError, naming what is supported
         geometry = adapter.geometry(config)
         kind = model_kind(config)
         resolved = _check_memory(config, resolved, available_bytes, name, trust_remote_code)
-        report(0.7, f"loading weights ({resolved.describe()})")
+        rest(0.25, f"loading weights ({resolved.describe()})")
         model = _load_weights(AUTO_CLASS_BY_KIND[kind], source, name, is_local, resolved.load_kwargs(),
                               trust_remote_code)
-        report(0.9, "loading the tokenizer")
+        rest(0.75, "loading the tokenizer")
         tokenizer = _load_tokenizer(source, name, is_local, kind, trust_remote_code)
     report(1.0, "loaded")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
