@@ -342,35 +342,59 @@ def head_slices(*, n_heads: int, n_kv_heads: int, head_dim: int, hidden: int, he
 
 def head_rows(population: dict[str, np.ndarray], picked: dict[str, int], taus: dict[str, float], *,
               title: str) -> go.Figure:
-    """Row norms of one layer, one column per projection: every row of the population
+    """Row norms of one layer, one panel per projection, each with its own y axis (V and O norms are
+    on other scales than Q and K: on one axis they were flat lines): every row of the population
     population[p] [units, d] in grey, the picked unit's d rows (picked[p]: the head for Q/O, its KV
-    group for K/V) in red, and that population's tau as a short orange line."""
-    fig = go.Figure()
+    group for K/V) in red, and that population's tau as an orange line."""
+    from plotly.subplots import make_subplots
     names = list(population)
-    rest_x, rest_y, own_x, own_y, own_text, tau_x, tau_y = [], [], [], [], [], [], []
-    for i, p in enumerate(names):
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[
+        f"{p.upper()} ({'head' if p in ('q', 'o') else 'KV group'} {picked[p]}), τ = {taus[p]:.3g}" for p in names])
+    for i, p in enumerate(names, start=1):
         rows = np.asarray(population[p], dtype=float)                      # [units, d]
         units, d = rows.shape
         spread = np.linspace(-0.3, 0.3, rows.size).reshape(units, d)       # [units, d] fixed jitter
         mine = np.zeros((units, d), dtype=bool)                            # [units, d]
         mine[picked[p]] = True
-        rest_x += (i + spread[~mine]).tolist()
-        rest_y += rows[~mine].tolist()
-        own_x += (i + spread[mine]).tolist()
-        own_y += rows[mine].tolist()
-        own_text += [f"{p.upper()} {'head' if p in ('q', 'o') else 'KV group'} {picked[p]}, row {j}"
-                     for j in range(d)]
-        tau_x += [i - 0.4, i + 0.4, None]
-        tau_y += [taus[p], taus[p], None]
-    fig.add_trace(go.Scatter(x=rest_x, y=rest_y, mode="markers", name="other rows of the population",
-                             marker=dict(color="#b0bec5", size=4), hovertemplate="norm %{y:.4g}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=own_x, y=own_y, mode="markers", name="this head's rows", text=own_text,
-                             marker=dict(color=SLICE_COLOR, size=7),
-                             hovertemplate="%{text}<br>norm %{y:.4g}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=tau_x, y=tau_y, mode="lines", name="tau = mean + z·std",
-                             line=dict(color=TAU_COLOR, width=3), hovertemplate="tau %{y:.4g}<extra></extra>"))
-    fig.update_xaxes(tickmode="array", tickvals=list(range(len(names))), ticktext=[p.upper() for p in names],
-                     range=[-0.6, len(names) - 0.4])
-    fig.update_layout(title=title, height=360, yaxis_title="row norm", margin=dict(l=50, r=20, t=50, b=40),
-                      legend=dict(orientation="h", y=-0.15))
+        text = [f"{p.upper()} {'head' if p in ('q', 'o') else 'KV group'} {picked[p]}, row {j}" for j in range(d)]
+        first = i == 1
+        fig.add_trace(go.Scatter(x=spread[~mine], y=rows[~mine], mode="markers", name="other rows of the population",
+                                 marker=dict(color="#b0bec5", size=4), showlegend=first, legendgroup="rest",
+                                 hovertemplate="norm %{y:.4g}<extra></extra>"), row=1, col=i)
+        fig.add_trace(go.Scatter(x=spread[mine], y=rows[mine], mode="markers", name="this head's rows", text=text,
+                                 marker=dict(color=SLICE_COLOR, size=7), showlegend=first, legendgroup="own",
+                                 hovertemplate="%{text}<br>norm %{y:.4g}<extra></extra>"), row=1, col=i)
+        fig.add_trace(go.Scatter(x=[-0.4, 0.4], y=[taus[p], taus[p]], mode="lines", name="tau = mean + z·std",
+                                 line=dict(color=TAU_COLOR, width=3), showlegend=first, legendgroup="tau",
+                                 hovertemplate="tau %{y:.4g}<extra></extra>"), row=1, col=i)
+        fig.update_xaxes(showticklabels=False, range=[-0.5, 0.5], row=1, col=i)
+    fig.update_yaxes(title_text="row norm", row=1, col=1)
+    fig.update_layout(title=title, height=380, margin=dict(l=50, r=20, t=80, b=40),
+                      legend=dict(orientation="h", y=-0.1))
     return fig
+
+
+def kv_copies(kept: tuple[int, ...], group_size: int, *, expanded: bool) -> str:
+    """One GQA layer before and after surgery as an HTML picture: per KV group its G query heads
+    (kept blue, pruned grey) above its K/V head; after surgery, when K/V must be copied per query
+    head (`expanded`), every kept query head gets its own K/V copy (orange)."""
+    cell = ('<span style="display:inline-block;width:22px;height:16px;margin:1px;border-radius:2px;'
+            'background:{};font:9px sans-serif;color:#fff;text-align:center;line-height:16px">{}</span>')
+    before, after = [], []
+    for g, n in enumerate(kept):
+        queries = "".join(cell.format("#1f77b4" if h < n else "#cfd8dc", "Q") for h in range(group_size))
+        kv = cell.format("#2ca02c" if n else "#cfd8dc", "KV")
+        before.append(f'<div style="display:inline-block;margin:0 8px;text-align:center">{queries}<br>{kv}'
+                      f'<br><small>group {g}</small></div>')
+        if expanded:
+            copies = "".join(f'<span style="display:inline-block;text-align:center">{cell.format("#1f77b4", "Q")}'
+                             f'<br>{cell.format("#ff7f0e", "KV")}</span>' for _ in range(n))
+        else:
+            copies = ("".join(cell.format("#1f77b4", "Q") for _ in range(n)) + "<br>" + cell.format("#2ca02c", "KV")
+                      if n else "")
+        after.append(f'<div style="display:inline-block;margin:0 8px;text-align:center;min-width:30px">{copies}</div>')
+    note = ("each kept query head gets its own copy of its group's K/V (orange)" if expanded else
+            "the kept groups keep their shared K/V")
+    return ('<div style="font:12px sans-serif;margin:4px 0 10px">'
+            f'<div><b>kept {" + ".join(map(str, kept))}</b>: the mask</div><div>{"".join(before)}</div>'
+            f'<div style="margin-top:4px">after surgery: {note}</div><div>{"".join(after)}</div></div>')

@@ -247,6 +247,16 @@ Own part (Q + O) = **{num(own)}**; KV group part E_kv (K + V) = **{num(e_kv)}**.
 
 A score of 0 means the head has no row above τ: it is "in the bulk", and the tie-break (its plain
 magnitude) decides where it goes among the other zero-score heads.
+
+**Why an outlier row should mean an important head.** Training pushes most rows of a projection
+to similar norms; a row far above the rest is a direction the model amplifies strongly, so the
+head that owns it writes (or reads) something the model relies on: the paper's hypothesis is
+that such heads are the specialized ones, and heads whose rows are all typical are the redundant
+ones. The score measures how far the head's rows stick out.
+
+**A low score is pruned first.** All heads are ranked by score, lowest first, and the mask at
+sparsity s prunes the first s · (all heads) of that ranking: heads in the bulk (score 0) go
+first, outlier heads last.
 """)
 
 
@@ -316,7 +326,7 @@ def walk_uneven_counts(rows: list[dict]) -> None:
 WALK_STEPS = (
     ("profiles", "Profiles", "See every row norm and τ: the raw material of the score."),
     ("prune", "Prune", "Pick the scorer, z and sparsity: the heads are ranked and the mask is drawn live."),
-    ("prune", "Prune: Check this mask", "Measure the masked model's perplexity against the dense one."),
+    ("prune", "Prune: Check this mask", "Measure the masked model's {metric} against the dense one's."),
     ("compare", "Compare", "Set the scorers side by side: overlap of their masks, perplexity vs sparsity."),
     ("heads", "Heads", "Check the scores against reality: the loss change when each head alone is removed."),
     ("export", "Export", "Write the mask, a zeroed model or a physically smaller one."),
