@@ -69,7 +69,7 @@ def _controls(root: str) -> dict:
                   ("Norm L1", lambda p: _box(_opened(p, "Scorer parameters"), "stRadio", "Norm")
                    .get_by_role("radio", name="L1").is_checked(), True)],
         "compare": [("policy", lambda p: _selected(p, "Policy"), re.compile(r"^balanced \(GQA\)"))],
-        "export": [("format", lambda p: _selected(p, "Format"), re.compile(r"^onnx")),
+        "export": [("format", lambda p: _selected(p, "Format"), re.compile(r"^ONNX")),
                    ("root", lambda p: p.get_by_role("textbox", name="Export root").input_value(), root),
                    ("kv_policy", lambda p: _selected(p, "KV policy"), re.compile(r"^expand$"))],
         "heads": [("tokens", lambda p: _number(p, "Tokens to use"), "80")],
@@ -152,7 +152,7 @@ def _set_session_controls(page, server: str, root: str) -> None:
     nav = page.get_by_test_id("stSidebarNav")
     nav.get_by_role("link", name="Export", exact=True).click()
     _arrive(page, "export")
-    _choose(page, "Format", "onnx:")
+    _choose(page, "Format", "ONNX (ONNX Runtime)")
     _type(page, page.get_by_role("textbox", name="Export root"), root)
     expect(page.get_by_text(f"Writes {root}/")).to_have_count(1, timeout=60_000)
     nav.get_by_role("link", name="Heads", exact=True).click()
@@ -249,7 +249,7 @@ def test_export_journey(server, page, export_root):
     name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
     expect(name_box).to_have_value(re.compile(r"-zeroed$"), timeout=30_000)
     page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
-    page.get_by_role("option", name="pruned:").click()
+    page.get_by_role("option", name="pruned checkpoint").click()
     _settled(page)
     expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-global-pruned", timeout=30_000)
     page.get_by_role("button", name="Export", exact=True).click()

@@ -149,7 +149,7 @@ def test_exported_files_get_the_modes_of_the_umask(server, page, export_root):
     from playwright.sync_api import expect
     page.goto(f"{server}/export?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.1")
     _arrive(page, "export")
-    _choose(page, "Format", "pruned:")
+    _choose(page, "Format", "pruned checkpoint")
     name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
     name_box.fill("modes-check")
     name_box.press("Enter")
