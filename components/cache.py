@@ -328,23 +328,23 @@ def head_attribution(name: str, how: LoadHow, text: str | None, max_tokens: int,
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def forward_rate(name: str, how: LoadHow, tokens: int = 64) -> float:
-    """Tokens per second of one forward pass on this machine (a warm-up, then the median of three):
-    the Pipeline page's time estimate is built on it."""
+def forward_rate(name: str, how: LoadHow, batch: int = 2, tokens: int = 128) -> float:
+    """Tokens per second of a forward pass on batch x tokens on this machine (a warm-up, then the median
+    of three): the Pipeline page's time estimate is built on it."""
     import statistics
     import time
 
     import torch
     from analysis.arch.adapters import input_device
     with exclusive(name, how) as lm:
-        ids = torch.randint(0, int(lm.model.config.vocab_size), (1, tokens), device=input_device(lm.model))
+        ids = torch.randint(0, int(lm.model.config.vocab_size), (batch, tokens), device=input_device(lm.model))
         times = []
         with torch.no_grad():
             for _ in range(4):
                 t0 = time.perf_counter()
                 lm.model(input_ids=ids)
                 times.append(time.perf_counter() - t0)
-    return tokens / max(statistics.median(times[1:]), 1e-6)
+    return batch * tokens / max(statistics.median(times[1:]), 1e-6)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)

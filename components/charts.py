@@ -76,7 +76,7 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
         colorscale=[[0.0, KEPT_COLOR], [0.5, KEPT_COLOR], [0.5, PRUNED_COLOR], [1.0, PRUNED_COLOR]],
         showscale=False, xgap=1, ygap=1, customdata=np.asarray(scores, dtype=float), text=status,
         hovertemplate=f"layer %{{y}}, head %{{x}}: %{{text}}<br>{score_name} %{{customdata:.4g}}<extra></extra>"))
-    fig.update_layout(title=f"{title or f'{n_pruned} of {pruned.size} heads pruned'} (red = pruned)")
+    fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned (red = pruned)")
     _group_lines(fig, n_layers, n_heads, group_size)
     return _axes(fig, n_layers, n_heads)
 
@@ -116,7 +116,7 @@ def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = Non
     def group(h: int) -> str:
         return f" (KV group {h // group_size})" if group_size > 1 else ""
 
-    cells = ['<div class="h"></div>', f'<div class="h" style="grid-column:span {n_heads}">head</div>',
+    cells = ['<div class="h"></div>', f'<div class="h" style="grid-column:span {n_heads};text-align:center">head</div>',
              '<div class="h"></div>']
     cells += ['<div class="x">layer</div>'] + [f'<div class="{head_class(h, "x")}">{h}</div>' for h in range(n_heads)]
     cells.append('<div class="n">pruned</div>')
@@ -134,8 +134,8 @@ def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = Non
     columns = f"2.5em repeat({n_heads}, minmax(0, 1fr)) 6em"
     return (f'<style>{_GRID_CSS}</style><div class="hsm" data-layers="{n_layers}" data-heads="{n_heads}">'
             f'<div class="hsm-t">{title}</div>'
-            f'<div class="hsm-l"><i style="background:{PRUNED_COLOR}"></i>red = pruned'
-            f'<i style="background:{KEPT_COLOR}"></i>blue = kept; hover a cell for its score</div>'
+            f'<div class="hsm-l"><i style="background:{PRUNED_COLOR}"></i>red = pruned &nbsp;'
+            f'<i style="background:{KEPT_COLOR}"></i>blue = kept &nbsp; (hover a cell for its score)</div>'
             f'<div class="hsm-g" style="grid-template-columns:{columns}">'
             + "".join(cells) + "</div></div>")
 

@@ -90,7 +90,7 @@ def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str 
         row.metric("KV cache per token", f"{summary.kv_cache_bytes_per_token_after:,} B",
                    _delta(ratio - 1, f"{100 * (ratio - 1):+.0f}% vs dense ({ratio:.3g}x)"), delta_color="inverse")
     flops_change = -summary.attention_flops_removed
-    row.metric(f"Attention FLOPs at {flops_len} tokens", f"{summary.attention_flops_after:.3g}",
+    row.metric(f"Attention FLOPs at {flops_len} tokens", f"{summary.attention_flops_after / 1e9:,.3g} G",
                _delta(flops_change, f"{-100 * summary.flops_removed_fraction:+.1f}%"), delta_color="inverse")
     if zero_label:
         row.metric(zero_label, summary.zero_score_heads,

@@ -57,7 +57,7 @@ with shown_errors("Comparing masks"):
     plans = {n: masks.plan_mask(hs, sparsity, group_size=g.group_size, **policy) for n, (_, hs) in results.items()}
     labels = [controls.label(n) for n in plans]
     n_pruned = next(iter(plans.values())).n_pruned
-    st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned)")
+    st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned; red = pruned)")
     cols = st.columns(min(len(plans), 4))
     for i, (name, plan) in enumerate(plans.items()):
         cols[i % len(cols)].plotly_chart(
