@@ -173,3 +173,30 @@ def test_an_unknown_scorer_in_the_link_falls_back_to_the_models_default(server, 
     expect(box).to_have_value("MP-G (GQA-aware MP)", timeout=60_000)      # SmolLM2 is GQA: MP-G, not MP
     expect(_main(page).get_by_test_id("stAlert").filter(has_text="scorer='nope' was ignored")).to_have_count(1)
     assert "scorer=mp-g" in page.url
+
+
+def test_pipeline_page_explains_itself_distills_by_default_and_locks_run_while_running(server, page):
+    from playwright.sync_api import expect
+    page.goto(f"{server}/pipeline?model=smollm2-135m&z=2.5")
+    _arrive(page, "pipeline")
+    main = _main(page)
+    expect(main.get_by_test_id("stExpander").filter(has_text="How to read this")).to_have_count(1)
+    recovery = main.get_by_test_id("stNumberInput").filter(has_text="Recovery steps per round").locator("input")
+    assert int(recovery.input_value()) > 0                 # a default run distills
+    # every control has its help, and the page says it starts from the Prune view (z = 2.5 from the link)
+    for testid in ("stSlider", "stNumberInput", "stSelectbox", "stCheckbox"):
+        for box in main.get_by_test_id(testid).all():
+            assert box.get_by_test_id("stTooltipIcon").count() == 1, f"no help on {box.inner_text()[:60]!r}"
+    expect(main.get_by_text(re.compile(r"Starts from the Prune page's view: .*z = 2\.5"))).to_have_count(1)
+    expect(main.get_by_test_id("stMetric").filter(has_text="Estimated time")).to_have_count(1)
+    run = main.get_by_role("button", name="Run the pipeline")
+    expect(run).to_be_enabled()
+    run.click()
+    stop = main.get_by_role("button", name="Stop")
+    expect(stop).to_be_visible(timeout=60_000)
+    expect(run).to_be_disabled()                           # no second run while this one runs
+    stop.click()
+    expect(main.get_by_test_id("stAlert").filter(has_text="Stopped")).to_be_visible(timeout=120_000)
+    _settled(page)
+    expect(run).to_be_enabled()
+    assert page.get_by_test_id("stException").count() == 0
