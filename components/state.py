@@ -122,6 +122,11 @@ class Field:
     follows: str = ""               # when not chosen, the value follows the model (what the note says)
 
 
+def _scorer(raw: str) -> str:
+    """A registered scorer's name (the registry as it is now: scorers can be registered at run time)."""
+    return Choice(tuple(scoring.SCORERS))(_text(raw))
+
+
 def _num_text(value: Any) -> str:
     return f"{float(value):g}" if isinstance(value, float) else str(value)
 
@@ -145,7 +150,7 @@ SCORER_PARAMS: dict[str, Field] = {
 
 FIELDS: dict[str, Field] = {
     "model": Field(DEFAULT_MODEL, _text),
-    "scorer": Field(DEFAULT_SCORER, Choice(tuple(scoring.SCORERS)), follows="the model's default scorer"),
+    "scorer": Field(DEFAULT_SCORER, _scorer, follows="the model's default scorer"),
     "z": Field(float(DEFAULT_Z), Range(0.0, float(Z_MAX)), lambda v: f"{float(v):g}"),
     "sparsity": Field(DEFAULT_SPARSITY, Range(0.0, SPARSITY_MAX), lambda v: f"{float(v):g}"),
     "page": Field("", _text),
