@@ -84,7 +84,7 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
 _GRID_CSS = (
     ".hsm{font:12px sans-serif}.hsm-t{font-size:15px;margin:0 0 6px}"
     ".hsm-g{display:grid;gap:1px;align-items:center}"
-    ".hsm-g>div{height:14px;line-height:14px}"
+    ".hsm-g>div{height:13px;line-height:13px}"
     f".hsm-g>.k{{background:{KEPT_COLOR}}}.hsm-g>.p{{background:{PRUNED_COLOR}}}"
     ".hsm-g>.s{margin-left:3px}"                      # the first head of a KV group (G > 1)
     ".hsm-g>.k:hover,.hsm-g>.p:hover{outline:2px solid #2c3e50}"
