@@ -251,11 +251,11 @@ def test_export_journey(server, page, export_root):
     page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
     page.get_by_role("option", name="pruned checkpoint").click()
     _settled(page)
-    expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-global-pruned", timeout=30_000)
+    expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-groups-pruned", timeout=30_000)
     page.get_by_role("button", name="Export", exact=True).click()
     expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
                                                                           timeout=LOAD_TIMEOUT_MS)
-    folder = export_root / "smollm2-135m-mp-g-s0.1-global-pruned"
+    folder = export_root / "smollm2-135m-mp-g-s0.1-groups-pruned"
     assert (folder / "head_layout.json").is_file() and (folder / "mask.json").is_file()
     assert folder.stat().st_mode & 0o077 != 0                  # not mkdtemp's private 0700
     with page.expect_download() as info:

@@ -138,10 +138,12 @@ def test_no_page_asks_an_outside_host(server, page):
         if url.scheme in ("http", "https", "ws", "wss") and url.hostname not in ("127.0.0.1", "localhost"):
             outside.append(request.url)
 
+    from playwright.sync_api import expect
     page.on("request", note)
-    for name, (_, path, _) in PAGES.items():
+    for name, (title, path, _) in PAGES.items():
         page.goto(f"{server}/{path}?model=smollm2-135m")
-        _arrive(page, name)
+        expect(page.get_by_role("heading", name=title, level=1)).to_be_visible(timeout=LOAD_TIMEOUT_MS)
+        _settled(page, LOAD_TIMEOUT_MS)                 # every request of the page's run has been made
     assert not outside, f"requests to outside hosts: {sorted(set(outside))}"
 
 
