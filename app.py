@@ -4,6 +4,8 @@ Run with `streamlit run app.py` (or `bash scripts/run_app.sh`). The view (model,
 sparsity, page) lives in the URL's query parameters via `components.state`, so a view can be
 shared and reloaded; the model picked in the sidebar is shared by every page.
 """
+from pathlib import Path
+
 import streamlit as st
 
 from analysis.arch.models import BUILTIN_MODELS
@@ -57,7 +59,9 @@ def model_picker() -> None:
         state.set("model", name)
 
 
-st.set_page_config(page_title="headscope", page_icon=":material/visibility:", layout="wide")
+# A local image: a material-icon or emoji page icon is fetched from an outside host (the app works offline)
+ICON = Path(__file__).resolve().parent / "assets" / "favicon.png"
+st.set_page_config(page_title="headscope", page_icon=str(ICON), layout="wide")
 state.init()
 pages = {name: st.Page(p["path"], title=p["title"], icon=p["icon"], url_path=name, default=(name == "model"))
          for name, p in PAGES.items()}

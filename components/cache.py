@@ -124,8 +124,10 @@ def model_or_stop():
     try:
         with progress_bar(f"Loading {name}") as report:
             lm = load(name, state.load_options(), _progress=report)
+        from analysis.score.masks import default_policy
         from analysis.score.scoring import default_scorer
-        state.follow_model_scorer(default_scorer(lm.geometry.group_size))
+        state.follow_model("scorer", default_scorer(lm.geometry.group_size))
+        state.follow_model("policy", default_policy(lm.geometry.group_size))
         return lm
     except HeadscopeError as err:
         st.error(str(err))
@@ -159,7 +161,7 @@ def cached_call(fn: Callable[..., Any], *args, label: str, stoppable: bool = Fal
     try:
         with progress_bar(label) as report:
             if stoppable:
-                return fn(*args, _progress=report, _should_stop=state.should_stop, **kwargs)
+                return fn(*args, _progress=report, _should_stop=state.stop_check(), **kwargs)
             return fn(*args, _progress=report, **kwargs)
     except Exception as err:  # noqa: BLE001
         show_exception(err, label)
@@ -229,6 +231,8 @@ def exclusive(name: str, how: LoadHow, progress: Progress | None = None, should_
         check_stop(should_stop, "Waiting for another computation on this model")
         if progress is not None:
             progress(0.0, "waiting for another computation on this model to finish")
+    if progress is not None:
+        progress(0.0, "started")            # replaces a "waiting" note at once
     try:
         yield lm
     finally:
@@ -337,6 +341,26 @@ def head_attribution(name: str, how: LoadHow, text: str | None, max_tokens: int,
     with exclusive(name, how, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def forward_rate(name: str, how: LoadHow, batch: int = 2, tokens: int = 128) -> float:
+    """Tokens per second of a forward pass on batch x tokens on this machine (a warm-up, then the median
+    of three): the Pipeline page's time estimate is built on it."""
+    import statistics
+    import time
+
+    import torch
+    from analysis.arch.adapters import input_device
+    with exclusive(name, how) as lm:
+        ids = torch.randint(0, int(lm.model.config.vocab_size), (batch, tokens), device=input_device(lm.model))
+        times = []
+        with torch.no_grad():
+            for _ in range(4):
+                t0 = time.perf_counter()
+                lm.model(input_ids=ids)
+                times.append(time.perf_counter() - t0)
+    return batch * tokens / max(statistics.median(times[1:]), 1e-6)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)

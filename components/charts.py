@@ -16,6 +16,7 @@ Every builder takes results that `analysis/` computed and only draws them:
 """
 from __future__ import annotations
 
+import math
 from html import escape
 
 import numpy as np
@@ -75,7 +76,7 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
         colorscale=[[0.0, KEPT_COLOR], [0.5, KEPT_COLOR], [0.5, PRUNED_COLOR], [1.0, PRUNED_COLOR]],
         showscale=False, xgap=1, ygap=1, customdata=np.asarray(scores, dtype=float), text=status,
         hovertemplate=f"layer %{{y}}, head %{{x}}: %{{text}}<br>{score_name} %{{customdata:.4g}}<extra></extra>"))
-    fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned")
+    fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned (red = pruned)")
     _group_lines(fig, n_layers, n_heads, group_size)
     return _axes(fig, n_layers, n_heads)
 
@@ -83,7 +84,7 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
 _GRID_CSS = (
     ".hsm{font:12px sans-serif}.hsm-t{font-size:15px;margin:0 0 6px}"
     ".hsm-g{display:grid;gap:1px;align-items:center}"
-    ".hsm-g>div{height:14px;line-height:14px}"
+    ".hsm-g>div{height:13px;line-height:13px}"
     f".hsm-g>.k{{background:{KEPT_COLOR}}}.hsm-g>.p{{background:{PRUNED_COLOR}}}"
     ".hsm-g>.s{margin-left:3px}"                      # the first head of a KV group (G > 1)
     ".hsm-g>.k:hover,.hsm-g>.p:hover{outline:2px solid #2c3e50}"
@@ -115,7 +116,9 @@ def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = Non
     def group(h: int) -> str:
         return f" (KV group {h // group_size})" if group_size > 1 else ""
 
-    cells = ['<div class="x">layer</div>'] + [f'<div class="{head_class(h, "x")}">{h}</div>' for h in range(n_heads)]
+    cells = ['<div class="h"></div>', f'<div class="h" style="grid-column:span {n_heads};text-align:center">head</div>',
+             '<div class="h"></div>']
+    cells += ['<div class="x">layer</div>'] + [f'<div class="{head_class(h, "x")}">{h}</div>' for h in range(n_heads)]
     cells.append('<div class="n">pruned</div>')
     for layer in range(n_layers):
         cells.append(f'<div class="y">{layer}</div>')
@@ -123,14 +126,17 @@ def mask_grid(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = Non
             state = "p" if pruned[layer, h] else "k"
             word = "pruned" if pruned[layer, h] else "kept"
             score = float(scores[layer, h])
-            cells.append(f'<div class="{head_class(h, state)}" data-s="{score!r}" '
-                         f'title="layer {layer}, head {h}{group(h)}: {word}&#10;{name} {score:.4g}"></div>')
+            tip = f"layer {layer}, head {h}{group(h)}: {word}&#10;{name} {score:.4g}"
+            cells.append(f'<div class="{head_class(h, state)}" data-s="{score!r}" data-t="{tip}"></div>')
         count = int(per_layer[layer])
         cells.append(f'<div class="n" data-n="{count}"><b style="width:{round(48 * count / n_heads)}px"></b>'
                      f'{count}</div>')
     columns = f"2.5em repeat({n_heads}, minmax(0, 1fr)) 6em"
     return (f'<style>{_GRID_CSS}</style><div class="hsm" data-layers="{n_layers}" data-heads="{n_heads}">'
-            f'<div class="hsm-t">{title}</div><div class="hsm-g" style="grid-template-columns:{columns}">'
+            f'<div class="hsm-t">{title}</div>'
+            f'<div class="hsm-l"><i style="background:{PRUNED_COLOR}"></i>red = pruned &nbsp;'
+            f'<i style="background:{KEPT_COLOR}"></i>blue = kept &nbsp; (hover a cell for its score)</div>'
+            f'<div class="hsm-g" style="grid-template-columns:{columns}">'
             + "".join(cells) + "</div></div>")
 
 
@@ -178,27 +184,56 @@ def log_axis(metric: str) -> bool:
     return metric.endswith("perplexity")
 
 
+# one colour per scorer, fixed by its place in the registry (so MP and MP-G never share one)
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39")
+
+
 def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, log_y: bool = False,
-           marker_x: float | None = None) -> go.Figure:
-    """Lines {name: (x, y)}; optional vertical marker (e.g. the current sparsity or z)."""
+           marker_x: float | None = None, colors: dict[str, str] | None = None) -> go.Figure:
+    """Lines {name: (x, y)}; optional vertical marker (e.g. the current sparsity or z); `colors`
+    {name: colour} (else PALETTE in order)."""
     fig = go.Figure()
-    for name, (x, y) in series.items():
+    for i, (name, (x, y)) in enumerate(series.items()):
+        color = (colors or {}).get(name, PALETTE[i % len(PALETTE)])
         fig.add_trace(go.Scatter(x=np.asarray(x, dtype=float), y=np.asarray(y, dtype=float), name=name,
-                                 mode="lines+markers"))
+                                 mode="lines+markers", line=dict(color=color), marker=dict(color=color)))
     if marker_x is not None:
         fig.add_vline(x=marker_x, line=dict(color="#999", dash="dot"))
     fig.update_layout(title=title, height=360, xaxis_title=x_title, yaxis_title=y_title,
                       margin=dict(l=50, r=20, t=50, b=40))
     if log_y:
-        fig.update_yaxes(type="log")
+        log_ticks(fig, [v for _, y in series.values() for v in np.asarray(y, dtype=float).ravel()])
     return fig
+
+
+def log_ticks(fig: go.Figure, values, axis: str = "y") -> go.Figure:
+    """THE log-axis rule: a log axis labels only whole numbers a reader cannot misread -- the decades
+    (10, 100, 1000) when the values span two or more of them, else the 1-2-5 steps inside (20, 50,
+    100, 200) -- each written in full. Plotly's default labels bare minor digits ("5, 2, 1000, 5,
+    2, 100"), and a reader takes the top "5" for a perplexity of 5."""
+    v = np.asarray([x for x in values if np.isfinite(x) and x > 0], dtype=float)
+    update = fig.update_yaxes if axis == "y" else fig.update_xaxes
+    if v.size == 0:
+        return update(type="log")
+    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
+    steps = (1,) if hi - lo >= 2 else (1, 2, 5)
+    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in steps]
+    ticks = [t for t in ticks if v.min() / 1.5 <= t <= v.max() * 1.5] or [10.0 ** lo, 10.0 ** hi]
+    return update(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks],
+                  minor=dict(showgrid=False))
 
 
 def matrix_heatmap(values: np.ndarray, labels: list[str], *, title: str, fmt: str = ".2f",
                    zmin: float | None = None, zmax: float | None = None) -> go.Figure:
-    """A square labelled matrix (Jaccard overlaps, rank correlations) with the numbers written in."""
+    """A square labelled matrix (Jaccard overlaps, rank correlations) with the numbers written in.
+
+    A range that includes negative values (a correlation, -1 .. 1) gets a diverging scale centred
+    at 0 (blue negative, white 0, red positive), so -0.10 does not look positive."""
     values = np.asarray(values, dtype=float)
-    fig = go.Figure(go.Heatmap(z=values, x=labels, y=labels, zmin=zmin, zmax=zmax, colorscale="Blues",
+    signed = zmin is not None and zmin < 0
+    scale = dict(colorscale="RdBu_r", zmid=0.0) if signed else dict(colorscale="Blues")
+    fig = go.Figure(go.Heatmap(z=values, x=labels, y=labels, zmin=zmin, zmax=zmax, **scale,
                                text=[[format(v, fmt) for v in row] for row in values],
                                texttemplate="%{text}", hovertemplate="%{y} vs %{x}: %{z:.3f}<extra></extra>"))
     fig.update_layout(title=title, height=120 + 45 * len(labels), margin=dict(l=80, r=20, t=50, b=60))
@@ -307,35 +342,59 @@ def head_slices(*, n_heads: int, n_kv_heads: int, head_dim: int, hidden: int, he
 
 def head_rows(population: dict[str, np.ndarray], picked: dict[str, int], taus: dict[str, float], *,
               title: str) -> go.Figure:
-    """Row norms of one layer, one column per projection: every row of the population
+    """Row norms of one layer, one panel per projection, each with its own y axis (V and O norms are
+    on other scales than Q and K: on one axis they were flat lines): every row of the population
     population[p] [units, d] in grey, the picked unit's d rows (picked[p]: the head for Q/O, its KV
-    group for K/V) in red, and that population's tau as a short orange line."""
-    fig = go.Figure()
+    group for K/V) in red, and that population's tau as an orange line."""
+    from plotly.subplots import make_subplots
     names = list(population)
-    rest_x, rest_y, own_x, own_y, own_text, tau_x, tau_y = [], [], [], [], [], [], []
-    for i, p in enumerate(names):
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[
+        f"{p.upper()} ({'head' if p in ('q', 'o') else 'KV group'} {picked[p]}), τ = {taus[p]:.3g}" for p in names])
+    for i, p in enumerate(names, start=1):
         rows = np.asarray(population[p], dtype=float)                      # [units, d]
         units, d = rows.shape
         spread = np.linspace(-0.3, 0.3, rows.size).reshape(units, d)       # [units, d] fixed jitter
         mine = np.zeros((units, d), dtype=bool)                            # [units, d]
         mine[picked[p]] = True
-        rest_x += (i + spread[~mine]).tolist()
-        rest_y += rows[~mine].tolist()
-        own_x += (i + spread[mine]).tolist()
-        own_y += rows[mine].tolist()
-        own_text += [f"{p.upper()} {'head' if p in ('q', 'o') else 'KV group'} {picked[p]}, row {j}"
-                     for j in range(d)]
-        tau_x += [i - 0.4, i + 0.4, None]
-        tau_y += [taus[p], taus[p], None]
-    fig.add_trace(go.Scatter(x=rest_x, y=rest_y, mode="markers", name="other rows of the population",
-                             marker=dict(color="#b0bec5", size=4), hovertemplate="norm %{y:.4g}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=own_x, y=own_y, mode="markers", name="this head's rows", text=own_text,
-                             marker=dict(color=SLICE_COLOR, size=7),
-                             hovertemplate="%{text}<br>norm %{y:.4g}<extra></extra>"))
-    fig.add_trace(go.Scatter(x=tau_x, y=tau_y, mode="lines", name="tau = mean + z·std",
-                             line=dict(color=TAU_COLOR, width=3), hovertemplate="tau %{y:.4g}<extra></extra>"))
-    fig.update_xaxes(tickmode="array", tickvals=list(range(len(names))), ticktext=[p.upper() for p in names],
-                     range=[-0.6, len(names) - 0.4])
-    fig.update_layout(title=title, height=360, yaxis_title="row norm", margin=dict(l=50, r=20, t=50, b=40),
-                      legend=dict(orientation="h", y=-0.15))
+        text = [f"{p.upper()} {'head' if p in ('q', 'o') else 'KV group'} {picked[p]}, row {j}" for j in range(d)]
+        first = i == 1
+        fig.add_trace(go.Scatter(x=spread[~mine], y=rows[~mine], mode="markers", name="other rows of the population",
+                                 marker=dict(color="#b0bec5", size=4), showlegend=first, legendgroup="rest",
+                                 hovertemplate="norm %{y:.4g}<extra></extra>"), row=1, col=i)
+        fig.add_trace(go.Scatter(x=spread[mine], y=rows[mine], mode="markers", name="this head's rows", text=text,
+                                 marker=dict(color=SLICE_COLOR, size=7), showlegend=first, legendgroup="own",
+                                 hovertemplate="%{text}<br>norm %{y:.4g}<extra></extra>"), row=1, col=i)
+        fig.add_trace(go.Scatter(x=[-0.4, 0.4], y=[taus[p], taus[p]], mode="lines", name="tau = mean + z·std",
+                                 line=dict(color=TAU_COLOR, width=3), showlegend=first, legendgroup="tau",
+                                 hovertemplate="tau %{y:.4g}<extra></extra>"), row=1, col=i)
+        fig.update_xaxes(showticklabels=False, range=[-0.5, 0.5], row=1, col=i)
+    fig.update_yaxes(title_text="row norm", row=1, col=1)
+    fig.update_layout(title=title, height=380, margin=dict(l=50, r=20, t=80, b=40),
+                      legend=dict(orientation="h", y=-0.1))
     return fig
+
+
+def kv_copies(kept: tuple[int, ...], group_size: int, *, expanded: bool) -> str:
+    """One GQA layer before and after surgery as an HTML picture: per KV group its G query heads
+    (kept blue, pruned grey) above its K/V head; after surgery, when K/V must be copied per query
+    head (`expanded`), every kept query head gets its own K/V copy (orange)."""
+    cell = ('<span style="display:inline-block;width:22px;height:16px;margin:1px;border-radius:2px;'
+            'background:{};font:9px sans-serif;color:#fff;text-align:center;line-height:16px">{}</span>')
+    before, after = [], []
+    for g, n in enumerate(kept):
+        queries = "".join(cell.format("#1f77b4" if h < n else "#cfd8dc", "Q") for h in range(group_size))
+        kv = cell.format("#2ca02c" if n else "#cfd8dc", "KV")
+        before.append(f'<div style="display:inline-block;margin:0 8px;text-align:center">{queries}<br>{kv}'
+                      f'<br><small>group {g}</small></div>')
+        if expanded:
+            copies = "".join(f'<span style="display:inline-block;text-align:center">{cell.format("#1f77b4", "Q")}'
+                             f'<br>{cell.format("#ff7f0e", "KV")}</span>' for _ in range(n))
+        else:
+            copies = ("".join(cell.format("#1f77b4", "Q") for _ in range(n)) + "<br>" + cell.format("#2ca02c", "KV")
+                      if n else "")
+        after.append(f'<div style="display:inline-block;margin:0 8px;text-align:center;min-width:30px">{copies}</div>')
+    note = ("each kept query head gets its own copy of its group's K/V (orange)" if expanded else
+            "the kept groups keep their shared K/V")
+    return ('<div style="font:12px sans-serif;margin:4px 0 10px">'
+            f'<div><b>kept {" + ".join(map(str, kept))}</b>: the mask</div><div>{"".join(before)}</div>'
+            f'<div style="margin-top:4px">after surgery: {note}</div><div>{"".join(after)}</div></div>')

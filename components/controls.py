@@ -11,8 +11,6 @@ import streamlit as st
 
 from analysis.score import masks
 
-from analysis.measure import profiles
-
 from analysis.score import scoring
 
 from analysis.core import text
@@ -22,27 +20,36 @@ from . import state
 HIDDEN_SCORERS: tuple[str, ...] = ()   # registered scorers not offered in the UI
 SPARSITY_STEP = 0.01
 
-# parameter name -> widget factory (label, default) -> value
+# parameter name -> widget factory (key, default, where) -> value; options and bounds are the URL's
+# (components/state.py SCORER_PARAMS), so a link and a widget accept the same values
+def _opts(name: str) -> list:
+    return list(state.SCORER_PARAMS[name].parse.options)
+
+
+def _number(name: str, label: str, **kwargs):
+    bounds = state.SCORER_PARAMS[name].parse
+    return lambda key, default, where: where.number_input(label, bounds.lo, bounds.hi, key=key, **kwargs)
+
+
 _PARAM_WIDGETS = {
     "scope": lambda key, default, where: where.radio(
-        "Population", ["layer", "model"], horizontal=True, key=key,
+        "Population", _opts("scope"), horizontal=True, key=key,
         help="Threshold per projection of each layer, or per projection across all layers."),
-    "ord": lambda key, default, where: where.radio("Norm", [2, 1], format_func=lambda o: f"L{o}",
+    "ord": lambda key, default, where: where.radio("Norm", _opts("ord"), format_func=lambda o: f"L{o}",
                                                    horizontal=True, key=key),
     "std": lambda key, default, where: std_choice(key, where),
     "normalize": lambda key, default, where: where.radio(
-        "Per-layer normalization", ["none", "layer"], horizontal=True, key=key,
+        "Per-layer normalization", _opts("normalize"), horizontal=True, key=key,
         format_func={"none": "none (as defined)", "layer": "divide by the layer's mean"}.get,
         help="Activation-based scores carry each layer's activation scale into the global ranking; 'layer' "
              "divides every layer's scores by that layer's mean score (each layer's mean becomes 1)."),
-    "a_q": lambda key, default, where: where.number_input("a_q (own Q/O weight)", 0.0, 10.0, step=0.1, key=key),
-    "a_kv": lambda key, default, where: where.number_input("a_kv (shared K/V weight)", 0.0, 10.0, step=0.1,
-                                                           key=key),
-    "seed": lambda key, default, where: where.number_input("Seed", 0, 2**31 - 1, step=1, key=key),
-    "n_sequences": lambda key, default, where: where.number_input("Calibration sequences", 1, 64, step=1, key=key),
-    "seq_len": lambda key, default, where: where.number_input("Tokens per sequence", 8, 1024, step=8, key=key),
-    "damping": lambda key, default, where: where.number_input("Damping", 1e-6, 1.0, format="%.4f", key=key),
-    "n_steps": lambda key, default, where: where.number_input("Integration steps", 1, 64, step=1, key=key),
+    "a_q": _number("a_q", "a_q (own Q/O weight)", step=0.1),
+    "a_kv": _number("a_kv", "a_kv (shared K/V weight)", step=0.1),
+    "seed": _number("seed", "Seed", step=1),
+    "n_sequences": _number("n_sequences", "Calibration sequences", step=1),
+    "seq_len": _number("seq_len", "Tokens per sequence", step=8),
+    "damping": _number("damping", "Damping", format="%.4f"),
+    "n_steps": _number("n_steps", "Integration steps", step=1),
 }
 
 
@@ -51,7 +58,7 @@ STD_LABELS = {"population": "population (ddof = 0)", "sample": "sample (ddof = 1
 
 def std_choice(key: str, where=st) -> str:
     """The std convention radio of tau = mean + z * std."""
-    return where.radio("Std in the threshold", list(profiles.STD_DDOF), format_func=STD_LABELS.get,
+    return where.radio("Std in the threshold", _opts("std"), format_func=STD_LABELS.get,
                        horizontal=True, key=key,
                        help="population: divide by n (headscope's default); sample: by n - 1 (PyTorch's "
                             "Tensor.std). At the boundary they move a few heads in or out of the bulk.")
@@ -67,18 +74,26 @@ def label(name: str) -> str:
     return cls.label if cls is not None else name
 
 
-def scorer_choice(where=st, *, key: str = "scorer") -> str:
-    """The shared scorer selectbox (view field `scorer`)."""
+def scorer_color(name: str) -> str:
+    """The scorer's own colour in every chart (its place in the registry picks it)."""
+    from components.charts import PALETTE
+    names = list(scoring.SCORERS)
+    return PALETTE[names.index(name) % len(PALETTE)] if name in names else PALETTE[-1]
+
+
+def scorer_choice(where=st, *, key: str = "scorer", group_size: int = 1) -> str:
+    """The shared scorer selectbox (view field `scorer`); an unknown one falls back to the model's default."""
     names = scorer_names()
     if state.get("scorer") not in names:
-        st.warning(f"Unknown scorer {state.get('scorer')!r} (from the link?); choose one of "
-                   f"{', '.join(names)}. Showing {names[0]}.")
-        state.set("scorer", names[0])
+        fallback = scoring.default_scorer(group_size)
+        st.warning(f"Unknown scorer {state.get('scorer')!r}; choose one of {', '.join(names)}. "
+                   f"Showing {label(fallback)}, this model's default.")
+        state.set("scorer", fallback)
         state.reset_widget(key)
     choice = where.selectbox("Scorer", names, format_func=label, key=state.widget_key(key),
                              help="Default: MP-G on GQA models (shared K/V counted once per group), MP on MHA "
                                   "models, where the two are equal.")
-    state.choose_scorer(choice)
+    state.choose("scorer", choice)
     return choice
 
 
@@ -93,15 +108,24 @@ def default_params(scorer: str, z: float) -> dict:
             if name == "z" or name in _PARAM_WIDGETS}
 
 
-def scorer_params(scorer: str, z: float, *, where=st, prefix: str = "param") -> dict:
-    """Widgets for the scorer's parameters (except z and batch size); returns the full params dict."""
+def current_params(scorer: str, z: float) -> dict:
+    """The parameters of the current view (`default_params` with the values the user or the link set)."""
+    return {name: (default if state.get(name) is None or name == "z" else state.get(name))
+            for name, default in default_params(scorer, z).items()}
+
+
+def scorer_params(scorer: str, z: float, *, where=st) -> dict:
+    """Widgets for the scorer's parameters (except z and batch size); returns the full params dict.
+
+    Each value is a view field (in the URL while it differs from the scorer's default)."""
     params = {}
     for name, default in constructor_defaults(scorer).items():
         if name == "z":
             params["z"] = float(z)
         elif name in _PARAM_WIDGETS:
-            key = state.widget_key(f"{prefix}.{name}", value=default)
-            params[name] = _PARAM_WIDGETS[name](key, default, where)
+            value = _PARAM_WIDGETS[name](state.widget_key(name, value=default), default, where)
+            state.set(name, None if value == default else value)
+            params[name] = value
     return params
 
 
@@ -123,20 +147,43 @@ def format_options(where, fmt: str, options: dict, *, prefix: str = "export.opt"
     return out
 
 
-def policy_controls(where=st, *, prefix: str = "policy") -> dict:
-    """Mask policy widgets -> kwargs for analysis.score.masks.plan_mask (policy, min_per_layer)."""
-    policies = list(masks.POLICIES)
-    policy = where.selectbox("Policy", policies, key=state.widget_key(f"{prefix}.policy", value=policies[0]),
-                             help="global: the k lowest heads anywhere; min-per-layer: the same, but keep at "
-                                  "least m heads in every layer; uniform: the same number in every layer; "
-                                  "balanced (GQA): the same number from every KV group of a layer, so K/V never "
-                                  "expand; balanced-uniform: that, with one count in every layer (a stock "
-                                  "config); groups (GQA): whole KV groups.")
+POLICY_LABELS = {
+    "global": "global: the lowest heads anywhere (the paper's setting; can grow a GQA model)",
+    "min-per-layer": "min-per-layer: global, keeping m heads per layer",
+    "uniform": "uniform: the same number in every layer",
+    "balanced": "balanced (GQA): the same number from every KV group",
+    "balanced-uniform": "balanced-uniform (GQA): balanced, one count everywhere (stock config)",
+    "groups": "groups (GQA): whole KV groups (never grows the model)",
+}
+
+
+def policy_controls(where=st) -> dict:
+    """The mask policy widgets (view fields `policy`, `m`) -> kwargs for analysis.score.masks.plan_mask."""
+    policy = where.selectbox("Policy", list(masks.POLICIES), key=state.widget_key("policy"),
+                             format_func=lambda p: POLICY_LABELS.get(p, p),
+                             help="Default on GQA models: groups, which never makes the model bigger. global is "
+                                  "the paper's setting: on GQA models it leaves KV groups unevenly pruned, which "
+                                  "surgery can only build by copying K/V (a bigger model). balanced prunes the "
+                                  "same number from every group, so K/V never expand.")
+    state.choose("policy", policy)
+    return _with_m(policy, where)
+
+
+def _with_m(policy: str, where=None) -> dict:
     out = dict(policy=policy)
     if policy == "min-per-layer":
-        out["min_per_layer"] = int(where.number_input("Keep at least m heads per layer", 0, 1024, step=1,
-                                                      key=state.widget_key(f"{prefix}.min", value=1)))
+        m = state.get("m")
+        if where is not None:
+            m = int(where.number_input("Keep at least m heads per layer", 0, 1024, step=1,
+                                       key=state.widget_key("m", value=1)))
+            state.set("m", None if m == 1 else m)
+        out["min_per_layer"] = 1 if m is None else int(m)
     return out
+
+
+def current_policy() -> dict:
+    """The current view's policy kwargs for plan_mask (what `policy_controls` would return)."""
+    return _with_m(state.get("policy"))
 
 
 def text_and_tokens(*, prefix: str, tokens_key: str, default: int, most: int) -> tuple[str | None, int]:

@@ -167,6 +167,25 @@ def export() -> None:
 """)
 
 
+def pipeline() -> None:
+    _fold("the pipeline", """
+- **What runs**: rounds of *score -> prune a step -> recover*. Each round rescores the heads on the
+  current weights (the scorer, z and policy of the Prune page), prunes the next fraction of heads,
+  then distills the pruned copy from the dense model for the recovery steps (the dense model is the
+  teacher; pruned heads stay zero). It stops at the target sparsity, or when a round ends above the
+  perplexity budget (that round is discarded). One-shot = one round, no recovery.
+- **The loss curve** is the distillation loss (KL divergence to the dense model's next-token
+  distribution, times T^2) per recovery step: it should fall within each round and jump when a
+  round prunes more heads.
+- **The report** has one row per measured model (dense, each round's result, INT8): parameters,
+  file size, attention FLOPs, latency and the metric, with ratios to the dense model. A ratio above
+  1 on a size row means that stage is BIGGER than the dense model (shown in red).
+- **Time**: every recovery step runs the teacher and the student on batch x sequence length tokens;
+  on a CPU a 135M model takes seconds per step, so steps x rounds sets the time (estimate above the
+  Run button; the bar shows the measured rate once it runs).
+""")
+
+
 # -- the Walkthrough page (visible text, not folded) -------------------------------------------
 
 def num(x: float) -> str:
@@ -228,6 +247,16 @@ Own part (Q + O) = **{num(own)}**; KV group part E_kv (K + V) = **{num(e_kv)}**.
 
 A score of 0 means the head has no row above τ: it is "in the bulk", and the tie-break (its plain
 magnitude) decides where it goes among the other zero-score heads.
+
+**Why an outlier row should mean an important head.** Training pushes most rows of a projection
+to similar norms; a row far above the rest is a direction the model amplifies strongly, so the
+head that owns it writes (or reads) something the model relies on: the paper's hypothesis is
+that such heads are the specialized ones, and heads whose rows are all typical are the redundant
+ones. The score measures how far the head's rows stick out.
+
+**A low score is pruned first.** All heads are ranked by score, lowest first, and the mask at
+sparsity s prunes the first s · (all heads) of that ranking: heads in the bulk (score 0) go
+first, outlier heads last.
 """)
 
 
@@ -297,7 +326,7 @@ def walk_uneven_counts(rows: list[dict]) -> None:
 WALK_STEPS = (
     ("profiles", "Profiles", "See every row norm and τ: the raw material of the score."),
     ("prune", "Prune", "Pick the scorer, z and sparsity: the heads are ranked and the mask is drawn live."),
-    ("prune", "Prune: Check this mask", "Measure the masked model's perplexity against the dense one."),
+    ("prune", "Prune: Check this mask", "Measure the masked model's {metric} against the dense one's."),
     ("compare", "Compare", "Set the scorers side by side: overlap of their masks, perplexity vs sparsity."),
     ("heads", "Heads", "Check the scores against reality: the loss change when each head alone is removed."),
     ("export", "Export", "Write the mask, a zeroed model or a physically smaller one."),

@@ -21,12 +21,20 @@ KV_POLICY_HELP = ("How surgery handles a GQA layer whose kept query heads are sp
                   "refuses such masks. The balanced and groups mask policies never need it.")
 
 
+KIND_WORDS = {"causal-lm": "a causal language model", "masked-lm": "a masked language model",
+              "encoder": "an encoder without a language-model head"}    # LoadedModel.kind -> words
+
+
+def kind_words(kind: str) -> str:
+    """The model kind in a sentence ("this model is an encoder ...")."""
+    return KIND_WORDS.get(kind, f"a {kind}")
+
+
 def kv_policy_choice(where=st) -> str:
-    """The kv_policy selectbox; the choice is kept across pages (Prune and Export share it)."""
-    options = list(masks.KV_POLICIES)
-    key = state.widget_key("kv_policy", value=state.recall("kv_policy", options[0]))
-    choice = where.selectbox("KV policy (surgery)", options, key=key, help=KV_POLICY_HELP)
-    state.remember("kv_policy", choice)
+    """The kv_policy selectbox (view field `kv_policy`: kept across pages and in the URL)."""
+    choice = where.selectbox("KV policy (surgery)", list(masks.KV_POLICIES), key=state.widget_key("kv_policy"),
+                             help=KV_POLICY_HELP)
+    state.set("kv_policy", choice)
     return choice
 
 
@@ -38,29 +46,68 @@ def summary_of(lm, plan, head_scores, kv_policy: str, seq_len: int = 512) -> mas
                                 dtype_bytes=next(lm.model.parameters()).element_size())
 
 
-def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str | None = None) -> None:
-    """Metrics of what surgery makes of the mask; warnings for growth, rounding and emptied layers."""
-    row = st.container(horizontal=True)       # one block for the row (columns would be one per metric)
-    row.metric("Pruned heads", f"{summary.n_pruned} / {summary.n_heads}")
+def growth_of(summary: masks.MaskSummary, *, kind: str = "causal-lm") -> list[str]:
+    """What the surgery of this mask makes BIGGER than the dense model (empty when nothing grows)."""
+    kv_after = summary.kv_heads - summary.kv_heads_removed
+    grows = {
+        f"KV heads {kv_after} > {summary.kv_heads}": kv_after > summary.kv_heads,
+        f"attention parameters {-summary.params_removed:+,}": summary.params_removed < 0,
+        f"KV cache {summary.kv_cache_ratio:.3g}x dense": kind != "encoder" and summary.kv_cache_ratio > 1,
+        f"checkpoint {summary.checkpoint_bytes_change / 2**20:+.2f} MiB": summary.checkpoint_bytes_change > 0,
+        f"attention FLOPs {-summary.attention_flops_removed:+.3g}": summary.attention_flops_removed < 0,
+    }
+    return [what for what, grew in grows.items() if grew]
+
+
+def show_growth(grown: list[str], where=st) -> None:
+    """One red line naming what grows (nothing when `grown` is empty)."""
+    if grown:
+        where.error("This makes the model BIGGER than the dense one: " + "; ".join(grown) + ". Pick the groups "
+                    "or balanced mask policy (they never grow a GQA model).", icon=":material/warning:")
+
+
+def _delta(change: float, text: str) -> str | None:
+    """A metric's delta, None (no arrow) when nothing changes."""
+    return None if change == 0 else text
+
+
+def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str | None = None,
+                 kind: str = "causal-lm", where=st) -> None:
+    """Metrics of what surgery makes of the mask, all as after / before with the change below (red =
+    the model grows, green = it shrinks); a red line for growth, other notes folded below."""
+    row = where.container(horizontal=True)       # one block for the row (columns would be one per metric)
+    kept = summary.n_heads - summary.n_pruned
+    row.metric("Query heads after / before", f"{kept} / {summary.n_heads}",
+               _delta(summary.n_pruned, f"{-summary.n_pruned:+,} pruned"), delta_color="inverse")
+    kv_after = summary.kv_heads - summary.kv_heads_removed
+    row.metric("KV heads after / before", f"{kv_after} / {summary.kv_heads}",
+               _delta(summary.kv_heads_removed, f"{-summary.kv_heads_removed:+,}"), delta_color="inverse")
+    change = -summary.params_removed
+    row.metric("Attention params change", f"{change:+,}",
+               _delta(change, f"{100 * change / summary.attention_params:+.1f}% of attention"), delta_color="inverse")
+    if kind != "encoder":                            # an encoder keeps no KV cache
+        ratio = summary.kv_cache_ratio
+        row.metric("KV cache per token", f"{summary.kv_cache_bytes_per_token_after:,} B",
+                   _delta(ratio - 1, f"{100 * (ratio - 1):+.0f}% vs dense ({ratio:.3g}x)"), delta_color="inverse")
+    flops_change = -summary.attention_flops_removed
+    row.metric(f"Attention FLOPs at {flops_len} tokens", f"{summary.attention_flops_after / 1e9:,.3g} G",
+               _delta(flops_change, f"{-100 * summary.flops_removed_fraction:+.1f}%"), delta_color="inverse")
     if zero_label:
         row.metric(zero_label, summary.zero_score_heads,
                    help="Heads in the bulk (no outlier row). The tie-break (plain magnitude, then layer/head) "
                         "decides which of them go first.")
-    kv_after = summary.kv_heads - summary.kv_heads_removed
-    row.metric("KV heads after surgery", f"{kv_after} / {summary.kv_heads}",
-               f"{-summary.kv_heads_removed:+,}", delta_color="inverse")
-    change = -summary.params_removed
-    row.metric("Attention params change", f"{change:+,}",
-               f"{100 * change / summary.attention_params:+.1f}% of attention"
-               + (" (GROWTH)" if change > 0 else ""), delta_color="inverse")
-    row.metric("KV cache per token", f"{summary.kv_cache_bytes_per_token_after:,} B",
-               f"{summary.kv_cache_ratio:.3g}x dense", delta_color="off")
-    row.metric("Attention FLOPs removed", f"{summary.attention_flops_removed:.3g}",
-               f"{100 * summary.flops_removed_fraction:.1f}% at {flops_len} tokens", delta_color="off")
-    st.caption(f"Counted from the layout surgery builds with kv_policy '{summary.kv_policy}': checkpoint size "
-               f"change {summary.checkpoint_bytes_change / 2**20:+.2f} MiB (weights).")
-    for line in summary.warnings:
-        st.warning(line)
+    show_growth(growth_of(summary, kind=kind), where)
+    where.caption(f"Counted from the layout surgery builds with kv_policy '{summary.kv_policy}': checkpoint size "
+                  f"change {summary.checkpoint_bytes_change / 2**20:+.2f} MiB (weights).")
+
+
+def show_notes(summary: masks.MaskSummary, where=st) -> None:
+    """The summary's warnings (rounding, expanded K/V and why, emptied layers), folded."""
+    if summary.warnings:
+        with where.expander(f"Notes on this mask ({len(summary.warnings)})", expanded=False,
+                            icon=":material/warning:"):
+            for line in summary.warnings:
+                st.warning(line)
 
 
 def stock_of(lm, pruned, kv_policy: str, sparsity: float) -> export_mod.StockCheck | str:

@@ -1,7 +1,8 @@
 """The app's view state: the ONE module that owns session-state keys and the URL's query parameters.
 
-The shared view is five fields, kept in `st.session_state` under "hs.<field>" and mirrored into
-the URL's query parameters on every run so a view can be shared and reloaded:
+The shared view is the fields below, kept in `st.session_state` under "hs.<field>" and mirrored into
+the URL's query parameters on every run so a view can be shared and reloaded (a link reproduces
+the mask: scorer, its parameters, z, sparsity, policy, kv_policy):
 
     model     built-in name, Hugging Face id or local folder   (?model=smollm2-135m)
     scorer    scorer name                                     (?scorer=mp)
@@ -10,16 +11,27 @@ the URL's query parameters on every run so a view can be shared and reloaded:
     z         MP threshold multiplier, 0 .. Z_MAX             (?z=2.0)
     sparsity  fraction of heads to prune, 0 .. 0.95             (?sparsity=0.3)
     page      the page's url path                             (?page=prune)
+    policy    mask policy (analysis.score.masks.POLICIES)     (?policy=groups)
+              until the link or the user picks one, the model's default
+              (analysis.score.masks.default_policy: groups on GQA models, global on MHA)
+    m         min-per-layer's m (only in the URL when set)     (?m=2)
+    kv_policy how surgery handles uneven GQA groups           (?kv_policy=auto)
+    scope, ord, std, normalize, a_q, a_kv, seed, n_sequences, seq_len, damping, n_steps
+              the scorer's parameters; only in the URL when they differ from the scorer's
+              default (None = the scorer's default)          (?ord=1&a_kv=0.5)
 
 On a session's first run the URL is read once (bad values are replaced by the default and
 reported with how to fix them). Widgets never own these values: a widget gets its own key,
 seeded from the canonical value when it (re)appears, and the page writes the widget's value
 back with `set` - so values survive switching pages (Streamlit drops the keys of widgets that
-are not shown). trust_remote_code and the placement (device, dtype, accelerate offload) are
+are not shown). Every other control (Export's format and root, token counts, ...) keeps its
+value for the session the same way: `widget_key` copies each widget's value at the start of every
+run (when the keys of the page just left are still there) and seeds a widget that reappears from
+that copy. trust_remote_code and the placement (device, dtype, accelerate offload) are
 session-only and never read from a URL; `load_options()` is both, the cache key of the loaded
 model (`components/cache.py`).
 
-Other keys this module owns: the stop flag of long work, `remember`/`recall` slots that keep
+Other keys this module owns: the stop flag and stop count of long work (`stop_check`), `remember`/`recall` slots that keep
 a button's result on screen across reruns (`remember_run` / `run_result` / `model_result` for the
 (run key, result) pairs of `cache.run_button`, whose run keys start with the model name), and
 which calibration scores were computed for which parameters (`mark_scored` / `is_scored`).
@@ -34,10 +46,12 @@ import streamlit as st
 
 from analysis.arch.models import DEFAULT_MODEL
 from analysis.core.placement import Placement
-from analysis.measure.profiles import DEFAULT_Z, Z_MAX
+from analysis.measure.profiles import DEFAULT_Z, SCOPES, STD_DDOF, Z_MAX
+from analysis.score import masks, scoring
 
-DEFAULT_SCORER = "mp-g"  # the default model is GQA; `follow_model_scorer` adapts it to the loaded model
+DEFAULT_SCORER = "mp-g"  # the default model is GQA; `follow_model` adapts it to the loaded model
 DEFAULT_SPARSITY = 0.3
+DEFAULT_POLICY = masks.default_policy(3)  # the default model has G = 3 (groups); `follow_model` adapts it
 SPARSITY_MAX = 0.95  # analysis.score.masks refuses 1.0 (every head pruned)
 PREFIX = "hs."
 WIDGET_PREFIX = "hs.w."
@@ -47,9 +61,12 @@ _MEMO = PREFIX + "memo."
 _NOTES = PREFIX + "url_notes"
 _TRUST = PREFIX + "trust"
 _PLACEMENT = PREFIX + "placement"
-_SCORER_CHOSEN = PREFIX + "scorer_chosen"
 _STOPPED = PREFIX + "stopped"
 _STOP_SEEN = PREFIX + "stop_seen"
+_STOP_COUNT = PREFIX + "stop_count"
+_CHOSEN = PREFIX + "chosen."        # + field: the link or the user picked it (it no longer follows the model)
+_KEPT = PREFIX + "kept."            # + widget name: its value, kept while its page is not shown
+_SEEDED = PREFIX + "seeded"         # names of the widgets `widget_key` seeded (whose values are kept)
 
 
 TEXT_MAX = 1000  # a model id, folder or page name from a link; longer is not a real one
@@ -64,16 +81,37 @@ def _text(raw: str) -> str:
     return value
 
 
-def _number(lo: float, hi: float) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
+@dataclass(frozen=True)
+class Range:
+    """A number in lo .. hi (an integer when `integer`): parses URL text, and bounds the widget."""
+    lo: float
+    hi: float
+    integer: bool = False
+
+    def __call__(self, raw: str) -> float | int:
         try:
             value = float(raw)
         except (TypeError, ValueError):
             raise ValueError("it is not a number") from None
-        if not math.isfinite(value) or not lo <= value <= hi:
-            raise ValueError(f"it is outside {lo:g} .. {hi:g}")
+        if not math.isfinite(value) or not self.lo <= value <= self.hi:
+            raise ValueError(f"it is outside {self.lo:g} .. {self.hi:g}")
+        if self.integer:
+            if value != int(value):
+                raise ValueError("it is not a whole number")
+            return int(value)
         return value
-    return parse
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of `options` (compared as text, returned as the option itself, e.g. the int 1)."""
+    options: tuple
+
+    def __call__(self, raw: str) -> Any:
+        for option in self.options:
+            if str(option) == str(raw).strip():
+                return option
+        raise ValueError(f"it is not one of {', '.join(map(str, self.options))}")
 
 
 @dataclass(frozen=True)
@@ -81,14 +119,45 @@ class Field:
     default: Any
     parse: Callable[[str], Any]     # URL text -> value; ValueError says why it is bad
     fmt: Callable[[Any], str] = str
+    follows: str = ""               # when not chosen, the value follows the model (what the note says)
+
+
+def _scorer(raw: str) -> str:
+    """A registered scorer's name (the registry as it is now: scorers can be registered at run time)."""
+    return Choice(tuple(scoring.SCORERS))(_text(raw))
+
+
+def _num_text(value: Any) -> str:
+    return f"{float(value):g}" if isinstance(value, float) else str(value)
+
+
+# Scorer parameters a link may carry (None = the scorer's default). components/controls.py draws their
+# widgets with these options and bounds, so the URL and the widgets accept the same values.
+SCORER_PARAMS: dict[str, Field] = {
+    "scope": Field(None, Choice(SCOPES)),
+    "ord": Field(None, Choice((2, 1))),
+    "std": Field(None, Choice(tuple(STD_DDOF))),
+    "normalize": Field(None, Choice(tuple(scoring.NORMALIZATIONS))),
+    "a_q": Field(None, Range(0.0, 10.0), _num_text),
+    "a_kv": Field(None, Range(0.0, 10.0), _num_text),
+    "seed": Field(None, Range(0, 2**31 - 1, integer=True)),
+    "n_sequences": Field(None, Range(1, 64, integer=True)),
+    "seq_len": Field(None, Range(8, 1024, integer=True)),
+    "damping": Field(None, Range(1e-6, 1.0), _num_text),
+    "n_steps": Field(None, Range(1, 64, integer=True)),
+}
 
 
 FIELDS: dict[str, Field] = {
     "model": Field(DEFAULT_MODEL, _text),
-    "scorer": Field(DEFAULT_SCORER, _text),
-    "z": Field(float(DEFAULT_Z), _number(0.0, float(Z_MAX)), lambda v: f"{float(v):g}"),
-    "sparsity": Field(DEFAULT_SPARSITY, _number(0.0, SPARSITY_MAX), lambda v: f"{float(v):g}"),
+    "scorer": Field(DEFAULT_SCORER, _scorer, follows="the model's default scorer"),
+    "z": Field(float(DEFAULT_Z), Range(0.0, float(Z_MAX)), lambda v: f"{float(v):g}"),
+    "sparsity": Field(DEFAULT_SPARSITY, Range(0.0, SPARSITY_MAX), lambda v: f"{float(v):g}"),
     "page": Field("", _text),
+    "policy": Field(DEFAULT_POLICY, Choice(masks.POLICIES), follows="the model's default policy"),
+    "m": Field(None, Range(0, 1024, integer=True)),
+    "kv_policy": Field(masks.KV_POLICIES[0], Choice(masks.KV_POLICIES)),
+    **SCORER_PARAMS,
 }
 
 
@@ -104,6 +173,7 @@ def init() -> None:
     for name, field in FIELDS.items():
         ss.setdefault(_key(name), field.default)
     _age_stop()
+    _keep_widget_values()
     if ss.get(_URL_READ):
         return
     ss[_URL_READ] = True
@@ -114,10 +184,11 @@ def init() -> None:
         raw = st.query_params[name]
         try:
             ss[_key(name)] = field.parse(raw)
-            if name == "scorer":
-                ss[_SCORER_CHOSEN] = True
+            if field.follows:
+                ss[_CHOSEN + name] = True
         except ValueError as why:
-            notes.append(f"The link's {name}={raw!r} was ignored because {why}; using {field.fmt(field.default)}. "
+            using = field.follows or ("the scorer's default" if field.default is None else field.fmt(field.default))
+            notes.append(f"The link's {name}={raw!r} was ignored because {why}; using {using}. "
                          f"Fix the `{name}=` part of the URL or pick a value with the controls.")
     ss[_NOTES] = notes
 
@@ -134,6 +205,10 @@ def get(name: str) -> Any:
 def set(name: str, value: Any) -> None:  # noqa: A001 - the verb of this module
     """Store a view value and mirror it into the URL (written only when it changes)."""
     st.session_state[_key(name)] = value
+    if value is None:                   # "the default": not in the URL
+        if name in st.query_params:
+            del st.query_params[name]
+        return
     text = FIELDS[name].fmt(value)
     if st.query_params.get(name) != text:
         st.query_params[name] = text
@@ -161,11 +236,36 @@ def _widget(name: str) -> str:
 def widget_key(name: str, *, value: Any = None) -> str:
     """Key for the widget that edits view field `name` (or any page-local name), seeded when absent.
 
-    For a view field the seed is its canonical value; for a local name, `value`."""
+    For a view field the seed is its canonical value (`value` while that is None, e.g. a scorer
+    parameter at its default); for a local name, the value it had when its page was last shown, else
+    `value`."""
     key = _widget(name)
-    if key not in st.session_state:
-        st.session_state[key] = get(name) if name in FIELDS else value
+    ss = st.session_state
+    if key not in ss:
+        if name in FIELDS:
+            ss[key] = value if get(name) is None else get(name)
+        else:
+            ss[key] = ss.get(_KEPT + name, value)
+    if name not in FIELDS:
+        ss.setdefault(_SEEDED, {})[name] = True
     return key
+
+
+def kept(name: str, default: Any = None) -> Any:
+    """The value of page-local widget `name` wherever it was last shown (e.g. Export's root, read by
+    the Pipeline page), else `default`."""
+    ss = st.session_state
+    return ss.get(_widget(name), ss.get(_KEPT + name, default))
+
+
+def _keep_widget_values() -> None:
+    """Called by init: copy every seeded widget's value while its key still exists (the keys of the
+    page just left are dropped at the end of this run), so `widget_key` can seed it when it reappears."""
+    ss = st.session_state
+    for name in ss.get(_SEEDED, ()):
+        key = _widget(name)
+        if key in ss:
+            ss[_KEPT + name] = ss[key]
 
 
 def unseeded_widget_key(name: str) -> str:
@@ -188,8 +288,9 @@ def following_widget_key(name: str, default: str) -> str:
 
 
 def reset_widget(name: str) -> None:
-    """Forget a widget's own value so it is seeded again from the canonical one."""
+    """Forget a widget's own value so it is seeded again from the canonical one (or its default)."""
     st.session_state.pop(_widget(name), None)
+    st.session_state.pop(_KEPT + name, None)
 
 
 def follow_url_page(current, pages: dict) -> None:
@@ -203,21 +304,22 @@ def follow_url_page(current, pages: dict) -> None:
         st.switch_page(pages[wanted], query_params=dict(st.query_params))
 
 
-# -- the scorer: the model's default until someone picks one -----------------------------------
+# -- scorer and policy: the model's default until someone picks one ------------------------------
 
-def follow_model_scorer(default: str) -> None:
-    """Use the loaded model's default scorer while neither the link nor the user has chosen one."""
-    if st.session_state.get(_SCORER_CHOSEN) or get("scorer") == default:
+def follow_model(name: str, default: Any) -> None:
+    """Use the loaded model's default for field `name` (scorer, policy) while neither the link nor
+    the user has chosen one."""
+    if st.session_state.get(_CHOSEN + name) or get(name) == default:
         return
-    set("scorer", default)
-    reset_widget("scorer")
+    set(name, default)
+    reset_widget(name)
 
 
-def choose_scorer(name: str) -> None:
-    """The user picked `name`: from now on it is kept when the model changes."""
-    if name != get("scorer"):
-        st.session_state[_SCORER_CHOSEN] = True
-    set("scorer", name)
+def choose(name: str, value: Any) -> None:
+    """The user picked `value` for `name` (scorer, policy): from now on it is kept when the model changes."""
+    if value != get(name):
+        st.session_state[_CHOSEN + name] = True
+    set(name, value)
 
 
 # -- trust_remote_code (session only) ----------------------------------------------------------
@@ -278,10 +380,25 @@ def request_stop(work: str = "") -> None:
     `work` is remembered for one `stopped_note`."""
     st.session_state[_STOP] = True
     st.session_state[_STOPPED] = work
+    st.session_state[_STOP_COUNT] = st.session_state.get(_STOP_COUNT, 0) + 1
 
 
 def should_stop() -> bool:
     return bool(st.session_state.get(_STOP, False))
+
+
+def stop_check() -> Callable[[], bool]:
+    """The `should_stop` for work that starts now: true in a Stop press's own rerun, and once any Stop
+    is pressed after this call, however many runs later.
+
+    Quirk handled here: with fast reruns, the run a Stop press interrupts keeps its thread (and the
+    model's lock) until its next Streamlit call, which a long batch can delay by many seconds; the
+    flag alone lives only until the next run (a press of another button clears it), so that thread
+    never saw it and held the lock. The stop count never goes back, so the old thread's check
+    between batches sees the press and ends, and the next run gets the lock at once."""
+    ss = st.session_state
+    start = ss.get(_STOP_COUNT, 0)
+    return lambda: bool(ss.get(_STOP, False)) or ss.get(_STOP_COUNT, 0) > start
 
 
 def clear_stop() -> None:
@@ -341,19 +458,6 @@ def model_result(slot: str, model: str) -> Any:
     """The result kept in `slot` if it was computed on `model` (whatever its other inputs), else None."""
     kept = last_run(slot)
     return kept[1] if kept and kept[0][0] == model else None
-
-
-def remember_mask(model: str, scorer: str, params: dict, sparsity: float, policy: dict) -> None:
-    """Keep the Prune page's mask settings, so other pages build the same mask."""
-    remember("mask", dict(model=model, scorer=scorer, params=params, sparsity=sparsity, policy=policy))
-
-
-def mask_settings(model: str, scorer: str) -> tuple[dict, dict] | None:
-    """(params, policy) last set on the Prune page for this model and scorer, else None (copies)."""
-    last = recall("mask") or {}
-    if last.get("model") == model and last.get("scorer") == scorer:
-        return dict(last["params"]), dict(last["policy"])
-    return None
 
 
 def _scored_slot(model: str, scorer: str) -> str:

@@ -16,8 +16,8 @@ from .errors import show_exception
 
 
 def view_mask(lm, *, explain: bool = True):
-    """The mask of the current view (scorer, z, sparsity; parameters and policy from the Prune page
-    when they were set there for this model and scorer, else the scorer's defaults).
+    """The mask of the current view: scorer, its parameters, z, sparsity and policy, all view fields
+    (set on the Prune page or by the link; the scorer's defaults where nobody set them).
 
     Returns (head_scores, plan, params, policy), or None after showing why there is no mask
     (`explain=False`: without showing it, for a page that has shown it already)."""
@@ -26,10 +26,7 @@ def view_mask(lm, *, explain: bool = True):
     if cls is None:
         st.error(f"Unknown scorer {scorer!r}; pick one on the Prune page.")
         return None
-    settings = state.mask_settings(lm.name, scorer)
-    params, policy = settings if settings else (controls.default_params(scorer, z), dict(policy="global"))
-    if "z" in params:
-        params["z"] = z
+    params, policy = controls.current_params(scorer, z), controls.current_policy()
     key = cache.params_key(params)
     if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
         if explain:

@@ -20,16 +20,16 @@ lm = cache.model_or_stop()
 g = lm.geometry
 
 names = controls.scorer_names()
-c1, c2, c3 = st.columns([2, 1.5, 1.5])
-chosen = c1.multiselect("Scorers", names, format_func=controls.label,
+chosen = st.multiselect("Scorers", names, format_func=controls.label,
                         key=state.widget_key("compare.scorers", value=[n for n in ("mp", "mp-g", "magnitude", "random")
-                                                                          if n in names]))
+                                                                          if n in names]),
+                        help="Every scorer chosen here is compared at the same sparsity, z and policy.")
+c2, c3, c4 = st.columns([1, 1, 1.3])
 z = c2.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"))
 state.set("z", z)
 sparsity = c3.slider("Sparsity", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP, key=state.widget_key("sparsity"))
 state.set("sparsity", sparsity)
-with st.expander("Mask policy", expanded=False):
-    policy = controls.policy_controls(prefix="compare.policy")
+policy = controls.policy_controls(c4)
 if len(chosen) < 2:
     st.info("Pick at least two scorers to compare.")
     st.stop()
@@ -57,7 +57,7 @@ with shown_errors("Comparing masks"):
     plans = {n: masks.plan_mask(hs, sparsity, group_size=g.group_size, **policy) for n, (_, hs) in results.items()}
     labels = [controls.label(n) for n in plans]
     n_pruned = next(iter(plans.values())).n_pruned
-    st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned)")
+    st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned; red = pruned)")
     cols = st.columns(min(len(plans), 4))
     for i, (name, plan) in enumerate(plans.items()):
         cols[i % len(cols)].plotly_chart(
@@ -100,7 +100,8 @@ if curves is not None:
     metric = next(iter(curves.values())).metric
     st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
-                                  log_y=charts.log_axis(metric), marker_x=sparsity),
+                                  log_y=charts.log_axis(metric), marker_x=sparsity,
+                                  colors={controls.label(n): controls.scorer_color(n) for n in curves}),
                     width="stretch", key="compare.curve_chart")
     skipped = sorted({x for c in curves.values() for x, _ in c.skipped})
     if skipped:

@@ -12,6 +12,8 @@ from components.errors import shown_errors
 
 shell.ensure_app()
 
+MIN_REPEATS = 5      # fewer timings per setting: on a shared CPU their median is mostly noise
+
 st.title("Export")
 lm = cache.model_or_stop()
 g = lm.geometry
@@ -22,9 +24,10 @@ if built is None:
     st.stop()
 head_scores, plan, params, policy = built
 scorer, sparsity = state.get("scorer"), float(state.get("sparsity"))
-st.caption(f"Current mask: {controls.label(scorer)} with {params or 'no parameters'}, sparsity {sparsity:g}, "
-           f"policy {policy['policy']}: **{plan.n_pruned} of {g.n_total_heads} heads pruned**. Change it on the "
-           "Prune page.")
+described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in params.items())
+st.caption(f"Current mask: {controls.label(scorer)} ({described or 'no parameters'}), sparsity {sparsity:g}, "
+           f"policy {policy['policy']}: **{plan.n_pruned} of {g.n_total_heads} heads pruned** (red = pruned). "
+           "Change it on the Prune page.")
 st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
                                     group_size=g.group_size), width="stretch", key="export.mask")
 
@@ -59,8 +62,10 @@ folder = c2.text_input("Folder name (follows the settings until you edit it)",
 st.caption(f"Writes **{output_root / folder.strip()}**.")
 if surgery:
     with shown_errors("Counting what surgery removes"):
-        numbers.show_summary(numbers.summary_of(lm, plan, head_scores, kv_policy), flops_len=512)
+        summary = numbers.summary_of(lm, plan, head_scores, kv_policy)
+        numbers.show_summary(summary, flops_len=512, kind=lm.kind)
         numbers.show_stock(numbers.stock_of(lm, plan.pruned, kv_policy, sparsity))
+        numbers.show_notes(summary)
 overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
 if st.button("Export", type="primary", key="export.run"):
     state.forget("export.last")
@@ -107,7 +112,14 @@ with shown_errors("Measuring"):
     c1, c2 = st.columns([2, 1])
     lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
                              key=state.widget_key("export.speed.lengths", value=[128]))
-    repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats", value=3)))
+    repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats",
+                                                                                  value=MIN_REPEATS),
+                                  help=f"Timings per setting (their median is shown). Below {MIN_REPEATS} the "
+                                       "noise of a shared CPU is larger than most differences measured."))
+    if repeats < MIN_REPEATS:
+        st.warning(f"{repeats} repeat(s) is too few: on a shared CPU one timing varies by more than the "
+                   f"differences it measures (e.g. a masked model 'faster' than the dense one). Use at least "
+                   f"{MIN_REPEATS}.")
     speed_key = (lm.name, plan.pruned.tobytes(), tuple(lengths), repeats, kv_policy)
     st.caption("Times the dense model, the masked model (hooks zero the heads: same FLOPs) and the physically "
                "pruned copy in alternating order, on this machine.")
@@ -122,6 +134,9 @@ with shown_errors("Measuring"):
                    f"{-predicted['params_removed']:+,}, KV cache {predicted['kv_cache_ratio']:.3g}x; measured on the "
                    f"pruned copy below.")
         m = st.columns(3)
+        if report.repeats < MIN_REPEATS:
+            st.error(f"Measured with only {report.repeats} repeat(s): the times and ratios below are within the "
+                     f"noise. Measure again with at least {MIN_REPEATS} repeats before reading them.")
         m[0].metric("Parameters", f"{report.parameters['pruned']:,}",
                     f"{report.parameters['pruned'] - report.parameters['dense']:+,}", delta_color="inverse")
         if report.file_bytes:
@@ -129,6 +144,13 @@ with shown_errors("Measuring"):
                         f"{(report.file_bytes['pruned'] - report.file_bytes['dense']) / 2**20:+.1f} MiB",
                         delta_color="inverse")
         m[2].metric("Heads pruned", f"{report.heads_pruned} / {report.heads_total}")
+        numbers.show_growth([what for what, grew in {
+            f"parameters {report.parameters['pruned'] - report.parameters['dense']:+,}":
+                report.parameters["pruned"] > report.parameters["dense"],
+            "file bytes above the dense checkpoint":
+                bool(report.file_bytes) and report.file_bytes["pruned"] > report.file_bytes["dense"],
+            f"KV cache {predicted['kv_cache_ratio']:.3g}x dense": lm.kind != "encoder" and predicted["kv_cache_ratio"] > 1,
+        }.items() if grew])
         st.dataframe(report.rows(), hide_index=True, width="stretch")
         st.caption(speed.RATIO_NOTE)
         if report.skipped:

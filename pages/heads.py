@@ -8,7 +8,7 @@ from analysis.measure import redundancy
 
 from analysis.measure import roles
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, shell, state, weights
+from components import cache, charts, controls, explain, numbers, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -31,11 +31,14 @@ with shown_errors("Single-head ablation"):
                               args=(lm.name, state.load_options(), text, tokens), label="Ablating heads",
                               stale_note="The text or token count changed since the sweep; press the button to run it again.")
     if result is not None:
-        base = round(float(result.base_loss), 12) + 0.0       # 1 - cos(x, x) is 0 up to float rounding
-        over = (f"{result.n_tokens} predictions" if lm.kind != "encoder" else
-                f"{result.n_tokens} token positions (the text's tokens plus the tokenizer's special tokens)")
-        st.caption(f"Dense {result.metric}: {base:.4g} over {over} ({result.method} sweep). "
-                   "Red = removing the head hurts; blue = it helps.")
+        if lm.kind == "encoder":        # the dense model is the reference: its 1 - fidelity is 0 by definition
+            dense = (f"Reference: the dense model's pooled embedding, on {result.n_tokens} token positions (the "
+                     "text's tokens plus the tokenizer's special tokens); each cell is the fidelity lost, "
+                     f"{result.metric}, when that head alone is removed")
+        else:
+            dense = (f"Dense {result.metric}: {round(float(result.base_loss), 12) + 0.0:.4g} over "
+                     f"{result.n_tokens} predictions")
+        st.caption(f"{dense} ({result.method} sweep). Red = removing the head hurts; blue = it helps.")
         lim = float(abs(result.head_delta).max()) or 1.0
         fig = charts.layer_head_heatmap(result.head_delta, f"{result.metric} increase when one head is removed",
                                         colorbar=f"Δ {result.metric}", group_size=g.group_size,
@@ -50,7 +53,7 @@ with shown_errors("Single-head ablation"):
 
 st.subheader("Integrated-gradients attribution (Captum)")
 if lm.kind != "causal-lm":
-    st.caption(f"Attribution integrates the language-model loss of a causal LM; this model is a {lm.kind}. "
+    st.caption(f"Attribution integrates the language-model loss of a causal LM; this model is {numbers.kind_words(lm.kind)}. "
                "Use the single-head ablation above instead.")
 else:
     with shown_errors("Head attribution"):

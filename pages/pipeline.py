@@ -1,73 +1,139 @@
-"""Pipeline page: iterative prune -> distill -> INT8 on a copy of the current model, with a live loss
-curve, progress and Stop; then the compression report (table, plot, downloads) and the final
-model's exports in every format. The cached dense model is never changed."""
+"""Pipeline page: iterative prune -> distill -> INT8 on a copy of the current model, starting from
+the Prune page's view (scorer, its parameters, z, policy, kv_policy), with a live loss curve, a
+time estimate, progress and Stop; then the compression report (table, chart, downloads) and the
+final model's exports in every format, under the Export page's root. The cached dense model is
+never changed."""
 import io
+import math
 import tempfile
+import time
 from pathlib import Path
 
-import pandas as pd
 import streamlit as st
 
 from analysis.compress import export as export_mod
 from analysis.compress.distill import DistillConfig
-from analysis.compress.pipeline import PipelineConfig, export_round
+from analysis.compress.pipeline import PipelineConfig, export_round, round_counts
 from analysis.compress.report import compression_report
-from components import cache, shell, state, weights
+from components import cache, charts, controls, explain, numbers, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
+
+DEFAULT_RECOVERY = 20          # a default run distills (0 would only cut)
+LIVE_REDRAW_S = 1.0            # the live loss chart is redrawn at most this often
+
+def loss_chart(points: list[dict]):
+    """The distillation loss per recovery step (live during a run, once after it)."""
+    return charts.curves({"distillation loss": ([p["step"] for p in points], [p["loss"] for p in points])},
+                         title="Distillation loss per recovery step", x_title="recovery step (all rounds)",
+                         y_title="loss (T² · KL to the dense model)")
+
 
 st.title("Pipeline")
 lm = cache.model_or_stop()
 weights.needs_model(lm, "The Pipeline page")
 g = lm.geometry
-st.caption("Recover and compress. Score the heads, prune a step, recover by distillation from the dense model, rescore, repeat until "
-           "the target sparsity or the perplexity budget; then INT8. Works on a copy: the loaded model is not "
-           "changed.")
+st.caption("Recover and compress. Score the heads, prune a step, recover by distillation from the dense model, rescore, "
+           "repeat until the target sparsity or the perplexity budget; then INT8. Works on a copy: the loaded model "
+           "is not changed.")
+explain.pipeline()
+
+z = float(state.get("z"))
+c = st.columns([1, 1.3, 1.2])
+scorer = controls.scorer_choice(c[0], group_size=g.group_size)
+policy = controls.policy_controls(c[1])
+one_shot = c[2].toggle("One-shot (one round, no recovery)", key=state.widget_key("pipe.one_shot", value=False),
+                       help="Prune to the target in one round and measure it, without distillation: the baseline the "
+                            "iterative schedule should beat.")
+params = controls.current_params(scorer, z)
+described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in params.items())
+st.caption(f"Starts from the Prune page's view: **{controls.label(scorer)}** ({described or 'no parameters'}), "
+           f"policy **{policy['policy']}**, KV policy **{state.get('kv_policy')}**. Scorer and policy are the same "
+           "controls as on Prune; z and the scorer's parameters are set there.")
 
 c = st.columns(4)
-target = c[0].slider("Target sparsity", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.target", value=0.25))
-step = c[1].slider("Heads per round (fraction)", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.step", value=0.1))
-recovery = int(c[2].number_input("Recovery steps per round", 0, 10_000, step=10,
-                                 key=state.widget_key("pipe.recovery", value=0)))
+target = c[0].slider("Target sparsity", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.target", value=0.25),
+                     help="Fraction of all query heads pruned at the end.")
+step = c[1].slider("Heads per round (fraction)", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.step", value=0.1),
+                   disabled=one_shot, help="Fraction of all heads pruned in each round (the last round stops at the "
+                                          "target). Smaller steps: more rounds, more recovery, more time.")
+recovery = int(c[2].number_input("Recovery steps per round", 0, 10_000, step=10, disabled=one_shot,
+                                 key=state.widget_key("pipe.recovery", value=DEFAULT_RECOVERY),
+                                 help="Distillation steps after each round's cut (0: cut only, no recovery)."))
 budget = float(c[3].number_input("Perplexity budget (0 = none)", 0.0, 1e6, step=1.0,
-                                 key=state.widget_key("pipe.budget", value=0.0)))
+                                 key=state.widget_key("pipe.budget", value=0.0),
+                                 help="Stop when a round ends above this perplexity (that round is discarded). "
+                                      "Must be above the dense model's."))
 c = st.columns(4)
-scorer = c[0].selectbox("Scorer", ["mp-g", "mp", "magnitude", "wanda", "random"],
-                        key=state.widget_key("pipe.scorer", value="mp-g"))
-lr = float(c[1].number_input("Learning rate", 1e-6, 1.0, format="%.6f", key=state.widget_key("pipe.lr", value=1e-4)))
-lora = c[2].toggle("LoRA (merged at export)", key=state.widget_key("pipe.lora", value=False))
-int8 = c[3].toggle("INT8 stage (ONNX)", key=state.widget_key("pipe.int8", value=lm.kind == "causal-lm"))
-c = st.columns(3)
-batch = int(c[0].number_input("Batch (sequences)", 1, 64, key=state.widget_key("pipe.batch", value=4)))
-seq_len = int(c[1].number_input("Sequence length", 8, 2048, key=state.widget_key("pipe.seq", value=128)))
-eval_tokens = int(c[2].number_input("Evaluation tokens", 16, 8192, key=state.widget_key("pipe.eval", value=512)))
-one_shot = st.checkbox("One-shot (one round, no recovery)", key=state.widget_key("pipe.one_shot", value=False))
+lr = float(c[0].number_input("Learning rate", 1e-6, 1.0, format="%.6f", key=state.widget_key("pipe.lr", value=1e-4),
+                             help="AdamW learning rate of the distillation."))
+lora = c[1].toggle("LoRA (merged at export)", key=state.widget_key("pipe.lora", value=False),
+                   help="Train low-rank adapters instead of every weight (less memory; merged into the weights).")
+int8 = c[2].toggle("INT8 stage (ONNX)", key=state.widget_key("pipe.int8", value=lm.kind == "causal-lm"),
+                   help="After the last round: ONNX export and ONNX Runtime INT8 quantization, measured like the "
+                        "other stages (causal LMs).")
+eval_tokens = int(c[3].number_input("Evaluation tokens", 16, 8192, key=state.widget_key("pipe.eval", value=512),
+                                    help="Tokens of the held-out text each stage is evaluated on."))
+c = st.columns(4)
+batch = int(c[0].number_input("Batch (sequences)", 1, 64, key=state.widget_key("pipe.batch", value=4),
+                              help="Sequences per distillation step."))
+seq_len = int(c[1].number_input("Sequence length", 8, 2048, key=state.widget_key("pipe.seq", value=128),
+                                help="Tokens per training sequence."))
 
-config = PipelineConfig(target_sparsity=float(target), step=float(step), recovery_steps=recovery,
-                        ppl_budget=budget or None, scorer=scorer, eval_tokens=eval_tokens,
+config = PipelineConfig(target_sparsity=float(target), step=float(step), recovery_steps=0 if one_shot else recovery,
+                        ppl_budget=budget or None, scorer=scorer,
+                        scorer_params=dict(params),
+                        policy=policy["policy"], kv_policy=state.get("kv_policy"), eval_tokens=eval_tokens,
                         distill=DistillConfig(lr=lr, batch_size=batch, seq_len=seq_len, lora=lora))
 config = config.one_shot() if one_shot else config
 
-if st.button("Run the pipeline", type="primary", key="pipe.run"):
+rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
+with shown_errors("Estimating the time"):
+    rate = cache.forward_rate(lm.name, state.load_options())          # tokens per second, one forward pass
+    steps_total = rounds * config.recovery_steps
+    # a step: teacher forward + student forward and backward (~3 forwards) on batch x seq_len tokens;
+    # each stage (dense, every round, final) is evaluated on eval_tokens
+    seconds = (steps_total * 4 * batch * seq_len + (rounds + 2) * eval_tokens) / rate
+    c[2].metric("Estimated time", f"~{max(1, math.ceil(seconds / 60))} min" if seconds >= 60 else f"~{seconds:.0f} s",
+                help=f"{rounds} round(s) x {config.recovery_steps} steps, from this machine's measured forward speed "
+                     f"({rate:,.0f} tokens/s){' plus about a minute for INT8' if int8 else ''}. The bar shows the "
+                     "measured rate once it runs.")
+
+requested, done = state.recall("pipe.request", 0), state.recall("pipe.done", 0)
+st.button("Run the pipeline", type="primary", key="pipe.run", disabled=requested > done,
+          on_click=lambda: state.remember("pipe.request", state.recall("pipe.request", 0) + 1))
+if requested > done:
+    state.remember("pipe.done", requested)            # a rerun never starts the same press twice
     state.forget("pipe.last")
     losses: list[dict] = []
     curve = st.empty()
+    drawn = [0.0]
 
     def on_step(record: dict) -> None:
         losses.append({"step": len(losses) + 1, "loss": record["loss"]})
-        curve.line_chart(pd.DataFrame(losses).set_index("step"), height=220)
+        if time.monotonic() - drawn[0] >= LIVE_REDRAW_S:
+            drawn[0] = time.monotonic()
+            curve.plotly_chart(loss_chart(losses), width="stretch")
 
     stop = cache.stop_button("pipeline")
+    stop_check = state.stop_check()
+    t0 = time.monotonic()
     try:
         with shown_errors("The pipeline"):
-            with cache.progress_bar("Pipeline") as report, cache.exclusive(lm.name, state.load_options(), report,
-                                                                          should_stop=state.should_stop):
+            with cache.progress_bar("Pipeline") as bar, cache.exclusive(lm.name, state.load_options(), bar,
+                                                                       should_stop=stop_check):
+                def report(fraction: float, message: str) -> None:
+                    spent = time.monotonic() - t0
+                    left = f", about {spent * (1 - fraction) / fraction / 60:.1f} min left" if fraction > 0.02 else ""
+                    bar(fraction, f"{message} ({spent / 60:.1f} min so far{left})")
+
                 rep, result = compression_report(lm, config, int8=int8, progress=report,
-                                                 should_stop=state.should_stop, on_step=on_step)
+                                                 should_stop=stop_check, on_step=on_step)
             state.remember("pipe.last", (rep, result, losses))
     finally:
         stop.empty()
+        curve.empty()                                  # the final chart is drawn once, below
         state.clear_stop()
 
 note = state.stopped_note()
@@ -76,20 +142,36 @@ if note:
 last = state.recall("pipe.last")
 if last is not None:
     rep, result, losses = last
-    st.success(f"{int(result.pruned.sum())} of {g.n_total_heads} heads pruned in {len(result.accepted)} round(s); "
+    dense, final = rep.stages[0], rep.stages[-1]
+    summary = (f"{int(result.pruned.sum())} of {g.n_total_heads} heads pruned in {len(result.accepted)} round(s); "
                f"{rep.metric} {result.dense_metric:.3f} -> {result.final_metric:.3f}"
                + (" (stopped by the budget)" if result.stopped_by_budget else ""))
+    grown = [f"{what} {after / before:.3g}x dense" for what, after, before in (
+        ("parameters", final.parameters, dense.parameters), ("file size", final.size_mb, dense.size_mb),
+        ("attention FLOPs", final.attention_flops, dense.attention_flops)) if before and after > before]
+    (st.warning if grown else st.success)(summary)
+    numbers.show_growth(grown)
     if losses:
-        st.line_chart(pd.DataFrame(losses).set_index("step"), height=220)
+        st.plotly_chart(loss_chart(losses), width="stretch", key="pipe.loss_chart")
     st.subheader("Compression report")
-    st.dataframe([{"stage": s.name, "sparsity": s.sparsity, "parameters": s.parameters, "size MB": round(s.size_mb, 2),
-                   "attention FLOPs": s.attention_flops, "prefill ms": round(s.prefill_ms, 2),
-                   "decode ms": None if s.decode_ms is None else round(s.decode_ms, 2), rep.metric: s.metric,
-                   **{f"{k} ratio": round(v, 3) for k, v in s.ratios.items()}} for s in rep.stages],
-                 hide_index=True)
+
+    def _fmt(value, pattern: str) -> str:
+        return "—" if value is None else format(value, pattern)
+
+    st.dataframe([{"stage": s.name, "sparsity": f"{s.sparsity:.2f}", "parameters": f"{s.parameters / 1e6:,.2f} M",
+                   "size": f"{s.size_mb:,.1f} MB", "attention FLOPs": f"{s.attention_flops / 1e9:,.2f} G",
+                   "prefill ms": _fmt(s.prefill_ms, ".1f"), "decode ms": _fmt(s.decode_ms, ".2f"),
+                   rep.metric: _fmt(s.metric, ".3f"),
+                   **{f"{k} ratio": _fmt(v, ".3f") for k, v in s.ratios.items()}} for s in rep.stages],
+                 hide_index=True, width="stretch")
+    st.caption("Ratios are to the dense model; above 1 on parameters, size or FLOPs means that stage is bigger.")
+    curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
+        "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
+    st.plotly_chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",
+                                  y_title=rep.metric, log_y=charts.log_axis(rep.metric)),
+                    width="stretch", key="pipe.metric_chart")
     png = io.BytesIO()
     rep.plot_png(png)
-    st.image(png.getvalue(), caption=f"{rep.metric} vs head sparsity")
     d = st.columns(3)
     d[0].download_button("report.json", rep.to_json(), file_name="report.json", mime="application/json",
                          key="pipe.dl.json")
@@ -99,9 +181,12 @@ if last is not None:
                          key="pipe.dl.png")
 
     st.subheader("Export the final model")
-    output_root = export_mod.default_export_root()
+    default_root = str(export_mod.default_export_root())
+    output_root = Path(str(state.kept("export.root", default_root)).strip() or default_root).expanduser()
+    st.caption(f"Into the export root set on the Export page: **{output_root}**.")
     c1, c2 = st.columns([1, 2])
-    fmt = c1.selectbox("Format", [*export_mod.FORMATS, "onnx-int8"], key=state.widget_key("pipe.fmt", value="pruned"))
+    fmt = c1.selectbox("Format", [*export_mod.FORMATS, "onnx-int8"], key=state.widget_key("pipe.fmt", value="pruned"),
+                       help="The formats of the Export page, plus ONNX quantized to INT8.")
     folder = c2.text_input(f"Folder inside {output_root}",
                            key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
     if st.button("Export", key="pipe.export"):

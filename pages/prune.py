@@ -17,24 +17,26 @@ from components.errors import show_exception, shown_errors
 
 shell.ensure_app()
 
+# why "Tokens scored" differs from "Tokens to use", by model kind
+SCORED_HELP = {
+    "causal-lm": "One less than the tokens used: each token is predicted from the ones before it, so the first "
+                 "token has nothing to be predicted from.",
+    "masked-lm": "The token positions whose pseudo-likelihood is scored: each is masked in turn.",
+    "encoder": "Token positions of the text, with the tokenizer's special tokens.",
+}
+
 st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
 
-c1, c2 = st.columns([1, 2])
-scorer = controls.scorer_choice(c1)
-with c2.expander("Scorer parameters and mask policy", expanded=False):
-    cols = st.columns(3)
-    base_params = controls.scorer_params(scorer, state.get("z"), where=cols[0])
-    policy = controls.policy_controls(cols[1])
-    kv_policy = numbers.kv_policy_choice(cols[1])
-    flops_len = int(cols[2].number_input("Sequence length for the FLOP count", 1, 1_000_000, step=64,
-                                         key=state.widget_key("prune.flops_len", value=512)))
-if "z" not in base_params:
-    st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
-elif "std" in base_params:
-    st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[base_params['std']]} std "
-               f"(change it under 'Scorer parameters').")
+c1, c2, c3 = st.columns([1, 1.3, 1.2])
+scorer = controls.scorer_choice(c1, group_size=g.group_size)
+policy = controls.policy_controls(c2)
+with c3.expander("Scorer parameters and KV policy", expanded=False):
+    base_params = controls.scorer_params(scorer, state.get("z"))
+    kv_policy = numbers.kv_policy_choice()
+    flops_len = int(st.number_input("Sequence length for the FLOP count", 1, 1_000_000, step=64,
+                                    key=state.widget_key("prune.flops_len", value=512)))
 
 
 @st.fragment
@@ -47,12 +49,13 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
     The grid is HTML (`charts.mask_grid`), which the browser swaps in place; a plotly chart would
     be built anew (Plotly.newPlot) on every key press. The sections below read the same view from
     `views.view_mask` on the next full run (any press of their buttons is one), so they never
-    evaluate a mask other than the one shown here."""
-    row = st.container(horizontal=True, gap="medium")
-    z = row.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
+    evaluate a mask other than the one shown here. The grid sits beside the sliders (right column),
+    so at 1280x800 a slider move is seen; notes fold below it."""
+    left, right = st.columns([2, 3], gap="medium")
+    z = left.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
                    help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
     state.set("z", z)
-    sparsity = row.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
+    sparsity = left.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
                           key=state.widget_key("sparsity"))
     state.set("sparsity", sparsity)
     params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
@@ -61,8 +64,8 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
     cls = scoring.scorer_class(scorer)
     head_scores = None
     if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
-        st.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
-        if st.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
+        left.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
+        if left.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
             head_scores = cache.cached_call(cache.scores, lm.name, state.load_options(), scorer, key,
                                             label=f"Scoring with {controls.label(scorer)}", stoppable=True)
             if head_scores is not None:
@@ -87,13 +90,17 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
         scores_json = json.dumps(head_scores.as_dict(), indent=1)
         summary_json = json.dumps(summary.as_dict(), indent=1) if summary is not None else None
 
-        if summary is not None:                 # drawing only from here on
-            numbers.show_summary(summary, flops_len=flops_len,
-                                 zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
-            numbers.show_stock(stock)
+        right.html(grid)                        # drawing only from here on
+        if summary is not None:
+            with left:
+                numbers.show_summary(summary, flops_len=flops_len, kind=lm.kind,
+                                     zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else
+                                     "Heads with score 0")
+                numbers.show_stock(stock)
+            numbers.show_notes(summary)
         else:
-            show_exception(summary_error, "Counting what surgery builds")
-        st.html(grid)
+            with left:
+                show_exception(summary_error, "Counting what surgery builds")
         downloads = st.container(horizontal=True)
         downloads.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv",
                                   mime="text/csv", key="prune.dl.csv")
@@ -103,10 +110,14 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
             downloads.download_button("Mask summary (JSON)", summary_json,
                                       file_name=f"{scorer}_mask_summary.json", mime="application/json",
                                       key="prune.dl.summary")
-        state.remember_mask(lm.name, scorer, params, sparsity, policy)
 
 
 live_mask(scorer, base_params, policy, kv_policy, flops_len)
+if "z" not in base_params:
+    st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
+elif "std" in base_params:
+    st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[base_params['std']]} std "
+               f"(change it under 'Scorer parameters').")
 built = views.view_mask(lm, explain=False)        # live_mask has shown why, if there is no mask
 if built is None:
     st.stop()
@@ -134,7 +145,7 @@ with shown_errors("Reading the text"):
         m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
         m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
                   delta_color="normal" if result.higher_is_better else "inverse")
-        m3.metric("Tokens scored", result.n_tokens)
+        m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
 explain.evaluation()
 
 st.subheader("z sweep")

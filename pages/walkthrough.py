@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from analysis.measure import evaluation
 from analysis.score import masks
 
 from analysis.compress import surgery
@@ -13,6 +14,10 @@ from components import cache, charts, controls, explain, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
+
+# the step links look like links (Streamlit draws page links like plain sidebar items)
+STEP_LINK_CSS = ('[data-testid="stMainBlockContainer"] [data-testid="stPageLink"] a p'
+                 '{color:#1c62b9;text-decoration:underline}')
 
 st.title("Walkthrough")
 explain.walk_intro()
@@ -99,6 +104,10 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
                          "query heads": n_q, "KV heads after surgery": n_kv,
                          "K/V copied per query head": "yes" if layout.kv_expanded(0) else "no",
                          "attention params": params, "vs dense": f"{params - dense_params:+,}"})
+        for kept in patterns:
+            if kept != tuple([G] * g.n_kv_heads):
+                layout = surgery.HeadLayout.from_mask(pattern_mask(kept), one_layer, lm.adapter.model_type)
+                st.html(charts.kv_copies(kept, G, expanded=layout.kv_expanded(0)))
         st.table(pd.DataFrame(rows).set_index("pattern").rename_axis("heads kept per KV group"))
         explain.walk_uneven_counts(rows)
         st.caption(f"Per query head: Q rows + O columns = {costs['head_params']:,} parameters; per KV head: K + V "
@@ -113,6 +122,8 @@ if view is not None:
     st.markdown(f"With the current view ({controls.label(state.get('scorer'))}, z = {z:g}, sparsity = "
                 f"{float(state.get('sparsity')):g}) the mask prunes **{plan.n_pruned} of {g.n_total_heads}** heads; "
                 f"head {head} of layer {layer} is **{verdict}**.")
+metric = evaluation.evaluator_class(lm.kind).label          # perplexity, or fidelity for an encoder
+st.html(f"<style>{STEP_LINK_CSS}</style>")
 for i, (target, title, what) in enumerate(explain.WALK_STEPS, start=1):
-    st.page_link(f"pages/{target}.py", label=f"Step {i}. {title}: {what}",
-                 query_params={**st.query_params.to_dict(), "page": target})
+    st.page_link(f"pages/{target}.py", label=f"Step {i}. {title}: {what.format(metric=metric)}",
+                 icon=":material/arrow_forward:", query_params={**st.query_params.to_dict(), "page": target})

@@ -128,7 +128,7 @@ class _GridParser(HTMLParser):
             self.shape = (int(a["data-layers"]), int(a["data-heads"]))
         self._in_title = "hsm-t" in classes
         if "data-s" in a:
-            self.cells.append(("p" in classes, float(a["data-s"]), a.get("title", "")))
+            self.cells.append(("p" in classes, float(a["data-s"]), a.get("data-t", a.get("title", ""))))
         if "data-n" in a:
             self.counts.append(int(a["data-n"]))
 

@@ -22,7 +22,7 @@ def _masks(at):
 
 @pytest.mark.parametrize("sparsity", [0.25, 0.6])
 def test_masks_overlap_and_correlation(tiny_dir, sparsity):
-    at = new_app(tiny_dir, page="compare", sparsity=sparsity, z="1.0")
+    at = new_app(tiny_dir, page="compare", policy="global", sparsity=sparsity, z="1.0")
     no_exception(at)
     masks = _masks(at)
     k = math.floor(sparsity * 16 + 1e-9)
@@ -38,7 +38,7 @@ def test_masks_overlap_and_correlation(tiny_dir, sparsity):
 
 
 def test_one_scorer_is_not_a_comparison(tiny_dir):
-    at = new_app(tiny_dir, page="compare")
+    at = new_app(tiny_dir, page="compare", policy="global")
     at.multiselect(key="hs.w.compare.scorers").set_value(["mp"]).run()
     no_exception(at)
     assert any("at least two" in i.value for i in at.info)
@@ -46,7 +46,7 @@ def test_one_scorer_is_not_a_comparison(tiny_dir):
 
 
 def test_curves_start_at_the_dense_value(tiny_dir):
-    at = new_app(tiny_dir, page="compare")
+    at = new_app(tiny_dir, page="compare", policy="global")
     at.slider(key="hs.w.compare.max_s").set_value(0.3).run()
     at.number_input(key="hs.w.compare.tokens").set_value(64).run()
     at.button(key="compare.curves").click().run()

@@ -17,7 +17,7 @@ def _shown_mask(at):
 
 
 def test_mask_json_is_the_shown_mask(tiny_dir, out_root, downloads):
-    at = new_app(tiny_dir, page="export", scorer="mp-g", z="1.5", sparsity="0.5")
+    at = new_app(tiny_dir, page="export", policy="global", scorer="mp-g", z="1.5", sparsity="0.5")
     no_exception(at)
     record = json.loads(downloads["mask.json"])
     pruned = _shown_mask(at)
@@ -29,7 +29,7 @@ def test_mask_json_is_the_shown_mask(tiny_dir, out_root, downloads):
 def test_export_pruned_keeps_cached_model_intact(tiny_dir, out_root):
     from analysis.compress.export import load_pruned, mask_from_json
     from components import cache
-    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    at = new_app(tiny_dir, page="export", policy="global", sparsity="0.5")
     model = cache.load(str(tiny_dir), False).model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     at.selectbox(key="hs.w.export.format").set_value("pruned").run()
@@ -47,7 +47,7 @@ def test_export_pruned_keeps_cached_model_intact(tiny_dir, out_root):
 
 @pytest.mark.parametrize("folder,needle", [("../outside", "outside the output folder"), ("", "Give a folder name")])
 def test_unsafe_targets_are_refused(tiny_dir, out_root, folder, needle):
-    at = new_app(tiny_dir, page="export")
+    at = new_app(tiny_dir, page="export", policy="global")
     at.text_input(key="hs.w.export.folder").set_value(folder).run()
     at.button(key="export.run").click().run()
     no_exception(at)
@@ -58,7 +58,7 @@ def test_unsafe_targets_are_refused(tiny_dir, out_root, folder, needle):
 def test_occupied_target_needs_overwrite(tiny_dir, out_root):
     (out_root / "taken").mkdir(parents=True)
     (out_root / "taken" / "keep.txt").write_text("mine")
-    at = new_app(tiny_dir, page="export")
+    at = new_app(tiny_dir, page="export", policy="global")
     at.text_input(key="hs.w.export.folder").set_value("taken").run()
     at.button(key="export.run").click().run()
     no_exception(at)
@@ -79,7 +79,7 @@ def test_occupied_target_needs_overwrite(tiny_dir, out_root):
 
 
 def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
-    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    at = new_app(tiny_dir, page="export", policy="global", sparsity="0.5")
     at.number_input(key="hs.w.export.speed.repeats").set_value(1).run()
     at.multiselect(key="hs.w.export.speed.lengths").set_value([128]).run()
     at.button(key="export.measure").click().run()
@@ -94,7 +94,7 @@ def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
 
 
 def test_default_folder_name_follows_the_settings_until_edited(tiny_dir, out_root):
-    at = new_app(tiny_dir, page="export", scorer="mp-g", sparsity="0.5")
+    at = new_app(tiny_dir, page="export", policy="global", scorer="mp-g", sparsity="0.5")
     no_exception(at)
     folder = at.text_input(key="hs.w.export.folder")
     assert folder.value.endswith("-mp-g-s0.5-global-zeroed")
@@ -108,7 +108,7 @@ def test_default_folder_name_follows_the_settings_until_edited(tiny_dir, out_roo
 
 def test_export_goes_under_the_root_shown_on_the_page(tiny_dir, out_root, tmp_path):
     other = tmp_path / "elsewhere"
-    at = new_app(tiny_dir, page="export", sparsity="0.5")
+    at = new_app(tiny_dir, page="export", policy="global", sparsity="0.5")
     at.text_input(key="hs.w.export.root").set_value(str(other)).run()
     at.text_input(key="hs.w.export.folder").set_value("here").run()
     at.button(key="export.run").click().run()

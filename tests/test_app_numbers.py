@@ -55,17 +55,17 @@ def _counts_of_surgery(model_dir, pruned, kv_policy):
 def test_prune_page_shows_growth_as_growth(g3_dir):
     from tests.test_app_prune import _mask_and_scores
     at = new_app(g3_dir, page="prune", scorer="mp", sparsity="0.17")   # uniform: 1 of 6 per layer
-    at.selectbox(key="hs.w.policy.policy").set_value("uniform").run()
+    at.selectbox(key="hs.w.prune.policy").set_value("uniform").run()
     no_exception(at)
     pruned, _, _ = _mask_and_scores(at)
     change, kv_after = _counts_of_surgery(g3_dir, pruned, "auto")
     assert metric(at, "Attention params change") == f"{change:+,}"
-    assert metric(at, "KV heads after surgery") == f"{kv_after} / 8"
+    assert metric(at, "KV heads after / before") == f"{kv_after} / 8"
     if change > 0:
         assert any("GROWS" in w.value and "'balanced'" in w.value for w in at.warning)
     assert any("K/V are expanded" in w.value for w in at.warning)
     # the balanced policy at the same sparsity never expands, and says it rounded
-    at.selectbox(key="hs.w.policy.policy").set_value("balanced").run()
+    at.selectbox(key="hs.w.prune.policy").set_value("balanced").run()
     no_exception(at)
     pruned, _, _ = _mask_and_scores(at)
     change, kv_after = _counts_of_surgery(g3_dir, pruned, "auto")
@@ -74,25 +74,25 @@ def test_prune_page_shows_growth_as_growth(g3_dir):
     per_group = pruned.reshape(4, 2, 3).sum(-1)
     assert (per_group == per_group[:, :1]).all()
     # kv_policy expand on the uniform mask: counted as surgery with expand builds it
-    at.selectbox(key="hs.w.policy.policy").set_value("uniform").run()
-    at.selectbox(key="hs.w.kv_policy").set_value("expand").run()
+    at.selectbox(key="hs.w.prune.policy").set_value("uniform").run()
+    at.selectbox(key="hs.w.prune.kv_policy").set_value("expand").run()
     pruned, _, _ = _mask_and_scores(at)
     change, kv_after = _counts_of_surgery(g3_dir, pruned, "expand")
-    assert metric(at, "KV heads after surgery") == f"{kv_after} / 8" and kv_after == 20
+    assert metric(at, "KV heads after / before") == f"{kv_after} / 8" and kv_after == 20
     assert "Stock config" in texts(at)
 
 
 def test_export_page_offers_the_kv_policy_and_its_counts(g3_dir):
     at = new_app(g3_dir, page="prune", scorer="mp", sparsity="0.34")
-    at.selectbox(key="hs.w.policy.policy").set_value("balanced-uniform").run()
+    at.selectbox(key="hs.w.prune.policy").set_value("balanced-uniform").run()
     at.switch_page("pages/export.py").run()
     no_exception(at)
-    assert not [b for b in at.selectbox if b.key == "hs.w.kv_policy"], "zeroed keeps the shapes: no KV policy"
+    assert "KV policy (surgery)" not in [s.label for s in at.selectbox]    # zeroed: no surgery, no KV policy
     at.selectbox(key="hs.w.export.format").set_value("stock").run()
-    assert at.selectbox(key="hs.w.kv_policy").value == "auto"
+    assert at.selectbox(key="hs.w.export.kv_policy").value == "auto"
     assert "A stock config describes this mask (4 query / 2 KV heads" in texts(at)
-    assert metric(at, "KV heads after surgery") == "8 / 8"
-    at.selectbox(key="hs.w.kv_policy").set_value("strict").run()
+    assert metric(at, "KV heads after / before") == "8 / 8"
+    at.selectbox(key="hs.w.export.kv_policy").set_value("strict").run()
     no_exception(at)
     assert np.isfinite(float(metric(at, "Attention params change").replace(",", "")))
 
@@ -107,7 +107,7 @@ def test_profiles_and_prune_pages_say_which_std_is_used(tiny_dir):
     at = new_app(tiny_dir, page="prune", scorer="mp-g")
     assert "with the population (ddof = 0) std" in texts(at)
     before = int(metric(at, "Heads with score 0 at z = 2"))
-    at.radio(key="hs.w.param.std").set_value("sample").run()
+    at.radio(key="hs.w.prune.std").set_value("sample").run()
     no_exception(at)
     assert "with the sample (ddof = 1, torch.std) std" in texts(at)
     assert int(metric(at, "Heads with score 0 at z = 2")) >= before     # a larger std: no fewer in the bulk
@@ -116,8 +116,8 @@ def test_profiles_and_prune_pages_say_which_std_is_used(tiny_dir):
 def test_strict_kv_policy_refusal_is_a_message_not_a_broken_page(g3_dir):
     from tests.test_app_prune import _mask_and_scores
     at = new_app(g3_dir, page="prune", scorer="mp", sparsity="0.17")
-    at.selectbox(key="hs.w.policy.policy").set_value("uniform").run()
-    at.selectbox(key="hs.w.kv_policy").set_value("strict").run()
+    at.selectbox(key="hs.w.prune.policy").set_value("uniform").run()
+    at.selectbox(key="hs.w.prune.kv_policy").set_value("strict").run()
     no_exception(at)
     assert any("'strict' KV policy refuses" in e.value and "'balanced'" in e.value for e in at.error)
     pruned, _, _ = _mask_and_scores(at)                 # the mask itself is still shown

@@ -22,7 +22,7 @@ def _check_mask(at, sparsity, n_heads):
     pruned, scores, grid = _mask_and_scores(at)
     k = math.floor(sparsity * n_heads + 1e-9)
     assert pruned.size == n_heads and int(pruned.sum()) == k
-    assert metric(at, "Pruned heads") == f"{k} / {n_heads}"
+    assert metric(at, "Query heads after / before") == f"{n_heads - k} / {n_heads}"
     assert grid.title == f"{k} of {n_heads} heads pruned"
     if 0 < k < n_heads:
         assert scores[pruned].max() <= scores[~pruned].min()   # the lowest-scored heads went first
@@ -48,7 +48,7 @@ def test_mask_grid_reads_back_what_it_draws(group_size):
 
 @pytest.mark.parametrize("scorer", ["mp", "mp-g", "magnitude", "random"])
 def test_sparsity_slider_prunes_floor_s_LH_heads(tiny_dir, scorer):
-    at = new_app(tiny_dir, page="prune", scorer=scorer)
+    at = new_app(tiny_dir, page="prune", policy="global", scorer=scorer)
     for s in (0.0, 0.3, 0.55, 0.95):
         at.slider(key="hs.w.prune.sparsity").set_value(s).run()
         no_exception(at)
@@ -56,7 +56,7 @@ def test_sparsity_slider_prunes_floor_s_LH_heads(tiny_dir, scorer):
 
 
 def test_zero_score_count_and_per_layer_counts(tiny_dir):
-    at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.5")
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="mp", sparsity="0.5")
     for z in (0.0, 1.0, 3.0):
         at.slider(key="hs.w.prune.z").set_value(z).run()
         pruned, scores = _check_mask(at, 0.5, 16)
@@ -80,7 +80,7 @@ def test_live_view_shows_one_mask_after_every_move(tiny_dir, downloads):
     from analysis.score import scoring
     lm = models.load_model(str(tiny_dir))
     prof = profiles.profile_model(lm.model)
-    at = new_app(tiny_dir, page="prune", scorer="mp-g", z="2", sparsity="0.3")
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="mp-g", z="2", sparsity="0.3")
     for key, value in (("z", 0.5), ("sparsity", 0.6), ("z", 3.0), ("sparsity", 0.2), ("z", 0.0), ("sparsity", 0.45)):
         at.slider(key=f"hs.w.prune.{key}").set_value(value).run()
         no_exception(at)
@@ -92,7 +92,7 @@ def test_live_view_shows_one_mask_after_every_move(tiny_dir, downloads):
         np.testing.assert_array_equal(grid.scores, expected.scores)           # the same scores, bit for bit
         np.testing.assert_array_equal(grid.per_layer, plan.pruned.sum(axis=1))
         assert grid.title == f"{plan.n_pruned} of 16 heads pruned"
-        assert metric(at, "Pruned heads") == f"{plan.n_pruned} / 16"
+        assert metric(at, "Query heads after / before") == f"{16 - plan.n_pruned} / 16"
         assert int(metric(at, f"Heads with score 0 at z = {z:g}")) == int((expected.scores == 0).sum())
         rows = downloads["mp-g_scores.csv"].decode().strip().splitlines()[1:]
         assert [bool(int(r.split(",")[3])) for r in rows] == plan.pruned.ravel().tolist()
@@ -114,7 +114,7 @@ def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
     profile_calls = []
     monkeypatch.setattr(adapters.Adapter, "read_heads", counting_read)
     monkeypatch.setattr(profiles, "profile_model", lambda *a, **k: profile_calls.append(1) or real_profile(*a, **k))
-    at = new_app(tiny_dir, page="prune", scorer="mp-g")
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="mp-g")
     after_first = calls["n"]
     assert len(profile_calls) == 1
     masks = set()
@@ -130,7 +130,7 @@ def test_moving_z_or_sparsity_never_rereads_weights(tiny_dir, monkeypatch):
 def test_perplexity_check_evaluates_the_shown_mask(tiny_dir):
     from analysis.measure.evaluation import evaluate
     from analysis.arch.models import load_model
-    at = new_app(tiny_dir, page="prune", sparsity="0.5")
+    at = new_app(tiny_dir, page="prune", policy="global", sparsity="0.5")
     at.number_input(key="hs.w.prune.max_tokens").set_value(64).run()
     at.button(key="prune.check").click().run()
     no_exception(at)
@@ -143,14 +143,14 @@ def test_perplexity_check_evaluates_the_shown_mask(tiny_dir):
 
 
 def test_empty_own_text_is_refused_with_a_fix(tiny_dir):
-    at = new_app(tiny_dir, page="prune")
+    at = new_app(tiny_dir, page="prune", policy="global")
     at.radio(key="hs.w.prune.text_source").set_value("own").run()
     no_exception(at)
     assert any("text is empty" in e.value and "Paste" in e.value for e in at.error)
 
 
 def test_z_sweep_chart(tiny_dir):
-    at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.5")
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="mp", sparsity="0.5")
     at.number_input(key="hs.w.prune.sweep_tokens").set_value(64).run()
     at.button(key="prune.sweep").click().run()
     no_exception(at)
@@ -164,11 +164,11 @@ def test_z_sweep_chart(tiny_dir):
 
 
 def test_calibration_scorer_runs_on_request(tiny_dir):
-    at = new_app(tiny_dir, page="prune", scorer="wanda", sparsity="0.25")
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="wanda", sparsity="0.25")
     no_exception(at)
     assert not mask_grids(at) and not at.get("plotly_chart")   # nothing is shown before the scores exist
-    at.number_input(key="hs.w.param.n_sequences").set_value(2).run()
-    at.number_input(key="hs.w.param.seq_len").set_value(16).run()
+    at.number_input(key="hs.w.prune.n_sequences").set_value(2).run()
+    at.number_input(key="hs.w.prune.seq_len").set_value(16).run()
     at.button(key="prune.compute").click().run()
     no_exception(at)
     _check_mask(at, 0.25, 16)
@@ -178,7 +178,7 @@ def test_calibration_scorer_runs_on_request(tiny_dir):
 
 @pytest.mark.slow
 def test_smollm2_sparsity_slider(smollm2_app):
-    at = new_app(smollm2_app, page="prune", scorer="mp-g")
+    at = new_app(smollm2_app, page="prune", policy="global", scorer="mp-g")
     for s in (0.1, 0.37):
         at.slider(key="hs.w.prune.sparsity").set_value(s).run()
         no_exception(at)
@@ -187,7 +187,7 @@ def test_smollm2_sparsity_slider(smollm2_app):
 
 def test_downloads_hold_the_shown_scores_and_mask(tiny_dir, downloads):
     import json
-    at = new_app(tiny_dir, page="prune", scorer="mp", sparsity="0.4")
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="mp", sparsity="0.4")
     no_exception(at)
     pruned, scores, _ = _mask_and_scores(at)
     rows = downloads["mp_scores.csv"].decode().strip().splitlines()
@@ -202,9 +202,9 @@ def test_downloads_hold_the_shown_scores_and_mask(tiny_dir, downloads):
 
 
 def test_stop_flag_cancels_long_work(tiny_dir):
-    at = new_app(tiny_dir, page="prune", scorer="wanda")
-    at.number_input(key="hs.w.param.n_sequences").set_value(2).run()
-    at.number_input(key="hs.w.param.seq_len").set_value(16).run()
+    at = new_app(tiny_dir, page="prune", policy="global", scorer="wanda")
+    at.number_input(key="hs.w.prune.n_sequences").set_value(2).run()
+    at.number_input(key="hs.w.prune.seq_len").set_value(16).run()
     at.session_state["hs.stop"] = True          # what the Stop button's click sets before the rerun
     at.button(key="prune.compute").click().run()
     no_exception(at)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -349,8 +350,11 @@ class FastAblation:
 
     @torch.no_grad()
     def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
-                     should_stop: ShouldStop | None = None) -> np.ndarray:
-        """Loss change [R] for every single-head (then KV-group) ablation of `layer`."""
+                     should_stop: ShouldStop | None = None,
+                     on_part: Callable[[float], None] | None = None) -> np.ndarray:
+        """Loss change [R] for every single-head (then KV-group) ablation of `layer`; `on_part(f)` with
+        the fraction f of the layer's work done after each replayed block (progress inside a layer:
+        the first layers replay every layer after them, so one layer can take many seconds on a CPU)."""
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
         blocks = adapter.layers(model)
@@ -371,6 +375,8 @@ class FastAblation:
                     args, kwargs = repeat_batched(prep.calls[j], prep.batched[j], r)
                     args, kwargs = _with_input(args, kwargs, hidden)
                     hidden = _first(blocks[j](*args, **kwargs))          # [r*n, T, D]
+                    if on_part is not None:
+                        on_part((start + r * (j - layer + 1) / (geo.n_layers - layer)) / gates.shape[0])
             t2 = time.perf_counter()
             nll = self._tail_nll(prep.chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
             out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).cpu().numpy() - prep.base_loss
@@ -386,6 +392,7 @@ class FastAblation:
         geo = adapter_for(model).geometry(model)
         todo = layer_list(geo, layers)
         t0 = time.perf_counter()
+        report(progress, 0.0, "ablation sweep: running the dense model once (the inputs every layer replays)")
         prep = self.prepare(model, x)
         if prep is None:
             result = naive_sweep(model, x, groups=self.groups, layers=layers, progress=progress,
@@ -403,7 +410,12 @@ class FastAblation:
 
         def run(i: int) -> np.ndarray:
             nonlocal done
-            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop)  # [R]
+
+            def on_part(part: float) -> None:
+                report(progress, (done + work[i] * part) / mine,
+                       f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}, {100 * part:.0f}% of its ablations")
+
+            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop, on_part)  # [R]
             done += work[i]
             report(progress, done / mine, f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}")
             return deltas

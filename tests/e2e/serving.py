@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 HEALTH_TIMEOUT_S = 90
+# The app root while no script runs (Streamlit's own test attribute; the header's "Running..." widget
+# is hidden by .streamlit/config.toml, so tests wait on this instead)
+SETTLED = '[data-testid="stApp"][data-test-script-state="notRunning"]'
 
 
 def free_port() -> int:

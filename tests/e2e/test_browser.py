@@ -28,11 +28,11 @@ def _no_exception_on_page(page) -> None:
 def test_prune_slider_moves_the_mask(server, page):
     from playwright.sync_api import expect
     ARTIFACTS.mkdir(exist_ok=True)
-    page.goto(f"{server}/prune?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.3")
+    page.goto(f"{server}/prune?model=smollm2-135m&scorer=mp-g&z=2&sparsity=0.3&policy=global")
     start = math.floor(0.3 * N_HEADS + 1e-9)
     expect(page.locator(".hsm-t", has_text=f"{start} of {N_HEADS} heads pruned")).to_have_count(1,
                                                                                          timeout=LOAD_TIMEOUT_MS)
-    expect(page.locator('[data-testid="stMetricValue"]', has_text=f"{start} / {N_HEADS}")).to_have_count(1)
+    expect(page.locator('[data-testid="stMetricValue"]', has_text=f"{N_HEADS - start} / {N_HEADS}")).to_have_count(1)
 
     slider = page.locator('[data-testid="stSlider"]', has_text="Sparsity").get_by_role("slider")
     slider.focus()
@@ -44,7 +44,7 @@ def test_prune_slider_moves_the_mask(server, page):
     # one grid (swapped in place, not a second one beside the old), with exactly the pruned cells red
     expect(page.locator(".hsm")).to_have_count(1)
     expect(page.locator(".hsm-g > .p")).to_have_count(moved)
-    expect(page.locator('[data-testid="stMetricValue"]', has_text=f"{moved} / {N_HEADS}")).to_have_count(1)
+    expect(page.locator('[data-testid="stMetricValue"]', has_text=f"{N_HEADS - moved} / {N_HEADS}")).to_have_count(1)
     expect(page).to_have_url(re.compile(r"sparsity=0\.33"))
     _no_exception_on_page(page)
     page.screenshot(path=str(ARTIFACTS / "e2e_prune.png"), full_page=True)

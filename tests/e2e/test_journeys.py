@@ -1,10 +1,12 @@
 """Journeys through the app in a real headless Chromium, the way people use it: the sidebar to switch
 pages, the keyboard on sliders, the Stop button on long work.
 
-- Every ordered pair of pages keeps the view (model, scorer, z, sparsity): one walk over all 56
-  ordered pairs of the eight pages (an Euler circuit of the complete directed graph), checking the
-  URL and every slider that shows a view value on each arrival. AppTest cannot see this: it keeps
-  widget keys a real browser drops on a page switch.
+- Every ordered pair of pages keeps the view (model, scorer, its parameters, z, sparsity, policy,
+  kv_policy) and every other control set on a page (Export's format and typed root, Heads' token
+  count, the Pipeline's recovery steps): one walk over all 56 ordered pairs of the eight pages (an
+  Euler circuit of the complete directed graph), checking the URL and every control that shows
+  one of them on each arrival, then a reload (the URL alone brings back the view). AppTest cannot
+  see this: it keeps widget keys a real browser drops on a page switch.
 - Stop on a long job leaves a usable page that says "Stopped".
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from tests.e2e.conftest import ARTIFACTS, LOAD_TIMEOUT_MS, needs_chromium
+from tests.e2e.serving import SETTLED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, needs_chromium()]
 
@@ -30,7 +33,48 @@ PAGES = {
     "export": ("Export", "export", {}),
     "pipeline": ("Pipeline", "pipeline", {}),
 }
-VIEW = {"model": "smollm2-135m", "scorer": "magnitude", "z": "2.35", "sparsity": "0.4"}  # none a default
+VIEW = {"model": "smollm2-135m", "scorer": "mp-g", "z": "2.35", "sparsity": "0.4",   # none a default but
+        "policy": "balanced", "kv_policy": "expand", "a_kv": "0.5", "ord": "1"}        # the model's scorer
+
+
+def _box(page, testid: str, label: str):
+    return page.get_by_test_id("stMainBlockContainer").get_by_test_id(testid).filter(has_text=label).first
+
+
+def _opened(page, label: str):
+    """The page, with its expander `label` opened (widgets in a closed expander are not drawn)."""
+    expander = page.get_by_test_id("stExpander").filter(has_text=label).first
+    if not expander.get_by_test_id("stExpanderDetails").is_visible():
+        expander.locator("summary").click()
+        expander.get_by_test_id("stExpanderDetails").wait_for(state="visible")
+    return page
+
+
+def _selected(page, label: str) -> str:
+    return _box(page, "stSelectbox", label).get_by_role("combobox").input_value()
+
+
+def _number(page, label: str) -> str:
+    return _box(page, "stNumberInput", label).locator("input").input_value()
+
+
+# page -> (what, read the control, expected) for the controls the page shows; the URL fields come
+# from the link, the others are set through the page (`_set_session_controls`) before the walk
+def _controls(root: str) -> dict:
+    return {
+        "prune": [("policy", lambda p: _selected(p, "Policy"), re.compile(r"^balanced \(GQA\)")),
+                  ("kv_policy", lambda p: _selected(_opened(p, "Scorer parameters"), "KV policy"),
+                   re.compile(r"^expand$")),
+                  ("a_kv", lambda p: _number(_opened(p, "Scorer parameters"), "a_kv"), "0.50"),
+                  ("Norm L1", lambda p: _box(_opened(p, "Scorer parameters"), "stRadio", "Norm")
+                   .get_by_role("radio", name="L1").is_checked(), True)],
+        "compare": [("policy", lambda p: _selected(p, "Policy"), re.compile(r"^balanced \(GQA\)"))],
+        "export": [("format", lambda p: _selected(p, "Format"), re.compile(r"^ONNX")),
+                   ("root", lambda p: p.get_by_role("textbox", name="Export root").input_value(), root),
+                   ("kv_policy", lambda p: _selected(p, "KV policy"), re.compile(r"^expand$"))],
+        "heads": [("tokens", lambda p: _number(p, "Tokens to use"), "80")],
+        "pipeline": [("recovery steps", lambda p: _number(p, "Recovery steps per round"), "30")],
+    }
 
 
 def euler_circuit(nodes: list[str]) -> list[str]:
@@ -53,11 +97,11 @@ def test_euler_circuit_covers_every_ordered_pair():
 
 
 def _settled(page, timeout_ms: int = 60_000) -> None:
-    """Wait until the script has finished its run (no 'running' status widget for a moment)."""
+    """Wait until the script has finished its run (the app root says 'notRunning' for a moment)."""
     from playwright.sync_api import expect
     for _ in range(3):
         page.wait_for_timeout(400)
-        expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=timeout_ms)
+        expect(page.locator(SETTLED)).to_have_count(1, timeout=timeout_ms)
 
 
 def _query(page) -> dict[str, str]:
@@ -73,7 +117,7 @@ def _arrive(page, name: str) -> None:
     _settled(page)
 
 
-def _check_view(page, came_from: str, name: str) -> None:
+def _check_view(page, came_from: str, name: str, controls: dict | None = None) -> None:
     where = f"{came_from} -> {name}"
     query = _query(page)
     for field, value in VIEW.items():
@@ -83,24 +127,69 @@ def _check_view(page, came_from: str, name: str) -> None:
         slider = page.get_by_test_id("stSlider").filter(has_text=label).first.get_by_role("slider")
         shown = float(slider.input_value())
         assert shown == pytest.approx(float(VIEW[field])), f"{where}: the {label} slider shows {shown}"
+    for what, read, expected in (controls or {}).get(name, []):
+        shown = read(page)
+        ok = expected.search(shown) if isinstance(expected, re.Pattern) else shown == expected
+        assert ok, f"{where}: {what} shows {shown!r}, expected {getattr(expected, 'pattern', expected)!r}"
     assert page.get_by_test_id("stException").count() == 0, where
 
 
-def test_every_ordered_pair_of_pages_keeps_the_view(server, page):
+def _choose(page, label: str, option: str) -> None:
+    _box(page, "stSelectbox", label).click()
+    page.get_by_role("option", name=option).first.click()
+    _settled(page)
+
+
+def _type(page, box, text: str) -> None:
+    box.fill(text)
+    box.press("Enter")
+    _settled(page)
+
+
+def _set_session_controls(page, server: str, root: str) -> None:
+    """Set the controls that live in the session only (not in the URL), through the pages."""
+    from playwright.sync_api import expect
+    nav = page.get_by_test_id("stSidebarNav")
+    nav.get_by_role("link", name="Export", exact=True).click()
+    _arrive(page, "export")
+    _choose(page, "Format", "ONNX (ONNX Runtime)")
+    _type(page, page.get_by_role("textbox", name="Export root"), root)
+    expect(page.get_by_text(f"Writes {root}/")).to_have_count(1, timeout=60_000)
+    nav.get_by_role("link", name="Heads", exact=True).click()
+    _arrive(page, "heads")
+    _type(page, _box(page, "stNumberInput", "Tokens to use").locator("input"), "80")
+    nav.get_by_role("link", name="Pipeline", exact=True).click()
+    _arrive(page, "pipeline")
+    _type(page, _box(page, "stNumberInput", "Recovery steps per round").locator("input"), "30")
+
+
+IN_URL = {"policy", "kv_policy", "a_kv", "Norm L1"}      # the checks of view fields (kept by a reload)
+
+
+def test_every_ordered_pair_of_pages_keeps_every_control(server, page, export_root):
+    root = str(export_root / "typed-root")
+    controls = _controls(root)
     walk = euler_circuit(list(PAGES))
     start = walk[0]
     query = "&".join(f"{k}={v}" for k, v in VIEW.items())
     page.goto(f"{server}/{PAGES[start][1]}?{query}")
     _arrive(page, start)
-    _check_view(page, "link", start)
+    _set_session_controls(page, server, root)
     nav = page.get_by_test_id("stSidebarNav")
+    nav.get_by_role("link", name=PAGES[start][0], exact=True).click()
+    _arrive(page, start)
+    _check_view(page, "link", start, controls)
     for came_from, name in zip(walk, walk[1:]):
         nav.get_by_role("link", name=PAGES[name][0], exact=True).click()
         _arrive(page, name)
-        _check_view(page, came_from, name)
+        _check_view(page, came_from, name, controls)
     page.reload()                                       # the URL alone reproduces the view
     _arrive(page, walk[-1])
-    _check_view(page, "reload", walk[-1])
+    in_url = {n: [c for c in checks if c[0] in IN_URL] for n, checks in controls.items()}
+    _check_view(page, "reload", walk[-1], in_url)
+    nav.get_by_role("link", name="Prune", exact=True).click()
+    _arrive(page, "prune")
+    _check_view(page, "reload -> prune", "prune", in_url)
 
 
 def test_stop_leaves_a_usable_page_that_says_stopped(server, page):
@@ -160,13 +249,13 @@ def test_export_journey(server, page, export_root):
     name_box = page.get_by_role("textbox", name="Folder name (follows the settings until you edit it)")
     expect(name_box).to_have_value(re.compile(r"-zeroed$"), timeout=30_000)
     page.get_by_test_id("stSelectbox").filter(has_text="Format").click()
-    page.get_by_role("option", name="pruned:").click()
+    page.get_by_role("option", name="pruned checkpoint").click()
     _settled(page)
-    expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-global-pruned", timeout=30_000)
+    expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-groups-pruned", timeout=30_000)
     page.get_by_role("button", name="Export", exact=True).click()
     expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
                                                                           timeout=LOAD_TIMEOUT_MS)
-    folder = export_root / "smollm2-135m-mp-g-s0.1-global-pruned"
+    folder = export_root / "smollm2-135m-mp-g-s0.1-groups-pruned"
     assert (folder / "head_layout.json").is_file() and (folder / "mask.json").is_file()
     assert folder.stat().st_mode & 0o077 != 0                  # not mkdtemp's private 0700
     with page.expect_download() as info:

@@ -1,0 +1,30 @@
+"""Figure rules of components/charts.py that a reader relies on: log axes label only whole numbers
+written in full (decades over a wide range, 1-2-5 inside a narrow one), never plotly's bare minor
+digits; a signed matrix (Spearman) uses a diverging scale centred at 0."""
+import numpy as np
+
+from components import charts
+
+
+def _ticks(values):
+    fig = charts.curves({"a": (np.arange(len(values)), values)}, title="t", x_title="x", y_title="ppl", log_y=True)
+    return list(fig.layout.yaxis.tickvals), list(fig.layout.yaxis.ticktext), fig.layout.yaxis.type
+
+
+def test_a_wide_log_axis_labels_decades_only():
+    vals, text, kind = _ticks([14.7, 90.0, 2500.0, 31000.0])
+    assert kind == "log"
+    assert vals == [10.0, 100.0, 1000.0, 10000.0] and text == ["10", "100", "1,000", "10,000"]
+
+
+def test_a_narrow_log_axis_labels_1_2_5_in_full():
+    vals, text, _ = _ticks([14.7, 22.0, 61.0])
+    assert vals == [10.0, 20.0, 50.0] and text == ["10", "20", "50"]
+    assert all(float(t.replace(",", "")) == v for t, v in zip(text, vals))   # no bare "2" or "5"
+
+
+def test_the_spearman_matrix_is_diverging_at_zero_and_jaccard_is_not():
+    rho = charts.matrix_heatmap(np.array([[1.0, -0.1], [-0.1, 1.0]]), ["a", "b"], title="r", zmin=-1, zmax=1)
+    assert rho.data[0].zmid == 0.0 and rho.data[0].colorscale[0][1] != rho.data[0].colorscale[-1][1]
+    jac = charts.matrix_heatmap(np.eye(2), ["a", "b"], title="j", zmin=0, zmax=1)
+    assert jac.data[0].zmid is None
