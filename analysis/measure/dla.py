@@ -232,7 +232,9 @@ def logit_parts(model, ids: torch.Tensor, *, gates=None, layout=None) -> DLAPart
             heads[:, :, l, kept] = vals
     if g is not None:
         heads = heads * (g.detach().cpu().numpy() != 0)                # gate 0: exactly nothing (already 0)
-    logit = (y_hat[:, :-1] * readout.unembed[tgt]).sum(-1) + readout.constant(tgt)
+    logit = (y_hat[:, :-1] * readout.unembed[tgt]).sum(-1)            # the norm's bias is inside y_hat
+    if readout.unembed_bias is not None:
+        logit = logit + readout.unembed_bias[tgt]
     model_logit = out.logits.detach().double().cpu()[:, :-1].gather(-1, tgt[..., None])[..., 0]
     return DLAParts(heads, embed.numpy(), o_bias, mlp, readout.constant(tgt).numpy(), logit.numpy(),
                     model_logit.numpy())
