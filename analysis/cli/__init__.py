@@ -603,6 +603,8 @@ def run_pipeline_command(ns):
 register("pipeline", "iterative prune -> distill -> INT8, with a compression report and the final exports",
          _pipeline_arguments, run_pipeline_command)
 
+from analysis.cli import roles as _roles  # noqa: E402,F401  registers `roles` (what heads do)
+
 
 # ---------------------------------------------------------------------------------------------
 # Entry point
