@@ -119,3 +119,7 @@ def mpg_scores(target, z: float = 2.0):
     """The MP-G HeadScores (z) of a model / LoadedModel (weights only)."""
     from analysis.score.scoring import MPGScorer
     return MPGScorer(z=z).score(target)
+
+
+# docs/results.md section written by scripts/roles_results.py (scripts/results.py keeps it)
+ROLES_MARKERS = ("<!-- roles:begin -->", "<!-- roles:end -->")
