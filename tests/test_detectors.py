@@ -303,3 +303,35 @@ def test_smollm2_has_induction_heads(smollm2):
 def test_registry_lists_every_detector():
     assert set(DETECTORS) == {"previous-token", "induction", "duplicate-token", "copying", "dla"}
     assert isinstance(get_detector("duplicate-token", length=5), DuplicateTokenDetector)
+
+
+def test_compensation_sees_a_kept_head_take_over_a_pruned_role(monkeypatch):
+    """'Recovery' planted by hand: the previous-token head L0H0 is pruned and, in the recovered copy,
+    kept head L0H2 is rewritten into a previous-token head: the table must show it."""
+    import copy
+    from types import SimpleNamespace
+
+    from analysis.measure.compensation import compensation, compensation_markdown
+    dense = planted_model()
+    recovered = copy.deepcopy(dense)
+    adapter = adapter_for(recovered)
+    hw = adapter.read_heads(recovered, 0)
+    hw.q[2], hw.k[2] = hw.q[0].clone(), hw.k[0].clone()
+    adapter.write_heads(recovered, 0, hw)
+    pruned = np.zeros((2, H), dtype=bool)
+    pruned[0, 0] = True
+
+    class Tok:                                                         # ids only: the text is given as ids
+        bos_token_id, all_special_ids = 0, [0]
+
+    loaded = SimpleNamespace(model=dense, tokenizer=Tok(), kind="causal-lm")
+    ids = _random_text(2, 16).reshape(-1)                              # the "text", already tokenized (2 x 16)
+    monkeypatch.setattr("analysis.measure.evaluation.token_ids", lambda tok, text, max_tokens=None: ids)
+    rows = compensation(loaded, recovered, pruned, "unused", names=("previous-token", "dla"), max_tokens=16,
+                        options=dict(length=N, n_sequences=2))
+    prev = next(r for r in rows if r["role"] == "previous-token")
+    assert (prev["kept_with_role_before"], prev["kept_with_role_after"]) == (0, 1)
+    assert prev["largest_rises"][0].startswith("L0H2")
+    dla = next(r for r in rows if r["role"] == "dla")
+    assert {"pruned_heads_dla_dense", "kept_heads_dla_before", "kept_heads_dla_after"} <= set(dla)
+    assert "Compensation after recovery" in compensation_markdown(rows)

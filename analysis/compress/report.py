@@ -59,11 +59,12 @@ class CompressionReport:
     curves: dict                                  # name -> {"sparsity": [...], "metric": [...]}
     rounds: list[dict]
     int8: dict | None = None
+    compensation: list | None = None              # analysis.measure.compensation rows (with recovery)
 
     def as_dict(self) -> dict:
         return {"model": self.model, "metric": self.metric, "config": self.config,
                 "stages": [asdict(s) for s in self.stages], "curves": self.curves, "rounds": self.rounds,
-                "int8": self.int8}
+                "int8": self.int8, "compensation": self.compensation}
 
     def to_json(self) -> str:
         return json.dumps(_plain(self.as_dict()), indent=1)
@@ -84,7 +85,9 @@ class CompressionReport:
                         f"({r['metric']:.3f}x) |")
         curves = "\n".join(f"- {name}: " + ", ".join(f"{x:.1%} -> {y:.3f}" for x, y in zip(c["sparsity"], c["metric"]))
                            for name, c in self.curves.items())
-        return head + "\n".join(rows) + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n"
+        from analysis.measure.compensation import compensation_markdown
+        extra = "\n" + compensation_markdown(self.compensation) if self.compensation else ""
+        return head + "\n".join(rows) + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n" + extra
 
     def plot_png(self, path) -> None:
         import matplotlib
@@ -199,10 +202,15 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
         stages.append(int8_stage)
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
+    comp = None
+    if config.recovery_steps and result.accepted:                # kept heads' roles before / after distillation
+        from analysis.measure.compensation import compensation
+        report(0.95, "roles of the kept heads before and after recovery")
+        comp = compensation(loaded, result.model, result.pruned, eval_text, should_stop=should_stop)
     report(1.0, "report ready")
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
                             stages=_with_ratios(stages), curves=curves, rounds=[r.as_dict() for r in result.rounds],
-                            int8=int8_info)
+                            int8=int8_info, compensation=comp)
     return rep, result
 
 
