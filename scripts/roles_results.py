@@ -73,6 +73,12 @@ def model_section(name: str, cache_dir, *, max_tokens: int, permutations: int, s
                      f"{p['with_role']} |")
     ind = det["induction"]
     lines.append("")
+    sig = [t for t in tests if np.isfinite(t.p_value) and t.p_value < 0.05]
+    rest = [t.role for t in tests if t not in sig and np.isfinite(t.auc)]
+    lines.append("As it comes out: " + ("; ".join(
+        f"{t.role} heads score {'higher' if t.auc > 0.5 else 'lower'} under MP-G (AUC {t.auc:.2f}, p {t.p_value:.4f}, "
+        f"{t.n_with_role} heads)" for t in sig) or "no role is predicted by MP-G at p < 0.05")
+        + (f"; no significant relation for {', '.join(rest)}" if rest else "") + ".")
     lines.append("Strongest heads: " + "; ".join(
         f"{n}: " + ", ".join(f"L{l}H{h} ({s:.2f})" for l, h, s in det[n].tagged()[:4]) for n in names
         if det[n].tagged()) + ".")
