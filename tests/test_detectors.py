@@ -39,7 +39,7 @@ def planted_model(c: float = 1.5, seed: int = 0) -> GPT2LMHeadModel:
     random.  Head 1 copying: q = k = 0 (uniform), OV = identity TOK -> TOK, so U W_O W_V E = I.
     Heads 2, 3 of both layers: small random weights (the 'others')."""
     cfg = GPT2Config(vocab_size=V, n_positions=P, n_embd=D, n_layer=2, n_head=H, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).eval()
     adapter = adapter_for(model)
     gen = torch.Generator().manual_seed(seed)
@@ -335,3 +335,24 @@ def test_compensation_sees_a_kept_head_take_over_a_pruned_role(monkeypatch):
     dla = next(r for r in rows if r["role"] == "dla")
     assert {"pruned_heads_dla_dense", "kept_heads_dla_before", "kept_heads_dla_after"} <= set(dla)
     assert "Compensation after recovery" in compensation_markdown(rows)
+
+
+def test_cli_on_a_pruned_export_puts_kept_heads_in_their_slots(tmp_path):
+    from analysis.compress.export import export_pruned
+    model = planted_model()
+    pruned = np.zeros((2, H), dtype=bool)
+    pruned[0, 2] = pruned[1, 3] = True
+    export_pruned(model, pruned, tmp_path / "export")
+    r = _cli("--model", str(tmp_path / "export"), "--detector", "copying", "--detector", "induction", "--length",
+             str(N), "--n-sequences", "2", "--quiet")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)["detectors"]
+    gates = torch.as_tensor(~pruned, dtype=torch.float32)
+    for name in ("copying", "induction"):
+        shown = np.array(data[name]["scores"])
+        expected = get_detector(name, length=N, n_sequences=2).detect(model, gates=gates).scores
+        np.testing.assert_allclose(shown, expected, atol=1e-5, err_msg=name)
+        assert shown[0, 2] == 0.0 and shown[1, 3] == 0.0
+    # no tokenizer in this export: a text detector says so in one line
+    r = _cli("--model", str(tmp_path / "export"), "--detector", "dla", "--quiet")
+    assert r.returncode == 2 and "tokenizer" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -20,6 +20,9 @@ from analysis.cli import add_output_arguments, add_source_arguments, load_source
 from analysis.core.errors import InputError
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
 def _arguments(parser):
     from analysis.measure.detectors import DETECTORS
     add_source_arguments(parser, streaming=False)
@@ -53,10 +56,12 @@ def _load(ns, report):
         from analysis.compress.surgery import HeadLayout
         layout = HeadLayout.from_json((folder / LAYOUT_FILE).read_text(encoding="utf-8"))
         model = load_pruned(folder, attn_implementation="eager", trust_remote_code=ns.trust_remote_code)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        except (OSError, ValueError):
-            tokenizer = None
+        tokenizer = None                      # transformers builds an empty tokenizer from no files: check first
+        if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            except (OSError, ValueError):
+                tokenizer = None
         info = dict(source=str(folder), pruned_export=True, n_layers=layout.n_layers, n_heads=layout.n_heads)
         return SimpleNamespace(model=model, tokenizer=tokenizer), layout, info
     _, loaded, info = load_source(ns, report)
