@@ -17,6 +17,7 @@ DETECTOR_TITLES = {
     "induction": "Induction score (attention to the token after the earlier copy)",
     "duplicate-token": "Duplicate-token score (attention to earlier copies of the token)",
     "copying": "Copying score (OV circuit eigenvalue share)",
+    "successor": "Successor score (OV circuit maps ordinals to the next one)",
     "dla": "Direct logit attribution (mean logit added to the correct next token)",
 }
 
@@ -42,6 +43,12 @@ raises the logit of the token it attends to: the circuit's eigenvalues are mostl
 Score = sum of the eigenvalues' real parts / sum of their magnitudes (Elhage et al. 2021), from
 -1 to 1. Computed exactly over the whole vocabulary through a d x d factor of the circuit.
 Decoders only (it needs an unembedding).""",
+    "successor": """
+From weights only: does the head's OV circuit send an ordinal token to the next one (1 -> 2,
+Monday -> Tuesday, January -> February, A -> B)? Score = the share of ordinal tokens whose
+highest circuit logit, among the tokens of the same list, is their successor (Gould et al. 2023;
+chance is about one over the list's length). This reads the raw token embeddings; the paper reads
+them after the first MLP, so a head can be a successor head there and score lower here.""",
     "dla": """
 Each head's output, pushed through the final norm (its scale frozen at the value it has on the
 full residual) and the unembedding, dotted with the correct next token's direction: how many
@@ -139,14 +146,14 @@ def primary_detector(results: dict) -> tuple[np.ndarray, np.ndarray]:
 
 def section(lm) -> None:
     """The "What heads do" section: detector heatmaps, role tags, DLA per token, MP-G panel."""
-    from analysis.measure.detectors import DETECTORS
+    from analysis.measure.detectors import DECODER_ONLY, DETECTORS
     g = lm.geometry
     st.subheader("What heads do: induction, duplicate-token, copying, direct logit attribution")
     decoder = lm.kind == "causal-lm"
-    names = tuple(n for n in DETECTORS if decoder or n not in ("copying", "dla"))
+    names = tuple(n for n in DETECTORS if decoder or n not in DECODER_ONLY)
     if not decoder:
-        st.info(f"This model is a {lm.kind}: it has no unembedding, so the copying score and direct logit "
-                "attribution do not apply. The attention-pattern detectors run.")
+        st.info(f"This model is a {lm.kind}: it has no unembedding, so the copying and successor scores and "
+                "direct logit attribution do not apply. The attention-pattern detectors run.")
     with shown_errors("Head detectors"):
         tokens = int(st.number_input("Tokens of the built-in evaluation text (previous-token, DLA)", 16, 2048,
                                      step=64, key=state.widget_key("heads.taxonomy.tokens", value=128)))

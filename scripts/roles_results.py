@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from analysis.arch.models import load_model  # noqa: E402
 from analysis.core.atomic import write_section  # noqa: E402
 from analysis.measure.attribution import rank_correlation  # noqa: E402
-from analysis.measure.detectors import detect_heads  # noqa: E402
+from analysis.measure.detectors import DECODER_ONLY, DETECTORS, detect_heads  # noqa: E402
 from analysis.measure.roles import ROLES, head_roles  # noqa: E402
 from analysis.score.masks import plan_mask  # noqa: E402
 from analysis.score.specialization import (ROLES_MARKERS, mpg_scores, pruned_roles, role_tests,  # noqa: E402
@@ -43,7 +43,7 @@ def model_section(name: str, cache_dir, *, max_tokens: int, permutations: int, s
     start = time.perf_counter()
     loaded = load_model(name, cache_dir=cache_dir)
     decoder = loaded.kind == "causal-lm"
-    names = ["previous-token", "induction", "duplicate-token"] + (["copying", "dla"] if decoder else [])
+    names = [n for n in DETECTORS if decoder or n not in DECODER_ONLY]
     det = detect_heads(loaded, names, max_tokens=max_tokens, options=dict(seed=seed))
     strengths = strengths_of(det)
     pattern = head_roles(loaded, max_tokens=max_tokens)
@@ -87,7 +87,7 @@ def model_section(name: str, cache_dir, *, max_tokens: int, permutations: int, s
         lines.append(f"In-context-learning score: loss {e['loss_first_copy']:.3f} nats on the first copy, "
                      f"{e['loss_second_copy']:.3f} on the second (drop {e['icl_score']:.3f}).")
     if not decoder:
-        lines.append("Copying and DLA do not apply (no unembedding: MiniLM has no LM head).")
+        lines.append("Copying, successor and DLA do not apply (no unembedding: MiniLM has no LM head).")
     lines += ["", f"({time.perf_counter() - start:.0f} s)", ""]
     return lines
 

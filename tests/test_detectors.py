@@ -22,7 +22,9 @@ from tests._tiny import tiny_input_ids, tiny_model
 V, P, D, H = 16, 16, 128, 4     # vocab, positions, residual width, heads (head size 32)
 POS, TOK, PREV = slice(0, 16), slice(16, 32), slice(32, 48)   # residual subspaces
 N = 6                           # random tokens per copy; sequences are [BOS=0] r r (13 tokens)
-PLANTED = {"previous-token": (0, 0), "duplicate-token": (0, 1), "induction": (1, 0), "copying": (1, 1)}
+PLANTED = {"previous-token": (0, 0), "duplicate-token": (0, 1), "induction": (1, 0), "copying": (1, 1),
+           "successor": (1, 2)}
+ORDINAL = list(range(1, 9))     # tokens 1..8 play "1, 2, ..., 8" for the successor detector
 
 
 def planted_model(c: float = 1.5, seed: int = 0) -> GPT2LMHeadModel:
@@ -37,7 +39,8 @@ def planted_model(c: float = 1.5, seed: int = 0) -> GPT2LMHeadModel:
     Layer 1, head 0 induction: q_i = c (token_i), k_j = c (PREV_j), so it attends to where the
     previous token was the current one (K-composition with the previous-token head); OV small
     random.  Head 1 copying: q = k = 0 (uniform), OV = identity TOK -> TOK, so U W_O W_V E = I.
-    Heads 2, 3 of both layers: small random weights (the 'others')."""
+    Head 2 successor: OV maps token t to t + 1 (a shift: nilpotent, so its copying score is 0).
+    Heads 2 (QK), 3 of both layers: small random weights (the 'others')."""
     cfg = GPT2Config(vocab_size=V, n_positions=P, n_embd=D, n_layer=2, n_head=H, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).eval()
@@ -68,12 +71,17 @@ def planted_model(c: float = 1.5, seed: int = 0) -> GPT2LMHeadModel:
                 hw.q[0, :16, TOK], hw.k[0, :16, PREV] = c * eye, c * eye
                 hw.v[0], hw.o[0] = small(32, D), small(32, D)
                 hw.v[1, :16, TOK], hw.o[1, :16, TOK] = eye, eye
+                succ = torch.zeros(16, 16)
+                succ[torch.arange(1, 16), torch.arange(15)] = 1.0          # token t -> t + 1
+                hw.v[2], hw.o[2] = torch.zeros(32, D), torch.zeros(32, D)
+                hw.v[2, :16, TOK], hw.o[2, :16, TOK] = eye, succ.T
             adapter.write_heads(model, layer, hw)
     return model
 
 
 def _detect(model, name, ids=None, **kw):
-    options = dict(length=N, n_sequences=4, bos_id=0) if name in ("induction", "duplicate-token") else {}
+    options = (dict(length=N, n_sequences=4, bos_id=0) if name in ("induction", "duplicate-token") else
+               dict(categories=[ORDINAL]) if name == "successor" else {})
     return get_detector(name, **options).detect(model, ids, **kw)
 
 
@@ -301,7 +309,7 @@ def test_smollm2_has_induction_heads(smollm2):
 
 
 def test_registry_lists_every_detector():
-    assert set(DETECTORS) == {"previous-token", "induction", "duplicate-token", "copying", "dla"}
+    assert set(DETECTORS) == {"previous-token", "induction", "duplicate-token", "copying", "successor", "dla"}
     assert isinstance(get_detector("duplicate-token", length=5), DuplicateTokenDetector)
 
 

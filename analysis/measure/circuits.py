@@ -95,3 +95,93 @@ class CopyingDetector:
         scores = zero_pruned(place(per_layer, slots, geo.n_heads), gates_array(model, gates))
         return Detection(self.name, scores, self.threshold, self.unit,
                          dict(method="exact eigenvalues of the d x d factor of the full-vocabulary OV circuit"))
+
+
+# Ordinal sequences for successor heads (Gould et al. 2023, "Successor Heads"): each list in order.
+ORDINALS = (
+    [str(i) for i in range(1, 10)],
+    ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"],
+    ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"],
+    ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"],
+    ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+     "November", "December"],
+    [chr(c) for c in range(ord("A"), ord("Z") + 1)],
+)
+MIN_ORDINALS = 3
+
+
+def ordinal_token_ids(tokenizer) -> list[list[int]]:
+    """The ORDINALS lists as single-token ids (a leading-space form where the tokenizer has one,
+    else the bare word); words that are not one token are dropped, lists left under 3 are dropped."""
+    out = []
+    for words in ORDINALS:
+        for form in (" {}", "{}"):
+            ids = [tokenizer(form.format(w), add_special_tokens=False)["input_ids"] for w in words]
+            run = [i[0] for i in ids if len(i) == 1]
+            if len(run) == len(words):
+                out.append(run)
+                break
+        else:
+            run = [i[0] for i in ids if len(i) == 1]
+            if len(run) >= MIN_ORDINALS:
+                out.append(run)
+    return out
+
+
+class SuccessorDetector:
+    """Successor heads from the OV circuit: does the head map an ordinal token (1, Monday, January,
+    ...) to the NEXT one (2, Tuesday, February)? Score = share of ordinal tokens whose highest
+    OV-circuit logit among the tokens of the same list is their successor (chance = 1 / list length).
+    Uses the raw token embeddings (through the layer's input-norm scale); Gould et al. read the
+    embeddings after the first MLP, so this is the direct-path version. Weights only, decoders only;
+    one verb: detect."""
+    name = "successor"
+    threshold = 0.5
+    unit = "share of ordinals"
+    needs_text = False
+
+    def __init__(self, categories: list[list[int]] | None = None, tokenizer=None, **_):
+        self.categories = categories if categories is not None else (
+            ordinal_token_ids(tokenizer) if tokenizer is not None else None)
+
+    def detect(self, model, ids=None, *, gates=None, layout=None, progress: Progress | None = None,
+               should_stop: ShouldStop | None = None) -> Detection:
+        from analysis.core.errors import InputError
+        cats = [list(map(int, c)) for c in (self.categories or []) if len(c) >= MIN_ORDINALS]
+        if not cats:
+            raise InputError("The successor detector needs ordinal tokens (a tokenizer with single-token digits, "
+                             "days or months); this model's tokenizer gives none.")
+        readout = final_readout(model)
+        adapter = adapter_for(model)
+        geo = adapter.geometry(model)
+        slots = head_slots(model, layout, adapter)
+        emb = model.get_input_embeddings().weight.detach().double().cpu()   # [V, D]
+        layers = adapter.layers(model)
+        per_layer = []
+        for l in range(geo.n_layers):
+            check_stop(should_stop, "Successor scores")
+            lg = layer_geometry(model, l, geo, adapter)
+            if lg.n_heads == 0:
+                per_layer.append(None)
+                continue
+            hw = adapter.read_heads(model, l, lg)
+            gl = _input_gamma(layers[l], emb.shape[1])
+            scores = np.zeros(lg.n_heads)
+            for h in range(lg.n_heads):
+                v = hw.v[h // lg.group_size].double().cpu()            # [d, D]
+                o = hw.o[h].double().cpu()                             # [d, D]
+                hits, total = 0, 0
+                for cat in cats:
+                    idx = torch.as_tensor(cat)
+                    src = (emb[idx] * gl) @ v.T                        # [k, d] values of the ordinal tokens
+                    out = (src @ o) * readout.gamma                    # [k, D] written, through the final scale
+                    logits = out @ readout.unembed[idx].T              # [k, k] row i: input token i
+                    best = logits[:-1].argmax(-1)                      # [k-1]
+                    hits += int((best == torch.arange(1, len(cat))).sum())
+                    total += len(cat) - 1
+                scores[h] = hits / total
+            per_layer.append(scores)
+            report(progress, (l + 1) / geo.n_layers, "successor scores: OV circuits")
+        scores = zero_pruned(place(per_layer, slots, geo.n_heads), gates_array(model, gates))
+        return Detection(self.name, scores, self.threshold, self.unit,
+                         dict(categories=len(cats), ordinal_tokens=sum(len(c) for c in cats)))

@@ -17,6 +17,8 @@ head slots, the threshold above which a head has the role, and extras. `ids` is 
   key holding the same token id, averaged over the queries that have one). Measured on the same
   repeated random sequences, where each second-copy token has exactly one earlier occurrence.
 - copying (analysis.measure.circuits): OV-circuit eigenvalue share, weights only, decoders only.
+- successor (analysis.measure.circuits): the OV circuit maps ordinal tokens (1, Monday, January, ...)
+  to their successors (Gould et al. 2023), weights only, decoders only, needs the tokenizer.
 - dla (analysis.measure.dla): direct logit attribution on the text, decoders only.
 
 Encoders: previous-token, induction and duplicate-token run on encoders too (the definitions
@@ -32,7 +34,7 @@ import torch
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.measure.circuits import CopyingDetector
+from analysis.measure.circuits import CopyingDetector, SuccessorDetector
 from analysis.measure.dla import DirectLogitDetector
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place, zero_pruned
 from analysis.measure.roles import DEFAULT_THRESHOLDS, attention_forward, previous_token_mass
@@ -207,13 +209,16 @@ DETECTORS = {
     "induction": InductionDetector,
     "duplicate-token": DuplicateTokenDetector,
     "copying": CopyingDetector,
+    "successor": SuccessorDetector,
     "dla": DirectLogitDetector,
 }
+DECODER_ONLY = ("copying", "successor", "dla")     # need an unembedding (refuse encoders with one line)
 DETECTOR_HELP = {
     "previous-token": "mean attention on the previous token (text)",
     "induction": "attention to the token after the earlier copy (repeated random tokens)",
     "duplicate-token": "attention to earlier occurrences of the same token (repeated random tokens)",
     "copying": "OV circuit eigenvalue share: maps tokens to themselves (weights; decoders)",
+    "successor": "OV circuit maps ordinals to the next one: 1->2, Monday->Tuesday (weights; decoders)",
     "dla": "direct logit attribution to the correct next token (text; decoders)",
 }
 
@@ -232,6 +237,9 @@ def get_detector(name: str, tokenizer=None, **options):
         allowed = {"length", "n_sequences", "batch_size", "seed", "bos_id", "exclude"}
     elif name == "copying":
         allowed = set()
+    elif name == "successor":
+        options = {**options, "tokenizer": tokenizer}
+        allowed = {"categories", "tokenizer"}
     else:
         allowed = {"batch_size"}
     return cls(**{k: v for k, v in options.items() if k in allowed})
@@ -262,4 +270,4 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
     return out
 
 
-__all__ = ["DETECTORS", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]
+__all__ = ["DECODER_ONLY", "DETECTORS", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]
