@@ -1,0 +1,64 @@
+"""headscope's library: see, score and cut the attention heads of Hugging Face transformer models.
+
+The public API is the table `API` below (name -> the module that owns it); `from analysis import
+load_model` imports only what that name needs (PEP 562 lazy attributes, so `python -m analysis` and
+the app pay for what they use). The packages, in import order (a module imports only from its own
+package or those before it; tests/test_layering.py checks it):
+
+    core      errors, atomic writes, progress and cancel, schemas, placement, processes, built-in text
+    arch      head geometry, the family table and layouts, surgery mechanics, head gates, checkpoints, loading
+    measure   row-norm profiles (also streamed), losses, evaluation, ablation, attribution, roles, redundancy
+    score     the scorer registry, masks and policies, z sweeps, sparsity curves
+    compress  surgery, exports (format registry), speed, distillation, INT8, the pipeline and its report
+    cli       `python -m analysis ...` (nothing else imports it)
+
+docs/ARCHITECTURE.md has one paragraph per package and the module table.
+"""
+from __future__ import annotations
+
+import importlib
+
+API: dict[str, str] = {
+    # loading and geometry
+    "load_model": "analysis.arch.models", "LoadedModel": "analysis.arch.models", "BUILTIN_MODELS": "analysis.arch.models",
+    "DEFAULT_MODEL": "analysis.arch.models", "count_parameters": "analysis.arch.models",
+    "HeadGeometry": "analysis.arch.geometry", "adapter_for": "analysis.arch.adapters",
+    "SUPPORTED_MODEL_TYPES": "analysis.arch.adapters",
+    # masking
+    "head_mask": "analysis.arch.head_gates", "gates_from_mask": "analysis.arch.head_gates",
+    "zero_heads": "analysis.arch.head_gates",
+    # measuring
+    "profile_model": "analysis.measure.profiles", "NormProfile": "analysis.measure.profiles",
+    "profile_checkpoint": "analysis.measure.streaming",
+    "evaluate": "analysis.measure.evaluation", "perplexity": "analysis.measure.evaluation",
+    "head_ablation": "analysis.measure.ablation", "head_attribution": "analysis.measure.attribution",
+    "head_roles": "analysis.measure.roles", "head_redundancy": "analysis.measure.redundancy",
+    # scoring and masks
+    "get_scorer": "analysis.score.scoring", "register_scorer": "analysis.score.scoring", "SCORERS": "analysis.score.scoring",
+    "HeadScores": "analysis.score.scoring", "plan_mask": "analysis.score.masks", "default_policy": "analysis.score.masks",
+    "summarize_mask": "analysis.score.masks", "POLICIES": "analysis.score.masks", "sweep_z": "analysis.score.sweep",
+    "sparsity_curve": "analysis.score.curves",
+    # compressing
+    "prune_heads": "analysis.compress.surgery", "HeadLayout": "analysis.compress.surgery",
+    "export": "analysis.compress.export", "export_to": "analysis.compress.export", "FORMATS": "analysis.compress.export",
+    "register_format": "analysis.compress.export", "ExportFormat": "analysis.compress.export",
+    "load_pruned": "analysis.compress.export", "mask_record": "analysis.compress.export",
+    "read_mask_json": "analysis.compress.export", "distill": "analysis.compress.distill",
+    "DistillConfig": "analysis.compress.distill", "run_pipeline": "analysis.compress.pipeline",
+    "PipelineConfig": "analysis.compress.pipeline", "compression_report": "analysis.compress.report",
+    # errors
+    "HeadscopeError": "analysis.core.errors", "InputError": "analysis.core.errors",
+    "ModelLoadError": "analysis.core.errors", "CancelledError": "analysis.core.errors",
+}
+
+__all__ = sorted(API)
+
+
+def __getattr__(name: str):
+    if name not in API:
+        raise AttributeError(f"module 'analysis' has no attribute {name!r}")
+    return getattr(importlib.import_module(API[name]), name)   # modules are cached by the import system
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(API))

@@ -1,4 +1,4 @@
-"""`python -m analysis ...`: the headless CLI (see analysis/cli.py)."""
+"""`python -m analysis ...`: the headless CLI (see analysis/cli/)."""
 
 import sys
 

@@ -43,7 +43,7 @@ def main() -> None:
 
     from analysis.score import scoring
 
-    from analysis import sweep  # noqa: F401  (imports warm)
+    from analysis.score import sweep  # noqa: F401  (imports warm)
     from components import cache, charts, controls, state  # noqa: F401
 
     convert = timed(lambda: models.load_model(models.DEFAULT_MODEL))

@@ -105,6 +105,24 @@ def scorer_params(scorer: str, z: float, *, where=st, prefix: str = "param") -> 
     return params
 
 
+def format_options(where, fmt: str, options: dict, *, prefix: str = "export.opt") -> dict:
+    """Widgets for an export format's own options (analysis.compress.export.FormatOption): a choice box
+    where the option lists its values, else a widget of the default's type; returns name -> value."""
+    out = {}
+    for name, opt in options.items():
+        key = state.widget_key(f"{prefix}.{fmt}.{name}", value=opt.default)
+        label = name.replace("_", " ")
+        if opt.choices is not None:
+            out[name] = where.selectbox(label, list(opt.choices), key=key, help=opt.help or None)
+        elif isinstance(opt.default, bool):
+            out[name] = where.checkbox(label, key=key, help=opt.help or None)
+        elif isinstance(opt.default, int):
+            out[name] = int(where.number_input(label, step=1, key=key, help=opt.help or None))
+        else:
+            out[name] = where.text_input(label, key=key, help=opt.help or None)
+    return out
+
+
 def policy_controls(where=st, *, prefix: str = "policy") -> dict:
     """Mask policy widgets -> kwargs for analysis.score.masks.plan_mask (policy, min_per_layer)."""
     policies = list(masks.POLICIES)

@@ -11,14 +11,6 @@ from components.errors import shown_errors
 
 shell.ensure_app()
 
-FORMAT_HELP = {
-    "zeroed": "original shapes, pruned heads zeroed: loads anywhere, not smaller",
-    "pruned": "physically smaller, with head_layout.json (load with analysis.compress.export.load_pruned)",
-    "stock": "physically smaller, loads with stock from_pretrained (needs the same head counts in every layer: "
-             "use the balanced-uniform policy)",
-    "onnx": "model.onnx of the physically smaller model, for ONNX Runtime",
-}
-
 st.title("Export")
 lm = cache.model_or_stop()
 g = lm.geometry
@@ -50,10 +42,15 @@ root_text = st.text_input("Export root: every export becomes a folder in here",
                                f"{export_mod.EXPORT_ROOT_ENV}.")
 output_root = Path(root_text.strip() or default_root).expanduser()
 c1, c2 = st.columns([1, 2])
-fmt = c1.selectbox("Format", list(export_mod.FORMATS), format_func=lambda f: f"{f}: {FORMAT_HELP.get(f, '')}",
-                   key=state.widget_key("export.format", value=export_mod.FORMATS[0]))
-kv_policy = numbers.kv_policy_choice(c1)
-surgery = {} if fmt == "zeroed" else {"kv_policy": kv_policy}       # zeroed keeps the original shapes
+names = list(export_mod.FORMATS)                                    # the format registry
+fmt = c1.selectbox("Format", names, format_func=lambda f: export_mod.FORMATS[f].label or f,
+                   key=state.widget_key("export.format", value=names[0]))
+form = export_mod.FORMATS[fmt]
+c1.caption(form.help)
+# a physical format is cut by surgery (kv_policy applies); a full-shape one keeps the original shapes
+surgery = {"kv_policy": numbers.kv_policy_choice(c1)} if form.physical else {}
+kv_policy = surgery.get("kv_policy", "auto")
+options = controls.format_options(c1, fmt, form.options)
 auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy['policy']}-{fmt}"
 folder = c2.text_input("Folder name (follows the settings until you edit it)",
                        key=state.following_widget_key("export.folder", auto_name))
@@ -68,7 +65,8 @@ if st.button("Export", type="primary", key="export.run"):
     with shown_errors("Exporting"):
         with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(), report):
             result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
-                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery)
+                                       tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
+                                       **options)
         state.remember("export.last", result)
 last = state.recall("export.last")
 if last is not None:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from analysis import distributed  # noqa: E402
+from analysis.core import distributed  # noqa: E402
 from analysis.core.atomic import atomic_write, marked_section  # noqa: E402
 from analysis.measure.attribution import rank_correlation  # noqa: E402
 from analysis.core.errors import InputError  # noqa: E402

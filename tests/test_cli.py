@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from analysis import cli
-from analysis.score.masks import plan_mask
+from analysis.score.masks import default_policy, plan_mask
 from analysis.measure.profiles import profile_model
 from analysis.score.scoring import MPGScorer
 from tests._tiny import tiny_model
@@ -60,11 +60,17 @@ def test_score_csv(checkpoint, capsys, tmp_path):
 
 def test_mask_matches_plan_mask(checkpoint, capsys):
     folder, model = checkpoint
-    code, out, _ = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.5", "--z", "1.0", "--quiet")
-    assert code == 0
-    data = json.loads(out)
-    plan = plan_mask(MPGScorer(z=1.0).score(profile_model(model)), 0.5, group_size=2)
-    assert np.array_equal(np.array(data["pruned"], dtype=bool), plan.pruned)
+    scores = MPGScorer(z=1.0).score(profile_model(model))
+    for policy in ("global", None):          # None: the default, groups on this GQA model (never grows it)
+        extra = ("--policy", policy) if policy else ()
+        code, out, _ = _run(capsys, "mask", "--checkpoint", folder, "--sparsity", "0.5", "--z", "1.0", "--quiet",
+                            *extra)
+        assert code == 0
+        data = json.loads(out)
+        plan = plan_mask(scores, 0.5, group_size=2, policy=policy or "groups")
+        assert data["policy"] == (policy or "groups")
+        assert np.array_equal(np.array(data["pruned"], dtype=bool), plan.pruned)
+    assert data["summary"]["params_removed"] > 0 and data["summary"]["kv_cache_ratio"] < 1   # groups: smaller
     assert data["summary"]["n_pruned"] == math.floor(0.5 * 12)
     assert data["summary"]["kv_heads_removed"] == int(plan.kv_pruned.sum())
 
@@ -127,7 +133,12 @@ def test_mask_and_sweep_on_smollm2(capsys, builtin_cache_dir):
     assert code == 0, err
     data = json.loads(out)
     summary = data["summary"]
-    assert summary["n_pruned"] == math.floor(0.25 * 270) and summary["kv_heads"] == 90
+    # the default policy on this GQA model is groups: whole KV groups of G = 3 heads, the nearest
+    # feasible count to floor(0.25 * 270) = 67 (66 = 22 groups), and the model only shrinks
+    assert data["policy"] == "groups" and summary["kv_heads"] == 90
+    assert summary["n_pruned"] == 3 * round(math.floor(0.25 * 270) / 3) == 66 and summary["kv_heads_removed"] == 22
+    assert summary["params_removed"] > 0 and summary["kv_cache_ratio"] < 1
+    assert [w for w in summary["warnings"] if "nearest feasible count, 66" not in w] == []   # no growth warning
     assert data["scorer"] == "mp-g"                      # the default scorer on a GQA model
     assert data["stock"]["ok"] is False and "Nearest sparsities that can" in data["stock"]["message"]
     assert {"sparsity": 1 / 3, "policy": "balanced-uniform", "kv_policy": "auto", "heads": 6,
@@ -160,7 +171,9 @@ def test_evaluate_reports_dense_and_masked_equal_to_the_library(model_dir, capsy
     assert code == 0, err
     data = json.loads(out)
     loaded = load_model(str(model_dir))
-    plan = plan_mask(MPGScorer().score(profile_model(loaded.model)), 0.25, group_size=loaded.geometry.group_size)
+    G = loaded.geometry.group_size
+    plan = plan_mask(MPGScorer().score(profile_model(loaded.model)), 0.25, group_size=G, policy=default_policy(G))
+    assert data["policy"] == default_policy(G) == "groups"
     assert data["n_pruned"] == plan.n_pruned == math.floor(0.25 * 16)
     want = evaluate(loaded, text, pruned=plan.pruned, max_tokens=64).value
     dense = evaluate(loaded, text, max_tokens=64).value

@@ -11,12 +11,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-import analysis.compress.export as export_mod
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import HeadscopeError, InputError, ModelLoadError, UnsupportedModelError
-from analysis.compress.export import (ExportError, atomic_folder, export, export_onnx, export_pruned, export_stock,
-                             export_zeroed, load_pruned, mask_from_json, mask_record, read_mask_json,
-                             resolve_under)
+from analysis.compress.export import (ExportError, atomic_folder, export, export_to, load_pruned, mask_from_json,
+                                     mask_record, read_mask_json, resolve_under)
+from analysis.compress.export import folder as folder_mod
+from analysis.compress.export import formats as formats_mod
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.score.masks import plan_mask
 from analysis.arch.resize import SURGERY
@@ -62,7 +62,7 @@ def test_pruned_export_loads_and_matches(family, tmp_path):
     masks = surgery_masks(g, zlib.crc32(family.encode()))
     for name in ("emptied-layer", "uneven-groups", "random0"):
         pruned = masks[name]
-        result = export_pruned(model, pruned, tmp_path / name)
+        result = export_to("pruned", model, pruned, tmp_path / name)
         assert {"config.json", "model.safetensors", "head_layout.json", "mask.json"} <= set(result.files)
         loaded = load_pruned(result.path, attn_implementation="eager")
         assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL, name
@@ -76,7 +76,7 @@ def test_zeroed_export_loads_anywhere(family, tmp_path):
     model = tiny_model(family)
     ids = tiny_input_ids()
     pruned = _hard_mask(family)
-    result = export_zeroed(model, pruned, tmp_path / "z")
+    result = export_to("zeroed", model, pruned, tmp_path / "z")
     auto_cls = TINY_SPECS[family][0]
     loaded = auto_cls.from_pretrained(result.path, attn_implementation="eager").eval()
     assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL
@@ -100,7 +100,7 @@ def test_stock_from_pretrained_loads_uniform_export(family, tmp_path):
     g = adapter_for(model).geometry(model)
     auto_cls = TINY_SPECS[family][0]
     for name, pruned in _uniform_masks(g).items():
-        result = export_stock(model, pruned, tmp_path / name)
+        result = export_to("stock", model, pruned, tmp_path / name)
         config = json.loads((result.path / "config.json").read_text())
         loaded = auto_cls.from_pretrained(result.path, attn_implementation="eager").eval()   # stock code
         assert type(loaded).__module__.startswith("transformers.")
@@ -114,14 +114,14 @@ def test_stock_from_pretrained_loads_uniform_export(family, tmp_path):
 def test_stock_export_refusals(tmp_path):
     llama = tiny_model("llama")
     with pytest.raises(InputError, match="same head counts in every layer"):
-        export_stock(llama, _hard_mask("llama"), tmp_path / "a")
+        export_to("stock", llama, _hard_mask("llama"), tmp_path / "a")
     three = np.zeros((2, 4), bool)
     three[:, 0] = True                    # 3 heads: transformers requires hidden (32) % heads == 0
     with pytest.raises(UnsupportedModelError, match="transformers rejects"):
-        export_stock(llama, three, tmp_path / "b", kv_policy="expand")
+        export_to("stock", llama, three, tmp_path / "b", kv_policy="expand")
     gpt2 = tiny_model("gpt2")
     with pytest.raises(UnsupportedModelError, match="n_embd / n_head"):
-        export_stock(gpt2, _uniform_masks(adapter_for(gpt2).geometry(gpt2))["whole-group"], tmp_path / "c")
+        export_to("stock", gpt2, _uniform_masks(adapter_for(gpt2).geometry(gpt2))["whole-group"], tmp_path / "c")
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -130,7 +130,7 @@ def test_expand_policy_makes_uneven_layers_uniform(tmp_path):
     pruned = np.zeros((2, 4), bool)
     pruned[0, 0] = True                   # layer 0 uneven (1 + 2 kept), layer 1 keeps groups (2 + 1)
     pruned[1, 3] = True
-    result = export_stock(model, pruned, tmp_path / "s", kv_policy="expand")
+    result = export_to("stock", model, pruned, tmp_path / "s", kv_policy="expand")
     loaded = TINY_SPECS["qwen2"][0].from_pretrained(result.path, attn_implementation="eager").eval()
     ids = tiny_input_ids()
     assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL
@@ -141,7 +141,7 @@ def test_expand_policy_makes_uneven_layers_uniform(tmp_path):
 def test_onnx_runtime_matches_pytorch(family, tmp_path):
     model = tiny_model(family)
     pruned = _hard_mask(family)
-    result = export_onnx(model, pruned, tmp_path / "onnx")
+    result = export_to("onnx", model, pruned, tmp_path / "onnx")
     session = ort.InferenceSession(str(result.path / "model.onnx"), providers=["CPUExecutionProvider"])
     ids = tiny_input_ids(batch=3, seq=7, seed=5)        # not the traced shape [2, 8]
     mask = torch.ones_like(ids)
@@ -158,7 +158,7 @@ def test_onnx_runtime_matches_pytorch(family, tmp_path):
 def test_generate_on_a_loaded_pruned_model(tmp_path):
     model = tiny_model("llama")
     pruned = _hard_mask("llama")
-    result = export_pruned(model, pruned, tmp_path / "p")
+    result = export_to("pruned", model, pruned, tmp_path / "p")
     loaded = load_pruned(result.path, attn_implementation="eager")
     ids = tiny_input_ids(batch=1, seq=5)
     with head_mask(model, gates_from_mask(pruned)):
@@ -170,7 +170,7 @@ def test_load_pruned_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="head_layout.json"):
         load_pruned(tmp_path)
     model = tiny_model("gpt2")
-    result = export_pruned(model, _hard_mask("gpt2"), tmp_path / "p")
+    result = export_to("pruned", model, _hard_mask("gpt2"), tmp_path / "p")
     layout = json.loads((result.path / "head_layout.json").read_text())
     layout["heads"][1] = [0, 1, 2, 3]                  # weights hold 3 heads in layer 1
     layout["kv_heads"][1] = [0, 1, 2, 3]
@@ -220,7 +220,7 @@ def test_mask_json_bad_inputs(tmp_path):
     with pytest.raises(InputError, match="Cannot read"):
         mask_from_json(tmp_path / "missing.json")
     with pytest.raises(InputError, match="does not describe"):
-        export_pruned(model, _hard_mask("llama"), tmp_path / "x",
+        export_to("pruned", model, _hard_mask("llama"), tmp_path / "x",
                       record=mask_record(np.zeros((2, 4), bool), geometry=g))
 
 
@@ -258,26 +258,26 @@ def test_existing_target_is_not_overwritten_unless_asked(tmp_path):
     target.mkdir()
     (target / "keep.txt").write_text("precious")
     with pytest.raises(ExportError, match="not empty"):
-        export_pruned(model, _hard_mask("gpt2"), target)
+        export_to("pruned", model, _hard_mask("gpt2"), target)
     assert (target / "keep.txt").read_text() == "precious"
     assert _no_leftovers(tmp_path) == []
     # overwrite replaces only a headscope export: a folder of user files is never deleted (issue 11, class 4)
     with pytest.raises(ExportError, match="not a headscope export"):
-        export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
+        export_to("pruned", model, _hard_mask("gpt2"), target, overwrite=True)
     assert (target / "keep.txt").read_text() == "precious"
     assert _no_leftovers(tmp_path) == []
     (target / "keep.txt").unlink()
-    export_zeroed(model, _hard_mask("gpt2"), target)
-    export_pruned(model, _hard_mask("gpt2"), target, overwrite=True)
+    export_to("zeroed", model, _hard_mask("gpt2"), target)
+    export_to("pruned", model, _hard_mask("gpt2"), target, overwrite=True)
     assert not (target / "model.safetensors.index.json").exists() and (target / "head_layout.json").exists()
     assert _no_leftovers(tmp_path) == []
     empty = tmp_path / "empty"
     empty.mkdir()
-    export_zeroed(model, _hard_mask("gpt2"), empty)     # an empty folder is fine
+    export_to("zeroed", model, _hard_mask("gpt2"), empty)     # an empty folder is fine
     assert (empty / "mask.json").exists()
     (tmp_path / "file").write_text("x")
     with pytest.raises(ExportError, match="is a file"):
-        export_zeroed(model, _hard_mask("gpt2"), tmp_path / "file", overwrite=True)
+        export_to("zeroed", model, _hard_mask("gpt2"), tmp_path / "file", overwrite=True)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
@@ -287,7 +287,7 @@ def test_read_only_folder_real(tmp_path):
     ro.chmod(0o555)
     try:
         with pytest.raises(ExportError, match="writable"):
-            export_zeroed(tiny_model("gpt2"), _hard_mask("gpt2"), ro / "x")
+            export_to("zeroed", tiny_model("gpt2"), _hard_mask("gpt2"), ro / "x")
         assert os.listdir(ro) == []
     finally:
         ro.chmod(0o755)
@@ -296,9 +296,9 @@ def test_read_only_folder_real(tmp_path):
 def test_read_only_folder_simulated(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
-    monkeypatch.setattr(export_mod, "_fresh_dir", denied)   # the temporary folder cannot be made
+    monkeypatch.setattr(folder_mod, "_fresh_dir", denied)   # the temporary folder cannot be made
     with pytest.raises(ExportError, match="writable"):
-        export_zeroed(tiny_model("gpt2"), _hard_mask("gpt2"), tmp_path / "new" / "x")
+        export_to("zeroed", tiny_model("gpt2"), _hard_mask("gpt2"), tmp_path / "new" / "x")
     assert os.listdir(tmp_path) == [], "the parent folder created for the export was left behind"
 
 
@@ -310,18 +310,18 @@ def test_failure_halfway_leaves_nothing(tmp_path, monkeypatch, failure):
     def half_written(tmp, record, tokenizer, layout):
         (tmp / "mask.json").write_text("partial")
         raise failure
-    monkeypatch.setattr(export_mod, "_write_common", half_written)
+    monkeypatch.setattr(formats_mod, "_write_common", half_written)
     with pytest.raises(ExportError, match="nothing was left behind") as info:
-        export_pruned(model, _hard_mask("llama"), target)
+        export_to("pruned", model, _hard_mask("llama"), target)
     assert isinstance(info.value, HeadscopeError)
     assert os.listdir(tmp_path) == []
     # with overwrite, a failed export leaves the previous export untouched
     monkeypatch.undo()
-    export_pruned(model, _hard_mask("llama"), target)
+    export_to("pruned", model, _hard_mask("llama"), target)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    monkeypatch.setattr(export_mod, "_write_common", half_written)
+    monkeypatch.setattr(formats_mod, "_write_common", half_written)
     with pytest.raises(ExportError):
-        export_pruned(model, np.eye(2, 4, dtype=bool), target, overwrite=True)
+        export_to("pruned", model, np.eye(2, 4, dtype=bool), target, overwrite=True)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["t"]
 
@@ -338,7 +338,7 @@ def test_stock_export_without_pruning_loads_for_any_family(tmp_path):
     # nothing pruned: every family's config can say it, and load_pruned reads the save_pretrained keys
     model = tiny_model("gpt_neox")                      # save_pretrained renames lm_head -> embed_out
     nothing = np.zeros((2, 4), bool)
-    result = export_stock(model, nothing, tmp_path / "s")
+    result = export_to("stock", model, nothing, tmp_path / "s")
     ids = tiny_input_ids()
     loaded = load_pruned(result.path, attn_implementation="eager")
     assert (_out(loaded, ids) - _out(model, ids)).abs().max().item() <= TOL
@@ -353,7 +353,7 @@ def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
     ids = tiny_input_ids()
     plan = plan_mask(scores, 1 / 3, group_size=3, policy="balanced-uniform")
     assert stock_check(model, plan.pruned).ok
-    result = export_stock(model, plan.pruned, tmp_path / "balanced", kv_policy="strict")
+    result = export_to("stock", model, plan.pruned, tmp_path / "balanced", kv_policy="strict")
     loaded = TINY_SPECS["llama"][0].from_pretrained(result.path, attn_implementation="eager").eval()
     assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads) == (4, 2)
     assert (_out(loaded, ids) - _masked(model, plan.pruned, ids)).abs().max().item() <= TOL
@@ -363,7 +363,7 @@ def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
         pruned = plan_mask(scores, 0.5, group_size=3, policy=policy).pruned
         check = stock_check(model, pruned)
         try:
-            export_stock(model, pruned, tmp_path / policy)
+            export_to("stock", model, pruned, tmp_path / policy)
             exported = True
         except HeadscopeError:
             exported = False
@@ -403,7 +403,7 @@ def test_mask_json_records_the_kv_policy_of_the_cut(kv_policy, tmp_path):
     model = tiny_model("llama")
     pruned = np.zeros((2, 4), bool)
     pruned[0, 0] = True                                               # uneven groups: the policies differ
-    cut = export_pruned(model, pruned, tmp_path / f"cut-{kv_policy}", kv_policy=kv_policy)
+    cut = export_to("pruned", model, pruned, tmp_path / f"cut-{kv_policy}", kv_policy=kv_policy)
     assert read_mask_json(cut.path).kv_policy == kv_policy == cut.layout.kv_policy
-    zeroed = export_zeroed(model, pruned, tmp_path / f"zeroed-{kv_policy}")
+    zeroed = export_to("zeroed", model, pruned, tmp_path / f"zeroed-{kv_policy}")
     assert read_mask_json(zeroed.path).kv_policy is None

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from analysis.cli import add_output_arguments, add_source_arguments, load_source, progress_bar, register
+from analysis.cli.common import add_output_arguments, add_source_arguments, load_source, progress_bar, register
 from analysis.core.errors import InputError
 
 

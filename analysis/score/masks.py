@@ -6,8 +6,8 @@ taken in tie-break order (which weight-only scorers sort once per profile). The 
 first k = floor(s * L * H) heads of that order (a 1e-9 guard absorbs float error, so
 s = 0.29 on 100 heads prunes 29). A KV group is pruned when all of its query heads are.
 
-Policies:
-- "global" (default): exactly k heads, wherever the ranking puts them.
+Policies (`default_policy`: "groups" on GQA models, which never grows the model; "global" on MHA):
+- "global" (the paper's setting; `plan_mask`'s default argument): exactly k heads, wherever the ranking puts them.
 - "min-per-layer": still exactly k heads, walking the same order but skipping heads of
   layers that already have only `min_per_layer` heads left (InputError if k cannot fit).
 - "uniform": floor(s * H) heads in every layer (the lowest-ranked within each layer), so an
@@ -47,6 +47,16 @@ from analysis.arch.head_gates import kv_groups_emptied
 POLICIES = ("global", "min-per-layer", "uniform", "balanced", "balanced-uniform", "groups")
 KV_POLICIES = ("auto", "expand", "strict")
 GQA_POLICIES = ("balanced", "balanced-uniform", "groups")  # never expand K/V
+DEFAULT_GQA_POLICY = "groups"   # never grows the model; on SmolLM2 it beats balanced at 25 % and 50 % (docs/results.md)
+
+
+def default_policy(group_size: int) -> str:
+    """The mask policy a model gets unless one is chosen: "groups" on GQA / MQA models (G > 1: whole KV
+    groups go, K/V shrink with the queries, the model can never grow), "global" on MHA models (the
+    paper's setting; with G = 1 no policy can grow the model)."""
+    return DEFAULT_GQA_POLICY if int(group_size) > 1 else "global"
+
+
 _FLOOR_GUARD = 1e-9
 
 

@@ -1,0 +1,339 @@
+"""What every command shares: the command registry (`register`, `COMMANDS`), progress bars on stderr,
+JSON / CSV rendering, the source / placement / scorer / policy / output options and reading them back
+(`load_source`, `compute_scores`, `plan_from`), and `warn`. Command modules import from here; nothing
+under analysis/ outside the cli package imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from analysis.core import distributed
+from analysis.core.errors import InputError, first_line
+from analysis.score.masks import KV_POLICIES, POLICIES, check_sparsity, default_policy, plan_mask
+from analysis.measure.profiles import DEFAULT_Z, ORDS, SCOPES, STD_DDOF
+
+_STD_HELP = ("std in tau = mean + z * std: population (ddof 0, the default) or sample (ddof 1, PyTorch's "
+             "Tensor.std)")
+
+# scorer constructor parameter -> (flags, add_argument options); the option's dest is the parameter
+SCORER_OPTION_SPECS = {
+    "z": (("--z",), dict(type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")),
+    "scope": (("--scope",), dict(choices=SCOPES, default="layer", help="threshold population")),
+    "ord": (("--ord",), dict(type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")),
+    "std": (("--std",), dict(choices=tuple(STD_DDOF), default=None, help=_STD_HELP)),
+    "a_q": (("--a-q",), dict(type=float, default=None, help="MP-G weight of Q/O excess")),
+    "a_kv": (("--a-kv",), dict(type=float, default=None, help="MP-G weight of K/V excess")),
+    "seed": (("--seed",), dict(type=int, default=None, help="random scorer seed")),
+    "n_sequences": (("--n-sequences",), dict(type=int, default=None, help="calibration sequences (calibration scorers)")),
+    "seq_len": (("--seq-len",), dict(type=int, default=None, help="calibration sequence length")),
+    "batch_size": (("--batch-size",), dict(type=int, default=None)),
+    "n_steps": (("--n-steps",), dict(type=int, default=None, help="integrated-gradient steps")),
+    "damping": (("--damping",), dict(type=float, default=None, help="SparseGPT damping fraction")),
+    "normalize": (("--normalize",), dict(default=None, help="wanda / sparsegpt: 'layer' divides each layer's "
+                                                            "scores by that layer's mean (default none)")),
+}
+
+Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Runner
+    distributed: bool = False    # splits its work over the processes of a launch (ns.team); else rank 0 alone
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Runner,
+             distributed: bool = False) -> None:
+    """Add a subcommand. distributed=True: `run` passes ns.team (analysis.core.distributed.Team) to the work."""
+    COMMANDS[name] = Command(name, help, add_arguments, run, distributed)
+
+
+def team_of(ns: argparse.Namespace) -> distributed.Team:
+    """The processes this command runs on (SOLO outside a launch)."""
+    return getattr(ns, "team", None) or distributed.SOLO
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress and output
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[float, str], None]]:
+    """A progress(fraction, message) callback drawing a tqdm bar on stderr; closed in finally."""
+    bar = tqdm(total=1000, desc=description, file=sys.stderr, disable=not enabled, leave=False,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+
+    def report(fraction: float, message: str) -> None:
+        bar.n = int(1000 * min(max(fraction, 0.0), 1.0))
+        bar.set_postfix_str(message[:60], refresh=False)
+        bar.refresh()
+
+    try:
+        yield report
+    finally:
+        bar.close()
+
+
+def to_jsonable(value):
+    """numpy / nested containers -> plain JSON types."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def render(payload, rows: list | None, fmt: str) -> str:
+    """JSON of the payload, or CSV of the rows."""
+    if fmt == "json":
+        return json.dumps(to_jsonable(payload), indent=2) + "\n"
+    if not rows:
+        raise InputError("This command has no table to write as CSV; use --format json.")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(to_jsonable(rows))
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared options and sources
+# ---------------------------------------------------------------------------------------------
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, streaming: bool = True) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--model", default=None,
+                       help="built-in name (smollm2-135m, minilm-l6), local folder or cached hub id "
+                            "(default: smollm2-135m)")
+    if streaming:
+        group.add_argument("--checkpoint", default=None,
+                           help="safetensors checkpoint folder to profile by streaming (weight-only scorers)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code")
+    parser.add_argument("--cache-dir", default=None, help="headscope cache folder for built-ins")
+    add_placement_arguments(parser)
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Device, dtype and accelerate placement of the loaded model (checked by analysis/core/placement.py,
+    so a bad value is one clear line, not an argparse usage dump)."""
+    group = parser.add_argument_group("placement")
+    group.add_argument("--device", default="auto",
+                       help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
+    group.add_argument("--dtype", default="auto",
+                       help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16")
+    group.add_argument("--device-map", dest="device_map", default=None,
+                       help="auto: let accelerate spread the model over the GPUs, the CPU and the disk")
+    group.add_argument("--max-memory", dest="max_memory", default=None,
+                       help='per-device budgets for --device-map auto, e.g. "0=20GiB,cpu=8GiB" (implies it)')
+    group.add_argument("--offload-folder", dest="offload_folder", default=None,
+                       help="folder for weights that fit nowhere else (disk offload; implies --device-map auto)")
+
+
+def placement_kwargs(ns: argparse.Namespace) -> dict:
+    """load_model keywords from the placement options (defaults when a parser lacks them)."""
+    return dict(device=getattr(ns, "device", "auto"), dtype=getattr(ns, "dtype", "auto"),
+                device_map=getattr(ns, "device_map", None), max_memory=getattr(ns, "max_memory", None),
+                offload_folder=getattr(ns, "offload_folder", None))
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("json", "csv"), default="json")
+    parser.add_argument("--out", default=None, help="write here instead of stdout")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def scorer_option_defaults() -> dict[str, object]:
+    """{parameter: default} over the constructors of every registered scorer (the CLI's scorer options).
+
+    Parameters with a None default and no spec (array inputs such as the oracle's loss_increase)
+    have no option."""
+    from analysis.score.scoring import SCORERS, scorer_parameters
+
+    out = {}
+    for name in SCORERS:
+        for param, default in scorer_parameters(name).items():
+            if param in SCORER_OPTION_SPECS or default is not None:
+                out.setdefault(param, default)
+    return out
+
+
+def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str | None = None) -> None:
+    from analysis.score.scoring import SCORERS
+
+    parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default,
+                        help="default: mp-g on GQA/MQA models, mp on MHA models (equal there)")
+    for param, default in scorer_option_defaults().items():
+        flags, options = SCORER_OPTION_SPECS.get(param, ((f"--{param.replace('_', '-')}",),
+                                                          dict(type=type(default), default=None)))
+        parser.add_argument(*flags, dest=param, **options)
+    parser.add_argument("--ablation-file", default=None,
+                        help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
+
+
+def scorer_from(ns: argparse.Namespace):
+    """Build the chosen scorer from the options its constructor accepts."""
+    from analysis.score.scoring import get_scorer, scorer_parameters
+
+    kwargs = {param: getattr(ns, param) for param in scorer_parameters(ns.scorer)
+              if getattr(ns, param, None) is not None}
+    if ns.scorer == "ablation" and getattr(ns, "ablation_file", None):
+        kwargs["loss_increase"] = read_array(ns.ablation_file)
+    return get_scorer(ns.scorer, **kwargs)
+
+
+ARRAY_FILE_MAX_BYTES = 64 * 2**20   # a [L, H] table of numbers is far smaller
+
+
+def read_array(path: str) -> np.ndarray:
+    """A finite [L, H] float array from a .npy or JSON file (a list of lists, or {"head_delta": ...})."""
+    fix = ("Give a .npy file or a JSON list of lists of numbers, one row per layer "
+           "(e.g. the head_delta of an ablation run).")
+    try:
+        if Path(path).stat().st_size > ARRAY_FILE_MAX_BYTES:
+            raise InputError(f"--ablation-file {path} is larger than {ARRAY_FILE_MAX_BYTES // 2**20} MiB, far more "
+                             f"than a [layers, heads] table. {fix}")
+        if path.endswith(".npy"):
+            arr = np.load(path, allow_pickle=False)
+        else:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            arr = data.get("head_delta", data.get("scores")) if isinstance(data, dict) else data
+        arr = np.asarray(arr, dtype=np.float64)
+    except (OSError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
+        raise InputError(f"Could not read --ablation-file {path} ({reason}). {fix}") from None
+    if arr.ndim != 2 or not arr.size:
+        raise InputError(f"--ablation-file {path} holds an array of shape {list(arr.shape)}, not a [layers, heads] "
+                         f"table. {fix}")
+    if not np.isfinite(arr).all():
+        raise InputError(f"--ablation-file {path} holds NaN or infinite values. {fix}")
+    return arr
+
+
+def load_source(ns: argparse.Namespace, report):
+    """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint."""
+    for option in ("model", "checkpoint"):
+        value = getattr(ns, option, None)
+        if value is not None and not value.strip():
+            raise InputError(f"--{option} is empty; give a built-in name (smollm2-135m, minilm-l6), a folder or a "
+                             f"hub id, or leave the option out for the default model.")
+    if getattr(ns, "checkpoint", None):
+        from analysis.arch.adapters import adapter_for
+        from analysis.arch.checkpoint import checkpoint_folder, load_config
+        from analysis.measure.streaming import profile_checkpoint
+
+        trust = ns.trust_remote_code
+        config = load_config(checkpoint_folder(ns.checkpoint), trust_remote_code=trust)
+        geometry = adapter_for(config).geometry(config)
+        profile = profile_checkpoint(ns.checkpoint, progress=report, trust_remote_code=trust)
+        return profile, None, dict(source=ns.checkpoint, **geometry.as_dict())
+    from analysis.arch.models import DEFAULT_MODEL, load_model
+
+    loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
+                        cache_dir=ns.cache_dir, progress=report, **placement_kwargs(ns))
+    return loaded, loaded, dict(source=loaded.name, kind=loaded.kind, placement=loaded.placement.describe(),
+                                **loaded.geometry.as_dict())
+
+
+def resolve_scorer(ns: argparse.Namespace, group_size: int) -> str:
+    """--scorer, or the model's default (analysis.score.scoring.default_scorer) when it was not given."""
+    from analysis.score.scoring import default_scorer
+
+    if ns.scorer is None:
+        ns.scorer = default_scorer(group_size)
+    return ns.scorer
+
+
+def compute_scores(ns: argparse.Namespace):
+    """(HeadScores, LoadedModel | None, info) for the score / mask commands."""
+    from analysis.score.scoring import weight_only_scorers
+
+    weight_only = weight_only_scorers()
+    if getattr(ns, "checkpoint", None) and ns.scorer is not None and ns.scorer not in weight_only:
+        raise InputError(f"--checkpoint streams weights only; the {ns.scorer!r} scorer needs the model. "
+                         f"Use one of {', '.join(weight_only)}, or --model to load it.")
+    scorer = scorer_from(ns) if ns.scorer is not None else None   # bad options fail before loading
+    with progress_bar("loading", not ns.quiet) as report:
+        target, loaded, info = load_source(ns, report)
+    if scorer is None:
+        resolve_scorer(ns, info["group_size"])
+        scorer = scorer_from(ns)
+    if scorer.needs_calibration or loaded is None:
+        score_target = target
+    else:
+        from analysis.measure.profiles import profile_model
+
+        score_target = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
+    with progress_bar(f"scoring ({ns.scorer})", not ns.quiet) as report:
+        scores = scorer.score(score_target, progress=report, team=team_of(ns))
+    return scores, loaded, info
+
+
+def add_kv_policy_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-policy", dest="kv_policy", choices=KV_POLICIES, default="auto",
+                        help="how surgery handles GQA layers whose kept query heads are spread unevenly over KV "
+                             "groups: auto (copy K/V only there), expand (copy K/V in every layer), strict (refuse)")
+
+
+def plan_from(ns):
+    """(MaskPlan, HeadScores, LoadedModel | None, info) for the mask / evaluate / export commands."""
+    check_sparsity(ns.sparsity)                  # a bad sparsity fails before the model loads
+    scores, loaded, info = compute_scores(ns)
+    ns.policy = resolve_policy(ns, info["group_size"])
+    plan = plan_mask(scores, ns.sparsity, group_size=info["group_size"], policy=ns.policy, min_per_layer=ns.min_per_layer)
+    return plan, scores, loaded, info
+
+
+def warn(lines) -> None:
+    """Print each warning on stderr (the JSON/CSV result stays clean on stdout)."""
+    for line in lines:
+        sys.stderr.write(f"warning: {line}\n")
+
+
+POLICY_HELP = ("how the ranking becomes a mask (default: groups on GQA models, which never grows the model; global "
+               "on MHA models, the paper's setting): global, min-per-layer, uniform, balanced, balanced-uniform, "
+               "groups")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sparsity's mask policy (default: analysis.score.masks.default_policy of the model) and --min-per-layer."""
+    parser.add_argument("--policy", choices=POLICIES, default=None, help=POLICY_HELP)
+    parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
+
+
+def resolve_policy(ns: argparse.Namespace, group_size: int) -> str:
+    """The --policy given, else the model's default (groups on GQA, global on MHA)."""
+    return ns.policy if ns.policy is not None else default_policy(group_size)
+
+
+def add_model_mask_arguments(parser):
+    """Mask arguments for commands that need the model itself (no --checkpoint streaming)."""
+    add_source_arguments(parser, streaming=False)
+    add_scorer_arguments(parser)
+    parser.add_argument("--sparsity", type=float, required=True, help="fraction of heads to prune, in [0, 1)")
+    add_policy_arguments(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -1,0 +1,167 @@
+"""The export formats: one registry, one entry point.
+
+A format is a small class (`ExportFormat`) with a name (the CLI's `--export-format` choice and the app's
+name), a label, its own options (`FormatOption`: the CLI adds `--option-name`, the Export page a widget)
+and one verb, `write`, that fills a fresh folder. `register_format` adds it to `FORMATS`; the CLI, the
+Export page and the pipeline read their choices from there, so a new format is one module and one
+registration (docs/ARCHITECTURE.md, "How to add an export format").
+
+`export_to(fmt, model, pruned, target, ...)` does what every format shares: an in-memory copy of a
+dispatched model, the mask record, the atomic folder (`analysis.compress.export.folder`), mask.json,
+head_layout.json for a physical cut, the tokenizer files, and the listing of what was written.
+`export(fmt, model, pruned, root, name, ...)` is the same confined to an output root (what the app and
+the CLI call).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from torch import nn
+
+from analysis.arch.adapters import in_memory_copy, is_dispatched
+from analysis.compress.export.folder import (atomic_folder, check_export_name, clean_leftovers, listing,
+                                             resolve_under)
+from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
+from analysis.compress.surgery import HeadLayout, prune_heads
+from analysis.core.errors import InputError
+from analysis.core.progress import Progress, no_progress
+
+LAYOUT_FILE = "head_layout.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class FormatOption:
+    """One option of a format: its default, the allowed values (None: any value of the default's type)
+    and a help line."""
+    default: Any
+    choices: tuple | None = None
+    help: str = ""
+
+
+class ExportFormat:
+    """One export format. Subclasses set the class attributes and implement `write`."""
+    name: ClassVar[str] = ""
+    label: ClassVar[str] = ""                  # what the app shows
+    help: ClassVar[str] = ""                   # one line: what the folder holds and what loads it
+    physical: ClassVar[bool] = True            # written from surgery's smaller model (kv_policy applies)
+    options: ClassVar[dict[str, FormatOption]] = {}
+
+    def write(self, model: nn.Module, pruned, folder: Path, *, kv_policy: str = "auto", rounds=None,
+              **options) -> HeadLayout | None:
+        """Write the format's files into `folder` (a fresh temporary folder that becomes the export;
+        mask.json, head_layout.json and the tokenizer are written by `export_to`). Returns the
+        HeadLayout of a physical cut, None for a full-shape one."""
+        raise NotImplementedError
+
+
+class PhysicalFormat(ExportFormat):
+    """A format written from the physically pruned model: `write` cuts, `write_cut` writes it."""
+    physical = True
+
+    def write(self, model, pruned, folder, *, kv_policy="auto", rounds=None, **options):
+        smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
+        self.write_cut(smaller, layout, folder, original=model, **options)
+        return layout
+
+    def write_cut(self, smaller: nn.Module, layout: HeadLayout, folder: Path, *, original: nn.Module,
+                  **options) -> None:
+        raise NotImplementedError
+
+
+FORMATS: dict[str, ExportFormat] = {}
+
+
+def register_format(cls: type[ExportFormat]) -> type[ExportFormat]:
+    """Add a format to the registry (usable as a class decorator); its name must be new."""
+    if not cls.name or cls.name in FORMATS:
+        raise ValueError(f"export format name {cls.name!r} is empty or taken")
+    FORMATS[cls.name] = cls()
+    return cls
+
+
+def get_format(fmt: str) -> ExportFormat:
+    if fmt not in FORMATS:
+        raise InputError(f"Unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
+    return FORMATS[fmt]
+
+
+def format_options(fmt: str, given: dict) -> dict:
+    """The options of `fmt`: its defaults overridden by `given` (unknown names and values refused)."""
+    spec = get_format(fmt).options
+    unknown = sorted(set(given) - set(spec))
+    if unknown:
+        raise InputError(f"The {fmt} export has no option {unknown[0]!r}; its options are "
+                         f"{', '.join(spec) or 'none'}.")
+    out = {name: opt.default for name, opt in spec.items()}
+    for name, value in given.items():
+        if spec[name].choices is not None and value not in spec[name].choices:
+            raise InputError(f"The {fmt} export's {name} must be one of {', '.join(map(str, spec[name].choices))}; "
+                             f"got {value!r}.")
+        out[name] = value
+    return out
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote: its format, final folder, file name -> size in bytes."""
+    format: str
+    path: Path
+    files: dict[str, int]
+    layout: HeadLayout | None = None
+    notes: list[str] = field(default_factory=list)   # leftovers of killed exports cleaned or recovered
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def _write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None) -> None:
+    if layout is not None:          # a physical cut: mask.json says which kv_policy built it
+        record = replace(record, kv_policy=layout.kv_policy)
+    (tmp / MASK_FILE).write_text(record.to_json(), encoding="utf-8")
+    if layout is not None:
+        (tmp / LAYOUT_FILE).write_text(layout.to_json(), encoding="utf-8")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+
+
+def resident(model: nn.Module) -> nn.Module:
+    """`model`, or for one accelerate dispatched or offloaded an in-memory copy on the CPU: an export
+    writes real tensors from one device (costs the model's size in RAM, once, for the export)."""
+    return in_memory_copy(model) if is_dispatched(model) else model
+
+
+def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
+              kv_policy: str = "auto", rounds=None, overwrite: bool = False, progress: Progress | None = None,
+              **options) -> ExportResult:
+    """Export `model` under the mask `pruned` [L, H] in format `fmt` into the folder `target` (atomic).
+
+    kv_policy / rounds go to surgery for physical formats (ignored by full-shape ones); `options` are the
+    format's own (`FormatOption`s)."""
+    form = get_format(fmt)
+    opts = format_options(fmt, options)
+    report = progress or no_progress
+    model = resident(model)
+    record = record_for(model, pruned, record)
+    target = Path(target)
+    notes = clean_leftovers(target.parent)
+    for note in notes:
+        report(0.0, note)
+    report(0.0, f"{fmt} export: writing to a temporary folder")
+    with atomic_folder(target, overwrite=overwrite) as tmp:
+        layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, **opts)
+        _write_common(tmp, record, tokenizer, layout)
+        report(0.9, f"{fmt} export: moving into place")
+    report(1.0, f"{fmt} export written to {target}")
+    return ExportResult(format=fmt, path=target, files=listing(target), layout=layout, notes=notes)
+
+
+def export(fmt: str, model: nn.Module, pruned, root, name: str, **kwargs) -> ExportResult:
+    """Export in format `fmt` to the folder `name`, confined to the output folder `root` (see export_to)."""
+    get_format(fmt)
+    target = resolve_under(root, name)              # escapes first: their message says "outside"
+    check_export_name(name)
+    return export_to(fmt, model, pruned, target, **kwargs)
