@@ -346,11 +346,11 @@ def test_compensation_sees_a_kept_head_take_over_a_pruned_role(monkeypatch):
 
 
 def test_cli_on_a_pruned_export_puts_kept_heads_in_their_slots(tmp_path):
-    from analysis.compress.export import export_pruned
+    from analysis.compress.export import export_to
     model = planted_model()
     pruned = np.zeros((2, H), dtype=bool)
     pruned[0, 2] = pruned[1, 3] = True
-    export_pruned(model, pruned, tmp_path / "export")
+    export_to("pruned", model, pruned, tmp_path / "export")
     r = _cli("--model", str(tmp_path / "export"), "--detector", "copying", "--detector", "induction", "--length",
              str(N), "--n-sequences", "2", "--quiet")
     assert r.returncode == 0, r.stderr
