@@ -41,7 +41,7 @@ def headscope_side(model_dir: Path, length: int, n_sequences: int, seed: int) ->
     loaded = load_model(str(model_dir))
     out = {"ids": None, "scores": {}, "targets": {}}
     ind = get_detector("induction", loaded.tokenizer, length=length, n_sequences=n_sequences, seed=seed)
-    ids = ind._ids(loaded.model)                                       # [n, T] the detectors' own input
+    ids = ind.inputs(loaded.model)                                     # [n, T] the detectors' own input
     out["ids"] = ids.tolist()
     T = ids.shape[1]
     offset = 0 if ind.bos_id is None else 1

@@ -90,7 +90,8 @@ class _RepeatedTokens:
         self.length, self.n_sequences, self.batch_size = int(length), int(n_sequences), max(1, int(batch_size))
         self.seed, self.bos_id, self.exclude = seed, bos_id, tuple(exclude)
 
-    def _ids(self, model) -> torch.Tensor:
+    def inputs(self, model) -> torch.Tensor:
+        """The repeated random sequences [n, (1) + 2N] this detector reads (seeded: the same every call)."""
         vocab = model.get_input_embeddings().weight.shape[0]
         return repeated_random_tokens(vocab, self.n_sequences, self.length, seed=self.seed, bos_id=self.bos_id,
                                       exclude=self.exclude)
@@ -101,7 +102,7 @@ class _RepeatedTokens:
         geo = adapter.geometry(model)
         slots = head_slots(model, layout, adapter)
         g = gates_array(model, gates)
-        ids = self._ids(model)                                         # [n, T]
+        ids = self.inputs(model)                                       # [n, T]
         sums = [None] * geo.n_layers
         nll = []
         for s in range(0, ids.shape[0], self.batch_size):
