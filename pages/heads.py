@@ -8,7 +8,7 @@ from analysis.measure import redundancy
 
 from analysis.measure import roles
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, numbers, shell, state, weights
+from components import cache, charts, controls, explain, numbers, shell, state, taxonomy, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -104,6 +104,8 @@ with shown_errors("Head roles"):
                    + (". Ablation effect from the sweep above." if ablation_delta is not None else
                       ". Run the ablation sweep above to see each tagged head's effect beside it."))
         st.dataframe(rows, hide_index=True, height=240)
+
+taxonomy.section(lm)   # what heads do: induction, duplicate-token, copying, DLA; does MP find them?
 
 st.subheader("Redundant heads")
 with shown_errors("Head redundancy"):

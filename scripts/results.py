@@ -53,6 +53,7 @@ from analysis.measure.evaluation import bootstrap_perplexity, evaluator_for, gat
 from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.measure.profiles import profile_model  # noqa: E402
 from analysis.compress.report import RECOVERY_MARKERS  # noqa: E402
+from analysis.score.specialization import ROLES_MARKERS  # noqa: E402
 from analysis.score.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.score.sweep import split_evaluators, sweep_z  # noqa: E402
 from analysis.core.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
@@ -354,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
         if team.is_main:
             # the recovery section belongs to bench/bench_recovery.py --write-docs: keep it as it is
             kept = marked_section(args.out, *RECOVERY_MARKERS)
+            # so does the roles section of scripts/roles_results.py
+            roles_kept = marked_section(args.out, *ROLES_MARKERS)
+            kept = "\n\n".join(k for k in (kept, roles_kept) if k)
             atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
                          what="The results file")
             print(text)

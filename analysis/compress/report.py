@@ -65,11 +65,12 @@ class CompressionReport:
     rounds: list[dict]
     int8: dict | None = None
     warnings: list = field(default_factory=list)  # e.g. a stage bigger than dense
+    compensation: list | None = None              # analysis.measure.compensation rows (with recovery)
 
     def as_dict(self) -> dict:
         return {"model": self.model, "metric": self.metric, "config": self.config,
                 "stages": [asdict(s) for s in self.stages], "curves": self.curves, "rounds": self.rounds,
-                "int8": self.int8, "warnings": self.warnings}
+                "int8": self.int8, "warnings": self.warnings, "compensation": self.compensation}
 
     def to_json(self) -> str:
         return json.dumps(_plain(self.as_dict()), indent=1)
@@ -96,7 +97,9 @@ class CompressionReport:
                            for name, c in self.curves.items())
         int8 = "" if not self.int8 else "\n\n## INT8 against float32 in the same runtime\n\n" + "\n".join(
             int8_lines(self.int8))
-        return head + "\n".join(rows) + int8 + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n"
+        from analysis.measure.compensation import compensation_markdown
+        extra = "\n" + compensation_markdown(self.compensation) if self.compensation else ""
+        return head + "\n".join(rows) + int8 + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n" + extra
 
     def plot_png(self, path) -> None:
         import matplotlib
@@ -250,11 +253,16 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
         stages.extend(int8_stages)
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
+    comp = None
+    if config.recovery_steps and result.accepted:                # kept heads' roles before / after distillation
+        from analysis.measure.compensation import compensation
+        report(0.95, "roles of the kept heads before and after recovery")
+        comp = compensation(loaded, result.model, result.pruned, eval_text, should_stop=should_stop)
     report(1.0, "report ready")
     stages = _with_ratios(stages)
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
                             stages=stages, curves=curves, rounds=[r.as_dict() for r in result.rounds],
-                            int8=int8_info, warnings=growth_warnings(stages[:n_torch]))
+                            int8=int8_info, warnings=growth_warnings(stages[:n_torch]), compensation=comp)
     return rep, result
 
 

@@ -61,15 +61,26 @@ def eager_attention(model):
 
 
 @torch.no_grad()
-def attention_probabilities(model, ids: torch.Tensor) -> torch.Tensor:
-    """Attention probabilities [n, L, H, T, T] of the model on ids [n, T] (float32, on the CPU)."""
+def attention_forward(model, ids: torch.Tensor):
+    """(model output, attention probabilities per layer: [n, H_l, T, T] float32 on the CPU, or None
+    for a layer with no heads left) of the model on ids [n, T]. H_l is the layer's own head count
+    (a physically pruned model has fewer in some layers)."""
     with eager_attention(model):
         out = model(input_ids=ids.to(input_device(model)), output_attentions=True, use_cache=False)
     attn = getattr(out, "attentions", None)
-    if not attn:
+    if not attn or all(a is None for a in attn):
         raise InputError("This model did not return attention probabilities, so head roles cannot be "
                          "computed for it.")
-    return torch.stack([a.float().cpu() for a in attn], dim=1)         # [n, L, H, T, T]
+    return out, [None if a is None else a.float().cpu() for a in attn]
+
+
+def attention_probabilities(model, ids: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities [n, L, H, T, T] of the model on ids [n, T] (float32, on the CPU)."""
+    _, attn = attention_forward(model, ids)
+    if any(a is None for a in attn) or len({a.shape[1] for a in attn}) > 1:
+        raise InputError("This model has a different number of heads per layer (physically pruned); use the "
+                         "detectors of analysis.measure.detectors, which place each kept head in its slot.")
+    return torch.stack(attn, dim=1)                                    # [n, L, H, T, T]
 
 
 def token_frequencies(tokenizer, texts=None, *, max_chars: int = 400_000) -> np.ndarray:
@@ -99,6 +110,13 @@ class PatternStats:
     causal: bool
 
 
+def previous_token_mass(attn: torch.Tensor) -> torch.Tensor:
+    """The previous-token statistic (the one definition): mean A[i, i-1] over queries i >= 1 of
+    attention probabilities attn [n, ..., T, T] -> [...] (e.g. [L, H] or [H])."""
+    a = attn.double()
+    return a.diagonal(-1, -2, -1).mean((0, -1))                        # [...]
+
+
 def _mean_over(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Mean of values [n, L, H, T] over the queries where mask [n?, T] is true -> [L, H]."""
     m = mask.to(values.dtype).expand_as(values)                        # [n, L, H, T]
@@ -116,7 +134,7 @@ def pattern_stats(attn: torch.Tensor, ids: torch.Tensor | None = None,
     pos = torch.arange(T)
     q = torch.ones(1, T, dtype=torch.bool)
     q[:, 0] = False                                                    # queries i >= 1
-    previous = _mean_over(q, torch.cat([a.new_zeros(n, L, H, 1), a.diagonal(-1, -2, -1)], -1))
+    previous = previous_token_mass(a)                                  # [L, H]
     first = _mean_over(q, a[..., :, 0])                                # [L, H]
     offsets = np.arange(0 if causal else -MAX_OFFSET, MAX_OFFSET + 1)
     mass = []

@@ -1,0 +1,127 @@
+"""`python -m analysis roles`: what heads do (analysis.measure.detectors), and whether MP-G finds them.
+
+    python -m analysis roles [--model M] [--detector NAME ...] [--format json|csv] [--text-file F]
+                             [--versus-mpg [--sparsity S] [--permutations N]]
+
+JSON: {"model": ..., "detectors": {NAME: {"scores": [L][H], "threshold", "unit", "tagged", extras}}}
+(+ "versus_mpg": per role the ROC AUC of the MP-G score (z) and its permutation p-value, and
+with --sparsity which roles the MP-G mask's pruned heads had). CSV: one row per head, one column
+per detector. `--model` may be an export folder: a pruned export (head_layout.json) is loaded with
+analysis.compress.export.load_pruned and its kept heads land in their original slots.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from analysis.cli.common import add_output_arguments, add_source_arguments, load_source, progress_bar, register
+from analysis.core.errors import InputError
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+def _arguments(parser):
+    from analysis.measure.detectors import DETECTORS
+    add_source_arguments(parser, streaming=False)
+    parser.add_argument("--detector", action="append", choices=tuple(DETECTORS) + ("all",), default=None,
+                        help="detector to run (repeat for several; default: all)")
+    parser.add_argument("--text-file", dest="text_file", default=None,
+                        help="UTF-8 text for the text detectors (previous-token, dla); default: the built-in "
+                             "evaluation split")
+    parser.add_argument("--max-tokens", dest="max_tokens", type=int, default=256, help="tokens of text to use")
+    parser.add_argument("--seq-len", dest="seq_len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--length", type=int, default=50, help="random tokens per copy (induction, duplicate)")
+    parser.add_argument("--n-sequences", dest="n_sequences", type=int, default=8,
+                        help="repeated random sequences (induction, duplicate)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random sequences and permutations")
+    parser.add_argument("--versus-mpg", dest="versus_mpg", action="store_true",
+                        help="ROC AUC + permutation p-value of the MP-G score for every role")
+    parser.add_argument("--z", type=float, default=2.0, help="MP-G threshold z (with --versus-mpg)")
+    parser.add_argument("--sparsity", type=float, default=None,
+                        help="with --versus-mpg: the roles of the heads MP-G's global mask prunes at this sparsity")
+    parser.add_argument("--permutations", type=int, default=10_000, help="permutations for the p-value")
+    add_output_arguments(parser)
+
+
+def _load(ns, report):
+    """(loaded-like with .model/.tokenizer, head layout or None, info dict)."""
+    from analysis.compress.export import LAYOUT_FILE, load_pruned
+    folder = Path(ns.model) if ns.model else None
+    if folder is not None and (folder / LAYOUT_FILE).is_file():
+        from transformers import AutoTokenizer
+
+        from analysis.compress.surgery import HeadLayout
+        layout = HeadLayout.from_json((folder / LAYOUT_FILE).read_text(encoding="utf-8"))
+        model = load_pruned(folder, attn_implementation="eager", trust_remote_code=ns.trust_remote_code)
+        tokenizer = None                      # transformers builds an empty tokenizer from no files: check first
+        if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            except (OSError, ValueError):
+                tokenizer = None
+        info = dict(source=str(folder), pruned_export=True, n_layers=layout.n_layers, n_heads=layout.n_heads)
+        return SimpleNamespace(model=model, tokenizer=tokenizer), layout, info
+    _, loaded, info = load_source(ns, report)
+    return loaded, None, info
+
+
+def run(ns):
+    from analysis.core.text import read_text_file, text_file_cap
+    from analysis.measure.detectors import DETECTORS, detect_heads
+    for option, least in (("max_tokens", 2), ("seq_len", 2), ("n_sequences", 1), ("permutations", 1)):
+        if getattr(ns, option) < least:
+            raise InputError(f"--{option.replace('_', '-')} must be at least {least}; got {getattr(ns, option)}.")
+    if ns.sparsity is not None and not 0.0 <= ns.sparsity < 1.0:
+        raise InputError(f"--sparsity must be in [0, 1); got {ns.sparsity}.")
+    names = list(DETECTORS) if not ns.detector or "all" in ns.detector else list(dict.fromkeys(ns.detector))
+    text = None
+    if ns.text_file is not None:
+        text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
+    with progress_bar("loading", not ns.quiet) as report:
+        loaded, layout, info = _load(ns, report)
+    needs_text = any(DETECTORS[n].needs_text for n in names)
+    if loaded.tokenizer is None and needs_text:
+        raise InputError(f"{ns.model} has no tokenizer files, which the text detectors need; run only "
+                         f"--detector induction/duplicate-token/copying, or export with the tokenizer.")
+    with progress_bar("head detectors", not ns.quiet) as report:
+        results = detect_heads(loaded, names, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len, layout=layout,
+                               options=dict(length=ns.length, n_sequences=ns.n_sequences, seed=ns.seed),
+                               progress=report)
+    payload = dict(model=info, detectors={
+        name: dict(scores=d.scores, threshold=d.threshold, unit=d.unit,
+                   tagged=[dict(layer=l, head=h, score=s) for l, h, s in d.tagged()],
+                   **{k: v for k, v in d.extras.items() if k not in ("per_token", "targets")})
+        for name, d in results.items()})
+    if ns.versus_mpg:
+        payload["versus_mpg"] = versus_mpg(loaded, results, z=ns.z, sparsity=ns.sparsity,
+                                           n_permutations=ns.permutations, seed=ns.seed)
+    L, H = next(iter(results.values())).scores.shape
+    rows = [dict(layer=l, head=h, **{name: float(d.scores[l, h]) for name, d in results.items()})
+            for l in range(L) for h in range(H)]
+    return payload, rows
+
+
+def versus_mpg(loaded, results, *, z: float = 2.0, sparsity: float | None = None,
+               n_permutations: int = 10_000, seed: int = 0) -> dict:
+    """The MP-G-vs-roles section of the payload (see analysis.score.specialization)."""
+    from analysis.score.masks import plan_mask
+    from analysis.score.specialization import mpg_scores, pruned_roles, role_tests, strengths_of
+    if getattr(loaded, "geometry", None) is None:
+        raise InputError("--versus-mpg scores the dense model's weights; give the original model, not a pruned "
+                         "export.")
+    scores = mpg_scores(loaded, z)
+    strengths = strengths_of(results)
+    out = dict(z=z, zero_score_heads=scores.zero_count,
+               roles=[t.as_dict() for t in role_tests(scores.scores, strengths, n_permutations=n_permutations,
+                                                       seed=seed)])
+    if sparsity is not None:
+        plan = plan_mask(scores, sparsity, group_size=loaded.geometry.group_size)
+        out["mask"] = dict(sparsity=sparsity, pruned_roles=pruned_roles(np.asarray(plan.pruned), strengths))
+    return out
+
+
+register("roles", "what heads do: induction, duplicate-token, previous-token, copying and DLA scores "
+         "(and --versus-mpg: does MP-G find them?)", _arguments, run)

@@ -1,0 +1,246 @@
+"""Heads page, "What heads do": the field's head taxonomy (analysis.measure.detectors), direct logit
+attribution per token, and the "Does MP find the specialized heads?" panel
+(analysis.score.specialization). Kept in one module beside the page's other sections: its cached
+calls, its figures and its folded "how to read this" text.
+"""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+import streamlit as st
+
+from components import cache, charts, controls, explain, state
+from components.errors import shown_errors
+
+DETECTOR_TITLES = {
+    "previous-token": "Previous-token score (attention on token i-1)",
+    "induction": "Induction score (attention to the token after the earlier copy)",
+    "duplicate-token": "Duplicate-token score (attention to earlier copies of the token)",
+    "copying": "Copying score (OV circuit eigenvalue share)",
+    "successor": "Successor score (OV circuit maps ordinals to the next one)",
+    "dla": "Direct logit attribution (mean logit added to the correct next token)",
+}
+
+HOW_TO_READ = {
+    "previous-token": """
+Mean attention that each query puts on the token just before it, over the text. 1 = the head
+always looks one token back. This is the same statistic as the *previous-token* role tag above
+(one definition). Previous-token heads feed induction heads: they write "the token before me was
+X" into the residual stream.""",
+    "induction": """
+The model reads sequences of random tokens repeated twice ([BOS] r r). For each token of the
+second copy, an induction head attends to the token that came *after* the same token in the
+first copy (Olsson et al. 2022), so it can predict the repeat. Score = mean attention on exactly
+that key; 1 = perfect. The **in-context-learning score** is the whole model's loss on the first
+copy minus the loss on the second: how much the repeat helps.""",
+    "duplicate-token": """
+On the same repeated random sequences: how much attention a token puts on earlier occurrences
+of itself. Duplicate-token heads tell later heads "this token appeared before".""",
+    "copying": """
+From weights only: the head's OV circuit maps an input token to output logits
+(unembedding x final-norm scale x W_O x W_V x input-norm scale x embedding). A copying head
+raises the logit of the token it attends to: the circuit's eigenvalues are mostly positive.
+Score = sum of the eigenvalues' real parts / sum of their magnitudes (Elhage et al. 2021), from
+-1 to 1. Computed exactly over the whole vocabulary through a d x d factor of the circuit.
+Decoders only (it needs an unembedding).""",
+    "successor": """
+From weights only: does the head's OV circuit send an ordinal token to the next one (1 -> 2,
+Monday -> Tuesday, January -> February, A -> B)? Score = the share of ordinal tokens whose
+highest circuit logit, among the tokens of the same list, is their successor (Gould et al. 2023;
+chance is about one over the list's length). This reads the raw token embeddings; the paper reads
+them after the first MLP, so a head can be a successor head there and score lower here.""",
+    "dla": """
+Each head's output, pushed through the final norm (its scale frozen at the value it has on the
+full residual) and the unembedding, dotted with the correct next token's direction: how many
+logits the head adds to the right answer directly, averaged over the text. Red = helps, blue =
+hurts. The heads plus the embeddings, the MLPs and the biases add up to the logit exactly.
+Indirect effects (a head that helps through later layers) are not counted. Decoders only.""",
+}
+
+
+def _fold(title: str, body: str) -> None:
+    with st.expander(f"{explain.LABEL}: {title}", expanded=False):
+        st.markdown(body)
+
+
+# -- cached calls ---------------------------------------------------------------------------------
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def detections(name: str, how, names: tuple, text: str | None, max_tokens: int, _progress=None,
+               _should_stop=None):
+    """analysis.measure.detectors.detect_heads for `names` on the dense model (text: None = built-in)."""
+    from analysis.measure.detectors import detect_heads
+    with cache.exclusive(name, how, _progress, _should_stop) as lm:
+        return detect_heads(lm, list(names), text, max_tokens=max_tokens, progress=_progress,
+                            should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def sentence_dla(name: str, how, sentence: str):
+    """(tokens, per-token head DLA [T-1, L, H], parts) of one sentence."""
+    from analysis.measure.dla import logit_parts
+    from analysis.measure.evaluation import token_ids
+    with cache.exclusive(name, how) as lm:
+        ids = token_ids(lm.tokenizer, sentence, max_tokens=64)
+        parts = logit_parts(lm.model, ids[None])
+        tokens = [lm.tokenizer.decode([int(t)]) for t in ids]
+    return tokens, parts.heads[0], parts
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def mpg(name: str, how, z: float):
+    from analysis.score.specialization import mpg_scores
+    return mpg_scores(cache.load(name, how), z)
+
+
+# -- figures -----------------------------------------------------------------------------------------
+
+def token_heads_heatmap(per_token: np.ndarray, tokens: list[str], *, top: int = 12) -> go.Figure:
+    """Per-token DLA of the `top` heads with the largest mean |DLA| (rows) over the predicted tokens."""
+    T1, L, H = per_token.shape
+    flat = per_token.reshape(T1, L * H)                                # [T-1, L*H]
+    pick = np.argsort(-np.abs(flat).mean(0))[:top]
+    values = flat[:, pick].T                                           # [top, T-1]
+    lim = float(np.abs(values).max()) or 1.0
+    labels = [f"L{i // H}H{i % H}" for i in pick]
+    x = [f"{i}:{t!r}" for i, t in enumerate(tokens[1:1 + T1])]
+    fig = go.Figure(go.Heatmap(z=values, x=x, y=labels, colorscale="RdBu_r", zmin=-lim, zmax=lim,
+                               colorbar=dict(title="logit"),
+                               hovertemplate="%{y} predicting %{x}<br>%{z:.3f} logits<extra></extra>"))
+    fig.update_layout(title="Direct logit attribution per predicted token (strongest heads)",
+                      xaxis_title="predicted token", yaxis_title="head", yaxis_autorange="reversed")
+    return fig
+
+
+def role_scatter(mpg_scores: np.ndarray, strength: np.ndarray, threshold: float, role: str) -> go.Figure:
+    """MP-G score (x) vs role strength (y), one point per head, role heads highlighted."""
+    L, H = strength.shape
+    has = strength >= threshold
+    text = np.array([[f"L{l}H{h}" for h in range(H)] for l in range(L)])
+    fig = go.Figure()
+    for flag, name, color in ((False, "no role", "#95a5a6"), (True, f"{role} head", "#c0392b")):
+        m = has == flag
+        fig.add_trace(go.Scatter(x=mpg_scores[m], y=strength[m], mode="markers", name=name, text=text[m],
+                                 marker=dict(color=color, size=7),
+                                 hovertemplate="%{text}<br>MP-G %{x:.4g}<br>strength %{y:.3f}<extra></extra>"))
+    fig.add_hline(y=threshold, line_dash="dot", annotation_text="role threshold")
+    fig.update_layout(title=f"MP-G score vs {role} strength", xaxis_title="MP-G score (z = 2)",
+                      yaxis_title=f"{role} score")
+    return fig
+
+
+def primary_detector(results: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(tag [L, H] "" when none, strength [L, H]): the role whose score passes its threshold by the
+    largest factor (DLA is an effect, not a role tag, and is left out)."""
+    roles = [r for r in results.values() if r.name != "dla"]
+    L, H = roles[0].scores.shape
+    tag, strength, best = np.full((L, H), "", dtype=object), np.zeros((L, H)), np.zeros((L, H))
+    for r in roles:
+        ratio = r.scores / r.threshold
+        take = r.has_role & (ratio > best)
+        tag[take], strength[take], best[take] = r.name, r.scores[take], ratio[take]
+    return tag, strength
+
+
+# -- sections ------------------------------------------------------------------------------------------
+
+def section(lm) -> None:
+    """The "What heads do" section: detector heatmaps, role tags, DLA per token, MP-G panel."""
+    from analysis.measure.detectors import DECODER_ONLY, DETECTORS
+    g = lm.geometry
+    st.subheader("What heads do: induction, duplicate-token, copying, direct logit attribution")
+    decoder = lm.kind == "causal-lm"
+    names = tuple(n for n in DETECTORS if decoder or n not in DECODER_ONLY)
+    if not decoder:
+        st.info(f"This model is a {lm.kind}: it has no unembedding, so the copying and successor scores and "
+                "direct logit attribution do not apply. The attention-pattern detectors run.")
+    with shown_errors("Head detectors"):
+        tokens = int(st.number_input("Tokens of the built-in evaluation text (previous-token, DLA)", 16, 2048,
+                                     step=64, key=state.widget_key("heads.taxonomy.tokens", value=128)))
+        result = cache.run_button("Run the head detectors", button_key="heads.taxonomy", slot="heads.taxonomy",
+                                  run_key=(lm.name, names, tokens), fn=detections,
+                                  args=(lm.name, state.load_options(), names, None, tokens),
+                                  label="Detecting head roles",
+                                  stale_note="The settings changed since the last run; press the button again.")
+        if result is not None:
+            _show_detections(result, g)
+            if decoder:
+                _sentence_dla(lm)
+            _specialization(lm, result)
+
+
+def _show_detections(result: dict, g) -> None:
+    tag, strength = primary_detector(result)
+    roles = [n for n in result if n != "dla"]
+    st.plotly_chart(charts.category_heatmap(tag, roles, strength, title="Strongest detected role of each head",
+                                            group_size=g.group_size), width="stretch", key="heads.taxonomy_tags")
+    rows = [dict(layer=l, head=h, role=name, score=round(s, 4), threshold=r.threshold)
+            for name, r in result.items() for l, h, s in r.tagged()]
+    st.caption(f"{len(rows)} tags; thresholds " + ", ".join(f"{n} >= {r.threshold:g}" for n, r in result.items()))
+    st.dataframe(rows, hide_index=True, height=200)
+    ind = result.get("induction")
+    if ind is not None and "icl_score" in ind.extras:
+        e = ind.extras
+        st.metric("In-context-learning score (loss on copy 1 minus copy 2)", f"{e['icl_score']:.3f} nats",
+                  help=f"first copy {e['loss_first_copy']:.3f}, second copy {e['loss_second_copy']:.3f} nats")
+    tabs = st.tabs(list(result))
+    for tab, (name, r) in zip(tabs, result.items()):
+        with tab:
+            if name == "dla":
+                lim = float(np.abs(r.scores).max()) or 1.0
+                fig = charts.layer_head_heatmap(r.scores, DETECTOR_TITLES[name], colorbar=r.unit,
+                                                group_size=g.group_size, colorscale="RdBu_r")
+                fig.update_traces(zmin=-lim, zmax=lim)
+            else:
+                fig = charts.layer_head_heatmap(r.scores, DETECTOR_TITLES[name], colorbar=r.unit,
+                                                group_size=g.group_size)
+            st.plotly_chart(fig, width="stretch", key=f"heads.taxonomy.{name}")
+            _fold(name, HOW_TO_READ[name])
+
+
+def _sentence_dla(lm) -> None:
+    sentence = st.text_input("Sentence for the per-token view (edit it)", key=state.widget_key(
+        "heads.dla.sentence", value="The cat sat on the mat. The cat sat on the mat."))
+    with shown_errors("Direct logit attribution"):
+        tokens, per_token, parts = sentence_dla(lm.name, state.load_options(), sentence)
+        st.plotly_chart(token_heads_heatmap(per_token, tokens), width="stretch", key="heads.dla_tokens")
+        gap = float(np.abs(parts.total() - parts.logit).max())
+        st.caption(f"Heads + embeddings + MLPs + biases rebuild the correct-token logit to within {gap:.1e}.")
+        _fold("direct logit attribution per token", HOW_TO_READ["dla"])
+
+
+def _specialization(lm, result: dict) -> None:
+    from analysis.score.specialization import pruned_roles, role_tests, strengths_of
+    from components import views
+    st.markdown("#### Does MP find the specialized heads?")
+    with shown_errors("MP-G versus roles"):
+        scores = mpg(lm.name, state.load_options(), 2.0)
+        strengths = strengths_of(result)
+        tests = role_tests(scores.scores, strengths, n_permutations=10_000, seed=0)
+        st.dataframe([dict(role=t.role, heads_with_role=t.n_with_role, auc=round(t.auc, 3),
+                           p_value=round(t.p_value, 4), mean_mpg_with=t.mean_score_with,
+                           mean_mpg_without=t.mean_score_without) for t in tests], hide_index=True)
+        st.caption(f"MP-G (z = 2) scores {scores.zero_count} of {scores.scores.size} heads exactly 0. AUC > 0.5: "
+                   "heads with the role score higher (MP keeps them); < 0.5: MP prunes them first. p: two-sided, "
+                   "10,000 seeded permutations of the role labels.")
+        role = st.selectbox("Scatter for role", list(strengths), key=state.widget_key("heads.mpg.role",
+                                                                                      value=list(strengths)[0]))
+        if role in strengths:
+            s, thr = strengths[role]
+            st.plotly_chart(role_scatter(scores.scores, s, thr, role), width="stretch", key="heads.mpg_scatter")
+        mask = views.view_mask(lm, explain=False)
+        if mask is None:
+            st.caption("Set a mask on the Prune page to see which roles its pruned heads had.")
+        else:
+            _, plan, _, _ = mask
+            st.markdown(f"Roles of the heads the current mask ({controls.label(state.get('scorer'))}, sparsity "
+                        f"{plan.sparsity:g}) prunes:")
+            st.dataframe([{k: v for k, v in row.items() if k != "heads"} | dict(heads=", ".join(row["heads"][:12]))
+                          for row in pruned_roles(plan.pruned, strengths)], hide_index=True)
+        _fold("does MP find the specialized heads?", """
+The MP paper argues that heads with outlier weight norms (high MP-G score, kept) are the specialized
+ones and that typical-norm heads (score 0, pruned first) are redundant. Here every head's MP-G score
+is used as a classifier of each role: the ROC AUC is the chance that a head with the role scores
+higher than one without it. 0.5 means the weights say nothing about the role. The p-value says how
+often shuffled role labels give an AUC at least as far from 0.5. The scatter shows each head's MP-G
+score against its role strength; the table below it, which roles the current mask removes.""")
