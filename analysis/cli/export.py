@@ -53,10 +53,7 @@ def run_export(ns):
     if ns.mask_file is None and ns.sparsity is None:
         raise InputError("export needs --sparsity (with the scorer options) or --mask-file (a mask.json).")
     if ns.checkpoint:
-        if given:
-            raise InputError(f"{_option_flag(next(iter(given)))} is an option of the in-memory {ns.export_format} "
-                             f"export; the streamed export (--checkpoint) has none.")
-        return _export_streamed(ns, target)
+        return _export_streamed(ns, target, given)
     if ns.mask_file is not None:
         plan, scores, loaded, info = _plan_from_mask_file(ns)
         record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
@@ -94,7 +91,7 @@ def _plan_from_mask_file(ns):
     return plan, None, loaded, info
 
 
-def _export_streamed(ns, target):
+def _export_streamed(ns, target, given: dict):
     """export --checkpoint: score by streaming (or read --mask-file) and cut the checkpoint tensor by tensor
     (analysis.compress.streamed); the model is never built."""
     from analysis.arch.adapters import adapter_for
@@ -123,7 +120,7 @@ def _export_streamed(ns, target):
     with progress_bar(f"exporting ({ns.export_format}, streamed)", not ns.quiet) as report:
         result = export_checkpoint(ns.export_format, folder, plan.pruned, target, record=record,
                                    kv_policy=ns.kv_policy, overwrite=ns.overwrite, progress=report,
-                                   trust_remote_code=ns.trust_remote_code)
+                                   trust_remote_code=ns.trust_remote_code, **given)
     for note in result.notes:
         sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")

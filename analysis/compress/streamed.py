@@ -64,7 +64,8 @@ _TORCH_NAMES = {v: k for k, v in SLICE_DTYPES.items()}
 # files of the checkpoint folder copied into the export as they are (tokenizer and generation settings)
 PASS_THROUGH = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                 "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                "chat_template.jinja", "chat_template.json", "generation_config.json")
+                "chat_template.jinja", "chat_template.json")
+HF_PASS_THROUGH = ("generation_config.json",)     # with config.json only (a Hugging Face folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,9 +444,50 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, adapter, geometry,
+                layout: HeadLayout, progress: Progress | None, should_stop: ShouldStop | None,
+                gguf_type: str) -> None:
+    """model.gguf through analysis.compress.gguf_writer: its plan from the cut's names and shapes, then
+    every tensor read (and cut) from the checkpoint when the writer asks for it, one at a time."""
+    from types import SimpleNamespace
+    from analysis.compress import gguf_writer
+    from analysis.compress.export.gguf import tokenizer_source
+    items = {item.name: item for _, shard in shards for item in shard}
+    shapes = {name: item.shape for name, item in items.items()}
+    for alias_name, group in ((m, g) for g in names.ties for m in g):
+        if alias_name not in shapes and group[0] in shapes:
+            shapes[alias_name] = shapes[group[0]]          # a tie: the writer decides whether it stores both
+    weight_type = gguf_writer.check_weight_type(gguf_type)
+    holder = SimpleNamespace(config=config)
+    plan = gguf_writer.plan_gguf(holder, layout, weight_type, shapes=shapes, name=str(folder.name),
+                                 tokenizer_gguf=tokenizer_source(holder))
+    gathers: dict[int, dict] = {}
+
+    def fetch(hf_name: str) -> torch.Tensor:
+        check_stop(should_stop, "The export")
+        item = items.get(hf_name) or items[next(g[0] for g in names.ties if hf_name in g)]
+        tensor = read_tensor(item.entry)
+        if item.layer is not None:
+            if item.layer not in gathers:
+                gathers[item.layer] = _cut_gathers(adapter, geometry, list(roles[item.layer]),
+                                                   layout.heads[item.layer], layout.kv_heads[item.layer])
+            gather = gathers[item.layer][item.role]
+            tensor = tensor if gather is None else tensor.index_select(*gather)
+        return tensor
+
+    path = tmp / gguf_writer.GGUF_FILE
+    needs_quantizer = gguf_writer.WEIGHT_TYPES[weight_type][0] is None
+    first = path.with_name(path.name + ".f32.tmp") if needs_quantizer else path
+    gguf_writer.write_tensors(first, plan, fetch, lambda f, m: report(progress, 0.89 * f, f"gguf export: {m}"))
+    if needs_quantizer:
+        gguf_writer.llama_quantize(first, path, weight_type)
+        first.unlink()
+
+
 def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | None = None,
                       kv_policy: str = "auto", overwrite: bool = False, trust_remote_code: bool = False,
-                      progress: Progress | None = None, should_stop: ShouldStop | None = None) -> ExportResult:
+                      progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                      **options) -> ExportResult:
     """Export the safetensors checkpoint `source` (a folder) cut by pruned [L, H] in format `fmt`
     ("pruned" or "stock") to the folder `target`, streaming: tensors are read, cut and written one
     at a time, never the whole model. Same files, names and tensors as `export(fmt, model, ...)` of
@@ -461,7 +503,9 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     resize.surgery_spec(adapter)                       # UnsupportedModelError before any reading
     geometry = adapter.geometry(config)
     layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
-    out_config = _output_config(spec, config, layout)
+    from analysis.compress.export.formats import format_options
+    opts = format_options(fmt, options)                # the format's own options (gguf_type), checked first
+    out_config = _output_config(spec, config, layout) if spec.config else None
     report(progress, 0.0, f"{fmt} export: reading the checkpoint's headers")
     entries = checkpoint_entries(folder)
     names = _names(config, entries, folder)
@@ -482,10 +526,15 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
                      f"{names.dropped[0]}), as from_pretrained does.")
     report(progress, 0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
-        _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, progress, should_stop)
-        out_config.save_pretrained(tmp)
+        if spec.writer == "gguf":
+            _write_gguf(tmp, config, folder, shards, names, roles, adapter, geometry, layout, progress, should_stop,
+                        **opts)
+        else:
+            _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, progress, should_stop)
+        if out_config is not None:
+            out_config.save_pretrained(tmp)
         _write_common(tmp, record, None, layout)
-        for name in PASS_THROUGH:
+        for name in PASS_THROUGH + (HF_PASS_THROUGH if out_config is not None else ()):
             if (folder / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(folder / name, tmp / name)
         report(progress, 0.9, f"{fmt} export: moving into place")

@@ -47,10 +47,12 @@ class StreamSpec:
     names "state_dict" (the model's state-dict names, a tied tensor once, as safetensors' save_model
     keeps it) or "checkpoint" (the checkpoint's save_pretrained names); producer: headscope's
     "producer" metadata (load_pruned reads the weights itself); config "original" or "stock" (the
-    pruned head counts)."""
+    pruned head counts) or None (no config.json); writer "safetensors" (shards) or "gguf" (one
+    model.gguf through analysis.compress.gguf_writer, fed tensor by tensor)."""
     names: str
     producer: bool
-    config: str
+    config: str | None
+    writer: str = "safetensors"
 
 
 class ExportFormat:

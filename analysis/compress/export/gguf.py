@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from analysis.compress.export.formats import FormatOption, PhysicalFormat, register_format
+from analysis.compress.export.formats import FormatOption, PhysicalFormat, StreamSpec, register_format
 from analysis.compress.gguf_writer import DEFAULT_WEIGHT_TYPE, GGUF_FILE, WEIGHT_TYPES, source_gguf, write_gguf
 
 BUILTIN_MARKER = "headscope-builtin.json"       # analysis.arch.models writes it into a converted built-in
@@ -30,6 +30,8 @@ class GGUFFormat(PhysicalFormat):
     help = "model.gguf for llama.cpp (and what is built on it), per-layer head counts included"
     options = {"gguf_type": FormatOption(DEFAULT_WEIGHT_TYPE, tuple(WEIGHT_TYPES),
                                          "GGUF weight type (k-quants and q4_0/q4_1 by llama.cpp's quantizer)")}
+    # streamed (analysis.compress.streamed): the plan from names and shapes, the tensors fed one at a time
+    streamed = StreamSpec(names="state_dict", producer=False, config=None, writer="gguf")
 
     def write_cut(self, smaller, layout, folder, *, original, gguf_type=DEFAULT_WEIGHT_TYPE, **options):
         write_gguf(smaller, layout, Path(folder) / GGUF_FILE, weight_type=gguf_type,
