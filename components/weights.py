@@ -80,11 +80,11 @@ def export_formats(all_formats) -> list[str]:
 
 
 def export_streamed(lm, fmt: str, pruned, root, name: str, *, record, kv_policy: str, overwrite: bool, progress,
-                    should_stop):
+                    should_stop, **options):
     """The Export page's export for a checkpoint open weights only (same checks as `export.export`)."""
     from analysis.compress.export import check_export_name, resolve_under
     from analysis.compress.streamed import export_checkpoint
     target = resolve_under(root, name)
     check_export_name(name)
     return export_checkpoint(fmt, lm.source, pruned, target, record=record, kv_policy=kv_policy, overwrite=overwrite,
-                             trust_remote_code=state.trust(), progress=progress, should_stop=should_stop)
+                             trust_remote_code=state.trust(), progress=progress, should_stop=should_stop, **options)

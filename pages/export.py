@@ -75,7 +75,7 @@ if st.button("Export", type="primary", key="export.run"):
             with cache.progress_bar(f"Exporting ({fmt}, streamed)") as report:
                 result = weights.export_streamed(lm, fmt, plan.pruned, output_root, folder.strip(), record=record,
                                                  kv_policy=kv_policy, overwrite=overwrite, progress=report,
-                                                 should_stop=state.should_stop)
+                                                 should_stop=state.should_stop, **options)
             stop.empty()
         else:
             with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(),
@@ -90,7 +90,10 @@ if last is not None:
     for note in last.notes:
         st.info(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
-    if last.format == "gguf":
+    if last.format == "gguf" and state.weights_only():
+        st.caption("The deployment report also writes and runs the dense model's GGUF: load the model (Model page) "
+                   "to measure this file next to it.")
+    elif last.format == "gguf":
         st.markdown("**Deployment report (llama.cpp)**: this file next to the dense model at the same weight type, "
                     "measured by llama.cpp itself, with headscope's own perplexity of the cut.")
         if st.button("Measure in llama.cpp", key="export.deploy"):

@@ -51,10 +51,11 @@ def test_weights_only_prune_and_export(server, page, checkpoint, export_root):
     nav.get_by_role("link", name="Prune", exact=True).click()
     expect(page.get_by_role("heading", name="Prune", level=1)).to_be_visible(timeout=LOAD_TIMEOUT_MS)
     _settled(page)
-    expect(page.get_by_test_id("stMetric").filter(has_text="Pruned heads").first).to_be_visible(timeout=60_000)
-    assert _metric(page, "Pruned heads") == "4 / 16"
+    counted = "Query heads after / before"                     # counted from the layout surgery builds
+    expect(page.get_by_test_id("stMetric").filter(has_text=counted).first).to_be_visible(timeout=60_000)
+    assert _metric(page, counted) == "12 / 16"
     _press(page, "Sparsity", "ArrowRight", 25)                 # 0.25 -> 0.5 in steps of 0.01
-    expect(page.get_by_test_id("stMetric").filter(has_text="Pruned heads").first
+    expect(page.get_by_test_id("stMetric").filter(has_text=counted).first
            .get_by_test_id("stMetricValue")).to_have_text("8 / 16", timeout=60_000)
     zero_before = _metric(page, "Heads with score 0")
     _press(page, "Threshold z", "ArrowLeft", 20)               # z 2.0 -> 1.0: fewer heads in the bulk
