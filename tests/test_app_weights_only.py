@@ -117,3 +117,15 @@ def test_export_page_streams_and_equals_the_in_memory_export(checkpoint, out_roo
     assert sorted(mine) == sorted(theirs)
     assert all(mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]) for k in mine)
     assert load_pruned(folder) is not None
+
+
+def test_streamed_profile_reports_each_layer_and_stops(checkpoint):
+    from analysis.core.errors import CancelledError
+    from components import cache, state
+    how = (state.WEIGHTS_ONLY, False)
+    with pytest.raises(CancelledError):
+        cache.profile(str(checkpoint), how, _should_stop=lambda: True)
+    seen = []
+    prof = cache.profile(str(checkpoint), how, _progress=lambda f, m: seen.append(m))
+    assert [m for m in seen if m.startswith("streamed layer")] == [f"streamed layer {i}/4" for i in range(1, 5)]
+    assert prof.n_layers == 4
