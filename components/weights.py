@@ -3,7 +3,7 @@
 The Model page's switch (`weights_only_switch`) makes `state.load_options()` say so; `cache.load`
 then returns `analysis.arch.models.open_weights_only` (the model's structure on the meta device),
 `cache.profile` streams the row norms from the files (progress per layer, stoppable), and the
-weight-only scorers, masks, counts, the Walkthrough and the Export page (streamed pruned / stock
+weight-only scorers, masks, counts, the Walkthrough and the Export page (streamed pruned / stock / gguf
 export, `analysis.compress.streamed`) work from that. A page or section that runs the model
 (activations: perplexity, ablation, roles, Compare's curves, Pipeline) calls `needs_model`: one line
 that says so, and a button that loads the model with disk offload instead.
