@@ -62,7 +62,7 @@ with shown_errors("Comparing masks"):
     for i, (name, plan) in enumerate(plans.items()):
         cols[i % len(cols)].plotly_chart(
             charts.mask_heatmap(plan.pruned, results[name][1].scores, score_name=controls.label(name),
-                                title=f"{controls.label(name)}: {plan.n_pruned} pruned", group_size=g.group_size),
+                                title=f"{controls.label(name)}<br><sup>{plan.n_pruned} pruned</sup>", group_size=g.group_size),
             width="stretch", key=f"compare.mask.{name}")
 
     jaccard = np.array([[masks.jaccard(plans[a].pruned, plans[b].pruned) for b in plans] for a in plans])

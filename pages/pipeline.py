@@ -89,16 +89,23 @@ config = PipelineConfig(target_sparsity=float(target), step=float(step), recover
 config = config.one_shot() if one_shot else config
 
 rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
+# the work of a run, in forward-pass tokens: a recovery step is a teacher forward + a student forward and
+# backward (~4 forwards) on batch x seq_len tokens; each measured stage (dense, each round, final) is
+# evaluated on eval_tokens. Measuring a stage (size, latency) costs more than that count says, so once
+# a run has finished the estimate is scaled by that run's measured seconds per unit of this work.
+work = rounds * config.recovery_steps * 4 * batch * seq_len + (rounds + 2) * eval_tokens
 with shown_errors("Estimating the time"):
-    rate = cache.forward_rate(lm.name, state.load_options())          # tokens per second, one forward pass
-    steps_total = rounds * config.recovery_steps
-    # a step: teacher forward + student forward and backward (~3 forwards) on batch x seq_len tokens;
-    # each stage (dense, every round, final) is evaluated on eval_tokens
-    seconds = (steps_total * 4 * batch * seq_len + (rounds + 2) * eval_tokens) / rate
-    c[2].metric("Estimated time", f"~{max(1, math.ceil(seconds / 60))} min" if seconds >= 60 else f"~{seconds:.0f} s",
-                help=f"{rounds} round(s) x {config.recovery_steps} steps, from this machine's measured forward speed "
-                     f"({rate:,.0f} tokens/s){' plus about a minute for INT8' if int8 else ''}. The bar shows the "
-                     "measured rate once it runs.")
+    last_rate = state.recall(f"pipe.seconds_per_work.{lm.name}")
+    if last_rate is not None:
+        seconds, basis = work * last_rate, "scaled from the last run's measured time on this model"
+    else:
+        seconds = work / cache.forward_rate(lm.name, state.load_options())
+        basis = ("a lower bound: forward passes only, at this machine's measured speed; measuring every stage's "
+                 "size and latency adds more (a first run tells)")
+    text = f"~{max(1, math.ceil(seconds / 60))} min" if seconds >= 60 else f"~{seconds:.0f} s"
+    c[2].metric("Estimated time", text if last_rate is not None else f"≥ {text[1:]}",
+                help=f"{rounds} round(s) x {config.recovery_steps} recovery steps; {basis}"
+                     f"{'; INT8 adds about a minute' if int8 else ''}. The bar shows the time left once it runs.")
 
 requested, done = state.recall("pipe.request", 0), state.recall("pipe.done", 0)
 st.button("Run the pipeline", type="primary", key="pipe.run", disabled=requested > done,
@@ -131,6 +138,7 @@ if requested > done:
                 rep, result = compression_report(lm, config, int8=int8, progress=report,
                                                  should_stop=stop_check, on_step=on_step)
             state.remember("pipe.last", (rep, result, losses))
+            state.remember(f"pipe.seconds_per_work.{lm.name}", (time.monotonic() - t0) / max(work, 1))
     finally:
         stop.empty()
         curve.empty()                                  # the final chart is drawn once, below
@@ -155,16 +163,21 @@ if last is not None:
         st.plotly_chart(loss_chart(losses), width="stretch", key="pipe.loss_chart")
     st.subheader("Compression report")
 
-    def _fmt(value, pattern: str) -> str:
-        return "—" if value is None else format(value, pattern)
+    def cell(s, key: str, text: str) -> str:
+        """A number with its ratio to the dense model, e.g. "21.83 M (0.961x)"."""
+        ratio = s.ratios.get(key)
+        return text if ratio is None or s is dense else f"{text} ({ratio:.3g}x)"
 
-    st.dataframe([{"stage": s.name, "sparsity": f"{s.sparsity:.2f}", "parameters": f"{s.parameters / 1e6:,.2f} M",
-                   "size": f"{s.size_mb:,.1f} MB", "attention FLOPs": f"{s.attention_flops / 1e9:,.2f} G",
-                   "prefill ms": _fmt(s.prefill_ms, ".1f"), "decode ms": _fmt(s.decode_ms, ".2f"),
-                   rep.metric: _fmt(s.metric, ".3f"),
-                   **{f"{k} ratio": _fmt(v, ".3f") for k, v in s.ratios.items()}} for s in rep.stages],
-                 hide_index=True, width="stretch")
-    st.caption("Ratios are to the dense model; above 1 on parameters, size or FLOPs means that stage is bigger.")
+    st.dataframe([{"stage": s.name, "sparsity": f"{s.sparsity:.2f}",
+                   "parameters": cell(s, "parameters", f"{s.parameters / 1e6:,.2f} M"),
+                   "size": cell(s, "size_mb", f"{s.size_mb:,.1f} MB"),
+                   "attention FLOPs": cell(s, "attention_flops", f"{s.attention_flops / 1e9:,.2f} G"),
+                   "prefill": cell(s, "prefill_ms", f"{s.prefill_ms:,.1f} ms"),
+                   "decode": "—" if s.decode_ms is None else cell(s, "decode_ms", f"{s.decode_ms:,.2f} ms"),
+                   rep.metric: "—" if s.metric is None else cell(s, "metric", f"{s.metric:.3f}")}
+                  for s in rep.stages], hide_index=True, width="stretch")
+    st.caption("In brackets: the ratio to the dense model; above 1 on parameters, size or FLOPs means that stage is "
+               "bigger.")
     curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
         "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
     st.plotly_chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",

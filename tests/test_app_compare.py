@@ -15,7 +15,7 @@ DEFAULT = ["MP (Magnitude Profile)", "MP-G (GQA-aware MP)", "Magnitude", "Random
 def _masks(at):
     out = {}
     for label in DEFAULT:
-        trace = figure_titled(at, f"{label}: ")["data"][0]
+        trace = figure_titled(at, f"{label}<br>")["data"][0]
         out[label] = (np.asarray(trace["z"]).astype(bool), np.asarray(trace["customdata"], dtype=float))
     return out
 
