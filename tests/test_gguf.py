@@ -442,3 +442,20 @@ def test_pipeline_final_stage_writes_a_gguf(smollm2, tmp_path, capsys):
     assert counts == [len(h) for h in layout["heads"]] and sum(counts) == 8
     out = llamacpp.logits(export / "model.gguf", list(range(10, 40)))
     assert out.shape == (30, len(smollm2.tokenizer)) and np.isfinite(out).all()
+
+
+def test_streaming_from_a_checkpoint_gives_the_same_file(tmp_path):
+    """Plan from the config + the checkpoint's tensor shapes, feed tensors one at a time from the
+    safetensors file (never building the model): byte for byte the in-memory writer's file."""
+    from safetensors import safe_open
+    from analysis.compress.export import export_to
+    model = tiny_model("qwen2")
+    pruned = _uneven_mask("qwen2")
+    result = export_to("pruned", model, pruned, tmp_path / "cut")
+    smaller, layout = prune_heads(model, pruned)
+    in_memory = write_gguf(smaller, layout, tmp_path / "memory.gguf", weight_type="q8_0", name="x").path
+    with safe_open(str(result.path / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        plan = plan_gguf(model.config, result.layout, "q8_0", shapes=shapes, name="x")
+        write_tensors(tmp_path / "streamed.gguf", plan, f.get_tensor)
+    assert (tmp_path / "streamed.gguf").read_bytes() == in_memory.read_bytes()
