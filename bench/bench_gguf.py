@@ -49,7 +49,10 @@ def _mib(n: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the JSON results here")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="llama.cpp threads (1 on a shared machine: with 2 threads on 2 busy cores its "
+                             "barriers spin and decode collapses to <1 tok/s)")
+    parser.add_argument("--speed-context", type=int, default=512, help="context of the edge table's tokens/s")
     parser.add_argument("--quick", action="store_true", help="only 50%% cuts (the speed part in full)")
     args = parser.parse_args()
     lm = load_model("smollm2-135m")
@@ -62,7 +65,8 @@ def main() -> int:
     for policy in POLICIES:
         for s in (SPARSITIES[-1:] if args.quick else SPARSITIES):
             cuts[f"{policy}-{s:g}"] = plan_mask(scores, s, group_size=g.group_size, policy=policy).pruned
-    rows = [{"model": "built-in Q4_1 (dense)", "type": "q4_1", **measure_gguf(tok, ids, threads=args.threads)}]
+    measure = dict(threads=args.threads, speed_context=args.speed_context, decode_tokens=8, repeats=1)
+    rows = [{"model": "built-in Q4_1 (dense)", "type": "q4_1", **measure_gguf(tok, ids, **measure)}]
     print(json.dumps(rows[-1]), flush=True)
     layouts = {}
     for name, pruned in cuts.items():
@@ -73,7 +77,7 @@ def main() -> int:
             t0 = time.perf_counter()
             write_gguf(smaller, layout, path, weight_type=t, tokenizer_gguf=tok, name=f"smollm2-135m {name}")
             row = {"model": name, "type": t, "n_pruned": int(pruned.sum()), "write_s": time.perf_counter() - t0,
-                   **measure_gguf(path, ids, threads=args.threads)}
+                   **measure_gguf(path, ids, **measure)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     # 2. speed vs context: dense vs groups-50% at Q8_0, alternating files
@@ -82,9 +86,10 @@ def main() -> int:
     small, layout = layouts["groups-0.5"]
     for context in (512, 4096):
         runs = {"dense": [], "pruned": []}
-        for _ in range(2):
+        for _ in range(2 if context <= 512 else 1):
             for key, path in (("dense", dense_path), ("pruned", cut_path)):
-                runs[key].append(llamacpp.speed(path, context, decode_tokens=16, repeats=2, threads=args.threads))
+                runs[key].append(llamacpp.speed(path, context, decode_tokens=8, repeats=1, threads=args.threads,
+                                                warmup=context <= 512))
         med = {k: (float(np.median([r.prefill_tokens_per_s for r in v])),
                    float(np.median([r.decode_tokens_per_s for r in v]))) for k, v in runs.items()}
         pre_dense, pre_cut = forward_flops(lm.model, context, context), forward_flops(small, context, context,
@@ -98,7 +103,7 @@ def main() -> int:
                       "prefill_flop_speedup": pre_dense.total / pre_cut.total,
                       "decode_flop_speedup": dec_dense.total / dec_cut.total})
         print(json.dumps(speed[-1]), flush=True)
-    print("\n| model | type | file MiB | llama.cpp ppl | prefill tok/s @512 | decode tok/s | KV MiB @8192 |")
+    print(f"\n| model | type | file MiB | llama.cpp ppl | prefill tok/s @{args.speed_context} | decode tok/s | KV MiB @8192 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['model']} | {r['type']} | {_mib(r['bytes'])} | {r['perplexity']:.2f} | "
