@@ -7,7 +7,12 @@
   per-layer counts (the reason the writer uses `deci`);
 - llama.cpp's tokenizer (from the carried-over tokenizer.* keys) gives the HF tokenizer's ids;
 - Q8_0 and Q4_K_M load and run, perplexity within a stated margin of F32;
-- bad input: unsupported family, layer 0 emptied, unknown weight type.
+- streaming: planned from a config + checkpoint shapes and fed tensor by tensor, the same bytes;
+- the format through the CLI (`export --export-format gguf --gguf-type`), the Export page (listed
+  from the registry, the llama.cpp deployment report) and the pipeline's final stage; the
+  `deploy-report` command;
+- bad input: unsupported family, layer 0 emptied, unknown weight type, an existing target, a full
+  disk (a real 5 MB tmpfs, as root), a killed export (SIGKILL): one line, nothing half-written.
 
 Tolerance (F32 file vs PyTorch float32): both compute in float32 but sum in different orders
 (ggml's SIMD dot products vs PyTorch's BLAS blocking). One dot product of length K has a
