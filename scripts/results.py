@@ -52,7 +52,7 @@ from analysis.core.errors import InputError  # noqa: E402
 from analysis.measure.evaluation import bootstrap_perplexity, evaluator_for, gate_batch, token_ids  # noqa: E402
 from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.measure.profiles import profile_model  # noqa: E402
-from analysis.compress.report import RECOVERY_MARKERS  # noqa: E402
+from analysis.compress.report import EDGE_MARKERS, RECOVERY_MARKERS  # noqa: E402
 from analysis.score.specialization import ROLES_MARKERS  # noqa: E402
 from analysis.score.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.score.sweep import split_evaluators, sweep_z  # noqa: E402
@@ -353,11 +353,10 @@ def main(argv: list[str] | None = None) -> None:
         loaded = load_model(args.model, cache_dir=args.cache_dir)
         text, _ = run(loaded, options, team=team)
         if team.is_main:
-            # the recovery section belongs to bench/bench_recovery.py --write-docs: keep it as it is
-            kept = marked_section(args.out, *RECOVERY_MARKERS)
-            # so does the roles section of scripts/roles_results.py
-            roles_kept = marked_section(args.out, *ROLES_MARKERS)
-            kept = "\n\n".join(k for k in (kept, roles_kept) if k)
+            # the recovery section belongs to bench/bench_recovery.py --write-docs, the roles section to
+            # scripts/roles_results.py, the edge section to bench/bench_gguf.py --write-docs: keep them as they are
+            kept = "\n\n".join(part for markers in (RECOVERY_MARKERS, ROLES_MARKERS, EDGE_MARKERS)
+                                if (part := marked_section(args.out, *markers)))
             atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
                          what="The results file")
             print(text)

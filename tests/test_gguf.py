@@ -7,7 +7,12 @@
   per-layer counts (the reason the writer uses `deci`);
 - llama.cpp's tokenizer (from the carried-over tokenizer.* keys) gives the HF tokenizer's ids;
 - Q8_0 and Q4_K_M load and run, perplexity within a stated margin of F32;
-- bad input: unsupported family, layer 0 emptied, unknown weight type.
+- streaming: planned from a config + checkpoint shapes and fed tensor by tensor, the same bytes;
+- the format through the CLI (`export --export-format gguf --gguf-type`), the Export page (listed
+  from the registry, the llama.cpp deployment report) and the pipeline's final stage; the
+  `deploy-report` command;
+- bad input: unsupported family, layer 0 emptied, unknown weight type, an existing target, a full
+  disk (a real 5 MB tmpfs, as root), a killed export (SIGKILL): one line, nothing half-written.
 
 Tolerance (F32 file vs PyTorch float32): both compute in float32 but sum in different orders
 (ggml's SIMD dot products vs PyTorch's BLAS blocking). One dot product of length K has a
@@ -442,3 +447,20 @@ def test_pipeline_final_stage_writes_a_gguf(smollm2, tmp_path, capsys):
     assert counts == [len(h) for h in layout["heads"]] and sum(counts) == 8
     out = llamacpp.logits(export / "model.gguf", list(range(10, 40)))
     assert out.shape == (30, len(smollm2.tokenizer)) and np.isfinite(out).all()
+
+
+def test_streaming_from_a_checkpoint_gives_the_same_file(tmp_path):
+    """Plan from the config + the checkpoint's tensor shapes, feed tensors one at a time from the
+    safetensors file (never building the model): byte for byte the in-memory writer's file."""
+    from safetensors import safe_open
+    from analysis.compress.export import export_to
+    model = tiny_model("qwen2")
+    pruned = _uneven_mask("qwen2")
+    result = export_to("pruned", model, pruned, tmp_path / "cut")
+    smaller, layout = prune_heads(model, pruned)
+    in_memory = write_gguf(smaller, layout, tmp_path / "memory.gguf", weight_type="q8_0", name="x").path
+    with safe_open(str(result.path / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        plan = plan_gguf(model.config, result.layout, "q8_0", shapes=shapes, name="x")
+        write_tensors(tmp_path / "streamed.gguf", plan, f.get_tensor)
+    assert (tmp_path / "streamed.gguf").read_bytes() == in_memory.read_bytes()

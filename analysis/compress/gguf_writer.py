@@ -205,20 +205,32 @@ def plan_tensors(shapes: dict[str, tuple[int, ...]], layout: HeadLayout, family:
     if unknown:
         raise UnsupportedModelError(f"GGUF export does not know where these tensors go: {', '.join(unknown[:4])}"
                                     f"{' ...' if len(unknown) > 4 else ''}; use the 'pruned' export.")
-    return specs
+    return sorted(specs, key=_file_order)      # one order whatever the source's order (state dict, shards)
 
 
-def plan_gguf(model: nn.Module, layout: HeadLayout, weight_type: str = DEFAULT_WEIGHT_TYPE, *,
+def _file_order(spec: TensorSpec) -> tuple[int, str]:
+    """token_embd, then block by block, then the output norm and head; by name within each."""
+    match = re.match(r"blk\.(\d+)\.", spec.name)
+    rank = 1 + int(match.group(1)) if match else (0 if spec.name.startswith("token_embd") else 1 << 20)
+    return rank, spec.name
+
+
+def plan_gguf(model_or_config, layout: HeadLayout, weight_type: str = DEFAULT_WEIGHT_TYPE, *,
               shapes: dict[str, tuple[int, ...]] | None = None, name: str = "",
               tokenizer_gguf: str | os.PathLike | None = None) -> GGUFPlan:
-    """The GGUF file for `model` (the physically pruned model, or any model built to `layout`):
-    architecture, metadata and tensors. Raises UnsupportedModelError / InputError before any write."""
+    """The GGUF file for a model built to `layout` (the physically pruned model), or for its original
+    config plus the pruned tensors' `shapes` (HF name -> shape, e.g. from checkpoint headers: a
+    streaming exporter needs no model): architecture, metadata and tensors in file order. Raises
+    UnsupportedModelError / InputError before anything is written."""
     weight_type = check_weight_type(weight_type)
-    config = model.config
+    is_model = isinstance(model_or_config, nn.Module)
+    config = model_or_config.config if is_model else model_or_config
     family = family_for(getattr(config, "model_type", None))
     arch = choose_arch(family, layout)
     if shapes is None:
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if not is_model:
+            raise InputError("plan_gguf needs the tensors' shapes when given a config instead of a model.")
+        shapes = {k: tuple(v.shape) for k, v in model_or_config.state_dict().items()}
     tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in shapes
     tensors = plan_tensors(shapes, layout, family, arch, weight_type, tied=tied)
     heads = [len(h) for h in layout.heads]                 # [L]

@@ -136,9 +136,9 @@ class Speed:
 
 
 def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, repeats: int = 3,
-          threads: int = DEFAULT_THREADS, seed: int = 0) -> Speed:
+          threads: int = DEFAULT_THREADS, seed: int = 0, warmup: bool = True) -> Speed:
     """Prefill of `context` random token ids, then `decode_tokens` single-token steps after them;
-    medians of `repeats` runs after one warm-up. Tokens/s of each."""
+    medians of `repeats` runs (after one warm-up run unless warmup=False). Tokens/s of each."""
     llm = load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
                n_batch=min(context, 512))
     rng = np.random.default_rng(seed)
@@ -146,7 +146,8 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
     prompt = rng.integers(4, vocab, size=context).tolist()
     steps = rng.integers(4, vocab, size=decode_tokens).tolist()
     prefill, decode = [], []
-    for run in range(repeats + 1):
+    skip = 1 if warmup else 0
+    for run in range(repeats + skip):
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -154,7 +155,7 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
         for token in steps:
             llm.eval([token])
         t2 = time.perf_counter()
-        if run:                                  # run 0 is the warm-up
+        if run >= skip:                          # run 0 is the warm-up
             prefill.append(context / (t1 - t0))
             decode.append(decode_tokens / (t2 - t1))
     return Speed(context, statistics.median(prefill), statistics.median(decode), threads)
