@@ -95,8 +95,8 @@ class Comparison:
                  f"ratio IQR/median {self.spread():.2f}); caches {'warm (one untimed call of each side first)' if self.warm else 'cold'}; "
                  f"load average {_load(self.load_before)} before, {_load(self.load_after)} after"]
         for label in (self.a, self.b):
-            lines.append(f"    {label:>20}: {row(self.times[label], unit, '{:.1f}')} {unit_name}")
-        lines.append(f"    {self.a + ' / ' + self.b:>20}: {row(self.ratios, 1.0, '{:.3f}')}"
+            lines.append(f"    {label:>20}: {row(self.times[label], unit, '{:.4g}')} {unit_name}")
+        lines.append(f"    {self.a + ' / ' + self.b:>20}: {row(self.ratios, 1.0, '{:.4g}')}"
                      + (f"  (target {target}, judged on the median)" if target else ""))
         text = "\n".join(lines)
         print(text, flush=True)

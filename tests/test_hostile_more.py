@@ -491,3 +491,32 @@ def test_pipeline_overwrite_replaces_its_own_run_and_nothing_else(model_dir, tmp
     assert cli.main([*argv[:-1], "other", "--overwrite"]) == 2         # not a headscope run: left alone
     assert_one_line_error(capsys.readouterr().err, r"not a headscope export", r"choose another name")
     assert (other / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_killed_pipeline_leaves_no_run_and_the_rerun_works(model_dir, tmp_path):
+    """SIGTERM: the temporary run folder is removed (exit 130); SIGKILL: it stays, marked, and the
+    next run into the same --out-dir removes it and writes the run."""
+    argv = [*PIPE, "--model", model_dir, "--target", "0.5", "--step", "0.25", "--train-batch", "2",
+            "--train-seq-len", "16", "--out-dir", tmp_path, "--name", "run"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen([sys.executable, "-m", "analysis", *map(str, argv)], cwd=tmp_path, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 180
+        while not list(tmp_path.glob(".run.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert proc.poll() is None, proc.communicate()[1].decode()[-500:]
+        time.sleep(1.0)                                        # inside the rounds
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+        assert not (tmp_path / "run").exists()
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 130, err.decode()[-500:]
+            assert not list(tmp_path.glob(".run.tmp-*")), "SIGTERM left the temporary run folder"
+        else:
+            assert proc.returncode == -signal.SIGKILL and list(tmp_path.glob(".run.tmp-*"))
+    done = _cli(argv, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert "Removed .run.tmp-" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
