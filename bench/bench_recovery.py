@@ -60,6 +60,7 @@ from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token  # noq
 from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
 from analysis.compress.surgery import prune_heads  # noqa: E402
 from analysis.core.atomic import write_section  # noqa: E402
+from analysis.core.errors import InputError  # noqa: E402
 from analysis.core.text import evaluation_text  # noqa: E402
 from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, evaluate, token_ids  # noqa: E402
 from analysis.score.masks import default_policy  # noqa: E402
@@ -215,7 +216,7 @@ def formats(loaded, args, calibration) -> dict:
                 try:
                     sizes[name] = export_round(fmt, model, pruned, result.head_rounds * pruned, folder,
                                                f"{fmt}-{name}", tokenizer=loaded.tokenizer).total_bytes
-                except ExportError as err:
+                except (ExportError, InputError) as err:     # e.g. stock: uneven per-layer head counts
                     sizes[name] = str(err).splitlines()[0]
             out[fmt] = sizes
     out["parameters"] = (count_parameters(loaded.model), count_parameters(small))
