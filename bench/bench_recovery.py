@@ -304,8 +304,8 @@ def markdown(out: dict, args, command: str) -> str:
         for fmt in FORMATS:
             d, q = f[fmt]["dense"], f[fmt]["pruned"]
             ok = isinstance(d, int) and isinstance(q, int)
-            lines.append(f"| {fmt} | {d if not ok else f'{d / 2**20:.1f} MB'} | {q if not ok else f'{q / 2**20:.1f} MB'} "
-                         f"| {f'{q / d:.3f}x' if ok else 'n/a'} |")
+            cells = [f"{v / 2**20:.1f} MB" if isinstance(v, int) else f"not written: {v}" for v in (d, q)]
+            lines.append(f"| {fmt} | {cells[0]} | {cells[1]} | {f'{q / d:.3f}x' if ok else 'n/a'} |")
         lines += ["", f"Parameters {f['parameters'][1]:,} vs {f['parameters'][0]:,} "
                       f"({f['parameters'][1] / f['parameters'][0]:.3f}x); KV bytes / token {f['kv'][1]:,} vs "
                       f"{f['kv'][0]:,} ({f['kv'][1] / f['kv'][0]:.3f}x). The zeroed format keeps the full shapes "
