@@ -60,6 +60,7 @@ from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token  # noq
 from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
 from analysis.compress.surgery import prune_heads  # noqa: E402
 from analysis.core.atomic import write_section  # noqa: E402
+from analysis.core.errors import InputError  # noqa: E402
 from analysis.core.text import evaluation_text  # noqa: E402
 from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, evaluate, token_ids  # noqa: E402
 from analysis.score.masks import default_policy  # noqa: E402
@@ -215,7 +216,7 @@ def formats(loaded, args, calibration) -> dict:
                 try:
                     sizes[name] = export_round(fmt, model, pruned, result.head_rounds * pruned, folder,
                                                f"{fmt}-{name}", tokenizer=loaded.tokenizer).total_bytes
-                except ExportError as err:
+                except (ExportError, InputError) as err:     # e.g. stock: uneven per-layer head counts
                     sizes[name] = str(err).splitlines()[0]
             out[fmt] = sizes
     out["parameters"] = (count_parameters(loaded.model), count_parameters(small))
@@ -303,8 +304,8 @@ def markdown(out: dict, args, command: str) -> str:
         for fmt in FORMATS:
             d, q = f[fmt]["dense"], f[fmt]["pruned"]
             ok = isinstance(d, int) and isinstance(q, int)
-            lines.append(f"| {fmt} | {d if not ok else f'{d / 2**20:.1f} MB'} | {q if not ok else f'{q / 2**20:.1f} MB'} "
-                         f"| {f'{q / d:.3f}x' if ok else 'n/a'} |")
+            cells = [f"{v / 2**20:.1f} MB" if isinstance(v, int) else f"not written: {v}" for v in (d, q)]
+            lines.append(f"| {fmt} | {cells[0]} | {cells[1]} | {f'{q / d:.3f}x' if ok else 'n/a'} |")
         lines += ["", f"Parameters {f['parameters'][1]:,} vs {f['parameters'][0]:,} "
                       f"({f['parameters'][1] / f['parameters'][0]:.3f}x); KV bytes / token {f['kv'][1]:,} vs "
                       f"{f['kv'][0]:,} ({f['kv'][1] / f['kv'][0]:.3f}x). The zeroed format keeps the full shapes "
