@@ -177,3 +177,15 @@ def test_every_registered_scorer_drives_the_cut(tokenizer, scorer):
     assert np.isfinite(result.final_metric) and result.final_accuracy is not None
     small, _ = result.smaller()
     assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in loaded.model.parameters())
+
+
+def test_the_recorded_config_says_the_steps_each_round_ran():
+    """report.json / the pipeline result record the distillation steps a round really runs: the recovery
+    steps (or the token budget's steps), not DistillConfig's default."""
+    from analysis.compress.distill import DistillConfig
+    from analysis.compress.pipeline import PipelineConfig
+    cfg = PipelineConfig(recovery_steps=10, distill=DistillConfig(steps=80, batch_size=2, seq_len=16))
+    assert cfg.as_dict()["distill"]["steps"] == 10 == cfg.steps_per_round()
+    budget = PipelineConfig(recovery_steps=10, recovery_tokens=100, distill=DistillConfig(batch_size=2, seq_len=16))
+    assert budget.as_dict()["distill"]["steps"] == 4 == budget.steps_per_round()       # ceil(100 / 32)
+    assert PipelineConfig(recovery_steps=0).as_dict()["distill"]["steps"] == 0

@@ -109,7 +109,9 @@ class PipelineConfig:
         return self
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The settings as they run: distill.steps is what each round distills (`steps_per_round`), not
+        DistillConfig's own default (report.json said 80 steps when 10 ran)."""
+        return asdict(replace(self, distill=with_steps(self.distill, self.steps_per_round())))
 
 
 def round_counts(target_sparsity: float, step: float, n_heads: int, unit: int = 1) -> list[int]:
