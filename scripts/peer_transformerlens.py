@@ -60,8 +60,8 @@ def tl_side(model_dir: Path, data: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformer_lens import head_detector as hd
     from transformer_lens.model_bridge import TransformerBridge
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager")
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     bridge = TransformerBridge.boot_transformers(str(model_dir), hf_model=hf, tokenizer=tok, device="cpu")
     ids = torch.tensor(data["ids"])
     scores = {name: torch.zeros(bridge.cfg.n_layers, bridge.cfg.n_heads, dtype=torch.float64) for name in TL_NAMES}

@@ -21,6 +21,6 @@ def test_the_console_script_is_the_cli(tmp_path):
                          timeout=300)
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "sparsity" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "sparsity" in lines[0].lower()
     usage = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=300)
     assert usage.returncode == 0 and usage.stdout.startswith("usage: headscope")

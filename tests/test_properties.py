@@ -200,6 +200,8 @@ def test_url_fields_parse_or_say_why(name, raw):
     if isinstance(field.default, float):
         lo_hi = {"z": (0.0, float(state.Z_MAX)), "sparsity": (0.0, state.SPARSITY_MAX)}[name]
         assert isinstance(value, float) and math.isfinite(value) and lo_hi[0] <= value <= lo_hi[1]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):   # a scorer parameter (a_kv, ord, ...)
+        assert math.isfinite(value)
     else:
         assert value == value.strip() and value and value.isprintable() and len(value) <= state.TEXT_MAX
     again = field.parse(field.fmt(value))                      # what the URL then shows parses again,

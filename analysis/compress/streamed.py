@@ -459,7 +459,7 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
             shapes[alias_name] = shapes[group[0]]          # a tie: the writer decides whether it stores both
     weight_type = gguf_writer.check_weight_type(gguf_type)
     holder = SimpleNamespace(config=config)
-    plan = gguf_writer.plan_gguf(holder, layout, weight_type, shapes=shapes, name=str(folder.name),
+    plan = gguf_writer.plan_gguf(config, layout, weight_type, shapes=shapes, name=str(folder.name),
                                  tokenizer_gguf=tokenizer_source(holder))
     gathers: dict[int, dict] = {}
 
