@@ -325,12 +325,18 @@ def _pickled_npy(env: Env) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", CLI_CASES, ids=[c.id for c in CLI_CASES])
-def test_cli_hostile_input(case: Case, ckpt, model_dir, tmp_path, capsys):
+def hostile_env(tmp_path, ckpt, model_dir) -> Env:
+    """Fresh input and work folders, with the sentinel --out file in place."""
     env = Env(ckpt=ckpt, model=model_dir, inputs=tmp_path / "inputs", work=tmp_path / "work")
     env.inputs.mkdir()
     env.work.mkdir()
     env.out.write_bytes(SENTINEL)
+    return env
+
+
+def check_cli_case(case: Case, env: Env, capsys, max_seconds: float) -> None:
+    """Run one hostile CLI case in-process: its exit code, no result, one error line naming the problem
+    and the fix, nothing in the work folder changed (the sentinel --out included), within max_seconds."""
     argv = [str(a) for a in case.argv(env)]
     before = snapshot(env.work)
     started = time.perf_counter()
@@ -342,7 +348,12 @@ def test_cli_hostile_input(case: Case, ckpt, model_dir, tmp_path, capsys):
     assert_one_line_error(err, case.problem, case.fix)
     assert snapshot(env.work) == before, "a file was created, changed or deleted"
     assert env.out.read_bytes() == SENTINEL
-    assert seconds < 30, f"took {seconds:.1f} s: it read more than it could use"
+    assert seconds < max_seconds, f"took {seconds:.1f} s: it read more than it could use"
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.id for c in CLI_CASES])
+def test_cli_hostile_input(case: Case, ckpt, model_dir, tmp_path, capsys):
+    check_cli_case(case, hostile_env(tmp_path, ckpt, model_dir), capsys, max_seconds=30)
 
 
 # -- 3 and 12: a real full disk and a real read-only file system (tmpfs) -----------------------------

@@ -28,8 +28,8 @@ import torch
 from analysis import cli
 from analysis.core.errors import HeadscopeError, InputError, ModelLoadError
 from tests._tiny import tiny_input_ids, tiny_model
-from tests.test_hostile import (SENTINEL, Case, Env, assert_one_line_error, ckpt, model_dir,  # noqa: F401
-                                pruned_export, snapshot, tmpfs, _fill)
+from tests.test_hostile import (SENTINEL, Case, Env, assert_one_line_error, check_cli_case, ckpt,  # noqa: F401
+                                hostile_env, model_dir, pruned_export, snapshot, tmpfs, _fill)
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = "a" * 5000
@@ -145,29 +145,11 @@ MORE_CASES = [
 ]
 
 
-def _env(tmp_path, ckpt, model_dir) -> Env:
-    env = Env(ckpt=ckpt, model=model_dir, inputs=tmp_path / "inputs", work=tmp_path / "work")
-    env.inputs.mkdir()
-    env.work.mkdir()
-    env.out.write_bytes(SENTINEL)
-    return env
-
-
 @pytest.mark.parametrize("case", MORE_CASES, ids=[c.id for c in MORE_CASES])
 def test_cli_more_hostile_input(case: Case, ckpt, model_dir, tmp_path, capsys, monkeypatch):
-    env = _env(tmp_path, ckpt, model_dir)
+    env = hostile_env(tmp_path, ckpt, model_dir)
     monkeypatch.chdir(env.work)                          # "" must not mean "write here" either
-    argv = [str(a) for a in case.argv(env)]
-    before = snapshot(env.work)
-    started = time.perf_counter()
-    code = cli.main(argv)
-    seconds = time.perf_counter() - started
-    out, err = capsys.readouterr()
-    assert code == case.code, (code, err)
-    assert out == "", "an error run must not print a result"
-    assert_one_line_error(err, case.problem, case.fix)
-    assert snapshot(env.work) == before, "a file was created, changed or deleted"
-    assert seconds < 60, f"took {seconds:.1f} s: it read more than it could use"
+    check_cli_case(case, env, capsys, max_seconds=60)
 
 
 # the real CLI in a subprocess: one line on stderr, nothing before it (no warning, no traceback)
@@ -186,7 +168,7 @@ def _cli(argv, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
 def test_real_cli_subprocess(case_id, ckpt, model_dir, tmp_path):
     case = next(c for c in MORE_CASES if c.id == case_id)
-    env = _env(tmp_path, ckpt, model_dir)
+    env = hostile_env(tmp_path, ckpt, model_dir)
     argv = case.argv(env)
     before = snapshot(env.work)
     done = _cli(argv, cwd=env.work)
