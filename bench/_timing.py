@@ -1,7 +1,8 @@
 """Timing helpers shared by the bench scripts: one timed call, A/B runs that alternate order
 every round so drifting machine load hits every contender alike, and `compare`: the one way a
 bench prints a ratio (interleaved pairs until the spread is known; min / median / max of each side
-and of the per-pair ratio; load average and cache state; targets judged on the median ratio)."""
+and of the per-pair ratio; load average and cache state; targets judged on the median ratio), and
+`compare_rounds`, the same for three or more contenders sharing rounds (several ratios at once)."""
 import gc
 import math
 import os
@@ -85,14 +86,16 @@ class Comparison:
         """Interquartile range of the per-pair ratios over their median."""
         return relative_iqr(self.ratios)
 
-    def report(self, title: str, *, unit: float = 1e3, unit_name: str = "ms", target: str | None = None) -> str:
-        """Lines with min / median / max of each side and of the ratio, the load and the cache state."""
+    def report(self, title: str, *, unit: float = 1e3, unit_name: str = "ms", target: str | None = None,
+               caches: str | None = None) -> str:
+        """Lines with min / median / max of each side and of the ratio, the load and the cache state
+        (`caches` states it where the default, one untimed call of each side first, does not say it all)."""
         def row(values, scale, fmt):
             return (f"min {fmt.format(min(values) * scale)} / median {fmt.format(statistics.median(values) * scale)}"
                     f" / max {fmt.format(max(values) * scale)}")
         n = len(self.ratios)
         lines = [f"{title}: {n} interleaved pairs ({'spread known' if self.converged else 'spread NOT settled'}: "
-                 f"ratio IQR/median {self.spread():.2f}); caches {'warm (one untimed call of each side first)' if self.warm else 'cold'}; "
+                 f"ratio IQR/median {self.spread():.2f}); caches {caches or ('warm (one untimed call of each side first)' if self.warm else 'cold')}; "
                  f"load average {_load(self.load_before)} before, {_load(self.load_after)} after"]
         for label in (self.a, self.b):
             lines.append(f"    {label:>20}: {row(self.times[label], unit, '{:.4g}')} {unit_name}")
@@ -124,24 +127,51 @@ def load_average() -> tuple:
 
 def compare(fns: dict, *, min_pairs: int = 5, max_pairs: int = 31, spread: float = 0.10,
             max_seconds: float | None = 120.0, warm: bool = True, collect: bool = False,
-            untimed_free: bool = False) -> Comparison:
+            untimed_free: bool = False, self_timed: bool = False) -> Comparison:
     """Time two callables (dict label -> fn, the first is the numerator) in interleaved pairs until
     the per-pair ratios' IQR/median is at most `spread` (after `min_pairs`), `max_pairs` pairs, or
-    `max_seconds`. collect / untimed_free as in `alternate_times`."""
-    (a, fa), (b, fb) = list(fns.items())
-    result = Comparison(a=a, b=b, times={a: [], b: []}, warm=warm, load_before=load_average())
+    `max_seconds`. collect / untimed_free as in `alternate_times`; self_timed as in `compare_rounds`."""
+    (a, _), (b, _) = list(fns.items())
+    return compare_rounds(fns, [(a, b)], min_rounds=min_pairs, max_rounds=max_pairs, spread=spread,
+                          max_seconds=max_seconds, warm=warm, collect=collect, untimed_free=untimed_free,
+                          self_timed=self_timed)[(a, b)]
+
+
+def compare_rounds(fns: dict, ratios: list[tuple[str, str]], *, min_rounds: int = 5, max_rounds: int = 31,
+                   spread: float = 0.10, max_seconds: float | None = 120.0, warm: bool = True,
+                   collect: bool = False, untimed_free: bool = False, self_timed: bool = False) -> dict:
+    """{(a, b): Comparison} for several callables timed in rounds (each round runs every callable once,
+    the order rotated by one every round, so each takes every position alike; with two callables the
+    rounds are the pairs A B, B A, ... of `compare`), one Comparison per requested ratio a / b over
+    the same rounds. Stops once every ratio's IQR/median is at most `spread` (after `min_rounds`),
+    after `max_rounds`, or after `max_seconds`.
+
+    self_timed=True: each callable times itself and returns its seconds (a browser round trip
+    measured in the page, a run whose untimed setup must stay outside the time); the rounds, the
+    stop rule and the report are the same."""
+    labels = list(fns)
+    times = {k: [] for k in labels}
+    load_before = load_average()
+    result = {(a, b): Comparison(a=a, b=b, times={a: times[a], b: times[b]}, warm=warm, load_before=load_before)
+              for a, b in ratios}
     if warm:
-        fa(), fb()
+        for fn in fns.values():
+            fn()
     started = time.perf_counter()
-    for i in range(max_pairs):
-        for label, fn in ((a, fa), (b, fb)) if i % 2 == 0 else ((b, fb), (a, fa)):
+    for i in range(max_rounds):
+        k = i % len(labels)
+        for label in labels[k:] + labels[:k]:
             if collect:
                 gc.collect()
-            result.times[label].append(timed_call(fn)[0] if untimed_free else timed(fn))
-        if i + 1 >= min_pairs and result.spread() <= spread:
-            result.converged = True
+            fn = fns[label]
+            times[label].append(fn() if self_timed else timed_call(fn)[0] if untimed_free else timed(fn))
+        if i + 1 >= min_rounds and all(c.spread() <= spread for c in result.values()):
+            for c in result.values():
+                c.converged = True
             break
-        if max_seconds is not None and time.perf_counter() - started > max_seconds and i + 1 >= min_pairs:
+        if max_seconds is not None and time.perf_counter() - started > max_seconds and i + 1 >= min_rounds:
             break
-    result.load_after = load_average()
+    load_after = load_average()
+    for c in result.values():
+        c.load_after = load_after
     return result
