@@ -1,19 +1,21 @@
 """Benchmark: the fast single-head ablation sweep vs the naive loop, on the built-in SmolLM2.
 
-Both sides sweep the same heads (every query head, plus every KV group) of the same layers on
-the same tokens, in one process, interleaved layer by layer in rotating order, each layer timed
---repeats times keeping the best (a shared machine's load spikes otherwise decide). Runs:
-  naive      one full masked forward per ablation (analysis.measure.ablation.naive_sweep)
+Three runs sweep the same heads (every query head, plus every KV group) of the same layers on the
+same tokens, in one process. One call of a run is a whole sweep, its one-off dense work included;
+the three are timed in rounds (bench/_timing.compare_rounds: every round runs each once, the order
+rotated, until the spread of every per-round ratio is known), and min / median / max of each run
+and of each per-round ratio are printed with the load average; the target is judged on the median:
+  naive      one full masked forward per ablation (analysis.measure.ablation.naive_layer_deltas)
   fast-1     prefix reuse only: layers l..L-1 from the cached input, one ablation per pass
   fast       prefix reuse + batched gates (all ablations of a layer in one pass, the default)
 naive / fast-1 is what prefix reuse buys, fast-1 / fast what batching buys. The LM head
-(a 576 x 49152 projection per token and ablation) cannot be shared; its share of each run's
+(a 576 x 49152 projection per token and ablation) cannot be shared; its median share of each run's
 time is printed too (hooks on the output embeddings time it in the naive run).
 
-    .venv/bin/python bench/bench_ablation.py [--tokens 64] [--layer-step 1] [--repeats 2]
+    .venv/bin/python bench/bench_ablation.py [--tokens 64] [--layer-step 1] [--repeats 3] [--max-rounds 13]
 --layer-step k sweeps layers 0, k, 2k, ... (evenly spread, so the average suffix length stays
-representative) to fit a slow machine. Target: naive / fast >= 1.5x, same numbers (max
-|difference| <= 1e-4 of the largest effect).
+representative) to fit a slow machine; --repeats is the least number of rounds. Target: naive /
+fast >= 1.5x (median per-round ratio), same numbers (max |difference| <= 1e-4 of the largest effect).
 """
 import argparse
 import os
@@ -53,7 +55,8 @@ def main(argv=None, lm=None) -> bool:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64, help="tokens of the built-in evaluation text")
     parser.add_argument("--layer-step", type=int, default=1, help="sweep every k-th layer")
-    parser.add_argument("--repeats", type=int, default=2, help="time each layer this often, keep the best")
+    parser.add_argument("--repeats", type=int, default=3, help="least number of rounds (each run once per round)")
+    parser.add_argument("--max-rounds", type=int, default=None, help="most rounds (default 4 x --repeats + 1)")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -63,6 +66,7 @@ def main(argv=None, lm=None) -> bool:
     from analysis.measure.evaluation import token_ids
     from analysis.arch.models import load_model
     from analysis.core.text import evaluation_text
+    from bench._timing import compare_rounds
 
     lm = lm or load_model("smollm2-135m")
     device = next(lm.model.parameters()).device
@@ -73,38 +77,37 @@ def main(argv=None, lm=None) -> bool:
           f"{n_ablations} ablations (heads + KV groups), torch threads {torch.get_num_threads()}")
 
     model = lm.model
-    fast1, fast = FastAblation(batch_size=1), FastAblation()
-    runners = {"naive": None, "fast-1": fast1, "fast": fast}
-    best = {name: {} for name in runners}          # name -> layer -> (seconds, lm_head s, layers s)
-    deltas = {name: {} for name in runners}
-    prefix = {}
-    for name, runner in runners.items():            # the one-off dense work of each run
-        t0 = time.perf_counter()
-        prefix[name] = full_forward_loss(model, x) if runner is None else runner.prepare(model, x)
-        prefix[name + " s"] = time.perf_counter() - t0
-    base = prefix["naive"]
     timer = _HeadTimer(model.get_output_embeddings())
-    names = list(runners)
-    for i, layer in enumerate(layers):              # interleaved, rotating order, best of --repeats
-        for rep in range(args.repeats):
-            k = (i + rep) % 3
-            for name in names[k:] + names[:k]:
-                runner, parts = runners[name], {}
-                before = timer.total
-                t0 = time.perf_counter()
-                if runner is None:
-                    deltas[name][layer] = naive_layer_deltas(model, x, layer, base)
-                    parts = {"lm_head": timer.total - before}
-                else:
-                    deltas[name][layer] = runner.layer_deltas(model, prefix[name], layer, parts)
-                seconds = time.perf_counter() - t0
-                if layer not in best[name] or seconds < best[name][layer][0]:
-                    best[name][layer] = (seconds, parts.get("lm_head", 0.0), parts.get("layers", 0.0))
-        print(f"  layer {layer:2d}: " + ", ".join(f"{n} {best[n][layer][0]:.2f}s" for n in names), flush=True)
-    timer.close()
-    t = {n: prefix[n + " s"] + sum(b[0] for b in best[n].values()) for n in names}
-    head = {n: sum(b[1] for b in best[n].values()) for n in names}
-    suffix = {n: sum(b[2] for b in best[n].values()) for n in names}
+    deltas = {}                                     # run -> layer -> [R] loss changes of its last sweep
+    shares = {}                                     # run -> [(lm_head s, suffix layers s, prefix s, total s)]
+
+    def naive():
+        t0 = time.perf_counter()
+        base = full_forward_loss(model, x)
+        prefix_s, head_before = time.perf_counter() - t0, timer.total
+        deltas["naive"] = {layer: naive_layer_deltas(model, x, layer, base) for layer in layers}
+        shares.setdefault("naive", []).append((timer.total - head_before, 0.0, prefix_s, time.perf_counter() - t0))
+        print(f"  naive sweep {shares['naive'][-1][3]:.2f} s", flush=True)
+
+    def fast_run(name, runner):
+        def run():
+            t0 = time.perf_counter()
+            prep = runner.prepare(model, x)
+            prefix_s, parts = time.perf_counter() - t0, {}
+            deltas[name] = {layer: runner.layer_deltas(model, prep, layer, parts) for layer in layers}
+            shares.setdefault(name, []).append((parts.get("lm_head", 0.0), parts.get("layers", 0.0), prefix_s,
+                                                time.perf_counter() - t0))
+            print(f"  {name} sweep {shares[name][-1][3]:.2f} s", flush=True)
+        return run
+
+    runs = {"naive": naive, "fast-1": fast_run("fast-1", FastAblation(batch_size=1)),
+            "fast": fast_run("fast", FastAblation())}
+    try:
+        cmps = compare_rounds(runs, [("naive", "fast-1"), ("fast-1", "fast"), ("naive", "fast")],
+                              min_rounds=args.repeats, max_rounds=args.max_rounds or 4 * args.repeats + 1,
+                              max_seconds=600.0)
+    finally:
+        timer.close()
 
     want = np.concatenate([deltas["naive"][l] for l in layers])
 
@@ -112,21 +115,21 @@ def main(argv=None, lm=None) -> bool:
         got = np.concatenate([deltas[name][l] for l in layers])
         return np.abs(got - want).max() / np.abs(want).max()
 
-    print(f"{'run':8s} {'seconds':>8s} {'vs naive':>9s} {'LM head':>8s}  where the rest goes")
-    print(f"{'naive':8s} {t['naive']:8.1f} {1.0:8.2f}x {head['naive'] / t['naive']:8.0%}  "
-          f"{n_ablations} full forwards")
+    def share(name, i):
+        return statistics.median(s[i] / s[3] for s in shares[name])
+
+    print(f"where each run's time goes (median share over its calls; {len(shares['naive']) - 1} timed + 1 warm-up):")
+    print(f"  naive : LM head {share('naive', 0):.0%}, dense loss {share('naive', 2):.0%}; {n_ablations} full forwards")
     for name in ("fast-1", "fast"):
-        print(f"{name:8s} {t[name]:8.1f} {t['naive'] / t[name]:8.2f}x {head[name] / t[name]:8.0%}  "
-              f"suffix layers {suffix[name] / t[name]:.0%}, dense prefix + probes "
-              f"{prefix[name + ' s'] / t[name]:.0%}; max |diff| / max |effect| = {err(name):.1e}")
-    print(f"prefix reuse: {t['naive'] / t['fast-1']:.2f}x, batching on top: {t['fast-1'] / t['fast']:.2f}x")
-    # every layer costs the naive loop the same (its ablations are full forwards), so the median
-    # layer times the layer count is a spike-proof naive total; the ratio uses the smaller one
-    steady = prefix["naive s"] + statistics.median(b[0] for b in best["naive"].values()) * len(layers)
-    print(f"naive total from its median layer: {steady:.1f} s ({steady / t['fast']:.2f}x fast)")
-    ratio = min(t["naive"], steady) / t["fast"]
-    ok = ratio >= TARGET and err("fast") <= 1e-4
-    print(f"naive / fast = {ratio:.2f}x (target >= {TARGET}x, same numbers) -> {'PASS' if ok else 'FAIL'}")
+        print(f"  {name:6s}: LM head {share(name, 0):.0%}, suffix layers {share(name, 1):.0%}, dense prefix + probes "
+              f"{share(name, 2):.0%}; max |diff| / max |effect| vs naive = {err(name):.1e}")
+    cmps[("naive", "fast-1")].report("prefix reuse: naive vs fast-1 (whole sweeps)", unit=1.0, unit_name="s")
+    cmps[("fast-1", "fast")].report("batching on top: fast-1 vs fast (whole sweeps)", unit=1.0, unit_name="s")
+    headline = cmps[("naive", "fast")]
+    headline.report("naive vs fast (whole sweeps)", unit=1.0, unit_name="s", target=f">= {TARGET}x")
+    ok = headline.ratio >= TARGET and err("fast") <= 1e-4
+    print(f"naive / fast median per-round ratio = {headline.ratio:.2f}x (target >= {TARGET}x, same numbers) -> "
+          f"{'PASS' if ok else 'FAIL'}")
     return ok
 
 
