@@ -8,7 +8,11 @@ opened with MP-G, z = 2, sparsity = 0.3, and each slider is moved 20 times with 
 with textContent on the few elements concerned, so the check itself forces no page layout).
 Beside it, the same page's full rerun (Streamlit's R shortcut) is timed to the arrival of its
 script_finished message (it changes no text to wait for; its unchanged large elements come from
-Streamlit's message cache, so it sends less than a key press that changes the mask).
+Streamlit's message cache, so it sends less than a key press that changes the mask). The ratio of
+a key press to a full rerun comes from interleaved pairs (bench/_timing.compare, self-timed: each
+side is timed in the page): one key press (the sparsity and the z slider in turn, one step right
+then back) and one full rerun, pair after pair, until the ratio's spread is known; min / median /
+max of each side and of the per-pair ratio are printed with the load average.
 
 For every key press it also counts what the server sent over the websocket (ForwardMsgs, the
 delta messages among them, and their bytes): that does not depend on how busy the machine is.
@@ -17,7 +21,8 @@ Then page switches through the sidebar (issue 20): a click on a page's link -> i
 and its script run ended, cycling through every page `--switches` times in all; the p50 is printed
 beside the slider's.
 
-    .venv/bin/python bench/bench_browser.py [--moves 20] [--reruns 10] [--switches 16]   (2-4 minutes)
+    .venv/bin/python bench/bench_browser.py [--moves 20] [--reruns 10] [--max-reruns 21] [--switches 16]   (2-4 minutes)
+--reruns is the least number of interleaved pairs (key press, full rerun), --max-reruns the most.
 Targets: p50 key press -> redrawn heatmap <= 0.2 s (issue 12), p50 page switch <= 1 s (issue 20),
 on a quiet machine.
 """
@@ -33,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._timing import compare  # noqa: E402
 from tests.e2e.serving import chromium, served_app  # noqa: E402
 
 TARGET_S = 0.2
@@ -134,6 +140,34 @@ def slider_moves(page, frames: Frames, label: str, start: float, moves: int, exp
     return times, sent
 
 
+class PressOrRerun:
+    """The two sides of the interleaved comparison, each timed in the page: `press` moves the sparsity
+    and the z slider in turn (one step right, on its next turn one step back), `rerun` is Streamlit's
+    full rerun (R) with the focus off the widgets. The frames each received are kept for the traffic."""
+
+    def __init__(self, page, frames: Frames, expect: dict, values: dict):
+        self.page, self.frames, self.expect, self.values = page, frames, expect, dict(values)
+        self.presses = 0
+        self.press_sent, self.rerun_sent = [], []
+
+    def press(self) -> float:
+        label = ("Sparsity", "Threshold z")[self.presses % 2]
+        right = self.presses % 4 < 2
+        self.presses += 1
+        self.page.get_by_test_id("stSlider").filter(has_text=label).first.get_by_role("slider").focus()
+        self.values[label] = round(self.values[label] + (STEP[label] if right else -STEP[label]), 4)
+        seconds, got = timed_press(self.page, self.frames, "ArrowRight" if right else "ArrowLeft",
+                                   self.expect[label](self.values[label]))
+        self.press_sent.append(got)
+        return seconds
+
+    def rerun(self) -> float:
+        self.page.get_by_role("heading", name="Prune", level=1).click()      # focus off the widgets
+        seconds, got = timed_rerun(self.page, self.frames)
+        self.rerun_sent.append(got)
+        return seconds
+
+
 def page_switches(page, n: int) -> list[float]:
     """Seconds from a click on a sidebar link to the new page's title with its script run ended."""
     nav = page.get_by_test_id("stSidebarNav")
@@ -159,7 +193,8 @@ def traffic(sent: list[list]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--moves", type=int, default=20)
-    parser.add_argument("--reruns", type=int, default=10)
+    parser.add_argument("--reruns", type=int, default=10, help="least number of (key press, full rerun) pairs")
+    parser.add_argument("--max-reruns", type=int, default=21, help="most (key press, full rerun) pairs")
     parser.add_argument("--switches", type=int, default=16)
     args = parser.parse_args()
     log = Path(tempfile.mkdtemp()) / "server.log"
@@ -171,23 +206,27 @@ def main() -> int:
         start = math.floor(0.3 * N_HEADS + 1e-9)
         page.locator(GRID_TITLE, has_text=f"{start} of {N_HEADS} heads pruned").first.wait_for(timeout=300_000)
         page.wait_for_timeout(2000)
-        sparsity, sparsity_sent = slider_moves(
-            page, frames, "Sparsity", 0.3, args.moves,
-            lambda s: (GRID_TITLE, f"{math.floor(s * N_HEADS + 1e-9)} of {N_HEADS} heads pruned"))
-        z, z_sent = slider_moves(page, frames, "Threshold z", 2.0, args.moves,
-                                 lambda v: (METRIC_LABEL, f"Heads with score 0 at z = {v:g}"))
-        page.get_by_role("heading", name="Prune", level=1).click()      # focus off the widgets
-        full, full_sent = zip(*(timed_rerun(page, frames) for _ in range(args.reruns)))
+        expect = {"Sparsity": lambda v: (GRID_TITLE, f"{math.floor(v * N_HEADS + 1e-9)} of {N_HEADS} heads pruned"),
+                  "Threshold z": lambda v: (METRIC_LABEL, f"Heads with score 0 at z = {v:g}")}
+        sparsity, sparsity_sent = slider_moves(page, frames, "Sparsity", 0.3, args.moves, expect["Sparsity"])
+        z, z_sent = slider_moves(page, frames, "Threshold z", 2.0, args.moves, expect["Threshold z"])
+        moved = args.moves // 2 - (args.moves - args.moves // 2)                 # net steps right
+        sides = PressOrRerun(page, frames, expect, {label: round(start + moved * STEP[label], 4)
+                                                    for label, start in (("Sparsity", 0.3), ("Threshold z", 2.0))})
+        cmp = compare({"key press": sides.press, "full rerun (R)": sides.rerun}, min_pairs=args.reruns,
+                      max_pairs=max(args.reruns, args.max_reruns), max_seconds=600.0, self_timed=True)
+        full, full_sent = cmp.times["full rerun (R)"], sides.rerun_sent[1:]       # [0]: the untimed warm-up
         switches = page_switches(page, args.switches)
-    print(f"Prune page, SmolLM2, Chromium; {args.moves} moves per slider, {args.reruns} full reruns")
+    print(f"Prune page, SmolLM2, Chromium; {args.moves} moves per slider, {len(full)} full reruns")
     for name, t, sent in (("sparsity key press -> redrawn", sparsity, sparsity_sent),
                           ("z key press -> redrawn", z, z_sent), ("full page rerun (R)", full, full_sent)):
         print(f"  {name:32s} p50 {statistics.median(t):.3f} s   p90 {percentile(t, 0.9):.3f} s   "
               f"per run: {traffic(sent)}")
+    cmp.report("key press -> redrawn (sparsity and z in turn) vs full page rerun (R)",
+               caches="warm (the page and its model loaded, one untimed call of each side first)")
     p50 = statistics.median(sparsity + z)
-    print(f"slider p50 {p50:.3f} s vs full rerun p50 {statistics.median(full):.3f} s "
-          f"(ratio {p50 / statistics.median(full):.2f}); target p50 <= {TARGET_S} s: "
-          f"{'OK' if p50 <= TARGET_S else 'MISSED'}")
+    print(f"slider p50 {p50:.3f} s (key press / full rerun: median per-pair ratio {cmp.ratio:.2f}); "
+          f"target p50 <= {TARGET_S} s: {'OK' if p50 <= TARGET_S else 'MISSED'}")
     sw = statistics.median(switches)
     print(f"page switch p50 {sw:.3f} s   p90 {percentile(switches, 0.9):.3f} s over {len(switches)} switches "
           f"(slider p50 {p50:.3f} s); target p50 <= {SWITCH_TARGET_S} s: {'OK' if sw <= SWITCH_TARGET_S else 'MISSED'}")
