@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from analysis.compress.export.formats import FormatOption, PhysicalFormat, StreamSpec, register_format
-from analysis.compress.gguf_writer import DEFAULT_WEIGHT_TYPE, GGUF_FILE, WEIGHT_TYPES, source_gguf, write_gguf
+from analysis.compress.gguf_writer import (DEFAULT_EMBEDDING_TYPE, DEFAULT_WEIGHT_TYPE, EMBEDDING_TYPES, GGUF_FILE,
+                                           WEIGHT_TYPES, source_gguf, write_gguf)
 
 BUILTIN_MARKER = "headscope-builtin.json"       # analysis.arch.models writes it into a converted built-in
 
@@ -29,11 +30,18 @@ class GGUFFormat(PhysicalFormat):
     label = "GGUF (llama.cpp)"
     help = "model.gguf for llama.cpp (and what is built on it), per-layer head counts included"
     options = {"gguf_type": FormatOption(DEFAULT_WEIGHT_TYPE, tuple(WEIGHT_TYPES),
-                                         "GGUF weight type (k-quants and q4_0/q4_1 by llama.cpp's quantizer)")}
+                                         "GGUF weight type (k-quants and q4_0/q4_1 by llama.cpp's quantizer)"),
+               "gguf_embedding_type": FormatOption(
+                   DEFAULT_EMBEDDING_TYPE, tuple(EMBEDDING_TYPES),
+                   "type of the token embedding (and output) tensor that llama.cpp's quantizer is told to use "
+                   "(its token_embedding_type / output_tensor_type; auto: its own choice, Q8_0 on SmolLM2); "
+                   "the file keeps its weight type's name, the deployment report lists every tensor's type")}
     # streamed (analysis.compress.streamed): the plan from names and shapes, the tensors fed one at a time
     streamed = StreamSpec(names="state_dict", producer=False, config=None, writer="gguf")
 
-    def write_cut(self, smaller, layout, folder, *, original, gguf_type=DEFAULT_WEIGHT_TYPE, **options):
+    def write_cut(self, smaller, layout, folder, *, original, gguf_type=DEFAULT_WEIGHT_TYPE,
+                  gguf_embedding_type=DEFAULT_EMBEDDING_TYPE, **options):
         write_gguf(smaller, layout, Path(folder) / GGUF_FILE, weight_type=gguf_type,
+                   embedding_type=gguf_embedding_type,
                    tokenizer_gguf=tokenizer_source(original),
                    name=str(getattr(original.config, "_name_or_path", "") or ""))
