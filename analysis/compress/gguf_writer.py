@@ -27,8 +27,9 @@ time in plan order, so a checkpoint can be fed shard by shard without building t
 
 Tokenizer: the `tokenizer.*` keys (vocabulary, merges, special ids, chat template) are copied from
 a GGUF file the model came from (the built-in SmolLM2's own file, `source_gguf`), so llama.cpp
-tokenizes exactly as that file does; without one, the file gets `tokenizer.ggml.model = "none"`
-plus the vocabulary size (token ids only: enough for tiny test models and for evaluation by ids).
+tokenizes exactly as that file does; a model from an HF folder gets them converted from its
+tokenizer.json (byte-level BPE: `analysis.compress.gguf_tokenizer`); otherwise the file gets
+`tokenizer.ggml.model = "none"` plus the vocabulary size (token ids only: enough for evaluation by ids).
 """
 from __future__ import annotations
 
@@ -297,10 +298,16 @@ def _llama_ftype(name: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def tokenizer_metadata(source: str | os.PathLike | None, vocab_size: int) -> list[tuple]:
-    """The `tokenizer.*` keys of the GGUF file `source` (raw bytes kept), or a "none" vocabulary
-    (token ids only) when there is no source. The source must describe `vocab_size` tokens."""
+    """The `tokenizer.*` keys of `source`: a GGUF file (its keys, raw bytes kept) or an HF tokenizer
+    folder (tokenizer.json converted by `analysis.compress.gguf_tokenizer`); a "none" vocabulary (token
+    ids only) when there is no source or the folder's tokenizer is not one that module converts. The
+    source must describe `vocab_size` tokens."""
+    none = [("tokenizer.ggml.model", "none", "STRING", None)]
     if source is None:
-        return [("tokenizer.ggml.model", "none", "STRING", None)]
+        return none
+    if Path(source).is_dir():
+        from analysis.compress.gguf_tokenizer import hf_tokenizer_metadata
+        return hf_tokenizer_metadata(source, vocab_size) or none
     from gguf import GGUFReader, GGUFValueType
     reader = GGUFReader(str(source))
     meta = []

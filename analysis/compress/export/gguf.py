@@ -1,6 +1,7 @@
 """The "gguf" format: one model.gguf that llama.cpp loads and runs (per-layer head counts included),
 written from the physically pruned model by `analysis.compress.gguf_writer` (docs/EXPORT.md, "The
-gguf format"). The tokenizer is carried over from the GGUF file a built-in model came from."""
+gguf format"). The tokenizer is carried over from the GGUF file a built-in model came from, or
+converted from the tokenizer.json of the folder a model was loaded from."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,16 @@ BUILTIN_MARKER = "headscope-builtin.json"       # analysis.arch.models writes it
 
 
 def tokenizer_source(model) -> Path | None:
-    """The GGUF file whose tokenizer.* keys the export carries: the built-in's own file when `model`
-    was loaded from a converted built-in (its folder's marker names it), else None."""
-    folder = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    """Where the export's tokenizer.* keys come from: the built-in's own GGUF file when `model` was
+    loaded from a converted built-in (its folder's marker names it); else the model's folder when it
+    holds a tokenizer.json (converted by analysis.compress.gguf_tokenizer); else None (token ids only)."""
+    from analysis.compress.gguf_tokenizer import TOKENIZER_JSON
+    text = str(getattr(model.config, "_name_or_path", "") or "")
+    folder = Path(text)
     try:
         name = json.loads((folder / BUILTIN_MARKER).read_text())["name"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return folder if text and (folder / TOKENIZER_JSON).is_file() else None
     return source_gguf(name)
 
 
