@@ -146,6 +146,9 @@ def main() -> int:
     parser.add_argument("--recovery-steps", type=int, default=36, help="distillation steps per cut")
     parser.add_argument("--recovery-minutes", type=float, default=2.5, help="most minutes of distillation per cut")
     parser.add_argument("--lr", type=float, default=2e-4, help="distillation learning rate")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch threads of the distillation (1 on a shared 2-core machine: two processes "
+                             "with 2 spinning threads each ran a step in ~44 s instead of ~4 s)")
     parser.add_argument("--quick", action="store_true", help="only 50%% cuts")
     parser.add_argument("--write-docs", action="store_true", help="put the tables into docs/results.md's edge section")
     parser.add_argument("--from-json", default=None,
@@ -165,6 +168,8 @@ def main() -> int:
 
 
 def measure_all(args) -> tuple[list[dict], list[dict], float]:
+    import torch
+    torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
     lm = load_model("smollm2-135m", cache_dir=args.cache_dir)
     ids = token_ids(lm.tokenizer, default_text(), max_tokens=args.ppl_tokens).tolist()
