@@ -267,12 +267,17 @@ def write_docs(rows: list[dict], speed: list[dict], args, wall: float) -> None:
              "the pipeline's own PyTorch perplexity of the same ids, right after the cut and after the recovery "
              "(llama.cpp's number for the Q8_0 file should sit next to the distilled one). The recovery is far from "
              "converged: docs/results.md's recovery section shows what 300 steps do. Tokens/s come from a shared "
-             "2-core machine with other work running (noisy; compare within a run).", ""]
+             "2-core machine with other work running: the first table's tokens/s are one timed run per file after one "
+             "warm-up (noisy: under a load average of 5 to 8 a single run can halve, e.g. the decode columns; read them "
+             "as indicative, the paired ratios below are the speed result).", ""]
     lines += table_lines(rows, [], args)[:len(rows) + 2]
     lines += ["", "Pruned (groups 50%, distilled) vs dense, both Q8_0: dense time / pruned time of the same work "
               f"(> 1 = pruned faster; prefill of the context, then decode of {DECODE_TOKENS} tokens after it), timed in "
               "interleaved pairs (bench/_timing.compare, median in bold), next to the FLOP prediction of the whole "
-              "forward (analysis.compress.speed.forward_flops):", ""]
+              "forward (analysis.compress.speed.forward_flops). Pairs: 5 to 15 at 512 tokens (stopped at 90 s), 3 to 5 at "
+              "4096 (stopped at 60 s): at 4096 tokens one prefill takes 1 to 2 minutes here, so the 4096 ratios rest on "
+              "3 to 4 pairs and their spread is not settled; the load average (before ; after) says how busy the machine "
+              "was:", ""]
     lines += table_lines([], speed, args)[3:]
     lines += ["", "Notes: " + goal_line(rows) + " SmolLM2's width 576 is not a multiple of the k-quants' 256-value "
               "super-block, so llama.cpp's quantizer falls back for most tensors at Q4_K_M and stores the tied "
