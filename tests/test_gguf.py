@@ -30,8 +30,8 @@ import torch
 
 from analysis.arch.adapters import adapter_for
 from analysis.compress import llamacpp
-from analysis.compress.gguf_writer import (FAMILIES, GGUF_FILE, PER_LAYER_ARCH, GGUFPlan, check_weight_type,
-                                           plan_gguf, source_gguf, write_gguf, write_tensors)
+from analysis.compress.gguf_writer import (FAMILIES, GGUF_FILE, PER_LAYER_ARCH, GGUFPlan, check_embedding_type,
+                                           check_weight_type, plan_gguf, source_gguf, write_gguf, write_tensors)
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import InputError, UnsupportedModelError
 from tests._tiny import tiny_config, tiny_input_ids, tiny_model
@@ -166,6 +166,42 @@ def test_emptied_layer_0_is_refused_with_the_policy_that_avoids_it(tmp_path):
 def test_unknown_weight_type():
     with pytest.raises(InputError, match=r"Unknown GGUF weight type 'q3'; choose one of f32, f16, q8_0"):
         check_weight_type("q3")
+
+
+def _tensor_types(path) -> dict:
+    from gguf import GGUFReader
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+
+def test_embedding_type_is_llama_cpps_token_embedding_and_output_type(tmp_path):
+    """gguf_embedding_type sets llama.cpp's token_embedding_type / output_tensor_type: token_embd and
+    output.weight get that type, every other tensor keeps the type the quantizer chose without it, the
+    file keeps its weight type (general.file_type Q4_K_M = 15), llama.cpp runs it, and the deployment
+    report's facts name the real types."""
+    from analysis.compress.deploy import gguf_facts
+    model = tiny_model("llama")
+    smaller, layout = prune_heads(model, _uneven_mask("llama"))
+    auto = write_gguf(smaller, layout, tmp_path / "auto.gguf", weight_type="q4_k_m")
+    small = write_gguf(smaller, layout, tmp_path / "emb.gguf", weight_type="q4_k_m", embedding_type="q4_0")
+    before, after = _tensor_types(auto.path), _tensor_types(small.path)
+    assert after["token_embd.weight"] == after["output.weight"] == "Q4_0"
+    assert before["token_embd.weight"] != "Q4_0" and before["output.weight"] != "Q4_0"
+    rest = set(before) - {"token_embd.weight", "output.weight"}
+    assert {k: after[k] for k in rest} == {k: before[k] for k in rest}
+    assert small.bytes < auto.bytes
+    facts = gguf_facts(small.path)
+    assert facts["file_type"] == 15 and facts["embedding_type"] == "Q4_0"
+    assert re.search(r"\bQ4_0 2 \(", facts["tensor_types"]), facts["tensor_types"]
+    ids = tiny_input_ids(batch=1, seq=16)[0].tolist()
+    assert np.isfinite(llamacpp.logits(small.path, ids)).all()
+
+
+def test_embedding_type_is_refused_where_llama_cpp_does_not_quantize():
+    with pytest.raises(InputError, match=r"applies to the types llama.cpp's quantizer makes .*not to f32"):
+        check_embedding_type("q4_0", "f32")
+    with pytest.raises(InputError, match=r"Unknown GGUF embedding type 'q4_k'; choose one of auto, q8_0"):
+        check_embedding_type("q4_k", "q4_k_m")
+    assert check_embedding_type("auto", "f32") == "auto"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -532,6 +532,30 @@ def test_cli_streamed_gguf(tmp_path, capsys):
     assert sorted(mine) == sorted(theirs) and all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
+def test_cli_streamed_gguf_with_an_embedding_type_equals_in_memory(tmp_path, capsys):
+    """--gguf-embedding-type reaches llama.cpp's quantizer on the streamed path too: the same tensors
+    (types and bytes) as the in-memory export with the same options, token_embd in that type."""
+    pytest.importorskip("gguf")
+    model, ckpt = _checkpoint(tmp_path, "llama")
+    capsys.readouterr()
+    code, out, err = _cli(["export", "--quiet", "--checkpoint", str(ckpt), "--sparsity", "0.5", "--policy",
+                           "min-per-layer", "--export-format", "gguf", "--gguf-type", "q4_k_m",
+                           "--gguf-embedding-type", "q4_0", "--out-dir", str(tmp_path / "out"), "--name", "cut"],
+                          capsys)
+    assert code == 0, err
+    pruned = np.ones((2, 4), bool)
+    for layer, kept in enumerate(json.loads((tmp_path / "out" / "cut" / "mask.json").read_text())["kept"]):
+        pruned[layer, kept] = False
+    export_to("gguf", model, pruned, tmp_path / "mem", gguf_type="q4_k_m", gguf_embedding_type="q4_0")
+    from gguf import GGUFReader
+    mine = {t.name: (t.tensor_type.name, np.array(t.data)) for t in
+            GGUFReader(str(tmp_path / "out" / "cut" / "model.gguf")).tensors}
+    theirs = {t.name: (t.tensor_type.name, np.array(t.data)) for t in
+              GGUFReader(str(tmp_path / "mem" / "model.gguf")).tensors}
+    assert sorted(mine) == sorted(theirs) and mine["token_embd.weight"][0] == "Q4_0"
+    assert all(mine[k][0] == theirs[k][0] and np.array_equal(mine[k][1], theirs[k][1]) for k in mine)
+
+
 def test_streamed_gguf_refuses_what_the_writer_refuses(tmp_path):
     pytest.importorskip("gguf")
     _, ckpt = _checkpoint(tmp_path, "gpt2")

@@ -5,7 +5,9 @@ built-in evaluation split (the same token ids and windows as headscope's evaluat
 decode tokens/s at one context length, and the KV cache llama.cpp allocates at 4096 and 8192
 tokens (f16 K/V, flash attention on: exact per-layer sizes). `headscope_perplexity` puts headscope's
 own PyTorch number for the same cut next to it when the caller has it (an export folder's mask.json
-and the model). Ratios pruned / dense come with the rows (`ratios`).
+and the model). Ratios pruned / dense come with the rows (`ratios`). Each row also lists the types its tensors really
+have (`tensor_types`: the weight type names the mix llama.cpp's quantizer aims at, not what every tensor
+got; the token embedding's own type separately).
 """
 from __future__ import annotations
 
@@ -36,7 +38,23 @@ def gguf_facts(path: str | os.PathLike) -> dict:
     kv = kv if isinstance(kv, list) else [kv] * layers
     ftype = reader.fields.get("general.file_type")
     return {"arch": arch, "file_type": None if ftype is None else int(ftype.contents()),
-            "heads": int(sum(heads)), "kv_heads": int(sum(kv)), "head_counts": heads, "kv_head_counts": kv}
+            "heads": int(sum(heads)), "kv_heads": int(sum(kv)), "head_counts": heads, "kv_head_counts": kv,
+            **tensor_types(reader)}
+
+
+def tensor_types(reader) -> dict:
+    """The types the file's tensors really have (a Q4_K_M file of SmolLM2 is mostly Q5_0: llama.cpp's
+    quantizer falls back where a row is not a multiple of 256): "tensor_types" one line, largest share
+    first ("Q5_0 166 (51.2 MiB), ..."), and "embedding_type", the token embedding's."""
+    count: dict[str, list[int]] = {}
+    for t in reader.tensors:
+        entry = count.setdefault(t.tensor_type.name, [0, 0])
+        entry[0] += 1
+        entry[1] += int(t.n_bytes)
+    embedding = next((t.tensor_type.name for t in reader.tensors if t.name == "token_embd.weight"), None)
+    line = ", ".join(f"{name} {n} ({size / 2**20:.1f} MiB)"
+                     for name, (n, size) in sorted(count.items(), key=lambda kv: -kv[1][1]))
+    return {"tensor_types": line, "embedding_type": embedding}
 
 
 def measure_gguf(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512,
@@ -50,7 +68,8 @@ def measure_gguf(path: str | os.PathLike, ids: Sequence[int], *, window: int = 5
     row = {"file": str(path), "bytes": path.stat().st_size, "arch": facts["arch"], "heads": facts["heads"],
            "kv_heads": facts["kv_heads"], "perplexity": ppl.value, "n_tokens": ppl.n_tokens,
            "speed_context": speed_context, "prefill_tok_s": speed.prefill_tokens_per_s,
-           "decode_tok_s": speed.decode_tokens_per_s, "threads": threads}
+           "decode_tok_s": speed.decode_tokens_per_s, "threads": threads,
+           "embedding_type": facts["embedding_type"], "tensor_types": facts["tensor_types"]}
     for n_ctx in kv_contexts:
         row[f"kv_mib_{n_ctx}"] = llamacpp.kv_cache_mib(path, n_ctx).mib
     return row

@@ -27,8 +27,9 @@ time in plan order, so a checkpoint can be fed shard by shard without building t
 
 Tokenizer: the `tokenizer.*` keys (vocabulary, merges, special ids, chat template) are copied from
 a GGUF file the model came from (the built-in SmolLM2's own file, `source_gguf`), so llama.cpp
-tokenizes exactly as that file does; without one, the file gets `tokenizer.ggml.model = "none"`
-plus the vocabulary size (token ids only: enough for tiny test models and for evaluation by ids).
+tokenizes exactly as that file does; a model from an HF folder gets them converted from its
+tokenizer.json (byte-level BPE: `analysis.compress.gguf_tokenizer`); otherwise the file gets
+`tokenizer.ggml.model = "none"` plus the vocabulary size (token ids only: enough for evaluation by ids).
 """
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ WEIGHT_TYPES: dict[str, tuple[str | None, str]] = {
     "q4_1": (None, "MOSTLY_Q4_1"),       # (the built-in SmolLM2 file's type)
 }
 DEFAULT_WEIGHT_TYPE = "f16"
+# The type of the token embedding (and of output.weight) that llama.cpp's quantizer is told to use
+# (`llama_model_quantize_params.token_embedding_type` / `output_tensor_type`, llama-quantize's
+# --token-embedding-type / --output-tensor-type); "auto" = the quantizer's own choice. Only 32-value
+# block types: llama.cpp applies an explicit type without its shape fallback, so a k-quant would fail
+# on SmolLM2's 576-wide rows. With a tied embedding (SmolLM2) llama.cpp otherwise stores token_embd as
+# Q8_0 whenever the width is not a multiple of 256 (docs/EXPORT.md, "Q4_K_M on SmolLM2").
+EMBEDDING_TYPES: dict[str, str | None] = {"auto": None, "q8_0": "Q8_0", "q5_0": "Q5_0", "q4_1": "Q4_1",
+                                          "q4_0": "Q4_0", "f16": "F16"}
+DEFAULT_EMBEDDING_TYPE = "auto"
 PER_LAYER_ARCH = "deci"          # llama.cpp's architecture that honours per-layer head counts
 
 # HF parameter name -> (GGUF name template, role). Roles: "q"/"k" (rope-permuted for llama-style
@@ -106,6 +116,19 @@ def family_for(model_type: str) -> GGUFFamily:
             f"GGUF export supports {', '.join(sorted(FAMILIES))} models, not '{model_type}'; use the "
             f"'pruned' or 'onnx' export for it.")
     return FAMILIES[model_type]
+
+
+def check_embedding_type(embedding_type: str, weight_type: str) -> str:
+    """The embedding type, checked: one of EMBEDDING_TYPES, and not "auto" only where llama.cpp's
+    quantizer writes the file (the k-quants and q4_0 / q4_1)."""
+    key = str(embedding_type).lower()
+    if key not in EMBEDDING_TYPES:
+        raise InputError(f"Unknown GGUF embedding type {embedding_type!r}; choose one of {', '.join(EMBEDDING_TYPES)}.")
+    if EMBEDDING_TYPES[key] is not None and WEIGHT_TYPES[check_weight_type(weight_type)][0] is not None:
+        quantized = ", ".join(k for k, v in WEIGHT_TYPES.items() if v[0] is None)
+        raise InputError(f"The GGUF embedding type applies to the types llama.cpp's quantizer makes ({quantized}), "
+                         f"not to {weight_type}; leave it at auto or choose one of those weight types.")
+    return key
 
 
 def check_weight_type(weight_type: str) -> str:
@@ -275,10 +298,16 @@ def _llama_ftype(name: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def tokenizer_metadata(source: str | os.PathLike | None, vocab_size: int) -> list[tuple]:
-    """The `tokenizer.*` keys of the GGUF file `source` (raw bytes kept), or a "none" vocabulary
-    (token ids only) when there is no source. The source must describe `vocab_size` tokens."""
+    """The `tokenizer.*` keys of `source`: a GGUF file (its keys, raw bytes kept) or an HF tokenizer
+    folder (tokenizer.json converted by `analysis.compress.gguf_tokenizer`); a "none" vocabulary (token
+    ids only) when there is no source or the folder's tokenizer is not one that module converts. The
+    source must describe `vocab_size` tokens."""
+    none = [("tokenizer.ggml.model", "none", "STRING", None)]
     if source is None:
-        return [("tokenizer.ggml.model", "none", "STRING", None)]
+        return none
+    if Path(source).is_dir():
+        from analysis.compress.gguf_tokenizer import hf_tokenizer_metadata
+        return hf_tokenizer_metadata(source, vocab_size) or none
     from gguf import GGUFReader, GGUFValueType
     reader = GGUFReader(str(source))
     meta = []
@@ -432,11 +461,17 @@ def write_tensors(path: str | os.PathLike, plan: GGUFPlan, fetch: Callable[[str]
 # k-quants through llama.cpp
 # ---------------------------------------------------------------------------------------------
 
-def llama_quantize(source: Path, target: Path, weight_type: str, *, threads: int | None = None) -> None:
-    """llama.cpp's own quantizer (`llama_model_quantize`) from an F32/F16 GGUF to a k-quant one."""
+def llama_quantize(source: Path, target: Path, weight_type: str, *, threads: int | None = None,
+                   embedding_type: str = DEFAULT_EMBEDDING_TYPE) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`) from an F32/F16 GGUF to a k-quant one;
+    embedding_type (not "auto"): its token_embedding_type and output_tensor_type parameters."""
+    import gguf
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_" + WEIGHT_TYPES[weight_type][1])
+    explicit = EMBEDDING_TYPES[check_embedding_type(embedding_type, weight_type)]
+    if explicit is not None:                # ggml_type ids: the gguf package's GGMLQuantizationType
+        params.token_embedding_type = params.output_tensor_type = int(gguf.GGMLQuantizationType[explicit])
     params.nthread = threads or (os.cpu_count() or 1)
     from analysis.compress.llamacpp import llama_log
     with llama_log():                       # its per-tensor fallback notes stay off the console
@@ -462,10 +497,13 @@ class GGUFWritten:
 
 def write_gguf(model: nn.Module, layout: HeadLayout, path: str | os.PathLike, *,
                weight_type: str = DEFAULT_WEIGHT_TYPE, tokenizer_gguf: str | os.PathLike | None = None,
-               name: str = "", progress: Callable[[float, str], None] | None = None) -> GGUFWritten:
+               name: str = "", progress: Callable[[float, str], None] | None = None,
+               embedding_type: str = DEFAULT_EMBEDDING_TYPE) -> GGUFWritten:
     """Write the physically pruned `model` (built to `layout`, e.g. by `prune_heads`) as one GGUF
-    file at `path`. k-quants go through an F32 file next to `path` that is removed afterwards."""
+    file at `path`. k-quants go through an F32 file next to `path` that is removed afterwards;
+    embedding_type: the token embedding's / output's type there (EMBEDDING_TYPES)."""
     weight_type = check_weight_type(weight_type)
+    embedding_type = check_embedding_type(embedding_type, weight_type)
     adapter_for(model)                                 # a family headscope knows at all
     path = Path(path)
     plan = plan_gguf(model, layout, weight_type, name=name, tokenizer_gguf=tokenizer_gguf)
@@ -475,7 +513,7 @@ def write_gguf(model: nn.Module, layout: HeadLayout, path: str | os.PathLike, *,
     try:
         write_tensors(first, plan, state.__getitem__, progress)
         if needs_quantizer:
-            llama_quantize(first, path, weight_type)
+            llama_quantize(first, path, weight_type, embedding_type=embedding_type)
     finally:
         if needs_quantizer and first.exists():
             first.unlink()

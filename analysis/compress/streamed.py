@@ -446,7 +446,7 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
 
 def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, adapter, geometry,
                 layout: HeadLayout, progress: Progress | None, should_stop: ShouldStop | None,
-                gguf_type: str) -> None:
+                gguf_type: str, gguf_embedding_type: str) -> None:
     """model.gguf through analysis.compress.gguf_writer: its plan from the cut's names and shapes, then
     every tensor read (and cut) from the checkpoint when the writer asks for it, one at a time."""
     from types import SimpleNamespace
@@ -458,6 +458,7 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
         if alias_name not in shapes and group[0] in shapes:
             shapes[alias_name] = shapes[group[0]]          # a tie: the writer decides whether it stores both
     weight_type = gguf_writer.check_weight_type(gguf_type)
+    embedding_type = gguf_writer.check_embedding_type(gguf_embedding_type, weight_type)
     holder = SimpleNamespace(config=config)
     plan = gguf_writer.plan_gguf(config, layout, weight_type, shapes=shapes, name=str(folder.name),
                                  tokenizer_gguf=tokenizer_source(holder))
@@ -480,7 +481,7 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
     first = path.with_name(path.name + ".f32.tmp") if needs_quantizer else path
     gguf_writer.write_tensors(first, plan, fetch, lambda f, m: report(progress, 0.89 * f, f"gguf export: {m}"))
     if needs_quantizer:
-        gguf_writer.llama_quantize(first, path, weight_type)
+        gguf_writer.llama_quantize(first, path, weight_type, embedding_type=embedding_type)
         first.unlink()
 
 
