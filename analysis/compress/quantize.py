@@ -194,6 +194,54 @@ def int8_keep_float(model: nn.Module, ids: torch.Tensor, threshold: float = OUTL
     return sorted(set(sensitive_linears(model, ids, threshold)) | set(output_head_names(model)))
 
 
+def _fake_int8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, w) rounded as the dynamic integer route rounds them: x [.., D_in] to 8-bit asymmetric
+    steps over its whole range (one scale per tensor, zero exact), w [D_out, D_in] to symmetric
+    INT8 per output channel."""
+    lo, hi = float(x.min().clamp(max=0)), float(x.max().clamp(min=0))
+    step = (hi - lo) / 255 or 1.0
+    zero = round(-lo / step)
+    xq = ((x / step).round() + zero).clamp(0, 255).sub(zero).mul(step)                # [.., D_in]
+    ws = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127                          # [D_out, 1]
+    return xq, (w / ws).round().clamp(-127, 127) * ws                                  # [.., D_in], [D_out, D_in]
+
+
+@torch.no_grad()
+def int8_output_errors(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """For every nn.Linear of `model`: the relative error of its output when its input and weight
+    are rounded as dynamic INT8 rounds them (`_fake_int8`), per token ||y_q - y|| / ||y|| averaged
+    over tokens (a whole-tensor norm would be dominated by the few tokens that carry a massive
+    activation, while every token's prediction counts), the largest over the sequences of ids
+    [B, T] (one forward each: one activation scale per call, as in ONNX Runtime). The layers to
+    keep float are the largest of these."""
+    errors: dict[str, float] = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            xq, wq = _fake_int8(inputs[0].detach().float(), module.weight.float())
+            yq = nn.functional.linear(xq, wq, None if module.bias is None else module.bias.float())
+            y = output.detach().float()                                                # [1, T, D_out]
+            err = float(((yq - y).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-12)).mean())   # per token [1, T]
+            errors[name] = max(errors.get(name, 0.0), err)
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if type(m) is nn.Linear and m.weight.numel()]
+    try:
+        for row in torch.as_tensor(ids).long():                                        # [T]
+            model(input_ids=row.unsqueeze(0))
+    finally:
+        for h in handles:
+            h.remove()
+    return errors
+
+
+def worst_linears(model: nn.Module, ids: torch.Tensor, k: int) -> list[str]:
+    """The k nn.Linear layers with the largest `int8_output_errors` on ids [B, T]."""
+    errors = int8_output_errors(model, ids)
+    return sorted(sorted(errors, key=errors.get, reverse=True)[:k])
+
+
 def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_channel: bool = True) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are PyTorch dynamic INT8 (CPU inference only): INT8
     weights (per output channel by default), activations quantized per tensor on the fly, integer
