@@ -24,6 +24,10 @@ Two routes:
   1.69x); + layers above 0.15 and the LM head float: 0.92, 1.006x (1.74x, 1.36x). SmoothQuant
   scales (alpha 0.5, folded into the norms and up_proj) made it worse (0.875, 1.06x), so they are
   not used. The 95 % top-1 target is not reached on SmolLM2 by per-tensor dynamic activations.
+  `int8_output_errors` ranks the Linear layers by their simulated INT8 output error: the outlier
+  rule already keeps almost exactly the worst ones, and keeping more float buys agreement slowly
+  (2048 tokens: 0.83 / 0.88 / 0.91 / 0.93 at 16 / 29 / 48 / 64 layers) at the cost of the 1-token
+  speed-up (docs/EXPORT.md, bench/bench_int8_variants.py).
 - PyTorch: `quantize_linear(model, keep_float)` is `torch.ao.quantization.quantize_dynamic` of
   every nn.Linear but those kept float, per-channel INT8 weights, on a copy (the input model is not
   changed); `torch_int8_report` measures it against float32 in PyTorch (prefill and KV-cache decode).
