@@ -262,10 +262,11 @@ def markdown(out: dict, args, command: str) -> str:
              f"same for every scorer: distillation from the dense model, at most {args.steps} steps of "
              f"{args.batch} x {args.seq} tokens and at most {args.minutes:g} minutes, lr {args.lr:g}, warmup "
              f"{args.warmup}, T = {args.temperature:g}, precision {args.precision} "
-             f"(ran: {out.get('ran_precision', '?')}). {out['machine']}, {out['date']}; the whole run took "
+             f"(ran: {out.get('ran_precision', '?')}). {out['machine']}, {out['date']}; "
+             f"{'the whole run' if out.get('finished') else 'the parts it completed'} took "
              f"{out.get('wall_s', float('nan')) / 60:.0f} min, load average (1/5/15 min) "
              f"{'/'.join(f'{x:.2f}' for x in out.get('load_before', ()))} at its start, "
-             f"{'/'.join(f'{x:.2f}' for x in out.get('load_after', ()))} at its end."
+             f"{'/'.join(f'{x:.2f}' for x in out.get('load_after', ()))} at the end of the last saved part."
              + ("" if out.get("finished") else f" **The run was stopped before it finished: the parts below are "
                 f"those it completed; not reached: {', '.join(not_reached(out, args)) or 'nothing'}.**")
              + (f" {args.note}" if args.note else ""),
@@ -314,7 +315,8 @@ def markdown(out: dict, args, command: str) -> str:
         lo, hi = p.get("ratio_range", (float("nan"),) * 2)
         load = p.get("load", ((), ()))
         lines += [f"Recovery step throughput (CPU bf16 units: {'yes' if p['bf16_units'] else 'no'}), {p['repeats']} "
-                  f"interleaved fp32 / bf16 pairs of {p['steps']} steps (bench/_timing.compare; spread "
+                  f"interleaved fp32 / bf16 pairs of {p['steps']}-step distill() calls (set-up such as the optimizer's "
+                  f"included in each; bench/_timing.compare; spread "
                   f"{'settled' if p.get('converged') else 'not settled'}; load average "
                   f"{'/'.join(f'{x:.2f}' for x in load[0])} before, {'/'.join(f'{x:.2f}' for x in load[1])} after): "
                   f"fp32 {s['fp32']['median']:.2f} s/step (min "
@@ -328,8 +330,9 @@ def markdown(out: dict, args, command: str) -> str:
                   ""]
     if "formats" in out:
         f = out["formats"]
-        lines += ["Recovered 25 % model in every export format (bytes on disk vs dense in the same format):", "",
-                  "| format | dense | pruned + recovered | ratio |", "|---|---:|---:|---:|"]
+        lines += [f"The 25 % model in every export format (bytes on disk vs dense in the same format; "
+                  f"{args.format_steps} recovery steps: sizes do not depend on them):", "",
+                  "| format | dense | pruned 25 % | ratio |", "|---|---:|---:|---:|"]
         for fmt in FORMATS:
             d, q = f[fmt]["dense"], f[fmt]["pruned"]
             ok = isinstance(d, int) and isinstance(q, int)
