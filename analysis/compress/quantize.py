@@ -27,7 +27,8 @@ Two routes:
   `int8_output_errors` ranks the Linear layers by their simulated INT8 output error: the outlier
   rule already keeps almost exactly the worst ones, and keeping more float buys agreement slowly
   (2048 tokens: 0.83 / 0.88 / 0.91 / 0.93 at 16 / 29 / 48 / 64 layers) at the cost of the 1-token
-  speed-up (docs/EXPORT.md, bench/bench_int8_variants.py).
+  speed-up; per-tensor weights, reduce_range and static QDQ (MinMax, Percentile) agree less
+  (docs/EXPORT.md, bench/bench_int8_variants.py).
 - PyTorch: `quantize_linear(model, keep_float)` is `torch.ao.quantization.quantize_dynamic` of
   every nn.Linear but those kept float, per-channel INT8 weights, on a copy (the input model is not
   changed); `torch_int8_report` measures it against float32 in PyTorch (prefill and KV-cache decode).
