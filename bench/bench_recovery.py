@@ -13,8 +13,13 @@
    --bootstrap resamples, the same resamples for every row, as scripts/results.py), next-token
    top-1 accuracy and its ratio to dense, parameters, file size, KV-cache bytes per token
    (masks.surgery_counts), seconds. The held-out curve every --eval-every steps is printed too.
+   --compare-at 0.25: the scorers after the first run at these sparsities only; --int8-scorers mp-g:
+   only these scorers' recovered models get the INT8 rows; --int8-at 0.25: only at these sparsities
+   (all three: to size a run to a time budget).
 2. Precision (--parts precision): distillation steps in fp32 and under bfloat16 autocast on the same
-   pruned student, alternating (--tp-repeats x --tp-steps steps each, min / median / max s/step), and
+   pruned student in interleaved pairs (bench/_timing.compare: calls of --tp-steps steps, at least
+   --tp-repeats and at most --tp-max-pairs pairs; min / median / max s/step of each side and of the
+   per-pair ratio, load average), and
    the perplexity after --precision-steps steps of each (target: bf16 >= 1.5x fp32 steps/s where the
    CPU has bf16 units, final perplexity within 2 %).
 3. Formats (--parts formats): the recovered 25 % model (first scorer) exported in every format
@@ -24,7 +29,8 @@
 
 Usage: nice -n 10 .venv/bin/python bench/bench_recovery.py [--sparsities 0.125,0.25,0.5]
        [--scorers mp-g,gate] [--minutes 20] [--steps 300] [--eval-tokens 16384] [--threads 2]
-       [--parts recovery,precision,formats] [--write-docs] [--quick]
+       [--parts recovery,int8,precision,formats] [--compare-at 0.25] [--int8-scorers mp-g]
+       [--note "why the budget is what it is"] [--write-docs] [--quick]
 --quick: 25 % only, MP-G only, 4 steps, 1024 evaluation tokens, 50 bootstrap resamples: checks the
 script in a few minutes (its numbers are not the table). --write-docs replaces the section between
 the recovery markers in docs/results.md with the numbers measured, whatever they are.
@@ -35,6 +41,7 @@ import argparse
 import copy
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -49,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 
 
+from bench._timing import compare, load_average  # noqa: E402
 from analysis.arch.head_gates import gates_from_mask, zero_heads  # noqa: E402
 from analysis.arch.models import count_parameters, load_model  # noqa: E402
 from analysis.compress.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences  # noqa: E402
@@ -59,7 +67,7 @@ from analysis.compress.quantize import (OnnxLM, calibration_ids, compare_onnx, i
 from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token  # noqa: E402
 from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
 from analysis.compress.surgery import prune_heads  # noqa: E402
-from analysis.core.atomic import write_section  # noqa: E402
+from analysis.core.atomic import atomic_write, write_section  # noqa: E402
 from analysis.core.errors import InputError  # noqa: E402
 from analysis.core.text import evaluation_text  # noqa: E402
 from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, evaluate, token_ids  # noqa: E402
@@ -127,7 +135,8 @@ def recover(loaded, held: HeldOut, sparsity: float, scorer: str, args, calibrati
           f"({r.recovery_seconds:.0f} s, {r.precision}); wall {wall:.0f} s; curve {curve}", flush=True)
     out = {"rows": rows, "policy": result.config.policy, "n_pruned": int(pruned.sum()), "curve": curve,
            "loss": [(h["step"], h["loss"]) for h in r.history]}
-    if "int8" in args.parts:
+    if ("int8" in args.parts and (args.int8_scorers is None or scorer in args.int8_scorers)
+            and (args.int8_at is None or sparsity in args.int8_at)):
         out["int8"] = int8_rows(loaded, held, result, small, args, rows)
     return out
 
@@ -174,16 +183,23 @@ def precision(loaded, args) -> dict:
                      policy=args.policy or default_policy(loaded.geometry.group_size)).pruned
     gates = gates_from_mask(mask)
     student0 = zero_heads(copy.deepcopy(loaded.model), mask)
-    per = {p: [] for p in ("fp32", "bf16")}
-    for i in range(args.tp_repeats + 1):                 # round 0 warms up (untimed); then alternating order
-        for p in (("fp32", "bf16") if i % 2 else ("bf16", "fp32")):
-            res = distill(loaded, copy.deepcopy(student0), ids, replace(cfg, precision=p), gates=gates)
-            if i:
-                per[p].append(res.seconds / cfg.steps)   # the training loop only (no copy, no data cutting)
+    # One student per precision, trained again by every call: a step costs the same whatever the
+    # weights hold, so no copy is timed. bench/_timing.compare: interleaved pairs, per-pair ratio.
+    students = {p: copy.deepcopy(student0) for p in ("fp32", "bf16")}
+    calls = {p: (lambda p=p: distill(loaded, students[p], ids, replace(cfg, precision=p), gates=gates))
+             for p in ("fp32", "bf16")}
+    cmp = compare(calls, min_pairs=args.tp_repeats, max_pairs=max(args.tp_repeats, args.tp_max_pairs),
+                  max_seconds=args.tp_seconds)
+    report = cmp.report(f"  recovery step fp32 vs bf16 autocast ({cfg.steps} steps a call)", unit=1 / cfg.steps,
+                        unit_name="s/step", target=">= 1.5")
+    students.clear()                                   # the two trained copies go
+    per = {p: [t / cfg.steps for t in cmp.times[p]] for p in ("fp32", "bf16")}
     stats = {k: {"min": min(v), "median": float(np.median(v)), "max": max(v)} for k, v in per.items()}
-    ratio = stats["fp32"]["median"] / stats["bf16"]["median"]
+    ratios = cmp.ratios
+    ratio = cmp.ratio
     out = {"seconds_per_step": stats, "ratio": ratio, "bf16_units": cpu_has_bf16(), "steps": cfg.steps,
-           "repeats": args.tp_repeats}
+           "repeats": len(ratios), "ratio_range": [min(ratios), max(ratios)], "converged": cmp.converged,
+           "load": [list(cmp.load_before), list(cmp.load_after)], "report": report}
     if args.precision_steps:
         final = {}
         for p in ("fp32", "bf16"):
@@ -236,7 +252,7 @@ def _ci(row) -> str:
 def markdown(out: dict, args, command: str) -> str:
     dense = out["dense"]
     lines = [BEGIN, "## Recovery and compression (bench/bench_recovery.py)", "", "Regenerated by:", "",
-             "```", command, "```", "",
+             "```", out.get("command", command), "```", "",
              f"SmolLM2-135M; mask policy {out['policy']} (the pipeline's default on GQA models: whole KV groups go, "
              f"so the model never grows; the global ranking at 25 % makes it bigger in K/V, see the policy table "
              f"above). Held-out: the first {dense['tokens'] + dense['windows']:,} tokens of the evaluation split, "
@@ -246,11 +262,19 @@ def markdown(out: dict, args, command: str) -> str:
              f"same for every scorer: distillation from the dense model, at most {args.steps} steps of "
              f"{args.batch} x {args.seq} tokens and at most {args.minutes:g} minutes, lr {args.lr:g}, warmup "
              f"{args.warmup}, T = {args.temperature:g}, precision {args.precision} "
-             f"(ran: {out.get('ran_precision', '?')}). {out['machine']}, {out['date']}.", "",
+             f"(ran: {out.get('ran_precision', '?')}). {out['machine']}, {out['date']}; "
+             f"{'the whole run' if out.get('finished') else 'the parts it completed'} took "
+             f"{out.get('wall_s', float('nan')) / 60:.0f} min, load average (1/5/15 min) "
+             f"{'/'.join(f'{x:.2f}' for x in out.get('load_before', ()))} at its start, "
+             f"{'/'.join(f'{x:.2f}' for x in out.get('load_after', ()))} at the end of the last saved part."
+             + ("" if out.get("finished") else f" **The run was stopped before it finished: the parts below are "
+                f"those it completed; not reached: {', '.join(not_reached(out, args)) or 'nothing'}.**")
+             + (f" {args.note}" if args.note else ""),
+             "",
              f"**Dense: perplexity {_ci(dense)}, top-1 {dense['top1']:.3f}, {out['dense_size']['params']:,} "
              f"parameters, {out['dense_size']['mb']:.1f} MB safetensors, {out['dense_size']['kv']:,} KV bytes / "
              f"token.**", ""]
-    for sparsity, by_scorer in out.get("recovery", {}).items():
+    for sparsity, by_scorer in sorted(out.get("recovery", {}).items(), key=lambda kv: float(kv[0])):
         lines += [f"### {float(sparsity):.1%} of heads pruned", "",
                   "| scorer | variant | perplexity [95 % CI] | top-1 (x dense) | parameters | file | KV bytes / token | "
                   "seconds |", "|---|---|---:|---:|---:|---|---:|---:|"]
@@ -288,10 +312,17 @@ def markdown(out: dict, args, command: str) -> str:
     if "precision" in out:
         p = out["precision"]
         s = p["seconds_per_step"]
+        lo, hi = p.get("ratio_range", (float("nan"),) * 2)
+        load = p.get("load", ((), ()))
         lines += [f"Recovery step throughput (CPU bf16 units: {'yes' if p['bf16_units'] else 'no'}), {p['repeats']} "
-                  f"alternating runs of {p['steps']} steps: fp32 {s['fp32']['median']:.2f} s/step (min "
+                  f"interleaved fp32 / bf16 pairs of {p['steps']}-step distill() calls (set-up such as the optimizer's "
+                  f"included in each; bench/_timing.compare; spread "
+                  f"{'settled' if p.get('converged') else 'not settled'}; load average "
+                  f"{'/'.join(f'{x:.2f}' for x in load[0])} before, {'/'.join(f'{x:.2f}' for x in load[1])} after): "
+                  f"fp32 {s['fp32']['median']:.2f} s/step (min "
                   f"{s['fp32']['min']:.2f}, max {s['fp32']['max']:.2f}), bf16 autocast {s['bf16']['median']:.2f} "
-                  f"(min {s['bf16']['min']:.2f}, max {s['bf16']['max']:.2f}): bf16 {p['ratio']:.2f}x"
+                  f"(min {s['bf16']['min']:.2f}, max {s['bf16']['max']:.2f}): bf16 {p['ratio']:.2f}x (median of the "
+                  f"per-pair fp32 / bf16 ratios; min {lo:.2f}, max {hi:.2f})"
                   + (f"; perplexity after {args.precision_steps} steps fp32 {p['final_ppl']['fp32']:.3f}, bf16 "
                      f"{p['final_ppl']['bf16']:.3f} ({p['ppl_ratio']:.3f}x)." if "final_ppl" in p else "."),
                   "bf16 autocast runs the matmuls of both forwards and of the backward in bfloat16; the master "
@@ -299,8 +330,9 @@ def markdown(out: dict, args, command: str) -> str:
                   ""]
     if "formats" in out:
         f = out["formats"]
-        lines += ["Recovered 25 % model in every export format (bytes on disk vs dense in the same format):", "",
-                  "| format | dense | pruned + recovered | ratio |", "|---|---:|---:|---:|"]
+        lines += [f"The 25 % model in every export format (bytes on disk vs dense in the same format; "
+                  f"{args.format_steps} recovery steps: sizes do not depend on them):", "",
+                  "| format | dense | pruned 25 % | ratio |", "|---|---:|---:|---:|"]
         for fmt in FORMATS:
             d, q = f[fmt]["dense"], f[fmt]["pruned"]
             ok = isinstance(d, int) and isinstance(q, int)
@@ -314,6 +346,15 @@ def markdown(out: dict, args, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def not_reached(out: dict, args) -> list[str]:
+    """What the command asked for that a stopped run's numbers lack (cuts by sparsity and scorer, parts)."""
+    done = {(float(s), sc) for s, by in out.get("recovery", {}).items() for sc in by}
+    missing = [f"{s:.1%} {sc}" for s in (float(x) for x in args.sparsities.split(",")) for sc in args.scorers
+               if "recovery" in args.parts and (sc == args.scorers[0] or args.compare_at is None or s in args.compare_at)
+               and (s, sc) not in done]
+    return missing + [p for p in ("precision", "formats") if p in args.parts and p not in out]
+
+
 # issue 23's targets: sparsity -> the recovered perplexity's most allowed ratio to dense
 PPL_TARGETS = {0.125: 1.05, 0.25: 1.15}
 
@@ -321,7 +362,7 @@ PPL_TARGETS = {0.125: 1.05, 0.25: 1.15}
 def target_lines(out: dict, args) -> list[str]:
     """Each target of issue 23 with what this run measured: met or not, never tuned."""
     dense, lines = out["dense"], ["Targets (issue 23), as measured in this run:"]
-    for sparsity, by_scorer in out.get("recovery", {}).items():
+    for sparsity, by_scorer in sorted(out.get("recovery", {}).items(), key=lambda kv: float(kv[0])):
         limit = PPL_TARGETS.get(float(sparsity))
         for scorer, res in by_scorer.items():
             rows = res["rows"]
@@ -361,6 +402,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sparsities", default="0.125,0.25,0.5")
     p.add_argument("--scorers", default="mp-g,gate")
+    p.add_argument("--compare-at", dest="compare_at", default=None,
+                   help="sparsities at which the scorers after the first run too (default: every sparsity)")
+    p.add_argument("--int8-scorers", dest="int8_scorers", default=None,
+                   help="scorers whose recovered models get the INT8 rows (default: every scorer)")
+    p.add_argument("--int8-at", dest="int8_at", default=None,
+                   help="sparsities whose recovered models get the INT8 rows (default: every sparsity)")
+    p.add_argument("--note", default="", help="a sentence the section prints under the budget (why it was sized so)")
     p.add_argument("--policy", default=None, help="mask policy (default: masks.default_policy)")
     p.add_argument("--steps", type=int, default=300,
                    help="distillation steps (the cosine schedule's length; 300 x ~4 s = the 20 minutes on 2 cores)")
@@ -382,9 +430,14 @@ def main() -> int:
     p.add_argument("--agree-tokens", dest="agree_tokens", type=int, default=2048)
     p.add_argument("--latency-repeats", dest="latency_repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--parts", default="recovery,int8,precision,formats")
+    p.add_argument("--parts", default="recovery,int8,precision,formats",
+                   help="the parts, run in this order (int8 is part of recovery)")
     p.add_argument("--tp-steps", dest="tp_steps", type=int, default=4)
-    p.add_argument("--tp-repeats", dest="tp_repeats", type=int, default=3)
+    p.add_argument("--tp-repeats", dest="tp_repeats", type=int, default=3,
+                   help="fewest interleaved fp32/bf16 pairs (bench/_timing.compare)")
+    p.add_argument("--tp-max-pairs", dest="tp_max_pairs", type=int, default=7)
+    p.add_argument("--tp-seconds", dest="tp_seconds", type=float, default=300.0,
+                   help="no pair is started after this many seconds of the comparison (once --tp-repeats ran)")
     p.add_argument("--precision-steps", dest="precision_steps", type=int, default=100)
     p.add_argument("--format-steps", dest="format_steps", type=int, default=0,
                    help="recovery steps of the formats part's model (0: sizes do not depend on them)")
@@ -395,22 +448,27 @@ def main() -> int:
                    help="render the markdown from numbers saved by --save-json (nothing is measured)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
-    command = "nice -n 10 .venv/bin/python bench/bench_recovery.py " + " ".join(sys.argv[1:])
+    command = "nice -n 10 .venv/bin/python bench/bench_recovery.py " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:])
     if args.quick:
         args.steps, args.eval_tokens, args.sparsities, args.scorers = 4, 1024, "0.25", "mp-g"
         args.bootstrap, args.eval_every, args.curve_tokens, args.agree_tokens = 50, 2, 256, 256
         args.tp_steps, args.tp_repeats, args.precision_steps, args.latency_repeats = 2, 1, 2, 2
+        args.tp_max_pairs, args.tp_seconds = 1, 0.0
         args.max_sequences, args.minutes = 64, 2.0
-    args.parts = set(args.parts.split(","))
+    args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]     # run in this order
     args.scorers = [s.strip() for s in args.scorers.split(",") if s.strip()]
+    args.int8_scorers = None if args.int8_scorers is None else set(args.int8_scorers.split(","))
+    args.compare_at, args.int8_at = ({float(x) for x in v.split(",")} if v else None
+                                     for v in (args.compare_at, args.int8_at))
     if args.from_json:
         section = markdown(json.loads(Path(args.from_json).read_text()), args, command)
         print(section)
         if args.write_docs:
             write_docs(section)
         return 0
-    out = {"machine": f"{platform.machine()}, {args.threads} torch thread(s)",
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    out = {"machine": f"{platform.machine()}, {args.threads} torch thread(s)", "command": command,
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_before": load_average()}
     began = time.perf_counter()
     with torch_threads(args.threads):
         loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
@@ -422,23 +480,38 @@ def main() -> int:
         out["dense"] = held.row(loaded.model)
         out["dense_size"] = size_row(loaded, loaded.model, zeros)
         print(f"  dense: {out['dense']}", flush=True)
-        if "recovery" in args.parts:
-            out["recovery"] = {}
-            for s in [float(x) for x in args.sparsities.split(",")]:
-                out["recovery"][s] = {sc: recover(loaded, held, s, sc, args, calibration) for sc in args.scorers}
-        if "precision" in args.parts:
-            out["precision"] = precision(loaded, args)
-        if "formats" in args.parts:
-            out["formats"] = formats(loaded, args, calibration)
-    print(f"  whole run: {time.perf_counter() - began:.0f} s", flush=True)
+        for part in [x for x in args.parts if x in ("recovery", "precision", "formats")]:
+            if part == "recovery":
+                out["recovery"] = {}
+                for s in [float(x) for x in args.sparsities.split(",")]:
+                    out["recovery"][s] = {}
+                    for sc in args.scorers:
+                        if sc == args.scorers[0] or args.compare_at is None or s in args.compare_at:
+                            out["recovery"][s][sc] = recover(loaded, held, s, sc, args, calibration)
+                            save_json(out, args, began)
+            elif part == "precision":
+                out["precision"] = precision(loaded, args)
+            else:
+                out["formats"] = formats(loaded, args, calibration)
+            save_json(out, args, began)
+    out["finished"] = True
+    save_json(out, args, began)
+    print(f"  whole run: {out['wall_s']:.0f} s", flush=True)
     if args.save_json:
-        Path(args.save_json).write_text(json.dumps(out, indent=1, default=str))
         out = json.loads(Path(args.save_json).read_text())      # the same keys (str sparsities) as --from-json
     section = markdown(out, args, command)
     print(section)
     if args.write_docs:
         write_docs(section)
     return 0
+
+
+def save_json(out: dict, args, began: float) -> None:
+    """The numbers so far (after every cut and part, atomically), so a run stopped early can still be
+    rendered with --from-json: the section then says which parts it lacks ("finished" is unset)."""
+    out["load_after"], out["wall_s"] = load_average(), time.perf_counter() - began
+    if args.save_json:
+        atomic_write(args.save_json, json.dumps(out, indent=1, default=str), what="The --save-json file")
 
 
 def get_calibration(loaded):

@@ -194,3 +194,44 @@ def test_smollm2_integer_int8_keeps_perplexity_within_5_percent(smollm2, tmp_pat
     c = compare_onnx(smollm2, fp32.path, int8, max_tokens=512, repeats=1)
     assert c.perplexity_ratio <= 1.05, c.as_dict()
     assert c.top1_agreement > 0.8, c.as_dict()          # far above the old variant's 0.56
+
+
+def test_fake_int8_is_exact_on_its_own_grid_and_rounds_off_it():
+    """quantize._fake_int8 (the rounding int8_output_errors simulates): values already on the 8-bit
+    activation grid and weights that are integer multiples of their row's max / 127 come back
+    unchanged (float64, EXACT); a value between two steps moves by at most half a step."""
+    from analysis.compress.quantize import _fake_int8
+    from tests._tolerance import EXACT
+    step, zero = 0.5, 100                                                   # grid: (q - zero) * step, q in 0..255
+    x = (torch.tensor([0, 3, 100, 181, 255], dtype=torch.float64) - zero) * step          # [5]
+    w = torch.tensor([[127.0, -5.0, 0.0], [2.0, -127.0, 64.0]], dtype=torch.float64) / 127 * 3  # [2, 3]
+    xq, wq = _fake_int8(x, w)
+    assert float((xq - x).abs().max()) <= EXACT and float((wq - w).abs().max()) <= EXACT
+    off = x.clone()
+    off[1] += 0.2 * step
+    xq, _ = _fake_int8(off, w)
+    assert float((xq - off).abs().max()) <= step / 2 and float((xq - off).abs().max()) > 0
+
+
+def test_worst_linears_rank_an_injected_outlier_first():
+    """int8_output_errors: one huge input value of one Linear makes the 8-bit step large for the
+    whole tensor, so that layer's simulated INT8 output error is the largest (worst_linears 1)."""
+    from analysis.compress.quantize import int8_output_errors, worst_linears
+    model = tiny_model("llama")
+    ids = tiny_input_ids(2, 32, seed=3)
+    target = model.model.layers[1].mlp.down_proj
+
+    def outlier(module, inputs):
+        x = inputs[0].clone()                                              # [1, T, D_in]
+        x[0, 5, 3] = 1e3 * float(x.pow(2).mean().sqrt())
+        return (x,)
+
+    clean = int8_output_errors(model, ids)
+    names = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    assert set(clean) == names and all(0 < e < 1 for e in clean.values()), clean
+    handle = target.register_forward_pre_hook(outlier)
+    try:
+        assert worst_linears(model, ids, 1) == ["model.layers.1.mlp.down_proj"]
+        assert int8_output_errors(model, ids)["model.layers.1.mlp.down_proj"] > 2 * max(clean.values())
+    finally:
+        handle.remove()

@@ -24,6 +24,11 @@ Two routes:
   1.69x); + layers above 0.15 and the LM head float: 0.92, 1.006x (1.74x, 1.36x). SmoothQuant
   scales (alpha 0.5, folded into the norms and up_proj) made it worse (0.875, 1.06x), so they are
   not used. The 95 % top-1 target is not reached on SmolLM2 by per-tensor dynamic activations.
+  `int8_output_errors` ranks the Linear layers by their simulated INT8 output error: the outlier
+  rule already keeps almost exactly the worst ones, and keeping more float buys agreement slowly
+  (2048 tokens: 0.83 / 0.88 / 0.91 / 0.93 at 16 / 29 / 48 / 64 layers) at the cost of the 1-token
+  speed-up; per-tensor weights, reduce_range and static QDQ (MinMax, Percentile) agree less
+  (docs/EXPORT.md, bench/bench_int8_variants.py).
 - PyTorch: `quantize_linear(model, keep_float)` is `torch.ao.quantization.quantize_dynamic` of
   every nn.Linear but those kept float, per-channel INT8 weights, on a copy (the input model is not
   changed); `torch_int8_report` measures it against float32 in PyTorch (prefill and KV-cache decode).
@@ -192,6 +197,54 @@ def int8_keep_float(model: nn.Module, ids: torch.Tensor, threshold: float = OUTL
     """What integer INT8 keeps float: the outlier layers (`sensitive_linears` on ids [n, T]) and the
     LM head (`output_head_names`)."""
     return sorted(set(sensitive_linears(model, ids, threshold)) | set(output_head_names(model)))
+
+
+def _fake_int8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, w) rounded as the dynamic integer route rounds them: x [.., D_in] to 8-bit asymmetric
+    steps over its whole range (one scale per tensor, zero exact), w [D_out, D_in] to symmetric
+    INT8 per output channel."""
+    lo, hi = float(x.min().clamp(max=0)), float(x.max().clamp(min=0))
+    step = (hi - lo) / 255 or 1.0
+    zero = round(-lo / step)
+    xq = ((x / step).round() + zero).clamp(0, 255).sub(zero).mul(step)                # [.., D_in]
+    ws = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127                          # [D_out, 1]
+    return xq, (w / ws).round().clamp(-127, 127) * ws                                  # [.., D_in], [D_out, D_in]
+
+
+@torch.no_grad()
+def int8_output_errors(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """For every nn.Linear of `model`: the relative error of its output when its input and weight
+    are rounded as dynamic INT8 rounds them (`_fake_int8`), per token ||y_q - y|| / ||y|| averaged
+    over tokens (a whole-tensor norm would be dominated by the few tokens that carry a massive
+    activation, while every token's prediction counts), the largest over the sequences of ids
+    [B, T] (one forward each: one activation scale per call, as in ONNX Runtime). The layers to
+    keep float are the largest of these."""
+    errors: dict[str, float] = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            xq, wq = _fake_int8(inputs[0].detach().float(), module.weight.float())
+            yq = nn.functional.linear(xq, wq, None if module.bias is None else module.bias.float())
+            y = output.detach().float()                                                # [1, T, D_out]
+            err = float(((yq - y).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-12)).mean())   # per token [1, T]
+            errors[name] = max(errors.get(name, 0.0), err)
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if type(m) is nn.Linear and m.weight.numel()]
+    try:
+        for row in torch.as_tensor(ids).long():                                        # [T]
+            model(input_ids=row.unsqueeze(0))
+    finally:
+        for h in handles:
+            h.remove()
+    return errors
+
+
+def worst_linears(model: nn.Module, ids: torch.Tensor, k: int) -> list[str]:
+    """The k nn.Linear layers with the largest `int8_output_errors` on ids [B, T]."""
+    errors = int8_output_errors(model, ids)
+    return sorted(sorted(errors, key=errors.get, reverse=True)[:k])
 
 
 def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_channel: bool = True) -> nn.Module:
