@@ -45,6 +45,7 @@ from typing import Any, Callable
 import streamlit as st
 
 from analysis.arch.models import DEFAULT_MODEL
+from analysis.core.errors import shorten
 from analysis.core.placement import Placement
 from analysis.measure.profiles import DEFAULT_Z, SCOPES, STD_DDOF, Z_MAX
 from analysis.score import masks, scoring
@@ -188,7 +189,7 @@ def init() -> None:
                 ss[_CHOSEN + name] = True
         except ValueError as why:
             using = field.follows or ("the scorer's default" if field.default is None else field.fmt(field.default))
-            notes.append(f"The link's {name}={raw!r} was ignored because {why}; using {using}. "
+            notes.append(f"The link's {name}={shorten(repr(raw), 80)} was ignored because {why}; using {using}. "
                          f"Fix the `{name}=` part of the URL or pick a value with the controls.")
     ss[_NOTES] = notes
 

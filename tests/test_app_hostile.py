@@ -51,6 +51,7 @@ def test_model_name_too_long_in_the_link_falls_back_and_says_so():
     no_exception(at)
     notes = [w.value for w in at.warning]
     assert any("longer than 1000 characters" in n and "Fix the `model=` part" in n for n in notes), notes
+    assert all(len(n) < 600 for n in notes), [len(n) for n in notes]   # the value is cut, not echoed whole
 
 
 def _poison(folder, value):

@@ -28,7 +28,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from analysis.core.errors import OutputError
+from analysis.core.errors import OutputError, shorten
 
 TMP_INFIX = ".tmp-"
 NEW_FILE_MODE = 0o644
@@ -134,7 +134,7 @@ def check_output_file(path, what: str = "The output file") -> Path:
     target = Path(text).expanduser()
     problem = path_problem(target)           # e.g. a name too long (errno 36): every probe below would raise
     if problem is not None:
-        raise OutputError(f"Cannot write {what.lower()} {_short(target)}: {problem[0]}; {problem[1]}.")
+        raise OutputError(f"Cannot write {what.lower()} {shorten(target)}: {problem[0]}; {problem[1]}.")
     kind = _special_kind(target)
     if kind == "stream":                     # /dev/null, a FIFO, /dev/stdout: written directly
         if not os.access(target, os.W_OK):
@@ -199,11 +199,6 @@ def _write_stream(target: Path, payload: bytes, what: str) -> Path:
         os.close(fd)
     return target
 
-
-def _short(path, limit: int = 100) -> str:
-    """A path for a one-line message: long ones cut, with "..." saying so."""
-    text = str(path)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _read_only(folder: Path) -> bool:

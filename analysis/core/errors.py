@@ -6,6 +6,13 @@ UI shows `str(err)` in an error box; it never shows a traceback for these.
 """
 
 
+def shorten(text, limit: int = 100) -> str:
+    """`text` (a path, a typed value) fit for a one-line message: cut after `limit` characters,
+    with "..." saying so, so a 5,000-character input does not become a 5,000-character message."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class HeadscopeError(Exception):
     """Base class: a problem the user can fix, with a message that says how."""
 

@@ -18,7 +18,7 @@ import os
 import stat
 
 from analysis.core.atomic import os_problem
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, shorten
 
 _ENDLESS = "(a device, pipe or socket may never end)"
 # st_mode test -> how a non-regular file is described (checked in this order)
@@ -47,7 +47,7 @@ def read_file_bytes(path, max_bytes: int, *, what: str, fix: str, cut: bool = Fa
     text = os.fspath(path) if not isinstance(path, str) else path
     if not str(text).strip() or "\x00" in str(text):
         raise InputError(f"{what} path {str(text)[:80]!r} is empty or holds a NUL byte; {fix}.")
-    shown = str(text) if len(str(text)) <= 120 else str(text)[:120] + "..."
+    shown = shorten(text, 120)
     try:
         fd = os.open(text, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
