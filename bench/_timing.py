@@ -124,10 +124,11 @@ def load_average() -> tuple:
 
 def compare(fns: dict, *, min_pairs: int = 5, max_pairs: int = 31, spread: float = 0.10,
             max_seconds: float | None = 120.0, warm: bool = True, collect: bool = False,
-            untimed_free: bool = False) -> Comparison:
+            untimed_free: bool = False, self_timed: bool = False) -> Comparison:
     """Time two callables (dict label -> fn, the first is the numerator) in interleaved pairs until
     the per-pair ratios' IQR/median is at most `spread` (after `min_pairs`), `max_pairs` pairs, or
-    `max_seconds`. collect / untimed_free as in `alternate_times`."""
+    `max_seconds`. collect / untimed_free as in `alternate_times`. self_timed=True: each call
+    returns its own seconds (a child process that times only its work, not its imports)."""
     (a, fa), (b, fb) = list(fns.items())
     result = Comparison(a=a, b=b, times={a: [], b: []}, warm=warm, load_before=load_average())
     if warm:
@@ -137,7 +138,7 @@ def compare(fns: dict, *, min_pairs: int = 5, max_pairs: int = 31, spread: float
         for label, fn in ((a, fa), (b, fb)) if i % 2 == 0 else ((b, fb), (a, fa)):
             if collect:
                 gc.collect()
-            result.times[label].append(timed_call(fn)[0] if untimed_free else timed(fn))
+            result.times[label].append(fn() if self_timed else timed_call(fn)[0] if untimed_free else timed(fn))
         if i + 1 >= min_pairs and result.spread() <= spread:
             result.converged = True
             break
