@@ -424,11 +424,11 @@ def main() -> None:
     d = args.hidden // args.heads
     need = 2 * 2.1 * (args.layers * (args.hidden * d * (2 * args.heads + 2 * args.kv_heads) + 3 * args.hidden * args.ffn)
                       + 2 * args.vocab * args.hidden)
+    if args.checkpoint:
+        need = need / 2.1 * 1.1              # the checkpoint is there already: room for one copy
     free = shutil.disk_usage(scratch).free
     print(f"scratch {scratch}: {free / GIB:.1f} GiB free, this shape needs about {need / GIB:.1f} GiB; "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs", flush=True)
-    if args.checkpoint:
-        need = need / 2.1 * 1.1              # the checkpoint is there already: room for one copy
     if free < need and not args.skip_8b:
         raise SystemExit("not enough free disk for this shape: pass smaller --layers / --ffn / --vocab, and say so")
     try:
