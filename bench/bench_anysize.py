@@ -10,8 +10,11 @@ query / 8 KV heads, hidden 4096, FFN 14336, vocabulary 128256, untied LM head; b
     mp-g    MP-G scoring from the checkpoint (streamed profile + score), as `score --checkpoint` does
     export  the streamed export (analysis.compress.streamed) of a 25% cut, mask policy "groups"
 
-cp and export alternate (cp, export, export, cp, ...), as do read and mp-g; each output is deleted
-after its run (not timed). --cold drops the checkpoint's pages from the page cache before every
+Each pair is timed with bench/_timing.compare: interleaved pairs (read, mp-g, then mp-g, read, ...;
+the same for export and cp) until the spread of the per-pair ratios is known or --max-pairs, min /
+median / max of each side and of the ratio, the load average; a target is judged on the median
+per-pair ratio. Each output is deleted after its run (not timed). --cold drops the checkpoint's pages
+from the page cache before every
 run (posix_fadvise DONTNEED on its files: only these files, nothing else on the machine); without
 it the runs read whatever the page cache still holds (warm-ish: say so). Times are the wall time
 of the work inside the child (imports excluded; cp: the whole process) and, separately, with the
@@ -19,7 +22,8 @@ written files fsync'ed. Then a 70B shape (80 layers, 64 / 8 heads, hidden 8192, 
 the config-only plan of all 80 layers (meta skeleton, layout, counts, stock check; no tensors)
 and a real streamed export of a checkpoint with --big-layers of its layers.
 
-    .venv/bin/python bench/bench_anysize.py [--scratch /work/tmp-anysize] [--repeats 2] [--cold]
+    .venv/bin/python bench/bench_anysize.py [--scratch /work/tmp-anysize] [--pairs 5 --max-pairs 9] [--cold]
+        [--checkpoint DIR (reuse one written with --keep)] [--score-only | --export-only]
         [--layers 32 --heads 32 --kv-heads 8 --hidden 4096 --ffn 14336 --vocab 128256 --shards 4]
         [--big-layers 2] [--skip-70b] [--skip-8b] [--export-only] [--keep]
 Targets: export wall <= 1.5x cp; peak RSS <= 2 GiB; MP-G <= 1.2x one read of the attention tensors.
@@ -39,7 +43,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._timing import compare  # noqa: E402  (after the path: run as a script)
+
 GIB = 2**30
+GIB_RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +150,8 @@ if mode == "write":
 elif mode == "read":
     from analysis.arch.adapters import adapter_for
     from analysis.arch.checkpoint import checkpoint_entries, load_config
-    from analysis.compress.streamed import _layer_roles, _prefix, read_tensor
+    from analysis.arch.checkpoint import read_tensor
+    from analysis.compress.streamed import _layer_roles, _prefix
     folder = Path(folder)
     config = load_config(folder)
     adapter = adapter_for(config)
@@ -281,10 +289,16 @@ def _fsync_tree(path: Path) -> None:
 
 
 def bench_8b(args, scratch: Path) -> dict:
-    ckpt = scratch / "ckpt-8b"
-    size = write(ckpt, args.vocab, args.layers, args.heads, args.kv_heads, args.hidden, args.ffn, args.shards)
-    cache = "cold (checkpoint evicted before each run)" if args.cold else "warm-ish (whatever the page cache holds)"
-    results = {k: [] for k in ("cp", "cp_fsync", "export", "export_fsync", "read", "mpg")}
+    if args.checkpoint:                      # one written before (e.g. with --keep), reused as it is
+        ckpt = Path(args.checkpoint)
+        size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        print(f"reusing {ckpt}: {size / GIB:.2f} GiB in {len(list(ckpt.glob('*.safetensors')))} shards", flush=True)
+    else:
+        ckpt = scratch / "ckpt-8b"
+        size = write(ckpt, args.vocab, args.layers, args.heads, args.kv_heads, args.hidden, args.ffn, args.shards)
+    cache = ("cold (checkpoint evicted from the page cache before each run)" if args.cold else
+             f"warm-ish (whatever the page cache holds; {GIB_RAM:.0f} GiB RAM for a {size / GIB:.0f} GiB checkpoint)")
+    results = {k: [] for k in ("cp_fsync", "export_fsync")}
     rss = {k: [] for k in ("cp", "export", "read", "mpg")}
     mask = scratch / "mask.json"
 
@@ -295,70 +309,64 @@ def bench_8b(args, scratch: Path) -> dict:
         _, wall, peak = run_child(["cp", "-r", str(ckpt), str(target)])
         start = time.perf_counter()
         _fsync_tree(target)
-        results["cp"].append(wall)
         results["cp_fsync"].append(wall + time.perf_counter() - start)
         rss["cp"].append(peak)
         shutil.rmtree(target)
+        return wall
 
     def export():
         target = scratch / "exports" / "cut"
         if args.cold:
             _drop_cache(ckpt)
         data, _, peak = run_child(py_child("export", ckpt, target, mask))
-        results["export"].append(data["seconds"])
         results["export_fsync"].append(data["seconds_fsync"])
         rss["export"].append(peak)
         results.setdefault("export_bytes", data["bytes"])
         shutil.rmtree(scratch / "exports")
+        return data["seconds"]
 
     def read():
         if args.cold:
             _drop_cache(ckpt)
         data, _, peak = run_child(py_child("read", ckpt, scratch / "unused"))
-        results["read"].append(data["seconds"])
         results["attention_bytes"] = data["bytes"]
         rss["read"].append(peak)
+        return data["seconds"]
 
     def mpg():
         if args.cold:
             _drop_cache(ckpt)
         data, _, peak = run_child(py_child("mpg", ckpt, mask))
-        results["mpg"].append(data["seconds"])
         rss["mpg"].append(peak)
+        return data["seconds"]
 
-    if args.export_only:                     # the mask from seeded random scores; no read / MP-G runs
+    pairs = dict(min_pairs=args.pairs, max_pairs=args.max_pairs, max_seconds=args.max_seconds, warm=not args.cold,
+                 self_timed=True)
+    print(f"\n8B-shaped checkpoint: {size / GIB:.2f} GiB; page cache: {cache}; {os.cpu_count()} CPUs", flush=True)
+    out = {}
+    if not args.export_only:                 # also writes the 25% groups mask the export cuts
+        out["mpg"] = compare({"MP-G scoring": mpg, "attention read": read}, **pairs)
+        out["mpg"].report(f"MP-G scoring vs one read of the attention tensors "
+                          f"({results['attention_bytes'] / GIB:.2f} GiB)", unit=1.0, unit_name="s", target="<= 1.2x")
+        print(f"  peak RSS: MP-G {max(rss['mpg']) / GIB:.2f} GiB, read {max(rss['read']) / GIB:.2f} GiB")
+    elif not mask.exists():                  # the mask from seeded random scores
         run_child(py_child("randmask", ckpt, mask))
-    else:
-        mpg()                                # also writes the 25% groups mask the export cuts
-        results["mpg"].clear(), rss["mpg"].clear()
-    for i in range(args.repeats):
-        for fn in (() if args.export_only else (read, mpg) if i % 2 == 0 else (mpg, read)):
-            fn()
-        for fn in ((cp, export) if i % 2 == 0 else (export, cp)):
-            fn()
-        print(f"round {i + 1}/{args.repeats} done ({os.getloadavg()[0]:.1f} load)", flush=True)
-
-    print(f"\n8B-shaped checkpoint: {size / GIB:.2f} GiB, {args.shards} shards; page cache: {cache}; "
-          f"{args.repeats} alternated rounds; load average now {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"  cp -r                 {_stats(results['cp'])} s   (+fsync: {_stats(results['cp_fsync'])})")
-    print(f"  streamed export 25%   {_stats(results['export'])} s   (+fsync: {_stats(results['export_fsync'])}); "
-          f"wrote {results['export_bytes'] / GIB:.2f} GiB")
-    if not args.export_only:
-        print(f"  attention read        {_stats(results['read'])} s   ({results['attention_bytes'] / GIB:.2f} GiB)")
-        print(f"  MP-G scoring          {_stats(results['mpg'])} s")
-    ratio_export = statistics.median(results["export"]) / statistics.median(results["cp"])
-    ratio_fsync = statistics.median(results["export_fsync"]) / statistics.median(results["cp_fsync"])
-    peak = {k: max(v) / GIB for k, v in rss.items() if v}
-    print("  peak RSS (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in peak.items()))
-    print(f"  export / cp = {ratio_export:.2f}x (with fsync {ratio_fsync:.2f}x)   target <= 1.5x: "
-          f"{'PASS' if ratio_export <= 1.5 else 'FAIL'}")
-    print(f"  export peak RSS {peak['export']:.2f} GiB   target <= 2 GiB: {'PASS' if peak['export'] <= 2 else 'FAIL'}")
-    if not args.export_only:
-        ratio_mpg = statistics.median(results["mpg"]) / statistics.median(results["read"])
-        print(f"  MP-G / attention read = {ratio_mpg:.2f}x   target <= 1.2x: {'PASS' if ratio_mpg <= 1.2 else 'FAIL'}")
-    if not args.keep:
+    if not args.score_only:
+        out["export"] = compare({"streamed export 25%": export, "cp -r": cp}, **pairs)
+        out["export"].report(f"streamed export (wrote {results['export_bytes'] / GIB:.2f} GiB) vs cp -r of the folder",
+                             unit=1.0, unit_name="s", target="<= 1.5x")
+        print(f"  with fsync of the written files: export {_stats(results['export_fsync'])} s, "
+              f"cp {_stats(results['cp_fsync'])} s")
+        peak = max(rss["export"]) / GIB
+        print(f"  peak RSS: export {peak:.2f} GiB (target <= 2 GiB: {'PASS' if peak <= 2 else 'FAIL'}), "
+              f"cp {max(rss['cp']) / GIB:.2f} GiB")
+    for name, c in out.items():
+        limit = 1.2 if name == "mpg" else 1.5
+        print(f"  {c.a} / {c.b} = {c.ratio:.2f}x (median of {len(c.ratios)} interleaved pairs)   target <= {limit}x: "
+              f"{'PASS' if c.ratio <= limit else 'FAIL'}")
+    if not args.keep and not args.checkpoint:
         shutil.rmtree(ckpt)
-    return results
+    return out
 
 
 def bench_70b(args, scratch: Path) -> None:
@@ -384,7 +392,12 @@ def bench_70b(args, scratch: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scratch", default="/work/tmp-anysize")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=5, help="at least this many interleaved pairs per comparison")
+    parser.add_argument("--max-pairs", dest="max_pairs", type=int, default=9)
+    parser.add_argument("--max-seconds", dest="max_seconds", type=float, default=600.0,
+                        help="no new pair after this many seconds of one comparison (once --pairs are done)")
+    parser.add_argument("--checkpoint", help="reuse this 8B-shaped checkpoint folder (written before with --keep) "
+                                             "instead of writing one; it is not deleted")
     parser.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache before each run")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--heads", type=int, default=32)
@@ -399,14 +412,20 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the scratch checkpoint")
     parser.add_argument("--export-only", dest="export_only", action="store_true",
                         help="only cp vs the streamed export (mask: 25%% groups from seeded random scores)")
+    parser.add_argument("--score-only", dest="score_only", action="store_true",
+                        help="only one read of the attention tensors vs MP-G scoring")
     args = parser.parse_args()
     scratch = Path(args.scratch)
+    if args.checkpoint and Path(args.checkpoint).resolve().is_relative_to(scratch.resolve()):
+        raise SystemExit("--checkpoint must lie outside --scratch (the scratch folder is emptied at the end)")
     if scratch.exists() and any(scratch.iterdir()):
         raise SystemExit(f"{scratch} is not empty; remove it or pass another --scratch")
     scratch.mkdir(parents=True, exist_ok=True)
     d = args.hidden // args.heads
     need = 2 * 2.1 * (args.layers * (args.hidden * d * (2 * args.heads + 2 * args.kv_heads) + 3 * args.hidden * args.ffn)
                       + 2 * args.vocab * args.hidden)
+    if args.checkpoint:
+        need = need / 2.1 * 1.1              # the checkpoint is there already: room for one copy
     free = shutil.disk_usage(scratch).free
     print(f"scratch {scratch}: {free / GIB:.1f} GiB free, this shape needs about {need / GIB:.1f} GiB; "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs", flush=True)

@@ -10,7 +10,7 @@ from analysis.compress.distill import DistillConfig
 from analysis.compress.export import ExportError
 from analysis.compress.pipeline import PipelineConfig
 from analysis.compress.report import REPORT_FILES, compression_report, write_report
-from analysis.compress.speed import torch_threads
+from analysis.core.threads import torch_threads
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 

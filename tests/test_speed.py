@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from analysis.core.errors import InputError
-from analysis.compress.speed import (Timings, alternating_times, count_parameters, forward_flops, measure, saving_ratio,
-                            torch_threads)
+from analysis.compress.speed import (Timings, alternating_times, count_parameters, forward_flops, measure, saving_ratio)
+from analysis.core.threads import torch_threads
 from analysis.compress.surgery import prune_heads
 from tests._tiny import tiny_model
 

@@ -565,3 +565,35 @@ def test_streamed_gguf_refuses_what_the_writer_refuses(tmp_path):
     with pytest.raises(HeadscopeError, match="gguf_type"):
         export_checkpoint("gguf", _checkpoint(tmp_path / "b", "llama")[1], _masks("llama")["uniform"],
                           tmp_path / "out" / "cut", gguf_type="q3_nonsense")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_gguf_q4_k_m_equals_in_memory_and_runs_in_llama_cpp(family, dtype, tmp_path):
+    """llama.cpp's k-quants (Q4_K_M: Q4_K for most matrices, Q6_K for some, and a fallback type where
+    a row is no multiple of the 256-value super-block) from the checkpoint, tensor by tensor: every
+    tensor's type and quantized bytes equal the in-memory export's (the quantizer is deterministic
+    and sees the same float32 values: a bf16 checkpoint's values upcast exactly), so llama.cpp's
+    logits of the two files are equal, and finite."""
+    pytest.importorskip("gguf")
+    from gguf import GGUFReader
+    from analysis.compress import llamacpp
+    # rows of 256 (the k-quant super-block; the tiny default hidden 32 would fall back everywhere)
+    model, ckpt = _checkpoint(tmp_path, family, dtype=dtype, hidden_size=256, intermediate_size=512)
+    pruned = _masks(family)["uneven-groups"]                     # 4 heads / 2 KV heads, as the default
+    export_to("gguf", model, pruned, tmp_path / "mem", gguf_type="q4_k_m")
+    result = export_checkpoint("gguf", ckpt, pruned, tmp_path / "streamed", gguf_type="q4_k_m")
+    mine = {t.name: t for t in GGUFReader(str(result.path / "model.gguf")).tensors}
+    theirs = {t.name: t for t in GGUFReader(str(tmp_path / "mem" / "model.gguf")).tensors}
+    assert mine and sorted(mine) == sorted(theirs)
+    types = set()
+    for name, tensor in mine.items():
+        assert tensor.tensor_type == theirs[name].tensor_type, name
+        assert np.array_equal(np.asarray(tensor.data), np.asarray(theirs[name].data)), name
+        types.add(tensor.tensor_type.name)
+    assert "Q4_K" in types, types                    # k-quants were written, not only fallbacks
+    assert _gguf_counts(result.path / "model.gguf") == _gguf_counts(tmp_path / "mem" / "model.gguf")
+    ids = tiny_input_ids(batch=1, seq=16)[0].tolist()
+    streamed = llamacpp.logits(result.path / "model.gguf", ids)
+    assert streamed.shape == (16, model.config.vocab_size) and np.isfinite(streamed).all()
+    assert np.array_equal(streamed, llamacpp.logits(tmp_path / "mem" / "model.gguf", ids))

@@ -27,7 +27,8 @@ def test_streaming_equals_in_memory_single_file(tmp_path, family):
     model = tiny_model(family)
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
-    assert _max_diff(profile_checkpoint(tmp_path), profile_model(model)) <= 1e-5
+    # the same head_norms on the same float32 kernels (the streamed one on one thread, reading ahead): equal
+    assert _max_diff(profile_checkpoint(tmp_path), profile_model(model)) == 0.0
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -36,15 +37,21 @@ def test_streaming_equals_in_memory_sharded(tmp_path, family):
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     shards = list(tmp_path.glob("*.safetensors"))
     assert (tmp_path / INDEX_FILE).is_file() and len(shards) > 2
-    assert _max_diff(profile_checkpoint(tmp_path), profile_model(model)) <= 1e-5
+    assert _max_diff(profile_checkpoint(tmp_path), profile_model(model)) == 0.0
     # the index file itself is also accepted as the path
-    assert _max_diff(profile_checkpoint(tmp_path / INDEX_FILE), profile_model(model)) <= 1e-5
+    assert _max_diff(profile_checkpoint(tmp_path / INDEX_FILE), profile_model(model)) == 0.0
 
 
-def test_streaming_bf16_checkpoint(tmp_path):
-    model = tiny_model("llama").to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_streaming_half_checkpoint(tmp_path, dtype):
+    model = tiny_model("llama").to(dtype)
     model.save_pretrained(tmp_path)
-    assert _max_diff(profile_checkpoint(tmp_path), profile_model(model.float())) <= 1e-5
+    streamed = profile_checkpoint(tmp_path)
+    # the in-memory profile of the same half-precision model: the same float32 upcast, chunk by chunk
+    assert _max_diff(streamed, profile_model(model)) == 0.0
+    # and of its float32 copy: float32 sums of the same values, in another order (rows of 64 here):
+    # a few float32 ulps of the norm, well below 1e-5 at these weights' norms (< 10)
+    assert _max_diff(streamed, profile_model(model.float())) <= 1e-5
 
 
 def test_streaming_never_builds_the_model(tmp_path, monkeypatch):

@@ -241,23 +241,36 @@ def check_tensor_header(role: str, name: str, shape: list[int], geometry, file: 
                              f"machine with more memory.")
 
 
-def read_tensors(roles: dict[str, str], files: dict[str, Path], geometry=None) -> dict:
-    """Role -> tensor read from its file; each file is opened (memory-mapped) only while read.
+def read_tensors(roles: dict[str, str], entries: dict[str, "TensorEntry"], geometry=None) -> dict:
+    """Role -> tensor read from its byte range (`read_tensor`, a plain read: nothing stays mapped,
+    so the read is done when this returns and a reader thread can run it ahead of the compute).
     With `geometry`, every header is checked first (`check_tensor_header`)."""
-    by_file: dict[Path, list[tuple[str, str]]] = {}
+    if geometry is not None:
+        for role, name in roles.items():
+            check_tensor_header(role, name, list(entries[name].shape), geometry, entries[name].file)
     for role, name in roles.items():
-        by_file.setdefault(files[name], []).append((role, name))
-    out = {}
-    for file, items in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for role, name in items:
-                    if geometry is not None:
-                        check_tensor_header(role, name, handle.get_slice(name).get_shape(), geometry, file)
-                    out[role] = handle.get_tensor(name)
-        except (OSError, SafetensorError, MemoryError) as err:
-            raise ModelLoadError(f"Could not read {file} ({first_line(err)}). Re-download or re-copy that file.") from None
-    return out
+        if entries[name].dtype not in FLOAT_DTYPES:
+            raise ModelLoadError(f"Tensor '{name}' in {entries[name].file.name} has dtype {entries[name].dtype}; its "
+                                 f"heads can be scored from {', '.join(FLOAT_DTYPES)} weights only. Use an unquantized "
+                                 f"copy of the checkpoint.")
+    return {role: read_tensor(entries[name]) for role, name in roles.items()}
+
+
+def read_tensor(entry: "TensorEntry") -> torch.Tensor:
+    """One float tensor's values, read from its byte range (a plain read: nothing stays mapped)."""
+    buffer = bytearray(entry.nbytes)
+    try:
+        with open(entry.file, "rb") as handle:
+            handle.seek(entry.start)
+            got = handle.readinto(buffer)
+    except OSError as err:
+        raise ModelLoadError(f"Could not read {entry.file} ({first_line(err)}). Re-download or re-copy that file.") from None
+    if got != entry.nbytes:
+        raise ModelLoadError(f"{entry.file} ended before tensor '{entry.name}' did: the file is truncated. "
+                             f"Re-download or re-copy it.")
+    if not buffer:
+        return torch.empty(entry.shape, dtype=FLOAT_DTYPES[entry.dtype])
+    return torch.frombuffer(buffer, dtype=FLOAT_DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 # ---------------------------------------------------------------------------------------------

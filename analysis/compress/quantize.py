@@ -62,7 +62,8 @@ from torch import nn
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate, token_ids
 from analysis.compress.export import ONNX_FILE, atomic_folder
-from analysis.compress.speed import alternating_times, torch_threads
+from analysis.compress.speed import alternating_times
+from analysis.core.threads import torch_threads
 
 DEFAULT_BLOCK = 32
 

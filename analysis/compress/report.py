@@ -31,7 +31,8 @@ from analysis.core.progress import Progress, ShouldStop
 from analysis.score.masks import plan_mask, surgery_counts
 from analysis.score.scoring import get_scorer
 from analysis.arch.models import count_parameters
-from analysis.compress.speed import _decode_step, alternating_times, forward_flops, saved_bytes, torch_threads
+from analysis.compress.speed import _decode_step, alternating_times, forward_flops, saved_bytes
+from analysis.core.threads import torch_threads
 from analysis.compress.surgery import prune_heads
 
 REPORT_FILES = ("report.json", "report.md", "ppl_vs_sparsity.png")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,10 +29,10 @@ import torch
 from torch import nn
 
 from analysis.arch.adapters import Adapter, adapter_for, in_memory_copy, input_device, is_dispatched
-from analysis.core.errors import InputError
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.arch.models import count_parameters
 from analysis.core.progress import Progress, ShouldStop, check_stop, no_progress
+from analysis.core.threads import torch_threads
 from analysis.arch.resize import matmul_module_types
 from analysis.compress.surgery import HeadLayout, predicted_counts, prune_heads
 
@@ -127,20 +126,6 @@ def forward_flops(model: nn.Module, tokens: int, context: int, *, layout: HeadLa
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-
-@contextmanager
-def torch_threads(n: int | None):
-    """Run with `n` torch threads (None: leave as is); restored afterwards."""
-    before = torch.get_num_threads()
-    if n is not None:
-        if int(n) < 1:
-            raise InputError(f"Thread count must be at least 1; got {n}.")
-        torch.set_num_threads(int(n))
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
-
 
 @dataclass
 class Timings:

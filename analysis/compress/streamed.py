@@ -42,7 +42,7 @@ import torch
 from analysis.arch import resize
 from analysis.arch.adapters import Adapter, adapter_for
 from analysis.arch.checkpoint import (FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TensorEntry, checkpoint_entries, checkpoint_folder,
-                                      check_tensor_header, load_config)
+                                      check_tensor_header, load_config, read_tensor)
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.models import quiet_load_report
 from analysis.compress.export.folder import ExportError, atomic_folder, clean_leftovers, listing
@@ -157,19 +157,6 @@ def _copy_range(src: int, dst: int, count: int, offset: int) -> int:
     if n <= 0:
         raise OSError(5, f"the source file ended early (copying {count} bytes at offset {offset})")
     return n
-
-
-def read_tensor(entry: TensorEntry) -> torch.Tensor:
-    """One tensor's values, read from its byte range (a plain read: nothing stays mapped)."""
-    buffer = bytearray(entry.nbytes)
-    with open(entry.file, "rb") as handle:
-        handle.seek(entry.start)
-        if handle.readinto(buffer) != entry.nbytes:
-            raise ModelLoadError(f"{entry.file} ended before tensor '{entry.name}' did: the file is truncated. "
-                                 f"Re-download or re-copy it.")
-    if not buffer:
-        return torch.empty(entry.shape, dtype=SLICE_DTYPES[entry.dtype])
-    return torch.frombuffer(buffer, dtype=SLICE_DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 # ---------------------------------------------------------------------------------------------

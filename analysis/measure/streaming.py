@@ -3,46 +3,65 @@
 `profile_checkpoint(folder)` reads config.json (for the architecture and the head geometry),
 finds the attention tensors of every layer by the names the adapter gives
 (`Adapter.tensor_suffixes`, matched by suffix because checkpoints differ in prefix), and reads
-them layer by layer through `analysis.arch.checkpoint`, so only one layer's attention weights are
-in memory at a time (and half-precision tensors are upcast a few heads at a time). A 7B-70B
-checkpoint on disk can be profiled on a laptop; the numbers equal `profile_model`'s.
+them layer by layer through `analysis.arch.checkpoint`, so at most two layers' attention weights
+are in memory at a time (and half-precision tensors are upcast a few heads at a time). A 7B-70B
+checkpoint on disk can be profiled on a laptop; the numbers equal `profile_model`'s (the same
+`head_norms`, the same float32 kernels).
+
+Speed (bench/bench_anysize.py: MP-G scoring <= 1.2x one read of the attention tensors): a reader
+thread reads layer l + 1 (plain reads, which release the GIL) while layer l's norms are computed,
+and the norms run on one torch thread. On small, cache-sized chunks an intra-op thread pool
+costs more in synchronisation than it gains, and on a loaded 2-core machine a 2-thread pool was
+~20x slower than one thread (57 s vs 3 s for the norms of an 8B checkpoint); the other core is
+the reader's.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from analysis.arch.adapters import adapter_for
-from analysis.arch.checkpoint import (checkpoint_folder, layer_tensor_names, load_config, name_prefix, read_tensors,
-                                      tensor_files)
+from analysis.arch.checkpoint import (checkpoint_entries, checkpoint_folder, layer_tensor_names, load_config,
+                                      name_prefix, read_tensors)
 from analysis.core.errors import ModelLoadError, first_line
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
+from analysis.core.threads import torch_threads
 from analysis.measure.profiles import STREAM_CHUNK, NormProfile, check_finite_norms, head_norms, stack_layers
 
 
 def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: ShouldStop | None = None,
                        trust_remote_code: bool = False) -> NormProfile:
-    """Row-norm profile of a safetensors checkpoint, one layer's attention tensors at a time."""
+    """Row-norm profile of a safetensors checkpoint, one layer's attention tensors at a time
+    (the next layer's read while this one's norms are computed)."""
     folder = checkpoint_folder(path)
     config = load_config(folder, trust_remote_code=trust_remote_code)
     adapter = adapter_for(config)
     geometry = adapter.geometry(config)
-    names = tensor_files(folder)
-    prefix = name_prefix(adapter, names)
+    entries = checkpoint_entries(folder)
+    prefix = name_prefix(adapter, entries)
+    roles = [layer_tensor_names(adapter, layer, entries, prefix) for layer in range(geometry.n_layers)]
     l2_layers, l1_layers, scratch = [], [], {}
-    for layer in range(geometry.n_layers):
-        check_stop(should_stop, "Profiling")
-        roles = layer_tensor_names(adapter, layer, names, prefix)
-        tensors = read_tensors(roles, names, geometry)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="headscope-read") as reader, torch_threads(1):
+        ahead = reader.submit(read_tensors, roles[0], entries, geometry)
         try:
-            hw = adapter.heads_from_tensors(tensors, geometry)
-        except (RuntimeError, ValueError) as err:  # right size, wrong layout (e.g. transposed)
-            raise ModelLoadError(f"The attention tensors of layer {layer} in {folder} do not have the layout "
-                                 f"config.json describes ({first_line(err)}). Use the config.json that belongs "
-                                 f"to these weights.") from None
-        norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass over the file
-        for values in norms.values():
-            check_finite_norms(values, layer, roles, where=f"the checkpoint {folder}")
-        l2_layers.append(norms[2])
-        l1_layers.append(norms[1])
-        del tensors, hw
-        report(progress, (layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
+            for layer in range(geometry.n_layers):
+                check_stop(should_stop, "Profiling")
+                tensors = ahead.result()
+                if layer + 1 < geometry.n_layers:
+                    ahead = reader.submit(read_tensors, roles[layer + 1], entries, geometry)
+                try:
+                    hw = adapter.heads_from_tensors(tensors, geometry)
+                except (RuntimeError, ValueError) as err:  # right size, wrong layout (e.g. transposed)
+                    raise ModelLoadError(f"The attention tensors of layer {layer} in {folder} do not have the layout "
+                                         f"config.json describes ({first_line(err)}). Use the config.json that belongs "
+                                         f"to these weights.") from None
+                norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass
+                for values in norms.values():
+                    check_finite_norms(values, layer, roles[layer], where=f"the checkpoint {folder}")
+                l2_layers.append(norms[2])
+                l1_layers.append(norms[1])
+                del tensors, hw
+                report(progress, (layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
+        finally:
+            ahead.cancel()                         # a stop or an error: the read ahead is not waited for twice
     return NormProfile(l2=stack_layers(l2_layers), l1=stack_layers(l1_layers), source=str(folder))
