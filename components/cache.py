@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import streamlit as st
 
-from analysis.core.errors import HeadscopeError
+from analysis.core.errors import CancelledError, HeadscopeError
 from analysis.core.progress import check_stop
 from analysis.core.progress import Progress
 
@@ -79,13 +79,14 @@ def stop_button(work: str, label: str = "Stop"):
 # -- cached calls ------------------------------------------------------------------------------
 
 @st.cache_resource(show_spinner=False, max_entries=3)
-def load(name: str, how: LoadHow = False, _progress: Progress | None = None):
+def load(name: str, how: LoadHow = False, _progress: Progress | None = None, _should_stop=None):
     """The shared LoadedModel for `name` loaded `how` (never mutate it)."""
     from analysis.arch import models
     if state.is_weights_only_how(how):          # a checkpoint folder: structure on the meta device, no weights
         return models.open_weights_only(name, trust_remote_code=bool(how[1]))
     trust, placement = state.load_parts(how)
-    loaded = models.load_model(name, trust_remote_code=trust, progress=_progress, **placement)
+    loaded = models.load_model(name, trust_remote_code=trust, progress=_progress, should_stop=_should_stop,
+                               **placement)
     settle_heap()
     return loaded
 
@@ -116,23 +117,34 @@ def profile(name: str, how: LoadHow = False, _progress: Progress | None = None, 
 
 
 def model_or_stop():
-    """Load the current view's model with a progress bar; on failure show how to fix it and stop."""
+    """Load the current view's model with a progress bar; on failure show how to fix it and stop.
+
+    A built-in's cold first load (its one-time conversion: seconds to minutes) also gets a Stop
+    button; a stopped conversion leaves no cache behind and the next run starts it again."""
+    from analysis.arch.models import conversion_pending
     name = state.get("model")
     if not name:
         st.info("Pick a model in the sidebar: a built-in, a Hugging Face id, or a local folder.")
         st.stop()
+    cold = conversion_pending(name)
+    slot = stop_button(f"Loading {name}") if cold else None
     try:
         with progress_bar(f"Loading {name}") as report:
-            lm = load(name, state.load_options(), _progress=report)
+            lm = load(name, state.load_options(), _progress=report, _should_stop=state.stop_check() if cold else None)
         from analysis.score.masks import default_policy
         from analysis.score.scoring import default_scorer
         state.follow_model("scorer", default_scorer(lm.geometry.group_size))
         state.follow_model("policy", default_policy(lm.geometry.group_size))
         return lm
-    except HeadscopeError as err:
-        st.error(str(err))
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - shown: a cancel as a note, a user problem in one line
         show_exception(err, f"Loading {name}")
+        if isinstance(err, CancelledError):
+            st.button("Load it again", key=state.WIDGET_PREFIX + "load-again",
+                      help="Start the one-time conversion again (it starts over from the beginning).")
+    finally:
+        if slot is not None:
+            slot.empty()
+            state.clear_stop()
     st.stop()
 
 

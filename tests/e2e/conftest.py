@@ -13,7 +13,7 @@ import pytest
 from tests.e2e.serving import CHROMIUM, ROOT, chromium, served_app
 
 ARTIFACTS = ROOT / "artifacts"
-LOAD_TIMEOUT_MS = 180_000  # the first page load may convert the GGUF file (about 20 s) and profile it
+LOAD_TIMEOUT_MS = 180_000  # the first page load may convert the GGUF file (10 s to minutes) and profile it
 
 
 def needs_chromium():
