@@ -26,9 +26,8 @@ PAGES = {
 
 def _label(choice: str) -> str:
     if choice == OTHER:
-        return "Other: Hugging Face id or local folder"
-    builtin = BUILTIN_MODELS[choice]
-    return f"{builtin.title} (built-in)"
+        return "Other: hub id or local folder"
+    return BUILTIN_MODELS[choice].title     # "(built-in)" went past the sidebar's box: the caption says it
 
 
 def model_picker() -> None:
@@ -48,7 +47,7 @@ def model_picker() -> None:
         name = typed.strip()
     else:
         name = choice
-        st.sidebar.caption(BUILTIN_MODELS[choice].description)
+        st.sidebar.caption(f"Built-in (shipped with headscope, works offline). {BUILTIN_MODELS[choice].description}")
     trust = st.sidebar.toggle("trust_remote_code", key=state.widget_key("trust", value=state.trust()),
                               help="Run Python code shipped with the model. Off by default; turn on only "
                                    "for models whose code you trust. Never taken from a shared link.")

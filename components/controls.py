@@ -147,13 +147,26 @@ def format_options(where, fmt: str, options: dict, *, prefix: str = "export.opt"
     return out
 
 
+# Short labels that fit the select box at 1280x800 (they were cut at "(never grow"); the whole
+# explanation of each is POLICY_HELP, the box's tooltip. The prefixes ("global:", "balanced (GQA)")
+# are what a user (and the browser tests) recognise.
 POLICY_LABELS = {
-    "global": "global: the lowest heads anywhere (the paper's setting; can grow a GQA model)",
-    "min-per-layer": "min-per-layer: global, keeping m heads per layer",
-    "uniform": "uniform: the same number in every layer",
-    "balanced": "balanced (GQA): the same number from every KV group",
-    "balanced-uniform": "balanced-uniform (GQA): balanced, one count everywhere (stock config)",
-    "groups": "groups (GQA): whole KV groups (never grows the model)",
+    "global": "global: lowest anywhere (paper)",
+    "min-per-layer": "min-per-layer: global, m kept",
+    "uniform": "uniform: same count per layer",
+    "balanced": "balanced (GQA): same per group",
+    "balanced-uniform": "balanced-uniform (GQA)",
+    "groups": "groups (GQA): whole KV groups",
+}
+POLICY_HELP = {
+    "global": "the lowest-scored heads anywhere in the model: the paper's setting. On GQA models it leaves KV "
+              "groups unevenly pruned, which surgery can only build by copying K/V (a bigger model).",
+    "min-per-layer": "global, but every layer keeps at least m heads.",
+    "uniform": "the same number of heads pruned in every layer.",
+    "balanced": "(GQA) the same number pruned from every KV group, so K/V never expand.",
+    "balanced-uniform": "(GQA) balanced, with one count in every layer: the pruned model is a stock config.",
+    "groups": "(GQA) whole KV groups (a KV head with all its query heads): never makes the model bigger. "
+              "The default on GQA models.",
 }
 
 
@@ -161,10 +174,8 @@ def policy_controls(where=st) -> dict:
     """The mask policy widgets (view fields `policy`, `m`) -> kwargs for analysis.score.masks.plan_mask."""
     policy = where.selectbox("Policy", list(masks.POLICIES), key=state.widget_key("policy"),
                              format_func=lambda p: POLICY_LABELS.get(p, p),
-                             help="Default on GQA models: groups, which never makes the model bigger. global is "
-                                  "the paper's setting: on GQA models it leaves KV groups unevenly pruned, which "
-                                  "surgery can only build by copying K/V (a bigger model). balanced prunes the "
-                                  "same number from every group, so K/V never expand.")
+                             help="Which heads a sparsity removes:\n\n" + "\n".join(
+                                 f"- **{p}**: {POLICY_HELP.get(p, '')}" for p in masks.POLICIES))
     state.choose("policy", policy)
     return _with_m(policy, where)
 

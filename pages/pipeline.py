@@ -40,7 +40,7 @@ st.caption("Recover and compress. Score the heads, prune a step, recover by dist
 explain.pipeline()
 
 z = float(state.get("z"))
-c = st.columns([1, 1.3, 1.2])
+c = st.columns([1.25, 1.2, 1.05])   # the longest scorer and policy labels fit at 1280x800
 scorer = controls.scorer_choice(c[0], group_size=g.group_size)
 policy = controls.policy_controls(c[1])
 one_shot = c[2].toggle("One-shot (one round, no recovery)", key=state.widget_key("pipe.one_shot", value=False),

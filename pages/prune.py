@@ -29,7 +29,7 @@ st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
 
-c1, c2, c3 = st.columns([1, 1.3, 1.2])
+c1, c2, c3 = st.columns([1.25, 1.2, 1.05])   # the longest scorer and policy labels fit at 1280x800
 scorer = controls.scorer_choice(c1, group_size=g.group_size)
 policy = controls.policy_controls(c2)
 with c3.expander("Scorer parameters and KV policy", expanded=False):
