@@ -49,18 +49,20 @@ if not state.weights_only():
 lm = cache.model_or_stop()
 g = lm.geometry
 st.subheader(lm.name)
-cols = st.columns(6)
+# the words, the long number and the long label in the wider row ("causal-lm" was cut to "causa..."
+# in a sixth of the page at 1280x800), the small counts with short labels in the narrow one
+cols = st.columns(4)
 cols[0].metric("Family", lm.adapter.model_type)
 cols[1].metric("Kind", lm.kind)
-cols[2].metric("Layers (L)", g.n_layers)
-cols[3].metric("Query heads (H)", g.n_heads)
-cols[4].metric("KV heads (H_kv)", g.n_kv_heads)
-cols[5].metric("head_dim (d)", g.head_dim)
-cols = st.columns(4)
-cols[0].metric("Hidden (D)", g.hidden)
-cols[1].metric("Heads in total (L x H)", g.n_total_heads)
-cols[2].metric("Query heads per KV head (G)", g.group_size)
-cols[3].metric("Parameters", f"{cache.param_count(lm.name, state.load_options()):,}")
+cols[2].metric("Parameters", f"{cache.param_count(lm.name, state.load_options()):,}")
+cols[3].metric("Query heads per KV head (G)", g.group_size)
+cols = st.columns(6)
+cols[0].metric("Layers (L)", g.n_layers)
+cols[1].metric("Query heads (H)", g.n_heads)
+cols[2].metric("KV heads (H_kv)", g.n_kv_heads)
+cols[3].metric("head_dim (d)", g.head_dim)
+cols[4].metric("Hidden (D)", g.hidden)
+cols[5].metric("All heads (L x H)", g.n_total_heads)
 if lm.placement is not None:
     st.caption(f"Loaded on {lm.placement.describe()}.")
 if state.weights_only():

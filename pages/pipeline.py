@@ -43,8 +43,9 @@ z = float(state.get("z"))
 c = st.columns([1.25, 1.2, 1.05])   # the longest scorer and policy labels fit at 1280x800
 scorer = controls.scorer_choice(c[0], group_size=g.group_size)
 policy = controls.policy_controls(c[1])
-one_shot = c[2].toggle("One-shot (one round, no recovery)", key=state.widget_key("pipe.one_shot", value=False),
-                       help="Prune to the target in one round and measure it, without distillation: the baseline the "
+one_shot = c[2].toggle("One-shot", key=state.widget_key("pipe.one_shot", value=False),   # short: fits at 1280x800
+                       help="One round, no recovery: prune to the target in one round and measure it, without "
+                            "distillation: the baseline the "
                             "iterative schedule should beat.")
 params = controls.current_params(scorer, z)
 described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in params.items())
@@ -68,8 +69,9 @@ budget = float(c[3].number_input("Perplexity budget (0 = none)", 0.0, 1e6, step=
 c = st.columns(4)
 lr = float(c[0].number_input("Learning rate", 1e-6, 1.0, format="%.6f", key=state.widget_key("pipe.lr", value=1e-4),
                              help="AdamW learning rate of the distillation."))
-lora = c[1].toggle("LoRA (merged at export)", key=state.widget_key("pipe.lora", value=False),
-                   help="Train low-rank adapters instead of every weight (less memory; merged into the weights).")
+lora = c[1].toggle("LoRA", key=state.widget_key("pipe.lora", value=False),      # short: fits at 1280x800
+                   help="Train low-rank adapters instead of every weight (less memory); they are merged into the "
+                        "weights at export.")
 int8 = c[2].toggle("INT8 stage (ONNX)", key=state.widget_key("pipe.int8", value=lm.kind == "causal-lm"),
                    help="After the last round: ONNX export and ONNX Runtime INT8 quantization, measured like the "
                         "other stages (causal LMs).")

@@ -88,7 +88,7 @@ def test_builtin_minilm_encoder_on_every_page():
         at = new_app("minilm-l6", page=page)
         no_exception(at)
         assert not at.error, (page, [e.value for e in at.error])
-    assert int(metric(new_app("minilm-l6", page="model"), "Heads in total (L x H)")) == 72
+    assert int(metric(new_app("minilm-l6", page="model"), "All heads (L x H)")) == 72
     at = new_app("minilm-l6", page="prune")
     at.number_input(key="hs.w.prune.max_tokens").set_value(32).run()
     at.button(key="prune.check").click().run()
