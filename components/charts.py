@@ -33,8 +33,15 @@ def layer_height(n_layers: int) -> int:
     return int(min(900, max(260, 90 + _HEIGHT_PER_LAYER * n_layers)))
 
 
-def _axes(fig: go.Figure, n_layers: int, n_cols: int, x_title: str = "head") -> go.Figure:
-    fig.update_xaxes(title_text=x_title, tickmode="linear", dtick=1 if n_cols <= 32 else max(1, n_cols // 16))
+def _axes(fig: go.Figure, n_layers: int, n_cols: int, x_title: str = "head",
+          max_x_ticks: int | None = None) -> go.Figure:
+    """Axis titles and linear ticks: every head up to 32, else every (n // 16)-th; a narrow chart
+    passes `max_x_ticks` (at most that many labels), or its labels overlap into '0123456789'."""
+    if max_x_ticks is None:
+        dtick = 1 if n_cols <= 32 else max(1, n_cols // 16)
+    else:
+        dtick = 1 if n_cols <= max_x_ticks else math.ceil(n_cols / max_x_ticks)
+    fig.update_xaxes(title_text=x_title, tickmode="linear", dtick=dtick)
     fig.update_yaxes(title_text="layer", autorange="reversed", tickmode="linear",
                      dtick=1 if n_layers <= 16 else 2)
     fig.update_layout(height=layer_height(n_layers), margin=dict(l=50, r=20, t=50, b=40))
@@ -65,8 +72,9 @@ def layer_head_heatmap(values: np.ndarray, title: str, *, colorbar: str = "", x_
 
 
 def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = None,
-                 score_name: str = "score", group_size: int = 1) -> go.Figure:
-    """Kept/pruned heads: z = 1 where pruned, 0 where kept; hover shows the head's score."""
+                 score_name: str = "score", group_size: int = 1, max_x_ticks: int | None = None) -> go.Figure:
+    """Kept/pruned heads: z = 1 where pruned, 0 where kept; hover shows the head's score.
+    `max_x_ticks`: most head labels on the x axis (fewer for a narrow chart)."""
     pruned = np.asarray(pruned, dtype=bool)
     n_layers, n_heads = pruned.shape
     n_pruned = int(pruned.sum())
@@ -78,7 +86,7 @@ def mask_heatmap(pruned: np.ndarray, scores: np.ndarray, *, title: str | None = 
         hovertemplate=f"layer %{{y}}, head %{{x}}: %{{text}}<br>{score_name} %{{customdata:.4g}}<extra></extra>"))
     fig.update_layout(title=title or f"{n_pruned} of {pruned.size} heads pruned (red = pruned)")
     _group_lines(fig, n_layers, n_heads, group_size)
-    return _axes(fig, n_layers, n_heads)
+    return _axes(fig, n_layers, n_heads, max_x_ticks=max_x_ticks)
 
 
 _GRID_CSS = (

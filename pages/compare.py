@@ -13,6 +13,8 @@ from analysis.core.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, shell, state, weights
 from components.errors import shown_errors
 
+COMPACT_TICKS = 4   # head labels under each of the side-by-side masks (about 110 px of plot each)
+
 shell.ensure_app()
 
 st.title("Compare scorers")
@@ -58,11 +60,12 @@ with shown_errors("Comparing masks"):
     labels = [controls.label(n) for n in plans]
     n_pruned = next(iter(plans.values())).n_pruned
     st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned; red = pruned)")
-    cols = st.columns(min(len(plans), 4))
+    cols = st.columns(min(len(plans), 4))     # a quarter of the page: 12 head labels overlapped at 1280x800
     for i, (name, plan) in enumerate(plans.items()):
         cols[i % len(cols)].plotly_chart(
             charts.mask_heatmap(plan.pruned, results[name][1].scores, score_name=controls.label(name),
-                                title=f"{controls.label(name)}<br><sup>{plan.n_pruned} pruned</sup>", group_size=g.group_size),
+                                title=f"{controls.label(name)}<br><sup>{plan.n_pruned} pruned</sup>", group_size=g.group_size,
+                                max_x_ticks=COMPACT_TICKS),
             width="stretch", key=f"compare.mask.{name}")
 
     jaccard = np.array([[masks.jaccard(plans[a].pruned, plans[b].pruned) for b in plans] for a in plans])

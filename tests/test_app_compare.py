@@ -59,3 +59,20 @@ def test_curves_start_at_the_dense_value(tiny_dir):
     assert max(starts) == pytest.approx(min(starts), rel=1e-6)   # sparsity 0 = the dense model for all
     ends = [float(np.asarray(t["y"], dtype=float)[-1]) for t in fig["data"]]
     assert len(set(np.round(ends, 6))) > 1                         # the scorers' masks differ
+
+
+def test_side_by_side_masks_label_at_most_four_heads():
+    """Issue 20 walk at 1280x800: under each of the four side-by-side masks MiniLM's 12 head labels
+    ran together ("0123456789 10 11"); each narrow mask labels at most 4 heads (COMPACT_TICKS in
+    pages/compare.py), every k-th from 0, while a full-width mask labels every head."""
+    from components import charts
+    at = new_app("minilm-l6", page="compare")
+    no_exception(at)
+    for label in DEFAULT:
+        fig = figure_titled(at, f"{label}<br>")
+        n_heads = np.asarray(fig["data"][0]["z"]).shape[1]
+        axis = fig["layout"]["xaxis"]
+        assert n_heads == 12 and axis["tickmode"] == "linear", (label, axis)
+        assert len(range(0, n_heads, int(axis["dtick"]))) <= 4, (label, axis)
+    wide = charts.mask_heatmap(np.zeros((6, 12), dtype=bool), np.zeros((6, 12)))
+    assert wide.layout.xaxis.dtick == 1
