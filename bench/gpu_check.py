@@ -13,7 +13,9 @@ Items (each prints its numbers and PASS / FAIL / SKIP; a failing item does not s
     .venv/bin/python bench/gpu_check.py                       # on a GPU machine (device cuda)
     .venv/bin/python bench/gpu_check.py --device cpu --quick  # smoke test anywhere: a tiny random model
 
-Timings synchronize the device around every timed call. On the CPU the ratios are printed but the
+Timings synchronize the device around every timed call; every ratio comes from interleaved rounds
+(bench/_timing.compare_rounds: min / median / max of each side and of the per-round ratio, the load
+average) and is judged on its median. On the CPU the ratios are printed but the
 speed targets are GPU targets (the CPU claims have their own bench scripts). Exit status 1 when an
 item fails. Whenever a GPU machine is at hand, this output is what the GPU claims rest on.
 """
@@ -51,21 +53,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_times(fns: dict, repeats: int, device: str) -> dict:
-    """{label: median seconds} of device-synchronized calls, alternating order each round, one warm-up."""
-    for fn in fns.values():
+def synced(fn, device: str):
+    """`fn` as a self-timed callable: the device synchronized before and after, its seconds returned."""
+    def timed_on_device() -> float:
+        sync(device)
+        t0 = time.perf_counter()
         fn()
-    sync(device)
-    times = {k: [] for k in fns}
-    items = list(fns.items())
-    for r in range(repeats):
-        for label, fn in items if r % 2 == 0 else items[::-1]:
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[label].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+        sync(device)
+        return time.perf_counter() - t0
+    return timed_on_device
+
+
+def device_rounds(fns: dict, ratios: list[tuple[str, str]], repeats: int, device: str) -> dict:
+    """{(a, b): Comparison} of device-synchronized calls in rotated rounds (bench/_timing.compare_rounds:
+    one untimed warm-up each, at least `repeats` rounds, more until the ratios' spread is known, at
+    most 60 s); each Comparison prints min / median / max of both sides and of the per-round ratio."""
+    from bench._timing import compare_rounds
+
+    return compare_rounds({k: synced(fn, device) for k, fn in fns.items()}, ratios, min_rounds=repeats,
+                          max_rounds=max(repeats, 15), max_seconds=60.0, self_timed=True)
 
 
 def load(args, dtype=torch.float32):
@@ -146,11 +152,10 @@ def check_scoring(args) -> bool:
     def score():
         return MPGScorer(z=2.0).score(profile_model(model, adapter=adapter)).scores
 
-    t = median_times({"read": read_once, "mp-g": score}, args.repeats, args.device)
-    ratio = t["mp-g"] / t["read"]
-    ok = ratio <= SCORING_TARGET
-    print(f"  one read of the attention weights {1e3 * t['read']:.1f} ms, MP-G scoring {1e3 * t['mp-g']:.1f} ms: "
-          f"{ratio:.2f}x (target <= {SCORING_TARGET}x) -> {'PASS' if ok else 'FAIL'}")
+    c = device_rounds({"mp-g": score, "read": read_once}, [("mp-g", "read")], args.repeats, args.device)[("mp-g", "read")]
+    c.report("  MP-G scoring vs one read of the attention weights", target=f"<= {SCORING_TARGET}x")
+    ok = c.ratio <= SCORING_TARGET
+    print(f"  MP-G scoring / one read: median {c.ratio:.2f}x (target <= {SCORING_TARGET}x) -> {'PASS' if ok else 'FAIL'}")
     return speed_verdict(args, ok)
 
 
@@ -185,14 +190,15 @@ def check_prefill(args) -> bool:
     x = eval_ids(lm, 4 * seq)[:seq].unsqueeze(0).to(next(model.parameters()).device)       # [1, seq]
     calls = {"masked": masked_call(model, gates_from_mask(pruned), lambda: model(input_ids=x), adapter),
              "pruned": lambda: smaller(input_ids=x), "dense": lambda: model(input_ids=x)}
-    t = median_times(calls, args.repeats * 3, args.device)
+    rounds = device_rounds(calls, [("masked", "pruned"), ("dense", "pruned")], args.repeats * 3, args.device)
+    for (a, b), c in rounds.items():
+        c.report(f"  prefill {x.shape[1]} tokens, {int(pruned.sum())} heads pruned: {a} vs {b}")
     predicted = forward_flops(model, seq, seq, adapter=adapter).total / \
         forward_flops(smaller, seq, seq, layout=layout, adapter=adapter).total
-    measured = t["masked"] / t["pruned"]
+    measured = rounds[("masked", "pruned")].ratio               # the median of the per-round ratios
     ratio = saving_ratio(measured, predicted)
     ok = ratio >= PASS_FRACTION
-    print(f"  prefill {x.shape[1]} tokens, {int(pruned.sum())} heads pruned: dense {1e3 * t['dense']:.1f} ms, masked "
-          f"{1e3 * t['masked']:.1f} ms, pruned {1e3 * t['pruned']:.1f} ms; masked / pruned {measured:.3f}x, FLOP "
+    print(f"  masked / pruned median {measured:.3f}x, FLOP "
           f"prediction {predicted:.3f}x, saving / predicted {ratio:.2f} (target >= {PASS_FRACTION}) -> "
           f"{'PASS' if ok else 'FAIL'}")
     return speed_verdict(args, ok)
@@ -225,12 +231,29 @@ def check_multiprocess(args) -> bool | None:
         print("  skipped (--skip-multiprocess)")
         return None
     n = args.processes or (torch.cuda.device_count() if args.device != "cpu" else 2)
-    with tempfile.TemporaryDirectory() as tmp:
-        one = _ablate(args, 1, Path(tmp) / "one.json")
-        many = _ablate(args, n, Path(tmp) / "many.json") if n > 1 else one
-    same = all(one[k] == many[k] for k in ("base", "n_tokens", "head_delta", "group_delta"))
-    t1, tn = one["seconds"]["total"], many["seconds"]["total"]
-    speedup = t1 / tn
+    from bench._timing import compare
+
+    runs = {1: [], n: []}                      # every run's JSON: the numbers of all of them must agree
+
+    def sweep(processes: int):
+        def run() -> float:                    # self-timed: the sweep's own seconds, not start-up and loading
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[processes].append(_ablate(args, processes, Path(tmp) / "out.json"))
+            return runs[processes][-1]["seconds"]["total"]
+        return run
+
+    if n > 1:                                  # 1 vs n processes in interleaved pairs (A B, B A, B A ...)
+        c = compare({"1 process": sweep(1), f"{n} processes": sweep(n)}, min_pairs=args.mp_pairs,
+                    max_pairs=args.mp_pairs, warm=False, self_timed=True, max_seconds=None)
+        c.report("  ablation sweep, 1 process vs " + f"{n}", unit=1.0, unit_name="s", caches="cold (no warm-up run)")
+        speedup = c.ratio
+    else:
+        sweep(1)()
+        speedup = 1.0
+    one = runs[1][0]
+    t1, tn = statistics.median(r["seconds"]["total"] for r in runs[1]), \
+        statistics.median(r["seconds"]["total"] for r in runs[n])
+    same = all(r[k] == one[k] for r in runs[1] + runs[n] for k in ("base", "n_tokens", "head_delta", "group_delta"))
     judged = args.device != "cpu" and n > 1
     ok = same and (speedup >= SPEEDUP_FRACTION * n if judged else True)
     verdict = "PASS" if ok else "FAIL"
@@ -239,7 +262,7 @@ def check_multiprocess(args) -> bool | None:
             "CPU processes share the cores: speed not judged")
     print(f"  ablation sweep (seconds of the sweep itself, without start-up and loading; "
           f"{one['n_tokens']} predictions, {len(one['head_delta'])} layers): 1 process {t1:.2f} s, "
-          f"{n} processes {tn:.2f} s: {speedup:.2f}x ({note}); numbers {'identical' if same else 'DIFFER'} -> {verdict}")
+          f"{n} processes {tn:.2f} s (medians): {speedup:.2f}x, median of the pairs ({note}); numbers {'identical' if same else 'DIFFER'} -> {verdict}")
     return ok
 
 
@@ -266,6 +289,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ablate-seq", dest="ablate_seq", type=int, default=256)
     parser.add_argument("--processes", type=int, default=None, help="default: every visible GPU (2 on the CPU)")
     parser.add_argument("--skip-multiprocess", dest="skip_multiprocess", action="store_true")
+    parser.add_argument("--mp-pairs", dest="mp_pairs", type=int, default=3,
+                        help="interleaved pairs of 1-process and N-process sweeps (item multiprocess)")
     parser.add_argument("--launch-timeout", dest="launch_timeout", type=float, default=240)
     args = parser.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
