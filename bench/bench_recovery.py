@@ -159,15 +159,32 @@ def int8_rows(loaded, held: HeldOut, result, small, args, rows) -> dict:
                            "fp32_onnx_mb": cmp.bytes_fp32 / 2 ** 20, "kv": rows["recovered"]["kv"], "seconds": seconds}
             info[method] = cmp.as_dict()
             print(f"    {label}: top-1 agreement {cmp.top1_agreement:.3f}, ppl x{cmp.perplexity_ratio:.3f}, file "
-                  f"{cmp.size_ratio:.3f}x, prefill {cmp.latency_ms_fp32 / cmp.latency_ms_int8:.2f}x, 1-token "
-                  f"{cmp.one_token_ms_fp32 / cmp.one_token_ms_int8:.2f}x", flush=True)
+                  f"{cmp.size_ratio:.3f}x, prefill {speedup_text(info[method], 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, "
+                  f"1-token {speedup_text(info[method], 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')}",
+                  flush=True)
     t = torch_int8_report(loaded, small, max_tokens=args.agree_tokens, repeats=args.latency_repeats,
                           threads=args.threads, keep_float=keep)
     info["torch"] = {k: v for k, v in t.items() if k != "model"}
     print(f"    PyTorch dynamic INT8: top-1 agreement {t['top1_agreement']:.3f}, ppl x{t['metric_int8'] / t['metric_fp32']:.3f}, "
-          f"prefill {t['latency_ms_fp32'] / t['latency_ms_int8']:.2f}x, decode {t['decode_ms_fp32'] / t['decode_ms_int8']:.2f}x",
-          flush=True)
+          f"prefill {speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, decode "
+          f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')}", flush=True)
     return info
+
+
+def speedup(c: dict, part: str, fp32: str, int8: str) -> float:
+    """The median per-round fp32 / int8 time ratio of `part` ("prefill", "one_token", "decode"), what the
+    1.5x targets are judged on; saved numbers from before the per-round spread fall back to the ratio of
+    the two medians."""
+    spread = c.get("speedups", {}).get(part)
+    return spread["median"] if spread else c[fp32] / c[int8]
+
+
+def speedup_text(c: dict, part: str, fp32: str, int8: str) -> str:
+    """"1.96x (per round min 1.71 / max 2.20, 5 rounds)": the speed-up with how far it can be trusted."""
+    spread = c.get("speedups", {}).get(part)
+    if not spread:
+        return f"{c[fp32] / c[int8]:.2f}x (ratio of medians)"
+    return f"{spread['median']:.2f}x (per round min {spread['min']:.2f} / max {spread['max']:.2f}, {spread['rounds']} rounds)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,13 +316,13 @@ def markdown(out: dict, args, command: str) -> str:
                 c, w, t = i["dynamic"], i["weight-only"], i["torch"]
                 lines.append(f"  INT8 vs its fp32 in the same runtime -- ONNX integer: top-1 agreement "
                              f"{c['top1_agreement']:.3f}, perplexity {c['perplexity_ratio']:.3f}x, file "
-                             f"{c['size_ratio']:.3f}x, prefill@128 {c['latency_ms_fp32'] / c['latency_ms_int8']:.2f}x "
-                             f"faster, 1-token forward {c['one_token_ms_fp32'] / c['one_token_ms_int8']:.2f}x; ONNX "
+                             f"{c['size_ratio']:.3f}x, prefill@128 {speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} "
+                             f"faster, 1-token forward {speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')}; ONNX "
                              f"weight-only: agreement {w['top1_agreement']:.3f}, file {w['size_ratio']:.3f}x, prefill "
-                             f"{w['latency_ms_fp32'] / w['latency_ms_int8']:.2f}x; PyTorch dynamic: agreement "
+                             f"{speedup_text(w, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}; PyTorch dynamic: agreement "
                              f"{t['top1_agreement']:.3f}, perplexity {t['metric_int8'] / t['metric_fp32']:.3f}x, prefill "
-                             f"{t['latency_ms_fp32'] / t['latency_ms_int8']:.2f}x, decode "
-                             f"{t['decode_ms_fp32'] / t['decode_ms_int8']:.2f}x. Kept float: "
+                             f"{speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, decode "
+                             f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')}. Kept float: "
                              f"{', '.join(i['keep_float'])}.")
         lines.append("")
     lines += target_lines(out, args) + [""]
@@ -374,8 +391,8 @@ def target_lines(out: dict, args) -> list[str]:
             if "int8" in res:
                 c = res["int8"]["dynamic"]
                 ok = (c["top1_agreement"] >= 0.95 and c["perplexity_ratio"] <= 1.05
-                      and c["latency_ms_fp32"] / c["latency_ms_int8"] >= 1.5
-                      and c["one_token_ms_fp32"] / c["one_token_ms_int8"] >= 1.5)
+                      and speedup(c, "prefill", "latency_ms_fp32", "latency_ms_int8") >= 1.5
+                      and speedup(c, "one_token", "one_token_ms_fp32", "one_token_ms_int8") >= 1.5)
                 lines.append(f"- {float(sparsity):.1%} {scorer}: integer INT8 (>= 1.5x prefill and 1-token, top-1 "
                              f">= 0.95, perplexity <= 1.05x): {'met' if ok else 'NOT met'}; weight-only file "
                              f"{res['int8']['weight-only']['size_ratio']:.3f}x (target <= 0.3x).")

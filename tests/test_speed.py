@@ -102,3 +102,12 @@ def test_report_prediction_equals_what_it_measured(kv_policy):
     assert p["expanded_layers"] == report.kv_cache["expanded_layers"]
     file_change = report.file_bytes["pruned"] - report.file_bytes["dense"]
     assert abs(file_change - p["checkpoint_bytes_change"]) < 1024           # the safetensors header aside
+
+
+def test_ratio_spread_is_taken_per_round_not_from_two_medians():
+    # made-up seconds: round 2 ran under load for both sides alike; per round int8 is 2x, 2x, 4x faster
+    wall = {"fp32": [2.0, 20.0, 4.0], "int8": [1.0, 10.0, 1.0]}
+    spread = Timings(wall, wall).ratio_spread("fp32", "int8")
+    assert spread == {"min": 2.0, "median": 2.0, "max": 4.0, "rounds": 3}
+    # the ratio of the two medians (4.0 / 1.0) is what this replaces: it mixes rounds
+    assert Timings(wall, wall).median_ms()["fp32"] / Timings(wall, wall).median_ms()["int8"] == 4.0

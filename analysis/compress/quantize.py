@@ -50,7 +50,7 @@ import math
 import re
 import shutil
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -62,7 +62,7 @@ from torch import nn
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate, token_ids
 from analysis.compress.export import ONNX_FILE, atomic_folder
-from analysis.compress.speed import alternating_times
+from analysis.compress.speed import Timings, alternating_times
 from analysis.core.threads import torch_threads
 
 DEFAULT_BLOCK = 32
@@ -310,6 +310,9 @@ class QuantComparison:
     one_token_ms_fp32: float | None = None  # a 1-token forward: the weight-bound work of a decode step
     one_token_ms_int8: float | None = None  # (the ONNX export has no KV cache, so no real decode)
     keep_float: tuple = ()
+    # {"prefill" | "one_token": {"min", "median", "max", "rounds"}} of the per-round fp32 / int8 time
+    # ratios (the rounds alternate the four calls): the speed-ups as a bench prints and judges them
+    speedups: dict = field(default_factory=dict)
 
     @property
     def size_ratio(self) -> float:
@@ -355,7 +358,9 @@ def compare_onnx(loaded, fp32, int8, text=None, *, max_tokens: int = 1024, windo
                            bytes_fp32=a.path.stat().st_size, bytes_int8=b.path.stat().st_size,
                            latency_ms_fp32=ms["fp32"], latency_ms_int8=ms["int8"], n_tokens=int(ids.numel()),
                            accuracy_fp32=evs[0].accuracy, accuracy_int8=evs[1].accuracy,
-                           one_token_ms_fp32=ms["fp32-1"], one_token_ms_int8=ms["int8-1"])
+                           one_token_ms_fp32=ms["fp32-1"], one_token_ms_int8=ms["int8-1"],
+                           speedups={"prefill": times.ratio_spread("fp32", "int8"),
+                                     "one_token": times.ratio_spread("fp32-1", "int8-1")})
 
 
 def evaluation_text_or(text):
@@ -393,4 +398,6 @@ def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 
             "bytes_int8": sizes["int8"], "size_ratio": sizes["int8"] / sizes["fp32"],
             "latency_ms_fp32": ms["fp32"], "latency_ms_int8": ms["int8"],
             "decode_ms_fp32": 1e3 * float(np.median(decode["fp32"])), "decode_ms_int8": 1e3 * float(np.median(decode["int8"])),
+            "speedups": {"prefill": times.ratio_spread("fp32", "int8"),
+                         "decode": Timings(decode, decode).ratio_spread("fp32", "int8")},
             "keep_float": list(keep_float), "model": q}

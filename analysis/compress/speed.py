@@ -145,6 +145,13 @@ class Timings:
         t = getattr(self, clock)
         return statistics.median(a / b for a, b in zip(t[numerator], t[denominator]))
 
+    def ratio_spread(self, numerator: str, denominator: str, clock: str = "wall") -> dict[str, float]:
+        """{"min", "median", "max", "rounds"} of the per-round ratios time(numerator) / time(denominator):
+        what a bench prints so a reader sees how far one ratio can be trusted (issue 25 part 3)."""
+        t = getattr(self, clock)
+        ratios = [a / b for a, b in zip(t[numerator], t[denominator]) if b > 0]
+        return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios), "rounds": len(ratios)}
+
 
 def alternating_times(calls: dict[str, Callable[[], object]], *, repeats: int = 5, warmup: int = 1,
                       should_stop: ShouldStop | None = None) -> Timings:
