@@ -64,7 +64,7 @@ from analysis.compress.export import FORMATS, ExportError  # noqa: E402
 from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
 from analysis.compress.quantize import (OnnxLM, calibration_ids, compare_onnx, int8_keep_float,  # noqa: E402
                                         quantize_onnx, torch_int8_report)
-from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token  # noqa: E402
+from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text  # noqa: E402
 from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
 from analysis.compress.surgery import prune_heads  # noqa: E402
 from analysis.core.atomic import atomic_write, write_section  # noqa: E402
@@ -169,22 +169,6 @@ def int8_rows(loaded, held: HeldOut, result, small, args, rows) -> dict:
           f"prefill {speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, decode "
           f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')}", flush=True)
     return info
-
-
-def speedup(c: dict, part: str, fp32: str, int8: str) -> float:
-    """The median per-round fp32 / int8 time ratio of `part` ("prefill", "one_token", "decode"), what the
-    1.5x targets are judged on; saved numbers from before the per-round spread fall back to the ratio of
-    the two medians."""
-    spread = c.get("speedups", {}).get(part)
-    return spread["median"] if spread else c[fp32] / c[int8]
-
-
-def speedup_text(c: dict, part: str, fp32: str, int8: str) -> str:
-    """"1.96x (per round min 1.71 / max 2.20, 5 rounds)": the speed-up with how far it can be trusted."""
-    spread = c.get("speedups", {}).get(part)
-    if not spread:
-        return f"{c[fp32] / c[int8]:.2f}x (ratio of medians)"
-    return f"{spread['median']:.2f}x (per round min {spread['min']:.2f} / max {spread['max']:.2f}, {spread['rounds']} rounds)"
 
 
 # ---------------------------------------------------------------------------------------------
