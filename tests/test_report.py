@@ -92,3 +92,18 @@ def test_growth_warnings_name_the_stage_and_what_grew():
     warnings = growth_warnings(stages)
     assert len(warnings) == 1 and "'global'" in warnings[0]
     assert all(w in warnings[0] for w in ("parameters", "file size", "KV cache per token"))
+
+
+def test_int8_lines_print_the_per_round_speedup_with_its_spread():
+    from analysis.compress.report import int8_lines
+    # made-up numbers: per round the integer route was 1.5x / 2x / 3x faster; the medians of each side
+    # alone (100 ms vs 40 ms) would say 2.50x, which is what the per-round median replaces
+    spread = {"min": 1.5, "median": 2.0, "max": 3.0, "rounds": 3}
+    onnx = {"top1_agreement": 0.9, "perplexity_ratio": 1.02, "size_ratio": 0.3, "latency_ms_fp32": 100.0,
+            "latency_ms_int8": 40.0, "one_token_ms_fp32": 10.0, "one_token_ms_int8": 4.0,
+            "speedups": {"prefill": spread, "one_token": spread}}
+    torch_row = {"top1_agreement": 0.8, "metric_fp32": 10.0, "metric_int8": 11.0, "size_ratio": 0.4,
+                 "latency_ms_fp32": 100.0, "latency_ms_int8": 40.0, "decode_ms_fp32": 5.0, "decode_ms_int8": 2.0}
+    lines = int8_lines({"keep_float": ["lm_head"], "weight-only": onnx, "dynamic": onnx, "torch": torch_row})
+    assert all("2.00x (per round min 1.50 / max 3.00, 3 rounds)" in line for line in lines[1:3]), lines
+    assert "2.50x (ratio of medians)" in lines[3], lines[3]        # older saved numbers say what they are
