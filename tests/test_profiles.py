@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from analysis.core.errors import InputError
-from analysis.measure.profiles import NormProfile, check_z, head_norms, profile_model, row_norms
+from analysis.measure.profiles import (IN_MEMORY_CHUNK, STREAM_CHUNK, SUM_BLOCK, NormProfile, check_z, head_norms,
+                                       profile_model, row_norms)
 from tests._scoring_fixtures import constant_profile, hand_profile
 from tests._tiny import tiny_model
 
@@ -184,6 +185,28 @@ def test_row_norms_every_path_matches_the_definition(dtype, strided):
                 want_dtype = torch.float64 if dtype == torch.float64 else torch.float32
                 assert got[o].dtype == want_dtype and got[o].shape == (H, d)
                 np.testing.assert_allclose(got[o].numpy(), expected[o], rtol=tol, err_msg=f"ord {o}, chunk {chunk}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("d", [5, SUM_BLOCK, 3 * SUM_BLOCK])
+def test_row_norms_the_same_bits_for_every_piece_size(dtype, strided, d):
+    # The streamed profile cuts a layer into cache-sized pieces of rows (Q/K/V) or SUM_BLOCK columns (O),
+    # across head boundaries, where the in-memory one takes 4M elements: each norm, bit for bit the same.
+    # Chunks: one row / one block at a time, 7 rows (ragged last piece), 2 blocks, half a head, the
+    # streaming default; d = 5 puts head boundaries inside O's blocks.
+    torch.manual_seed(1)
+    H, D = 3, 1000  # a long last axis: torch's sums run their cascades and vector tails
+    if strided:
+        rows = torch.randn(D, H * d).to(dtype).view(D, H, d).permute(1, 2, 0)  # [H, d, D], o[h, j, :] = W_O[:, h*d + j]
+    else:
+        rows = torch.randn(H * d, D).to(dtype).view(H, d, D)  # [H, d, D] contiguous
+    whole = row_norms(rows, (2, 1), IN_MEMORY_CHUNK)
+    for chunk in (1, 7 * D, 2 * SUM_BLOCK * D, d * D // 2, STREAM_CHUNK):
+        for ords in [(2, 1), (2,), (1,)]:
+            got = row_norms(rows, ords, chunk, {})
+            for o in ords:
+                assert torch.equal(got[o], whole[o]), f"ord {o}, chunk {chunk}: {(got[o] - whole[o]).abs().max()}"
 
 
 def test_head_norms_reject_bad_orders():

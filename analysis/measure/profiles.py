@@ -332,7 +332,21 @@ def row_excess(norms: np.ndarray, tau: np.ndarray) -> np.ndarray:
 
 
 IN_MEMORY_CHUNK = 1 << 22  # elements of one float temp in memory, where the model is resident anyway
-STREAM_CHUNK = 1 << 16  # and when streaming, where the peak should stay near one layer's tensors
+STREAM_CHUNK = 1 << 17  # and when streaming: 512 KiB of float32, cache-sized, so |x|, x^2 and the sums hit L2
+SUM_BLOCK = 64  # O's columns are cut only at multiples of this many: a multiple of the 4-vector column group
+                # torch's outer sum takes (4 x 8 floats on AVX2 / NEON, 4 x 16 on AVX512), so each column is
+                # summed by the same code path, in the same order, whatever the chunk (only the last
+                # H*d mod 4-vectors columns take torch's tail paths, in every chunking alike)
+
+
+def _pieces(n_rows: int, width: int, strided: bool, chunk_elements: int) -> list[slice]:
+    """Slices of the n_rows = units * d rows of a layer's [units * d, width] rows, each about
+    chunk_elements elements: any number of contiguous rows (each row's sum runs over its own
+    last axis alone), O's strided columns in SUM_BLOCK multiples (at least one block)."""
+    step = max(1, chunk_elements // max(1, width))
+    if strided:
+        step = max(SUM_BLOCK, step // SUM_BLOCK * SUM_BLOCK)
+    return [slice(r, r + step) for r in range(0, n_rows, step)]
 
 
 def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: int = IN_MEMORY_CHUNK,
@@ -341,25 +355,28 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
 
     Computed and returned in float32 (float64 stays float64); `stack_layers` makes them numpy.
     Contiguous float rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy.
-    Two cases go through |x| (and then x^2, in place) in a float temp instead, a chunk of units
-    at a time (at most `chunk_elements` elements, so a bf16 tensor never exists whole in float32),
-    then a plain sum: half types, which need the upcast, and a strided last axis -- O's *columns*
-    in the head view (o[h, j, :] = W_O[:, h*d + j]) -- where `vector_norm` is ~10x slower than a
-    sum, which torch reduces fast along any axis. Both orders then share one temp, laid out like
-    the chunk (so |x| is a streaming pass, not a transpose); pass the same `scratch` dict to every
-    call of a pass and the temp is allocated once, not once per layer.
+    Two cases go through |x| (and then x^2, in place) in a float temp instead, a piece of rows at
+    a time (`_pieces`, across head boundaries: at most ~`chunk_elements` elements, so a bf16 tensor
+    never exists whole in float32 and a small chunk stays in cache), then a plain sum: half types,
+    which need the upcast, and a strided last axis -- O's *columns* in the head view
+    (o[h, j, :] = W_O[:, h*d + j]) -- where `vector_norm` is ~10x slower than a sum, which torch
+    reduces fast along any axis. Both orders then share one temp, laid out like the piece (so |x|
+    is a streaming pass, not a transpose); pass the same `scratch` dict to every call of a pass and
+    the temp is allocated once, not once per layer. Every chunk size gives the same bits
+    (tests/test_profiles.py), so the streamed profile (STREAM_CHUNK) equals the in-memory one.
     """
     rows = rows.detach()
     exact = rows.dtype in (torch.float32, torch.float64)
     if exact and rows.stride(-1) == 1:
         return {o: torch.linalg.vector_norm(rows, ord=o, dim=-1) for o in ords}  # [units, d] each
-    step = max(1, chunk_elements // max(1, rows[0].numel()))
-    sums: dict[int, list[torch.Tensor]] = {o: [] for o in ords}
+    units, d, width = rows.shape
+    flat = rows.flatten(0, 1)  # [units * d, width]: a view (the head view's units and d axes nest)
     dtype = rows.dtype if exact else torch.float32
+    out = {o: torch.empty(units * d, dtype=dtype, device=rows.device) for o in ords}  # [units * d] each
     scratch = {} if scratch is None else scratch
-    parts = (rows,) if step >= rows.shape[0] else torch.split(rows, step, dim=0)  # [<=step, d, width] each
-    for part in parts:
-        powered = _temp_like(part, dtype, scratch)  # [<=step, d, width]
+    for span in _pieces(units * d, width, rows.stride(-1) != 1, chunk_elements):
+        part = flat[span]  # [<=step, width]
+        powered = _temp_like(part, dtype, scratch)  # [<=step, width]
         if exact and ords == (2,):
             torch.square(part, out=powered)
         else:
@@ -368,15 +385,14 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
             else:
                 powered.copy_(part).abs_()  # the upcast first: x^2 is taken in float32
             if 1 in ords:
-                sums[1].append(powered.sum(dim=-1))  # [<=step, d]
+                out[1][span] = powered.sum(dim=-1)  # [<=step]
             if 2 in ords:
                 powered.square_()
         if 2 in ords:
-            sums[2].append(powered.sum(dim=-1))  # [<=step, d] squared L2
-    out = {o: pieces[0] if len(pieces) == 1 else torch.cat(pieces) for o, pieces in sums.items()}  # [units, d]
+            out[2][span] = powered.sum(dim=-1)  # [<=step] squared L2
     if 2 in out:
         out[2].sqrt_()
-    return out
+    return {o: values.view(units, d) for o, values in out.items()}  # [units, d] each
 
 
 def _temp_like(part: torch.Tensor, dtype: torch.dtype, scratch: dict) -> torch.Tensor:

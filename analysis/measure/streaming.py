@@ -4,8 +4,8 @@
 finds the attention tensors of every layer by the names the adapter gives
 (`Adapter.tensor_suffixes`, matched by suffix because checkpoints differ in prefix), and reads
 them layer by layer through `analysis.arch.checkpoint`, so at most two layers' attention weights
-are in memory at a time (and half-precision tensors are upcast a few heads at a time). A 7B-70B
-checkpoint on disk can be profiled on a laptop; the numbers equal `profile_model`'s (the same
+are in memory at a time (and half-precision tensors are upcast a cache-sized piece of rows at a
+time). A 7B-70B checkpoint on disk can be profiled on a laptop; the numbers equal `profile_model`'s (the same
 `head_norms`, the same float32 kernels).
 
 Speed (bench/bench_anysize.py: MP-G scoring <= 1.2x one read of the attention tensors): a reader
