@@ -57,8 +57,8 @@ def test_cold_load_moves_the_bar_and_stop_leaves_no_cache(cold_server, browser):
                 if match and "Loading smollm2-135m" in text:
                     tensors.setdefault(int(match.group(1)), value)
             page.wait_for_timeout(50)
-        (ARTIFACTS / "screens").mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "screens" / "cold-load-converting-1280x800.png"))
+        ARTIFACTS.mkdir(exist_ok=True)                  # an untracked e2e_* shot, like the other e2e tests:
+        page.screenshot(path=str(ARTIFACTS / "e2e_cold_load_converting.png"))   # a test run leaves the tree clean
         assert len(tensors) >= 5, f"the bar showed {len(tensors)} tensors of the conversion: {tensors}"
         steps = [tensors[k] for k in sorted(tensors)]
         # the bar's value is a whole percent, so neighbouring tensors may share one
