@@ -142,14 +142,13 @@ class Timings:
     def paired_ratio(self, numerator: str, denominator: str, clock: str = "wall") -> float:
         """Median over rounds of time(numerator) / time(denominator) within the same round:
         load that drifts between rounds cancels out."""
-        t = getattr(self, clock)
-        return statistics.median(a / b for a, b in zip(t[numerator], t[denominator]))
+        return self.ratio_spread(numerator, denominator, clock)["median"]
 
     def ratio_spread(self, numerator: str, denominator: str, clock: str = "wall") -> dict[str, float]:
         """{"min", "median", "max", "rounds"} of the per-round ratios time(numerator) / time(denominator):
         what a bench prints so a reader sees how far one ratio can be trusted (issue 25 part 3)."""
         t = getattr(self, clock)
-        ratios = [a / b for a, b in zip(t[numerator], t[denominator]) if b > 0]
+        ratios = [a / b for a, b in zip(t[numerator], t[denominator])]
         return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios), "rounds": len(ratios)}
 
 
