@@ -175,7 +175,7 @@ elif mode == "mpg":
     from analysis.arch.adapters import adapter_for
     from analysis.arch.checkpoint import load_config
     start = time.perf_counter()
-    profile = profile_checkpoint(folder)
+    profile = profile_checkpoint(folder, ords=(2,))     # what MP-G reads, as the CLI asks for it
     scores = get_scorer("mp-g").score(profile)
     seconds = time.perf_counter() - start
     config = load_config(Path(folder))

@@ -54,6 +54,29 @@ def test_streaming_half_checkpoint(tmp_path, dtype):
     assert _max_diff(streamed, profile_model(model.float())) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_only_read_streams_l1_on_first_use_with_the_same_bits(tmp_path, monkeypatch, dtype):
+    # the CLI reads L2 alone (ords=(2,)): fewer passes; L1, when asked for, streams the files again
+    model = tiny_model("llama").to(dtype)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    both = profile_checkpoint(tmp_path)
+    import analysis.arch.checkpoint as checkpoint
+    reads = []
+    real = checkpoint.read_tensor
+    monkeypatch.setattr(checkpoint, "read_tensor", lambda entry: reads.append(entry.name) or real(entry))
+    lean = profile_checkpoint(tmp_path, ords=(2,))
+    first = len(reads)
+    assert first > 0 and lean.l1 is None
+    for p in "qkvo":
+        assert np.array_equal(lean.l2[p], both.l2[p])
+    l1 = lean.norms(1)                                   # the second read, now
+    assert len(reads) == 2 * first
+    for p in "qkvo":
+        assert np.array_equal(l1[p], both.l1[p])
+    with pytest.raises(ValueError):
+        profile_checkpoint(tmp_path, ords=(1,))
+
+
 def test_streaming_never_builds_the_model(tmp_path, monkeypatch):
     tiny_model("llama").save_pretrained(tmp_path)
 

@@ -257,20 +257,28 @@ def read_tensors(roles: dict[str, str], entries: dict[str, "TensorEntry"], geome
 
 
 def read_tensor(entry: "TensorEntry") -> torch.Tensor:
-    """One float tensor's values, read from its byte range (a plain read: nothing stays mapped)."""
-    buffer = bytearray(entry.nbytes)
+    """One float tensor's values, read from its byte range (a plain read: nothing stays mapped).
+
+    The read lands in an uninitialised torch buffer (a bytearray would be zero-filled first: one
+    more pass over the bytes, with the GIL held, which stalls the compute thread of a streamed
+    profile)."""
+    buffer = torch.empty(entry.nbytes, dtype=torch.uint8)  # [nbytes], filled by the read below
+    got = 0
     try:
         with open(entry.file, "rb") as handle:
             handle.seek(entry.start)
-            got = handle.readinto(buffer)
+            view = memoryview(buffer.numpy())
+            while got < entry.nbytes:           # readinto may return short on a pipe or a network file system
+                n = handle.readinto(view[got:])
+                if not n:
+                    break
+                got += n
     except OSError as err:
         raise ModelLoadError(f"Could not read {entry.file} ({first_line(err)}). Re-download or re-copy that file.") from None
     if got != entry.nbytes:
         raise ModelLoadError(f"{entry.file} ended before tensor '{entry.name}' did: the file is truncated. "
                              f"Re-download or re-copy it.")
-    if not buffer:
-        return torch.empty(entry.shape, dtype=FLOAT_DTYPES[entry.dtype])
-    return torch.frombuffer(buffer, dtype=FLOAT_DTYPES[entry.dtype]).reshape(entry.shape)
+    return buffer.view(FLOAT_DTYPES[entry.dtype]).reshape(entry.shape)  # entry.shape
 
 
 # ---------------------------------------------------------------------------------------------

@@ -248,7 +248,8 @@ def load_source(ns: argparse.Namespace, report):
         trust = ns.trust_remote_code
         config = load_config(checkpoint_folder(ns.checkpoint), trust_remote_code=trust)
         geometry = adapter_for(config).geometry(config)
-        profile = profile_checkpoint(ns.checkpoint, progress=report, trust_remote_code=trust)
+        ords = (2, 1) if getattr(ns, "ord", 2) == 1 else (2,)  # the norms the scorer reads, from one read
+        profile = profile_checkpoint(ns.checkpoint, progress=report, trust_remote_code=trust, ords=ords)
         return profile, None, dict(source=ns.checkpoint, **geometry.as_dict())
     from analysis.arch.models import DEFAULT_MODEL, load_model
 

@@ -354,15 +354,16 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
     """{ord: norms [units, d]} over the last axis of rows [units, d, width], ord 1 (L1) and/or 2 (L2).
 
     Computed and returned in float32 (float64 stays float64); `stack_layers` makes them numpy.
-    Contiguous float rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy.
-    Two cases go through |x| (and then x^2, in place) in a float temp instead, a piece of rows at
-    a time (`_pieces`, across head boundaries: at most ~`chunk_elements` elements, so a bf16 tensor
-    never exists whole in float32 and a small chunk stays in cache), then a plain sum: half types,
-    which need the upcast, and a strided last axis -- O's *columns* in the head view
-    (o[h, j, :] = W_O[:, h*d + j]) -- where `vector_norm` is ~10x slower than a sum, which torch
-    reduces fast along any axis. Both orders then share one temp, laid out like the piece (so |x|
-    is a streaming pass, not a transpose); pass the same `scratch` dict to every call of a pass and
-    the temp is allocated once, not once per layer. Every chunk size gives the same bits
+    Contiguous rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy:
+    whole for float32 / float64, a piece of rows at a time for half types (`_pieces`, across head
+    boundaries, at most ~`chunk_elements` elements), which the kernel upcasts element by element
+    (dtype=float32), so a bf16 tensor never exists in float32. A strided last axis -- O's
+    *columns* in the head view (o[h, j, :] = W_O[:, h*d + j]), where `vector_norm` is ~10x slower
+    than a sum, which torch reduces fast along any axis -- goes through |x| (and then x^2, in
+    place; x^2 alone when L1 is not asked for) in a float temp laid out like the piece (so |x| is
+    a streaming pass, not a transpose), SUM_BLOCK columns at a time, then a plain sum; pass the
+    same `scratch` dict to every call of a pass and the temp is allocated once, not once per
+    layer. Every chunk size and every choice of `ords` gives the same bits
     (tests/test_profiles.py), so the streamed profile (STREAM_CHUNK) equals the in-memory one.
     """
     rows = rows.detach()
@@ -373,19 +374,26 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
     flat = rows.flatten(0, 1)  # [units * d, width]: a view (the head view's units and d axes nest)
     dtype = rows.dtype if exact else torch.float32
     out = {o: torch.empty(units * d, dtype=dtype, device=rows.device) for o in ords}  # [units * d] each
+    if rows.stride(-1) == 1:  # contiguous half rows: vector_norm upcasts each element in its kernel
+        for span in _pieces(units * d, width, False, chunk_elements):
+            for o in ords:
+                torch.linalg.vector_norm(flat[span], ord=o, dim=-1, dtype=dtype, out=out[o][span])  # [<=step]
+        return {o: values.view(units, d) for o, values in out.items()}  # [units, d] each
     scratch = {} if scratch is None else scratch
-    for span in _pieces(units * d, width, rows.stride(-1) != 1, chunk_elements):
+    for span in _pieces(units * d, width, True, chunk_elements):
         part = flat[span]  # [<=step, width]
         powered = _temp_like(part, dtype, scratch)  # [<=step, width]
-        if exact and ords == (2,):
-            torch.square(part, out=powered)
+        if 1 not in ords:  # L2 alone: |x| is not needed (|x|^2 == x^2 bit for bit)
+            if exact:
+                torch.square(part, out=powered)
+            else:
+                powered.copy_(part).square_()  # the upcast first: x^2 is taken in float32
         else:
             if exact:
                 torch.abs(part, out=powered)
             else:
                 powered.copy_(part).abs_()  # the upcast first: x^2 is taken in float32
-            if 1 in ords:
-                out[1][span] = powered.sum(dim=-1)  # [<=step]
+            out[1][span] = powered.sum(dim=-1)  # [<=step]
             if 2 in ords:
                 powered.square_()
         if 2 in ords:

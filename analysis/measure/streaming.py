@@ -26,13 +26,33 @@ from analysis.arch.checkpoint import (checkpoint_entries, checkpoint_folder, lay
 from analysis.core.errors import ModelLoadError, first_line
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.core.threads import torch_threads
-from analysis.measure.profiles import STREAM_CHUNK, NormProfile, check_finite_norms, head_norms, stack_layers
+from analysis.measure.profiles import (STREAM_CHUNK, NormProfile, check_finite_norms, check_ord, head_norms,
+                                      stack_layers)
 
 
 def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: ShouldStop | None = None,
-                       trust_remote_code: bool = False) -> NormProfile:
+                       trust_remote_code: bool = False, ords: tuple[int, ...] = (2, 1)) -> NormProfile:
     """Row-norm profile of a safetensors checkpoint, one layer's attention tensors at a time
-    (the next layer's read while this one's norms are computed)."""
+    (the next layer's read while this one's norms are computed).
+
+    `ords`: the norms taken in this read. (2, 1), the default, takes L1 from the same read (the app,
+    whose Profiles page offers both); (2,) only L2, which every weight-only scorer's default
+    needs (the CLI): fewer passes over the weights, and L1, if asked for later
+    (`NormProfile.norms(1)`), streams the checkpoint once more. The values are the same bits
+    either way (`row_norms`)."""
+    ords = tuple(dict.fromkeys(check_ord(o) for o in ords))
+    if 2 not in ords:
+        raise ValueError(f"profile_checkpoint takes L2 in every read (ords {ords} lacks 2)")
+    l2, l1 = _stream_norms(path, ords, progress, should_stop, trust_remote_code)
+    source = str(checkpoint_folder(path))
+    if l1 is not None:
+        return NormProfile(l2=l2, l1=l1, source=source)
+    return NormProfile(l2=l2, source=source, l1_loader=lambda: _stream_norms(
+        path, (1,), None, should_stop, trust_remote_code)[1])
+
+
+def _stream_norms(path, ords, progress, should_stop, trust_remote_code):
+    """(L2 table or None, L1 table or None) of the checkpoint at `path`, for the orders in `ords`."""
     folder = checkpoint_folder(path)
     config = load_config(folder, trust_remote_code=trust_remote_code)
     adapter = adapter_for(config)
@@ -40,7 +60,7 @@ def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: S
     entries = checkpoint_entries(folder)
     prefix = name_prefix(adapter, entries)
     roles = [layer_tensor_names(adapter, layer, entries, prefix) for layer in range(geometry.n_layers)]
-    l2_layers, l1_layers, scratch = [], [], {}
+    layers, scratch = {o: [] for o in ords}, {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="headscope-read") as reader, torch_threads(1):
         ahead = reader.submit(read_tensors, roles[0], entries, geometry)
         try:
@@ -55,13 +75,12 @@ def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: S
                     raise ModelLoadError(f"The attention tensors of layer {layer} in {folder} do not have the layout "
                                          f"config.json describes ({first_line(err)}). Use the config.json that belongs "
                                          f"to these weights.") from None
-                norms = head_norms(hw, (2, 1), STREAM_CHUNK, scratch)  # L1 from the same read: no second pass
-                for values in norms.values():
+                norms = head_norms(hw, ords, STREAM_CHUNK, scratch)  # every order from the same read
+                for o, values in norms.items():
                     check_finite_norms(values, layer, roles[layer], where=f"the checkpoint {folder}")
-                l2_layers.append(norms[2])
-                l1_layers.append(norms[1])
+                    layers[o].append(values)
                 del tensors, hw
                 report(progress, (layer + 1) / geometry.n_layers, f"streamed layer {layer + 1}/{geometry.n_layers}")
         finally:
             ahead.cancel()                         # a stop or an error: the read ahead is not waited for twice
-    return NormProfile(l2=stack_layers(l2_layers), l1=stack_layers(l1_layers), source=str(folder))
+    return tuple(stack_layers(layers[o]) if o in layers else None for o in (2, 1))
