@@ -191,10 +191,11 @@ def test_row_norms_every_path_matches_the_definition(dtype, strided):
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("d", [5, SUM_BLOCK, 3 * SUM_BLOCK])
 def test_row_norms_the_same_bits_for_every_piece_size(dtype, strided, d):
-    # The streamed profile cuts a layer into cache-sized pieces of rows (Q/K/V) or SUM_BLOCK columns (O),
-    # across head boundaries, where the in-memory one takes 4M elements: each norm, bit for bit the same.
-    # Chunks: one row / one block at a time, 7 rows (ragged last piece), 2 blocks, half a head, the
-    # streaming default; d = 5 puts head boundaries inside O's blocks.
+    # The streamed profile cuts a layer into cache-sized pieces of rows (Q/K/V) or blocks of ROW_BLOCK
+    # rows x SUM_BLOCK-multiple columns of W_O (O), across head boundaries, where the in-memory one takes
+    # 4M elements: each norm, bit for bit the same. Chunks: one row / one block at a time, 7 rows (ragged
+    # last piece), 2 blocks, half a head, the streaming default; d = 5 puts head boundaries inside O's
+    # blocks; D = 1000 leaves a ragged last block of W_O's rows (1000 = 31 x 32 + 8).
     torch.manual_seed(1)
     H, D = 3, 1000  # a long last axis: torch's sums run their cascades and vector tails
     if strided:
@@ -207,6 +208,27 @@ def test_row_norms_the_same_bits_for_every_piece_size(dtype, strided, d):
             got = row_norms(rows, ords, chunk, {})
             for o in ords:
                 assert torch.equal(got[o], whole[o]), f"ord {o}, chunk {chunk}: {(got[o] - whole[o]).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("units_d", [9 * 64, 32 * 128])  # SmolLM2's H*d, an 8B model's
+def test_row_norms_the_same_bits_on_one_thread_and_on_several(dtype, strided, units_d):
+    # the in-memory profile runs on torch's threads (its sums may split columns between threads), the
+    # streamed one on one thread: a layer big enough for torch to split its reductions, bit for bit
+    from analysis.core.threads import torch_threads
+    torch.manual_seed(2)
+    D = 2048
+    if strided:
+        rows = torch.randn(D, units_d).to(dtype).t().reshape(units_d // 64, 64, D)  # [units, d, D], stride(-1) = units*d
+    else:
+        rows = torch.randn(units_d, D).to(dtype).view(units_d // 64, 64, D)
+    with torch_threads(4):
+        many = row_norms(rows, (2, 1), IN_MEMORY_CHUNK, {})
+    with torch_threads(1):
+        one = row_norms(rows, (2, 1), STREAM_CHUNK, {})
+    for o in (1, 2):
+        assert torch.equal(many[o], one[o]), f"ord {o}: {(many[o] - one[o]).abs().max()}"
 
 
 def test_head_norms_reject_bad_orders():

@@ -337,15 +337,15 @@ SUM_BLOCK = 64  # O's columns are cut only at multiples of this many: a multiple
                 # torch's outer sum takes (4 x 8 floats on AVX2 / NEON, 4 x 16 on AVX512), so each column is
                 # summed by the same code path, in the same order, whatever the chunk (only the last
                 # H*d mod 4-vectors columns take torch's tail paths, in every chunking alike)
+ROW_BLOCK = 32  # O's norms run down W_O's columns ROW_BLOCK rows at a time (contiguous reads, not a strided
+                # gather of columns), each block's column sums added in row order: the same blocks, hence
+                # the same bits, whatever the chunk (a 70B layer: 32 x 8192 float32 = 1 MiB, cache-sized)
 
 
-def _pieces(n_rows: int, width: int, strided: bool, chunk_elements: int) -> list[slice]:
-    """Slices of the n_rows = units * d rows of a layer's [units * d, width] rows, each about
-    chunk_elements elements: any number of contiguous rows (each row's sum runs over its own
-    last axis alone), O's strided columns in SUM_BLOCK multiples (at least one block)."""
+def _pieces(n_rows: int, width: int, chunk_elements: int) -> list[slice]:
+    """Slices of the n_rows = units * d contiguous rows of a layer's [units * d, width] rows, each
+    about chunk_elements elements (each row's norm runs over its own last axis alone)."""
     step = max(1, chunk_elements // max(1, width))
-    if strided:
-        step = max(SUM_BLOCK, step // SUM_BLOCK * SUM_BLOCK)
     return [slice(r, r + step) for r in range(0, n_rows, step)]
 
 
@@ -359,12 +359,10 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
     boundaries, at most ~`chunk_elements` elements), which the kernel upcasts element by element
     (dtype=float32), so a bf16 tensor never exists in float32. A strided last axis -- O's
     *columns* in the head view (o[h, j, :] = W_O[:, h*d + j]), where `vector_norm` is ~10x slower
-    than a sum, which torch reduces fast along any axis -- goes through |x| (and then x^2, in
-    place; x^2 alone when L1 is not asked for) in a float temp laid out like the piece (so |x| is
-    a streaming pass, not a transpose), SUM_BLOCK columns at a time, then a plain sum; pass the
-    same `scratch` dict to every call of a pass and the temp is allocated once, not once per
-    layer. Every chunk size and every choice of `ords` gives the same bits
-    (tests/test_profiles.py), so the streamed profile (STREAM_CHUNK) equals the in-memory one.
+    than a sum -- is summed down W_O's columns in cache-sized blocks of its contiguous rows
+    (`_column_norms`); pass the same `scratch` dict to every call of a pass and its temp is
+    allocated once, not once per layer. Every chunk size and every choice of `ords` gives the same
+    bits (tests/test_profiles.py), so the streamed profile (STREAM_CHUNK) equals the in-memory one.
     """
     rows = rows.detach()
     exact = rows.dtype in (torch.float32, torch.float64)
@@ -375,32 +373,50 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
     dtype = rows.dtype if exact else torch.float32
     out = {o: torch.empty(units * d, dtype=dtype, device=rows.device) for o in ords}  # [units * d] each
     if rows.stride(-1) == 1:  # contiguous half rows: vector_norm upcasts each element in its kernel
-        for span in _pieces(units * d, width, False, chunk_elements):
+        for span in _pieces(units * d, width, chunk_elements):
             for o in ords:
                 torch.linalg.vector_norm(flat[span], ord=o, dim=-1, dtype=dtype, out=out[o][span])  # [<=step]
         return {o: values.view(units, d) for o, values in out.items()}  # [units, d] each
-    scratch = {} if scratch is None else scratch
-    for span in _pieces(units * d, width, True, chunk_elements):
-        part = flat[span]  # [<=step, width]
-        powered = _temp_like(part, dtype, scratch)  # [<=step, width]
-        if 1 not in ords:  # L2 alone: |x| is not needed (|x|^2 == x^2 bit for bit)
-            if exact:
-                torch.square(part, out=powered)
+    return {o: values.view(units, d) for o, values in _column_norms(flat.t(), ords, dtype, chunk_elements,
+                                                                    {} if scratch is None else scratch).items()}
+
+
+def _column_norms(cols: torch.Tensor, ords: tuple[int, ...], dtype: torch.dtype, chunk_elements: int,
+                  scratch: dict) -> dict[int, torch.Tensor]:
+    """{ord: norms [n]} down the columns of cols [m, n] (O's head rows are W_O's columns: cols = W_O
+    [D_out, H*d], its rows contiguous), in `dtype`. Blocks of ROW_BLOCK rows x a multiple of
+    SUM_BLOCK columns (about chunk_elements elements): each block upcast (or copied) into a temp
+    laid out like it, |x| and / or x^2 in place (x^2 alone when L1 is not asked for: |x|^2 == x^2
+    bit for bit), summed down its rows, and the block sums added in row order. The blocks' rows do
+    not depend on the chunk, and their columns start at SUM_BLOCK multiples, so every chunk size
+    gives the same bits."""
+    m, n = cols.shape
+    exact = cols.dtype == dtype
+    step = max(SUM_BLOCK, chunk_elements // ROW_BLOCK // SUM_BLOCK * SUM_BLOCK)  # columns per block
+    acc = {o: torch.zeros(n, dtype=dtype, device=cols.device) for o in ords}  # [n] each
+    for c in range(0, n, step):
+        span = slice(c, c + step)
+        for r in range(0, m, ROW_BLOCK):
+            part = cols[r:r + ROW_BLOCK, span]  # [<=ROW_BLOCK, <=step]
+            powered = _temp_like(part, dtype, scratch)  # [<=ROW_BLOCK, <=step]
+            if 1 not in ords:
+                if exact:
+                    torch.square(part, out=powered)
+                else:
+                    powered.copy_(part).square_()  # the upcast first: x^2 is taken in float32
             else:
-                powered.copy_(part).square_()  # the upcast first: x^2 is taken in float32
-        else:
-            if exact:
-                torch.abs(part, out=powered)
-            else:
-                powered.copy_(part).abs_()  # the upcast first: x^2 is taken in float32
-            out[1][span] = powered.sum(dim=-1)  # [<=step]
+                if exact:
+                    torch.abs(part, out=powered)
+                else:
+                    powered.copy_(part).abs_()
+                acc[1][span] += powered.sum(dim=0)  # [<=step]
+                if 2 in ords:
+                    powered.square_()
             if 2 in ords:
-                powered.square_()
-        if 2 in ords:
-            out[2][span] = powered.sum(dim=-1)  # [<=step] squared L2
-    if 2 in out:
-        out[2].sqrt_()
-    return {o: values.view(units, d) for o, values in out.items()}  # [units, d] each
+                acc[2][span] += powered.sum(dim=0)  # [<=step] squared L2 so far
+    if 2 in acc:
+        acc[2].sqrt_()
+    return acc
 
 
 def _temp_like(part: torch.Tensor, dtype: torch.dtype, scratch: dict) -> torch.Tensor:
