@@ -354,10 +354,11 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
     """{ord: norms [units, d]} over the last axis of rows [units, d, width], ord 1 (L1) and/or 2 (L2).
 
     Computed and returned in float32 (float64 stays float64); `stack_layers` makes them numpy.
-    Contiguous rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy:
-    whole for float32 / float64, a piece of rows at a time for half types (`_pieces`, across head
-    boundaries, at most ~`chunk_elements` elements), which the kernel upcasts element by element
-    (dtype=float32), so a bf16 tensor never exists in float32. A strided last axis -- O's
+    Contiguous rows (Q/K/V in the head view) take one fused `vector_norm` per order, no copy, for
+    float32 / float64; half types are upcast a piece of rows at a time (`_pieces`, across head
+    boundaries, at most ~`chunk_elements` elements, so a bf16 tensor never exists whole in
+    float32 and the piece stays in cache) into a float32 temp, whose L2 is the same fused
+    `vector_norm` and whose L1 is |x| and a sum. A strided last axis -- O's
     *columns* in the head view (o[h, j, :] = W_O[:, h*d + j]), where `vector_norm` is ~10x slower
     than a sum -- is summed down W_O's columns in cache-sized blocks of its contiguous rows
     (`_column_norms`); pass the same `scratch` dict to every call of a pass and its temp is
@@ -372,13 +373,18 @@ def row_norms(rows: torch.Tensor, ords: tuple[int, ...] = (2,), chunk_elements: 
     flat = rows.flatten(0, 1)  # [units * d, width]: a view (the head view's units and d axes nest)
     dtype = rows.dtype if exact else torch.float32
     out = {o: torch.empty(units * d, dtype=dtype, device=rows.device) for o in ords}  # [units * d] each
-    if rows.stride(-1) == 1:  # contiguous half rows: vector_norm upcasts each element in its kernel
-        for span in _pieces(units * d, width, chunk_elements):
-            for o in ords:
-                torch.linalg.vector_norm(flat[span], ord=o, dim=-1, dtype=dtype, out=out[o][span])  # [<=step]
-        return {o: values.view(units, d) for o, values in out.items()}  # [units, d] each
-    return {o: values.view(units, d) for o, values in _column_norms(flat.t(), ords, dtype, chunk_elements,
-                                                                    {} if scratch is None else scratch).items()}
+    scratch = {} if scratch is None else scratch
+    if rows.stride(-1) != 1:
+        return {o: values.view(units, d) for o, values in _column_norms(flat.t(), ords, dtype, chunk_elements,
+                                                                        scratch).items()}
+    for span in _pieces(units * d, width, chunk_elements):  # contiguous half rows, a piece at a time
+        part = flat[span]  # [<=step, width]
+        upcast = _temp_like(part, dtype, scratch).copy_(part)  # [<=step, width] float32
+        if 2 in ords:  # the float32 kernel on float32 values, whichever orders are asked for
+            torch.linalg.vector_norm(upcast, ord=2, dim=-1, out=out[2][span])  # [<=step]
+        if 1 in ords:  # vector_norm's L1 is ~2x slower than |x| and a sum
+            out[1][span] = upcast.abs_().sum(dim=-1)  # [<=step]
+    return {o: values.view(units, d) for o, values in out.items()}  # [units, d] each
 
 
 def _column_norms(cols: torch.Tensor, ords: tuple[int, ...], dtype: torch.dtype, chunk_elements: int,
