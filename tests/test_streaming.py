@@ -55,6 +55,27 @@ def test_streaming_half_checkpoint(tmp_path, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_workers_reuse_their_buffers_and_every_layer_keeps_its_own_norms(tmp_path, monkeypatch, dtype):
+    # 7 layers over STREAM_WORKERS threads: every thread reads several layers into the same buffers,
+    # and each layer's norms must still be its own (the in-memory profile's, bit for bit)
+    from analysis.measure import streaming
+    assert streaming.STREAM_WORKERS >= 2
+    model = tiny_model("llama", num_hidden_layers=7).to(dtype)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    import analysis.arch.checkpoint as checkpoint
+    real, buffers = checkpoint.read_tensor, set()
+    monkeypatch.setattr(checkpoint, "read_tensor",
+                        lambda entry, buffer=None: buffers.add(None if buffer is None else buffer.data_ptr())
+                        or real(entry, buffer))
+    streamed = profile_checkpoint(tmp_path, ords=(2,))
+    assert None not in buffers and len(buffers) <= streaming.STREAM_WORKERS * 4   # 4 tensors a layer, reused
+    memory = profile_model(model)
+    assert streamed.n_layers == 7
+    for p in "qkvo":
+        assert np.array_equal(streamed.l2[p], memory.l2[p]), p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_l2_only_read_streams_l1_on_first_use_with_the_same_bits(tmp_path, monkeypatch, dtype):
     # the CLI reads L2 alone (ords=(2,)): fewer passes; L1, when asked for, streams the files again
     model = tiny_model("llama").to(dtype)
@@ -63,7 +84,8 @@ def test_l2_only_read_streams_l1_on_first_use_with_the_same_bits(tmp_path, monke
     import analysis.arch.checkpoint as checkpoint
     reads = []
     real = checkpoint.read_tensor
-    monkeypatch.setattr(checkpoint, "read_tensor", lambda entry: reads.append(entry.name) or real(entry))
+    monkeypatch.setattr(checkpoint, "read_tensor",
+                        lambda entry, buffer=None: reads.append(entry.name) or real(entry, buffer))
     lean = profile_checkpoint(tmp_path, ords=(2,))
     first = len(reads)
     assert first > 0 and lean.l1 is None
