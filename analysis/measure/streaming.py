@@ -38,8 +38,8 @@ from analysis.measure.profiles import (STREAM_CHUNK, NormProfile, check_finite_n
 
 def profile_checkpoint(path, *, progress: Progress | None = None, should_stop: ShouldStop | None = None,
                        trust_remote_code: bool = False, ords: tuple[int, ...] = (2, 1)) -> NormProfile:
-    """Row-norm profile of a safetensors checkpoint, one layer's attention tensors at a time
-    (the next layer's read while this one's norms are computed).
+    """Row-norm profile of a safetensors checkpoint, layer by layer, STREAM_WORKERS layers' attention
+    tensors in memory at a time (one layer's read while the other's norms are computed).
 
     `ords`: the norms taken in this read. (2, 1), the default, takes L1 from the same read (the app,
     whose Profiles page offers both); (2,) only L2, which every weight-only scorer's default
