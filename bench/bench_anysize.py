@@ -149,10 +149,9 @@ if mode == "write":
     size = write_checkpoint(Path(folder), *json.loads(out))
     print(json.dumps({"seconds": time.perf_counter() - start, "bytes": size}))
 elif mode == "read":
-    import torch
     from analysis.arch.adapters import adapter_for
     from analysis.arch.checkpoint import checkpoint_entries, load_config
-    from analysis.arch.checkpoint import read_tensor
+    from analysis.arch.checkpoint import read_tensors
     from analysis.compress.streamed import _layer_roles, _prefix
     folder = Path(folder)
     config = load_config(folder)
@@ -163,12 +162,9 @@ elif mode == "read":
     prefix = _prefix(adapter, entries)
     nbytes, buffers = 0, {}                 # one buffer per role, reused layer after layer: the bytes land in
     for layer in range(g.n_layers):         # memory already touched (no page faults), the fastest plain read
-        for role, name in _layer_roles(adapter, layer, entries, prefix).items():
-            if role not in buffers or buffers[role].numel() != entries[name].nbytes:
-                buffers[role] = torch.empty(entries[name].nbytes, dtype=torch.uint8)
-            t = read_tensor(entries[name], buffers[role])
-            nbytes += t.numel() * t.element_size()
-            del t
+        tensors = read_tensors(_layer_roles(adapter, layer, entries, prefix), entries, None, buffers)
+        nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "bytes": nbytes}))
 elif mode == "mpg":
