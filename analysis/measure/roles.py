@@ -20,13 +20,13 @@ any attention tensor, so tests can check it on hand-built patterns.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from analysis.arch.adapters import input_device
+from analysis.arch.attention import eager_attention  # noqa: F401  (re-exported: the switch lives in arch)
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import token_ids
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
@@ -44,20 +44,6 @@ DEFAULT_THRESHOLDS = {
 }
 MAX_OFFSET = 4
 MIN_CONTEXT = 4              # queries with fewer candidate keys do not count for rare-word
-
-
-@contextmanager
-def eager_attention(model):
-    """Temporarily use eager attention (the only one that returns probabilities); restored after."""
-    original = getattr(model.config, "_attn_implementation", None)
-    switch = original not in (None, "eager")
-    try:
-        if switch:
-            model.set_attn_implementation("eager")
-        yield model
-    finally:
-        if switch:
-            model.set_attn_implementation(original)
 
 
 @torch.no_grad()
