@@ -75,6 +75,17 @@ def test_alternating_times_rotates_order_and_threads_are_restored():
             pass
 
 
+def test_self_timed_calls_keep_their_own_seconds_and_rotate_too():
+    """A decode step times itself (its prefill untimed): the seconds it returns are what is kept."""
+    order = []
+    seconds = {"a": (0.5, 0.25), "b": (2.0, 1.0)}
+    calls = {name: (lambda n=name: order.append(n) or seconds[n]) for name in "ab"}
+    times = alternating_times(calls, repeats=4, warmup=1, self_timed=True)
+    assert order == list("ab" "ab" "ba" "ab" "ba")                  # warm-up, then rotated rounds
+    assert times.wall == {"a": [0.5] * 4, "b": [2.0] * 4} and times.cpu == {"a": [0.25] * 4, "b": [1.0] * 4}
+    assert times.ratio_spread("b", "a") == {"min": 4.0, "median": 4.0, "max": 4.0, "rounds": 4}
+
+
 def test_paired_ratio_and_saving_ratio_by_hand():
     t = Timings(wall={"m": [2.0, 4.0, 3.0], "p": [1.0, 4.0, 2.0]}, cpu={"m": [1.0], "p": [1.0]})
     assert t.paired_ratio("m", "p") == 1.5                    # ratios 2.0, 1.0, 1.5

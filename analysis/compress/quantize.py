@@ -55,14 +55,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate, token_ids
 from analysis.compress.export import ONNX_FILE, atomic_folder
-from analysis.compress.speed import Timings, alternating_times
+from analysis.compress.speed import alternating_times
 from analysis.core.threads import torch_threads
 
 DEFAULT_BLOCK = 32
@@ -386,18 +385,14 @@ def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 
         agree = top1_agreement(model, q, all_ids, window)
         times = alternating_times({"fp32": lambda: model(input_ids=ids), "int8": lambda: q(input_ids=ids)},
                                   repeats=repeats, warmup=1)
-        steps = {"fp32": _decode_step(model, ids, 8), "int8": _decode_step(q, ids, 8)}
-        decode = {name: [] for name in steps}
-        for _ in range(max(1, repeats)):                                   # alternating, per-token medians
-            for name, step in steps.items():
-                decode[name].append(step()[0])
-    ms = times.median_ms("wall")
+        decode = alternating_times({"fp32": _decode_step(model, ids, 8), "int8": _decode_step(q, ids, 8)},
+                                   repeats=max(1, repeats), warmup=0, self_timed=True)   # per-token medians
+    ms, decode_ms = times.median_ms("wall"), decode.median_ms("wall")
     sizes = {"fp32": state_bytes(model), "int8": state_bytes(q)}
     return {"metric_fp32": evs["fp32"].value, "metric_int8": evs["int8"].value, "bytes_fp32": sizes["fp32"],
             "accuracy_fp32": evs["fp32"].accuracy, "accuracy_int8": evs["int8"].accuracy, "top1_agreement": agree,
             "bytes_int8": sizes["int8"], "size_ratio": sizes["int8"] / sizes["fp32"],
             "latency_ms_fp32": ms["fp32"], "latency_ms_int8": ms["int8"],
-            "decode_ms_fp32": 1e3 * float(np.median(decode["fp32"])), "decode_ms_int8": 1e3 * float(np.median(decode["int8"])),
-            "speedups": {"prefill": times.ratio_spread("fp32", "int8"),
-                         "decode": Timings(decode, decode).ratio_spread("fp32", "int8")},
+            "decode_ms_fp32": decode_ms["fp32"], "decode_ms_int8": decode_ms["int8"],
+            "speedups": {"prefill": times.ratio_spread("fp32", "int8"), "decode": decode.ratio_spread("fp32", "int8")},
             "keep_float": list(keep_float), "model": q}

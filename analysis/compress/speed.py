@@ -153,9 +153,11 @@ class Timings:
 
 
 def alternating_times(calls: dict[str, Callable[[], object]], *, repeats: int = 5, warmup: int = 1,
-                      should_stop: ShouldStop | None = None) -> Timings:
+                      should_stop: ShouldStop | None = None, self_timed: bool = False) -> Timings:
     """Time each named callable: `warmup` untimed rounds, then `repeats` rounds in which every
-    callable runs once, the order rotating each round (so drift hits all alike)."""
+    callable runs once, the order rotating each round (so drift hits all alike).
+    self_timed=True: each callable times itself and returns (wall, CPU) seconds (a decode step
+    whose prefill must stay outside the time: `_decode_step`)."""
     names = list(calls)
     with torch.inference_mode():
         for _ in range(warmup):
@@ -167,9 +169,10 @@ def alternating_times(calls: dict[str, Callable[[], object]], *, repeats: int = 
             check_stop(should_stop, "Timing")
             for name in names[r % len(names):] + names[:r % len(names)]:
                 start, start_cpu = time.perf_counter(), time.process_time()
-                calls[name]()
-                cpu[name].append(time.process_time() - start_cpu)
-                wall[name].append(time.perf_counter() - start)
+                out = calls[name]()
+                spent = out if self_timed else (time.perf_counter() - start, time.process_time() - start_cpu)
+                wall[name].append(spent[0])
+                cpu[name].append(spent[1])
     return Timings(wall, cpu)
 
 
@@ -331,21 +334,10 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
                 small_f = forward_flops(smaller, n, n, layout=layout, adapter=adapter)
             else:
                 steps = {name: wrap[name](_decode_step(m, inputs, decode_steps)) for name, m in models.items()}
-                per_round = {name: [] for name in steps}
-                per_round_cpu = {name: [] for name in steps}
-                with torch.inference_mode():
-                    for _ in range(warmup):
-                        for run in steps.values():
-                            run()
-                    for r in range(repeats):
-                        check_stop(should_stop, "Timing")
-                        names = list(steps)
-                        for name in names[r % 3:] + names[:r % 3]:
-                            wall_s, cpu_s = steps[name]()
-                            per_round[name].append(wall_s)
-                            per_round_cpu[name].append(cpu_s)
-                latency[key] = {name: 1e3 * statistics.median(t) for name, t in per_round.items()}
-                latency_cpu[key] = {name: 1e3 * statistics.median(t) for name, t in per_round_cpu.items()}
+                times = alternating_times(steps, repeats=repeats, warmup=warmup, should_stop=should_stop,
+                                          self_timed=True)
+                latency[key] = times.median_ms("wall")
+                latency_cpu[key] = times.median_ms("cpu")
                 dense_f = forward_flops(model, 1, n, adapter=adapter)
                 small_f = forward_flops(smaller, 1, n, layout=layout, adapter=adapter)
             flops[key] = {"dense": dense_f.total, "pruned": small_f.total}
