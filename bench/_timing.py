@@ -96,7 +96,7 @@ class Comparison:
         n = len(self.ratios)
         lines = [f"{title}: {n} interleaved pairs ({'spread known' if self.converged else 'spread NOT settled'}: "
                  f"ratio IQR/median {self.spread():.2f}); caches {caches or ('warm (one untimed call of each side first)' if self.warm else 'cold')}; "
-                 f"load average {_load(self.load_before)} before, {_load(self.load_after)} after"]
+                 f"load average {load_text(self.load_before)} before, {load_text(self.load_after)} after"]
         for label in (self.a, self.b):
             lines.append(f"    {label:>20}: {row(self.times[label], unit, '{:.4g}')} {unit_name}")
         lines.append(f"    {self.a + ' / ' + self.b:>20}: {row(self.ratios, 1.0, '{:.4g}')}"
@@ -114,7 +114,8 @@ def relative_iqr(values) -> float:
     return (q[2] - q[0]) / med if med else math.inf
 
 
-def _load(avg: tuple) -> str:
+def load_text(avg) -> str:
+    """A load average (1, 5, 15 min) as "0.52/0.82/0.92", or "n/a"."""
     return "/".join(f"{x:.2f}" for x in avg) if avg else "n/a"
 
 

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 
 
-from bench._timing import compare, load_average  # noqa: E402
+from bench._timing import compare, load_average, load_text  # noqa: E402
 from analysis.arch.head_gates import gates_from_mask, zero_heads  # noqa: E402
 from analysis.arch.models import count_parameters, load_model  # noqa: E402
 from analysis.compress.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences  # noqa: E402
@@ -259,10 +259,6 @@ def _ci(row) -> str:
     return f"{row['ppl']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}]"
 
 
-def _load(values) -> str:
-    return "/".join(f"{x:.2f}" for x in values or ())
-
-
 def run_line(k: int, run: dict, a, several: bool) -> str:
     """What one run was: its recovery budget (from its own command), machine, date, time and load."""
     name = f"Run {k + 1}" if several else "The run"
@@ -271,7 +267,7 @@ def run_line(k: int, run: dict, a, several: bool) -> str:
             f"{a.warmup}, T = {a.temperature:g}, precision {a.precision} (ran: {run.get('ran_precision', '?')}). "
             f"{run['machine']}, {run['date']}; {'the whole run' if run.get('finished') else 'the parts it completed'} "
             f"took {run.get('wall_s', float('nan')) / 60:.0f} min, load average (1/5/15 min) "
-            f"{_load(run.get('load_before'))} at its start, {_load(run.get('load_after'))} at the end of the last "
+            f"{load_text(run.get('load_before'))} at its start, {load_text(run.get('load_after'))} at the end of the last "
             f"saved part." + (f" {a.note}" if a.note else ""))
 
 
@@ -357,7 +353,7 @@ def markdown(out: dict, note: str = "") -> str:
                   f"{p['repeats']} interleaved fp32 / bf16 pairs of {p['steps']}-step distill() calls ({timed}; "
                   f"bench/_timing.compare; spread "
                   f"{'settled' if p.get('converged') else 'not settled'}; load average "
-                  f"{'/'.join(f'{x:.2f}' for x in load[0])} before, {'/'.join(f'{x:.2f}' for x in load[1])} after): "
+                  f"{load_text(load[0])} before, {load_text(load[1])} after): "
                   f"fp32 {s['fp32']['median']:.2f} s/step (min "
                   f"{s['fp32']['min']:.2f}, max {s['fp32']['max']:.2f}), bf16 autocast {s['bf16']['median']:.2f} "
                   f"(min {s['bf16']['min']:.2f}, max {s['bf16']['max']:.2f}): bf16 {p['ratio']:.2f}x (median of the "

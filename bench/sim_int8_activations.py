@@ -15,6 +15,7 @@ Usage: nice -n 10 .venv/bin/python bench/sim_int8_activations.py [--tokens 2048]
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def main() -> int:
     args = p.parse_args()
     with torch_threads(args.threads):
         loaded = load_model("smollm2-135m")
-        model = __import__("copy").deepcopy(loaded.model)            # rounded in place, restored after each
+        model = copy.deepcopy(loaded.model)            # rounded in place, restored after each
         ids = token_ids(loaded.tokenizer, evaluation_text(), max_tokens=args.tokens)          # [N]
         n = ids.numel() // args.window
         windows = ids[:n * args.window].reshape(n, args.window)                                 # [n, W]
