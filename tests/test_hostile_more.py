@@ -482,8 +482,11 @@ def test_a_killed_pipeline_leaves_no_run_and_the_rerun_works(model_dir, tmp_path
     argv = [*PIPE, "--model", model_dir, "--target", "0.5", "--step", "0.25", "--train-batch", "2",
             "--train-seq-len", "16", "--out-dir", tmp_path, "--name", "run"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # the runs that are killed train long (the last --recovery-steps wins), so the signal lands inside
+    # the rounds however fast the machine is: with 1 step a round a quick CPU could finish in the 1 s
+    killed = [*argv, "--recovery-steps", "5000"]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        proc = subprocess.Popen([sys.executable, "-m", "analysis", *map(str, argv)], cwd=tmp_path, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "analysis", *map(str, killed)], cwd=tmp_path, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 180
         while not list(tmp_path.glob(".run.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
