@@ -18,7 +18,7 @@ from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.compress.surgery import HeadLayout, prune_heads, select_heads
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
-from tests._tolerance import EXACT, forward_tolerance, max_diff
+from tests._tolerance import EXACT, float32_inside_tolerance, forward_tolerance, max_diff
 
 # equality claims run in float64 and are asserted to EXACT (tests/_tolerance.py)
 TOL = EXACT
@@ -31,13 +31,11 @@ FLOAT32_INSIDE = {
 
 
 def _tol(model, scale: float) -> float:
-    """EXACT for a float64 forward; for a family in FLOAT32_INSIDE, the float32 worst case over
-    a 2-layer model whose longest dot product is the intermediate size (tests/_tolerance.py)."""
-    cfg = model.config
-    if cfg.model_type not in FLOAT32_INSIDE:
+    """EXACT for a float64 forward; for a family in FLOAT32_INSIDE, the float32 worst case over the
+    model's width and depth (tests/_tolerance.py)."""
+    if model.config.model_type not in FLOAT32_INSIDE:
         return TOL
-    width = max(getattr(cfg, name, 0) or 0 for name in ("hidden_size", "n_embd", "intermediate_size", "n_inner"))
-    return forward_tolerance(torch.float32, width=width, depth=cfg.num_hidden_layers, scale=scale)
+    return float32_inside_tolerance(model, scale)
 
 
 def _out(model, ids, **kwargs):
@@ -252,15 +250,18 @@ def test_generate_with_kv_cache_matches_masked(family):
     one_rounding = forward_tolerance(torch.float32, width=1, depth=1, scale=scale) + _tol(model, scale)
     for a, b in zip(got.scores, ref.scores):
         assert max_diff(a, b) <= one_rounding
-    # and the cached decode equals a full forward over the generated sequence
-    assert max_diff(full[:, -2], got.scores[-1]) <= one_rounding
+    # and the cached decode equals a full forward over the generated sequence; the two hand the
+    # model's float32 parts (softmax, rotary cos/sin) different shapes, so the bound is theirs
+    # (tests/_tolerance.py: 4e-8 on an AVX2-only CPU, 0 on AVX-512, against a bound of ~1e-5)
+    across = float32_inside_tolerance(model, scale)
+    assert max_diff(full[:, -2], got.scores[-1]) <= one_rounding + across
     # a plain forward with a cache (no generate bookkeeping): the cache length must come out right
     seq = got.sequences
     with torch.no_grad():
         first = smaller(input_ids=seq[:, :5], use_cache=True)
         assert first.past_key_values.get_seq_length() == 5
         step = smaller(input_ids=seq[:, 5:7], past_key_values=first.past_key_values, use_cache=True)
-    assert max_diff(step.logits, full[:, 5:7]) <= _tol(model, full.abs().max().item())
+    assert max_diff(step.logits, full[:, 5:7]) <= float32_inside_tolerance(model, full.abs().max().item())
 
 
 def _extra_model(model_type, **overrides):
