@@ -10,11 +10,13 @@ average). Variants:
   on the calibration split) kept float; "outliers" is the current default (quantize.int8_keep_float:
   8-bit step / input RMS above 0.3).
 - per-tensor weights, reduce_range (7-bit weights), at the default keep set.
+- weights: u8 (what the onnx-int8 export writes: right on every x86 CPU), s8 (before: saturates on
+  CPUs without VNNI) and 7-bit s8 (reduce_range), at the default keep set (docs/EXPORT.md).
 - static QDQ (quantize_static, per-channel weights, MinMax or Percentile calibration on the
   calibration split), at the default keep set.
 
 Usage: nice -n 10 .venv/bin/python bench/bench_int8_variants.py [--tokens 2048] [--ks 0,8,16,29,48]
-       [--variants keep,options,static] [--cache-dir DIR]
+       [--variants keep,options,static,weights] [--cache-dir DIR]
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ sys.path.insert(0, str(ROOT))
 from bench._timing import compare, load_average  # noqa: E402
 from analysis.arch.models import load_model  # noqa: E402
 from analysis.compress.export import export  # noqa: E402
-from analysis.compress.quantize import (OnnxLM, _quiet_logs, calibration_ids, int8_keep_float,  # noqa: E402
-                                        int8_output_errors, output_head_names, weight_matmuls)
+from analysis.compress.export.onnx import OnnxLM  # noqa: E402
+from analysis.compress.export.onnx_int8 import quiet_logs, weight_matmuls  # noqa: E402
+from analysis.compress.quantize import (calibration_ids, int8_keep_float, int8_output_errors,  # noqa: E402
+                                        output_head_names)
 from analysis.compress.speed import torch_threads  # noqa: E402
 from analysis.core.text import evaluation_text  # noqa: E402
 from analysis.measure.evaluation import token_ids  # noqa: E402
@@ -56,12 +60,12 @@ def predictions(model, wins) -> tuple[np.ndarray, float]:
     return np.concatenate(preds), nll / n
 
 
-def dynamic(src, dst, keep, per_channel=True, reduce_range=False):
+def dynamic(src, dst, keep, per_channel=True, reduce_range=False, weights="s8"):
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
     nodes, _ = weight_matmuls(onnx.load(str(src), load_external_data=False), keep)
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, nodes_to_quantize=nodes,
-                     per_channel=per_channel, reduce_range=reduce_range)
+    quantize_dynamic(str(src), str(dst), weight_type={"s8": QuantType.QInt8, "u8": QuantType.QUInt8}[weights],
+                     nodes_to_quantize=nodes, per_channel=per_channel, reduce_range=reduce_range)
 
 
 def static(src, dst, keep, calib, method):
@@ -117,6 +121,13 @@ def main() -> int:
             for k in [int(v) for v in args.ks.split(",")]:
                 keep = sorted(set(head) | set(ranked[:k]))
                 cases.append((f"worst {k} + head", lambda d, keep=keep: dynamic(fp32, d, keep), len(keep)))
+        if "weights" in variants:          # issue 31: which weight type is right on every CPU, at what speed
+            cases.append(("u8 weights (shipped)", lambda d: dynamic(fp32, d, default_keep, weights="u8"),
+                          len(default_keep)))
+            cases.append(("s8 weights (before: saturates without VNNI)", lambda d: dynamic(fp32, d, default_keep),
+                          len(default_keep)))
+            cases.append(("s8 7-bit weights (reduce_range)",
+                          lambda d: dynamic(fp32, d, default_keep, reduce_range=True), len(default_keep)))
         if "options" in variants:
             cases.append(("per-tensor weights", lambda d: dynamic(fp32, d, default_keep, per_channel=False),
                           len(default_keep)))
@@ -130,7 +141,7 @@ def main() -> int:
             dst = Path(folder) / f"v{i}.onnx"
             start = time.perf_counter()
             try:
-                with warnings.catch_warnings(), _quiet_logs():
+                with warnings.catch_warnings(), quiet_logs():
                     warnings.simplefilter("ignore")
                     make(dst)
             except Exception as err:                       # a variant ORT cannot build is reported, not fatal

@@ -63,8 +63,10 @@ from analysis.arch.models import count_parameters, load_model  # noqa: E402
 from analysis.compress.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences  # noqa: E402
 from analysis.compress.export import FORMATS, ExportError  # noqa: E402
 from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
-from analysis.compress.quantize import (OnnxLM, calibration_ids, compare_onnx, int8_keep_float,  # noqa: E402
-                                        quantize_onnx, torch_int8_report)
+from analysis.compress.export.onnx import OnnxLM  # noqa: E402
+from analysis.compress.export.onnx_int8 import quantize_onnx  # noqa: E402
+from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float,  # noqa: E402
+                                        torch_int8_report)
 from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text  # noqa: E402
 from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
 from analysis.compress.surgery import prune_heads  # noqa: E402

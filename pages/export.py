@@ -87,8 +87,8 @@ if st.button("Export", type="primary", key="export.run"):
 last = state.recall("export.last")
 if last is not None:
     st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
-    for note in last.notes:
-        st.info(note)
+    for note in last.notes:        # leftovers cleaned; a lossy file's self-check (a failed one was replaced)
+        (st.warning if note.startswith("self-check FAILED") else st.info)(note)
     st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
     if last.format == "gguf" and state.weights_only():
         st.caption("The deployment report also writes and runs the dense model's GGUF: load the model (Model page) "

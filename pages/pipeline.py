@@ -5,7 +5,6 @@ final model's exports in every format, under the Export page's root. The cached 
 never changed."""
 import io
 import math
-import tempfile
 import time
 from pathlib import Path
 
@@ -200,21 +199,17 @@ if last is not None:
     output_root = Path(str(state.kept("export.root", default_root)).strip() or default_root).expanduser()
     st.caption(f"Into the export root set on the Export page: **{output_root}**.")
     c1, c2 = st.columns([1, 2])
-    fmt = c1.selectbox("Format", [*export_mod.FORMATS, "onnx-int8"], key=state.widget_key("pipe.fmt", value="pruned"),
-                       help="The formats of the Export page, plus ONNX quantized to INT8.")
+    fmt = c1.selectbox("Format", list(export_mod.FORMATS), key=state.widget_key("pipe.fmt", value="pruned"),
+                       format_func=lambda name: export_mod.FORMATS[name].label,
+                       help="The formats of the Export page; a lossy one (INT8, quantized GGUF) is measured "
+                            "against its float model on this CPU before it is written.")
     folder = c2.text_input(f"Folder inside {output_root}",
                            key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
     if st.button("Export", key="pipe.export"):
         with shown_errors("Exporting"):
             with cache.progress_bar(f"Exporting ({fmt})"):
-                if fmt == "onnx-int8":
-                    from analysis.compress.quantize import quantize_onnx
-                    target_dir = export_mod.resolve_under(output_root, folder)
-                    with tempfile.TemporaryDirectory(prefix="headscope-onnx-") as tmp:
-                        fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, tmp, "fp32",
-                                            tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
-                        path = quantize_onnx(fp32.path, target_dir).parent
-                else:
-                    path = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
-                                        tokenizer=lm.tokenizer, kv_policy=config.kv_policy).path
-            st.success(f"Wrote the {fmt} export to {path}.")
+                written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
+                                       tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
+            st.success(f"Wrote the {fmt} export to {written.path}.")
+            for line in written.notes:
+                st.caption(line)

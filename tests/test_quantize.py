@@ -11,8 +11,9 @@ import torch
 from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate
 from analysis.compress.export import ExportError, export
-from analysis.compress.quantize import (OnnxLM, compare_onnx, quantize_linear, quantize_onnx, state_bytes,
-                               top1_agreement)
+from analysis.compress.export.onnx import OnnxLM
+from analysis.compress.export.onnx_int8 import quantize_onnx
+from analysis.compress.quantize import compare_onnx, quantize_linear, state_bytes, top1_agreement
 from tests._evalkit import tiny_loaded
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
@@ -178,22 +179,6 @@ def test_sensitive_linears_find_an_injected_outlier():
     found = sensitive_linears(model, ids)
     assert clean < OUTLIER_STEP < steps["model.layers.1.mlp.down_proj"], (clean, steps)
     assert "model.layers.1.mlp.down_proj" in found and "model.layers.0.mlp.down_proj" not in found
-
-
-@pytest.mark.slow
-def test_smollm2_integer_int8_keeps_perplexity_within_5_percent(smollm2, tmp_path):
-    """Issue 23's perplexity target for integer INT8 on the real model (a few minutes): the old
-    per-tensor 'dynamic' file was 1.8x; with the outlier layers and the LM head float it is within 5 %.
-    (Its top-1 agreement, ~0.87-0.92 measured on 512 tokens, is below the issue's 0.95: reported in
-    docs/results.md, not asserted.)"""
-    from analysis.compress.quantize import calibration_ids, int8_keep_float
-    fp32 = export("onnx", smollm2.model, np.zeros((30, 9), dtype=bool), tmp_path, "fp32")
-    keep = int8_keep_float(smollm2.model, calibration_ids(smollm2.tokenizer))
-    assert "lm_head" in keep and any("down_proj" in name for name in keep)
-    int8 = quantize_onnx(fp32.path, tmp_path / "int8", method="dynamic", keep_float=keep)
-    c = compare_onnx(smollm2, fp32.path, int8, max_tokens=512, repeats=1)
-    assert c.perplexity_ratio <= 1.05, c.as_dict()
-    assert c.top1_agreement > 0.8, c.as_dict()          # far above the old variant's 0.56
 
 
 def test_fake_int8_is_exact_on_its_own_grid_and_rounds_off_it():

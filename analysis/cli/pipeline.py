@@ -128,14 +128,14 @@ def run_pipeline_command(ns):
             return str(run_dir / Path(path).resolve().relative_to(tmp.resolve()))
         files = {name: moved(path) for name, path in write_report(rep, tmp / "report").items()}
         exports = {}
+        if ns.int8 and "onnx" in formats and "onnx-int8" not in formats:
+            formats.append("onnx-int8")            # the INT8 stage's file, self-checked like any export
         for fmt in formats:
             out = export_round(fmt, result.model, result.pruned, result.head_rounds, tmp, fmt,
                                tokenizer=loaded.tokenizer, kv_policy=config.kv_policy)
             exports[fmt] = moved(out.path)
-        if ns.int8 and "onnx" in formats:
-            from analysis.compress.quantize import quantize_onnx   # onnxruntime: only for this stage
-            quantize_onnx(tmp / "onnx", tmp / "onnx-int8")
-            exports["onnx-int8"] = str(run_dir / "onnx-int8")
+            for line in out.notes:
+                sys.stderr.write(f"note: {fmt}: {line}\n")
         stages = [{"stage": s.name, "sparsity": s.sparsity, "parameters": s.parameters, "size_mb": s.size_mb,
                    "kv_bytes_per_token": s.kv_bytes_per_token, rep.metric: s.metric, "top1": s.top1,
                    **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]

@@ -1,151 +1,44 @@
-"""INT8 quantization of the final (pruned, recovered) model, measured against float32.
+"""INT8 of the final (pruned, recovered) model: which layers stay float, PyTorch's INT8 route, and
+measurements of INT8 files against float32.
 
-Two routes:
-- ONNX: `quantize_onnx(fp32_folder, target)` with ONNX Runtime's quantization tools on the
-  model.onnx of an ONNX export, into a new export folder written atomically
-  (export.atomic_folder), the sidecar files copied. Methods (`ONNX_METHODS`):
-  "weight-only" (default): the embedding Gather gets per-channel INT8 weights
-  (`quantize_dynamic` with op_types ["Gather"]), then every MatMul gets INT8 weights in blocks
-  of `block_size` along the input (`MatMulNBitsQuantizer`, bits=8); activations stay float32.
-  "dynamic" (integer kernels: MatMulInteger, which is what makes INT8 faster than float32): the
-  weight MatMuls (those with an initializer input: the Linear layers) get per-channel INT8 weights
-  and 8-bit activations quantized on the fly (one asymmetric scale per tensor per call); the
-  activation x activation MatMuls of attention (Q K^T, P V) stay float, and so do the Linear layers
-  named in `keep_float`. Why the first version agreed with float32 on only ~48-56 % of top-1
-  predictions on SmolLM2 (measured: docs/results.md and issue 23's report): it quantized every
-  MatMul per tensor, but above all the inputs of some MLP down projections carry a few huge
-  values (SmolLM2 layer 11: max 3066 at an RMS of 5, 256 calibration tokens), so one 8-bit step
-  is larger than the typical value and the rest of the tensor rounds to 0. `sensitive_linears`
-  finds those layers from one forward pass on calibration text (8-bit step / input RMS above
-  `OUTLIER_STEP`) and keeps them in float. Measured on dense SmolLM2 (512 evaluation tokens, ONNX
-  Runtime, 2 threads, a loaded machine): every MatMul per tensor: top-1 agreement 0.56, perplexity
-  1.81x; weight MatMuls only, per channel: 0.63, 1.73x; + down projections float: 0.88, 1.01x;
-  + the 29 layers above step/RMS 0.3 float instead: 0.87, 1.02x (prefill@128 1.96x faster, 1-token
-  1.69x); + layers above 0.15 and the LM head float: 0.92, 1.006x (1.74x, 1.36x). SmoothQuant
-  scales (alpha 0.5, folded into the norms and up_proj) made it worse (0.875, 1.06x), so they are
-  not used. The 95 % top-1 target is not reached on SmolLM2 by per-tensor dynamic activations.
-  `int8_output_errors` ranks the Linear layers by their simulated INT8 output error: the outlier
-  rule already keeps almost exactly the worst ones, and keeping more float buys agreement slowly
-  (2048 tokens: 0.83 / 0.88 / 0.91 / 0.93 at 16 / 29 / 48 / 64 layers) at the cost of the 1-token
-  speed-up; per-tensor weights, reduce_range and static QDQ (MinMax, Percentile) agree less
-  (docs/EXPORT.md, bench/bench_int8_variants.py).
-- PyTorch: `quantize_linear(model, keep_float)` is `torch.ao.quantization.quantize_dynamic` of
-  every nn.Linear but those kept float, per-channel INT8 weights, on a copy (the input model is not
-  changed); `torch_int8_report` measures it against float32 in PyTorch (prefill and KV-cache decode).
-Which layers stay float in the integer routes (`int8_keep_float`): the LM head, and the layers
-whose calibration input has outliers (`sensitive_linears`: on SmolLM2 mostly MLP down projections).
+The ONNX files themselves are written by the "onnx-int8" export format
+(`analysis.compress.export.onnx_int8`: methods, u8 weights, the self-check). What it and the other
+integer routes keep float (`int8_keep_float`): the LM head, and the Linear layers whose calibration
+input has outliers (`sensitive_linears`: 8-bit step / input RMS above `OUTLIER_STEP`; on SmolLM2
+mostly MLP down projections, whose inputs carry a few huge values: layer 11 max 3066 at an RMS of 5 on
+256 calibration tokens, so one per-tensor 8-bit step is larger than the typical value). Measured on
+dense SmolLM2 (512 evaluation tokens, ONNX Runtime, 2 threads): every MatMul per tensor: top-1
+agreement 0.56, perplexity 1.81x; weight MatMuls per channel: 0.63, 1.73x; + down projections float:
+0.88, 1.01x; + the 29 layers above step/RMS 0.3 float: 0.87, 1.02x; + layers above 0.15 and the LM
+head float: 0.92, 1.006x. SmoothQuant scales (alpha 0.5) made it worse (0.875, 1.06x).
+`int8_output_errors` ranks the Linear layers by their simulated INT8 output error (`_fake_int8`): the
+outlier rule keeps almost exactly the worst ones (docs/EXPORT.md, bench/bench_int8_variants.py).
 
-`OnnxLM` wraps an ONNX Runtime session as a module with `.config` and `forward(input_ids) ->
-.logits`, so the perplexity of an ONNX file is `evaluation.evaluate`'s own. `compare_onnx`
-measures an INT8 file against its float32 source: next-token top-1 agreement and perplexity on
-the same text, file sizes, prefill latency (median, alternating calls: speed.alternating_times).
+PyTorch: `quantize_linear(model, keep_float)` is `torch.ao.quantization.quantize_dynamic` of every
+nn.Linear but those kept float, per-channel INT8 weights, on a copy (the input model is not changed;
+its activations are quantized to 7 bits, so fbgemm's u8 x s8 kernels cannot saturate on AVX2);
+`torch_int8_report` measures it against float32 in PyTorch (prefill and KV-cache decode).
+
+`compare_onnx` measures an INT8 ONNX file against its float32 source (`export.onnx.OnnxLM` runs
+both): next-token top-1 agreement and perplexity on the same text, file sizes, prefill and 1-token
+latency (alternating calls: speed.alternating_times).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
-import logging
 import math
-import re
-import shutil
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from analysis.core.errors import InputError
 from analysis.measure.evaluation import evaluate, token_ids
-from analysis.compress.export import ONNX_FILE, atomic_folder
+from analysis.compress.export.onnx import OnnxLM
 from analysis.compress.speed import alternating_times
 from analysis.core.threads import torch_threads
-
-DEFAULT_BLOCK = 32
-
-
-def _weight_only(src: Path, dst: Path, block_size: int, keep_float: Sequence[str] = ()) -> None:
-    """Per-channel INT8 Gather (embedding), then 8-bit block-quantized MatMul weights."""
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-    staged = dst.with_name(".gather-" + dst.name)
-    quantize_dynamic(str(src), str(staged), weight_type=QuantType.QInt8, op_types_to_quantize=["Gather"],
-                     per_channel=True)
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(staged)), bits=8, block_size=block_size, is_symmetric=True,
-                                     op_types_to_quantize=("MatMul",))
-    quantizer.process()
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
-    staged.unlink()
-
-
-def _onnx_path_of(module_name: str) -> str:
-    """The ONNX scope of a module: 'model.layers.28.mlp.down_proj' -> 'model/layers.28/mlp/down_proj'
-    (the TorchScript exporter keeps a ModuleList index with its list's name)."""
-    return re.sub(r"\.(\d+)", r"#\1", module_name).replace(".", "/").replace("#", ".")
-
-
-def weight_matmuls(model_proto, keep_float: Sequence[str] = ()) -> tuple[list[str], list[str]]:
-    """(MatMul nodes with an initializer input, to quantize; those of them kept float because their
-    module is in keep_float)."""
-    inits = {i.name for i in model_proto.graph.initializer}
-    scopes = [f"/{_onnx_path_of(name)}/" for name in keep_float]
-    weights = [n.name for n in model_proto.graph.node if n.op_type == "MatMul" and any(x in inits for x in n.input)]
-    kept = [n for n in weights if any(scope in n + "/" for scope in scopes)]
-    return [n for n in weights if n not in kept], kept
-
-
-def _dynamic(src: Path, dst: Path, block_size: int, keep_float: Sequence[str] = ()) -> None:
-    """Integer-kernel INT8: per-channel weights, dynamic 8-bit activations, sensitive layers float."""
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    nodes, _ = weight_matmuls(onnx.load(str(src), load_external_data=False), keep_float)
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, nodes_to_quantize=nodes, per_channel=True)
-
-
-ONNX_METHODS = {"weight-only": _weight_only, "dynamic": _dynamic}
-
-
-def _onnx_file(path) -> Path:
-    path = Path(path)
-    path = path / ONNX_FILE if path.is_dir() else path
-    if not path.is_file():
-        raise InputError(f"{path} is not an ONNX file; export the model in the 'onnx' format first.")
-    return path
-
-
-def quantize_onnx(source, target, *, method: str = "weight-only", block_size: int = DEFAULT_BLOCK,
-                  keep_float: Sequence[str] = (), overwrite: bool = False) -> Path:
-    """INT8 copy of an ONNX export folder (or model.onnx) written atomically to folder `target`.
-    keep_float: module names ("model.layers.11.mlp.down_proj", from `sensitive_linears`) whose
-    MatMul stays float32 ("dynamic"). Returns the new model.onnx path."""
-    if method not in ONNX_METHODS:
-        raise InputError(f"Unknown ONNX quantization method {method!r}; choose one of {', '.join(ONNX_METHODS)}.")
-    src = _onnx_file(source)
-    target = Path(target)
-    with atomic_folder(target, overwrite=overwrite) as tmp:
-        for side in src.parent.iterdir():                 # config, tokenizer, mask.json, head_layout.json
-            if side.is_file() and side.suffix != ".onnx" and not side.name.startswith("."):
-                shutil.copy2(side, tmp / side.name)
-        with warnings.catch_warnings(), _quiet_logs():
-            warnings.simplefilter("ignore")
-            ONNX_METHODS[method](src, tmp / ONNX_FILE, int(block_size), tuple(keep_float))
-    return target / ONNX_FILE
-
-
-@contextlib.contextmanager
-def _quiet_logs():
-    """ONNX Runtime's quantizer logs every node at INFO level; keep the CLI and tests quiet."""
-    previous = logging.root.manager.disable
-    logging.disable(logging.INFO)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
-
 
 OUTLIER_STEP = 0.3     # 8-bit step / input RMS above which a Linear layer stays float
 CALIBRATION_SHAPE = (2, 256)   # sequences x tokens of the calibration split that find the sensitive layers
@@ -197,6 +90,14 @@ def int8_keep_float(model: nn.Module, ids: torch.Tensor, threshold: float = OUTL
     """What integer INT8 keeps float: the outlier layers (`sensitive_linears` on ids [n, T]) and the
     LM head (`output_head_names`)."""
     return sorted(set(sensitive_linears(model, ids, threshold)) | set(output_head_names(model)))
+
+
+def int8_keep_float_for(model: nn.Module, tokenizer) -> list[str]:
+    """`int8_keep_float` on the built-in calibration split; without a tokenizer, the LM head alone
+    (the outlier layers need calibration text to be found)."""
+    if tokenizer is None:
+        return output_head_names(model)
+    return int8_keep_float(model, calibration_ids(tokenizer))
 
 
 def _fake_int8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,31 +167,6 @@ def state_bytes(model: nn.Module) -> int:
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     return buffer.tell()
-
-
-class OnnxLM(nn.Module):
-    """An ONNX Runtime session as a causal-LM-like module: forward(input_ids) -> .logits."""
-
-    def __init__(self, path, config, threads: int | None = None):
-        super().__init__()
-        import onnxruntime as ort
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = int(threads)
-        self.path = _onnx_file(path)
-        self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
-        self.config = config
-
-    def get_input_embeddings(self) -> nn.Module:
-        """A tensor-less stand-in, so `adapters.input_device` says the CPU: the ids go to ONNX
-        Runtime's CPU provider as numpy arrays."""
-        return nn.Identity()
-
-    def forward(self, input_ids, attention_mask=None, **_):
-        ids = torch.as_tensor(input_ids).long()                            # [B, T]
-        mask = torch.ones_like(ids) if attention_mask is None else attention_mask
-        logits = self.session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.long().numpy()})[0]
-        return SimpleNamespace(logits=torch.from_numpy(logits))            # [B, T, V]
 
 
 @dataclass

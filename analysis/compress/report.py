@@ -264,7 +264,8 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     stages = _with_ratios(stages)
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
                             stages=stages, curves=curves, rounds=[r.as_dict() for r in result.rounds],
-                            int8=int8_info, warnings=growth_warnings(stages[:n_torch]), compensation=comp)
+                            int8=int8_info, warnings=growth_warnings(stages[:n_torch]) + int8_warnings(int8_info),
+                            compensation=comp)
     return rep, result
 
 
@@ -285,7 +286,7 @@ def _curves(loaded, config, result, eval_text, train_data, should_stop) -> dict:
             for name, c in curves.items()}
 
 
-# INT8 stages: name -> ONNX Runtime method (analysis.compress.quantize.ONNX_METHODS); the PyTorch route after them
+# INT8 stages: name -> ONNX Runtime method (analysis.compress.export.onnx_int8.ONNX_METHODS); the PyTorch route after them
 ONNX_INT8 = {"INT8 weight-only (ONNX)": "weight-only", "INT8 integer (ONNX dynamic)": "dynamic"}
 TORCH_INT8 = "INT8 integer (PyTorch dynamic)"
 
@@ -293,8 +294,8 @@ TORCH_INT8 = "INT8 integer (PyTorch dynamic)"
 def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats):
     """The final model in float32 ONNX, its two ONNX INT8 files and PyTorch dynamic INT8, each
     measured against float32 in its own runtime (info[...]: agreement, speed-ups, sizes)."""
-    from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float, quantize_onnx,
-                                            torch_int8_report)
+    from analysis.compress.export.onnx_int8 import quantize_onnx
+    from analysis.compress.quantize import calibration_ids, compare_onnx, int8_keep_float, torch_int8_report
     small, _ = result.smaller()
     keep = int8_keep_float(small, calibration_ids(loaded.tokenizer))
     info, stages = {"keep_float": keep}, []
@@ -306,7 +307,7 @@ def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threa
                                       keep_float=keep if method == "dynamic" else ())
             cmp = compare_onnx(loaded, fp32.path, int8_file, eval_text, max_tokens=config.eval_tokens,
                                repeats=repeats, threads=threads)
-            info[method] = cmp.as_dict()
+            info[method] = {**cmp.as_dict(), "floor": floor_verdict(cmp.top1_agreement, cmp.perplexity_ratio, 8)}
             if not stages:
                 stages.append(replace(final, name="final (ONNX fp32)", size_mb=cmp.bytes_fp32 / 2 ** 20,
                                       prefill_ms=cmp.latency_ms_fp32, decode_ms=None, metric=cmp.perplexity_fp32,
@@ -319,6 +320,27 @@ def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threa
     stages.append(replace(final, name=TORCH_INT8, size_mb=t["bytes_int8"] / 2 ** 20, prefill_ms=t["latency_ms_int8"],
                           decode_ms=t["decode_ms_int8"], metric=t["metric_int8"], top1=t["accuracy_int8"]))
     return info, stages
+
+
+def floor_verdict(agreement: float, perplexity_ratio: float, bits: int) -> dict:
+    """Whether an INT8 stage keeps the export self-check's floor for `bits`-bit weights
+    (analysis.compress.export.selfcheck): what an export of that file would be refused below."""
+    from analysis.compress.export.selfcheck import floor_for
+    floor = floor_for(bits)
+    return {"agreement": floor.agreement, "perplexity_ratio": floor.perplexity_ratio,
+            "passed": bool(agreement >= floor.agreement and perplexity_ratio <= floor.perplexity_ratio)}
+
+
+def int8_warnings(info: dict | None) -> list[str]:
+    """A sentence for every ONNX INT8 stage below the self-check floor on this CPU."""
+    out = []
+    for name, method in ONNX_INT8.items():
+        c = (info or {}).get(method)
+        if c and not c["floor"]["passed"]:
+            out.append(f"stage '{name}' is below the INT8 floor on this CPU (top-1 agreement {c['top1_agreement']:.3f}, "
+                       f"floor {c['floor']['agreement']:.2f}; perplexity {c['perplexity_ratio']:.3g}x, floor "
+                       f"{c['floor']['perplexity_ratio']:.2f}x): a broken file, which the onnx-int8 export refuses.")
+    return out
 
 
 def speedup(c: dict, part: str, fp32: str, int8: str) -> float:
@@ -342,7 +364,8 @@ def int8_lines(info: dict) -> list[str]:
     rows = [f"- Kept in float32 by the integer routes: {', '.join(info['keep_float']) or 'nothing'}."]
     for method in ONNX_INT8.values():
         c = info[method]
-        rows.append(f"- ONNX {method}: top-1 agreement with fp32 {c['top1_agreement']:.3f}, perplexity "
+        below = "" if c.get("floor", {}).get("passed", True) else "**BELOW THE INT8 FLOOR (a broken file):** "
+        rows.append(f"- {below}ONNX {method}: top-1 agreement with fp32 {c['top1_agreement']:.3f}, perplexity "
                     f"{c['perplexity_ratio']:.3f}x, file {c['size_ratio']:.3f}x, prefill "
                     f"{speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} faster, 1-token forward "
                     f"{speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')} faster (ONNX Runtime, "

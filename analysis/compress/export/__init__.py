@@ -1,6 +1,7 @@
 """Exports of a pruned model: the atomic export folder (`folder`), mask.json (`records`), the format
 registry and its entry point (`formats`: `export`, `export_to`, `FORMATS`, `register_format`), and one
-module per format: `zeroed`, `pruned` (+ `load_pruned`), `stock` (+ `stock_check`), `onnx`, `gguf`.
+module per format: `zeroed`, `pruned` (+ `load_pruned`), `stock` (+ `stock_check`), `onnx`, `onnx_int8`,
+`gguf`; the self-check of the lossy ones (`selfcheck`).
 docs/EXPORT.md describes the files. Importing this package registers the built-in formats."""
 from analysis.compress.export.folder import (DEFAULT_EXPORT_ROOT, EXPORT_ROOT_ENV, NAME_RULE, ExportError,
                                              atomic_folder, check_export_name, clean_leftovers,
@@ -10,7 +11,7 @@ from analysis.compress.export.formats import (FORMATS, LAYOUT_FILE, WEIGHTS_FILE
                                               get_format, register_format)
 from analysis.compress.export.records import (MASK_FILE, TOOL, TOOL_VERSION, MaskRecord, mask_from_json,
                                               mask_record, read_mask_json)
-from analysis.compress.export import zeroed, pruned, stock, onnx, gguf  # noqa: E402  (registers the built-in formats)
+from analysis.compress.export import zeroed, pruned, stock, onnx, onnx_int8, gguf  # noqa: E402  (registers the built-in formats)
 from analysis.compress.export.onnx import ONNX_FILE, write_onnx
 from analysis.compress.export.pruned import load_pruned
 from analysis.compress.export.stock import StockCheck, stock_check, stock_sparsities

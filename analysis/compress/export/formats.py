@@ -24,6 +24,7 @@ from analysis.arch.adapters import in_memory_copy, is_dispatched
 from analysis.compress.export.folder import (atomic_folder, check_export_name, clean_leftovers, listing,
                                              resolve_under)
 from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
+from analysis.compress.export.selfcheck import read_self_checks
 from analysis.compress.surgery import HeadLayout, prune_heads
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, check_stop, no_progress
@@ -68,7 +69,10 @@ class ExportFormat:
               **options) -> HeadLayout | None:
         """Write the format's files into `folder` (a fresh temporary folder that becomes the export;
         mask.json, head_layout.json and the tokenizer are written by `export_to`). Returns the
-        HeadLayout of a physical cut, None for a full-shape one."""
+        HeadLayout of a physical cut, None for a full-shape one. `options` holds the format's own
+        options and `tokenizer` (or None), which a lossy format's self-check reads its held-back
+        tokens with; a lossy format writes what its self-check measured to self_check.json
+        (`analysis.compress.export.selfcheck`)."""
         raise NotImplementedError
 
 
@@ -126,7 +130,8 @@ class ExportResult:
     path: Path
     files: dict[str, int]
     layout: HeadLayout | None = None
-    notes: list[str] = field(default_factory=list)   # leftovers of killed exports cleaned or recovered
+    notes: list[str] = field(default_factory=list)   # leftovers cleaned, self-check lines
+    checks: list[dict] = field(default_factory=list)  # a lossy format's self-checks (self_check.json)
 
     @property
     def total_bytes(self) -> int:
@@ -167,12 +172,16 @@ def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord 
         report(0.0, note)
     report(0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
-        layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, **opts)
+        layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, tokenizer=tokenizer, **opts)
         _write_common(tmp, record, tokenizer, layout)
         check_stop(None, f"The {fmt} export")     # a signal during the write: the temporary folder goes
         report(0.9, f"{fmt} export: moving into place")
+    checks = read_self_checks(target)
+    for check in checks:
+        report(1.0, check["line"])
     report(1.0, f"{fmt} export written to {target}")
-    return ExportResult(format=fmt, path=target, files=listing(target), layout=layout, notes=notes)
+    return ExportResult(format=fmt, path=target, files=listing(target), layout=layout,
+                        notes=notes + [c["line"] for c in checks], checks=checks)
 
 
 def export(fmt: str, model: nn.Module, pruned, root, name: str, **kwargs) -> ExportResult:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from analysis.arch.adapters import input_device
 from analysis.compress.export.folder import ExportError
+from analysis.core.errors import InputError
 from analysis.compress.export.formats import FormatOption, PhysicalFormat, register_format
 
 ONNX_FILE = "model.onnx"
@@ -80,3 +82,37 @@ class OnnxFormat(PhysicalFormat):
         write_onnx(smaller, folder / ONNX_FILE, opset=int(opset))
         smaller.config.architectures = [type(smaller).__name__]
         smaller.config.save_pretrained(folder)
+
+
+def onnx_file(path) -> Path:
+    """model.onnx of an ONNX export folder (or the file itself); InputError if there is none."""
+    path = Path(path)
+    path = path / ONNX_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise InputError(f"{path} is not an ONNX file; export the model in the 'onnx' format first.")
+    return path
+
+
+class OnnxLM(nn.Module):
+    """An ONNX Runtime session as a causal-LM-like module: forward(input_ids) -> .logits."""
+
+    def __init__(self, path, config, threads: int | None = None):
+        super().__init__()
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = int(threads)
+        self.path = onnx_file(path)
+        self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
+        self.config = config
+
+    def get_input_embeddings(self) -> nn.Module:
+        """A tensor-less stand-in, so `adapters.input_device` says the CPU: the ids go to ONNX
+        Runtime's CPU provider as numpy arrays."""
+        return nn.Identity()
+
+    def forward(self, input_ids, attention_mask=None, **_):
+        ids = torch.as_tensor(input_ids).long()                            # [B, T]
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+        logits = self.session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.long().numpy()})[0]
+        return SimpleNamespace(logits=torch.from_numpy(logits))            # [B, T, V]
