@@ -52,16 +52,17 @@ from analysis.core.errors import InputError, OutputError, UnsupportedModelError
 GGUF_FILE = "model.gguf"
 
 # weight type -> (GGML type of 2-D weights written here or None = llama.cpp's quantizer,
-#                 llama_ftype name for general.file_type / llama_model_quantize)
-WEIGHT_TYPES: dict[str, tuple[str | None, str]] = {
-    "f32": ("F32", "ALL_F32"),
-    "f16": ("F16", "MOSTLY_F16"),
-    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
-    "q4_k_m": (None, "MOSTLY_Q4_K_M"),
-    "q5_k_m": (None, "MOSTLY_Q5_K_M"),
-    "q6_k": (None, "MOSTLY_Q6_K"),
-    "q4_0": (None, "MOSTLY_Q4_0"),       # 32-value blocks: fit any width that is a multiple of 32
-    "q4_1": (None, "MOSTLY_Q4_1"),       # (the built-in SmolLM2 file's type)
+#                 llama_ftype name for general.file_type / llama_model_quantize,
+#                 bits of the weights: which self-check floor a file of this type must keep)
+WEIGHT_TYPES: dict[str, tuple[str | None, str, int]] = {
+    "f32": ("F32", "ALL_F32", 32),
+    "f16": ("F16", "MOSTLY_F16", 16),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0", 8),
+    "q4_k_m": (None, "MOSTLY_Q4_K_M", 4),
+    "q5_k_m": (None, "MOSTLY_Q5_K_M", 5),
+    "q6_k": (None, "MOSTLY_Q6_K", 6),
+    "q4_0": (None, "MOSTLY_Q4_0", 4),    # 32-value blocks: fit any width that is a multiple of 32
+    "q4_1": (None, "MOSTLY_Q4_1", 4),    # (the built-in SmolLM2 file's type)
 }
 DEFAULT_WEIGHT_TYPE = "f16"
 # The type of the token embedding (and of output.weight) that llama.cpp's quantizer is told to use

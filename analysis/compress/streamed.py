@@ -36,7 +36,9 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from analysis.arch import resize
@@ -49,6 +51,7 @@ from analysis.compress.export.folder import ExportError, atomic_folder, clean_le
 from analysis.compress.export.formats import FORMATS, ExportResult, StreamSpec, _write_common
 from analysis.compress.export.pruned import _architecture_class
 from analysis.compress.export.records import TOOL, MaskRecord, mask_record
+from analysis.compress.export.selfcheck import read_self_checks
 from analysis.compress.export.stock import stock_config_for
 from analysis.compress.surgery import HeadLayout, select_heads
 from analysis.core.errors import InputError, ModelLoadError, UnsupportedModelError, first_line
@@ -433,10 +436,12 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
 
 def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, adapter, geometry,
                 layout: HeadLayout, progress: Progress | None, should_stop: ShouldStop | None,
-                gguf_type: str, gguf_embedding_type: str) -> None:
+                gguf_type: str, gguf_embedding_type: str) -> list[str]:
     """model.gguf through analysis.compress.gguf_writer: its plan from the cut's names and shapes, then
-    every tensor read (and cut) from the checkpoint when the writer asks for it, one at a time."""
-    from types import SimpleNamespace
+    every tensor read (and cut) from the checkpoint when the writer asks for it, one at a time. A lossy
+    type is self-checked against an F32 GGUF of the same cut in llama.cpp (written as a temporary, read
+    from the checkpoint a second time for q8_0 / f16) when that fits SELF_CHECK_MAX_F32; returns the
+    notes (a check not run says why)."""
     from analysis.compress import gguf_writer
     from analysis.compress.export.gguf import tokenizer_source
     items = {item.name: item for _, shard in shards for item in shard}
@@ -465,11 +470,57 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
 
     path = tmp / gguf_writer.GGUF_FILE
     needs_quantizer = gguf_writer.WEIGHT_TYPES[weight_type][0] is None
+    reference = _self_check_reference(plan, weight_type)   # the F32 file the self-check compares with
     first = path.with_name(path.name + ".f32.tmp") if needs_quantizer else path
-    gguf_writer.write_tensors(first, plan, fetch, lambda f, m: report(progress, 0.89 * f, f"gguf export: {m}"))
+    gguf_writer.write_tensors(first, plan, fetch, lambda f, m: report(progress, 0.8 * f, f"gguf export: {m}"))
     if needs_quantizer:
         gguf_writer.llama_quantize(first, path, weight_type, embedding_type=embedding_type)
+    if reference is not None and not needs_quantizer:       # q8_0 / f16 written directly: F32 written too
+        f32_plan = gguf_writer.plan_gguf(config, layout, "f32", shapes=shapes, name=str(folder.name),
+                                         tokenizer_gguf=tokenizer_source(holder))
+        first = path.with_name(path.name + ".f32.tmp")
+        gguf_writer.write_tensors(first, f32_plan, fetch, lambda f, m: report(progress, 0.8 + 0.09 * f,
+                                                                             f"self-check reference: {m}"))
+    notes = []
+    if reference is not None:
+        report(progress, 0.89, f"gguf export: self-check of {weight_type} against F32 in llama.cpp")
+        from analysis.compress.export.gguf import llamacpp_logits, self_check_gguf
+        from analysis.compress.export.selfcheck import held_back_windows, write_self_checks
+        text = held_back_windows(_folder_tokenizer(folder), SimpleNamespace(config=config))
+        n_ctx = max(len(w) for w in text.windows)
+        check = self_check_gguf(path, weight_type, text, llamacpp_logits(first, n_ctx), "the F32 GGUF in llama.cpp")
+        write_self_checks(tmp, [check])
+    elif gguf_writer.WEIGHT_TYPES[weight_type][2] < 32:
+        notes.append(f"not self-checked: the F32 reference of this checkpoint would take "
+                     f"{_f32_bytes(plan) / 2**30:.1f} GiB (more than {SELF_CHECK_MAX_F32 / 2**30:.0f} GiB); measure "
+                     f"the file with `python -m analysis deploy-report` before you ship it.")
+    if first != path and first.exists():
         first.unlink()
+    return notes
+
+
+SELF_CHECK_MAX_F32 = 4 * 2**30       # the largest F32 reference a streamed GGUF export writes for its self-check
+
+
+def _f32_bytes(plan) -> int:
+    return 4 * sum(int(np.prod(spec.shape)) for spec in plan.tensors)
+
+
+def _self_check_reference(plan, weight_type: str):
+    """True when a lossy streamed GGUF export is self-checked (its F32 reference fits SELF_CHECK_MAX_F32),
+    else None (said in a note)."""
+    from analysis.compress import gguf_writer
+    lossy = gguf_writer.WEIGHT_TYPES[weight_type][2] < 32
+    return True if lossy and _f32_bytes(plan) <= SELF_CHECK_MAX_F32 else None
+
+
+def _folder_tokenizer(folder: Path):
+    """The checkpoint folder's own tokenizer (offline), or None: the self-check then uses random ids."""
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except Exception:                       # no tokenizer files, or ones transformers cannot read
+        return None
 
 
 def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | None = None,
@@ -515,8 +566,8 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     report(progress, 0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
         if spec.writer == "gguf":
-            _write_gguf(tmp, config, folder, shards, names, roles, adapter, geometry, layout, progress, should_stop,
-                        **opts)
+            notes += _write_gguf(tmp, config, folder, shards, names, roles, adapter, geometry, layout, progress,
+                                 should_stop, **opts)
         else:
             _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, progress, should_stop)
         if out_config is not None:
@@ -526,8 +577,10 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
             if (folder / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(folder / name, tmp / name)
         report(progress, 0.9, f"{fmt} export: moving into place")
+    checks = read_self_checks(target)
     report(progress, 1.0, f"{fmt} export written to {target}")
-    return ExportResult(format=fmt, path=target, files=listing(target), layout=layout, notes=notes)
+    return ExportResult(format=fmt, path=target, files=listing(target), layout=layout,
+                        notes=notes + [c["line"] for c in checks], checks=checks)
 
 
 def checkpoint_has_qkv_bias(folder: Path, adapter: Adapter) -> bool:
