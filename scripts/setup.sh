@@ -42,20 +42,23 @@ install_torch() {
   fi
 }
 
-install_chromium() {
-  command -v chromium >/dev/null 2>&1 && return 0
+apt_install() {  # apt_install COMMAND PACKAGE WHAT: the Debian package for a test tool, when root is there
+  local command=$1 package=$2 what=$3
+  command -v "$command" >/dev/null 2>&1 && return 0
   local sudo=()
   if [ "$(id -u)" -ne 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo=(sudo -n); else
-      echo "setup: chromium is missing and root is not available; the browser test will be skipped." >&2
+      echo "setup: $package is missing and root is not available; $what will be skipped." >&2
       return 0
     fi
   fi
-  command -v apt-get >/dev/null 2>&1 || { echo "setup: no apt-get; install chromium yourself for the browser test." >&2; return 0; }
-  echo "setup: installing chromium (browser test)"
-  { "${sudo[@]}" apt-get install -y chromium || { "${sudo[@]}" apt-get update && "${sudo[@]}" apt-get install -y chromium; }; } >/dev/null ||
-    echo "setup: could not install chromium; the browser test will be skipped." >&2
+  command -v apt-get >/dev/null 2>&1 || { echo "setup: no apt-get; install $package yourself for $what." >&2; return 0; }
+  echo "setup: installing $package ($what)"
+  { "${sudo[@]}" apt-get install -y "$package" || { "${sudo[@]}" apt-get update && "${sudo[@]}" apt-get install -y "$package"; }; } >/dev/null ||
+    echo "setup: could not install $package; $what will be skipped." >&2
 }
+
+install_chromium() { apt_install chromium chromium "the browser test"; }
 
 setup() {
   if [ ! -x "$PY" ]; then
@@ -84,5 +87,9 @@ mkdir -p "$VENV"
 if command -v flock >/dev/null 2>&1; then
   exec 9>"$VENV/.setup.lock"
   flock 9
+fi
+if [ "${1:-}" = "--test-tools" ]; then   # scripts/test.sh: tools only the tests use
+  [ "$(uname -m)" = "x86_64" ] && apt_install qemu-x86_64 qemu-user "the emulated-AVX2 ONNX Runtime tests"
+  exit 0
 fi
 setup
