@@ -39,6 +39,7 @@ REPORT_FILES = ("report.json", "report.md", "ppl_vs_sparsity.png")
 # the section of docs/results.md that bench/bench_recovery.py --write-docs owns (scripts/results.py keeps it)
 RECOVERY_MARKERS = ("<!-- recovery:begin -->", "<!-- recovery:end -->")
 EDGE_MARKERS = ("<!-- edge:begin -->", "<!-- edge:end -->")          # bench/bench_gguf.py's section
+FRONTIER_MARKERS = ("<!-- frontier:begin -->", "<!-- frontier:end -->")  # bench/bench_frontier.py's section
 
 
 @dataclass

@@ -1,0 +1,350 @@
+"""Benchmark: the compression frontier of SmolLM2-135M in llama.cpp, and iterative vs one-shot recovery
+(issue 35; a result, not a test).
+
+1. Iterative vs one-shot at the same budget (--parts iterative). For each scorer (--scorers: the head
+   gate and MP-G) and target (--targets: 25 % and 50 %), under the groups policy (whole KV groups:
+   the model never grows): the one-shot cut without recovery, and the cut reached in one round, in
+   rounds of 12.5 % and in rounds of 6.25 % of the heads (--steps-per-target), every schedule with the
+   same total distillation steps (--total-steps, split evenly over its rounds) of the same batch, so
+   the same tokens. Every final model: held-out perplexity on --eval-tokens tokens of the evaluation
+   split (non-overlapping windows of --window, 95 % bootstrap CI over windows, the same resamples for
+   every row) and next-token top-1 accuracy; the per-round metric on the pipeline's own 512 tokens.
+2. The frontier (--parts frontier). File size against llama.cpp's perplexity on the same held-out
+   tokens (windows as above, CIs by the same bootstrap): the dense model at F16, Q8_0, Q6_K, Q5_K_M,
+   Q4_K_M and Q4_0 (--dense-types), and the pruned + recovered models (the one-round runs of part 1
+   at the targets, plus one-round runs at --extra-targets, default 12.5 %) at Q8_0, Q5_K_M and Q4_K_M
+   (--pruned-types). Every GGUF is written by the gguf export (so it is self-checked), measured by
+   llama.cpp with its f16 KV cache. The Pareto frontier (no other point both smaller and lower), a
+   plot (docs/data/frontier.png) and the verdict in words.
+
+Numbers go to --save-json (default docs/data/frontier.json) after every run, so a long run can stop
+and resume (--resume skips what the file holds); --write-docs renders the section between the
+frontier markers of docs/results.md from that file.
+
+Usage: nice -n 10 .venv/bin/python -m bench.bench_frontier [--parts iterative,frontier] [--total-steps 240]
+       [--eval-tokens 16384] [--scorers gate,mp-g] [--resume] [--write-docs] [--quick]
+--quick: MP-G only, 25 % only, 4 steps, 1024 tokens: checks the script in a few minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from analysis.arch.models import load_model
+from analysis.compress import llamacpp
+from analysis.compress.distill import DistillConfig
+from analysis.compress.export import export
+from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline
+from analysis.compress.report import FRONTIER_MARKERS
+from analysis.compress.surgery import prune_heads
+from analysis.core.atomic import atomic_write, write_section
+from analysis.core.text import evaluation_text
+from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, causal_windows, token_ids
+from bench._timing import load_average
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKERS = FRONTIER_MARKERS
+SCORER_LABELS = {"mp-g": "MP-G", "gate": "head gate"}
+
+
+class HeldOut:
+    """The evaluation ids, the windows and the bootstrap resamples every row shares (PyTorch and llama.cpp)."""
+
+    def __init__(self, loaded, args):
+        self.ids = token_ids(loaded.tokenizer, evaluation_text(), max_tokens=args.eval_tokens)      # [N]
+        self.window, self.n_boot = args.window, args.bootstrap
+        self.evaluator = CausalPerplexity(window=args.window, stride=args.window, batch_size=8)
+
+    def _row(self, sums: np.ndarray, counts: np.ndarray, correct: float | None) -> dict:
+        boot = bootstrap_perplexity(sums[None], counts, self.n_boot)[:, 0]                        # [n]
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        return {"ppl": float(np.exp(sums.sum() / counts.sum())), "lo": float(lo), "hi": float(hi),
+                "top1": correct, "tokens": int(counts.sum())}
+
+    def torch_row(self, model) -> dict:
+        sums, correct, counts = self.evaluator.window_stats(model, self.ids)                      # [1, W] x2, [W]
+        return self._row(sums[0], counts, float(correct.sum() / counts.sum()))
+
+    def gguf_row(self, path: Path) -> dict:
+        ids = self.ids.numpy()
+        windows = causal_windows(len(ids), self.window, self.window)
+        sums, counts = np.zeros(len(windows)), np.zeros(len(windows))
+        with llamacpp.llama_log():
+            llm = llamacpp.load(path, n_ctx=self.window, kv_type="f16")
+        for i, w in enumerate(windows):
+            rows = llamacpp.logits(llm, ids[w.begin:w.end]).astype(np.float64)                     # [w, V]
+            scored, targets = rows[-w.n_target - 1:-1], ids[w.end - w.n_target:w.end]             # [n, V], [n]
+            m = scored.max(axis=1)
+            lse = m + np.log(np.exp(scored - m[:, None]).sum(axis=1))                              # [n]
+            sums[i], counts[i] = float((lse - scored[np.arange(len(targets)), targets]).sum()), w.n_target
+        return {**self._row(sums, counts, None), "bytes": path.stat().st_size}
+
+
+def distill_config(args) -> DistillConfig:
+    return DistillConfig(steps=args.total_steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,
+                         warmup_steps=args.warmup, precision=args.precision, temperature=args.temperature,
+                         max_sequences=args.max_sequences, max_seconds=None)
+
+
+def schedule_name(target: float, step: float) -> str:
+    return "one round" if step >= target else f"rounds of {step:.2%}".replace(".00%", "%")
+
+
+def run_schedule(loaded, held: HeldOut, scorer: str, target: float, step: float, args) -> tuple[dict, object]:
+    """One schedule: the pipeline to `target` in rounds of `step`, args.total_steps split over its rounds."""
+    base = PipelineConfig(target_sparsity=target, step=step, scorer=scorer, policy="groups",
+                          distill=distill_config(args), eval_tokens=512)
+    rounds = len(run_rounds(loaded, base))
+    cfg = replace(base, recovery_steps=max(1, args.total_steps // rounds))
+    start = time.perf_counter()
+    result = run_pipeline(loaded, cfg)
+    small, _ = result.smaller()
+    row = {**held.torch_row(small), "rounds": rounds, "steps_per_round": cfg.recovery_steps,
+           "steps": sum(len(r.history) for r in result.rounds), "n_pruned": int(result.pruned.sum()),
+           "per_round": [{"sparsity": r.sparsity, "cut": r.metric_cut, "recovered": r.metric} for r in result.rounds],
+           "seconds": time.perf_counter() - start, "precision": result.rounds[-1].precision}
+    print(f"  {SCORER_LABELS[scorer]} {target:.1%} {schedule_name(target, step)}: {row['rounds']} rounds x "
+          f"{row['steps_per_round']} steps, ppl {row['ppl']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}], top-1 "
+          f"{row['top1']:.3f}, {row['seconds']:.0f} s; rounds {row['per_round']}", flush=True)
+    return row, result
+
+
+def run_rounds(loaded, cfg: PipelineConfig) -> list[int]:
+    from analysis.compress.pipeline import policy_unit, round_counts
+    g = loaded.geometry
+    return round_counts(cfg.target_sparsity, cfg.step, g.n_total_heads, policy_unit("groups", g))
+
+
+def one_shot(loaded, held: HeldOut, scorer: str, target: float) -> dict:
+    result = run_pipeline(loaded, PipelineConfig(target_sparsity=target, step=target, scorer=scorer, policy="groups",
+                                                 eval_tokens=512))
+    small, _ = prune_heads(loaded.model, result.pruned)
+    return {**held.torch_row(small), "rounds": 1, "steps": 0, "n_pruned": int(result.pruned.sum())}
+
+
+def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], folder: Path, out: dict) -> None:
+    """Write `result`'s model (None: the dense model) at each GGUF type and measure it in llama.cpp."""
+    for gguf_type in types:
+        key = f"{label} {gguf_type}"
+        if key in out["frontier"]:
+            continue
+        name = f"g{len(out['frontier'])}"
+        if result is None:
+            pruned = np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), bool)
+            written = export("gguf", loaded.model, pruned, folder, name, tokenizer=loaded.tokenizer, gguf_type=gguf_type)
+        else:
+            written = export_round("gguf", result.model, result.pruned, result.head_rounds, folder, name,
+                                   tokenizer=loaded.tokenizer, gguf_type=gguf_type)
+        row = {**held.gguf_row(written.path / "model.gguf"), "label": label, "type": gguf_type,
+               "self_check": written.checks[-1]["line"] if written.checks else "F32/F16 reference"}
+        out["frontier"][key] = row
+        print(f"  {key}: {row['bytes'] / 2**20:.1f} MiB, llama.cpp ppl {row['ppl']:.2f} [{row['lo']:.2f}, "
+              f"{row['hi']:.2f}]", flush=True)
+
+
+def pareto(points: dict) -> list[str]:
+    """Keys of the points no other point beats in both size and perplexity, by size."""
+    keys = sorted(points, key=lambda k: (points[k]["bytes"], points[k]["ppl"]))
+    front, best = [], math.inf
+    for k in keys:
+        if points[k]["ppl"] < best:
+            front.append(k)
+            best = points[k]["ppl"]
+    return front
+
+
+def verdict(points: dict) -> list[str]:
+    """In words: which pruned points are on the frontier, and against the best dense file at or below
+    their size, by how much."""
+    front = set(pareto(points))
+    dense = {k: p for k, p in points.items() if p["label"] == "dense"}
+    lines = []
+    for k, p in sorted(points.items(), key=lambda kv: kv[1]["bytes"]):
+        if p["label"] == "dense":
+            continue
+        smaller = [d for d in dense.values() if d["bytes"] <= p["bytes"]]
+        ref = min(smaller, key=lambda d: d["ppl"]) if smaller else None
+        where = "on the frontier" if k in front else "not on the frontier"
+        against = ("no dense file is this small" if ref is None else
+                   f"best dense file at or below its size: {ref['type']} {ref['bytes'] / 2**20:.1f} MiB, ppl "
+                   f"{ref['ppl']:.2f} ({p['ppl'] / ref['ppl'] - 1:+.1%})")
+        lines.append(f"- {k}: {p['bytes'] / 2**20:.1f} MiB, ppl {p['ppl']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}]: {where}; "
+                     f"{against}")
+    return lines
+
+
+def plot(points: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=150)
+    try:
+        for label in sorted({p["label"] for p in points.values()}, key=lambda s: (s != "dense", s)):
+            group = sorted((p for p in points.values() if p["label"] == label), key=lambda p: p["bytes"])
+            x = [p["bytes"] / 2**20 for p in group]
+            y = [p["ppl"] for p in group]
+            err = [[p["ppl"] - p["lo"] for p in group], [p["hi"] - p["ppl"] for p in group]]
+            ax.errorbar(x, y, yerr=err, marker="o" if label == "dense" else "s", capsize=2, label=label,
+                        linestyle="-" if label == "dense" else ":")
+            for p, xi, yi in zip(group, x, y):
+                ax.annotate(p["type"], (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        front = [points[k] for k in pareto(points)]
+        ax.step([p["bytes"] / 2**20 for p in front], [p["ppl"] for p in front], where="post", color="black",
+                alpha=0.4, linewidth=3, label="Pareto frontier")
+        ax.set_xlabel("GGUF file (MiB)")
+        ax.set_ylabel("llama.cpp perplexity (held-out, 95 % CI)")
+        ax.set_title("SmolLM2-135M: size vs perplexity, dense quantized vs pruned + recovered + quantized")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+def markdown(out: dict) -> str:
+    a = out["args"]
+    lines = [MARKERS[0], "", "## The compression frontier and iterative recovery (bench/bench_frontier.py)", "",
+             f"Measured {out['when']} on {out['machine']} ({out['threads']} threads), load average "
+             f"{out['load']}. Command: `{out['command']}`.", "",
+             f"Held-out: {a['eval_tokens']:,} tokens of the evaluation split in windows of {a['window']}, 95 % "
+             f"bootstrap CIs over windows ({a['bootstrap']} resamples, the same for every row). Recovery: "
+             f"{a['total_steps']} distillation steps in all per schedule (batch {a['batch']} x {a['seq']} tokens, "
+             f"lr {a['lr']:g}, precision {a['precision']}), split evenly over the schedule's rounds; groups policy.", ""]
+    if out.get("iterative"):
+        lines += ["### Iterative vs one-shot at the same budget", "",
+                  "| scorer | target | schedule | rounds x steps | perplexity [95 % CI] | top-1 | per round (cut -> recovered) |",
+                  "|---|---|---|---|---|---:|---|"]
+        for key, row in out["iterative"].items():
+            scorer, target, schedule = key.split("|")
+            steps = "none" if not row["steps"] else f"{row['rounds']} x {row['steps_per_round']}"
+            per_round = "; ".join(f"{r['sparsity']:.1%}: {r['cut']:.1f} -> {r['recovered']:.1f}"
+                                  for r in row.get("per_round", []))
+            lines.append(f"| {SCORER_LABELS.get(scorer, scorer)} | {float(target):.1%} | {schedule} | {steps} | "
+                         f"{row['ppl']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}] | {row['top1']:.3f} | {per_round} |")
+        lines.append("")
+    if out.get("frontier"):
+        lines += ["### Size against llama.cpp perplexity", "", "![frontier](data/frontier.png)", "",
+                  "| model | type | file MiB | perplexity [95 % CI] | on the frontier |", "|---|---|---:|---|---|"]
+        front = set(pareto(out["frontier"]))
+        for key, p in sorted(out["frontier"].items(), key=lambda kv: kv[1]["bytes"]):
+            lines.append(f"| {p['label']} | {p['type']} | {p['bytes'] / 2**20:.1f} | {p['ppl']:.2f} [{p['lo']:.2f}, "
+                         f"{p['hi']:.2f}] | {'yes' if key in front else ''} |")
+        lines += ["", "Per pruned file:", *verdict(out["frontier"]), ""]
+    lines.append(MARKERS[1])
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="iterative,frontier")
+    p.add_argument("--scorers", default="gate,mp-g")
+    p.add_argument("--targets", default="0.25,0.5")
+    p.add_argument("--steps-per-target", dest="steps_per_target", default="0.125,0.0625",
+                   help="round sizes of the iterative schedules (besides one round)")
+    p.add_argument("--extra-targets", dest="extra_targets", default="0.125",
+                   help="one-round recovered cuts for the frontier only")
+    p.add_argument("--total-steps", dest="total_steps", type=int, default=240)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    p.add_argument("--max-sequences", dest="max_sequences", type=int, default=2048)
+    p.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=16384)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--bootstrap", type=int, default=1000)
+    p.add_argument("--dense-types", dest="dense_types", default="f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0")
+    p.add_argument("--pruned-types", dest="pruned_types", default="q8_0,q5_k_m,q4_k_m")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-dir", dest="cache_dir", default=None)
+    p.add_argument("--save-json", dest="save_json", default=str(ROOT / "docs" / "data" / "frontier.json"))
+    p.add_argument("--resume", action="store_true", help="skip the runs --save-json already holds")
+    p.add_argument("--write-docs", dest="write_docs", action="store_true")
+    p.add_argument("--render-only", dest="render_only", action="store_true",
+                   help="only render docs/results.md's section (and the plot) from --save-json")
+    p.add_argument("--quick", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.scorers, args.targets, args.steps_per_target, args.extra_targets = "mp-g", "0.25", "0.125", ""
+        args.total_steps, args.eval_tokens, args.bootstrap = 4, 1024, 50
+        args.dense_types, args.pruned_types = "f16,q8_0", "q8_0"
+    save = Path(args.save_json)
+    out = json.loads(save.read_text()) if (args.resume or args.render_only) and save.is_file() else {}
+    if not args.render_only:
+        run(args, out, save)
+    if out.get("frontier"):
+        plot(out["frontier"], save.with_suffix(".png"))
+    if args.write_docs:
+        write_section(ROOT / "docs" / "results.md", markdown(out), *MARKERS)
+    print(markdown(out))
+    return 0
+
+
+def run(args, out: dict, save: Path) -> None:
+    import torch
+    torch.set_num_threads(args.threads)
+    out.update(args={k: v for k, v in vars(args).items() if k not in ("resume", "write_docs", "render_only")},
+               command="python -m bench.bench_frontier " + shlex.join(sys.argv[1:]), machine=platform.processor()
+               or platform.machine(), threads=args.threads, when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    out.setdefault("iterative", {})
+    out.setdefault("frontier", {})
+
+    def saved():
+        out["load"] = load_average()
+        atomic_write(save, json.dumps(out, indent=1), encoding="utf-8")
+
+    loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
+    held = HeldOut(loaded, args)
+    parts = set(args.parts.split(","))
+    scorers = [s for s in args.scorers.split(",") if s]
+    targets = [float(t) for t in args.targets.split(",") if t]
+    steps = [float(s) for s in args.steps_per_target.split(",") if s]
+    extra = [float(t) for t in args.extra_targets.split(",") if t]
+    with tempfile.TemporaryDirectory(prefix="bench-frontier-") as tmp:
+        folder = Path(tmp)
+        if "frontier" in parts:
+            gguf_points(loaded, held, None, "dense", args.dense_types.split(","), folder, out)
+            saved()
+        for scorer in scorers:
+            for target in targets + (extra if "frontier" in parts else []):
+                schedules = [target] + ([s for s in steps if s < target] if "iterative" in parts and target in targets
+                                        else [])
+                if "iterative" in parts and target in targets:
+                    key = f"{scorer}|{target}|one-shot, no recovery"
+                    if key not in out["iterative"]:
+                        out["iterative"][key] = one_shot(loaded, held, scorer, target)
+                        saved()
+                for step in schedules:
+                    key = f"{scorer}|{target}|{schedule_name(target, step)}"
+                    label = f"{SCORER_LABELS[scorer]} {target:.1%}"
+                    wants_gguf = "frontier" in parts and step >= target and any(
+                        f"{label} {t}" not in out["frontier"] for t in args.pruned_types.split(","))
+                    if key in out["iterative"] and not wants_gguf:
+                        continue
+                    row, result = run_schedule(loaded, held, scorer, target, step, args)
+                    if target in targets:
+                        out["iterative"][key] = row
+                    if wants_gguf:
+                        gguf_points(loaded, held, result, label, args.pruned_types.split(","), folder, out)
+                    saved()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
