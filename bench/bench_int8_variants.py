@@ -13,13 +13,12 @@ average). Variants:
 - static QDQ (quantize_static, per-channel weights, MinMax or Percentile calibration on the
   calibration split), at the default keep set.
 
-Usage: nice -n 10 .venv/bin/python bench/bench_int8_variants.py [--tokens 2048] [--ks 0,8,16,29,48]
+Usage: nice -n 10 .venv/bin/python -m bench.bench_int8_variants [--tokens 2048] [--ks 0,8,16,29,48]
        [--variants keep,options,static] [--cache-dir DIR]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import warnings
@@ -28,8 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from bench._timing import compare, load_average  # noqa: E402
 from analysis.arch.models import load_model  # noqa: E402
 from analysis.compress.export import export  # noqa: E402
