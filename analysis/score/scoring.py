@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from analysis.arch.hooks import attached
 from analysis.measure.ablation import FastAblation, head_ablation
 from analysis.arch.adapters import Adapter, HeadWeights, adapter_for, input_device, is_offloaded
 from analysis.measure.attribution import gate_loss_fn, integrated_gate_gradients
@@ -521,7 +522,6 @@ def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
     """Forward pre-hooks on each layer's Q (or fused QKV) and O projections accumulating input stats."""
     L = subject.geometry.n_layers
     stats = InputStats(att=[None] * L, out=[None] * L)
-    handles = []
 
     def make_hook(layer: int, slot: str):
         def hook(module, args):
@@ -535,16 +535,12 @@ def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
                 stats.tokens += x.shape[0]
         return hook
 
-    try:
+    with attached() as hooks:
         for layer in range(L):
             mods = subject.adapter.projection_modules(subject.model, layer)
-            first = mods["q"] if "q" in mods else mods["qkv"]
-            handles.append(first.register_forward_pre_hook(make_hook(layer, "att")))
-            handles.append(mods["o"].register_forward_pre_hook(make_hook(layer, "out")))
+            hooks.before(mods["q"] if "q" in mods else mods["qkv"], make_hook(layer, "att"))
+            hooks.before(mods["o"], make_hook(layer, "out"))
         yield stats
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: ScoringCost,
