@@ -256,7 +256,6 @@ class DirectLogitDetector:
     name = "dla"
     threshold = 0.1        # logits: a head "writes the answer" when it adds >= 0.1 to it on average
     unit = "logit"
-    needs_text = True
 
     def __init__(self, batch_size: int = 2):
         self.batch_size = max(1, batch_size)
