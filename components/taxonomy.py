@@ -21,21 +21,21 @@ def _fold(title: str, body: str) -> None:
 # -- cached calls ---------------------------------------------------------------------------------
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def detections(name: str, how, names: tuple, text: str | None, max_tokens: int, _progress=None,
+def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=None,
                _should_stop=None):
     """analysis.measure.detectors.detect_heads for `names` on the dense model (text: None = built-in)."""
     from analysis.measure.detectors import detect_heads
-    with cache.exclusive(name, how, _progress, _should_stop) as lm:
+    with cache.exclusive(key, _progress, _should_stop) as lm:
         return detect_heads(lm, list(names), text, max_tokens=max_tokens, progress=_progress,
                             should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def sentence_dla(name: str, how, sentence: str):
+def sentence_dla(key, sentence: str):
     """(tokens, per-token head DLA [T-1, L, H], parts) of one sentence."""
     from analysis.measure.dla import logit_parts
     from analysis.measure.evaluation import token_ids
-    with cache.exclusive(name, how) as lm:
+    with cache.exclusive(key) as lm:
         ids = token_ids(lm.tokenizer, sentence, max_tokens=64)
         parts = logit_parts(lm.model, ids[None])
         tokens = [lm.tokenizer.decode([int(t)]) for t in ids]
@@ -43,9 +43,9 @@ def sentence_dla(name: str, how, sentence: str):
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def mpg(name: str, how, z: float):
+def mpg(key, z: float):
     from analysis.score.specialization import mpg_scores
-    return mpg_scores(cache.load(name, how), z)
+    return mpg_scores(cache.load(key), z)
 
 
 # -- figures -----------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def section(lm) -> None:
                                      step=64, key=state.widget_key("heads.taxonomy.tokens", value=128)))
         result = cache.run_button("Run the head detectors", button_key="heads.taxonomy", slot="heads.taxonomy",
                                   run_key=(lm.name, names, tokens), fn=detections,
-                                  args=(lm.name, state.load_options(), names, None, tokens),
+                                  args=(state.model_key(), names, None, tokens),
                                   label="Detecting head roles",
                                   stale_note="The settings changed since the last run; press the button again.")
         if result is not None:
@@ -168,7 +168,7 @@ def _sentence_dla(lm) -> None:
     sentence = st.text_input("Sentence for the per-token view (edit it)", key=state.widget_key(
         "heads.dla.sentence", value="The cat sat on the mat. The cat sat on the mat."))
     with shown_errors("Direct logit attribution"):
-        tokens, per_token, parts = sentence_dla(lm.name, state.load_options(), sentence)
+        tokens, per_token, parts = sentence_dla(state.model_key(), sentence)
         st.plotly_chart(token_heads_heatmap(per_token, tokens), width="stretch", key="heads.dla_tokens")
         gap = float(np.abs(parts.total() - parts.logit).max())
         st.caption(f"Heads + embeddings + MLPs + biases rebuild the correct-token logit to within {gap:.1e}.")
@@ -180,7 +180,7 @@ def _specialization(lm, result: dict) -> None:
     from components import views
     st.markdown("#### Does MP find the specialized heads?")
     with shown_errors("MP-G versus roles"):
-        scores = mpg(lm.name, state.load_options(), 2.0)
+        scores = mpg(state.model_key(), 2.0)
         strengths = strengths_of(result)
         tests = role_tests(scores.scores, strengths, n_permutations=10_000, seed=0)
         st.dataframe([dict(role=t.role, heads_with_role=t.n_with_role, auc=round(t.auc, 3),
