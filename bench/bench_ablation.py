@@ -12,7 +12,7 @@ naive / fast-1 is what prefix reuse buys, fast-1 / fast what batching buys. The 
 (a 576 x 49152 projection per token and ablation) cannot be shared; its median share of each run's
 time is printed too (hooks on the output embeddings time it in the naive run).
 
-    .venv/bin/python bench/bench_ablation.py [--tokens 64] [--layer-step 1] [--repeats 3] [--max-rounds 13]
+    .venv/bin/python -m bench.bench_ablation [--tokens 64] [--layer-step 1] [--repeats 3] [--max-rounds 13]
 --layer-step k sweeps layers 0, k, 2k, ... (evenly spread, so the average suffix length stays
 representative) to fit a slow machine; --repeats is the least number of rounds. Target: naive /
 fast >= 1.5x (median per-round ratio), same numbers (max |difference| <= 1e-4 of the largest effect).
@@ -20,13 +20,9 @@ fast >= 1.5x (median per-round ratio), same numbers (max |difference| <= 1e-4 of
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 TARGET = 1.5
 

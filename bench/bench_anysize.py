@@ -23,7 +23,7 @@ written files fsync'ed. Then a 70B shape (80 layers, 64 / 8 heads, hidden 8192, 
 the config-only plan of all 80 layers (meta skeleton, layout, counts, stock check; no tensors)
 and a real streamed export of a checkpoint with --big-layers of its layers.
 
-    .venv/bin/python bench/bench_anysize.py [--scratch /work/tmp-anysize] [--pairs 5 --max-pairs 9] [--cold]
+    .venv/bin/python -m bench.bench_anysize [--scratch /work/tmp-anysize] [--pairs 5 --max-pairs 9] [--cold]
         [--checkpoint DIR (reuse one written with --keep)] [--score-only | --export-only]
         [--layers 32 --heads 32 --kv-heads 8 --hidden 4096 --ffn 14336 --vocab 128256 --shards 4]
         [--big-layers 2] [--skip-70b] [--skip-8b] [--export-only] [--keep]
@@ -42,9 +42,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from bench._timing import compare  # noqa: E402  (after the path: run as a script)
+from bench._timing import compare  # noqa: E402
 
 GIB = 2**30
 GIB_RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
@@ -131,8 +130,7 @@ def _numel(shape):
 
 CHILD = r"""
 import json, os, sys, time
-sys.path.insert(0, sys.argv[1])
-mode, folder, out = sys.argv[2], sys.argv[3], sys.argv[4]
+mode, folder, out = sys.argv[1], sys.argv[2], sys.argv[3]     # run with cwd = the repository root (`bench.`)
 from pathlib import Path
 import numpy as np
 
@@ -202,7 +200,7 @@ elif mode == "randmask":           # a 25% groups mask from seeded random scores
 elif mode == "export":
     from analysis.compress.export import read_mask_json
     from analysis.compress.streamed import export_checkpoint
-    record = read_mask_json(sys.argv[5])
+    record = read_mask_json(sys.argv[4])
     start = time.perf_counter()
     result = export_checkpoint("pruned", folder, record.pruned(), out, record=record)
     seconds = time.perf_counter() - start
@@ -252,7 +250,7 @@ def _drop_cache(folder: Path) -> None:
 def run_child(argv: list[str]) -> tuple[dict, float, int]:
     """(the child's JSON line, wall seconds of the whole process, peak RSS in bytes)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -264,7 +262,7 @@ def run_child(argv: list[str]) -> tuple[dict, float, int]:
 
 
 def py_child(mode: str, folder: Path, out: Path, *extra) -> list[str]:
-    return [sys.executable, "-c", CHILD, str(ROOT), mode, str(folder), str(out), *map(str, extra)]
+    return [sys.executable, "-c", CHILD, mode, str(folder), str(out), *map(str, extra)]
 
 
 def write(folder: Path, *shape) -> int:

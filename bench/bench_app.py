@@ -11,7 +11,7 @@ average; the target is judged on the median per-pair ratio):
   rerun      the sparsity or the z slider of the last opened page moves (back and forth, in turn),
              and the rerun it triggers
 
-    .venv/bin/python bench/bench_app.py [--pairs 5] [--max-pairs 13]
+    .venv/bin/python -m bench.bench_app [--pairs 5] [--max-pairs 13]
 Target: rerun after a slider move / first run <= 0.10 (median of the interleaved pairs).
 """
 import argparse
@@ -21,7 +21,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 TARGET = 0.10
 

@@ -21,7 +21,7 @@ Then page switches through the sidebar (issue 20): a click on a page's link -> i
 and its script run ended, cycling through every page `--switches` times in all; the p50 is printed
 beside the slider's.
 
-    .venv/bin/python bench/bench_browser.py [--moves 20] [--reruns 10] [--max-reruns 21] [--switches 16]   (2-4 minutes)
+    .venv/bin/python -m bench.bench_browser [--moves 20] [--reruns 10] [--max-reruns 21] [--switches 16]   (2-4 minutes)
 --reruns is the least number of interleaved pairs (key press, full rerun), --max-reruns the most.
 Targets: p50 key press -> redrawn heatmap <= 0.2 s (issue 12), p50 page switch <= 1 s (issue 20),
 on a quiet machine.
@@ -35,8 +35,6 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench._timing import compare  # noqa: E402
 from tests.e2e.serving import chromium, served_app  # noqa: E402

@@ -15,13 +15,12 @@ average). Variants:
 - static QDQ (quantize_static, per-channel weights, MinMax or Percentile calibration on the
   calibration split), at the default keep set.
 
-Usage: nice -n 10 .venv/bin/python bench/bench_int8_variants.py [--tokens 2048] [--ks 0,8,16,29,48]
+Usage: nice -n 10 .venv/bin/python -m bench.bench_int8_variants [--tokens 2048] [--ks 0,8,16,29,48]
        [--variants keep,options,static,weights] [--cache-dir DIR]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 import warnings
@@ -30,18 +29,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench._timing import compare, load_average  # noqa: E402
-from analysis.arch.models import load_model  # noqa: E402
-from analysis.compress.export import export  # noqa: E402
-from analysis.compress.export.onnx import OnnxLM  # noqa: E402
-from analysis.compress.export.onnx_int8 import quiet_logs, weight_matmuls  # noqa: E402
-from analysis.compress.quantize import (calibration_ids, int8_keep_float, int8_output_errors,  # noqa: E402
+from bench._timing import compare, load_average
+from analysis.arch.models import load_model
+from analysis.compress.export import export
+from analysis.compress.export.onnx import OnnxLM
+from analysis.compress.export.onnx_int8 import quiet_logs, weight_matmuls
+from analysis.compress.quantize import (calibration_ids, int8_keep_float, int8_output_errors,
                                         output_head_names)
-from analysis.compress.speed import torch_threads  # noqa: E402
-from analysis.core.text import evaluation_text  # noqa: E402
-from analysis.measure.evaluation import token_ids  # noqa: E402
+from analysis.compress.speed import torch_threads
+from analysis.core.text import evaluation_text
+from analysis.measure.evaluation import token_ids
 
 
 def windows_of(ids: torch.Tensor, window: int = 256) -> list[torch.Tensor]:

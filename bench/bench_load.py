@@ -5,17 +5,15 @@ config checks, the adapter lookup and the meta-device memory estimate. The runs 
 (A B, B A, ...) in one process so both see the same machine load; medians are compared.
 Also prints the one-time GGUF -> safetensors conversion cost, measured in a fresh cache folder.
 
-    .venv/bin/python bench/bench_load.py [--repeats 7]
+    .venv/bin/python -m bench.bench_load [--repeats 7]
 Target: load_model / from_pretrained <= 1.2x.
 """
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402

@@ -6,18 +6,14 @@ same machine load; medians are compared. The plain loop is the perplexity guide'
 per forward with labels (-100 on the overlap), the model's own loss. Ours batches windows of
 the same shape and computes logits only at the scored positions (`logits_to_keep`).
 
-    .venv/bin/python bench/bench_perplexity.py [--tokens 1024] [--window 256] [--stride 128]
+    .venv/bin/python -m bench.bench_perplexity [--tokens 1024] [--window 256] [--stride 128]
 Target: throughput ratio ours / HF >= 1.0 with the same perplexity (relative difference <= 1e-4).
 """
 import argparse
 import os
 import statistics
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench._timing import compare  # noqa: E402
 

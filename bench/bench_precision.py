@@ -5,23 +5,19 @@ the contenders alternate every round (`bench/_timing.alternate_times`) so machin
 alike, and medians are compared. "offloaded" is float32 placed by accelerate with
 --offload-mib of CPU budget (the other blocks read from an offload folder on every forward).
 
-    .venv/bin/python bench/bench_precision.py [--tokens 512] [--repeats 3] [--offload-mib 420]
+    .venv/bin/python -m bench.bench_precision [--tokens 512] [--repeats 3] [--offload-mib 420]
 No target: bfloat16 speed on a CPU depends on its bfloat16 units (AVX512-BF16 / AMX), which this
 script reports from /proc/cpuinfo; the perplexities are printed next to the times.
 """
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from _timing import alternate_times, compare  # noqa: E402
+from bench._timing import alternate_times, compare  # noqa: E402
 
 
 def cpu_bf16_units() -> str:

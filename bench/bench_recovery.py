@@ -28,7 +28,7 @@
 4. INT8 against fp32 in the same runtime (part of 1): top-1 agreement, perplexity ratio, file ratio,
    prefill@128 and 1-token latency (ONNX Runtime), and PyTorch dynamic INT8 (prefill, KV-cache decode).
 
-Usage: nice -n 10 .venv/bin/python bench/bench_recovery.py [--sparsities 0.125,0.25,0.5]
+Usage: nice -n 10 .venv/bin/python -m bench.bench_recovery [--sparsities 0.125,0.25,0.5]
        [--scorers mp-g,gate] [--minutes 20] [--steps 300] [--eval-tokens 16384] [--threads 2]
        [--parts recovery,int8,precision,formats] [--compare-at 0.25] [--int8-scorers mp-g]
        [--note "why the budget is what it is"] [--write-docs] [--quick]
@@ -53,7 +53,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 
@@ -276,14 +275,29 @@ def run_line(k: int, run: dict, a, several: bool) -> str:
 def markdown(out: dict, note: str = "") -> str:
     """docs/results.md's recovery section from a saved document (`as_runs` form): every run's command
     and budget (parsed from the command it saved), every row tagged with the run that measured it."""
-    dense, runs = out["dense"], out["runs"]
-    several = len(runs) > 1
-    settings_of = [command_settings(r["command"]) for r in runs]
-    first = settings_of[0]
+    several = len(out["runs"]) > 1
+    settings_of = [command_settings(r["command"]) for r in out["runs"]]
 
     def tag(entry) -> str:
         return f" (run {entry.get('run', 0) + 1})" if several else ""
 
+    lines = _header_lines(out, settings_of, note)
+    for sparsity, by_scorer in sorted(out.get("recovery", {}).items(), key=lambda kv: float(kv[0])):
+        lines += _cut_lines(out, sparsity, by_scorer, tag, settings_of)
+    lines += target_lines(out, tag) + [""]
+    if "precision" in out:
+        lines += _precision_lines(out["precision"], tag, settings_of)
+    if "formats" in out:
+        lines += _format_lines(out["formats"], tag, settings_of)
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(out: dict, settings_of: list, note: str) -> list[str]:
+    """The section's title, the commands that regenerate it, what was measured how, and the dense row."""
+    dense, runs = out["dense"], out["runs"]
+    several = len(runs) > 1
+    first = settings_of[0]
     commands = []
     for k, run in enumerate(runs):
         commands += ([f"# run {k + 1}, {run['date']}"] if several else []) + [run["command"]]
@@ -307,83 +321,91 @@ def markdown(out: dict, note: str = "") -> str:
              f"**Dense: perplexity {_ci(dense)}, top-1 {dense['top1']:.3f}, {out['dense_size']['params']:,} "
              f"parameters, {out['dense_size']['mb']:.1f} MB safetensors, {out['dense_size']['kv']:,} KV bytes / "
              f"token.**", ""]
-    for sparsity, by_scorer in sorted(out.get("recovery", {}).items(), key=lambda kv: float(kv[0])):
-        lines += [f"### {float(sparsity):.1%} of heads pruned", "",
-                  "| scorer | variant | perplexity [95 % CI] | top-1 (x dense) | parameters | file | KV bytes / token | "
-                  "seconds |", "|---|---|---:|---:|---:|---|---:|---:|"]
-        for scorer, res in by_scorer.items():
-            for name, row in res["rows"].items():
-                kind = "INT8 ONNX" if "ONNX" in name else "safetensors"
-                lines.append(f"| {SCORER_LABELS.get(scorer, scorer)}{tag(res)} | {name} | {_ci(row)} | {row['top1']:.3f} "
-                             f"({row['top1'] / dense['top1']:.3f}x) | {row['params']:,} "
-                             f"({row['params'] / out['dense_size']['params']:.3f}x) | {row['mb']:.1f} MB {kind} "
-                             f"({row['mb'] / out['dense_size']['mb']:.3f}x) | {row['kv']:,} "
-                             f"({row['kv'] / out['dense_size']['kv']:.3f}x) | {row['seconds']:.0f} |")
-        lines.append("")
-        for scorer, res in by_scorer.items():
-            one, rec = res["rows"]["one-shot"]["ppl"], res["rows"]["recovered"]["ppl"]
-            gap = (one - rec) / (one - dense["ppl"]) if one > dense["ppl"] else float("nan")
-            lines.append(f"- {SCORER_LABELS.get(scorer, scorer)}{tag(res)}: {res['n_pruned']} heads; recovery closes "
-                         f"{gap:.0%} of the one-shot gap; recovered / dense perplexity {rec / dense['ppl']:.3f}x; "
-                         f"held-out curve (step: perplexity on the first "
-                         f"{settings_of[res.get('run', 0)].curve_tokens} tokens): "
-                         + (", ".join(f"{s}: {v:.2f}" for s, v in res["curve"]) or "none"))
-            if "int8" in res:
-                i = res["int8"]
-                c, w, t = i["dynamic"], i["weight-only"], i["torch"]
-                lines.append(f"  INT8 vs its fp32 in the same runtime -- ONNX integer: top-1 agreement "
-                             f"{c['top1_agreement']:.3f}, perplexity {c['perplexity_ratio']:.3f}x, file "
-                             f"{c['size_ratio']:.3f}x, prefill@128 {speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} "
-                             f"faster, 1-token forward {speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')}; ONNX "
-                             f"weight-only: agreement {w['top1_agreement']:.3f}, file {w['size_ratio']:.3f}x, prefill "
-                             f"{speedup_text(w, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}; PyTorch dynamic: agreement "
-                             f"{t['top1_agreement']:.3f}, perplexity {t['metric_int8'] / t['metric_fp32']:.3f}x, prefill "
-                             f"{speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, decode "
-                             f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')}. Kept float: "
-                             f"{', '.join(i['keep_float'])}.")
-        lines.append("")
-    lines += target_lines(out, tag) + [""]
-    if "precision" in out:
-        p = out["precision"]
-        s = p["seconds_per_step"]
-        lo, hi = p.get("ratio_range", (float("nan"),) * 2)
-        load = p.get("load", ((), ()))
-        a = settings_of[p.get("run", 0)]
-        timed = ("steps 2 on of each call timed: a real run builds AdamW's state once"
-                 if p.get("steady", False) else "set-up such as the optimizer's included in each")
-        lines += [f"Recovery step throughput{tag(p)} (CPU bf16 units: {'yes' if p['bf16_units'] else 'no'}), "
-                  f"{p['repeats']} interleaved fp32 / bf16 pairs of {p['steps']}-step distill() calls ({timed}; "
-                  f"bench/_timing.compare; spread "
-                  f"{'settled' if p.get('converged') else 'not settled'}; load average "
-                  f"{load_text(load[0])} before, {load_text(load[1])} after): "
-                  f"fp32 {s['fp32']['median']:.2f} s/step (min "
-                  f"{s['fp32']['min']:.2f}, max {s['fp32']['max']:.2f}), bf16 autocast {s['bf16']['median']:.2f} "
-                  f"(min {s['bf16']['min']:.2f}, max {s['bf16']['max']:.2f}): bf16 {p['ratio']:.2f}x (median of the "
-                  f"per-pair fp32 / bf16 ratios; min {lo:.2f}, max {hi:.2f})"
-                  + (f"; perplexity after {a.precision_steps} steps fp32 {p['final_ppl']['fp32']:.3f}, bf16 "
-                     f"{p['final_ppl']['bf16']:.3f} ({p['ppl_ratio']:.3f}x)." if "final_ppl" in p else "."),
-                  "bf16 autocast runs the matmuls of both forwards and of the backward in bfloat16; the master "
-                  "weights, their gradients, AdamW's state and the loss (log-softmax, KL, cross-entropy) stay float32"
-                  + (", and so does the student's attention core (SDPA: its bfloat16 backward is the slower one on "
-                     "CPUs, analysis/arch/attention.py); AdamW is torch's fused kernel." if p.get("steady", False)
-                     else "."),
-                  ""]
-    if "formats" in out:
-        f = out["formats"]
-        lines += [f"The 25 % model in every export format{tag(f)} (bytes on disk vs dense in the same format; "
-                  f"{settings_of[f.get('run', 0)].format_steps} recovery steps: sizes do not depend on them):", "",
-                  "| format | dense | pruned 25 % | ratio |", "|---|---:|---:|---:|"]
-        for fmt in FORMATS:
-            d, q = f[fmt]["dense"], f[fmt]["pruned"]
-            ok = isinstance(d, int) and isinstance(q, int)
-            cells = [f"{v / 2**20:.1f} MB" if isinstance(v, int) else f"not written: {v}" for v in (d, q)]
-            lines.append(f"| {fmt} | {cells[0]} | {cells[1]} | {f'{q / d:.3f}x' if ok else 'n/a'} |")
-        lines += ["", f"Parameters {f['parameters'][1]:,} vs {f['parameters'][0]:,} "
-                      f"({f['parameters'][1] / f['parameters'][0]:.3f}x); KV bytes / token {f['kv'][1]:,} vs "
-                      f"{f['kv'][0]:,} ({f['kv'][1] / f['kv'][0]:.3f}x). The zeroed format keeps the full shapes "
-                      f"by design (pruned heads are zero rows), so it is never smaller.", ""]
-    lines.append(END)
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _cut_lines(out: dict, sparsity, by_scorer: dict, tag, settings_of: list) -> list[str]:
+    """One sparsity's table (every scorer's variants) and, per scorer, its recovery and INT8 lines."""
+    dense = out["dense"]
+    lines = [f"### {float(sparsity):.1%} of heads pruned", "",
+              "| scorer | variant | perplexity [95 % CI] | top-1 (x dense) | parameters | file | KV bytes / token | "
+              "seconds |", "|---|---|---:|---:|---:|---|---:|---:|"]
+    for scorer, res in by_scorer.items():
+        for name, row in res["rows"].items():
+            kind = "INT8 ONNX" if "ONNX" in name else "safetensors"
+            lines.append(f"| {SCORER_LABELS.get(scorer, scorer)}{tag(res)} | {name} | {_ci(row)} | {row['top1']:.3f} "
+                         f"({row['top1'] / dense['top1']:.3f}x) | {row['params']:,} "
+                         f"({row['params'] / out['dense_size']['params']:.3f}x) | {row['mb']:.1f} MB {kind} "
+                         f"({row['mb'] / out['dense_size']['mb']:.3f}x) | {row['kv']:,} "
+                         f"({row['kv'] / out['dense_size']['kv']:.3f}x) | {row['seconds']:.0f} |")
+    lines.append("")
+    for scorer, res in by_scorer.items():
+        one, rec = res["rows"]["one-shot"]["ppl"], res["rows"]["recovered"]["ppl"]
+        gap = (one - rec) / (one - dense["ppl"]) if one > dense["ppl"] else float("nan")
+        lines.append(f"- {SCORER_LABELS.get(scorer, scorer)}{tag(res)}: {res['n_pruned']} heads; recovery closes "
+                     f"{gap:.0%} of the one-shot gap; recovered / dense perplexity {rec / dense['ppl']:.3f}x; "
+                     f"held-out curve (step: perplexity on the first "
+                     f"{settings_of[res.get('run', 0)].curve_tokens} tokens): "
+                     + (", ".join(f"{s}: {v:.2f}" for s, v in res["curve"]) or "none"))
+        if "int8" in res:
+            i = res["int8"]
+            c, w, t = i["dynamic"], i["weight-only"], i["torch"]
+            lines.append(f"  INT8 vs its fp32 in the same runtime -- ONNX integer: top-1 agreement "
+                         f"{c['top1_agreement']:.3f}, perplexity {c['perplexity_ratio']:.3f}x, file "
+                         f"{c['size_ratio']:.3f}x, prefill@128 {speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} "
+                         f"faster, 1-token forward {speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')}; ONNX "
+                         f"weight-only: agreement {w['top1_agreement']:.3f}, file {w['size_ratio']:.3f}x, prefill "
+                         f"{speedup_text(w, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}; PyTorch dynamic: agreement "
+                         f"{t['top1_agreement']:.3f}, perplexity {t['metric_int8'] / t['metric_fp32']:.3f}x, prefill "
+                         f"{speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, decode "
+                         f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')}. Kept float: "
+                         f"{', '.join(i['keep_float'])}.")
+    lines.append("")
+    return lines
+
+
+def _precision_lines(p: dict, tag, settings_of: list) -> list[str]:
+    """The fp32 vs bf16 step-throughput paragraph."""
+    s = p["seconds_per_step"]
+    lo, hi = p.get("ratio_range", (float("nan"),) * 2)
+    load = p.get("load", ((), ()))
+    a = settings_of[p.get("run", 0)]
+    timed = ("steps 2 on of each call timed: a real run builds AdamW's state once"
+             if p.get("steady", False) else "set-up such as the optimizer's included in each")
+    return [f"Recovery step throughput{tag(p)} (CPU bf16 units: {'yes' if p['bf16_units'] else 'no'}), "
+              f"{p['repeats']} interleaved fp32 / bf16 pairs of {p['steps']}-step distill() calls ({timed}; "
+              f"bench/_timing.compare; spread "
+              f"{'settled' if p.get('converged') else 'not settled'}; load average "
+              f"{load_text(load[0])} before, {load_text(load[1])} after): "
+              f"fp32 {s['fp32']['median']:.2f} s/step (min "
+              f"{s['fp32']['min']:.2f}, max {s['fp32']['max']:.2f}), bf16 autocast {s['bf16']['median']:.2f} "
+              f"(min {s['bf16']['min']:.2f}, max {s['bf16']['max']:.2f}): bf16 {p['ratio']:.2f}x (median of the "
+              f"per-pair fp32 / bf16 ratios; min {lo:.2f}, max {hi:.2f})"
+              + (f"; perplexity after {a.precision_steps} steps fp32 {p['final_ppl']['fp32']:.3f}, bf16 "
+                 f"{p['final_ppl']['bf16']:.3f} ({p['ppl_ratio']:.3f}x)." if "final_ppl" in p else "."),
+              "bf16 autocast runs the matmuls of both forwards and of the backward in bfloat16; the master "
+              "weights, their gradients, AdamW's state and the loss (log-softmax, KL, cross-entropy) stay float32"
+              + (", and so does the student's attention core (SDPA: its bfloat16 backward is the slower one on "
+                 "CPUs, analysis/arch/attention.py); AdamW is torch's fused kernel." if p.get("steady", False)
+                 else "."),
+              ""]
+
+
+def _format_lines(f: dict, tag, settings_of: list) -> list[str]:
+    """The 25 % model's bytes on disk in every export format."""
+    lines = [f"The 25 % model in every export format{tag(f)} (bytes on disk vs dense in the same format; "
+              f"{settings_of[f.get('run', 0)].format_steps} recovery steps: sizes do not depend on them):", "",
+              "| format | dense | pruned 25 % | ratio |", "|---|---:|---:|---:|"]
+    for fmt in FORMATS:
+        d, q = f[fmt]["dense"], f[fmt]["pruned"]
+        ok = isinstance(d, int) and isinstance(q, int)
+        cells = [f"{v / 2**20:.1f} MB" if isinstance(v, int) else f"not written: {v}" for v in (d, q)]
+        lines.append(f"| {fmt} | {cells[0]} | {cells[1]} | {f'{q / d:.3f}x' if ok else 'n/a'} |")
+    lines += ["", f"Parameters {f['parameters'][1]:,} vs {f['parameters'][0]:,} "
+                  f"({f['parameters'][1] / f['parameters'][0]:.3f}x); KV bytes / token {f['kv'][1]:,} vs "
+                  f"{f['kv'][0]:,} ({f['kv'][1] / f['kv'][0]:.3f}x). The zeroed format keeps the full shapes "
+                  f"by design (pruned heads are zero rows), so it is never smaller.", ""]
+    return lines
 
 
 def not_reached(out: dict, run: int, args) -> list[str]:
@@ -526,9 +548,10 @@ def settings(argv: list[str], p: argparse.ArgumentParser | None = None) -> argpa
 
 
 def command_settings(command: str) -> argparse.Namespace:
-    """`settings` of a saved command line ("nice -n 10 .venv/bin/python bench/bench_recovery.py ...")."""
+    """`settings` of a saved command line ("nice -n 10 .venv/bin/python -m bench.bench_recovery ...", or a
+    document saved before the benches ran as modules: "... python bench/bench_recovery.py ...")."""
     words = shlex.split(command)
-    script = next(i for i, w in enumerate(words) if w.endswith("bench_recovery.py"))
+    script = next(i for i, w in enumerate(words) if w.endswith("bench_recovery.py") or w == "bench.bench_recovery")
     return settings(words[script + 1:])
 
 
@@ -572,7 +595,7 @@ def start_document(args, command: str) -> tuple[dict, int]:
 def main() -> int:
     p = parser()
     args = settings(sys.argv[1:], p)
-    command = "nice -n 10 .venv/bin/python bench/bench_recovery.py " + " ".join(
+    command = "nice -n 10 .venv/bin/python -m bench.bench_recovery " + " ".join(
         shlex.quote(a) for a in sys.argv[1:])
     if args.from_json:
         section = markdown(as_runs(json.loads(Path(args.from_json).read_text())), args.note)

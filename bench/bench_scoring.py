@@ -19,7 +19,7 @@ load average; the targets are judged on the median per-pair ratio):
    with --no-wide). The mask update does not depend on the width; rescoring does.
                                                                                target >= 100x
 
-    .venv/bin/python bench/bench_scoring.py [--repeats 7] [--cache-dir DIR]
+    .venv/bin/python -m bench.bench_scoring [--repeats 7] [--cache-dir DIR]
 """
 
 import argparse
@@ -33,7 +33,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402

@@ -31,7 +31,7 @@ against a deep copy then `apply_layout` of the same layout (what prune_heads did
   collection before and the result freed after each timed call (bench/_timing.py); ratio =
   median over rounds of deep-copy time / prune_heads time. target >= 2x
 
-Usage: .venv/bin/python bench/bench_surgery.py [--threads 1] [--repeats 9] [--seq 512] [--full]
+Usage: .venv/bin/python -m bench.bench_surgery [--threads 1] [--repeats 9] [--seq 512] [--full]
        [--tiny]   (a 4-layer random Llama instead of SmolLM2, for developing the script)
        [--cost-only]   (only the surgery cost, no prefill timing)
 --masks uniform,global picks masks; --full adds analysis.compress.speed.measure's report for the first
@@ -44,12 +44,10 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis.arch.adapters import adapter_for  # noqa: E402
 from analysis.score.masks import plan_mask  # noqa: E402

@@ -10,8 +10,8 @@ Items (each prints its numbers and PASS / FAIL / SKIP; a failing item does not s
 6. the multi-process ablation sweep (`python -m analysis ablate` under `accelerate launch`) on every
    visible GPU vs one process: the same numbers (==) and the speed-up (target >= 0.8 x N for N > 1 GPUs).
 
-    .venv/bin/python bench/gpu_check.py                       # on a GPU machine (device cuda)
-    .venv/bin/python bench/gpu_check.py --device cpu --quick  # smoke test anywhere: a tiny random model
+    .venv/bin/python -m bench.gpu_check                       # on a GPU machine (device cuda)
+    .venv/bin/python -m bench.gpu_check --device cpu --quick  # smoke test anywhere: a tiny random model
 
 Timings synchronize the device around every timed call; every ratio comes from interleaved rounds
 (bench/_timing.compare_rounds: min / median / max of each side and of the per-round ratio, the load
@@ -34,7 +34,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

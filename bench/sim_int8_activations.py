@@ -10,20 +10,16 @@ give every token (row) its own scale, symmetric or asymmetric. Kept float: "head
 weights (the ceiling any activation scheme can reach with these weights); "activations" only the
 inputs.
 
-Usage: nice -n 10 .venv/bin/python bench/sim_int8_activations.py [--tokens 2048] [--window 256]
+Usage: nice -n 10 .venv/bin/python -m bench.sim_int8_activations [--tokens 2048] [--window 256]
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from analysis.arch.models import load_model  # noqa: E402
 from analysis.compress.quantize import _fake_int8, calibration_ids, int8_keep_float, output_head_names  # noqa: E402

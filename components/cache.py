@@ -1,15 +1,15 @@
 """Cached calls into `analysis/`: the model by name, its norm profile once, scores by parameters.
 
-- `load(name, how)`: `st.cache_resource`, one shared LoadedModel per (name, how); `how` is
-  `state.load_options()`: trust_remote_code and the placement (device, dtype, device_map,
-  max_memory, offload folder), so a model loaded in bfloat16 or offloaded is another entry
-  (a bare bool is trust_remote_code with the default placement). Nobody mutates it: masks are
+- `load(key)`: `st.cache_resource`, one shared LoadedModel per `state.ModelKey` (the model's name,
+  trust_remote_code and the placement: device, dtype, device_map, max_memory, offload folder; or
+  weights only), so a model loaded in bfloat16 or offloaded is another entry. Every cached call
+  per model takes the same key first. Nobody mutates it: masks are
   hooks inside `analysis.arch.head_gates.head_mask`, surgery builds a twin that shares the untouched
   weights and only reads them (distillation un-shares its student first).
-- `profile(name, how)`: `st.cache_resource`, the row norms, computed once per model. Moving z
+- `profile(key)`: `st.cache_resource`, the row norms, computed once per model. Moving z
   or the sparsity never recomputes them (everything z-dependent is an array op on this).
-- `scores(name, how, scorer, params)`: `st.cache_data`, keyed by model name and load options,
-  scorer and its parameters (a sorted tuple of pairs).
+- `scores(key, scorer, params)`: `st.cache_data`, keyed by the model key, the scorer and its
+  parameters (a sorted tuple of pairs).
 
 Arguments starting with "_" (progress and stop callbacks) are not part of a cache key.
 Progress inside a cached function writes to a bar created outside it; `progress_bar` turns off
@@ -30,7 +30,7 @@ from analysis.core.progress import Progress
 
 from . import state
 from .errors import show_exception
-from .state import LoadHow
+from .state import ModelKey
 
 try:  # Streamlit internal: lets a progress bar outside a cached function be updated from inside it
     from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function as _in_cached
@@ -79,14 +79,13 @@ def stop_button(work: str, label: str = "Stop"):
 # -- cached calls ------------------------------------------------------------------------------
 
 @st.cache_resource(show_spinner=False, max_entries=3)
-def load(name: str, how: LoadHow = False, _progress: Progress | None = None, _should_stop=None):
-    """The shared LoadedModel for `name` loaded `how` (never mutate it)."""
+def load(key: ModelKey, _progress: Progress | None = None, _should_stop=None):
+    """The shared LoadedModel of `key` (never mutate it)."""
     from analysis.arch import models
-    if state.is_weights_only_how(how):          # a checkpoint folder: structure on the meta device, no weights
-        return models.open_weights_only(name, trust_remote_code=bool(how[1]))
-    trust, placement = state.load_parts(how)
-    loaded = models.load_model(name, trust_remote_code=trust, progress=_progress, should_stop=_should_stop,
-                               **placement)
+    if key.weights_only:                        # a checkpoint folder: structure on the meta device, no weights
+        return models.open_weights_only(key.name, trust_remote_code=key.trust)
+    loaded = models.load_model(key.name, trust_remote_code=key.trust, progress=_progress, should_stop=_should_stop,
+                               **key.load_kwargs())
     settle_heap()
     return loaded
 
@@ -104,15 +103,15 @@ def settle_heap() -> None:
 
 
 @st.cache_resource(show_spinner=False, max_entries=3)
-def profile(name: str, how: LoadHow = False, _progress: Progress | None = None, _should_stop=None):
+def profile(key: ModelKey, _progress: Progress | None = None, _should_stop=None):
     """Row norms of every layer, computed once per model."""
     from analysis.measure import profiles
-    lm = load(name, how)
-    if state.is_weights_only_how(how):          # streamed from the files, one layer at a time
+    lm = load(key)
+    if key.weights_only:                        # streamed from the files, one layer at a time
         from analysis.measure.streaming import profile_checkpoint
         return profile_checkpoint(lm.source, progress=_progress, should_stop=_should_stop,
-                                  trust_remote_code=bool(how[1]))
-    return profiles.profile_model(lm.model, adapter=lm.adapter, source=name, progress=_progress,
+                                  trust_remote_code=key.trust)
+    return profiles.profile_model(lm.model, adapter=lm.adapter, source=key.name, progress=_progress,
                                   should_stop=_should_stop)
 
 
@@ -130,7 +129,7 @@ def model_or_stop():
     slot = stop_button(f"Loading {name}") if cold else None
     try:
         with progress_bar(f"Loading {name}") as report:
-            lm = load(name, state.load_options(), _progress=report, _should_stop=state.stop_check() if cold else None)
+            lm = load(state.model_key(), _progress=report, _should_stop=state.stop_check() if cold else None)
         from analysis.score.masks import default_policy
         from analysis.score.scoring import default_scorer
         state.follow_model("scorer", default_scorer(lm.geometry.group_size))
@@ -150,16 +149,15 @@ def model_or_stop():
 
 def profile_or_stop():
     """The current model's norm profile (computed once, with progress); stops the page on failure."""
-    name = state.get("model")
     if state.weights_only():                    # streaming every layer from disk: progress per layer, stoppable
-        prof = cached_call(profile, name, state.load_options(), label="Streaming the row norms from the checkpoint",
+        prof = cached_call(profile, state.model_key(), label="Streaming the row norms from the checkpoint",
                            stoppable=True)
         if prof is None:
             st.stop()
         return prof
     try:
         with progress_bar("Computing row norms") as report:
-            return profile(name, state.load_options(), _progress=report)
+            return profile(state.model_key(), _progress=report)
     except Exception as err:  # noqa: BLE001
         show_exception(err, "Computing row norms")
     st.stop()
@@ -201,23 +199,23 @@ def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Ca
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def param_count(name: str, how: LoadHow = False) -> int:
+def param_count(key: ModelKey) -> int:
     """Parameters of the loaded model (shared tensors counted once)."""
     from analysis.arch.models import count_parameters
-    return count_parameters(load(name, how).model)
+    return count_parameters(load(key).model)
 
 
 # -- scores, masks, evaluation -----------------------------------------------------------------
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def has_qkv_bias(name: str, how: LoadHow = False) -> bool:
+def has_qkv_bias(key: ModelKey) -> bool:
     """Whether the attention projections carry biases (for the parameter count of a mask)."""
-    lm = load(name, how)
+    lm = load(key)
     return lm.adapter.has_qkv_bias(lm.model)
 
 
 @st.cache_resource(show_spinner=False)
-def _model_lock(name: str, how: LoadHow) -> threading.RLock:
+def _model_lock(key: ModelKey) -> threading.RLock:
     return threading.RLock()
 
 
@@ -225,7 +223,7 @@ LOCK_POLL_S = 0.25
 
 
 @contextmanager
-def exclusive(name: str, how: LoadHow, progress: Progress | None = None, should_stop=None):
+def exclusive(key: ModelKey, progress: Progress | None = None, should_stop=None):
     """Yields the shared LoadedModel with its lock held, for work that runs or copies it.
 
     Masks are forward hooks on the shared model, so two runs at once (two sessions, or a rerun
@@ -237,8 +235,8 @@ def exclusive(name: str, how: LoadHow, progress: Progress | None = None, should_
     lock) until its next Streamlit call. A blocking wait would make no Streamlit call either,
     so the new run could not be interrupted by Stop and the page froze on a stale bar; the
     wait polls, reporting progress (a point where Streamlit can interrupt) and the stop flag."""
-    lm = load(name, how)
-    lock = _model_lock(name, how)
+    lm = load(key)
+    lock = _model_lock(key)
     while not lock.acquire(timeout=LOCK_POLL_S):
         check_stop(should_stop, "Waiting for another computation on this model")
         if progress is not None:
@@ -252,93 +250,93 @@ def exclusive(name: str, how: LoadHow, progress: Progress | None = None, should_
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
-def scores(name: str, how: LoadHow, scorer: str, params: tuple, _progress=None, _should_stop=None):
-    """HeadScores of `scorer` with `params` (a params_key tuple) on model `name`.
+def scores(key: ModelKey, scorer: str, params: tuple, _progress=None, _should_stop=None):
+    """HeadScores of `scorer` with `params` (a params_key tuple) on the model of `key`.
 
     Weight-only scorers read the cached norm profile (never the weights again); calibration
     scorers run the model (under its lock)."""
     from analysis.score import scoring
     instance = scoring.get_scorer(scorer, **dict(params))
     if not type(instance).needs_calibration:
-        return instance.score(profile(name, how), progress=_progress, should_stop=_should_stop)
-    if state.is_weights_only_how(how):
+        return instance.score(profile(key), progress=_progress, should_stop=_should_stop)
+    if key.weights_only:
         raise HeadscopeError(f"The {scorer!r} scorer runs calibration text through the model, and this checkpoint "
                              f"is open weights only: load the model on the Model page, or pick one of "
                              f"{', '.join(scoring.weight_only_scorers())}.")
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return instance.score(lm, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
-def evaluate_masks(name: str, how: LoadHow, pruned, text: str | None, max_tokens: int,
+def evaluate_masks(key: ModelKey, pruned, text: str | None, max_tokens: int,
                    _progress=None, _should_stop=None):
     """`analysis.measure.evaluation.evaluate` of the masks pruned [B, L, H] on `text` (None = built-in)."""
     from analysis.measure import evaluation
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return evaluation.evaluate(lm, text, pruned=pruned, max_tokens=max_tokens, progress=_progress,
                                    should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def z_sweep(name: str, how: LoadHow, sparsity: float, options: tuple, max_tokens: int,
+def z_sweep(key: ModelKey, sparsity: float, options: tuple, max_tokens: int,
             _progress=None, _should_stop=None):
     """`analysis.score.sweep.sweep_z` at one sparsity; options: params_key of scorer/scope/ord/a_q/a_kv/policy."""
     from analysis.score import sweep
-    prof = profile(name, how)
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    prof = profile(key)
+    with exclusive(key, _progress, _should_stop) as lm:
         calib, held_out, metric, higher = sweep.split_evaluators(lm, max_tokens=max_tokens)
         return sweep.sweep_z(prof, sparsity, calib, held_out, metric=metric, higher_is_better=higher,
                              evaluate_all=True, progress=_progress, should_stop=_should_stop, **dict(options))
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def sparsity_curve(name: str, how: LoadHow, scorer: str, params: tuple, policy: tuple, levels: tuple,
-                   max_tokens: int, _progress=None, _should_stop=None):
+def sparsity_curve(key: ModelKey, scorer: str, params: tuple, policy: str, min_per_layer: int,
+                   levels: tuple, max_tokens: int, _progress=None, _should_stop=None):
     """Metric vs sparsity for one scorer, masks from `analysis.score.masks.plan_mask` with `policy`."""
     from analysis.score import curves, masks
-    head_scores = scores(name, how, scorer, params)            # before taking the lock (see exclusive)
-    pol = dict(policy)
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    head_scores = scores(key, scorer, params)            # before taking the lock (see exclusive)
+    with exclusive(key, _progress, _should_stop) as lm:
         def mask_fn(_, s):
-            return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, **pol).pruned
+            return masks.plan_mask(head_scores, s, group_size=lm.geometry.group_size, policy=policy,
+                                   min_per_layer=min_per_layer).pruned
 
         return curves.sparsity_curve(lm, head_scores.scores, sparsities=list(levels), mask_fn=mask_fn,
                                      max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def ablation(name: str, how: LoadHow, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+def ablation(key: ModelKey, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.measure.ablation.head_ablation`: the loss change when each head alone is removed."""
     from analysis.measure import ablation as ablation_mod
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return ablation_mod.head_ablation(lm, text, max_tokens=max_tokens, progress=_progress,
                                           should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def head_roles(name: str, how: LoadHow, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
+def head_roles(key: ModelKey, text: str | None, max_tokens: int, _progress=None, _should_stop=None):
     """`analysis.measure.roles.head_roles` on `text` (None = built-in evaluation text)."""
     from analysis.measure import roles
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return roles.head_roles(lm, text, max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def head_redundancy(name: str, how: LoadHow, text: str | None, max_tokens: int, kind: str, threshold: float,
+def head_redundancy(key: ModelKey, text: str | None, max_tokens: int, kind: str, threshold: float,
                     ablation_delta=None, _progress=None, _should_stop=None):
     """`analysis.measure.redundancy.head_redundancy` (with single-head effects for the redundant flag)."""
     from analysis.measure import redundancy
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return redundancy.head_redundancy(lm, text, ablation_delta=ablation_delta, kind=kind, threshold=threshold,
                                           max_tokens=max_tokens, progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def attention_pattern(name: str, how: LoadHow, sentence: str, max_tokens: int = 64):
+def attention_pattern(key: ModelKey, sentence: str, max_tokens: int = 64):
     """(tokens, probabilities [L, H, T, T]) of every head on one sentence (analysis.measure.roles)."""
     from analysis.measure import evaluation
     from analysis.measure import roles
-    with exclusive(name, how) as lm:
+    with exclusive(key) as lm:
         ids = evaluation.token_ids(lm.tokenizer, sentence, max_tokens=max_tokens)      # [T]
         probs = roles.attention_probabilities(lm.model, ids.unsqueeze(0))[0]           # [L, H, T, T]
         tokens = [lm.tokenizer.decode([int(i)]) for i in ids]
@@ -346,17 +344,17 @@ def attention_pattern(name: str, how: LoadHow, sentence: str, max_tokens: int = 
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def head_attribution(name: str, how: LoadHow, text: str | None, max_tokens: int, n_steps: int,
+def head_attribution(key: ModelKey, text: str | None, max_tokens: int, n_steps: int,
                      _progress=None, _should_stop=None):
     """`analysis.measure.attribution.head_attribution`: Captum integrated gradients over the head gates."""
     from analysis.measure import attribution
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return attribution.head_attribution(lm, text, max_tokens=max_tokens, seq_len=max_tokens, n_steps=n_steps,
                                             progress=_progress, should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def forward_rate(name: str, how: LoadHow, batch: int = 2, tokens: int = 128) -> float:
+def forward_rate(key: ModelKey, batch: int = 2, tokens: int = 128) -> float:
     """Tokens per second of a forward pass on batch x tokens on this machine (a warm-up, then the median
     of three): the Pipeline page's time estimate is built on it."""
     import statistics
@@ -364,7 +362,7 @@ def forward_rate(name: str, how: LoadHow, batch: int = 2, tokens: int = 128) -> 
 
     import torch
     from analysis.arch.adapters import input_device
-    with exclusive(name, how) as lm:
+    with exclusive(key) as lm:
         ids = torch.randint(0, int(lm.model.config.vocab_size), (batch, tokens), device=input_device(lm.model))
         times = []
         with torch.no_grad():
@@ -376,10 +374,10 @@ def forward_rate(name: str, how: LoadHow, batch: int = 2, tokens: int = 128) -> 
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def speed_report(name: str, how: LoadHow, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
+def speed_report(key: ModelKey, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
                  _progress=None, _should_stop=None):
     """`analysis.compress.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
     from analysis.compress import speed
-    with exclusive(name, how, _progress, _should_stop) as lm:
+    with exclusive(key, _progress, _should_stop) as lm:
         return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
                              progress=_progress, should_stop=_should_stop)

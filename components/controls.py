@@ -1,67 +1,39 @@
 """Widgets shared by several pages: scorer choice and parameters, mask policy, evaluation text.
 
 The scorer list, labels and parameters come from the registry in analysis.score.scoring
-(`SCORERS`, `Scorer.label`, `scorer_parameters`), so a new scorer shows up without changing
-the pages; this module only knows how to draw a widget for a parameter name (a parameter
-without one keeps its default). z is the shared view slider and is passed in, not drawn.
+(`SCORERS`, `Scorer.label`, `scorer_declarations`), so a new scorer shows up without changing
+the pages; a parameter's widget is drawn from its declaration (`param_widget`: a radio for
+choices, a number box with its bounds for a number; one declared without a label keeps its
+default). z is the shared view slider and is passed in, not drawn.
 """
 from __future__ import annotations
 
 import streamlit as st
 
-from analysis.score import masks
-
-from analysis.score import scoring
-
 from analysis.core import text
+from analysis.core.params import Param
+from analysis.score import masks, scoring
 
 from . import state
 
 HIDDEN_SCORERS: tuple[str, ...] = ()   # registered scorers not offered in the UI
 SPARSITY_STEP = 0.01
 
-# parameter name -> widget factory (key, default, where) -> value; options and bounds are the URL's
-# (components/state.py SCORER_PARAMS), so a link and a widget accept the same values
-def _opts(name: str) -> list:
-    return list(state.SCORER_PARAMS[name].parse.options)
+def _bound(param: Param, value: float):
+    """A bound of the number widget in the parameter's own type (None where it has none)."""
+    return None if value in (float("inf"), float("-inf")) else param.type(value)
 
 
-def _number(name: str, label: str, **kwargs):
-    bounds = state.SCORER_PARAMS[name].parse
-    return lambda key, default, where: where.number_input(label, bounds.lo, bounds.hi, key=key, **kwargs)
-
-
-_PARAM_WIDGETS = {
-    "scope": lambda key, default, where: where.radio(
-        "Population", _opts("scope"), horizontal=True, key=key,
-        help="Threshold per projection of each layer, or per projection across all layers."),
-    "ord": lambda key, default, where: where.radio("Norm", _opts("ord"), format_func=lambda o: f"L{o}",
-                                                   horizontal=True, key=key),
-    "std": lambda key, default, where: std_choice(key, where),
-    "normalize": lambda key, default, where: where.radio(
-        "Per-layer normalization", _opts("normalize"), horizontal=True, key=key,
-        format_func={"none": "none (as defined)", "layer": "divide by the layer's mean"}.get,
-        help="Activation-based scores carry each layer's activation scale into the global ranking; 'layer' "
-             "divides every layer's scores by that layer's mean score (each layer's mean becomes 1)."),
-    "a_q": _number("a_q", "a_q (own Q/O weight)", step=0.1),
-    "a_kv": _number("a_kv", "a_kv (shared K/V weight)", step=0.1),
-    "seed": _number("seed", "Seed", step=1),
-    "n_sequences": _number("n_sequences", "Calibration sequences", step=1),
-    "seq_len": _number("seq_len", "Tokens per sequence", step=8),
-    "damping": _number("damping", "Damping", format="%.4f"),
-    "n_steps": _number("n_steps", "Integration steps", step=1),
-}
-
-
-STD_LABELS = {"population": "population (ddof = 0)", "sample": "sample (ddof = 1, torch.std)"}
-
-
-def std_choice(key: str, where=st) -> str:
-    """The std convention radio of tau = mean + z * std."""
-    return where.radio("Std in the threshold", _opts("std"), format_func=STD_LABELS.get,
-                       horizontal=True, key=key,
-                       help="population: divide by n (headscope's default); sample: by n - 1 (PyTorch's "
-                            "Tensor.std). At the boundary they move a few heads in or out of the bulk.")
+def param_widget(param: Param, key: str, where=st):
+    """The widget of a declared parameter (analysis/core/params.py): a horizontal radio over its
+    choices (named by `param.shown`), else a number box within its bounds. The URL parses the same
+    declaration (components/state.py), so a link and a widget accept the same values."""
+    if param.choices is not None:
+        return where.radio(param.label, list(param.choices), format_func=param.shown, horizontal=True, key=key,
+                           help=param.help or None)
+    step = None if param.step is None else param.type(param.step)
+    return where.number_input(param.label, _bound(param, param.lo), _bound(param, param.hi), step=step,
+                              format=param.number_format, key=key, help=param.help or None)
 
 
 def scorer_names() -> list[str]:
@@ -102,10 +74,16 @@ def constructor_defaults(scorer: str) -> dict:
     return scoring.scorer_parameters(scorer) if scorer in scoring.SCORERS else {}
 
 
+def offered_params(scorer: str) -> dict[str, Param]:
+    """The scorer's parameters the app offers (declared with a label; z is the shared view slider)."""
+    if scorer not in scoring.SCORERS:
+        return {}
+    return {name: p for name, p in scoring.scorer_declarations(scorer).items() if p.offered}
+
+
 def default_params(scorer: str, z: float) -> dict:
     """The parameters `scorer_params` would return with every widget at its default."""
-    return {name: (float(z) if name == "z" else default) for name, default in constructor_defaults(scorer).items()
-            if name == "z" or name in _PARAM_WIDGETS}
+    return {name: (float(z) if name == "z" else p.default) for name, p in offered_params(scorer).items()}
 
 
 def current_params(scorer: str, z: float) -> dict:
@@ -119,12 +97,12 @@ def scorer_params(scorer: str, z: float, *, where=st) -> dict:
 
     Each value is a view field (in the URL while it differs from the scorer's default)."""
     params = {}
-    for name, default in constructor_defaults(scorer).items():
+    for name, param in offered_params(scorer).items():
         if name == "z":
             params["z"] = float(z)
-        elif name in _PARAM_WIDGETS:
-            value = _PARAM_WIDGETS[name](state.widget_key(name, value=default), default, where)
-            state.set(name, None if value == default else value)
+        else:
+            value = param_widget(param, state.widget_key(name, value=param.default), where)
+            state.set(name, None if value == param.default else value)
             params[name] = value
     return params
 
@@ -147,54 +125,31 @@ def format_options(where, fmt: str, options: dict, *, prefix: str = "export.opt"
     return out
 
 
-# Short labels that fit the select box at 1280x800 (they were cut at "(never grow"); the whole
-# explanation of each is POLICY_HELP, the box's tooltip. The prefixes ("global:", "balanced (GQA)")
-# are what a user (and the browser tests) recognise.
-POLICY_LABELS = {
-    "global": "global: lowest anywhere (paper)",
-    "min-per-layer": "min-per-layer: global, m kept",
-    "uniform": "uniform: same count per layer",
-    "balanced": "balanced (GQA): same per group",
-    "balanced-uniform": "balanced-uniform (GQA)",
-    "groups": "groups (GQA): whole KV groups",
-}
-POLICY_HELP = {
-    "global": "the lowest-scored heads anywhere in the model: the paper's setting. On GQA models it leaves KV "
-              "groups unevenly pruned, which surgery can only build by copying K/V (a bigger model).",
-    "min-per-layer": "global, but every layer keeps at least m heads.",
-    "uniform": "the same number of heads pruned in every layer.",
-    "balanced": "(GQA) the same number pruned from every KV group, so K/V never expand.",
-    "balanced-uniform": "(GQA) balanced, with one count in every layer: the pruned model is a stock config.",
-    "groups": "(GQA) whole KV groups (a KV head with all its query heads): never makes the model bigger. "
-              "The default on GQA models.",
-}
-
-
-def policy_controls(where=st) -> dict:
-    """The mask policy widgets (view fields `policy`, `m`) -> kwargs for analysis.score.masks.plan_mask."""
+def policy_controls(where=st) -> str:
+    """The mask policy widgets (view fields `policy`, and `m` for a policy that takes it) -> the policy's
+    name; labels and help come from the registry (analysis.score.masks.POLICIES). Short labels fit the
+    box at 1280x800; the tooltip has each policy's whole line."""
     policy = where.selectbox("Policy", list(masks.POLICIES), key=state.widget_key("policy"),
-                             format_func=lambda p: POLICY_LABELS.get(p, p),
+                             format_func=lambda p: masks.POLICIES[p].label if p in masks.POLICIES else p,
                              help="Which heads a sparsity removes:\n\n" + "\n".join(
-                                 f"- **{p}**: {POLICY_HELP.get(p, '')}" for p in masks.POLICIES))
+                                 f"- **{name}**: {p.help}" for name, p in masks.POLICIES.items()))
     state.choose("policy", policy)
-    return _with_m(policy, where)
+    if masks.policy_of(policy).takes_m:
+        m = int(where.number_input("Keep at least m heads per layer", 0, 1024, step=1,
+                                   key=state.widget_key("m", value=1)))
+        state.set("m", None if m == 1 else m)
+    return policy
 
 
-def _with_m(policy: str, where=None) -> dict:
-    out = dict(policy=policy)
-    if policy == "min-per-layer":
-        m = state.get("m")
-        if where is not None:
-            m = int(where.number_input("Keep at least m heads per layer", 0, 1024, step=1,
-                                       key=state.widget_key("m", value=1)))
-            state.set("m", None if m == 1 else m)
-        out["min_per_layer"] = 1 if m is None else int(m)
-    return out
+def current_policy() -> str:
+    """The current view's policy (what `policy_controls` returns)."""
+    return state.get("policy")
 
 
-def current_policy() -> dict:
-    """The current view's policy kwargs for plan_mask (what `policy_controls` would return)."""
-    return _with_m(state.get("policy"))
+def min_per_layer() -> int:
+    """The current view's m of "keep at least m heads per layer" (1 until set)."""
+    m = state.get("m")
+    return 1 if m is None else int(m)
 
 
 def text_and_tokens(*, prefix: str, tokens_key: str, default: int, most: int) -> tuple[str | None, int]:

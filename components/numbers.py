@@ -42,7 +42,7 @@ def summary_of(lm, plan, head_scores, kv_policy: str, seq_len: int = 512) -> mas
     """`summarize_mask` for the loaded model's geometry, biases and weight dtype."""
     g = lm.geometry
     return masks.summarize_mask(plan, head_scores, head_dim=g.head_dim, hidden=g.hidden, seq_len=seq_len,
-                                bias=cache.has_qkv_bias(lm.name, state.load_options()), kv_policy=kv_policy,
+                                bias=cache.has_qkv_bias(state.model_key()), kv_policy=kv_policy,
                                 dtype_bytes=next(lm.model.parameters()).element_size())
 
 

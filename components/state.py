@@ -16,9 +16,10 @@ the mask: scorer, its parameters, z, sparsity, policy, kv_policy):
               (analysis.score.masks.default_policy: groups on GQA models, global on MHA)
     m         min-per-layer's m (only in the URL when set)     (?m=2)
     kv_policy how surgery handles uneven GQA groups           (?kv_policy=auto)
-    scope, ord, std, normalize, a_q, a_kv, seed, n_sequences, seq_len, damping, n_steps
-              the scorer's parameters; only in the URL when they differ from the scorer's
-              default (None = the scorer's default)          (?ord=1&a_kv=0.5)
+    scope, ord, std, normalize, a_q, a_kv, seed, n_sequences, seq_len, damping, n_steps, ...
+              the scorer parameters the app offers (declared with a label: `Scorer.parameters`,
+              analysis/core/params.py), from the registry as it is; only in the URL when they
+              differ from the scorer's default (None = the scorer's default)   (?ord=1&a_kv=0.5)
 
 On a session's first run the URL is read once (bad values are replaced by the default and
 reported with how to fix them). Widgets never own these values: a widget gets its own key,
@@ -28,8 +29,9 @@ are not shown). Every other control (Export's format and root, token counts, ...
 value for the session the same way: `widget_key` copies each widget's value at the start of every
 run (when the keys of the page just left are still there) and seeds a widget that reappears from
 that copy. trust_remote_code and the placement (device, dtype, accelerate offload) are
-session-only and never read from a URL; `load_options()` is both, the cache key of the loaded
-model (`components/cache.py`).
+session-only and never read from a URL; `model_key()` is the model's name with both (and whether
+it is open weights only): the one key of the loaded model and of everything cached per model
+(`components/cache.py`).
 
 Other keys this module owns: the stop flag and stop count of long work (`stop_check`), `remember`/`recall` slots that keep
 a button's result on screen across reruns (`remember_run` / `run_result` / `model_result` for the
@@ -38,16 +40,18 @@ which calibration scores were computed for which parameters (`mark_scored` / `is
 """
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from functools import lru_cache
+from typing import Any, Callable, Iterator
 
 import streamlit as st
 
 from analysis.arch.models import DEFAULT_MODEL
 from analysis.core.errors import shorten
+from analysis.core.params import Choice, Range
 from analysis.core.placement import Placement
-from analysis.measure.profiles import DEFAULT_Z, SCOPES, STD_DDOF, Z_MAX
+from analysis.measure.profiles import Z_MAX
 from analysis.score import masks, scoring
 
 DEFAULT_SCORER = "mp-g"  # the default model is GQA; `follow_model` adapts it to the loaded model
@@ -83,39 +87,6 @@ def _text(raw: str) -> str:
 
 
 @dataclass(frozen=True)
-class Range:
-    """A number in lo .. hi (an integer when `integer`): parses URL text, and bounds the widget."""
-    lo: float
-    hi: float
-    integer: bool = False
-
-    def __call__(self, raw: str) -> float | int:
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise ValueError("it is not a number") from None
-        if not math.isfinite(value) or not self.lo <= value <= self.hi:
-            raise ValueError(f"it is outside {self.lo:g} .. {self.hi:g}")
-        if self.integer:
-            if value != int(value):
-                raise ValueError("it is not a whole number")
-            return int(value)
-        return value
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One of `options` (compared as text, returned as the option itself, e.g. the int 1)."""
-    options: tuple
-
-    def __call__(self, raw: str) -> Any:
-        for option in self.options:
-            if str(option) == str(raw).strip():
-                return option
-        raise ValueError(f"it is not one of {', '.join(map(str, self.options))}")
-
-
-@dataclass(frozen=True)
 class Field:
     default: Any
     parse: Callable[[str], Any]     # URL text -> value; ValueError says why it is bad
@@ -128,38 +99,54 @@ def _scorer(raw: str) -> str:
     return Choice(tuple(scoring.SCORERS))(_text(raw))
 
 
-def _num_text(value: Any) -> str:
-    return f"{float(value):g}" if isinstance(value, float) else str(value)
+def _policy(raw: str) -> str:
+    """A registered mask policy's name (the registry as it is now: policies can be registered at run time)."""
+    return Choice(tuple(masks.POLICIES))(_text(raw))
 
 
-# Scorer parameters a link may carry (None = the scorer's default). components/controls.py draws their
-# widgets with these options and bounds, so the URL and the widgets accept the same values.
-SCORER_PARAMS: dict[str, Field] = {
-    "scope": Field(None, Choice(SCOPES)),
-    "ord": Field(None, Choice((2, 1))),
-    "std": Field(None, Choice(tuple(STD_DDOF))),
-    "normalize": Field(None, Choice(tuple(scoring.NORMALIZATIONS))),
-    "a_q": Field(None, Range(0.0, 10.0), _num_text),
-    "a_kv": Field(None, Range(0.0, 10.0), _num_text),
-    "seed": Field(None, Range(0, 2**31 - 1, integer=True)),
-    "n_sequences": Field(None, Range(1, 64, integer=True)),
-    "seq_len": Field(None, Range(8, 1024, integer=True)),
-    "damping": Field(None, Range(1e-6, 1.0), _num_text),
-    "n_steps": Field(None, Range(1, 64, integer=True)),
-}
-
-
-FIELDS: dict[str, Field] = {
+# The view's own fields; z is the threshold scorers' declared `z` (analysis.score.scoring.Z), shared by them.
+VIEW_FIELDS: dict[str, Field] = {
     "model": Field(DEFAULT_MODEL, _text),
     "scorer": Field(DEFAULT_SCORER, _scorer, follows="the model's default scorer"),
-    "z": Field(float(DEFAULT_Z), Range(0.0, float(Z_MAX)), lambda v: f"{float(v):g}"),
+    "z": Field(float(scoring.Z.default), scoring.Z.parse, scoring.Z.text),
     "sparsity": Field(DEFAULT_SPARSITY, Range(0.0, SPARSITY_MAX), lambda v: f"{float(v):g}"),
     "page": Field("", _text),
-    "policy": Field(DEFAULT_POLICY, Choice(masks.POLICIES), follows="the model's default policy"),
+    "policy": Field(DEFAULT_POLICY, _policy, follows="the model's default policy"),
     "m": Field(None, Range(0, 1024, integer=True)),
     "kv_policy": Field(masks.KV_POLICIES[0], Choice(masks.KV_POLICIES)),
-    **SCORER_PARAMS,
 }
+
+
+@lru_cache(maxsize=8)
+def _scorer_fields(scorers: tuple) -> dict[str, Field]:
+    """A field per scorer parameter the app offers (declared with a label; None = the scorer's default):
+    the link and the widget (components/controls.py) read the same declaration, so they accept the
+    same values. The first scorer declaring a name gives its bounds."""
+    out: dict[str, Field] = {}
+    for cls in scorers:
+        for name, declared in scoring.scorer_declarations(cls.name).items():
+            if declared.offered and name not in VIEW_FIELDS:
+                out.setdefault(name, Field(None, declared.parse, declared.text))
+    return out
+
+
+class _Fields(Mapping):
+    """Every view field: VIEW_FIELDS, then the scorer parameters of the registry as it is now."""
+
+    def _all(self) -> dict[str, Field]:
+        return {**VIEW_FIELDS, **_scorer_fields(tuple(scoring.SCORERS.values()))}
+
+    def __getitem__(self, name: str) -> Field:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+FIELDS: Mapping[str, Field] = _Fields()
 
 
 def _key(name: str) -> str:
@@ -335,9 +322,20 @@ def set_trust(value: bool) -> None:
 
 # -- placement: device, dtype, offload (session only) -------------------------------------------
 
-# How a model is loaded, as a cache key: (trust_remote_code, device, dtype, device_map, max_memory,
-# offload_folder), or a bare bool (trust_remote_code, default placement; what tests pass).
-LoadHow = tuple | bool
+@dataclass(frozen=True)
+class ModelKey:
+    """What a loaded model is cached by (`cache.load` and every cached call per model): the name, and how
+    it is loaded. Frozen and hashable; a checkpoint opened weights only is its own entry."""
+    name: str
+    trust: bool = False                      # trust_remote_code
+    placement: Placement = Placement()       # device, dtype, accelerate placement
+    weights_only: bool = False               # a checkpoint folder opened without building the model
+
+    def load_kwargs(self) -> dict:
+        """analysis.arch.models.load_model's placement keywords."""
+        p = self.placement
+        return dict(device=p.device, dtype=p.dtype, device_map=p.device_map, max_memory=p.max_memory,
+                    offload_folder=p.offload_folder)
 
 
 def placement() -> Placement:
@@ -349,26 +347,12 @@ def set_placement(value: Placement) -> None:
     st.session_state[_PLACEMENT] = value
 
 
-def load_options() -> LoadHow:
-    """What `cache.load` is keyed by: trust_remote_code alone while the placement is the default,
-    else (trust_remote_code, device, dtype, device_map, max_memory, offload_folder); for a checkpoint
-    opened weights only, (WEIGHTS_ONLY, trust_remote_code)."""
+def model_key() -> ModelKey:
+    """The current model's cache key: its name, trust_remote_code and the placement; for a checkpoint
+    opened weights only, the name and trust_remote_code (no placement: nothing is loaded)."""
     if weights_only():
-        return (WEIGHTS_ONLY, trust())
-    p = placement()
-    if p == Placement():
-        return trust()
-    return (trust(), p.device, p.dtype, p.device_map, p.max_memory, p.offload_folder)
-
-
-def load_parts(how: LoadHow) -> tuple[bool, dict]:
-    """(trust_remote_code, load_model placement keywords) of a `load_options()` tuple or a bool."""
-    if isinstance(how, bool):
-        p = Placement()
-        return how, dict(device=p.device, dtype=p.dtype)
-    trust_, device, dtype, device_map, max_memory, offload_folder = how
-    return bool(trust_), dict(device=device, dtype=dtype, device_map=device_map, max_memory=max_memory,
-                              offload_folder=offload_folder)
+        return ModelKey(get("model"), trust(), weights_only=True)
+    return ModelKey(get("model"), trust(), placement())
 
 
 # -- stopping long work ------------------------------------------------------------------------
@@ -477,7 +461,6 @@ def is_scored(model: str, scorer: str, params_key: tuple) -> bool:
 
 # -- a checkpoint folder opened weights only (session only) -------------------------------------
 
-WEIGHTS_ONLY = "weights-only"     # first item of load_options() for such a checkpoint (cache.load's key)
 _WEIGHTS_ONLY = PREFIX + "weights_only"
 
 
@@ -490,6 +473,3 @@ def set_weights_only(value: bool) -> None:
     """Open the current model weights only (True) or load it as a model (False)."""
     st.session_state[_WEIGHTS_ONLY] = get("model") if value else None
 
-
-def is_weights_only_how(how: LoadHow) -> bool:
-    return isinstance(how, tuple) and bool(how) and how[0] == WEIGHTS_ONLY

@@ -1,7 +1,8 @@
 """Heads page, "What heads do": the field's head taxonomy (analysis.measure.detectors), direct logit
 attribution per token, and the "Does MP find the specialized heads?" panel
 (analysis.score.specialization). Kept in one module beside the page's other sections: its cached
-calls, its figures and its folded "how to read this" text.
+calls and its figures. Each detector's map title, help line and folded "how to read this" text come
+from its record (analysis.measure.detectors.DETECTORS), so a registered detector gets its tab.
 """
 from __future__ import annotations
 
@@ -12,52 +13,6 @@ import streamlit as st
 from components import cache, charts, controls, explain, state
 from components.errors import shown_errors
 
-DETECTOR_TITLES = {
-    "previous-token": "Previous-token score (attention on token i-1)",
-    "induction": "Induction score (attention to the token after the earlier copy)",
-    "duplicate-token": "Duplicate-token score (attention to earlier copies of the token)",
-    "copying": "Copying score (OV circuit eigenvalue share)",
-    "successor": "Successor score (OV circuit maps ordinals to the next one)",
-    "dla": "Direct logit attribution (mean logit added to the correct next token)",
-}
-
-HOW_TO_READ = {
-    "previous-token": """
-Mean attention that each query puts on the token just before it, over the text. 1 = the head
-always looks one token back. This is the same statistic as the *previous-token* role tag above
-(one definition). Previous-token heads feed induction heads: they write "the token before me was
-X" into the residual stream.""",
-    "induction": """
-The model reads sequences of random tokens repeated twice ([BOS] r r). For each token of the
-second copy, an induction head attends to the token that came *after* the same token in the
-first copy (Olsson et al. 2022), so it can predict the repeat. Score = mean attention on exactly
-that key; 1 = perfect. The **in-context-learning score** is the whole model's loss on the first
-copy minus the loss on the second: how much the repeat helps.""",
-    "duplicate-token": """
-On the same repeated random sequences: how much attention a token puts on earlier occurrences
-of itself. Duplicate-token heads tell later heads "this token appeared before".""",
-    "copying": """
-From weights only: the head's OV circuit maps an input token to output logits
-(unembedding x final-norm scale x W_O x W_V x input-norm scale x embedding). A copying head
-raises the logit of the token it attends to: the circuit's eigenvalues are mostly positive.
-Score = sum of the eigenvalues' real parts / sum of their magnitudes (Elhage et al. 2021), from
--1 to 1. Computed exactly over the whole vocabulary through a d x d factor of the circuit.
-Decoders only (it needs an unembedding).""",
-    "successor": """
-From weights only: does the head's OV circuit send an ordinal token to the next one (1 -> 2,
-Monday -> Tuesday, January -> February, A -> B)? Score = the share of ordinal tokens whose
-highest circuit logit, among the tokens of the same list, is their successor (Gould et al. 2023;
-chance is about one over the list's length). This reads the raw token embeddings; the paper reads
-them after the first MLP, so a head can be a successor head there and score lower here.""",
-    "dla": """
-Each head's output, pushed through the final norm (its scale frozen at the value it has on the
-full residual) and the unembedding, dotted with the correct next token's direction: how many
-logits the head adds to the right answer directly, averaged over the text. Red = helps, blue =
-hurts. The heads plus the embeddings, the MLPs and the biases add up to the logit exactly.
-Indirect effects (a head that helps through later layers) are not counted. Decoders only.""",
-}
-
-
 def _fold(title: str, body: str) -> None:
     with st.expander(f"{explain.LABEL}: {title}", expanded=False):
         st.markdown(body)
@@ -66,21 +21,21 @@ def _fold(title: str, body: str) -> None:
 # -- cached calls ---------------------------------------------------------------------------------
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def detections(name: str, how, names: tuple, text: str | None, max_tokens: int, _progress=None,
+def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=None,
                _should_stop=None):
     """analysis.measure.detectors.detect_heads for `names` on the dense model (text: None = built-in)."""
     from analysis.measure.detectors import detect_heads
-    with cache.exclusive(name, how, _progress, _should_stop) as lm:
+    with cache.exclusive(key, _progress, _should_stop) as lm:
         return detect_heads(lm, list(names), text, max_tokens=max_tokens, progress=_progress,
                             should_stop=_should_stop)
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def sentence_dla(name: str, how, sentence: str):
+def sentence_dla(key, sentence: str):
     """(tokens, per-token head DLA [T-1, L, H], parts) of one sentence."""
     from analysis.measure.dla import logit_parts
     from analysis.measure.evaluation import token_ids
-    with cache.exclusive(name, how) as lm:
+    with cache.exclusive(key) as lm:
         ids = token_ids(lm.tokenizer, sentence, max_tokens=64)
         parts = logit_parts(lm.model, ids[None])
         tokens = [lm.tokenizer.decode([int(t)]) for t in ids]
@@ -88,9 +43,9 @@ def sentence_dla(name: str, how, sentence: str):
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def mpg(name: str, how, z: float):
+def mpg(key, z: float):
     from analysis.score.specialization import mpg_scores
-    return mpg_scores(cache.load(name, how), z)
+    return mpg_scores(cache.load(key), z)
 
 
 # -- figures -----------------------------------------------------------------------------------------
@@ -129,10 +84,16 @@ def role_scatter(mpg_scores: np.ndarray, strength: np.ndarray, threshold: float,
     return fig
 
 
+def _roles(names) -> list[str]:
+    """The names of role tags among `names` (a signed effect such as DLA is not a role tag)."""
+    from analysis.measure.detectors import DETECTORS
+    return [n for n in names if not DETECTORS[n].signed]
+
+
 def primary_detector(results: dict) -> tuple[np.ndarray, np.ndarray]:
     """(tag [L, H] "" when none, strength [L, H]): the role whose score passes its threshold by the
     largest factor (DLA is an effect, not a role tag, and is left out)."""
-    roles = [r for r in results.values() if r.name != "dla"]
+    roles = [results[n] for n in _roles(results)]
     L, H = roles[0].scores.shape
     tag, strength, best = np.full((L, H), "", dtype=object), np.zeros((L, H)), np.zeros((L, H))
     for r in roles:
@@ -146,20 +107,21 @@ def primary_detector(results: dict) -> tuple[np.ndarray, np.ndarray]:
 
 def section(lm) -> None:
     """The "What heads do" section: detector heatmaps, role tags, DLA per token, MP-G panel."""
-    from analysis.measure.detectors import DECODER_ONLY, DETECTORS
+    from analysis.measure.detectors import DETECTORS
     g = lm.geometry
     st.subheader("What heads do: induction, duplicate-token, copying, direct logit attribution")
     decoder = lm.kind == "causal-lm"
-    names = tuple(n for n in DETECTORS if decoder or n not in DECODER_ONLY)
-    if not decoder:
-        st.info(f"This model is a {lm.kind}: it has no unembedding, so the copying and successor scores and "
-                "direct logit attribution do not apply. The attention-pattern detectors run.")
+    names = tuple(n for n, spec in DETECTORS.items() if spec.applies_to(lm.kind))
+    skipped = [n for n in DETECTORS if n not in names]
+    if skipped:
+        st.info(f"This model is a {lm.kind}: it has no unembedding, so {', '.join(skipped)} do not apply. "
+                "The attention-pattern detectors run.")
     with shown_errors("Head detectors"):
         tokens = int(st.number_input("Tokens of the built-in evaluation text (previous-token, DLA)", 16, 2048,
                                      step=64, key=state.widget_key("heads.taxonomy.tokens", value=128)))
         result = cache.run_button("Run the head detectors", button_key="heads.taxonomy", slot="heads.taxonomy",
                                   run_key=(lm.name, names, tokens), fn=detections,
-                                  args=(lm.name, state.load_options(), names, None, tokens),
+                                  args=(state.model_key(), names, None, tokens),
                                   label="Detecting head roles",
                                   stale_note="The settings changed since the last run; press the button again.")
         if result is not None:
@@ -170,8 +132,9 @@ def section(lm) -> None:
 
 
 def _show_detections(result: dict, g) -> None:
+    from analysis.measure.detectors import DETECTORS
     tag, strength = primary_detector(result)
-    roles = [n for n in result if n != "dla"]
+    roles = _roles(result)
     st.plotly_chart(charts.category_heatmap(tag, roles, strength, title="Strongest detected role of each head",
                                             group_size=g.group_size), width="stretch", key="heads.taxonomy_tags")
     rows = [dict(layer=l, head=h, role=name, score=round(s, 4), threshold=r.threshold)
@@ -185,28 +148,31 @@ def _show_detections(result: dict, g) -> None:
                   help=f"first copy {e['loss_first_copy']:.3f}, second copy {e['loss_second_copy']:.3f} nats")
     tabs = st.tabs(list(result))
     for tab, (name, r) in zip(tabs, result.items()):
+        spec = DETECTORS[name]
         with tab:
-            if name == "dla":
+            if spec.signed:                     # red helps, blue hurts: a diverging scale around 0
                 lim = float(np.abs(r.scores).max()) or 1.0
-                fig = charts.layer_head_heatmap(r.scores, DETECTOR_TITLES[name], colorbar=r.unit,
+                fig = charts.layer_head_heatmap(r.scores, spec.title, colorbar=r.unit,
                                                 group_size=g.group_size, colorscale="RdBu_r")
                 fig.update_traces(zmin=-lim, zmax=lim)
             else:
-                fig = charts.layer_head_heatmap(r.scores, DETECTOR_TITLES[name], colorbar=r.unit,
+                fig = charts.layer_head_heatmap(r.scores, spec.title, colorbar=r.unit,
                                                 group_size=g.group_size)
             st.plotly_chart(fig, width="stretch", key=f"heads.taxonomy.{name}")
-            _fold(name, HOW_TO_READ[name])
+            st.caption(spec.help)
+            _fold(name, spec.about)
 
 
 def _sentence_dla(lm) -> None:
+    from analysis.measure.detectors import DETECTORS
     sentence = st.text_input("Sentence for the per-token view (edit it)", key=state.widget_key(
         "heads.dla.sentence", value="The cat sat on the mat. The cat sat on the mat."))
     with shown_errors("Direct logit attribution"):
-        tokens, per_token, parts = sentence_dla(lm.name, state.load_options(), sentence)
+        tokens, per_token, parts = sentence_dla(state.model_key(), sentence)
         st.plotly_chart(token_heads_heatmap(per_token, tokens), width="stretch", key="heads.dla_tokens")
         gap = float(np.abs(parts.total() - parts.logit).max())
         st.caption(f"Heads + embeddings + MLPs + biases rebuild the correct-token logit to within {gap:.1e}.")
-        _fold("direct logit attribution per token", HOW_TO_READ["dla"])
+        _fold("direct logit attribution per token", DETECTORS["dla"].about)
 
 
 def _specialization(lm, result: dict) -> None:
@@ -214,7 +180,7 @@ def _specialization(lm, result: dict) -> None:
     from components import views
     st.markdown("#### Does MP find the specialized heads?")
     with shown_errors("MP-G versus roles"):
-        scores = mpg(lm.name, state.load_options(), 2.0)
+        scores = mpg(state.model_key(), 2.0)
         strengths = strengths_of(result)
         tests = role_tests(scores.scores, strengths, n_permutations=10_000, seed=0)
         st.dataframe([dict(role=t.role, heads_with_role=t.n_with_role, auc=round(t.auc, 3),

@@ -1,6 +1,6 @@
 """Weights only: a safetensors checkpoint folder opened without building the model (issue 22).
 
-The Model page's switch (`weights_only_switch`) makes `state.load_options()` say so; `cache.load`
+The Model page's switch (`weights_only_switch`) makes `state.model_key()` say so; `cache.load`
 then returns `analysis.arch.models.open_weights_only` (the model's structure on the meta device),
 `cache.profile` streams the row norms from the files (progress per layer, stoppable), and the
 weight-only scorers, masks, counts, the Walkthrough and the Export page (streamed pruned / stock / gguf

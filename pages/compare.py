@@ -7,10 +7,9 @@ from analysis.score import curves
 
 from analysis.score import masks
 
-from analysis.score import scoring
 from analysis.measure.attribution import rank_correlation
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, shell, state, weights
+from components import cache, charts, controls, explain, shell, state, views, weights
 from components.errors import shown_errors
 
 COMPACT_TICKS = 4   # head labels under each of the side-by-side masks (about 110 px of plot each)
@@ -39,24 +38,21 @@ if len(chosen) < 2:
 results = {}
 for name in chosen:
     params = controls.default_params(name, z)
-    key = cache.params_key(params)
-    if scoring.scorer_class(name).needs_calibration and not state.is_scored(lm.name, name, key):
+    if views.needs_computing(lm, name, params):
         if st.button(f"Compute {controls.label(name)} (calibration text; takes a while)", key=f"compare.compute.{name}"):
-            if cache.cached_call(cache.scores, lm.name, state.load_options(), name, key, label=controls.label(name),
-                                 stoppable=True) is not None:
-                state.mark_scored(lm.name, name, key)
+            if views.scores_of(lm, name, params, stoppable=True) is not None:
                 st.rerun()
         continue
-    hs = cache.cached_call(cache.scores, lm.name, state.load_options(), name, key, label=controls.label(name))
+    hs = views.scores_of(lm, name, params)
     if hs is not None:
-        results[name] = (key, hs)
+        results[name] = (cache.params_key(params), hs)
 st.caption("Each scorer runs with its default parameters (z from the slider); tune one scorer on the Prune page.")
 if len(results) < 2:
     st.info("At least two scorers need scores before they can be compared.")
     st.stop()
 
 with shown_errors("Comparing masks"):
-    plans = {n: masks.plan_mask(hs, sparsity, group_size=g.group_size, **policy) for n, (_, hs) in results.items()}
+    plans = {n: views.plan_of(lm, hs, sparsity, policy) for n, (_, hs) in results.items()}
     labels = [controls.label(n) for n in plans]
     n_pruned = next(iter(plans.values())).n_pruned
     st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned; red = pruned)")
@@ -86,12 +82,12 @@ tokens = int(c2.number_input("Tokens of the built-in evaluation text", 16, 4096,
                              key=state.widget_key("compare.tokens", value=256)))
 st.caption(WIKI_ATTRIBUTION)
 levels = tuple(float(x) for x in curves.sparsity_levels(max_s, 0.1))
-curve_key = (lm.name, tuple((n, results[n][0]) for n in results), cache.params_key(policy), levels, tokens)
+curve_key = (lm.name, tuple((n, results[n][0]) for n in results), policy, controls.min_per_layer(), levels, tokens)
 if st.button("Compute the curves", key="compare.curves"):
     curves = {}
     for name, (key, _) in results.items():
-        curve = cache.cached_call(cache.sparsity_curve, lm.name, state.load_options(), name, key,
-                                  cache.params_key(policy), levels, tokens, label=f"Curve of {controls.label(name)}",
+        curve = cache.cached_call(cache.sparsity_curve, state.model_key(), name, key,
+                                  policy, controls.min_per_layer(), levels, tokens, label=f"Curve of {controls.label(name)}",
                                   stoppable=True)
         if curve is None:
             break
@@ -109,7 +105,7 @@ if curves is not None:
     skipped = sorted({x for c in curves.values() for x, _ in c.skipped})
     if skipped:
         st.caption(f"Left out: sparsities {', '.join(f'{x:g}' for x in skipped)}, which the "
-                   f"{policy['policy']} policy cannot build (it prunes in fixed steps). "
+                   f"{policy} policy cannot build (it prunes in fixed steps). "
                    f"{next(c.skipped[0][1] for c in curves.values() if c.skipped)}")
 elif state.last_run("compare.curves") is not None:
     st.caption("The settings changed since the curves were computed; press the button again.")

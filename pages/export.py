@@ -26,7 +26,7 @@ head_scores, plan, params, policy = built
 scorer, sparsity = state.get("scorer"), float(state.get("sparsity"))
 described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in params.items())
 st.caption(f"Current mask: {controls.label(scorer)} ({described or 'no parameters'}), sparsity {sparsity:g}, "
-           f"policy {policy['policy']}: **{plan.n_pruned} of {g.n_total_heads} heads pruned** (red = pruned). "
+           f"policy {policy}: **{plan.n_pruned} of {g.n_total_heads} heads pruned** (red = pruned). "
            "Change it on the Prune page.")
 st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
                                     group_size=g.group_size), width="stretch", key="export.mask")
@@ -34,7 +34,7 @@ st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=
 st.subheader("Mask JSON")
 with shown_errors("Writing the mask JSON"):
     record = export_mod.mask_record(plan.pruned, geometry=g, model=lm.name, model_type=lm.adapter.model_type,
-                                    scores=head_scores, sparsity=sparsity, policy=policy["policy"])
+                                    scores=head_scores, sparsity=sparsity, policy=policy)
     st.download_button("Download mask.json", record.to_json(), file_name="mask.json", mime="application/json",
                        key="export.mask_json")
 
@@ -56,7 +56,7 @@ c1.caption(form.help + (f" Weights only: {weights.STREAMED_HELP}." if state.weig
 surgery = {"kv_policy": numbers.kv_policy_choice(c1)} if form.physical else {}
 kv_policy = surgery.get("kv_policy", "auto")
 options = controls.format_options(c1, fmt, form.options)
-auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy['policy']}-{fmt}"
+auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy}-{fmt}"
 folder = c2.text_input("Folder name (follows the settings until you edit it)",
                        key=state.following_widget_key("export.folder", auto_name))
 st.caption(f"Writes **{output_root / folder.strip()}**.")
@@ -78,7 +78,7 @@ if st.button("Export", type="primary", key="export.run"):
                                                  should_stop=state.should_stop, **options)
             stop.empty()
         else:
-            with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(lm.name, state.load_options(),
+            with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(state.model_key(),
                                                                                       report):
                 result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
                                            tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
@@ -128,7 +128,7 @@ with shown_errors("Measuring"):
                "pruned copy in alternating order, on this machine.")
     report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
                               slot="export.speed", run_key=speed_key, fn=cache.speed_report,
-                              args=(lm.name, state.load_options(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
+                              args=(state.model_key(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
                               label="Measuring",
                               stale_note="The mask or the settings changed since the last measurement; press the button again.")
     if report is not None:

@@ -28,7 +28,7 @@ with shown_errors("Single-head ablation"):
     run_key = (lm.name, text, tokens)
     result = cache.run_button(f"Run the ablation sweep ({g.n_total_heads} heads)", button_key="heads.ablate",
                               slot="heads.ablation", run_key=run_key, fn=cache.ablation,
-                              args=(lm.name, state.load_options(), text, tokens), label="Ablating heads",
+                              args=(state.model_key(), text, tokens), label="Ablating heads",
                               stale_note="The text or token count changed since the sweep; press the button to run it again.")
     if result is not None:
         if lm.kind == "encoder":        # the dense model is the reference: its 1 - fidelity is 0 by definition
@@ -64,7 +64,7 @@ else:
         ig_key = (lm.name, ig_tokens, ig_steps)
         result = cache.run_button("Attribute the loss to the heads", button_key="heads.attribute",
                                   slot="heads.attribution", run_key=ig_key, fn=cache.head_attribution,
-                                  args=(lm.name, state.load_options(), None, ig_tokens, ig_steps),
+                                  args=(state.model_key(), None, ig_tokens, ig_steps),
                                   label="Integrating gradients",
                                   stale_note="The settings changed since the last run; press the button again.")
         if result is not None:
@@ -91,7 +91,7 @@ with shown_errors("Head roles"):
     st.caption(WIKI_ATTRIBUTION)
     result = cache.run_button("Tag head roles from their attention patterns", button_key="heads.roles",
                               slot="heads.roles", run_key=(lm.name, tokens), fn=cache.head_roles,
-                              args=(lm.name, state.load_options(), None, tokens), label="Tagging heads",
+                              args=(state.model_key(), None, tokens), label="Tagging heads",
                               stale_note="The settings changed since the last run; press the button again.")
     if result is not None:
         primary, strength = result.primary()
@@ -119,7 +119,7 @@ with shown_errors("Head redundancy"):
     red_key = (lm.name, kind, threshold, red_tokens, ablation_delta is not None)
     result = cache.run_button("Find redundant heads", button_key="heads.redundancy", slot="heads.redundancy",
                               run_key=red_key, fn=cache.head_redundancy,
-                              args=(lm.name, state.load_options(), None, red_tokens, kind, float(threshold),
+                              args=(state.model_key(), None, red_tokens, kind, float(threshold),
                                     ablation_delta), label="Comparing heads",
                               stale_note="The settings changed since the last run; press the button again.")
     if result is not None:
@@ -143,7 +143,7 @@ with shown_errors("Attention pattern"):
     head = min(c2.slider("Head", 0, g.n_heads - 1, key=state.widget_key("heads.head", value=0)), g.n_heads - 1)
     sentence = st.text_input("Sentence (edit it)", key=state.widget_key(
         "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
-    tokens_, probs = cache.attention_pattern(lm.name, state.load_options(), sentence)
+    tokens_, probs = cache.attention_pattern(state.model_key(), sentence)
     st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
                                              title=f"Layer {layer}, head {head}" +
                                                    (f" (KV group {head // g.group_size})" if g.group_size > 1 else "")),

@@ -49,7 +49,7 @@ one_shot = c[2].toggle("One-shot", key=state.widget_key("pipe.one_shot", value=F
 params = controls.current_params(scorer, z)
 described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in params.items())
 st.caption(f"Starts from the Prune page's view: **{controls.label(scorer)}** ({described or 'no parameters'}), "
-           f"policy **{policy['policy']}**, KV policy **{state.get('kv_policy')}**. Scorer and policy are the same "
+           f"policy **{policy}**, KV policy **{state.get('kv_policy')}**. Scorer and policy are the same "
            "controls as on Prune; z and the scorer's parameters are set there.")
 
 c = st.columns(4)
@@ -85,7 +85,7 @@ seq_len = int(c[1].number_input("Sequence length", 8, 2048, key=state.widget_key
 config = PipelineConfig(target_sparsity=float(target), step=float(step), recovery_steps=0 if one_shot else recovery,
                         ppl_budget=budget or None, scorer=scorer,
                         scorer_params=dict(params),
-                        policy=policy["policy"], kv_policy=state.get("kv_policy"), eval_tokens=eval_tokens,
+                        policy=policy, kv_policy=state.get("kv_policy"), eval_tokens=eval_tokens,
                         distill=DistillConfig(lr=lr, batch_size=batch, seq_len=seq_len, lora=lora))
 config = config.one_shot() if one_shot else config
 
@@ -100,7 +100,7 @@ with shown_errors("Estimating the time"):
     if last_rate is not None:
         seconds, basis = work * last_rate, "scaled from the last run's measured time on this model"
     else:
-        seconds = work / cache.forward_rate(lm.name, state.load_options())
+        seconds = work / cache.forward_rate(state.model_key())
         basis = ("a lower bound: forward passes only, at this machine's measured speed; measuring every stage's "
                  "size and latency adds more (a first run tells)")
     text = f"~{max(1, math.ceil(seconds / 60))} min" if seconds >= 60 else f"~{seconds:.0f} s"
@@ -129,7 +129,7 @@ if requested > done:
     t0 = time.monotonic()
     try:
         with shown_errors("The pipeline"):
-            with cache.progress_bar("Pipeline") as bar, cache.exclusive(lm.name, state.load_options(), bar,
+            with cache.progress_bar("Pipeline") as bar, cache.exclusive(state.model_key(), bar,
                                                                        should_stop=stop_check):
                 def report(fraction: float, message: str) -> None:
                     spent = time.monotonic() - t0

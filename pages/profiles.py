@@ -3,7 +3,7 @@ row-norm distribution with the mean and mean + z*std lines and its outlier rows;
 import numpy as np
 import streamlit as st
 
-from analysis.measure import profiles
+from analysis.score import scoring
 from components import cache, charts, controls, explain, shell, state
 from components.errors import shown_errors
 
@@ -19,13 +19,10 @@ g = lm.geometry
 prof = cache.profile_or_stop()
 
 c1, c2, c3 = st.columns([1, 1, 2])
-ord_ = c1.radio("Norm", [2, 1], format_func=lambda o: f"L{o}", horizontal=True,
-                key=state.widget_key("profiles.ord", value=2))
-scope = c2.radio("Population", ["layer", "model"], horizontal=True, key=state.widget_key("profiles.scope", value="layer"),
-                 help="layer: each projection of each layer is its own population; model: one projection "
-                      "across all layers.")
-convention = controls.std_choice(state.widget_key("profiles.std", value=profiles.DEFAULT_STD), c3)
-st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[convention]} std.")
+ord_ = controls.param_widget(scoring.ORD, state.widget_key("profiles.ord", value=scoring.ORD.default), c1)
+scope = controls.param_widget(scoring.SCOPE, state.widget_key("profiles.scope", value=scoring.SCOPE.default), c2)
+convention = controls.param_widget(scoring.STD, state.widget_key("profiles.std", value=scoring.STD.default), c3)
+st.caption(f"Threshold tau = mean + z * std with the {scoring.STD.shown(convention)} std.")
 kv_unit = "KV group" if g.group_size > 1 else "head"           # MHA: K/V rows belong to one head each
 
 norms = stats = None

@@ -7,8 +7,6 @@ import streamlit as st
 
 from analysis.measure import evaluation
 
-from analysis.score import masks
-
 from analysis.score import scoring
 
 from analysis.score import sweep
@@ -40,7 +38,7 @@ with c3.expander("Scorer parameters and KV policy", expanded=False):
 
 
 @st.fragment
-def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flops_len: int) -> None:
+def live_mask(scorer: str, base_params: dict, policy: str, kv_policy: str, flops_len: int) -> None:
     """z and sparsity -> the mask grid and its numbers.
 
     A fragment: a key press on z or the sparsity reruns only this part, so the grid redraws
@@ -49,74 +47,87 @@ def live_mask(scorer: str, base_params: dict, policy: dict, kv_policy: str, flop
     The grid is HTML (`charts.mask_grid`), which the browser swaps in place; a plotly chart would
     be built anew (Plotly.newPlot) on every key press. The sections below read the same view from
     `views.view_mask` on the next full run (any press of their buttons is one), so they never
-    evaluate a mask other than the one shown here. The grid sits beside the sliders (right column),
-    so at 1280x800 a slider move is seen; notes fold below it."""
+    evaluate a mask other than the one shown here: both take their scores and mask from
+    `views.scores_of` / `views.plan_of`. The grid sits beside the sliders (right column), so at
+    1280x800 a slider move is seen; notes fold below it."""
     left, right = st.columns([2, 3], gap="medium")
-    z = left.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
-                   help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
-    state.set("z", z)
-    sparsity = left.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
-                          key=state.widget_key("sparsity"))
-    state.set("sparsity", sparsity)
+    z, sparsity = _sliders(left)
     params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
-
-    key = cache.params_key(params)
-    cls = scoring.scorer_class(scorer)
-    head_scores = None
-    if cls.needs_calibration and not state.is_scored(lm.name, scorer, key):
-        left.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
-        if left.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
-            head_scores = cache.cached_call(cache.scores, lm.name, state.load_options(), scorer, key,
-                                            label=f"Scoring with {controls.label(scorer)}", stoppable=True)
-            if head_scores is not None:
-                state.mark_scored(lm.name, scorer, key)
-    else:
-        head_scores = cache.cached_call(cache.scores, lm.name, state.load_options(), scorer, key,
-                                        label=f"Scoring with {controls.label(scorer)}", stoppable=cls.needs_calibration)
+    head_scores = _live_scores(left, scorer, params)
     if head_scores is None:
         st.stop()          # in a full run this ends the page too: nothing below has a mask
-
     with shown_errors("Building the mask"):
-        plan = masks.plan_mask(head_scores, sparsity, group_size=g.group_size, **policy)
-        try:                                    # e.g. kv_policy strict refusing this mask
-            summary, summary_error = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len), None
-        except Exception as err:  # noqa: BLE001 - shown below, beside the mask it refused
-            summary, summary_error = None, err
-        stock = numbers.stock_of(lm, plan.pruned, kv_policy, sparsity) if summary is not None else None
-        grid = charts.mask_grid(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
-                                group_size=g.group_size)
-        scores_csv = "layer,head,score,pruned\n" + "\n".join(
-            f"{l},{h},{head_scores.scores[l, h]:.8g},{int(plan.pruned[l, h])}" for l, h in np.ndindex(*plan.pruned.shape))
-        scores_json = json.dumps(head_scores.as_dict(), indent=1)
-        summary_json = json.dumps(summary.as_dict(), indent=1) if summary is not None else None
+        plan = views.plan_of(lm, head_scores, sparsity, policy)
+        shown = _mask_view(plan, head_scores, scorer, kv_policy, flops_len, sparsity)
+        _draw_mask_view(shown, left, right, scorer, flops_len,
+                        zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
 
-        right.html(grid)                        # drawing only from here on
-        if summary is not None:
-            with left:
-                numbers.show_summary(summary, flops_len=flops_len, kind=lm.kind,
-                                     zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else
-                                     "Heads with score 0")
-                numbers.show_stock(stock)
-            numbers.show_notes(summary)
-        else:
-            with left:
-                show_exception(summary_error, "Counting what surgery builds")
-        downloads = st.container(horizontal=True)
-        downloads.download_button("Scores and mask (CSV)", scores_csv, file_name=f"{scorer}_scores.csv",
-                                  mime="text/csv", key="prune.dl.csv")
-        downloads.download_button("Scores (JSON)", scores_json, file_name=f"{scorer}_scores.json",
-                                  mime="application/json", key="prune.dl.json")
-        if summary_json is not None:
-            downloads.download_button("Mask summary (JSON)", summary_json,
-                                      file_name=f"{scorer}_mask_summary.json", mime="application/json",
-                                      key="prune.dl.summary")
+
+def _sliders(left) -> tuple[float, float]:
+    """The view's z and sparsity sliders (view fields, mirrored into the URL)."""
+    z = left.slider("Threshold z", 0.0, float(state.Z_MAX), step=0.05, key=state.widget_key("z"),
+                    help="tau = mean + z * std of each population of row norms (MP, MP-G, Hybrid).")
+    state.set("z", z)
+    sparsity = left.slider("Sparsity (fraction of heads pruned)", 0.0, state.SPARSITY_MAX, step=controls.SPARSITY_STEP,
+                           key=state.widget_key("sparsity"))
+    state.set("sparsity", sparsity)
+    return z, sparsity
+
+
+def _live_scores(left, scorer: str, params: dict):
+    """The scores at `params`; a calibration scorer's only once its button has computed them."""
+    if not views.needs_computing(lm, scorer, params):
+        return views.scores_of(lm, scorer, params, stoppable=scoring.scorer_class(scorer).needs_calibration)
+    left.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
+    if left.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
+        return views.scores_of(lm, scorer, params, stoppable=True)
+    return None
+
+
+def _mask_view(plan, head_scores, scorer: str, kv_policy: str, flops_len: int, sparsity: float) -> dict:
+    """Everything the fragment shows for one (scores, plan), computed before anything is drawn."""
+    try:                                    # e.g. kv_policy strict refusing this mask
+        summary, summary_error = numbers.summary_of(lm, plan, head_scores, kv_policy, flops_len), None
+    except Exception as err:  # noqa: BLE001 - shown below, beside the mask it refused
+        summary, summary_error = None, err
+    return dict(
+        summary=summary, summary_error=summary_error,
+        stock=numbers.stock_of(lm, plan.pruned, kv_policy, sparsity) if summary is not None else None,
+        grid=charts.mask_grid(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
+                              group_size=g.group_size),
+        scores_csv="layer,head,score,pruned\n" + "\n".join(
+            f"{l},{h},{head_scores.scores[l, h]:.8g},{int(plan.pruned[l, h])}" for l, h in np.ndindex(*plan.pruned.shape)),
+        scores_json=json.dumps(head_scores.as_dict(), indent=1),
+        summary_json=json.dumps(summary.as_dict(), indent=1) if summary is not None else None)
+
+
+def _draw_mask_view(shown: dict, left, right, scorer: str, flops_len: int, *, zero_label: str) -> None:
+    """Draw what `_mask_view` computed: the grid, the numbers (or why there are none), the downloads."""
+    right.html(shown["grid"])
+    if shown["summary"] is not None:
+        with left:
+            numbers.show_summary(shown["summary"], flops_len=flops_len, kind=lm.kind, zero_label=zero_label)
+            numbers.show_stock(shown["stock"])
+        numbers.show_notes(shown["summary"])
+    else:
+        with left:
+            show_exception(shown["summary_error"], "Counting what surgery builds")
+    downloads = st.container(horizontal=True)
+    downloads.download_button("Scores and mask (CSV)", shown["scores_csv"], file_name=f"{scorer}_scores.csv",
+                              mime="text/csv", key="prune.dl.csv")
+    downloads.download_button("Scores (JSON)", shown["scores_json"], file_name=f"{scorer}_scores.json",
+                              mime="application/json", key="prune.dl.json")
+    if shown["summary_json"] is not None:
+        downloads.download_button("Mask summary (JSON)", shown["summary_json"],
+                                  file_name=f"{scorer}_mask_summary.json", mime="application/json",
+                                  key="prune.dl.summary")
 
 
 live_mask(scorer, base_params, policy, kv_policy, flops_len)
 if "z" not in base_params:
     st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
 elif "std" in base_params:
-    st.caption(f"Threshold tau = mean + z * std with the {controls.STD_LABELS[base_params['std']]} std "
+    st.caption(f"Threshold tau = mean + z * std with the {scoring.STD.shown(base_params['std'])} std "
                f"(change it under 'Scorer parameters').")
 built = views.view_mask(lm, explain=False)        # live_mask has shown why, if there is no mask
 if built is None:
@@ -129,12 +140,12 @@ weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
 st.subheader("Check this mask")
 with shown_errors("Reading the text"):
     text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256, most=8192)
-    check = (lm.name, scorer, key, sparsity, cache.params_key(policy), text, max_tokens)
+    check = (lm.name, scorer, key, sparsity, policy, controls.min_per_layer(), text, max_tokens)
     metric_name = evaluation.evaluator_class(lm.kind).label
     dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
     result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
                               slot="prune.check", run_key=check, fn=cache.evaluate_masks,
-                              args=(lm.name, state.load_options(), dense_and_masked, text, max_tokens),
+                              args=(state.model_key(), dense_and_masked, text, max_tokens),
                               label="Evaluating",
                               stale_note="The settings changed since the last check; press the button to check this mask.")
     if result is not None:
@@ -154,11 +165,12 @@ if scorer not in sweep.SWEEP_SCORERS:
 else:
     sweep_tokens = int(st.number_input("Tokens per split", 16, 4096, step=64,
                                        key=state.widget_key("prune.sweep_tokens", value=256)))
-    options = cache.params_key(dict(scorer=scorer, **{k: v for k, v in params.items() if k != "z"}, **policy))
+    options = cache.params_key(dict(scorer=scorer, **{k: v for k, v in params.items() if k != "z"}, policy=policy,
+                                    min_per_layer=controls.min_per_layer()))
     sweep_key = (lm.name, sparsity, options, sweep_tokens)
     zs = cache.run_button(f"Sweep z at sparsity {sparsity:g}", button_key="prune.sweep", slot="prune.sweep",
                           run_key=sweep_key, fn=cache.z_sweep,
-                          args=(lm.name, state.load_options(), sparsity, options, sweep_tokens), label="Sweeping z",
+                          args=(state.model_key(), sparsity, options, sweep_tokens), label="Sweeping z",
                           stale_note="The settings changed since the last sweep; press the button to sweep again.")
     if zs is not None:
         series = {"calibration split": (zs.zs, zs.calibration)}

@@ -49,7 +49,7 @@ with shown_errors("Working the example"):
     excess = {p: float(e[layer, unit[p]].sum()) for p, e in prof.excess(z).items()}
     rows_over = {p: int((norms[p][unit[p]] > taus[p]).sum()) for p in unit}
     own_sums, group_sums = prof.excess_sums(z)                              # [L, H], [L, Hkv]
-    scored = {name: cache.cached_call(cache.scores, lm.name, state.load_options(), name,
+    scored = {name: cache.cached_call(cache.scores, state.model_key(), name,
                                       cache.params_key(controls.default_params(name, z)),
                                       label=f"Scoring with {controls.label(name)}") for name in ("mp", "mp-g")}
     if any(s is None for s in scored.values()):
@@ -87,7 +87,7 @@ def pattern_mask(kept: tuple[int, ...]) -> np.ndarray:
 if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
     with shown_errors("Counting the layouts"):
         one_layer = HeadGeometry(1, g.n_heads, g.n_kv_heads, g.head_dim, g.hidden)
-        costs = masks.attention_costs(g.head_dim, g.hidden, seq_len=1, bias=cache.has_qkv_bias(lm.name, state.load_options()))
+        costs = masks.attention_costs(g.head_dim, g.hidden, seq_len=1, bias=cache.has_qkv_bias(state.model_key()))
         uneven = [min(2, G), 1] + [0] * (g.n_kv_heads - 2)
         whole = [G] * (sum(uneven) // G) + [0] * (g.n_kv_heads - sum(uneven) // G)
         patterns = {tuple([G] * g.n_kv_heads): "dense", tuple(uneven): "uneven"}      # kept per group -> what

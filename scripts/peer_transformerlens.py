@@ -28,14 +28,12 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = Path(tempfile.gettempdir()) / f"headscope-test-cache-{os.getuid()}" / "models" / "smollm2-135m"
 TL_NAMES = {"previous-token": "previous_token_head", "duplicate-token": "duplicate_token_head",
             "induction": "induction_head"}
 
 
 def headscope_side(model_dir: Path, length: int, n_sequences: int, seed: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     from analysis.arch.models import load_model
     from analysis.measure.detectors import get_detector
     loaded = load_model(str(model_dir))

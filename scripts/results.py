@@ -40,7 +40,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -147,6 +146,35 @@ def cost_text(scores) -> str:
     return f"{passes} x {c.calibration_tokens // max(1, c.calibration_sequences)} tok, {c.seconds:.1f} s"
 
 
+@dataclass
+class Measured:
+    """Everything `run` measured, for the markdown and the data it returns (indices point into `table`)."""
+    ids: torch.Tensor                                  # [N] the evaluation token ids
+    windows: list
+    window: int
+    table: MaskTable = field(default_factory=MaskTable)
+    cells: dict = field(default_factory=dict)          # (row, sparsity) -> mask index
+    scores_of: dict = field(default_factory=dict)      # row label (or random-<seed>) -> [L, H]
+    costs: dict = field(default_factory=dict)          # row label -> scoring cost text
+    timings: dict = field(default_factory=dict)        # step -> seconds
+    swept: dict = field(default_factory=dict)          # sparsity -> the z the sweep picked
+    policy_plans: dict = field(default_factory=dict)   # (policy, sparsity) -> MaskPlan, or why it is infeasible
+    random_cells: dict = field(default_factory=dict)   # (seed, sparsity) -> mask index
+    n_masks: int = 0                                   # masks evaluated, the dense model counted
+    dense: int = -1
+    ppl: np.ndarray | None = None                      # [B] perplexity of every mask
+    lo: np.ndarray | None = None                       # [B] 95 % CI
+    hi: np.ndarray | None = None
+    boot: np.ndarray | None = None                     # [R, B] bootstrap resamples
+    counts: np.ndarray | None = None                   # [W] scored tokens per window
+
+    def fmt(self, i: int) -> str:
+        return cell(self.ppl[i], self.lo[i], self.hi[i])
+
+
+SWEEP_LABEL = "MP-G (z from the sweep)"
+
+
 def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[str, dict]:
     """Measure everything for `loaded` (a causal-LM LoadedModel); returns (markdown, data).
 
@@ -156,82 +184,103 @@ def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[
     if len(o.seeds) < 5:
         raise InputError(f"Random needs at least 5 seeds for a spread; got {len(o.seeds)}.")
     started = time.perf_counter()
-    g = loaded.geometry
-    L, H, G = g.n_layers, g.n_heads, g.group_size
+    m, evaluator = _evaluation_ids(loaded, o)
+    profile_start = time.perf_counter()
+    profile = profile_model(loaded.model, adapter=loaded.adapter)
+    m.timings["row-norm profile"] = time.perf_counter() - profile_start
+    _score_rows(loaded, o, profile, m, team)
+    _sweep_rows(loaded, o, profile, m, team)
+    _policy_and_random_rows(loaded, o, profile, m)
+    _evaluate_masks(loaded, o, evaluator, m, team)
+    lines = (_summary_lines(loaded, o, m) + _policy_lines(loaded, o, m) + _oracle_lines(loaded, o, m)
+             + _timing_lines(o, m, time.perf_counter() - started))
+    data = dict(ids=m.ids.numpy(), windows=len(m.windows), window=m.window, ppl=m.ppl, lo=m.lo, hi=m.hi,
+                cells=m.cells, random_cells=m.random_cells, dense=m.dense, policy_plans=m.policy_plans,
+                swept=m.swept, masks=m.table.masks, timings=m.timings, scores=m.scores_of)
+    return "\n".join(lines), data
+
+
+def _evaluation_ids(loaded, o: Options):
+    """(Measured with the evaluation ids and their windows, the evaluator)."""
     ids = token_ids(loaded.tokenizer, evaluation_text(max_chars=16 * o.eval_tokens + 4096),
                     max_tokens=o.eval_tokens)                                        # [N]
     if ids.numel() < o.eval_tokens:
         raise InputError(f"The evaluation split has only {ids.numel()} tokens; asked for {o.eval_tokens}.")
     evaluator = evaluator_for(loaded.kind, window=o.window, stride=o.window, batch_size=o.eval_batch)
     windows = evaluator.plan(loaded.model, ids.numel())
-    window = windows[0].end - windows[0].begin
-    profile_start = time.perf_counter()
-    profile = profile_model(loaded.model, adapter=loaded.adapter)
-    timings = {"row-norm profile": time.perf_counter() - profile_start}
+    return Measured(ids, windows, windows[0].end - windows[0].begin), evaluator
+
+
+def _score_rows(loaded, o: Options, profile, m: Measured, team) -> None:
+    """Every scorer row's scores, cost and masks at every sparsity."""
+    G = loaded.geometry.group_size
     calibration = calibration_ids(loaded.tokenizer, o.n_sequences, o.seq_len)       # [n, T]
     ablation_ids = calibration_ids(loaded.tokenizer, o.ablation_sequences, o.ablation_seq_len)
-
-    table = MaskTable()
-    cells: dict[tuple[str, float], int] = {}          # (row, sparsity) -> mask index
-    scores_of: dict[str, np.ndarray] = {}
-    costs: dict[str, str] = {}
     for label, scorer in scorer_rows(o):
         say(o, f"scoring: {label}")
         ids_for = ablation_ids if scorer.name == ORACLE else calibration
         scores = (scorer.score(loaded, calibration=ids_for, team=team) if scorer.needs_calibration
                   else scorer.score(profile))
-        scores_of[label], costs[label] = scores.scores, cost_text(scores)
-        timings[label] = scores.cost.seconds
+        m.scores_of[label], m.costs[label] = scores.scores, cost_text(scores)
+        m.timings[label] = scores.cost.seconds
         for s in o.sparsities:
-            cells[(label, s)] = table.add(plan_mask(scores, s, group_size=G).pruned)
+            m.cells[(label, s)] = m.table.add(plan_mask(scores, s, group_size=G).pruned)
 
+
+def _sweep_rows(loaded, o: Options, profile, m: Measured, team) -> None:
+    """MP-G at the z the calibration-split sweep picks, per sparsity."""
     say(o, "z sweep on the calibration split")
+    G = loaded.geometry.group_size
     sweep_start = time.perf_counter()
     calib_eval, _, _, _ = split_evaluators(loaded, max_tokens=o.sweep_tokens, window=o.window,
                                            batch_size=o.eval_batch, team=team)
-    sweep_label = "MP-G (z from the sweep)"
-    swept = {}
     for s in o.sparsities:
         result = sweep_z(profile, s, calib_eval, None, scorer="mp-g")
-        swept[s] = result.suggested_z
-        cells[(sweep_label, s)] = table.add(plan_mask(get_scorer("mp-g", z=result.suggested_z).score(profile), s,
-                                                      group_size=G).pruned)
-    timings["z sweep (calibration split)"] = time.perf_counter() - sweep_start
+        m.swept[s] = result.suggested_z
+        m.cells[(SWEEP_LABEL, s)] = m.table.add(plan_mask(get_scorer("mp-g", z=result.suggested_z).score(profile), s,
+                                                          group_size=G).pruned)
+    m.timings["z sweep (calibration split)"] = time.perf_counter() - sweep_start
 
+
+def _policy_and_random_rows(loaded, o: Options, profile, m: Measured) -> None:
+    """MP-G (z = 2) under every policy row, and the random scorer at every seed."""
+    G = loaded.geometry.group_size
     mpg2 = get_scorer("mp-g", z=2.0).score(profile)
-    policy_plans = {}
     for policy in POLICY_ROWS:
         for s in o.sparsities:
             try:
                 plan = plan_mask(mpg2, s, group_size=G, policy=policy)
             except InputError as err:                   # no feasible count near s: say so in the table
-                policy_plans[(policy, s)] = str(err)
+                m.policy_plans[(policy, s)] = str(err)
                 continue
-            policy_plans[(policy, s)] = plan
-            cells[(f"policy {policy}", s)] = table.add(plan.pruned)
-    random_cells = {}
+            m.policy_plans[(policy, s)] = plan
+            m.cells[(f"policy {policy}", s)] = m.table.add(plan.pruned)
     for seed in o.seeds:
         scores = get_scorer("random", seed=seed).score(profile)
-        scores_of[f"random-{seed}"] = scores.scores
+        m.scores_of[f"random-{seed}"] = scores.scores
         for s in o.sparsities:
-            random_cells[(seed, s)] = table.add(plan_mask(scores, s, group_size=G).pruned)
+            m.random_cells[(seed, s)] = m.table.add(plan_mask(scores, s, group_size=G).pruned)
 
-    n_masks = len(table.masks) + 1
-    say(o, f"evaluating {n_masks} distinct masks (dense included) on {ids.numel()} tokens, {len(windows)} windows")
+
+def _evaluate_masks(loaded, o: Options, evaluator, m: Measured, team) -> None:
+    """Every distinct mask (and the dense model) in one batched evaluation, with bootstrap CIs."""
+    g = loaded.geometry
+    m.n_masks = len(m.table.masks) + 1
+    say(o, f"evaluating {m.n_masks} distinct masks (dense included) on {m.ids.numel()} tokens, {len(m.windows)} windows")
     eval_start = time.perf_counter()
-    dense_row = table.add(np.zeros((L, H), bool))
-    gates = gate_batch(loaded.model, pruned=np.stack(table.masks))                     # [B, L, H]
-    sums, counts = evaluator.window_nll(loaded.model, ids, gates, team=team)         # [B, W], [W]
-    timings["evaluation (all masks)"] = time.perf_counter() - eval_start
-    ppl = np.exp(sums.sum(axis=1) / counts.sum())                                     # [B]
-    boot = bootstrap_ppl(sums, counts, o.bootstrap)                                   # [R, B]
-    lo, hi = np.percentile(boot, [2.5, 97.5], axis=0)                                 # [B] each
+    m.dense = m.table.add(np.zeros((g.n_layers, g.n_heads), bool))
+    gates = gate_batch(loaded.model, pruned=np.stack(m.table.masks))                   # [B, L, H]
+    sums, m.counts = evaluator.window_nll(loaded.model, m.ids, gates, team=team)     # [B, W], [W]
+    m.timings["evaluation (all masks)"] = time.perf_counter() - eval_start
+    m.ppl = np.exp(sums.sum(axis=1) / m.counts.sum())                                 # [B]
+    m.boot = bootstrap_ppl(sums, m.counts, o.bootstrap)                               # [R, B]
+    m.lo, m.hi = np.percentile(m.boot, [2.5, 97.5], axis=0)                           # [B] each
 
-    def fmt(i: int) -> str:
-        return cell(ppl[i], lo[i], hi[i])
 
-    bias = loaded.adapter.has_qkv_bias(loaded.model)
-    dtype_bytes = next(loaded.model.parameters()).element_size()
+def _summary_lines(loaded, o: Options, m: Measured) -> list[str]:
+    """The header and the main table: every scorer row, the swept MP-G row, the random row."""
+    g = loaded.geometry
+    L, H, G = g.n_layers, g.n_heads, g.group_size
     head = " | ".join(f"{100 * s:g} %" for s in o.sparsities)
     align = " | ".join("---:" for _ in o.sparsities)
     lines = [
@@ -244,12 +293,12 @@ def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[
         "```",
         "",
         f"Model: `{loaded.name}`: {L} layers x {H} query heads ({g.n_kv_heads} KV heads, G = {G}), {L * H} heads.",
-        f"Evaluation: causal-LM perplexity on the first {ids.numel():,} tokens of the built-in evaluation split "
-        f"(token ids sha256 `{hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]}`, the same ids for every "
-        f"row), {len(windows)} non-overlapping windows of {window} tokens (stride {window}; each window's first "
-        f"token is context only, so {int(counts.sum()):,} tokens are scored). Cells: perplexity "
+        f"Evaluation: causal-LM perplexity on the first {m.ids.numel():,} tokens of the built-in evaluation split "
+        f"(token ids sha256 `{hashlib.sha256(m.ids.numpy().tobytes()).hexdigest()[:16]}`, the same ids for every "
+        f"row), {len(m.windows)} non-overlapping windows of {m.window} tokens (stride {m.window}; each window's first "
+        f"token is context only, so {int(m.counts.sum()):,} tokens are scored). Cells: perplexity "
         f"[95 % bootstrap CI over windows, {o.bootstrap} resamples, the same resamples for every cell]. "
-        f"**Dense perplexity: {fmt(dense_row)}.**",
+        f"**Dense perplexity: {m.fmt(m.dense)}.**",
         f"Masks: global ranking, k = floor(s * {L * H}) heads, unless a policy says otherwise. Calibration "
         f"(data-driven scorers): {o.n_sequences} sequences x {o.seq_len} tokens of the calibration split "
         f"(disjoint from the evaluation split); the ablation oracle uses {o.ablation_sequences} x "
@@ -259,54 +308,69 @@ def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[
         f"| --- | {align} | --- |",
     ]
     for label, _ in scorer_rows(o):
-        lines.append(f"| {label} | {' | '.join(fmt(cells[(label, s)]) for s in o.sparsities)} | {costs[label]} |")
-    lines.append(f"| {sweep_label} | " + " | ".join(f"z = {swept[s]:g}: {fmt(cells[(sweep_label, s)])}"
+        lines.append(f"| {label} | {' | '.join(m.fmt(m.cells[(label, s)]) for s in o.sparsities)} | {m.costs[label]} |")
+    lines.append(f"| {SWEEP_LABEL} | " + " | ".join(f"z = {m.swept[s]:g}: {m.fmt(m.cells[(SWEEP_LABEL, s)])}"
                                                    for s in o.sparsities) + " | the sweep, below |")
     random_parts = []
     for s in o.sparsities:
-        rows = [random_cells[(seed, s)] for seed in o.seeds]
-        seed_mean = boot[:, rows].mean(axis=1)                                        # [R]
+        rows = [m.random_cells[(seed, s)] for seed in o.seeds]
+        seed_mean = m.boot[:, rows].mean(axis=1)                                      # [R]
         m_lo, m_hi = np.percentile(seed_mean, [2.5, 97.5])
-        random_parts.append(f"{ppl[rows].mean():.2f} [{m_lo:.2f}, {m_hi:.2f}] (seeds: {ppl[rows].min():.2f} to "
-                            f"{ppl[rows].max():.2f}, std {ppl[rows].std(ddof=1):.2f})")
+        random_parts.append(f"{m.ppl[rows].mean():.2f} [{m_lo:.2f}, {m_hi:.2f}] (seeds: {m.ppl[rows].min():.2f} to "
+                            f"{m.ppl[rows].max():.2f}, std {m.ppl[rows].std(ddof=1):.2f})")
     lines.append(f"| Random (mean over seeds {', '.join(map(str, o.seeds))}) | {' | '.join(random_parts)} | none |")
+    return lines
 
-    lines += ["", "## MP-G (z = 2) under the mask policies", "",
-              "Parameters removed = what surgery (analysis.compress.surgery.prune_heads, kv_policy auto) really removes from "
-              "the attention; negative = the model grows (uneven GQA groups: K/V copied per query head).", "",
-              "| Policy | Sparsity | Heads pruned | Perplexity [95 % CI] | Attention params removed | KV cache |",
-              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+
+def _policy_lines(loaded, o: Options, m: Measured) -> list[str]:
+    """MP-G (z = 2) under the mask policies, with what surgery removes."""
+    g = loaded.geometry
+    bias = loaded.adapter.has_qkv_bias(loaded.model)
+    dtype_bytes = next(loaded.model.parameters()).element_size()
+    lines = ["", "## MP-G (z = 2) under the mask policies", "",
+             "Parameters removed = what surgery (analysis.compress.surgery.prune_heads, kv_policy auto) really removes from "
+             "the attention; negative = the model grows (uneven GQA groups: K/V copied per query head).", "",
+             "| Policy | Sparsity | Heads pruned | Perplexity [95 % CI] | Attention params removed | KV cache |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for policy in POLICY_ROWS:
         for s in o.sparsities:
-            plan = policy_plans[(policy, s)]
+            plan = m.policy_plans[(policy, s)]
             if isinstance(plan, str):
                 lines.append(f"| {policy} | {s:g} | infeasible | {plan} | | |")
                 continue
             summary = summarize_mask(plan, head_dim=g.head_dim, hidden=g.hidden, bias=bias, dtype_bytes=dtype_bytes)
             lines.append(f"| {policy} | {s:g} | {plan.n_pruned} (asked {plan.requested}) | "
-                         f"{fmt(cells[(f'policy {policy}', s)])} | {summary.params_removed:,} "
+                         f"{m.fmt(m.cells[(f'policy {policy}', s)])} | {summary.params_removed:,} "
                          f"({100 * summary.params_removed_fraction:.1f} %) | {summary.kv_cache_ratio:.3g}x |")
+    return lines
 
+
+def _oracle_lines(loaded, o: Options, m: Measured) -> list[str]:
+    """Spearman's rho of every scorer (and the random seeds) with the ablation oracle."""
+    g = loaded.geometry
     rows = scorer_rows(o)
     oracle_label = next(label for label, scorer in rows if scorer.name == ORACLE)
-    oracle = scores_of[oracle_label]
-    lines += ["", "## Agreement with the single-head ablation oracle", "",
-              f"Spearman's rho between each scorer's head scores and the oracle's ({oracle_label}) over all "
-              f"{L * H} heads (higher = ranks heads more like their real loss increase).", "",
-              "| Scorer | Spearman rho |", "| --- | ---: |"]
+    oracle = m.scores_of[oracle_label]
+    lines = ["", "## Agreement with the single-head ablation oracle", "",
+             f"Spearman's rho between each scorer's head scores and the oracle's ({oracle_label}) over all "
+             f"{g.n_layers * g.n_heads} heads (higher = ranks heads more like their real loss increase).", "",
+             "| Scorer | Spearman rho |", "| --- | ---: |"]
     for label, scorer in rows:
         if scorer.name != ORACLE:
-            lines.append(f"| {label} | {rank_correlation(scores_of[label], oracle):+.3f} |")
-    rhos = np.array([rank_correlation(scores_of[f"random-{seed}"], oracle) for seed in o.seeds])
+            lines.append(f"| {label} | {rank_correlation(m.scores_of[label], oracle):+.3f} |")
+    rhos = np.array([rank_correlation(m.scores_of[f"random-{seed}"], oracle) for seed in o.seeds])
     lines.append(f"| Random (mean ± std over {len(o.seeds)} seeds) | {rhos.mean():+.3f} ± {rhos.std(ddof=1):.3f} |")
+    return lines
 
-    total = time.perf_counter() - started
-    lines += ["", "## Timings", "", "| Step | Seconds |", "| --- | ---: |"]
-    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in timings.items()]
+
+def _timing_lines(o: Options, m: Measured, total: float) -> list[str]:
+    """The timings table and the notes."""
+    lines = ["", "## Timings", "", "| Step | Seconds |", "| --- | ---: |"]
+    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in m.timings.items()]
     lines += [f"| whole run | {total:.1f} |", "",
               "Notes:",
               f"- One run, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} CPU, "
-              f"{torch.get_num_threads()} torch threads; seconds depend on machine load. {n_masks} distinct masks "
+              f"{torch.get_num_threads()} torch threads; seconds depend on machine load. {m.n_masks} distinct masks "
               "were evaluated (identical masks share one evaluation).",
               "- The z sweep picks, per sparsity, the z with the lowest calibration-split perplexity over z = 0.5 "
               f".. 3.0 (first {o.sweep_tokens} calibration tokens); that z is then evaluated on the evaluation split.",
@@ -314,10 +378,7 @@ def run(loaded, o: Options, team: distributed.Team = distributed.SOLO) -> tuple[
               "mean head score, so every layer's mean is 1 and the global ranking compares heads within their "
               "layer's scale.",
               f"- Text: {WIKI_ATTRIBUTION}", ""]
-    data = dict(ids=ids.numpy(), windows=len(windows), window=window, ppl=ppl, lo=lo, hi=hi, cells=cells,
-                random_cells=random_cells, dense=dense_row, policy_plans=policy_plans, swept=swept,
-                masks=table.masks, timings=timings, scores=scores_of)
-    return "\n".join(lines), data
+    return lines
 
 
 def _floats(text: str) -> tuple:

@@ -1,17 +1,15 @@
 """Screenshots of every page at 1280x800 for both built-in models, into artifacts/ (what a user sees
 first on each page). Serves the app with tests/e2e/serving.py and drives Debian's Chromium.
 
-    .venv/bin/python scripts/screenshots.py [--out artifacts] [--models smollm2-135m,minilm-l6]
+    .venv/bin/python -m scripts.screenshots [--out artifacts] [--models smollm2-135m,minilm-l6]
 """
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from tests.e2e.serving import SETTLED, chromium, served_app  # noqa: E402
 

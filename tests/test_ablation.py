@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.measure.ablation import FastAblation, ablation_gates, head_ablation, naive_sweep, split_sequences
+from analysis.measure.ablation import FastAblation, ablation_gates, head_ablation, naive_sweep
+from analysis.measure.tokens import split_sequences
 from analysis.core.errors import CancelledError, InputError
 from analysis.measure.evaluation import evaluate, token_ids
 from analysis.arch.geometry import HeadGeometry

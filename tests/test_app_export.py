@@ -28,9 +28,9 @@ def test_mask_json_is_the_shown_mask(tiny_dir, out_root, downloads):
 
 def test_export_pruned_keeps_cached_model_intact(tiny_dir, out_root):
     from analysis.compress.export import load_pruned, mask_from_json
-    from components import cache
+    from components import cache, state
     at = new_app(tiny_dir, page="export", policy="global", sparsity="0.5")
-    model = cache.load(str(tiny_dir), False).model
+    model = cache.load(state.ModelKey(str(tiny_dir))).model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     at.selectbox(key="hs.w.export.format").set_value("pruned").run()
     at.text_input(key="hs.w.export.folder").set_value("my-export").run()
@@ -84,8 +84,8 @@ def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
     at.multiselect(key="hs.w.export.speed.lengths").set_value([128]).run()
     at.button(key="export.measure").click().run()
     no_exception(at)
-    from components import cache
-    model = cache.load(str(tiny_dir), False).model
+    from components import cache, state
+    model = cache.load(state.ModelKey(str(tiny_dir))).model
     dense = sum(p.numel() for p in model.parameters())
     shown = int([m for m in at.metric if m.label == "Parameters"][0].value.replace(",", ""))
     assert 0 < shown < dense

@@ -21,10 +21,10 @@ def _settings(at, **values):
 
 
 def test_run_report_downloads_and_export(tiny_dir, out_root, downloads):
-    from components import cache
+    from components import cache, state
     at = new_app(tiny_dir, page="pipeline")
     no_exception(at)
-    model = cache.load(str(tiny_dir), False).model
+    model = cache.load(state.ModelKey(str(tiny_dir))).model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     at = _settings(at, target=0.5, step=0.25, recovery=2, batch=2, seq=16, eval=64)
     at.button(key="pipe.run").click().run()

@@ -47,7 +47,7 @@ def test_model_page_opens_weights_only_without_building_it(checkpoint):
     at = _open(checkpoint)
     shown = texts(at)
     assert "Open weights only" in shown and "Layers (L): 4" in shown and "KV heads (H_kv): 2" in shown
-    lm = cache.load(str(checkpoint), (state.WEIGHTS_ONLY, False))
+    lm = cache.load(state.ModelKey(str(checkpoint), weights_only=True))
     assert is_weights_only(lm) and next(lm.model.parameters()).dtype == torch.bfloat16
 
 
@@ -122,10 +122,10 @@ def test_export_page_streams_and_equals_the_in_memory_export(checkpoint, out_roo
 def test_streamed_profile_reports_each_layer_and_stops(checkpoint):
     from analysis.core.errors import CancelledError
     from components import cache, state
-    how = (state.WEIGHTS_ONLY, False)
+    key = state.ModelKey(str(checkpoint), weights_only=True)
     with pytest.raises(CancelledError):
-        cache.profile(str(checkpoint), how, _should_stop=lambda: True)
+        cache.profile(key, _should_stop=lambda: True)
     seen = []
-    prof = cache.profile(str(checkpoint), how, _progress=lambda f, m: seen.append(m))
+    prof = cache.profile(key, _progress=lambda f, m: seen.append(m))
     assert [m for m in seen if m.startswith("streamed layer")] == [f"streamed layer {i}/4" for i in range(1, 5)]
     assert prof.n_layers == 4

@@ -21,20 +21,10 @@ from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.score.masks import plan_mask
 from analysis.arch.resize import SURGERY
 from tests._tiny import FAMILIES, TINY_SPECS, tiny_config, tiny_input_ids, tiny_model
-from tests.test_surgery import surgery_masks
+from tests._masks import forward, masked_forward, surgery_masks
 
 TOL = 1e-4
 STOCK_FAMILIES = [f for f in FAMILIES if SURGERY[f].stock_config is not None]
-
-
-def _out(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(input_ids=ids, **kwargs)[0]
-
-
-def _masked(model, pruned, ids):
-    with head_mask(model, gates_from_mask(pruned)):
-        return _out(model, ids)
 
 
 def _hard_mask(family):
@@ -65,7 +55,7 @@ def test_pruned_export_loads_and_matches(family, tmp_path):
         result = export_to("pruned", model, pruned, tmp_path / name)
         assert {"config.json", "model.safetensors", "head_layout.json", "mask.json"} <= set(result.files)
         loaded = load_pruned(result.path, attn_implementation="eager")
-        assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL, name
+        assert (forward(loaded, ids) - masked_forward(model, pruned, ids)).abs().max().item() <= TOL, name
         assert np.array_equal(mask_from_json(result.path), pruned)
         assert result.layout.pruned_mask().tolist() == pruned.tolist()
     assert _no_leftovers(tmp_path) == []
@@ -79,7 +69,7 @@ def test_zeroed_export_loads_anywhere(family, tmp_path):
     result = export_to("zeroed", model, pruned, tmp_path / "z")
     auto_cls = TINY_SPECS[family][0]
     loaded = auto_cls.from_pretrained(result.path, attn_implementation="eager").eval()
-    assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL
+    assert (forward(loaded, ids) - masked_forward(model, pruned, ids)).abs().max().item() <= TOL
     assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in model.parameters())
     assert np.array_equal(mask_from_json(result.path / "mask.json"), pruned)
 
@@ -104,11 +94,11 @@ def test_stock_from_pretrained_loads_uniform_export(family, tmp_path):
         config = json.loads((result.path / "config.json").read_text())
         loaded = auto_cls.from_pretrained(result.path, attn_implementation="eager").eval()   # stock code
         assert type(loaded).__module__.startswith("transformers.")
-        assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL, name
+        assert (forward(loaded, ids) - masked_forward(model, pruned, ids)).abs().max().item() <= TOL, name
         assert config["num_attention_heads"] == 2 and config["head_dim"] == g.head_dim
         assert sum(p.numel() for p in loaded.parameters()) < sum(p.numel() for p in model.parameters())
         again = load_pruned(result.path, attn_implementation="eager")          # also via the headscope loader
-        assert (_out(again, ids) - _out(loaded, ids)).abs().max().item() <= TOL
+        assert (forward(again, ids) - forward(loaded, ids)).abs().max().item() <= TOL
 
 
 def test_stock_export_refusals(tmp_path):
@@ -133,7 +123,7 @@ def test_expand_policy_makes_uneven_layers_uniform(tmp_path):
     result = export_to("stock", model, pruned, tmp_path / "s", kv_policy="expand")
     loaded = TINY_SPECS["qwen2"][0].from_pretrained(result.path, attn_implementation="eager").eval()
     ids = tiny_input_ids()
-    assert (_out(loaded, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL
+    assert (forward(loaded, ids) - masked_forward(model, pruned, ids)).abs().max().item() <= TOL
     assert loaded.config.num_key_value_heads == 3
 
 
@@ -148,7 +138,7 @@ def test_onnx_runtime_matches_pytorch(family, tmp_path):
     mask[0, :2] = 0                                    # left padding in one row
     onnx_out = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
     with head_mask(model, gates_from_mask(pruned)):
-        reference = _out(model, ids, attention_mask=mask).numpy()
+        reference = forward(model, ids, attention_mask=mask).numpy()
     keep = np.ones(onnx_out.shape[:2], bool)
     keep[0, :2] = False                                # padded positions are undefined
     assert np.abs(onnx_out - reference)[keep].max() <= 1e-3
@@ -341,7 +331,7 @@ def test_stock_export_without_pruning_loads_for_any_family(tmp_path):
     result = export_to("stock", model, nothing, tmp_path / "s")
     ids = tiny_input_ids()
     loaded = load_pruned(result.path, attn_implementation="eager")
-    assert (_out(loaded, ids) - _out(model, ids)).abs().max().item() <= TOL
+    assert (forward(loaded, ids) - forward(model, ids)).abs().max().item() <= TOL
 
 
 def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
@@ -356,7 +346,7 @@ def test_stock_export_of_a_balanced_mask_reloads_and_matches(tmp_path):
     result = export_to("stock", model, plan.pruned, tmp_path / "balanced", kv_policy="strict")
     loaded = TINY_SPECS["llama"][0].from_pretrained(result.path, attn_implementation="eager").eval()
     assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads) == (4, 2)
-    assert (_out(loaded, ids) - _masked(model, plan.pruned, ids)).abs().max().item() <= TOL
+    assert (forward(loaded, ids) - masked_forward(model, plan.pruned, ids)).abs().max().item() <= TOL
     assert sum(p.numel() for p in loaded.parameters()) < sum(p.numel() for p in model.parameters())
     # stock_check agrees with what export_stock does, and names the stock sparsities otherwise
     for policy in ("balanced", "uniform", "global", "groups"):

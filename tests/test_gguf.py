@@ -315,7 +315,7 @@ import time          # noqa: E402
 
 from analysis import cli                                                     # noqa: E402
 from tests._apptools import tiny_model_dir                                   # noqa: E402
-from tests.test_hostile import ROOT, _fill, assert_one_line_error, snapshot, tmpfs  # noqa: E402,F401
+from tests._bad_input import ROOT, assert_one_line_error, fill_disk, snapshot, tmpfs  # noqa: E402,F401
 
 GGUF_EXPORT = ["export", "--quiet", "--scorer", "magnitude", "--sparsity", "0.25", "--policy", "global",
                "--export-format", "gguf"]
@@ -367,7 +367,7 @@ def test_cli_existing_target_is_refused(gguf_model_dir, tmp_path, capsys):
 
 def test_cli_full_disk_says_so_and_leaves_nothing(tmpfs, gguf_model_dir, capsys):
     disk = tmpfs("size=5m")
-    _fill(disk, leave=16 * 1024)
+    fill_disk(disk, leave=16 * 1024)
     before = snapshot(disk)
     code = cli.main([*GGUF_EXPORT, "--gguf-type", "f32", "--model", str(gguf_model_dir), "--out-dir", str(disk),
                      "--name", "cut"])

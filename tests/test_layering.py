@@ -2,8 +2,10 @@
 
 core < arch < measure < score < compress < cli: a module may import from its own package or one before
 it, never from one after it; nothing under analysis/ imports streamlit, and nothing but the CLI package
-and `python -m analysis` imports analysis.cli. Imports inside functions count as much as top-level ones.
-The public API table in analysis/__init__.py names only things that exist.
+and `python -m analysis` imports analysis.cli. A module never imports a private name (one starting with
+"_") from another package: what a package offers the others is its public names. Imports inside
+functions count as much as top-level ones. The public API table in analysis/__init__.py names only things
+that exist.
 """
 import ast
 from pathlib import Path
@@ -30,13 +32,26 @@ def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
     return out
 
 
+def private_imports(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, dotted module, name) of every `from analysis.x.y import _name` (and `import analysis.x._y`)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("analysis"):
+            out += [(node.lineno, node.module, alias.name) for alias in node.names if alias.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, part) for alias in node.names if alias.name.startswith("analysis.")
+                    for part in alias.name.split(".") if part.startswith("_") and not part.startswith("__")]
+    return out
+
+
 def violations(root: Path = ROOT) -> list[str]:
     """One line per import that breaks the layering rule (empty: the tree is in order)."""
     bad = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         own = rel.parts[0] if len(rel.parts) > 1 else None          # None: analysis/__init__ or __main__
-        for line, module in imported_modules(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for line, module in imported_modules(tree):
             where = f"analysis/{rel}:{line} imports {module}"
             if module.startswith("."):
                 bad.append(f"{where}: relative import (use the absolute name, so the layer is visible)")
@@ -56,6 +71,10 @@ def violations(root: Path = ROOT) -> list[str]:
                 bad.append(f"{where}: only the CLI package imports analysis.cli")
             elif RANK[target] > RANK[own]:
                 bad.append(f"{where}: {own} is below {target}")
+        for line, module, name in private_imports(tree):
+            top = module.split(".")
+            if own is not None and len(top) > 1 and top[1] in RANK and top[1] != own:
+                bad.append(f"analysis/{rel}:{line} imports {name} from {module}: a private name of another package")
     return bad
 
 
@@ -86,6 +105,20 @@ def test_the_rule_fails_on_a_bad_import(tmp_path):
     assert any("measure/loss.py" in v and "relative import" in v for v in found)
     assert any("measure/loss.py" in v and "streamlit" in v for v in found)
     assert len(found) == 4
+
+
+def test_the_rule_fails_on_a_private_name_from_another_package(tmp_path):
+    """A score module importing a private helper of measure is caught (inside a function too); a private
+    name of the module's own package is its own business (on a copy of the tree, the real one untouched)."""
+    import shutil
+    copy = tmp_path / "analysis"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "score" / "curves.py").write_text((copy / "score" / "curves.py").read_text()
+                                              + "\n\ndef _scratch():\n    from analysis.measure.ablation import _first\n"
+                                                "    from analysis.score.masks import _lowest\n")
+    found = violations(copy)
+    assert found == [f"analysis/score/curves.py:{len((copy / 'score' / 'curves.py').read_text().splitlines()) - 1} "
+                     "imports _first from analysis.measure.ablation: a private name of another package"]
 
 
 @pytest.mark.parametrize("name", __import__("analysis").__all__)

@@ -80,7 +80,8 @@ def test_mp_g_scores(smollm2, offloaded):
 
 
 def test_ablation_deltas(smollm2, offloaded):
-    from analysis.measure.ablation import FastAblation, split_sequences
+    from analysis.measure.ablation import FastAblation
+    from analysis.measure.tokens import split_sequences
     from analysis.measure.evaluation import token_ids
     from analysis.core.text import evaluation_text
     ids = split_sequences(token_ids(smollm2.tokenizer, evaluation_text(4000), max_tokens=48), 24)  # [2, 24]

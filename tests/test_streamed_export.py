@@ -30,7 +30,7 @@ from analysis.compress.streamed import SafetensorsWriter, export_checkpoint
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, HeadscopeError, ModelLoadError
 from tests._tiny import FAMILIES, tiny_config, tiny_input_ids, tiny_model
-from tests.test_surgery import surgery_masks
+from tests._masks import surgery_masks
 
 STOCK_FAMILIES = [f for f in FAMILIES if SURGERY[f].stock_config is not None]
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,6 +17,7 @@ from analysis.core.errors import InputError, UnsupportedModelError
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.compress.surgery import HeadLayout, prune_heads, select_heads
+from tests._masks import forward, masked_forward, surgery_masks
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
 from tests._tolerance import EXACT, float32_inside_tolerance, forward_tolerance, max_diff
 
@@ -38,43 +39,6 @@ def _tol(model, scale: float) -> float:
     return float32_inside_tolerance(model, scale)
 
 
-def _out(model, ids, **kwargs):
-    with torch.no_grad():
-        return model(input_ids=ids, **kwargs)[0]
-
-
-def _masked(model, pruned, ids):
-    with head_mask(model, gates_from_mask(pruned)):
-        return _out(model, ids)
-
-
-def surgery_masks(geometry, seed):
-    """Named masks covering every structural case (for G = 1 some coincide, that is fine)."""
-    L, H, G = geometry.n_layers, geometry.n_heads, geometry.group_size
-    rng = np.random.default_rng(seed)
-    masks = {}
-    uneven = np.zeros((L, H), bool)
-    uneven[0, 0] = True                          # group 0 keeps G-1 heads, the others G
-    masks["uneven-groups"] = uneven
-    group = np.zeros((L, H), bool)
-    group[1, :G] = True                          # KV group 0 of layer 1 emptied
-    group[0, [0, H - 1]] = True
-    masks["emptied-group"] = group
-    layer = np.zeros((L, H), bool)
-    layer[0] = True                              # every head of layer 0: only O's bias is left
-    layer[1, 1] = True
-    masks["emptied-layer"] = layer
-    one_per_group = np.zeros((L, H), bool)
-    one_per_group[:, ::G] = G > 1                # every group keeps G-1 heads: group structure kept
-    one_per_group[1, 0] = True
-    masks["even-groups"] = one_per_group
-    for i in range(2):
-        random = rng.random((L, H)) < 0.5
-        random[rng.integers(L), rng.integers(H)] = True
-        masks[f"random{i}"] = random
-    return masks
-
-
 def _state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -86,13 +50,13 @@ def test_pruned_equals_masked(family):
     g = adapter.geometry(model)
     ids = tiny_input_ids()
     before = _state(model)
-    dense = _out(model, ids)
+    dense = forward(model, ids)
     n_dense = sum(p.numel() for p in model.parameters())
     for name, pruned in surgery_masks(g, zlib.crc32(family.encode())).items():
-        masked = _masked(model, pruned, ids)
+        masked = masked_forward(model, pruned, ids)
         assert (masked - dense).abs().max().item() > 1e-4, f"{name}: the mask had no effect"
         smaller, layout = prune_heads(model, pruned)
-        got = _out(smaller, ids)
+        got = forward(smaller, ids)
         assert got.shape == masked.shape
         assert max_diff(got, masked) <= _tol(model, masked.abs().max().item()), name
         assert np.array_equal(layout.pruned_mask(), pruned)
@@ -145,7 +109,7 @@ def test_gqa_layouts(family):
     # the expanded model still equals the masked one
     ids = tiny_input_ids()
     smaller, _ = prune_heads(model, masks["emptied-group"], kv_policy="expand")
-    assert (_out(smaller, ids) - _masked(model, masks["emptied-group"], ids)).abs().max().item() <= TOL
+    assert (forward(smaller, ids) - masked_forward(model, masks["emptied-group"], ids)).abs().max().item() <= TOL
 
 
 def test_select_heads_picks_rows_by_index():
@@ -192,7 +156,7 @@ def test_empty_mask_is_an_identical_copy():
     ids = tiny_input_ids()
     smaller, layout = prune_heads(model, np.zeros((2, 4), bool))
     assert layout.is_identity
-    assert torch.equal(_out(smaller, ids), _out(model, ids))
+    assert torch.equal(forward(smaller, ids), forward(model, ids))
     assert smaller is not model
 
 
@@ -224,7 +188,7 @@ def test_pruned_model_works_with_sdpa_attention():
     ids = tiny_input_ids()
     for name, pruned in surgery_masks(adapter_for(model).geometry(model), 7).items():
         smaller, _ = prune_heads(model, pruned)
-        assert (_out(smaller, ids) - _masked(model, pruned, ids)).abs().max().item() <= TOL, name
+        assert (forward(smaller, ids) - masked_forward(model, pruned, ids)).abs().max().item() <= TOL, name
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "gpt2", "bloom", "gpt_neox", "gptj", "opt"])
@@ -245,7 +209,7 @@ def test_generate_with_kv_cache_matches_masked(family):
     assert got.sequences.tolist() == ref.sequences.tolist()
     # generate hands its scores back rounded once to float32, so two float64 logits equal to
     # within _tol may round to neighbouring float32 values: the bound adds that one rounding
-    full = _out(smaller, got.sequences)
+    full = forward(smaller, got.sequences)
     scale = full.abs().max().item()
     one_rounding = forward_tolerance(torch.float32, width=1, depth=1, scale=scale) + _tol(model, scale)
     for a, b in zip(got.scores, ref.scores):
@@ -279,8 +243,8 @@ def test_llama_like_families_outside_the_tiny_set(model_type):
     ids = tiny_input_ids()
     for name, pruned in surgery_masks(adapter_for(model).geometry(model), 11).items():
         smaller, _ = prune_heads(model, pruned)
-        masked = _masked(model, pruned, ids)
-        assert max_diff(_out(smaller, ids), masked) <= _tol(model, masked.abs().max().item()), (model_type, name)
+        masked = masked_forward(model, pruned, ids)
+        assert max_diff(forward(smaller, ids), masked) <= _tol(model, masked.abs().max().item()), (model_type, name)
 
 
 def test_olmo2_is_refused_with_a_reason():
@@ -298,7 +262,7 @@ def test_deepcopy_of_a_pruned_model_still_works():
     smaller, _ = prune_heads(model, pruned)
     twin = copy.deepcopy(smaller)
     ids = tiny_input_ids()
-    assert torch.equal(_out(twin, ids), _out(smaller, ids))
+    assert torch.equal(forward(twin, ids), forward(smaller, ids))
 
 
 @pytest.mark.slow
@@ -315,7 +279,7 @@ def test_smollm2_pruned_equals_masked(smollm2_f64):
                                 return_tensors="pt").input_ids
     smaller, layout = prune_heads(model, pruned)
     assert layout.layer_counts(3) == (0, 0) and layout.layer_counts(4) == (6, 2)
-    assert max_diff(_out(smaller, ids), _masked(model, pruned, ids)) <= EXACT
+    assert max_diff(forward(smaller, ids), masked_forward(model, pruned, ids)) <= EXACT
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=smollm2_f64.tokenizer.pad_token_id)
     with head_mask(model, gates_from_mask(pruned)):
         ref = model.generate(ids, **kwargs)

@@ -20,18 +20,13 @@ from analysis.compress.surgery import own_tensors, prune_heads, shared_tensors, 
 from tests._tolerance import EXACT, max_diff
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 from tests._tiny import tiny_input_ids, tiny_model
-from tests.test_surgery import surgery_masks
+from tests._masks import forward, surgery_masks
 
 # equality claims run in float64 and are asserted to EXACT (tests/_tolerance.py)
 TOL = EXACT
 # GQA (uneven and emptied groups), a config override (phi3), Conv1D (gpt2), fused QKV with ALiBi
 # (bloom), a BERT encoder whose emptied layer swaps the inner module
 FAMILIES = ("llama", "qwen3", "phi3", "gpt2", "bloom", "bert")
-
-
-def _out(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids)[0]
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
@@ -72,22 +67,22 @@ def test_twin_shares_untouched_tensors_and_equals_masked(family):
     model = tiny_model(family, dtype=torch.float64)
     g = adapter_for(model).geometry(model)
     ids = tiny_input_ids()
-    dense = _out(model, ids)
+    dense = forward(model, ids)
     for name, pruned in surgery_masks(g, 3).items():
         smaller, layout = prune_heads(model, pruned)
         _check_sharing(model, smaller, layout)
-        assert torch.equal(_out(model, ids), dense), f"{name}: pruning changed the original"
-        got = _out(smaller, ids)
-        assert torch.equal(_out(model, ids), dense), f"{name}: running the twin changed the original"
+        assert torch.equal(forward(model, ids), dense), f"{name}: pruning changed the original"
+        got = forward(smaller, ids)
+        assert torch.equal(forward(model, ids), dense), f"{name}: running the twin changed the original"
         with head_mask(model, gates_from_mask(pruned)):
-            masked = _out(model, ids)
+            masked = forward(model, ids)
         assert (got - masked).abs().max().item() <= TOL, name
         owned, _ = prune_heads(model, pruned, share=False)
-        assert shared_tensors(owned, model) == [] and torch.equal(_out(owned, ids), got), name
+        assert shared_tensors(owned, model) == [] and torch.equal(forward(owned, ids), got), name
         inplace = copy.deepcopy(model)
         result, in_layout = prune_heads(inplace, pruned, in_place=True)
         assert result is inplace and in_layout == layout
-        assert torch.equal(_out(inplace, ids), got), name
+        assert torch.equal(forward(inplace, ids), got), name
     assert not any(type(m).__name__.startswith("Pruned") for m in model.modules())
 
 
@@ -121,7 +116,7 @@ def test_own_tensors_copies_only_what_is_shared_and_keeps_ties():
     own_tensors(twin, model)
     assert shared_tensors(twin, model) == [] and twin.model.norm.weight is own
     assert twin.lm_head.weight is twin.model.embed_tokens.weight
-    assert torch.equal(_out(twin, tiny_input_ids()), _out(model, tiny_input_ids()))
+    assert torch.equal(forward(twin, tiny_input_ids()), forward(model, tiny_input_ids()))
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -152,20 +147,20 @@ def test_export_of_a_twin_leaves_the_original_alone(tmp_path):
     pruned[0, 0] = pruned[1, :2] = True
     config_before = model.config.to_dict()
     ids = tiny_input_ids()
-    dense = _out(model, ids)
+    dense = forward(model, ids)
     for fmt in ("pruned", "stock"):
         kv_policy = "expand" if fmt == "stock" else "auto"
         mask = pruned if fmt == "pruned" else np.tile([True, False, False, False], (2, 1))
         export(fmt, model, mask, tmp_path, fmt, kv_policy=kv_policy)
     assert model.config.to_dict() == config_before
-    assert torch.equal(_out(model, ids), dense)
+    assert torch.equal(forward(model, ids), dense)
 
 
 def test_twin_of_an_accelerate_dispatched_model_shares_its_weight_maps():
     from accelerate import cpu_offload
     model = tiny_model("llama")
     ids = tiny_input_ids()
-    dense = _out(model, ids)
+    dense = forward(model, ids)
     cpu_offload(model, execution_device=torch.device("cpu"))          # weights in hook maps, params on meta
     twin = structural_twin(model)
     pairs = [(a._hf_hook, b._hf_hook) for a, b in zip(model.modules(), twin.modules()) if hasattr(a, "_hf_hook")]
@@ -173,7 +168,7 @@ def test_twin_of_an_accelerate_dispatched_model_shares_its_weight_maps():
     for original, copied in pairs:
         assert copied is not original
         assert copied.weights_map is original.weights_map and copied.tied_params_map is original.tied_params_map
-    assert torch.equal(_out(twin, ids), dense) and torch.equal(_out(model, ids), dense)
+    assert torch.equal(forward(twin, ids), dense) and torch.equal(forward(model, ids), dense)
 
 
 @pytest.mark.slow
@@ -185,14 +180,14 @@ def test_smollm2_twin_shares_and_adds_little_memory(smollm2_f64):
     pruned[2] = True                                             # an emptied layer
     pruned[5] = [True] * 3 + [False] * 6                         # an emptied group
     ids = smollm2_f64.tokenizer("A short check of the lean surgery.", return_tensors="pt").input_ids
-    dense = _out(model, ids)
+    dense = forward(model, ids)
     smaller, layout = prune_heads(model, pruned)
     _check_sharing(model, smaller, layout)
     new = {t.data_ptr(): t.numel() * t.element_size() for t in _tensors(smaller).values()
            if id(t) in _changed_ids(smaller, layout)}
     total = {t.data_ptr(): t.numel() * t.element_size() for t in _tensors(model).values()}
     assert sum(new.values()) <= 0.3 * sum(total.values())
-    got = _out(smaller, ids)
-    assert torch.equal(_out(model, ids), dense)
+    got = forward(smaller, ids)
+    assert torch.equal(forward(model, ids), dense)
     with head_mask(model, gates_from_mask(pruned)):
-        assert max_diff(got, _out(model, ids)) <= EXACT
+        assert max_diff(got, forward(model, ids)) <= EXACT

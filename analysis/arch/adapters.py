@@ -120,13 +120,19 @@ class Separate:
 
 
 @dataclass(frozen=True)
-class Stacked:
-    """One Linear whose rows are [Q (H*d); K (H_kv*d); V (H_kv*d)] (Phi-3), plus a Linear O."""
+class FusedQKV:
+    """A layout whose Q, K and V are one projection (`qkv`) beside O (`o`); subclasses say how its rows
+    split into heads (`split`) and merge back (`merge`)."""
     qkv: str
     o: str
 
     def paths(self) -> dict[str, str]:
         return {"qkv": self.qkv, "o": self.o}
+
+
+@dataclass(frozen=True)
+class Stacked(FusedQKV):
+    """One Linear whose rows are [Q (H*d); K (H_kv*d); V (H_kv*d)] (Phi-3), plus a Linear O."""
 
     def split(self, t, g):
         H, Hkv, d = g.n_heads, g.n_kv_heads, g.head_dim
@@ -148,13 +154,8 @@ class Stacked:
 
 
 @dataclass(frozen=True)
-class Interleaved:
+class Interleaved(FusedQKV):
     """One Linear whose rows reshape to [H, 3, d]: per head q, k, v (GPT-NeoX, Bloom). MHA only."""
-    qkv: str
-    o: str
-
-    def paths(self):
-        return {"qkv": self.qkv, "o": self.o}
 
     def split(self, t, g):
         H, d = g.n_heads, g.head_dim
@@ -175,13 +176,8 @@ class Interleaved:
 
 
 @dataclass(frozen=True)
-class GPT2Conv1D:
+class GPT2Conv1D(FusedQKV):
     """GPT-2: Conv1D weights are [in, out] (transposed vs nn.Linear); c_attn's columns are [Q|K|V]."""
-    qkv: str
-    o: str
-
-    def paths(self):
-        return {"qkv": self.qkv, "o": self.o}
 
     def split(self, t, g):
         H, d = g.n_heads, g.head_dim
@@ -265,7 +261,7 @@ def _config_of(model_or_config):
     return getattr(model_or_config, "config", model_or_config)
 
 
-def _get(module: nn.Module, path: str) -> nn.Module:
+def submodule_at(module: nn.Module, path: str) -> nn.Module:
     """The submodule at a dotted path ("" is the module itself), one attribute lookup per part.
 
     (`get_submodule` checks every step: ~5x slower, and profiling walks 4-5 paths per layer.)"""
@@ -300,19 +296,19 @@ class Adapter:
 
     # -- modules ---------------------------------------------------------------------------
     def layers(self, model: nn.Module) -> nn.ModuleList:
-        return _get(model.base_model, self.family.layers)
+        return submodule_at(model.base_model, self.family.layers)
 
     def attention(self, model: nn.Module, layer: int) -> nn.Module:
-        return _get(self.layers(model)[layer], self.family.attn)
+        return submodule_at(self.layers(model)[layer], self.family.attn)
 
     def o_proj(self, model: nn.Module, layer: int) -> nn.Module:
         """The output projection; its input is [..., H*d], one head after another."""
-        return _get(self.attention(model, layer), self.family.layout.o)
+        return submodule_at(self.attention(model, layer), self.family.layout.o)
 
     def projection_modules(self, model: nn.Module, layer: int) -> dict[str, nn.Module]:
         """Role ("q","k","v","o" or "qkv","o") -> the projection module of that layer."""
         attn = self.attention(model, layer)
-        return {role: _get(attn, path) for role, path in self.family.layout.paths().items()}
+        return {role: submodule_at(attn, path) for role, path in self.family.layout.paths().items()}
 
     def has_qkv_bias(self, model: nn.Module) -> bool:
         """Whether the Q (or fused QKV) projection has a bias: read off layer 0's module, nothing copied."""

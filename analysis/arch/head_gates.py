@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from analysis.arch.hooks import attached
 from analysis.arch.adapters import Adapter, adapter_for
 from analysis.core.errors import InputError
 
@@ -88,7 +89,6 @@ def head_mask(model, gates, *, adapter: Adapter | None = None):
     geometry = adapter.geometry(model)
     g = as_gates(gates, geometry)
     width = geometry.n_heads * geometry.head_dim
-    handles = []
 
     def make_hook(layer_gate):
         def hook(module, args):
@@ -98,16 +98,13 @@ def head_mask(model, gates, *, adapter: Adapter | None = None):
             return (_scale_heads(x, layer_gate, geometry.n_heads), *args[1:])
         return hook
 
-    try:
+    with attached() as hooks:
         for layer in range(geometry.n_layers):
             layer_gate = g[..., layer, :]                              # [H] or [B, H]
             if not layer_gate.requires_grad and bool((layer_gate == 1).all()):
                 continue
-            handles.append(adapter.o_proj(model, layer).register_forward_pre_hook(make_hook(layer_gate)))
+            hooks.before(adapter.o_proj(model, layer), make_hook(layer_gate))
         yield model
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def kv_groups_emptied(pruned: np.ndarray, group_size: int) -> np.ndarray:

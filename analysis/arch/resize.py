@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from analysis.arch.adapters import Adapter, HeadWeights, _get
+from analysis.arch.adapters import Adapter, HeadWeights, submodule_at
 from analysis.core.errors import UnsupportedModelError
 
 Tensor = torch.Tensor
@@ -186,7 +186,7 @@ def _output_width(module: nn.Module) -> int:
 
 def _set_path(root: nn.Module, path: str, value) -> None:
     parent, _, name = path.rpartition(".")
-    setattr(_get(root, parent), name, value)
+    setattr(submodule_at(root, parent), name, value)
 
 
 def _argument(bound: inspect.BoundArguments, name: str | None):
@@ -239,7 +239,7 @@ def _surgery_forward(self, *args, **kwargs):
         getattr(cache, "self_attention_cache", cache).update(placeholder, placeholder, self.layer_idx)
     if state.spec.empty_returns == "o_input":
         return hidden.new_zeros(*lead, 0), None                                    # [B, S, 0]
-    o = _get(self, state.o_path)
+    o = submodule_at(self, state.o_path)
     bias = getattr(o, "bias", None)
     out = (bias.to(hidden.dtype).expand(*lead, -1) if bias is not None
            else hidden.new_zeros(*lead, _output_width(o)))                          # [B, S, D_out]
@@ -301,7 +301,7 @@ def replace_projections(adapter: Adapter, model: nn.Module, layer: int, hw: Head
     attn = adapter.attention(model, layer)
     builders = _projection_builders()
     for role, path in adapter.family.layout.paths().items():
-        old = _get(attn, path)
+        old = submodule_at(attn, path)
         build = next((b for t, b in builders.items() if isinstance(old, t)), None)
         if build is None:
             raise UnsupportedModelError(f"{adapter.model_type}: cannot resize a {type(old).__name__} projection.")
@@ -320,7 +320,7 @@ def replace_projections(adapter: Adapter, model: nn.Module, layer: int, hw: Head
             config_overrides[path[len("config."):]] = values[quantity]
         else:
             owner, _, name = path.rpartition(".")
-            setattr(_get(attn, owner), name, values[quantity])
+            setattr(submodule_at(attn, owner), name, values[quantity])
     if config_overrides:
         attn.config = _ConfigView(_shared_config(attn.config), config_overrides)
 
@@ -339,7 +339,7 @@ def empty_attention(adapter: Adapter, model: nn.Module, layer: int, head_dim: in
     computes), keeping the KV cache's length right. Call after replace_projections(..., 0, 0)."""
     spec = surgery_spec(adapter)
     attn = adapter.attention(model, layer)
-    core = _get(attn, spec.core)
+    core = submodule_at(attn, spec.core)
     o_path = adapter.family.layout.o if not spec.core else ""
     _install_surgery_state(core, _SurgeryState(spec=spec, empty=True, head_dim=head_dim, o_path=o_path))
 

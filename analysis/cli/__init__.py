@@ -16,8 +16,9 @@ model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, withou
 the model (weight-only scorers only: those registered with needs_calibration = False).
 
 Scorers come from `analysis.score.scoring.SCORERS`: --scorer's choices, and one option per
-constructor parameter of any registered scorer (`SCORER_OPTION_SPECS` gives the built-in
-parameters their help and choices; a new parameter gets `--its-name` typed from its default).
+parameter of any registered scorer, derived from its declaration (`Scorer.parameters`: `--its-name`
+typed from its default, with its choices and help; an undeclared constructor keyword gets an
+option typed from its default).
 
 Commands: `register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where
 payload is JSON-able and rows (a list of dicts, or None) is what --format csv prints.

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis.cli.common import (_STD_HELP, add_kv_policy_argument, add_model_mask_arguments, add_output_arguments,
-                                 add_policy_arguments, add_scorer_arguments, add_source_arguments, compute_scores,
+from analysis.cli.common import (add_kv_policy_argument, add_model_mask_arguments, add_output_arguments,
+                                 add_param_option, add_policy_arguments, add_scorer_arguments, add_source_arguments, compute_scores,
                                  load_source, plan_from, progress_bar, register, resolve_policy, resolve_scorer,
                                  team_of, warn)
 from analysis.core.errors import HeadscopeError, InputError
-from analysis.measure.profiles import DEFAULT_STD, ORDS, SCOPES, STD_DDOF
 from analysis.score.masks import summarize_mask
 
 
@@ -106,11 +105,10 @@ def _sweep_arguments(parser):
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--scorer", choices=("mp", "mp-g"), default=None,
                         help="default: mp-g on GQA/MQA models, mp on MHA models")
-    parser.add_argument("--scope", choices=SCOPES, default="layer")
-    parser.add_argument("--ord", type=int, choices=ORDS, default=2)
-    parser.add_argument("--std", choices=tuple(STD_DDOF), default=DEFAULT_STD, help=_STD_HELP)
-    parser.add_argument("--a-q", dest="a_q", type=float, default=1.0)
-    parser.add_argument("--a-kv", dest="a_kv", type=float, default=1.0)
+    from analysis.score.scoring import MPGScorer
+    for name, param in MPGScorer.parameters.items():       # the threshold scorers' own, at their defaults
+        if name != "z":
+            add_param_option(parser, name, param, default=param.default)
     parser.add_argument("--sparsity", type=float, required=True)
     parser.add_argument("--z-values", dest="z_values", default=None,
                         help="comma-separated z values (default 0.5, 0.75, ..., 3.0)")

@@ -19,29 +19,8 @@ from tqdm import tqdm
 
 from analysis.core import distributed
 from analysis.core.errors import InputError, first_line
+from analysis.core.params import Param
 from analysis.score.masks import KV_POLICIES, POLICIES, check_sparsity, default_policy, plan_mask
-from analysis.measure.profiles import DEFAULT_Z, ORDS, SCOPES, STD_DDOF
-
-_STD_HELP = ("std in tau = mean + z * std: population (ddof 0, the default) or sample (ddof 1, PyTorch's "
-             "Tensor.std)")
-
-# scorer constructor parameter -> (flags, add_argument options); the option's dest is the parameter
-SCORER_OPTION_SPECS = {
-    "z": (("--z",), dict(type=float, default=DEFAULT_Z, help="MP threshold (mean + z * std)")),
-    "scope": (("--scope",), dict(choices=SCOPES, default="layer", help="threshold population")),
-    "ord": (("--ord",), dict(type=int, choices=ORDS, default=2, help="row norm: 2 (L2) or 1 (L1)")),
-    "std": (("--std",), dict(choices=tuple(STD_DDOF), default=None, help=_STD_HELP)),
-    "a_q": (("--a-q",), dict(type=float, default=None, help="MP-G weight of Q/O excess")),
-    "a_kv": (("--a-kv",), dict(type=float, default=None, help="MP-G weight of K/V excess")),
-    "seed": (("--seed",), dict(type=int, default=None, help="random scorer seed")),
-    "n_sequences": (("--n-sequences",), dict(type=int, default=None, help="calibration sequences (calibration scorers)")),
-    "seq_len": (("--seq-len",), dict(type=int, default=None, help="calibration sequence length")),
-    "batch_size": (("--batch-size",), dict(type=int, default=None)),
-    "n_steps": (("--n-steps",), dict(type=int, default=None, help="integrated-gradient steps")),
-    "damping": (("--damping",), dict(type=float, default=None, help="SparseGPT damping fraction")),
-    "normalize": (("--normalize",), dict(default=None, help="wanda / sparsegpt: 'layer' divides each layer's "
-                                                            "scores by that layer's mean (default none)")),
-}
 
 Runner = Callable[[argparse.Namespace], tuple[object, list | None]]
 
@@ -166,19 +145,25 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def scorer_option_defaults() -> dict[str, object]:
-    """{parameter: default} over the constructors of every registered scorer (the CLI's scorer options).
-
-    Parameters with a None default and no spec (array inputs such as the oracle's loss_increase)
-    have no option."""
-    from analysis.score.scoring import SCORERS, scorer_parameters
+def scorer_options() -> dict[str, Param]:
+    """{parameter: declaration} over every registered scorer (analysis.score.scoring.scorer_declarations):
+    the CLI's scorer options. Parameters with a None default (array inputs such as the oracle's
+    loss_increase) have no option."""
+    from analysis.score.scoring import SCORERS, scorer_declarations
 
     out = {}
     for name in SCORERS:
-        for param, default in scorer_parameters(name).items():
-            if param in SCORER_OPTION_SPECS or default is not None:
-                out.setdefault(param, default)
+        for param, declared in scorer_declarations(name).items():
+            if declared.default is not None:
+                out.setdefault(param, declared)
     return out
+
+
+def add_param_option(parser: argparse.ArgumentParser, name: str, param: Param, default=None) -> None:
+    """`--name-with-dashes` for a declared parameter: typed from its default, its choices, its help.
+    default=None: "the owner's default" (the value is only passed on when given)."""
+    parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=param.type, choices=param.choices,
+                        default=default, help=param.help or None)
 
 
 def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str | None = None) -> None:
@@ -186,10 +171,8 @@ def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default:
 
     parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default,
                         help="default: mp-g on GQA/MQA models, mp on MHA models (equal there)")
-    for param, default in scorer_option_defaults().items():
-        flags, options = SCORER_OPTION_SPECS.get(param, ((f"--{param.replace('_', '-')}",),
-                                                          dict(type=type(default), default=None)))
-        parser.add_argument(*flags, dest=param, **options)
+    for name, param in scorer_options().items():
+        add_param_option(parser, name, param)
     parser.add_argument("--ablation-file", default=None,
                         help="JSON or .npy [layers, heads] loss increases for --scorer ablation")
 
@@ -314,15 +297,17 @@ def warn(lines) -> None:
         sys.stderr.write(f"warning: {line}\n")
 
 
-POLICY_HELP = ("how the ranking becomes a mask (default: groups on GQA models, which never grows the model; global "
-               "on MHA models, the paper's setting): global, min-per-layer, uniform, balanced, balanced-uniform, "
-               "groups")
+def policy_help() -> str:
+    """--policy's help: the default, then each registered policy's own line (analysis.score.masks.POLICIES)."""
+    return ("how the ranking becomes a mask (default: groups on GQA models, which never grows the model; global "
+            "on MHA models, the paper's setting). " + " ".join(f"{name}: {p.help}" for name, p in POLICIES.items()))
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     """--sparsity's mask policy (default: analysis.score.masks.default_policy of the model) and --min-per-layer."""
-    parser.add_argument("--policy", choices=POLICIES, default=None, help=POLICY_HELP)
-    parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1)
+    parser.add_argument("--policy", choices=POLICIES, default=None, help=policy_help().replace("%", "%%"))
+    parser.add_argument("--min-per-layer", dest="min_per_layer", type=int, default=1,
+                        help="with --policy min-per-layer: the heads every layer keeps at least")
 
 
 def resolve_policy(ns: argparse.Namespace, group_size: int) -> str:

@@ -27,7 +27,8 @@ def _arguments(parser):
     from analysis.measure.detectors import DETECTORS
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--detector", action="append", choices=tuple(DETECTORS) + ("all",), default=None,
-                        help="detector to run (repeat for several; default: all)")
+                        help="detector to run (repeat for several; default: all): " + "; ".join(
+                            f"{name}: {spec.help}" for name, spec in DETECTORS.items()).replace("%", "%%"))
     parser.add_argument("--text-file", dest="text_file", default=None,
                         help="UTF-8 text for the text detectors (previous-token, dla); default: the built-in "
                              "evaluation split")

@@ -36,11 +36,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from analysis.arch.hooks import attached
+from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
 from analysis.core.errors import InputError, check_whole_number
 from analysis.core.text import MAX_TOKENS_LIMIT, check_max_tokens
-from analysis.measure.evaluation import default_text, evaluator_for, gate_batch, token_ids
+from analysis.measure.evaluation import default_text, evaluator_for, gate_batch
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import summed_nll
@@ -82,15 +84,6 @@ def layer_list(geometry: HeadGeometry, layers=None) -> list[int]:
     return out
 
 
-def as_sequences(ids) -> torch.Tensor:
-    """ids [T] or [n, T] -> [n, T] (InputError when fewer than two tokens per sequence)."""
-    x = torch.as_tensor(ids, dtype=torch.long)
-    x = x.unsqueeze(0) if x.dim() == 1 else x                           # [n, T]
-    if x.dim() != 2 or x.shape[1] < 2 or x.shape[0] < 1:
-        raise InputError(f"Ablation needs token sequences [n, T] with T >= 2; got shape {list(x.shape)}.")
-    return x
-
-
 @torch.no_grad()
 def full_forward_loss(model, x: torch.Tensor) -> float:
     """Mean next-token NLL of a full forward. x [n, T]."""
@@ -123,7 +116,7 @@ def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progr
 
     layers: which layers to sweep (default all); rows of other layers are NaN. team: the
     processes that split the layers (module docstring)."""
-    x = as_sequences(ids).to(input_device(model))                        # [n, T]
+    x = as_sequences(ids, "Ablation").to(input_device(model))                        # [n, T]
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
     t0 = time.perf_counter()
@@ -189,7 +182,7 @@ def probe_calls(model, layers, x: torch.Tensor, n_calls: int | None = None) -> l
     """The (args, kwargs) of the first `n_calls` layers (default all) for input x [b, T].
 
     The forward stops as soon as the last wanted call is captured (before that layer runs)."""
-    calls, handles = [], []
+    calls = []
     n_calls = len(layers) if n_calls is None else n_calls
 
     def pre(module, args, kwargs):
@@ -197,15 +190,13 @@ def probe_calls(model, layers, x: torch.Tensor, n_calls: int | None = None) -> l
         if len(calls) >= n_calls:
             raise _StopForward
 
-    try:
+    with attached() as hooks:
         for layer in layers:
-            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        model(input_ids=x, use_cache=False)
-    except _StopForward:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+            hooks.before(layer, pre, with_kwargs=True)
+        try:
+            model(input_ids=x, use_cache=False)
+        except _StopForward:
+            pass
     return calls
 
 
@@ -247,7 +238,7 @@ class _DenseCapture:
 
     def run(self, x: torch.Tensor):
         inside = {id(m) for layer in self.layers for m in layer.modules()}
-        handles, pending, counter = [], {}, itertools.count()
+        pending, counter = {}, itertools.count()
 
         def pre_layer(module, args, kwargs):
             self.calls.append((args, kwargs))
@@ -264,18 +255,15 @@ class _DenseCapture:
                 entry, inp = pending.pop(id(module))
                 self.flow.append((entry, module, inp, _first(output)))
 
-        try:
+        with attached() as hooks:
             for layer in self.layers:
-                handles.append(layer.register_forward_pre_hook(pre_layer, with_kwargs=True))
-            handles.append(self.layers[-1].register_forward_hook(post_last, with_kwargs=True))
+                hooks.before(layer, pre_layer, with_kwargs=True)
+            hooks.after(self.layers[-1], post_last, with_kwargs=True)
             for m in self.model.modules():
                 if id(m) not in inside and m is not self.model and m is not self.model.base_model:
-                    handles.append(m.register_forward_pre_hook(pre_any))
-                    handles.append(m.register_forward_hook(post_any))
+                    hooks.before(m, pre_any)
+                    hooks.after(m, post_any)
             logits = self.model(input_ids=x, use_cache=False).logits   # [n, T, V]
-        finally:
-            for h in handles:
-                h.remove()
         if len(self.calls) != len(self.layers):
             raise InputError(f"Captured {len(self.calls)} layer calls for {len(self.layers)} layers; "
                              "this model reuses or skips layers, use method='naive'.")
@@ -332,7 +320,7 @@ class FastAblation:
     @torch.no_grad()
     def prepare(self, model, ids) -> PreparedSweep | None:
         """Dense pass: layer calls, layer inputs, the tail; None when the tail is not replayable."""
-        x = as_sequences(ids).to(input_device(model))                    # [n, T]
+        x = as_sequences(ids, "Ablation").to(input_device(model))                    # [n, T]
         adapter = adapter_for(model)
         t0 = time.perf_counter()
         cap = _DenseCapture(model, adapter)
@@ -388,7 +376,7 @@ class FastAblation:
               should_stop: ShouldStop | None = None, team: Team | None = None) -> AblationResult:
         """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN);
         `team` splits the layers over the processes of a launch (module docstring)."""
-        x = as_sequences(ids).to(input_device(model))                    # [n, T]
+        x = as_sequences(ids, "Ablation").to(input_device(model))                    # [n, T]
         geo = adapter_for(model).geometry(model)
         todo = layer_list(geo, layers)
         t0 = time.perf_counter()
@@ -446,14 +434,6 @@ class FastAblation:
 # Loaded-model entry point (any kind)
 # ---------------------------------------------------------------------------------------------
 
-def split_sequences(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """ids [N] -> [n, T] equal-length sequences with T <= seq_len; drops fewer than n tail tokens."""
-    N = ids.numel()
-    n = max(1, -(-N // seq_len))
-    T = N // n
-    return ids[: n * T].reshape(n, T)                                    # [n, T]
-
-
 def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 256, seq_len: int = 256,
                   method: str = "fast", groups: bool = True, batch_size: int = 16,
                   progress: Progress | None = None, should_stop: ShouldStop | None = None,
@@ -471,7 +451,7 @@ def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 
     batch_size = check_whole_number(batch_size, "batch_size", low=1, high=2**16)
     text = default_text() if text is None else text
     if loaded.kind == "causal-lm":
-        x = split_sequences(token_ids(loaded.tokenizer, text, max_tokens=max_tokens), seq_len)  # [n, T]
+        x = text_sequences(loaded.tokenizer, text, max_tokens=max_tokens, seq_len=seq_len)  # [n, T]
         if method == "naive":
             return naive_sweep(loaded.model, x, groups=groups, progress=progress, should_stop=should_stop,
                                team=team)

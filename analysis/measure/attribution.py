@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.errors import InputError
-from analysis.measure.evaluation import token_ids
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import lm_sequence_losses
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
@@ -41,8 +41,7 @@ def gate_loss_fn(model, ids: torch.Tensor, geometry, *, kind: str = "causal-lm",
     """f(gates [B, L*H]) -> mean LM loss per gate row [B] over ids [n, T] (differentiable in gates).
 
     The loss is `analysis.measure.loss.lm_sequence_losses` of `kind`, averaged over the n sequences."""
-    x = ids.unsqueeze(0) if ids.dim() == 1 else ids                    # [n, T]
-    x = x.to(input_device(model))
+    x = as_sequences(ids, "Attribution").to(input_device(model))       # [n, T]
 
     def f(flat_gates: torch.Tensor) -> torch.Tensor:
         if on_call is not None:
@@ -87,10 +86,7 @@ class GateAttribution:
 
     def attribute(self, model, ids, *, progress: Progress | None = None,
                   should_stop: ShouldStop | None = None) -> Attribution:
-        x = torch.as_tensor(ids, dtype=torch.long)
-        x = x.unsqueeze(0) if x.dim() == 1 else x                      # [n, T]
-        if x.shape[-1] < 2:
-            raise InputError("Attribution needs at least two tokens per sequence; use a longer text.")
+        x = as_sequences(ids, "Attribution")                           # [n, T]
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
         n_calls = -(-self.n_steps // self.batch_size)
@@ -131,8 +127,6 @@ def head_attribution(loaded, text: str | bytes | None = None, *, max_tokens: int
     if loaded.kind != "causal-lm":
         raise InputError(f"Head attribution needs a causal LM's loss; a {loaded.kind} model is not supported. "
                          "Use the single-head ablation view instead.")
-    from analysis.measure.ablation import split_sequences
-    from analysis.measure.evaluation import default_text
-    ids = token_ids(loaded.tokenizer, default_text() if text is None else text, max_tokens=max_tokens)
-    return GateAttribution(n_steps, batch_size).attribute(loaded.model, split_sequences(ids, seq_len),
-                                                          progress=progress, should_stop=should_stop)
+    ids = text_sequences(loaded.tokenizer, text, max_tokens=max_tokens, seq_len=seq_len)  # [n, T]
+    return GateAttribution(n_steps, batch_size).attribute(loaded.model, ids, progress=progress,
+                                                          should_stop=should_stop)

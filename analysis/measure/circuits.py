@@ -80,7 +80,6 @@ class CopyingDetector:
     name = "copying"
     threshold = 0.7
     unit = "eigenvalue share"
-    needs_text = False
 
     def detect(self, model, ids=None, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
@@ -138,7 +137,6 @@ class SuccessorDetector:
     name = "successor"
     threshold = 0.5
     unit = "share of ordinals"
-    needs_text = False
 
     def __init__(self, categories: list[list[int]] | None = None, tokenizer=None, **_):
         self.categories = categories if categories is not None else (

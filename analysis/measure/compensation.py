@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from analysis.measure.detectors import DECODER_ONLY, detect_heads
+from analysis.measure.detectors import DETECTORS, detect_heads
 
 DEFAULT_DETECTORS = ("previous-token", "induction", "duplicate-token", "copying", "dla")
 
@@ -31,8 +31,7 @@ def compensation(loaded, recovered_model, pruned, text=None, *, names=DEFAULT_DE
     from analysis.core.progress import scaled
     p = np.asarray(pruned, dtype=bool)
     gates = torch.as_tensor(~p, dtype=torch.float32)
-    if loaded.kind != "causal-lm":
-        names = [n for n in names if n not in DECODER_ONLY]
+    names = [n for n in names if DETECTORS[n].applies_to(loaded.kind)]
     opts = {**dict(length=30, n_sequences=4), **(options or {})}
     common = dict(max_tokens=max_tokens, seq_len=max_tokens, options=opts, should_stop=should_stop)
     before = detect_heads(loaded, names, text, gates=gates, progress=scaled(progress, 0.0, 0.5), **common)

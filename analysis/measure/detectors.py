@@ -26,14 +26,24 @@ only read attention probabilities; a bidirectional head may also look ahead, whi
 not count). copying and dla need an unembedding and refuse encoders with one clear line.
 Masks: gates [L, H] run through head_mask; a pruned head scores 0. A physically pruned model is
 given with its HeadLayout (`layout`) and its kept heads land in their original slots.
+
+Each detector is one `DetectorSpec` record in the registry `DETECTORS` (name, the title of its map, a
+help line, how to read its map, where it applies, whether it needs text, and how to build it),
+registered once with `register_detector`; the CLI's `roles --detector`, the app's Heads page and
+`detect_heads` read the registry.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
+from analysis.core.registry import Registry
 from analysis.measure.circuits import CopyingDetector, SuccessorDetector
 from analysis.measure.dla import DirectLogitDetector
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place, zero_pruned
@@ -83,7 +93,6 @@ def _second_copy(length: int, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _RepeatedTokens:
     """Shared by the detectors that read attention on repeated random tokens."""
-    needs_text = False
 
     def __init__(self, length: int = 50, n_sequences: int = 8, batch_size: int = 4, seed: int = 0,
                  bos_id: int | None = None, exclude=()):
@@ -169,17 +178,13 @@ class PreviousTokenDetector:
     name = "previous-token"
     threshold = DEFAULT_THRESHOLDS["previous-token"]
     unit = "attention"
-    needs_text = True
 
     def __init__(self, batch_size: int = 4, **_):
         self.batch_size = max(1, batch_size)
 
     def detect(self, model, ids, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
-        x = torch.as_tensor(ids, dtype=torch.long)
-        x = x.unsqueeze(0) if x.dim() == 1 else x                      # [n, T]
-        if x.shape[-1] < 2:
-            raise InputError("The previous-token detector needs at least two tokens per sequence; use a longer text.")
+        x = as_sequences(ids, "The previous-token detector")            # [n, T]
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
         slots = head_slots(model, layout, adapter)
@@ -205,45 +210,118 @@ def model_is_causal(model) -> bool:
     return model_kind(model.config) == "causal-lm"
 
 
-DETECTORS = {
-    "previous-token": PreviousTokenDetector,
-    "induction": InductionDetector,
-    "duplicate-token": DuplicateTokenDetector,
-    "copying": CopyingDetector,
-    "successor": SuccessorDetector,
-    "dla": DirectLogitDetector,
-}
-DECODER_ONLY = ("copying", "successor", "dla")     # need an unembedding (refuse encoders with one line)
-DETECTOR_HELP = {
-    "previous-token": "mean attention on the previous token (text)",
-    "induction": "attention to the token after the earlier copy (repeated random tokens)",
-    "duplicate-token": "attention to earlier occurrences of the same token (repeated random tokens)",
-    "copying": "OV circuit eigenvalue share: maps tokens to themselves (weights; decoders)",
-    "successor": "OV circuit maps ordinals to the next one: 1->2, Monday->Tuesday (weights; decoders)",
-    "dla": "direct logit attribution to the correct next token (text; decoders)",
-}
+@dataclass(frozen=True)
+class DetectorSpec:
+    """One detector, registered once (`register_detector`): what the CLI, the app and `detect_heads` read."""
+    name: str                                          # the CLI's --detector choice, the key of the results
+    title: str                                         # the title of its [L, H] map: what the score measures
+    help: str                                          # one line: the CLI's help, the app's caption
+    about: str                                         # how to read the map (the app's folded text)
+    build: Callable[[object, dict], object]            # (tokenizer or None, options) -> a detector (verb: detect)
+    needs_text: bool = False                           # reads the user's text (else builds its input or reads weights)
+    decoder_only: bool = False                         # needs an unembedding: refuses encoders with one line
+    signed: bool = False                               # an effect with a sign (DLA), not a role tag
+
+    def applies_to(self, kind: str) -> bool:
+        """Whether it runs on a model of `kind` ("causal-lm" | "masked-lm" | "encoder")."""
+        return not self.decoder_only or kind == "causal-lm"
+
+
+DETECTORS: Registry = Registry("detector")
+
+
+def register_detector(spec: DetectorSpec) -> DetectorSpec:
+    """Add a detector to the registry; InputError for a taken name (the same record again is a no-op)."""
+    return DETECTORS.add(spec.name, spec)
+
+
+def detector_spec(name: str) -> DetectorSpec:
+    """The registered detector; InputError naming the choices otherwise."""
+    return DETECTORS.of(name)
+
+
+def _taking(cls, *keys: str) -> Callable[[object, dict], object]:
+    """A builder passing the options named `keys` (the others are for other detectors)."""
+    return lambda tokenizer, options: cls(**{k: v for k, v in options.items() if k in keys})
+
+
+def _on_repeated_tokens(cls) -> Callable[[object, dict], object]:
+    """A builder for a repeated-token detector: the tokenizer's BOS (or CLS) starts each sequence and its
+    special ids are left out of the random tokens, unless the options say otherwise."""
+    def build(tokenizer, options):
+        options = dict(options)
+        if tokenizer is not None:
+            bos = getattr(tokenizer, "bos_token_id", None)
+            options.setdefault("bos_id", bos if bos is not None else getattr(tokenizer, "cls_token_id", None))
+            options.setdefault("exclude", tuple(getattr(tokenizer, "all_special_ids", ()) or ()))
+        return _taking(cls, "length", "n_sequences", "batch_size", "seed", "bos_id", "exclude")(tokenizer, options)
+    return build
+
+
+for _spec in (
+    DetectorSpec("previous-token", "Previous-token score (attention on token i-1)",
+                 "mean attention on the previous token (text)",
+                 about="""\
+Mean attention that each query puts on the token just before it, over the text. 1 = the head
+always looks one token back. This is the same statistic as the *previous-token* role tag above
+(one definition). Previous-token heads feed induction heads: they write "the token before me was
+X" into the residual stream.""",
+                 build=_taking(PreviousTokenDetector, "batch_size"), needs_text=True),
+    DetectorSpec("induction", "Induction score (attention to the token after the earlier copy)",
+                 "attention to the token after the earlier copy (repeated random tokens)",
+                 about="""\
+The model reads sequences of random tokens repeated twice ([BOS] r r). For each token of the
+second copy, an induction head attends to the token that came *after* the same token in the
+first copy (Olsson et al. 2022), so it can predict the repeat. Score = mean attention on exactly
+that key; 1 = perfect. The **in-context-learning score** is the whole model's loss on the first
+copy minus the loss on the second: how much the repeat helps.""",
+                 build=_on_repeated_tokens(InductionDetector)),
+    DetectorSpec("duplicate-token", "Duplicate-token score (attention to earlier copies of the token)",
+                 "attention to earlier occurrences of the same token (repeated random tokens)",
+                 about="""\
+On the same repeated random sequences: how much attention a token puts on earlier occurrences
+of itself. Duplicate-token heads tell later heads "this token appeared before".""",
+                 build=_on_repeated_tokens(DuplicateTokenDetector)),
+    DetectorSpec("copying", "Copying score (OV circuit eigenvalue share)",
+                 "OV circuit eigenvalue share: maps tokens to themselves (weights; decoders)",
+                 about="""\
+From weights only: the head's OV circuit maps an input token to output logits
+(unembedding x final-norm scale x W_O x W_V x input-norm scale x embedding). A copying head
+raises the logit of the token it attends to: the circuit's eigenvalues are mostly positive.
+Score = sum of the eigenvalues' real parts / sum of their magnitudes (Elhage et al. 2021), from
+-1 to 1. Computed exactly over the whole vocabulary through a d x d factor of the circuit.
+Decoders only (it needs an unembedding).""",
+                 build=_taking(CopyingDetector), decoder_only=True),
+    DetectorSpec("successor", "Successor score (OV circuit maps ordinals to the next one)",
+                 "OV circuit maps ordinals to the next one: 1->2, Monday->Tuesday (weights; decoders)",
+                 about="""\
+From weights only: does the head's OV circuit send an ordinal token to the next one (1 -> 2,
+Monday -> Tuesday, January -> February, A -> B)? Score = the share of ordinal tokens whose
+highest circuit logit, among the tokens of the same list, is their successor (Gould et al. 2023;
+chance is about one over the list's length). This reads the raw token embeddings; the paper reads
+them after the first MLP, so a head can be a successor head there and score lower here.""",
+                 build=lambda tokenizer, options: SuccessorDetector(categories=options.get("categories"),
+                                                                    tokenizer=tokenizer),
+                 decoder_only=True),
+    DetectorSpec("dla", "Direct logit attribution (mean logit added to the correct next token)",
+                 "direct logit attribution to the correct next token (text; decoders)",
+                 about="""\
+Each head's output, pushed through the final norm (its scale frozen at the value it has on the
+full residual) and the unembedding, dotted with the correct next token's direction: how many
+logits the head adds to the right answer directly, averaged over the text. Red = helps, blue =
+hurts. The heads plus the embeddings, the MLPs and the biases add up to the logit exactly.
+Indirect effects (a head that helps through later layers) are not counted. Decoders only.""",
+                 build=_taking(DirectLogitDetector, "batch_size"), needs_text=True, decoder_only=True,
+                 signed=True),
+):
+    register_detector(_spec)
+del _spec
 
 
 def get_detector(name: str, tokenizer=None, **options):
-    """A detector by name; repeated-token detectors get the tokenizer's BOS and special ids."""
-    if name not in DETECTORS:
-        raise InputError(f"Unknown detector {name!r}; use one of {', '.join(DETECTORS)}.")
-    cls = DETECTORS[name]
-    if issubclass(cls, _RepeatedTokens):
-        if tokenizer is not None:
-            options.setdefault("bos_id", getattr(tokenizer, "bos_token_id", None)
-                               if getattr(tokenizer, "bos_token_id", None) is not None
-                               else getattr(tokenizer, "cls_token_id", None))
-            options.setdefault("exclude", tuple(getattr(tokenizer, "all_special_ids", ()) or ()))
-        allowed = {"length", "n_sequences", "batch_size", "seed", "bos_id", "exclude"}
-    elif name == "copying":
-        allowed = set()
-    elif name == "successor":
-        options = {**options, "tokenizer": tokenizer}
-        allowed = {"categories", "tokenizer"}
-    else:
-        allowed = {"batch_size"}
-    return cls(**{k: v for k, v in options.items() if k in allowed})
+    """A detector by name, built by its record (repeated-token detectors get the tokenizer's BOS and
+    special ids); options another detector takes are ignored."""
+    return detector_spec(name).build(tokenizer, options)
 
 
 def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tokens: int = 256,
@@ -253,16 +331,11 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
 
     text: for the detectors that need one (None = the built-in evaluation text)."""
     from analysis.core.progress import scaled
-    from analysis.measure.ablation import split_sequences
-    from analysis.measure.evaluation import default_text, token_ids
     names = list(DETECTORS) if names is None else list(names)
-    for name in names:
-        if name not in DETECTORS:
-            raise InputError(f"Unknown detector {name!r}; use one of {', '.join(DETECTORS)}.")
+    specs = [detector_spec(name) for name in names]
     ids = None
-    if any(DETECTORS[n].needs_text for n in names):
-        ids = split_sequences(token_ids(loaded.tokenizer, default_text() if text is None else text,
-                                        max_tokens=max_tokens), seq_len)
+    if any(spec.needs_text for spec in specs):
+        ids = text_sequences(loaded.tokenizer, text, max_tokens=max_tokens, seq_len=seq_len)  # [n, T]
     out = {}
     for i, name in enumerate(names):
         det = get_detector(name, loaded.tokenizer, **(options or {}))
@@ -271,4 +344,4 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
     return out
 
 
-__all__ = ["DECODER_ONLY", "DETECTORS", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]
+__all__ = ["DETECTORS", "DetectorSpec", "register_detector", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]

@@ -30,11 +30,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from analysis.arch.hooks import attached
+from analysis.measure.tokens import as_sequences
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.arch.models import model_kind
 from analysis.core.errors import InputError, UnsupportedModelError
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.measure.headmaps import (Detection, gates_array, head_slots, layer_geometry, masked, place,
+from analysis.measure.headmaps import (Detection, gates_array, head_slots, layer_geometry, masked,
                                        zero_pruned)
 
 _FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "decoder.final_layer_norm")
@@ -146,91 +148,18 @@ def _first(x):
 @torch.no_grad()
 def logit_parts(model, ids: torch.Tensor, *, gates=None, layout=None) -> DLAParts:
     """DLA parts of the model on ids [n, T] (T >= 2), under the mask `gates` [L, H] (1 keep)."""
-    x = torch.as_tensor(ids, dtype=torch.long)
-    x = x.unsqueeze(0) if x.dim() == 1 else x                          # [n, T]
-    if x.shape[-1] < 2:
-        raise InputError("Direct logit attribution needs at least two tokens per sequence (a next token to "
-                         "predict); use a longer text.")
+    x = as_sequences(ids, "Direct logit attribution (a next token to predict)")  # [n, T]
     readout = final_readout(model)
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
-    slots = head_slots(model, layout, adapter)
     g = gates_array(model, gates)
-    L = geo.n_layers
-    layers = adapter.layers(model)
-    cap = dict(inp=[None] * L, out=[None] * L, z=[None] * L, o=[None] * L)
-
-    def pre_layer(l):
-        def hook(module, args, kwargs):
-            cap["inp"][l] = (args[0] if args else kwargs["hidden_states"]).detach()
-        return hook
-
-    def post(key, l):
-        def hook(module, args, output):
-            cap[key][l] = _first(output).detach()
-        return hook
-
-    def pre_o(l):
-        def hook(module, args):
-            cap["z"][l] = args[0].detach()
-        return hook
-
-    final = {}
-    handles = []
-    with masked(model, g):
-        try:
-            for l in range(L):
-                handles.append(layers[l].register_forward_pre_hook(pre_layer(l), with_kwargs=True))
-                handles.append(layers[l].register_forward_hook(post("out", l)))
-                o = adapter.o_proj(model, l)
-                handles.append(o.register_forward_pre_hook(pre_o(l)))   # after head_mask's gate: sees gated z
-                handles.append(o.register_forward_hook(post("o", l)))
-            handles.append(readout.norm.register_forward_pre_hook(
-                lambda m, a: final.__setitem__("x", a[0].detach())))
-            handles.append(readout.norm.register_forward_hook(
-                lambda m, a, out: final.__setitem__("y", _first(out).detach())))
-            out = model(input_ids=x.to(input_device(model)), use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-    n, T = x.shape
+    cap, final, out = _capture(model, x, g, adapter, geo.n_layers, readout)
     tgt = x[:, 1:]                                                     # [n, T-1] correct next tokens
-    d64 = lambda t: t.detach().double().cpu()                         # noqa: E731
-    xf = d64(final["x"])                                               # [n, T, D]
+    xf = _d64(final["x"])                                              # [n, T, D]
     direction = readout.directions(xf[:, :-1], tgt)                    # [n, T-1, D]
-    dot = lambda c: (d64(c)[:, :-1] * direction).sum(-1)               # noqa: E731  [n, T-1]
-    embed = dot(cap["inp"][0])
-    rebuilt = d64(cap["inp"][0]).clone()
-    head_dla, o_bias, mlp = [], np.zeros((n, T - 1, L)), np.zeros((n, T - 1, L))
-    for l in range(L):
-        lg = layer_geometry(model, l, geo, adapter)
-        delta = d64(cap["out"][l]) - d64(cap["inp"][l])                # [n, T, D]
-        rebuilt += delta
-        o_out = torch.zeros_like(delta) if cap["o"][l] is None else d64(cap["o"][l])
-        mlp[:, :, l] = dot(delta - o_out).numpy()
-        if lg.n_heads == 0 or cap["z"][l] is None:
-            head_dla.append(None)
-            o_bias[:, :, l] = dot(o_out).numpy()
-            continue
-        hw = adapter.read_heads(model, l, lg)
-        if hw.o_bias is not None:
-            o_bias[:, :, l] = (direction @ hw.o_bias.double().cpu()).numpy()
-        z = d64(cap["z"][l])[:, :-1].reshape(n, T - 1, lg.n_heads, lg.head_dim)   # [n, T-1, H_l, d]
-        back = torch.einsum("hde,nte->nthd", hw.o.double().cpu(), direction)       # [n, T-1, H_l, d]
-        head_dla.append((z * back).sum(-1).numpy())                                # [n, T-1, H_l]
-    scale = xf.abs().max().clamp_min(1e-12)
-    tol = max(RESIDUAL_CHECK, 8 * torch.finfo(final["x"].dtype).eps)  # bfloat16 / float16 sums round more
-    if float((rebuilt - xf).abs().max() / scale) > tol:
-        raise UnsupportedModelError("The layers' outputs do not add up to the residual that enters the final norm "
-                                    "in this model, so direct logit attribution cannot decompose it.")
-    y_hat = readout.apply(xf)
-    if float((y_hat - d64(final["y"])).abs().max() / y_hat.abs().max().clamp_min(1e-12)) > tol:
-        raise UnsupportedModelError("This model's final norm is not an RMSNorm or LayerNorm headscope can freeze, "
-                                    "so direct logit attribution is not available for it.")
-    heads = np.zeros((n, T - 1, L, geo.n_heads))
-    for l, (vals, kept) in enumerate(zip(head_dla, slots)):
-        if vals is not None and kept:
-            heads[:, :, l, kept] = vals
+    embed, rebuilt, head_dla, o_bias, mlp = _layer_parts(model, cap, direction, adapter, geo)
+    y_hat = _checked_readout(readout, rebuilt, xf, _d64(final["y"]), final["x"].dtype)
+    heads = _in_slots(head_dla, head_slots(model, layout, adapter), x.shape, geo)   # [n, T-1, L, H]
     if g is not None:
         heads = heads * (g.detach().cpu().numpy() != 0)                # gate 0: exactly nothing (already 0)
     logit = (y_hat[:, :-1] * readout.unembed[tgt]).sum(-1)            # the norm's bias is inside y_hat
@@ -241,20 +170,99 @@ def logit_parts(model, ids: torch.Tensor, *, gates=None, layout=None) -> DLAPart
                     model_logit.numpy())
 
 
+def _d64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().double().cpu()
+
+
+def _capture(model, x: torch.Tensor, g, adapter, L: int, readout) -> tuple[dict, dict, object]:
+    """One masked forward of x [n, T] that keeps each layer's input and output, each O's input z
+    (gated: read after head_mask's gate) and output, and the final norm's input and output."""
+    cap = dict(inp=[None] * L, out=[None] * L, z=[None] * L, o=[None] * L)
+    final = {}
+
+    def keep(key, l, value):
+        cap[key][l] = value.detach()
+
+    layers = adapter.layers(model)
+    with masked(model, g), attached() as hooks:
+        for l in range(L):
+            hooks.before(layers[l], lambda m, a, kw, l=l: keep("inp", l, a[0] if a else kw["hidden_states"]),
+                         with_kwargs=True)
+            hooks.after(layers[l], lambda m, a, o, l=l: keep("out", l, _first(o)))
+            o_proj = adapter.o_proj(model, l)
+            hooks.before(o_proj, lambda m, a, l=l: keep("z", l, a[0]))  # after head_mask's gate: sees gated z
+            hooks.after(o_proj, lambda m, a, o, l=l: keep("o", l, _first(o)))
+        hooks.before(readout.norm, lambda m, a: final.__setitem__("x", a[0].detach()))
+        hooks.after(readout.norm, lambda m, a, o: final.__setitem__("y", _first(o).detach()))
+        out = model(input_ids=x.to(input_device(model)), use_cache=False)
+    return cap, final, out
+
+
+def _layer_parts(model, cap: dict, direction: torch.Tensor, adapter, geo):
+    """Per layer: each head's DLA ([n, T-1, H_l] or None), O's bias and the MLP's part [n, T-1, L], from
+    the captured residuals; also the embedding's part [n, T-1] and the residual rebuilt from the parts."""
+    dot = lambda c: (_d64(c)[:, :-1] * direction).sum(-1)              # noqa: E731  [n, T-1]
+    n, T = cap["inp"][0].shape[:2]
+    L = geo.n_layers
+    embed = dot(cap["inp"][0])
+    rebuilt = _d64(cap["inp"][0]).clone()
+    head_dla, o_bias, mlp = [], np.zeros((n, T - 1, L)), np.zeros((n, T - 1, L))
+    for l in range(L):
+        lg = layer_geometry(model, l, geo, adapter)
+        delta = _d64(cap["out"][l]) - _d64(cap["inp"][l])              # [n, T, D]
+        rebuilt += delta
+        o_out = torch.zeros_like(delta) if cap["o"][l] is None else _d64(cap["o"][l])
+        mlp[:, :, l] = dot(delta - o_out).numpy()
+        if lg.n_heads == 0 or cap["z"][l] is None:
+            head_dla.append(None)
+            o_bias[:, :, l] = dot(o_out).numpy()
+            continue
+        hw = adapter.read_heads(model, l, lg)
+        if hw.o_bias is not None:
+            o_bias[:, :, l] = (direction @ hw.o_bias.double().cpu()).numpy()
+        z = _d64(cap["z"][l])[:, :-1].reshape(n, T - 1, lg.n_heads, lg.head_dim)  # [n, T-1, H_l, d]
+        back = torch.einsum("hde,nte->nthd", hw.o.double().cpu(), direction)      # [n, T-1, H_l, d]
+        head_dla.append((z * back).sum(-1).numpy())                               # [n, T-1, H_l]
+    return embed, rebuilt, head_dla, o_bias, mlp
+
+
+def _checked_readout(readout, rebuilt: torch.Tensor, xf: torch.Tensor, y: torch.Tensor, dtype) -> torch.Tensor:
+    """The frozen final norm applied to xf [n, T, D], after checking that the parts rebuild the residual
+    and that the frozen norm reproduces the model's (UnsupportedModelError otherwise)."""
+    scale = xf.abs().max().clamp_min(1e-12)
+    tol = max(RESIDUAL_CHECK, 8 * torch.finfo(dtype).eps)              # bfloat16 / float16 sums round more
+    if float((rebuilt - xf).abs().max() / scale) > tol:
+        raise UnsupportedModelError("The layers' outputs do not add up to the residual that enters the final norm "
+                                    "in this model, so direct logit attribution cannot decompose it.")
+    y_hat = readout.apply(xf)
+    if float((y_hat - y).abs().max() / y_hat.abs().max().clamp_min(1e-12)) > tol:
+        raise UnsupportedModelError("This model's final norm is not an RMSNorm or LayerNorm headscope can freeze, "
+                                    "so direct logit attribution is not available for it.")
+    return y_hat
+
+
+def _in_slots(head_dla: list, slots: list, shape, geo) -> np.ndarray:
+    """Per-layer head DLA (kept heads of a pruned layout) in the original head slots: [n, T-1, L, H]."""
+    n, T = shape
+    heads = np.zeros((n, T - 1, geo.n_layers, geo.n_heads))
+    for l, (vals, kept) in enumerate(zip(head_dla, slots)):
+        if vals is not None and kept:
+            heads[:, :, l, kept] = vals
+    return heads
+
+
 class DirectLogitDetector:
     """Each head's direct logit attribution to the correct next token on the text; one verb: detect."""
     name = "dla"
     threshold = 0.1        # logits: a head "writes the answer" when it adds >= 0.1 to it on average
     unit = "logit"
-    needs_text = True
 
     def __init__(self, batch_size: int = 2):
         self.batch_size = max(1, batch_size)
 
     def detect(self, model, ids: torch.Tensor, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
-        x = torch.as_tensor(ids, dtype=torch.long)
-        x = x.unsqueeze(0) if x.dim() == 1 else x                      # [n, T]
+        x = as_sequences(ids, "Direct logit attribution (a next token to predict)")  # [n, T]
         total, count, parts = None, 0, None
         for s in range(0, x.shape[0], self.batch_size):
             check_stop(should_stop, "Direct logit attribution")

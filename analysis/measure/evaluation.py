@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from analysis.arch.hooks import attached
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
 from analysis.core.errors import InputError, check_whole_number
@@ -378,13 +379,10 @@ class PseudoPerplexity:
             x, y = x.to(device), c.ids[pos].to(device)                 # [k, T], [k]
             g = None if gates is None else gates[mr.start:mr.stop]      # [b, L, H]
             b = 1 if g is None else g.shape[0]
-            handle = base.register_forward_hook(_slice_output_hook(pos.repeat(b).to(device)))
-            try:
-                with _masked(model, g):
-                    logits = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1)
-                                   ).logits[:, 0]                      # [b*k, V]
-            finally:
-                handle.remove()
+            with attached() as hooks, _masked(model, g):
+                hooks.after(base, _slice_output_hook(pos.repeat(b).to(device)))
+                logits = model(input_ids=x.repeat(b, 1), attention_mask=torch.ones_like(x).repeat(b, 1)
+                               ).logits[:, 0]                          # [b*k, V]
             nll = token_nll(logits, y.repeat(b)).cpu().double()          # [b*k]
             report(progress, (j + 1) / len(jobs), f"pseudo-perplexity: batch {j + 1}/{len(jobs)}")
             return nll.reshape(b, k).sum(1).cpu()                       # [b]

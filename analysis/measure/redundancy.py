@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from analysis.arch.hooks import attached
+from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.errors import InputError
-from analysis.measure.evaluation import token_ids
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 
 DEFAULT_THRESHOLD = 0.9
@@ -56,24 +57,20 @@ def head_output_gram(model, ids: torch.Tensor, *, progress: Progress | None = No
     L, H, d = geo.n_layers, geo.n_heads, geo.head_dim
     o = _stacked_o(model, adapter, geo).double()                       # [L, H, d, D_out]
     gram = torch.zeros(L * H, L * H, dtype=torch.float64)
-    x = ids.unsqueeze(0) if ids.dim() == 1 else ids                    # [n, T]
+    x = as_sequences(ids, "Head redundancy")                           # [n, T]
     for s in range(x.shape[0]):
         check_stop(should_stop, "Head redundancy")
         z = [None] * L
-        handles = []
 
         def hook_for(layer):
             def hook(module, args):
                 z[layer] = args[0].detach()                            # [1, T, H*d]
             return hook
 
-        try:
+        with attached() as hooks:
             for l in range(L):
-                handles.append(adapter.o_proj(model, l).register_forward_pre_hook(hook_for(l)))
+                hooks.before(adapter.o_proj(model, l), hook_for(l))
             model(input_ids=x[s:s + 1].to(input_device(model)), use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
         zs = torch.stack(z).cpu().double().reshape(L, -1, H, d)        # [L, T, H, d]
         contrib = torch.einsum("lthd,lhde->lhte", zs, o).reshape(L * H, -1)  # [L*H, T*D_out]
         gram += contrib @ contrib.T                                    # [L*H, L*H]
@@ -85,7 +82,7 @@ def head_pattern_gram(model, ids: torch.Tensor, *, progress: Progress | None = N
                       should_stop: ShouldStop | None = None) -> torch.Tensor:
     """Gram matrix [L*H, L*H] (float64) of the heads' attention maps over ids [n, T]."""
     from analysis.measure.roles import attention_probabilities
-    x = ids.unsqueeze(0) if ids.dim() == 1 else ids                    # [n, T]
+    x = as_sequences(ids, "Head redundancy")                           # [n, T]
     gram = None
     for s in range(x.shape[0]):
         check_stop(should_stop, "Head redundancy")
@@ -168,9 +165,7 @@ class RedundancyFinder:
 
     def find(self, model, ids: torch.Tensor, ablation_delta: np.ndarray | None = None, *,
              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> Redundancy:
-        x = torch.as_tensor(ids, dtype=torch.long)
-        if x.numel() < 2:
-            raise InputError("Head redundancy needs at least two tokens; use a longer text.")
+        x = as_sequences(ids, "Head redundancy")                       # [n, T]
         geo = adapter_for(model).geometry(model)
         gram = GRAMS[self.kind](model, x, progress=progress, should_stop=should_stop)
         return redundancy_from_similarity(cosine_from_gram(gram), geo.n_layers, geo.n_heads,
@@ -185,8 +180,6 @@ def head_redundancy(loaded, text: str | bytes | None = None, *, ablation_delta: 
     """Redundancy of `loaded`'s heads on `text` (None = built-in evaluation text).
 
     ablation_delta: [L, H] single-head effects (AblationResult.head_delta) for the redundant flag."""
-    from analysis.measure.ablation import split_sequences
-    from analysis.measure.evaluation import default_text
-    ids = token_ids(loaded.tokenizer, default_text() if text is None else text, max_tokens=max_tokens)
+    ids = text_sequences(loaded.tokenizer, text, max_tokens=max_tokens, seq_len=seq_len)  # [n, T]
     return RedundancyFinder(kind, threshold, effect_threshold).find(
-        loaded.model, split_sequences(ids, seq_len), ablation_delta, progress=progress, should_stop=should_stop)
+        loaded.model, ids, ablation_delta, progress=progress, should_stop=should_stop)

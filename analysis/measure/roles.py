@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import input_device
 from analysis.arch.attention import eager_attention  # noqa: F401  (re-exported: the switch lives in arch)
 from analysis.core.errors import InputError
-from analysis.measure.evaluation import token_ids
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.core.text import calibration_articles
 
@@ -237,10 +237,7 @@ class RoleTagger:
     def tag(self, model, ids: torch.Tensor, frequencies: np.ndarray | None = None, *,
             progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HeadRoles:
         """Roles of every head from ids [n, T] (equal-length sequences)."""
-        x = torch.as_tensor(ids, dtype=torch.long)
-        x = x.unsqueeze(0) if x.dim() == 1 else x                      # [n, T]
-        if x.shape[-1] < 2:
-            raise InputError("Head roles need at least two tokens; use a longer text.")
+        x = as_sequences(ids, "Head roles")                            # [n, T]
         parts = []
         for s in range(0, x.shape[0], self.batch_size):
             check_stop(should_stop, "Head roles")
@@ -257,9 +254,7 @@ def head_roles(loaded, text: str | bytes | None = None, *, max_tokens: int = 512
 
     frequencies: token counts [vocab] for rare-word (None = count the built-in calibration
     corpus with the model's tokenizer; callers should cache `token_frequencies`)."""
-    from analysis.measure.ablation import split_sequences
-    from analysis.measure.evaluation import default_text
-    ids = token_ids(loaded.tokenizer, default_text() if text is None else text, max_tokens=max_tokens)
+    ids = text_sequences(loaded.tokenizer, text, max_tokens=max_tokens, seq_len=seq_len)  # [n, T]
     freq = token_frequencies(loaded.tokenizer) if frequencies is None else frequencies
-    return RoleTagger(seq_len, thresholds=thresholds).tag(loaded.model, split_sequences(ids, seq_len), freq,
-                                                          progress=progress, should_stop=should_stop)
+    return RoleTagger(seq_len, thresholds=thresholds).tag(loaded.model, ids, freq, progress=progress,
+                                                          should_stop=should_stop)

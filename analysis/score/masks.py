@@ -29,6 +29,10 @@ shown for a mask (`surgery_counts`, `summarize_mask`) follow the same per-layer 
 query heads, and the KV heads they need -- one per kept group when every kept group keeps the
 same number of heads, else one copy per kept query head (uneven groups: K/V expanded).
 
+Each policy is one `MaskPolicy` record in the registry `POLICIES` (name, label, help, where it applies,
+its planner, and for the GQA policies their step), registered once with `register_policy`; the CLI's
+--policy, the app's policy box and its link field, and `plan_mask` read the registry.
+
 Everything here is numpy on [L, H] arrays: a new mask after a z or sparsity change is a sort
 of L*H numbers.
 """
@@ -38,15 +42,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
 from analysis.core.errors import InputError
+from analysis.core.registry import Registry
 from analysis.arch.head_gates import kv_groups_emptied
 
-POLICIES = ("global", "min-per-layer", "uniform", "balanced", "balanced-uniform", "groups")
 KV_POLICIES = ("auto", "expand", "strict")
-GQA_POLICIES = ("balanced", "balanced-uniform", "groups")  # never expand K/V
 DEFAULT_GQA_POLICY = "groups"   # never grows the model; on SmolLM2 it beats balanced at 25 % and 50 % (docs/results.md)
 
 
@@ -198,36 +202,71 @@ def plan_mask(scores, sparsity: float, *, group_size: int = 1, tiebreak: np.ndar
         tiebreak, tie_order = getattr(scores, "tiebreak", None), getattr(scores, "tie_order", None)
     scores = _check_scores(scores)
     L, H = scores.shape
-    if policy not in POLICIES:
-        raise InputError(f"Unknown mask policy {policy!r}; choose one of {', '.join(POLICIES)}.")
+    spec = policy_of(policy)
     if group_size < 1 or H % group_size:
         raise InputError(f"KV group size {group_size} does not divide {H} heads.")
+    if group_size == 1 and spec.mha_equivalent:
+        spec = POLICIES[spec.mha_equivalent]
     flat = scores.reshape(-1)  # [L*H]
-    tie_order = _resolve_tie_order(flat, tiebreak, tie_order)  # [L*H]
-    k = heads_to_prune(sparsity, L * H)
-    policy = _MHA_EQUIVALENT.get(policy, policy) if group_size == 1 else policy
-    order = None if policy == "global" else _rank(flat, tie_order)  # [L*H]; the other policies walk it
-    note = ""
-    if policy == "global":
-        pruned = _lowest(flat, tie_order, k)  # [L*H]
-    elif policy == "min-per-layer":
-        pruned = _prune_keeping(order, k, L, H, int(min_per_layer))
-    elif policy == "uniform":
-        pruned = _prune_uniform(order, L, H, int(math.floor(float(sparsity) * H + _FLOOR_GUARD)))
-    else:
-        pruned, note = _GQA_PLANNERS[policy](flat, order, k, L, H, group_size, float(sparsity))
+    ranking = Ranking(flat, _resolve_tie_order(flat, tiebreak, tie_order), heads_to_prune(sparsity, L * H), L, H,
+                      group_size, float(sparsity), int(min_per_layer))
+    pruned, note = spec.plan(ranking)
     pruned = pruned.reshape(L, H)  # [L, H]
-    plan = MaskPlan(pruned, kv_pruned_from(pruned, group_size), float(sparsity), policy,
-                    int(min_per_layer) if policy == "min-per-layer" else 0, (flat, tie_order), k, note)
-    if order is not None:
-        plan.__dict__["order"] = order  # fill the cached property: no second sort
+    plan = MaskPlan(pruned, kv_pruned_from(pruned, group_size), float(sparsity), spec.name,
+                    ranking.min_per_layer if spec.takes_m else 0, (flat, ranking.tie_order), ranking.k, note)
+    if "order" in ranking.__dict__:
+        plan.__dict__["order"] = ranking.order  # fill the cached property: no second sort
     return plan
+
+
+@dataclass
+class Ranking:
+    """What a policy's planner reads: the scores flat [L*H], the tie order [L*H], k = floor(s * L * H),
+    the shape, the sparsity and min_per_layer; `order` (the whole prune-first order) is sorted on first use."""
+    flat: np.ndarray
+    tie_order: np.ndarray
+    k: int
+    L: int
+    H: int
+    G: int
+    sparsity: float
+    min_per_layer: int = 1
+
+    @cached_property
+    def order(self) -> np.ndarray:
+        return _rank(self.flat, self.tie_order)  # [L*H]
+
+
+@dataclass(frozen=True)
+class MaskPolicy:
+    """One mask policy, registered once (`register_policy`): what the CLI, the app and `plan_mask` read."""
+    name: str                                         # the CLI / URL name
+    label: str                                        # what the app's policy box shows (short)
+    help: str                                         # one line: the CLI's help, the app's tooltip
+    plan: Callable[[Ranking], tuple[np.ndarray, str]]  # -> (pruned [L*H] bool, note: why the count differs from k)
+    gqa: bool = False                                 # differs from other policies only on GQA models (G > 1)
+    mha_equivalent: str = ""                          # the policy it is on MHA models (G = 1), if another
+    step: Callable[[int, int, int], int] | None = None  # (L, H, G) -> the head count it prunes in steps of
+    unit: Callable[[int, int, int], str] | None = None  # (L, H, G) -> that step in words
+    takes_m: bool = False                             # reads min_per_layer ("keep at least m heads per layer")
+
+
+POLICIES: Registry = Registry("mask policy")
+
+
+def register_policy(policy: MaskPolicy) -> MaskPolicy:
+    """Add a mask policy to the registry; InputError for a taken name (the same record again is a no-op)."""
+    return POLICIES.add(policy.name, policy)
+
+
+def policy_of(name: str) -> MaskPolicy:
+    """The registered policy; InputError naming the choices otherwise."""
+    return POLICIES.of(name)
 
 
 def feasible_counts(policy: str, n_layers: int, n_heads: int, group_size: int) -> np.ndarray:
     """Every head count a GQA policy can prune exactly (ascending, below L*H)."""
-    n_kv = n_heads // group_size
-    step = {"balanced": n_kv, "balanced-uniform": n_layers * n_kv, "groups": group_size}[policy]
+    step = policy_of(policy).step(n_layers, n_heads, group_size)
     return np.arange(0, n_layers * n_heads, step)  # [n]
 
 
@@ -238,9 +277,7 @@ def _nearest_feasible(policy: str, k: int, L: int, H: int, group_size: int, spar
     best = int(counts[np.argmin(np.abs(counts - k))])  # argmin takes the first (smaller) of a tie
     if best == k:
         return k, ""
-    unit = {"balanced": f"{H // group_size} heads (one per KV group of a layer)",
-            "balanced-uniform": f"{L * (H // group_size)} heads (one per KV group in every layer)",
-            "groups": f"{group_size} heads (one whole KV group)"}[policy]
+    unit = policy_of(policy).unit(L, H, group_size)
     options = ", ".join(f"{c / (L * H):.4g} ({c} heads)" for c in counts[counts > 0][:4])
     if best == 0:
         raise InputError(f"The {policy!r} policy cannot prune {k} of {L * H} heads (sparsity {sparsity:g}): it "
@@ -267,11 +304,12 @@ def _group_slices(flat: np.ndarray, order: np.ndarray, L: int, H: int, G: int) -
     return heads, flat[heads]
 
 
-def _plan_balanced(flat, order, k, L, H, G, sparsity):
+def _plan_balanced(r: Ranking) -> tuple[np.ndarray, str]:
     """c_l heads from every group of layer l: slices (one head per group) by ascending summed score."""
-    count, note = _nearest_feasible("balanced", k, L, H, G, sparsity)
-    heads, values = _group_slices(flat, order, L, H, G)  # [L, G, Hkv] each
-    rank = _rank_positions(order)  # [L*H]
+    L, H, G = r.L, r.H, r.G
+    count, note = _nearest_feasible("balanced", r.k, L, H, G, r.sparsity)
+    heads, values = _group_slices(r.flat, r.order, L, H, G)  # [L, G, Hkv] each
+    rank = _rank_positions(r.order)  # [L*H]
     slice_score = values.sum(axis=-1).reshape(-1)  # [L*G] slice (l, c) -> summed score
     slice_rank = rank[heads].sum(axis=-1).reshape(-1)  # [L*G] tie-break: summed position in the order
     # within a layer slice c+1 scores >= slice c and ranks later, so this order takes them in turn
@@ -281,29 +319,26 @@ def _plan_balanced(flat, order, k, L, H, G, sparsity):
     return pruned, note
 
 
-def _plan_balanced_uniform(flat, order, k, L, H, G, sparsity):
+def _plan_balanced_uniform(r: Ranking) -> tuple[np.ndarray, str]:
     """The same c heads from every group of every layer (the c lowest-ranked of each group)."""
-    count, note = _nearest_feasible("balanced-uniform", k, L, H, G, sparsity)
-    heads, _ = _group_slices(flat, order, L, H, G)  # [L, G, Hkv]
+    L, H, G = r.L, r.H, r.G
+    count, note = _nearest_feasible("balanced-uniform", r.k, L, H, G, r.sparsity)
+    heads, _ = _group_slices(r.flat, r.order, L, H, G)  # [L, G, Hkv]
     pruned = np.zeros(L * H, dtype=bool)  # [L*H]
     pruned[heads[:, : count // (L * (H // G))].reshape(-1)] = True
     return pruned, note
 
 
-def _plan_groups(flat, order, k, L, H, G, sparsity):
+def _plan_groups(r: Ranking) -> tuple[np.ndarray, str]:
     """Whole KV groups by ascending summed score of their G heads (then summed rank, then index)."""
-    count, note = _nearest_feasible("groups", k, L, H, G, sparsity)
-    group_score = flat.reshape(-1, G).sum(axis=-1)  # [L*Hkv]
-    group_rank = _rank_positions(order).reshape(-1, G).sum(axis=-1)  # [L*Hkv]
+    L, H, G = r.L, r.H, r.G
+    count, note = _nearest_feasible("groups", r.k, L, H, G, r.sparsity)
+    group_score = r.flat.reshape(-1, G).sum(axis=-1)  # [L*Hkv]
+    group_rank = _rank_positions(r.order).reshape(-1, G).sum(axis=-1)  # [L*Hkv]
     chosen = np.lexsort((np.arange(group_score.size), group_rank, group_score))[: count // G]  # [n groups]
     pruned = np.zeros((L * H // G, G), dtype=bool)  # [L*Hkv, G]
     pruned[chosen] = True
     return pruned.reshape(-1), note
-
-
-# with G = 1 every mask keeps K/V aligned with the queries: balanced is the global / uniform policy
-_MHA_EQUIVALENT = {"balanced": "global", "balanced-uniform": "uniform"}
-_GQA_PLANNERS = {"balanced": _plan_balanced, "balanced-uniform": _plan_balanced_uniform, "groups": _plan_groups}
 
 
 def _prune_keeping(order: np.ndarray, k: int, L: int, H: int, keep: int) -> np.ndarray:
@@ -337,6 +372,39 @@ def _prune_uniform(order: np.ndarray, L: int, H: int, per_layer: int) -> np.ndar
         heads = np.arange(layer * H, (layer + 1) * H)  # [H]
         pruned[heads[np.argsort(rank[heads], kind="stable")[:per_layer]]] = True
     return pruned
+
+
+def _plan_uniform(r: Ranking) -> tuple[np.ndarray, str]:
+    return _prune_uniform(r.order, r.L, r.H, int(math.floor(r.sparsity * r.H + _FLOOR_GUARD))), ""
+
+
+# The built-in policies (docstring above). With G = 1 every mask keeps K/V aligned with the queries:
+# balanced is the global policy there and balanced-uniform the uniform one.
+for _policy in (
+    MaskPolicy("global", "global: lowest anywhere (paper)",
+               "the lowest-scored heads anywhere in the model: the paper's setting. On GQA models it leaves KV "
+               "groups unevenly pruned, which surgery can only build by copying K/V (a bigger model).",
+               lambda r: (_lowest(r.flat, r.tie_order, r.k), "")),
+    MaskPolicy("min-per-layer", "min-per-layer: global, m kept", "global, but every layer keeps at least m heads.",
+               lambda r: (_prune_keeping(r.order, r.k, r.L, r.H, r.min_per_layer), ""), takes_m=True),
+    MaskPolicy("uniform", "uniform: same count per layer", "the same number of heads pruned in every layer.",
+               _plan_uniform),
+    MaskPolicy("balanced", "balanced (GQA): same per group",
+               "(GQA) the same number pruned from every KV group, so K/V never expand.", _plan_balanced,
+               gqa=True, mha_equivalent="global", step=lambda L, H, G: H // G,
+               unit=lambda L, H, G: f"{H // G} heads (one per KV group of a layer)"),
+    MaskPolicy("balanced-uniform", "balanced-uniform (GQA)",
+               "(GQA) balanced, with one count in every layer: the pruned model is a stock config.",
+               _plan_balanced_uniform, gqa=True, mha_equivalent="uniform", step=lambda L, H, G: L * (H // G),
+               unit=lambda L, H, G: f"{L * (H // G)} heads (one per KV group in every layer)"),
+    MaskPolicy("groups", "groups (GQA): whole KV groups",
+               "(GQA) whole KV groups (a KV head with all its query heads): never makes the model bigger. "
+               "The default on GQA models.", _plan_groups, gqa=True, step=lambda L, H, G: G,
+               unit=lambda L, H, G: f"{G} heads (one whole KV group)"),
+):
+    register_policy(_policy)
+del _policy
+GQA_POLICIES = tuple(name for name, p in POLICIES.items() if p.step is not None)  # the built-ins that never expand K/V
 
 
 def plan_layout(pruned, group_size: int, kv_policy: str = "auto") -> tuple[list[list[int]], list[list[int]]]:

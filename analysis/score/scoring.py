@@ -49,11 +49,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from analysis.arch.hooks import attached
 from analysis.measure.ablation import FastAblation, head_ablation
 from analysis.arch.adapters import Adapter, HeadWeights, adapter_for, input_device, is_offloaded
 from analysis.measure.attribution import gate_loss_fn, integrated_gate_gradients
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError, UnsupportedModelError
+from analysis.core.errors import InputError, UnsupportedModelError, check_whole_number
+from analysis.core.params import Param, bind
+from analysis.core.registry import Registry
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import LM_KINDS, lm_sequence_losses
@@ -62,6 +65,9 @@ from analysis.arch.models import model_kind
 from analysis.measure.profiles import (
     DEFAULT_STD,
     DEFAULT_Z,
+    STD_DDOF,
+    SCOPES,
+    Z_MAX,
     NormProfile,
     check_ord,
     check_scope,
@@ -255,17 +261,107 @@ def batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# Parameters: each declared once (analysis.core.params.Param). A scorer's constructor and params()
+# are built from its `parameters`; the CLI's options (cli.common), the URL's fields
+# (components/state.py) and the app's widgets (components/controls.py) are derived from them.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_weight(name: str, value: float) -> float:
+    value = float(value)
+    if not np.isfinite(value) or value < 0:
+        raise InputError(f"{name} must be a finite weight >= 0; got {value}.")
+    return value
+
+
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(seed, what: str = "The seed") -> int:
+    """`seed` as an int in 0 .. 2**63-1 (what numpy's and torch's generators both take); InputError otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= SEED_MAX:
+        raise InputError(f"{what} must be a whole number from 0 to {SEED_MAX}; got {seed!r}.")
+    return int(seed)
+
+
+def _check_steps(n_steps) -> int:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or int(n_steps) < 1:
+        raise InputError(f"Integrated gradients need n_steps >= 1; got {n_steps!r}.")
+    return int(n_steps)
+
+
+def _layer_mean_normalized(scores: np.ndarray) -> np.ndarray:
+    """scores [L, H] / each layer's mean score (a layer whose scores are all 0 stays 0): every
+    layer's mean becomes 1, so a layer's activation scale no longer decides a global ranking."""
+    mean = scores.mean(axis=1, keepdims=True)  # [L, 1]
+    return np.divide(scores, mean, out=np.zeros_like(scores), where=mean > 0)  # [L, H]
+
+
+# normalize option -> [L, H] transform of the raw scores (Wanda-Head, SparseGPT-Head)
+NORMALIZATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "none": lambda scores: scores,
+    "layer": _layer_mean_normalized,
+}
+
+
+def check_normalize(normalize: str) -> str:
+    if normalize not in NORMALIZATIONS:
+        raise InputError(f"normalize must be one of {', '.join(NORMALIZATIONS)}; got {normalize!r}.")
+    return normalize
+
+
+Z = Param(DEFAULT_Z, "Threshold z", "MP threshold: tau = mean + z * std of each population of row norms",
+          lo=0.0, hi=Z_MAX, step=0.05, check=check_z)
+SCOPE = Param("layer", "Population", "threshold population: each projection of each layer (layer), or one "
+              "projection across all layers (model)", choices=SCOPES, check=check_scope)
+ORD = Param(2, "Norm", "row norm: 2 (L2) or 1 (L1)", choices=(2, 1), names={2: "L2", 1: "L1"}, check=check_ord)
+STD = Param(DEFAULT_STD, "Std in the threshold",
+            "std in tau = mean + z * std: population (divide by n, ddof 0, the default) or sample (by n - 1, "
+            "ddof 1, PyTorch's Tensor.std); at the boundary they move a few heads in or out of the bulk",
+            choices=tuple(STD_DDOF),
+            names={"population": "population (ddof = 0)", "sample": "sample (ddof = 1, torch.std)"}, check=check_std)
+A_Q = Param(1.0, "a_q (own Q/O weight)", "MP-G weight of the Q/O excess", lo=0.0, hi=10.0, step=0.1,
+            check=lambda v: _check_weight("a_q", v))
+A_KV = Param(1.0, "a_kv (shared K/V weight)", "MP-G weight of the K/V excess", lo=0.0, hi=10.0, step=0.1,
+             check=lambda v: _check_weight("a_kv", v))
+SEED = Param(0, "Seed", "random scorer seed", lo=0, hi=2**31 - 1, step=1, check=check_seed)
+N_SEQUENCES = Param(8, "Calibration sequences", "calibration sequences (calibration scorers)", lo=1, hi=64, step=1,
+                    check=lambda v: check_whole_number(v, "n_sequences (calibration sequences)"))
+SEQ_LEN = Param(128, "Tokens per sequence", "calibration sequence length", lo=8, hi=1024, step=8,
+                check=lambda v: check_whole_number(v, "seq_len (tokens per calibration sequence)", low=2))
+BATCH_SIZE = Param(4, help="calibration sequences per forward pass (never changes the scores)", recorded=False,
+                   check=lambda v: check_whole_number(v, "batch_size"))
+NORMALIZE = Param("none", "Per-layer normalization",
+                  "wanda / sparsegpt: 'layer' divides every layer's scores by that layer's mean score (each layer's "
+                  "mean becomes 1), so a layer's activation scale no longer decides the global ranking",
+                  choices=tuple(NORMALIZATIONS), names={"none": "none (as defined)", "layer": "divide by the layer's mean"},
+                  check=check_normalize)
+DAMPING = Param(0.01, "Damping", "SparseGPT damping fraction", lo=1e-6, hi=1.0, number_format="%.4f",
+                check=lambda v: _check_weight("damping", v))
+N_STEPS = Param(4, "Integration steps", "integrated-gradient steps", lo=1, hi=64, step=1, check=_check_steps)
+CALIBRATION = {"n_sequences": N_SEQUENCES, "seq_len": SEQ_LEN, "batch_size": BATCH_SIZE}
+
+
 class Scorer:
-    """Base class. Subclasses set `name`, store their parameters, implement `_compute`."""
+    """Base class. Subclasses set `name`, `label` and `parameters` (name -> Param), implement `_compute`.
+
+    The constructor takes the declared parameters as keywords (each checked by its declaration) and
+    keeps them as attributes; `params()` returns the recorded ones."""
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""            # what the app and reports call it
     needs_calibration: ClassVar[bool] = False
     needs_gradients: ClassVar[bool] = False
+    parameters: ClassVar[dict[str, Param]] = {}
+
+    def __init__(self, **params):
+        for name, value in bind(self.parameters, params, f"The {self.name!r} scorer").items():
+            setattr(self, name, value)
 
     def params(self) -> dict:
-        """The constructor parameters, as recorded in HeadScores.params."""
-        return {}
+        """The parameters, as recorded in HeadScores.params."""
+        return {name: getattr(self, name) for name, param in self.parameters.items() if param.recorded}
 
     def score(self, target, *, calibration=None, progress: Progress | None = None,
               should_stop: ShouldStop | None = None, team: Team | None = None) -> HeadScores:
@@ -292,15 +388,7 @@ class CalibrationScorer(Scorer):
     """Shared parameters and plumbing of scorers that run calibration text through the model."""
 
     needs_calibration = True
-
-    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4):
-        self.n_sequences, self.seq_len, self.batch_size = int(n_sequences), int(seq_len), int(batch_size)
-        if self.n_sequences < 1 or self.seq_len < 2 or self.batch_size < 1:
-            raise InputError("Calibration needs n_sequences >= 1, seq_len >= 2 and batch_size >= 1; got "
-                             f"{n_sequences}, {seq_len}, {batch_size}.")
-
-    def params(self) -> dict:
-        return dict(n_sequences=self.n_sequences, seq_len=self.seq_len)
+    parameters = CALIBRATION
 
     def _calibration(self, subject: Subject, calibration, cost: ScoringCost) -> torch.Tensor:
         if calibration is None:
@@ -336,12 +424,7 @@ class MPScorer(Scorer):
 
     name = "mp"
     label = "MP (Magnitude Profile)"
-
-    def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, std: str = DEFAULT_STD):
-        self.z, self.scope, self.ord, self.std = check_z(z), check_scope(scope), check_ord(ord), check_std(std)
-
-    def params(self) -> dict:
-        return dict(z=self.z, scope=self.scope, ord=self.ord, std=self.std)
+    parameters = {"z": Z, "scope": SCOPE, "ord": ORD, "std": STD}
 
     def combine(self, own: np.ndarray, group: np.ndarray) -> np.ndarray:
         return mp_combine(own, group)
@@ -370,24 +453,10 @@ class MPGScorer(MPScorer):
 
     name = "mp-g"
     label = "MP-G (GQA-aware MP)"
-
-    def __init__(self, z: float = DEFAULT_Z, scope: str = "layer", ord: int = 2, a_q: float = 1.0,
-                 a_kv: float = 1.0, std: str = DEFAULT_STD):
-        super().__init__(z, scope, ord, std)
-        self.a_q, self.a_kv = _check_weight("a_q", a_q), _check_weight("a_kv", a_kv)
-
-    def params(self) -> dict:
-        return {**super().params(), "a_q": self.a_q, "a_kv": self.a_kv}
+    parameters = {**MPScorer.parameters, "a_q": A_Q, "a_kv": A_KV}
 
     def combine(self, own, group):
         return mpg_combine(own, group, self.a_q, self.a_kv)
-
-
-def _check_weight(name: str, value: float) -> float:
-    value = float(value)
-    if not np.isfinite(value) or value < 0:
-        raise InputError(f"{name} must be a finite weight >= 0; got {value}.")
-    return value
 
 
 class MagnitudeScorer(Scorer):
@@ -395,12 +464,7 @@ class MagnitudeScorer(Scorer):
 
     name = "magnitude"
     label = "Magnitude"
-
-    def __init__(self, ord: int = 2):
-        self.ord = check_ord(ord)
-
-    def params(self) -> dict:
-        return dict(ord=self.ord)
+    parameters = {"ord": ORD}
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         profile = as_profile(target)
@@ -413,27 +477,12 @@ class RandomScorer(Scorer):
 
     name = "random"
     label = "Random (floor)"
-
-    def __init__(self, seed: int = 0):
-        self.seed = check_seed(seed)
-
-    def params(self) -> dict:
-        return dict(seed=self.seed)
+    parameters = {"seed": SEED}
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         L, H = _grid(target)
         ranks = np.random.default_rng(self.seed).permutation(L * H)  # [L*H]
         return ranks.reshape(L, H).astype(np.float64), None
-
-
-SEED_MAX = 2**63 - 1
-
-
-def check_seed(seed, what: str = "The seed") -> int:
-    """`seed` as an int in 0 .. 2**63-1 (what numpy's and torch's generators both take); InputError otherwise."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= SEED_MAX:
-        raise InputError(f"{what} must be a whole number from 0 to {SEED_MAX}; got {seed!r}.")
-    return int(seed)
 
 
 def _grid(target) -> tuple[int, int]:
@@ -458,9 +507,11 @@ class AblationOracle(Scorer):
     name = "ablation"
     label = "Ablation oracle (real loss increase)"
     needs_calibration = True
+    parameters = {**CALIBRATION, "batch_size": dataclasses.replace(BATCH_SIZE, default=16)}
 
-    def __init__(self, loss_increase=None, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 16):
-        self.calibration = CalibrationScorer(n_sequences, seq_len, batch_size)
+    def __init__(self, loss_increase=None, **params):
+        super().__init__(**params)
+        self.calibration = CalibrationScorer(**{name: getattr(self, name) for name in CALIBRATION})
         self.loss_increase = None
         if loss_increase is not None:
             self.loss_increase = np.asarray(loss_increase, dtype=np.float64)  # [L, H]
@@ -469,7 +520,7 @@ class AblationOracle(Scorer):
                                  "(run the ablation sweep first).")
 
     def params(self) -> dict:
-        return {"precomputed": True} if self.loss_increase is not None else self.calibration.params()
+        return {"precomputed": True} if self.loss_increase is not None else super().params()
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         if self.loss_increase is None:
@@ -521,7 +572,6 @@ def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
     """Forward pre-hooks on each layer's Q (or fused QKV) and O projections accumulating input stats."""
     L = subject.geometry.n_layers
     stats = InputStats(att=[None] * L, out=[None] * L)
-    handles = []
 
     def make_hook(layer: int, slot: str):
         def hook(module, args):
@@ -535,16 +585,12 @@ def collect_inputs(subject: Subject, full: bool) -> Iterator[InputStats]:
                 stats.tokens += x.shape[0]
         return hook
 
-    try:
+    with attached() as hooks:
         for layer in range(L):
             mods = subject.adapter.projection_modules(subject.model, layer)
-            first = mods["q"] if "q" in mods else mods["qkv"]
-            handles.append(first.register_forward_pre_hook(make_hook(layer, "att")))
-            handles.append(mods["o"].register_forward_pre_hook(make_hook(layer, "out")))
+            hooks.before(mods["q"] if "q" in mods else mods["qkv"], make_hook(layer, "att"))
+            hooks.before(mods["o"], make_hook(layer, "out"))
         yield stats
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def run_forward(subject: Subject, ids: torch.Tensor, batch_size: int, cost: ScoringCost,
@@ -582,35 +628,10 @@ def _add_input_stats(acc: tuple | None, part: tuple) -> tuple:
     return ([a + p for a, p in zip(att, part[0])], [a + p for a, p in zip(out, part[1])], tokens + part[2])
 
 
-def _layer_mean_normalized(scores: np.ndarray) -> np.ndarray:
-    """scores [L, H] / each layer's mean score (a layer whose scores are all 0 stays 0): every
-    layer's mean becomes 1, so a layer's activation scale no longer decides a global ranking."""
-    mean = scores.mean(axis=1, keepdims=True)  # [L, 1]
-    return np.divide(scores, mean, out=np.zeros_like(scores), where=mean > 0)  # [L, H]
-
-
-# normalize option -> [L, H] transform of the raw scores (Wanda-Head, SparseGPT-Head)
-NORMALIZATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "none": lambda scores: scores,
-    "layer": _layer_mean_normalized,
-}
-
-
-def check_normalize(normalize: str) -> str:
-    if normalize not in NORMALIZATIONS:
-        raise InputError(f"normalize must be one of {', '.join(NORMALIZATIONS)}; got {normalize!r}.")
-    return normalize
-
-
 class NormalizedCalibrationScorer(CalibrationScorer):
     """A calibration scorer whose [L, H] scores can be divided by each layer's mean (normalize="layer")."""
 
-    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, normalize: str = "none"):
-        super().__init__(n_sequences, seq_len, batch_size)
-        self.normalize = check_normalize(normalize)
-
-    def params(self) -> dict:
-        return {**super().params(), "normalize": self.normalize}
+    parameters = {**CALIBRATION, "normalize": NORMALIZE}
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         scores, tiebreak = super()._compute(target, calibration, cost, progress, should_stop)
@@ -649,14 +670,7 @@ class SparseGPTHeadScorer(NormalizedCalibrationScorer):
 
     name = "sparsegpt"
     label = "SparseGPT-Head"
-
-    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, damping: float = 0.01,
-                 normalize: str = "none"):
-        super().__init__(n_sequences, seq_len, batch_size, normalize)
-        self.damping = _check_weight("damping", damping)
-
-    def params(self) -> dict:
-        return {**super().params(), "damping": self.damping}
+    parameters = {**NormalizedCalibrationScorer.parameters, "damping": DAMPING}
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=True)
@@ -796,15 +810,7 @@ class IntegratedGateScorer(CalibrationScorer):
     name = "gate-ig"
     label = "Head-gate, integrated gradients"
     needs_gradients = True
-
-    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, n_steps: int = 4):
-        super().__init__(n_sequences, seq_len, batch_size)
-        self.n_steps = int(n_steps)
-        if self.n_steps < 1:
-            raise InputError(f"Integrated gradients need n_steps >= 1; got {n_steps}.")
-
-    def params(self) -> dict:
-        return {**super().params(), "n_steps": self.n_steps}
+    parameters = {**CALIBRATION, "n_steps": N_STEPS}
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         require_lm(subject)
@@ -832,20 +838,13 @@ class HybridScorer(CalibrationScorer):
 
     name = "hybrid"
     label = "Hybrid (Magnitude + MP + Wanda)"
-
-    def __init__(self, n_sequences: int = 8, seq_len: int = 128, batch_size: int = 4, z: float = DEFAULT_Z,
-                 scope: str = "layer", std: str = DEFAULT_STD):
-        super().__init__(n_sequences, seq_len, batch_size)
-        self.z, self.scope, self.std = check_z(z), check_scope(scope), check_std(std)
-
-    def params(self) -> dict:
-        return {**super().params(), "z": self.z, "scope": self.scope, "std": self.std}
+    parameters = {**CALIBRATION, "z": Z, "scope": SCOPE, "std": STD}
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         profile = profile_model(subject.model, adapter=subject.adapter)
         magnitude = mp_aggregate(profile.l2)  # [L, H]
         mp = mp_combine(*profile.excess_sums(self.z, scope=self.scope, std=self.std))  # [L, H]
-        wanda = WandaHeadScorer(self.n_sequences, self.seq_len, self.batch_size)
+        wanda = WandaHeadScorer(n_sequences=self.n_sequences, seq_len=self.seq_len, batch_size=self.batch_size)
         wanda_scores = wanda._calibrate(subject, ids, cost, progress, should_stop)  # [L, H]
         return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)
 
@@ -855,7 +854,7 @@ class HybridScorer(CalibrationScorer):
 # labels, parameter widgets) and scripts/results.py read. A scorer is one registration.
 # ---------------------------------------------------------------------------------------------
 
-SCORERS: dict[str, type[Scorer]] = {}
+SCORERS: Registry = Registry("scorer")
 
 
 def register_scorer(cls: type[Scorer]) -> type[Scorer]:
@@ -863,10 +862,7 @@ def register_scorer(cls: type[Scorer]) -> type[Scorer]:
     `needs_calibration` come with it). InputError for a missing name/label or a taken name."""
     if not cls.name or not cls.label:
         raise InputError(f"{cls.__name__} needs a `name` and a `label` to be registered as a scorer.")
-    if SCORERS.get(cls.name, cls) is not cls:
-        raise InputError(f"A scorer named {cls.name!r} is already registered ({SCORERS[cls.name].__name__}).")
-    SCORERS[cls.name] = cls
-    return cls
+    return SCORERS.add(cls.name, cls)
 
 
 for _cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
@@ -875,11 +871,21 @@ for _cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer
 del _cls
 
 
+def scorer_declarations(name: str) -> dict[str, Param]:
+    """{parameter: Param} of a registered scorer: its declared `parameters`, then any other constructor
+    keyword with a default (a scorer that declares nothing, e.g. a quick experiment, still gets a CLI
+    option typed from the default; it has no label, so the app uses its default)."""
+    cls = scorer_class(name)
+    out = dict(cls.parameters)
+    for n, p in inspect.signature(cls.__init__).parameters.items():
+        if n != "self" and n not in out and p.default is not inspect.Parameter.empty:
+            out[n] = Param(p.default)
+    return out
+
+
 def scorer_parameters(name: str) -> dict[str, object]:
     """{constructor parameter: default} of a registered scorer (parameters without a default left out)."""
-    sig = inspect.signature(scorer_class(name).__init__)
-    return {n: p.default for n, p in sig.parameters.items()
-            if n != "self" and p.default is not inspect.Parameter.empty}
+    return {n: p.default for n, p in scorer_declarations(name).items()}
 
 
 def weight_only_scorers() -> tuple[str, ...]:
@@ -889,10 +895,7 @@ def weight_only_scorers() -> tuple[str, ...]:
 
 def scorer_class(name: str) -> type[Scorer]:
     """The registered scorer class; InputError naming the choices otherwise."""
-    cls = SCORERS.get(name)
-    if cls is None:
-        raise InputError(f"Unknown scorer {name!r}; choose one of {', '.join(SCORERS)}.")
-    return cls
+    return SCORERS.of(name)
 
 
 def get_scorer(name: str, **params) -> Scorer:

@@ -1,4 +1,4 @@
-"""The app's side of issue 25's hostile inputs (tests/test_hostile_more.py has the CLI and the library
+"""Bad input to the app (tests/test_bad_input_*.py have the CLI and the library
 API): a config.json that is JSON but not a config or has an impossible geometry, a 5,000-character
 model name, and NaN / Inf weights in memory and opened weights only. Each shows one error box
 naming the problem and the fix, never a traceback or the bug note."""
