@@ -56,25 +56,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 
-from bench._timing import compare, load_average, load_text  # noqa: E402
-from analysis.arch.head_gates import gates_from_mask, zero_heads  # noqa: E402
-from analysis.arch.models import count_parameters, load_model  # noqa: E402
-from analysis.compress.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences  # noqa: E402
-from analysis.compress.export import FORMATS, ExportError  # noqa: E402
-from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline  # noqa: E402
-from analysis.compress.export.onnx import OnnxLM  # noqa: E402
-from analysis.compress.export.onnx_int8 import quantize_onnx  # noqa: E402
-from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float,  # noqa: E402
+from bench._timing import compare, load_average, load_text
+from analysis.arch.head_gates import gates_from_mask, zero_heads
+from analysis.arch.models import count_parameters, load_model
+from analysis.compress.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences
+from analysis.compress.export import FORMATS, ExportError
+from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline
+from analysis.compress.export.onnx import OnnxLM
+from analysis.compress.export.onnx_int8 import quantize_onnx
+from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float,
                                         torch_int8_report)
-from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text  # noqa: E402
-from analysis.compress.speed import saved_bytes, torch_threads  # noqa: E402
-from analysis.compress.surgery import prune_heads  # noqa: E402
-from analysis.core.atomic import atomic_write, write_section  # noqa: E402
-from analysis.core.errors import InputError  # noqa: E402
-from analysis.core.text import evaluation_text  # noqa: E402
-from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, evaluate, token_ids  # noqa: E402
-from analysis.score.masks import default_policy  # noqa: E402
-from analysis.score.scoring import get_scorer  # noqa: E402
+from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text
+from analysis.compress.speed import saved_bytes, torch_threads
+from analysis.compress.surgery import prune_heads
+from analysis.core.atomic import atomic_write, write_section
+from analysis.core.errors import InputError
+from analysis.core.text import evaluation_text
+from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, evaluate, token_ids
+from analysis.score.masks import default_policy
+from analysis.score.scoring import get_scorer
 
 BEGIN, END = RECOVERY_MARKERS
 SCORER_LABELS = {"mp-g": "MP-G (z = 2.0)", "gate": "Head gate, abs. gradient (Michel)"}
