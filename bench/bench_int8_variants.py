@@ -6,8 +6,8 @@ float32 file in ONNX Runtime on the same text: next-token top-1 agreement and pe
 (bench/_timing.compare: interleaved pairs, min / median / max of each side and of the ratio, load
 average). Variants:
 - keep-k: dynamic INT8 (per-channel weights, per-tensor asymmetric activations) with the LM head
-  and the k Linear layers of the largest simulated INT8 output error (quantize.int8_output_errors
-  on the calibration split) kept float; "outliers" is the current default (quantize.int8_keep_float:
+  and the k Linear layers of the largest simulated INT8 output error (measure.outliers.int8_output_errors
+  on the calibration split) kept float; "outliers" is the current default (measure.outliers.int8_keep_float:
   8-bit step / input RMS above 0.3).
 - per-tensor weights, reduce_range (7-bit weights), at the default keep set.
 - weights: u8 (what the onnx-int8 export writes: right on every x86 CPU), s8 (before: saturates on
@@ -34,8 +34,7 @@ from analysis.arch.models import load_model
 from analysis.compress.export import export
 from analysis.compress.export.onnx import OnnxLM
 from analysis.compress.export.onnx_int8 import quiet_logs, weight_matmuls
-from analysis.compress.quantize import (calibration_ids, int8_keep_float, int8_output_errors,
-                                        output_head_names)
+from analysis.measure.outliers import int8_keep_float, int8_output_errors, outlier_calibration, output_head_names
 from analysis.compress.speed import torch_threads
 from analysis.core.text import evaluation_text
 from analysis.measure.evaluation import token_ids
@@ -97,7 +96,7 @@ def main() -> int:
     rows = []
     with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix="int8-variants-") as folder:
         loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
-        calib = calibration_ids(loaded.tokenizer)                                    # [2, 256]
+        calib = outlier_calibration(loaded.tokenizer)                                    # [2, 256]
         errors = int8_output_errors(loaded.model, calib)
         ranked = sorted(errors, key=errors.get, reverse=True)
         print("worst simulated INT8 output errors:", ", ".join(f"{n} {errors[n]:.3f}" for n in ranked[:12]))

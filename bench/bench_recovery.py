@@ -64,8 +64,8 @@ from analysis.compress.export import FORMATS, ExportError
 from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline
 from analysis.compress.export.onnx import OnnxLM
 from analysis.compress.export.onnx_int8 import quantize_onnx
-from analysis.compress.quantize import (calibration_ids, compare_onnx, int8_keep_float,
-                                        torch_int8_report)
+from analysis.compress.quantize import compare_onnx, torch_int8_report
+from analysis.measure.outliers import int8_keep_float_for
 from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text
 from analysis.compress.speed import saved_bytes, torch_threads
 from analysis.compress.surgery import prune_heads
@@ -145,7 +145,7 @@ def recover(loaded, held: HeldOut, sparsity: float, scorer: str, args, calibrati
 
 def int8_rows(loaded, held: HeldOut, result, small, args, rows) -> dict:
     """Integer INT8 (ONNX dynamic) and weight-only INT8 of the recovered model, and PyTorch dynamic INT8."""
-    keep = int8_keep_float(small, calibration_ids(loaded.tokenizer))
+    keep = int8_keep_float_for(small, loaded.tokenizer)
     info = {"keep_float": keep}
     with tempfile.TemporaryDirectory(prefix="bench-int8-") as folder:
         fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, folder, "fp32")

@@ -4,9 +4,9 @@ INT8 agree with float32 on SmolLM2? (issue 23; a measurement, not a timed test)
 Every nn.Linear but those kept float gets per-channel symmetric INT8 weights and its input rounded by
 one of the activation quantizers below; the score is next-token top-1 agreement with the float32
 model on --tokens held-out tokens in windows of --window. ONNX Runtime's dynamic route is "tensor"
-(one asymmetric 8-bit scale per tensor per call: quantize._fake_int8); "token-sym" / "token-asym"
+(one asymmetric 8-bit scale per tensor per call: measure.outliers.fake_int8); "token-sym" / "token-asym"
 give every token (row) its own scale, symmetric or asymmetric. Kept float: "head" (the LM head) or
-"sensitive" (quantize.int8_keep_float: the outlier layers and the head). "weights" rounds only the
+"sensitive" (measure.outliers.int8_keep_float: the outlier layers and the head). "weights" rounds only the
 weights (the ceiling any activation scheme can reach with these weights); "activations" only the
 inputs.
 
@@ -22,7 +22,7 @@ from torch import nn
 
 
 from analysis.arch.models import load_model  # noqa: E402
-from analysis.compress.quantize import _fake_int8, calibration_ids, int8_keep_float, output_head_names  # noqa: E402
+from analysis.measure.outliers import fake_int8, int8_keep_float_for, output_head_names
 from analysis.compress.speed import torch_threads  # noqa: E402
 from analysis.core.text import evaluation_text  # noqa: E402
 from analysis.measure.evaluation import token_ids  # noqa: E402
@@ -30,11 +30,11 @@ from analysis.measure.evaluation import token_ids  # noqa: E402
 
 def weight_int8(w: torch.Tensor) -> torch.Tensor:
     """w [D_out, D_in] rounded to symmetric INT8 per output channel."""
-    return _fake_int8(torch.zeros(1), w)[1]
+    return fake_int8(torch.zeros(1), w)[1]
 
 
 def per_tensor(x: torch.Tensor) -> torch.Tensor:
-    return _fake_int8(x, torch.zeros(1, 1))[0]
+    return fake_int8(x, torch.zeros(1, 1))[0]
 
 
 def per_token_symmetric(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +103,7 @@ def main() -> int:
         windows = ids[:n * args.window].reshape(n, args.window)                                 # [n, W]
         reference = predictions(model, windows)                                                 # [n * W]
         keep = {"head": set(output_head_names(model)),
-                "sensitive": set(int8_keep_float(model, calibration_ids(loaded.tokenizer)))}
+                "sensitive": set(int8_keep_float_for(model, loaded.tokenizer))}
         print(f"SmolLM2-135M dense, {reference.numel()} tokens, windows of {args.window}; kept float: head "
               f"{len(keep['head'])} layer, sensitive {len(keep['sensitive'])} layers")
         for label, (activation, round_weights, kept) in VARIANTS.items():

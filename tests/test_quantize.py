@@ -137,7 +137,7 @@ def trained_tiny():
 
 
 def test_integer_int8_of_a_trained_tiny_model_agrees_on_top1(trained_tiny, tmp_path):
-    from analysis.compress.quantize import int8_keep_float
+    from analysis.measure.outliers import int8_keep_float
     held = _markov_ids(8, 32, seed=1)                                     # [8, 32] unseen sequences
     with torch.no_grad():
         accuracy = float((trained_tiny(input_ids=held).logits[:, :-1].argmax(-1) == held[:, 1:]).float().mean())
@@ -161,7 +161,7 @@ def test_sensitive_linears_find_an_injected_outlier():
     """A massive activation as in SmolLM2: one token drives one MLP channel of layer 1 to ~1e5, so
     down_proj's input has one huge value; its 8-bit step then exceeds OUTLIER_STEP x its RMS (for one
     outlier among n values the ratio is about sqrt(n) / 255: 4 x 64 tokens x 64 channels -> ~0.5)."""
-    from analysis.compress.quantize import OUTLIER_STEP, activation_steps, sensitive_linears
+    from analysis.measure.outliers import OUTLIER_STEP, activation_steps, sensitive_linears
     model = tiny_model("llama")
     ids = tiny_input_ids(4, 64, seed=5)
     ids[ids == 7] = 8
@@ -182,26 +182,26 @@ def test_sensitive_linears_find_an_injected_outlier():
 
 
 def test_fake_int8_is_exact_on_its_own_grid_and_rounds_off_it():
-    """quantize._fake_int8 (the rounding int8_output_errors simulates): values already on the 8-bit
+    """outliers.fake_int8 (the rounding int8_output_errors simulates): values already on the 8-bit
     activation grid and weights that are integer multiples of their row's max / 127 come back
     unchanged (float64, EXACT); a value between two steps moves by at most half a step."""
-    from analysis.compress.quantize import _fake_int8
+    from analysis.measure.outliers import fake_int8
     from tests._tolerance import EXACT
     step, zero = 0.5, 100                                                   # grid: (q - zero) * step, q in 0..255
     x = (torch.tensor([0, 3, 100, 181, 255], dtype=torch.float64) - zero) * step          # [5]
     w = torch.tensor([[127.0, -5.0, 0.0], [2.0, -127.0, 64.0]], dtype=torch.float64) / 127 * 3  # [2, 3]
-    xq, wq = _fake_int8(x, w)
+    xq, wq = fake_int8(x, w)
     assert float((xq - x).abs().max()) <= EXACT and float((wq - w).abs().max()) <= EXACT
     off = x.clone()
     off[1] += 0.2 * step
-    xq, _ = _fake_int8(off, w)
+    xq, _ = fake_int8(off, w)
     assert float((xq - off).abs().max()) <= step / 2 and float((xq - off).abs().max()) > 0
 
 
 def test_worst_linears_rank_an_injected_outlier_first():
     """int8_output_errors: one huge input value of one Linear makes the 8-bit step large for the
     whole tensor, so that layer's simulated INT8 output error is the largest (worst_linears 1)."""
-    from analysis.compress.quantize import int8_output_errors, worst_linears
+    from analysis.measure.outliers import int8_output_errors, worst_linears
     model = tiny_model("llama")
     ids = tiny_input_ids(2, 32, seed=3)
     target = model.model.layers[1].mlp.down_proj

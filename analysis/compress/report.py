@@ -296,9 +296,10 @@ def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threa
     """The final model in float32 ONNX, its two ONNX INT8 files and PyTorch dynamic INT8, each
     measured against float32 in its own runtime (info[...]: agreement, speed-ups, sizes)."""
     from analysis.compress.export.onnx_int8 import quantize_onnx
-    from analysis.compress.quantize import calibration_ids, compare_onnx, int8_keep_float, torch_int8_report
+    from analysis.compress.quantize import compare_onnx, torch_int8_report
+    from analysis.measure.outliers import int8_keep_float_for
     small, _ = result.smaller()
-    keep = int8_keep_float(small, calibration_ids(loaded.tokenizer))
+    keep = int8_keep_float_for(small, loaded.tokenizer)
     info, stages = {"keep_float": keep}, []
     with tempfile.TemporaryDirectory(prefix="headscope-int8-", dir=workdir) as folder:
         fp32 = export_round("onnx", result.model, result.pruned, result.head_rounds, folder, "fp32",

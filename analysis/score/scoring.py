@@ -60,6 +60,7 @@ from analysis.core.registry import Registry
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import LM_KINDS, lm_sequence_losses
+from analysis.measure.tokens import calibration_ids
 from analysis.score.masks import tie_order_of
 from analysis.arch.models import model_kind
 from analysis.measure.profiles import (
@@ -77,7 +78,7 @@ from analysis.measure.profiles import (
     profile_model,
 )
 from analysis.core.progress import Progress, ShouldStop, tick
-from analysis.core.text import calibration_text, tokenize
+from analysis.core.text import calibration_text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,27 +205,6 @@ def as_profile(target) -> NormProfile:
         return target
     subject = as_subject(target)
     return profile_model(subject.model, adapter=subject.adapter)
-
-
-def calibration_ids(tokenizer, n_sequences: int = 8, seq_len: int = 128, text: str | None = None) -> torch.Tensor:
-    """Token ids [n_sequences, seq_len] cut from the calibration text (the built-in split by default).
-
-    InputError when the text has fewer than n_sequences * seq_len tokens.
-    """
-    n_sequences, seq_len = int(n_sequences), int(seq_len)
-    if n_sequences < 1 or seq_len < 2:
-        raise InputError(f"Calibration needs at least 1 sequence of at least 2 tokens; got "
-                         f"{n_sequences} x {seq_len}.")
-    if tokenizer is None:
-        raise InputError("Calibration needs the model's tokenizer; load the model with load_model(...).")
-    need = n_sequences * seq_len
-    text = calibration_text(max_chars=need * 12) if text is None else text
-    ids = tokenize(tokenizer, text, max_tokens=need)[0]  # [T]
-    if ids.numel() < need:
-        raise InputError(f"The calibration text has {ids.numel()} tokens but {n_sequences} sequences of "
-                         f"{seq_len} tokens need {need}. Give a longer text, or lower the number or length "
-                         "of the calibration sequences.")
-    return ids[:need].long().reshape(n_sequences, seq_len)  # [n, T]
 
 
 def check_calibration(ids) -> torch.Tensor:

@@ -7,7 +7,7 @@ held-back tokens). Methods (`ONNX_METHODS`):
 - "dynamic" (default; integer kernels, what makes INT8 faster than float32): MatMulInteger with
   per-channel **u8** weights and 8-bit activations quantized per tensor on every call; the
   activation x activation MatMuls of attention stay float, and so do the Linear layers in
-  `keep_float` (the outlier layers and the LM head: `quantize.int8_keep_float`).
+  `keep_float` (the outlier layers and the LM head: `measure.outliers.int8_keep_float`).
 - "weight-only": the embedding Gather per-channel INT8, every MatMul 8-bit blocks along the input
   (`MatMulNBits`); activations stay float32.
 A file whose self-check fails is never written: "dynamic" falls back to "weight-only" (the note
@@ -42,6 +42,7 @@ from analysis.compress.export.onnx import ONNX_FILE, OnnxLM, onnx_file, write_on
 from analysis.compress.export.selfcheck import (SelfCheck, check_causal, check_outputs, held_back_windows, refuse,
                                                 write_self_checks)
 from analysis.arch.models import model_kind
+from analysis.measure.outliers import int8_keep_float_for
 from analysis.core.errors import InputError
 
 DEFAULT_BLOCK = 32
@@ -199,7 +200,6 @@ class OnnxInt8Format(PhysicalFormat):
 
     def write_cut(self, smaller: nn.Module, layout, folder: Path, *, original, tokenizer=None, opset=17,
                   int8_method="dynamic", **options) -> None:
-        from analysis.compress.quantize import int8_keep_float_for   # quantize imports this package
         scratch = Path(folder) / ".fp32"
         scratch.mkdir()
         fp32 = scratch / ONNX_FILE
