@@ -311,10 +311,10 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
 
 
 def export_round(fmt: str, model, pruned, head_rounds, root, name: str, *, tokenizer=None, kv_policy="auto",
-                 overwrite: bool = False, scores=None):
-    """Export a pipeline model (full-shape, pruned heads zeroed) in format `fmt`; the head layout
-    of the formats that have one records which round pruned each head."""
+                 overwrite: bool = False, scores=None, **options):
+    """Export a pipeline model (full-shape, pruned heads zeroed) in format `fmt` (`options`: the format's
+    own, e.g. gguf_type); the head layout of the formats that have one records which round pruned each head."""
     from analysis.compress.export import export
     rounds = np.where(np.asarray(pruned, bool), np.asarray(head_rounds), 0)
     kwargs = {} if fmt == "zeroed" else {"kv_policy": kv_policy, "rounds": rounds}
-    return export(fmt, model, pruned, root, name, tokenizer=tokenizer, overwrite=overwrite, **kwargs)
+    return export(fmt, model, pruned, root, name, tokenizer=tokenizer, overwrite=overwrite, **kwargs, **options)
