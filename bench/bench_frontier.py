@@ -98,7 +98,7 @@ def distill_config(args) -> DistillConfig:
 
 
 def schedule_name(target: float, step: float) -> str:
-    return "one round" if step >= target else f"rounds of {step:.2%}".replace(".00%", "%")
+    return "one round" if step >= target else f"rounds of {step * 100:g} %"
 
 
 def run_schedule(loaded, held: HeldOut, scorer: str, target: float, step: float, args) -> tuple[dict, object]:
@@ -333,7 +333,7 @@ def run(args, out: dict, save: Path) -> None:
                         saved()
                 for step in schedules:
                     key = f"{scorer}|{target}|{schedule_name(target, step)}"
-                    label = f"{SCORER_LABELS[scorer]} {target:.1%}"
+                    label = f"{SCORER_LABELS[scorer]} {target * 100:g} %"
                     wants_gguf = "frontier" in parts and step >= target and any(
                         f"{label} {t}" not in out["frontier"] for t in args.pruned_types.split(","))
                     if key in out["iterative"] and not wants_gguf:
