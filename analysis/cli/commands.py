@@ -2,6 +2,8 @@
 at the bottom; every one splits its work over the processes of a launch)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from analysis.cli.common import (_STD_HELP, add_kv_policy_argument, add_model_mask_arguments, add_output_arguments,
@@ -221,34 +223,37 @@ def run_deploy_report(ns):
     """llama.cpp's numbers for a dense and pruned GGUF files (size, perplexity, speed, KV cache)."""
     from pathlib import Path
     from analysis.arch.models import load_model
-    from analysis.compress.deploy import measure_gguf, ratios
+    from analysis.compress.deploy import check_files, check_options, measure_gguf, ratios
+    from analysis.compress.export import MASK_FILE, read_mask_json
     from analysis.compress.gguf_writer import GGUF_FILE
-    from analysis.core.errors import InputError
+    from analysis.core.atomic import path_problem
     from analysis.measure.evaluation import default_text, evaluate, token_ids
+
+    check_options(max_tokens=ns.max_tokens, speed_context=ns.speed_context, threads=ns.threads)
 
     def file_of(given: str) -> tuple[Path, Path | None]:
         path = Path(given)
-        if path.is_dir():
-            return path / GGUF_FILE, (path / "mask.json" if (path / "mask.json").is_file() else None)
+        if path_problem(path) is None and path.is_dir():   # an export folder: its model.gguf (and mask.json)
+            return path / GGUF_FILE, (path / MASK_FILE if os.path.lexists(path / MASK_FILE) else None)
         return path, None
 
     files = [file_of(ns.dense)] + [file_of(p) for p in ns.pruned]
-    for path, _ in files:
-        if not path.is_file():
-            raise InputError(f"No GGUF file at {path}; export one with `python -m analysis export "
-                             "--export-format gguf`.")
+    check_files(files[0][0], [path for path, _ in files[1:]])          # every header, before any work
+    masks = {path: read_mask_json(mask_file) for path, mask_file in files if mask_file is not None}
     loaded = load_model(ns.model, cache_dir=ns.cache_dir)
     ids = token_ids(loaded.tokenizer, default_text(), max_tokens=ns.max_tokens).tolist()
+    check_files(files[0][0], [path for path, _ in files[1:]], ids)     # --model's ids fit every vocabulary
+    for record in masks.values():
+        record.check_geometry(loaded.geometry)
     rows = []
     with progress_bar("measuring in llama.cpp", not ns.quiet) as report:
-        for i, (path, mask_file) in enumerate(files):
+        for i, (path, _) in enumerate(files):
             report(i / len(files), path.name)
             row = {"role": "dense" if i == 0 else "pruned",
                    **measure_gguf(path, ids, speed_context=ns.speed_context, threads=ns.threads)}
-            if mask_file is not None:
-                from analysis.compress.export import mask_from_json
-                pruned = mask_from_json(mask_file, geometry=loaded.geometry)
-                row["headscope_perplexity"] = float(evaluate(loaded, pruned=pruned, max_tokens=ns.max_tokens).value)
+            if path in masks:
+                row["headscope_perplexity"] = float(evaluate(loaded, pruned=masks[path].pruned(),
+                                                             max_tokens=ns.max_tokens).value)
             rows.append(row)
     payload = {"model": ns.model, "n_tokens": len(ids), "rows": rows,
                "ratios": [ratios(rows[0], row) for row in rows[1:]],

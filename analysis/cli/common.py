@@ -107,13 +107,14 @@ def to_jsonable(value):
 
 
 def render(payload, rows: list | None, fmt: str) -> str:
-    """JSON of the payload, or CSV of the rows."""
+    """JSON of the payload, or CSV of the rows (one column per key any row has; empty where a row lacks it)."""
     if fmt == "json":
         return json.dumps(to_jsonable(payload), indent=2) + "\n"
     if not rows:
         raise InputError("This command has no table to write as CSV; use --format json.")
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    columns = list(dict.fromkeys(key for row in rows for key in row))   # every row's keys (some rows have more)
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
     writer.writeheader()
     writer.writerows(to_jsonable(rows))
     return buffer.getvalue()

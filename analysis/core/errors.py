@@ -66,3 +66,12 @@ def check_whole_number(value, what: str, *, low: int = 1, high: int | None = Non
         return int(value)
     span = f"from {low:,} to {high:,}" if high is not None else f">= {low:,}"
     raise InputError(f"{what} must be a whole number {span}; got {str(value)[:40]!r}.")
+
+
+SEED_MAX = 2**63 - 1                 # what numpy's and torch's generators both take
+
+
+def check_seed(seed, what: str = "The seed") -> int:
+    """`seed` as an int in 0 .. SEED_MAX (`check_whole_number`); InputError otherwise (2**70 would end in an
+    OverflowError deep inside torch)."""
+    return check_whole_number(seed, what, low=0, high=SEED_MAX)

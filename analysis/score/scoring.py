@@ -53,7 +53,7 @@ from analysis.measure.ablation import FastAblation, head_ablation
 from analysis.arch.adapters import Adapter, HeadWeights, adapter_for, input_device, is_offloaded
 from analysis.measure.attribution import gate_loss_fn, integrated_gate_gradients
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError, UnsupportedModelError
+from analysis.core.errors import SEED_MAX, InputError, UnsupportedModelError, check_seed  # noqa: F401 (re-exported)
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import LM_KINDS, lm_sequence_losses
@@ -424,16 +424,6 @@ class RandomScorer(Scorer):
         L, H = _grid(target)
         ranks = np.random.default_rng(self.seed).permutation(L * H)  # [L*H]
         return ranks.reshape(L, H).astype(np.float64), None
-
-
-SEED_MAX = 2**63 - 1
-
-
-def check_seed(seed, what: str = "The seed") -> int:
-    """`seed` as an int in 0 .. 2**63-1 (what numpy's and torch's generators both take); InputError otherwise."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= SEED_MAX:
-        raise InputError(f"{what} must be a whole number from 0 to {SEED_MAX}; got {seed!r}.")
-    return int(seed)
 
 
 def _grid(target) -> tuple[int, int]:
