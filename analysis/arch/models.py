@@ -491,10 +491,11 @@ def _read_raw_config(source: str) -> dict:
 
 
 def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool):
-    from analysis.arch.checkpoint import read_config_json
+    from analysis.arch.checkpoint import check_side_files, read_config_json
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_local or _hub_offline())
     if is_local:
         read_config_json(Path(source))      # not a config, or impossible geometry: refused before building
+        check_side_files(Path(source))      # tokenizer / generation files transformers reads unbounded
     try:
         return AutoConfig.from_pretrained(source, **kwargs)
     except (ValueError, TypeError, KeyError, AttributeError) as err:

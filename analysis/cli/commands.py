@@ -7,9 +7,9 @@ import os
 import numpy as np
 
 from analysis.cli.common import (_STD_HELP, add_kv_policy_argument, add_model_mask_arguments, add_output_arguments,
-                                 add_policy_arguments, add_scorer_arguments, add_source_arguments, compute_scores,
-                                 load_source, plan_from, progress_bar, register, resolve_policy, resolve_scorer,
-                                 team_of, warn)
+                                 add_policy_arguments, add_scorer_arguments, add_source_arguments, check_counts,
+                                 compute_scores, load_source, plan_from, progress_bar, register, resolve_policy,
+                                 resolve_scorer, team_of, warn)
 from analysis.core.errors import HeadscopeError, InputError
 from analysis.measure.profiles import DEFAULT_STD, ORDS, SCOPES, STD_DDOF
 from analysis.score.masks import summarize_mask
@@ -38,6 +38,8 @@ def _mask_arguments(parser):
 
 
 def run_mask(ns):
+    from analysis.core.text import MAX_TOKENS_LIMIT
+    check_counts(ns, {"flops_seq_len": (1, MAX_TOKENS_LIMIT)})
     plan, scores, loaded, info = plan_from(ns)
     bias = loaded is not None and loaded.adapter.has_qkv_bias(loaded.model)  # unknown when streamed
     dtype_bytes = next(loaded.model.parameters()).element_size() if loaded is not None else 4
@@ -171,11 +173,9 @@ def run_ablate(ns):
     from analysis.measure.ablation import head_ablation
     from analysis.core.text import read_text_file, text_file_cap
 
-    from analysis.core.errors import check_whole_number
     from analysis.core.text import MAX_TOKENS_LIMIT
-    for option, low, high in (("max_tokens", 2, MAX_TOKENS_LIMIT), ("seq_len", 2, MAX_TOKENS_LIMIT),
-                              ("batch_size", 1, 2**16)):        # before anything is read or allocated
-        check_whole_number(getattr(ns, option), f"--{option.replace('_', '-')}", low=low, high=high)
+    check_counts(ns, {"max_tokens": (2, MAX_TOKENS_LIMIT), "seq_len": (2, MAX_TOKENS_LIMIT),
+                      "batch_size": (1, 2**16)})                # before anything is read or allocated
     text = None
     if ns.text_file is not None:
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")

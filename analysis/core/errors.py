@@ -41,6 +41,10 @@ class DistributedError(HeadscopeError):
     """A multi-process run lost a process (it ended or stopped answering) or could not start."""
 
 
+# a Ctrl-C while the CLI starts (its imports take seconds), before its own handler is in place
+INTERRUPTED_AT_START = "error: interrupted (Ctrl-C) while headscope was starting; nothing was written."
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """"Type: first line of its message" (just the type when it has none), to quote a library's error."""
     text = str(err).strip()

@@ -100,6 +100,17 @@ def read_file_bytes(path, max_bytes: int, *, what: str, fix: str, cut: bool = Fa
     return data
 
 
+def check_regular_size(path, max_bytes: int, *, what: str, fix: str) -> int:
+    """The size of the regular file `path` (nothing is read), InputError if it is no regular file or
+    larger than `max_bytes`: for files another library reads (a tokenizer through transformers)."""
+    with open_regular(path, what=what, fix=fix) as (_handle, size):
+        pass
+    if size > max_bytes:
+        raise InputError(f"{what} {shorten(path, 120)} is larger than {_size(max_bytes)}, far more than such a file "
+                         f"holds; {fix}.")
+    return size
+
+
 def read_file_text(path, max_bytes: int, *, what: str, fix: str) -> str:
     """`read_file_bytes` decoded as UTF-8 (InputError if it is not UTF-8 text)."""
     data = read_file_bytes(path, max_bytes, what=what, fix=fix)

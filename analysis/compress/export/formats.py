@@ -25,7 +25,7 @@ from analysis.compress.export.folder import (atomic_folder, check_export_name, c
                                              resolve_under)
 from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
 from analysis.compress.surgery import HeadLayout, prune_heads
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_whole_number
 from analysis.core.progress import Progress, check_stop, no_progress
 
 LAYOUT_FILE = "head_layout.json"
@@ -34,11 +34,12 @@ WEIGHTS_FILE = "model.safetensors"
 
 @dataclass(frozen=True)
 class FormatOption:
-    """One option of a format: its default, the allowed values (None: any value of the default's type)
-    and a help line."""
+    """One option of a format: its default, the allowed values (None: any value of the default's type),
+    a help line, and for a whole number its (lowest, highest) allowed value."""
     default: Any
     choices: tuple | None = None
     help: str = ""
+    bounds: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ def format_options(fmt: str, given: dict) -> dict:
         if spec[name].choices is not None and value not in spec[name].choices:
             raise InputError(f"The {fmt} export's {name} must be one of {', '.join(map(str, spec[name].choices))}; "
                              f"got {value!r}.")
+        if spec[name].bounds is not None:
+            low, high = spec[name].bounds
+            value = check_whole_number(value, f"The {fmt} export's {name}", low=low, high=high)
         out[name] = value
     return out
 
