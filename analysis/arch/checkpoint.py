@@ -78,11 +78,14 @@ def weight_map(folder: Path) -> dict[str, str] | None:
     if not index.is_file():
         return None
     fix = "re-download or re-save the checkpoint (save_pretrained(..., safe_serialization=True))"
+    from analysis.core.files import read_file_text
     try:
-        if index.stat().st_size > INDEX_MAX_BYTES:
-            raise ModelLoadError(f"{index} is larger than {INDEX_MAX_BYTES // 2**20} MiB, which no real index is; {fix}.")
-        mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        text = read_file_text(index, INDEX_MAX_BYTES, what=INDEX_FILE, fix=fix)   # bounded, regular files only
+    except HeadscopeError as err:
+        raise ModelLoadError(str(err)) from None
+    try:
+        mapping = json.loads(text)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise ModelLoadError(f"{index} is not a valid safetensors index ({first_line(err)}); {fix}.") from None
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
         raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names (a JSON object of "
