@@ -275,12 +275,13 @@ def check_tensor_memory(name: str, file: Path, need: int, doing: str, *, availab
                              f"machine with more memory.")
 
 
-def check_finite_tensor(tensor: torch.Tensor, name: str, file: Path) -> None:
-    """ModelLoadError when tensor `name` holds NaN or infinite values: the scorers refuse such weights
-    (their norms), and a cut of them would run to NaN, so the streamed export refuses them too."""
+def check_finite_tensor(tensor: torch.Tensor, name: str, where: str) -> None:
+    """ModelLoadError when tensor `name` (of `where`: a file name, "the model") holds NaN or infinite values:
+    the scorers refuse such weights (their norms), and a cut of them computes NaN, so the exports (streamed
+    and in memory, with a mask file that skips scoring) refuse them too."""
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        raise ModelLoadError(f"Tensor '{name}' in {Path(file).name} holds NaN or infinite values; a model cut from "
-                             f"it computes NaN. Use an intact copy of the weights (re-download or re-save them).")
+        raise ModelLoadError(f"Tensor '{name}' in {where} holds NaN or infinite values; a model cut from it computes "
+                             f"NaN. Use an intact copy of the weights (re-download or re-save them).")
 
 
 def read_tensors(roles: dict[str, str], entries: dict[str, "TensorEntry"], geometry=None,

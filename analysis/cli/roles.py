@@ -19,7 +19,7 @@ import numpy as np
 from analysis.cli.common import (add_output_arguments, add_source_arguments, check_counts, load_source, progress_bar,
                                  register)
 from analysis.core.atomic import path_problem
-from analysis.core.errors import SEED_MAX, InputError
+from analysis.core.errors import SEED_MAX, InputError, first_line
 from analysis.core.text import MAX_TOKENS_LIMIT
 from analysis.score.masks import check_sparsity
 
@@ -59,14 +59,14 @@ def _load(ns, report):
 
         layout = read_layout(folder)
         model = load_pruned(folder, attn_implementation="eager", trust_remote_code=ns.trust_remote_code)
-        tokenizer = None                      # transformers builds an empty tokenizer from no files: check first
+        tokenizer, problem = None, "has no tokenizer files"   # transformers builds an empty one from no files
         if any((folder / f).is_file() for f in TOKENIZER_FILES):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            except Exception:                 # tokenizers' own errors are no ValueErrors: no tokenizer, said below
-                tokenizer = None
+            except Exception as err:          # tokenizers' own errors are no ValueErrors: said below if needed
+                problem = f"has a tokenizer that does not load ({first_line(err, 80)})"
         info = dict(source=str(folder), pruned_export=True, n_layers=layout.n_layers, n_heads=layout.n_heads)
-        return SimpleNamespace(model=model, tokenizer=tokenizer), layout, info
+        return SimpleNamespace(model=model, tokenizer=tokenizer, tokenizer_problem=problem), layout, info
     _, loaded, info = load_source(ns, report)
     return loaded, None, info
 
@@ -91,8 +91,9 @@ def run(ns):
         loaded, layout, info = _load(ns, report)
     needs_text = any(DETECTORS[n].needs_text for n in names)
     if loaded.tokenizer is None and needs_text:
-        raise InputError(f"{ns.model} has no tokenizer files, which the text detectors need; run only "
-                         f"--detector induction/duplicate-token/copying, or export with the tokenizer.")
+        problem = getattr(loaded, "tokenizer_problem", "has no tokenizer")
+        raise InputError(f"{ns.model} {problem}, which the text detectors need; run only --detector "
+                         f"induction/duplicate-token/copying, or export with the tokenizer.")
     with progress_bar("head detectors", not ns.quiet) as report:
         results = detect_heads(loaded, names, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len, layout=layout,
                                options=dict(length=ns.length, n_sequences=ns.n_sequences, seed=ns.seed),

@@ -433,7 +433,7 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
                 if item.layer is None and item.entry.name in attention and item.entry.dtype in FLOAT_DTYPES:
                     # an attention tensor kept whole: read and checked finite, like the cut ones
                     tensor = read_tensor(item.entry)
-                    check_finite_tensor(tensor, item.entry.name, item.entry.file)
+                    check_finite_tensor(tensor, item.entry.name, item.entry.file.name)
                     writer.write(item.name, tensor)
                     del tensor
                     what = f"copied {item.name}"
@@ -446,7 +446,7 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
                                                            layout.heads[item.layer], layout.kv_heads[item.layer])
                     gather = gathers[item.layer][item.role]
                     tensor = read_tensor(item.entry)                           # this one tensor only
-                    check_finite_tensor(tensor, item.entry.name, item.entry.file)
+                    check_finite_tensor(tensor, item.entry.name, item.entry.file.name)
                     writer.write(item.name, tensor if gather is None else tensor.index_select(*gather))
                     del tensor
                     what = f"layer {item.layer + 1}/{geometry.n_layers}: cut {item.name}"
@@ -489,7 +489,7 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
         item = items.get(hf_name) or items[next(g[0] for g in names.ties if hf_name in g)]
         tensor = read_tensor(item.entry)
         if item.entry.name in attention:
-            check_finite_tensor(tensor, item.entry.name, item.entry.file)
+            check_finite_tensor(tensor, item.entry.name, item.entry.file.name)
         if item.layer is not None:
             if item.layer not in gathers:
                 gathers[item.layer] = _cut_gathers(adapter, geometry, list(roles[item.layer]),

@@ -172,12 +172,15 @@ _SPECIAL_OUTPUTS = (
 
 
 def _deleted_link(target: Path) -> bool:
-    """True for a link that still reaches a file (stat follows /proc's fd links to the open file) whose
-    path is gone: the file was deleted while a process held it open, e.g. a redirected stdout."""
+    """True for a link that still reaches a regular file (stat follows /proc's fd links to the open file)
+    with no name left (st_nlink 0): it was deleted while a process held it open, e.g. a redirected stdout."""
     try:
-        return target.is_symlink() and target.exists() and not os.path.lexists(os.path.realpath(target))
+        if not target.is_symlink():
+            return False
+        info = os.stat(target)
     except (OSError, ValueError):
         return False
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 0
 
 
 def _special_kind(target: Path) -> str | None:

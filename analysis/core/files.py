@@ -84,7 +84,7 @@ def read_file_bytes(path, max_bytes: int, *, what: str, fix: str, cut: bool = Fa
     `max_bytes` bytes are returned (the caller trims a cut character). `what` names the input in
     the message ("--text-file", "The mask file"), `fix` says what to do instead."""
     chunks, left = [], max_bytes + 1
-    with open_regular(path, what=what, fix=fix) as (handle, _size):
+    with open_regular(path, what=what, fix=fix) as (handle, _length):
         while left > 0:
             chunk = handle.read(min(left, 1 << 20))
             if not chunk:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from analysis.arch.adapters import in_memory_copy, is_dispatched
+from analysis.arch.checkpoint import check_finite_tensor
 from analysis.compress.export.folder import (atomic_folder, check_export_name, clean_leftovers, listing,
                                              resolve_under)
 from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
@@ -164,6 +165,8 @@ def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord 
     opts = format_options(fmt, options)
     report = progress or no_progress
     model = resident(model)
+    for name, tensor in model.state_dict().items():     # a mask file skips the scorers' own NaN check
+        check_finite_tensor(tensor, name, "the model")
     record = record_for(model, pruned, record)
     target = Path(target)
     notes = clean_leftovers(target.parent)
