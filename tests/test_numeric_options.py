@@ -4,7 +4,8 @@ any work, with its allowed range in the one error line, in the CLI and in the li
 Before the fix: `roles --n-sequences 10000000` and `pipeline --recovery-tokens 10**18` ran for ever,
 `export --export-format onnx --opset 5` wrote opset 18 with exit 0, `--opset -1` / `99999` were accepted,
 `score --checkpoint --dtype int8` was accepted, `roles --seed 2**70` ended in an OverflowError traceback,
-`pipeline --warmup -1` passed when no recovery ran. Each case here must end within seconds (a deadline
+`pipeline --warmup -1` passed when no recovery ran, `pipeline --threads 10**9` ran every round before the
+timings took the process down. Each case here must end within seconds (a deadline
 turns a run that would go on for ever into a failure).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from analysis.core.errors import InputError
 from tests._apptools import tiny_model_dir
-from tests._input_checks import cli_error
+from tests._input_checks import cli_error, one_error_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,6 @@ CASES = [
     ("pipeline-recovery-steps", [*PIPELINE, "--recovery-steps", 10**15], r"Recovery steps per round .* from 0 to 1,048,576"),
     ("pipeline-grad-accum", [*PIPELINE, "--recovery-steps", 1, "--grad-accum", 10**12], r"grad_accum .* from 1 to 65,536"),
     ("pipeline-warmup", [*PIPELINE, "--warmup", -1], r"warmup_steps .* from 0 to"),
-    ("pipeline-threads", [*PIPELINE, "--threads", 10**9], r"--threads must be a whole number from 1 to 1,024"),
     ("pipeline-eval-tokens", [*PIPELINE[:-2], "--eval-tokens", 10**12], r"Evaluation tokens must be a whole number"),
     ("pipeline-lora-rank", [*PIPELINE, "--lora", "--recovery-steps", 1, "--lora-rank", 10**9], r"lora_rank .* from 1 to 4,096"),
     ("pipeline-step-tokens", [*PIPELINE, "--recovery-steps", 1, "--train-batch", 2**16, "--train-seq-len", 2**16],
@@ -61,6 +61,16 @@ def test_out_of_range_number_is_one_line_before_any_work(argv, problem, model_di
              "export": ["--out-dir", tmp_path / "exports", "--name", "e"]}.get(command, [])
     cli_error([*argv, "--model", model_dir, *where], problem, seconds=30)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "exports").exists()
+
+
+def test_pipeline_threads_are_bounded_before_the_rounds(model_dir, tmp_path):
+    """--threads is used by the last stage (the timings): it was accepted, the rounds ran, and 10**9 threads
+    then took the process down. A subprocess, so that a broken build fails this test alone."""
+    code, err, _ = run_cli([*PIPELINE, "--threads", 10**9, "--model", model_dir, "--out-dir", tmp_path / "runs",
+                            "--name", "r"], timeout=120)
+    assert code == 2, err[-2000:]
+    one_error_line(err, r"--threads must be a whole number from 1 to 1,024")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_score_checkpoint_refuses_a_bad_dtype(model_dir):

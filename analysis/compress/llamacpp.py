@@ -74,9 +74,11 @@ def llama_log() -> Iterator[list[str]]:
 
 
 def _failed(path, err: BaseException, lines: list[str]) -> ModelLoadError:
-    """One line for a llama.cpp failure: its own last error line where it logged one."""
-    said = next((line.strip() for line in reversed(lines) if "error" in line.lower() or "fail" in line.lower()), "")
-    detail = first_line(err) + (f"; llama.cpp: {said[:160]}" if said else "")
+    """One line for a llama.cpp failure: its own first error line where it logged one (the specific one:
+    "check_tensor_dims: tensor ... has wrong shape", before the general "failed to load model")."""
+    said = next((line for word in ("error", "fail") for line in lines if word in line.lower()), "")
+    said = " ".join(said.split())
+    detail = first_line(err) + (f"; llama.cpp: {said[:200]}" if said else "")
     return ModelLoadError(f"llama.cpp could not run {Path(str(path)).name} ({detail}). Export the GGUF file again "
                           f"(`python -m analysis export --export-format gguf`) or use the headscope version it was "
                           f"written with.")
