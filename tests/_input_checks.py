@@ -19,7 +19,16 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """A 2-layer tiny Llama folder with a tokenizer (tests/_apptools.tiny_model_dir), shared: copy it to change it."""
+    from tests._apptools import tiny_model_dir
+    return tiny_model_dir(tmp_path_factory.mktemp("inputs") / "tiny", num_hidden_layers=2)
 
 
 def one_error_line(err: str, *patterns: str) -> str:

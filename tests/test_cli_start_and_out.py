@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._input_checks import model_dir  # noqa: F401  (a fixture)
 from tests._input_checks import ROOT, one_error_line
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -50,11 +51,6 @@ def test_the_headscope_command_starts_through_the_same_guard():
     from analysis.__main__ import run
     assert callable(run)
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from tests._apptools import tiny_model_dir
-    return tiny_model_dir(tmp_path_factory.mktemp("out") / "tiny", num_hidden_layers=2)
 
 
 def _score_into(stdout, cwd: Path, model_dir: Path) -> subprocess.CompletedProcess:

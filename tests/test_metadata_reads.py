@@ -27,15 +27,11 @@ import numpy as np
 import pytest
 
 from analysis.core.errors import HeadscopeError
-from tests._apptools import tiny_model_dir
+from tests._input_checks import model_dir  # noqa: F401  (a fixture)
 from tests._input_checks import cli_error, cli_run, in_thread, one_error_line, peak_memory, released_fifo, run_cli
 
 ROLES = ["roles", "--quiet", "--detector", "induction", "--n-sequences", "1", "--length", "4"]
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.mktemp("meta") / "tiny", num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

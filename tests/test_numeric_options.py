@@ -14,13 +14,9 @@ import numpy as np
 import pytest
 
 from analysis.core.errors import InputError
-from tests._apptools import tiny_model_dir
+from tests._input_checks import model_dir  # noqa: F401  (a fixture)
 from tests._input_checks import cli_error, one_error_line, run_cli
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("numbers") / "tiny", num_hidden_layers=2)
 
 
 ROLES = ["roles", "--quiet", "--detector", "induction"]

@@ -21,13 +21,9 @@ import pytest
 import torch
 
 from analysis.core.errors import HeadscopeError
-from tests._apptools import tiny_model_dir
+from tests._input_checks import model_dir  # noqa: F401  (a fixture)
 from tests._input_checks import cli_error, cli_run
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.mktemp("streamed") / "tiny", num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,16 @@ class _Cursor:
             return n
         return self.read(n, what)
 
+    def unique_name(self, what: str, limit: int, seen) -> str:
+        """A length-prefixed UTF-8 name (a key, a tensor's) of at most `limit` bytes, not one of `seen`."""
+        raw = self.string(what, limit)
+        if isinstance(raw, int):
+            raise self.fail(f"{what} is {raw:,} bytes long (llama.cpp allows {limit:,})")
+        name = _text(raw, self, what)
+        if name in seen:
+            raise self.fail(f"{name!r} appears twice")
+        return name
+
     def count_items(self, n: int, what: str) -> None:
         self.items += n
         if n > MAX_ARRAY_ITEMS or self.items > MAX_HEADER_ITEMS:
@@ -238,12 +248,7 @@ def _value(cursor: _Cursor, type_id: int, key: str):
 def _tensor_entries(cursor: _Cursor, count: int) -> list[tuple[str, tuple[int, ...], int, int]]:
     entries, seen = [], set()
     for index in range(count):
-        raw = cursor.string(f"the name of tensor {index}", MAX_NAME_BYTES)
-        if isinstance(raw, int):
-            raise cursor.fail(f"tensor {index} has a name of {raw:,} bytes (llama.cpp allows {MAX_NAME_BYTES})")
-        name = _text(raw, cursor, f"the name of tensor {index}")
-        if name in seen:
-            raise cursor.fail(f"the tensor {name!r} is listed twice")
+        name = cursor.unique_name(f"the name of tensor {index}", MAX_NAME_BYTES, seen)
         seen.add(name)
         n_dims = cursor.scalar("<I", f"the dimension count of {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
@@ -311,12 +316,7 @@ def read_gguf(path) -> GGUFHeader:
             raise cursor.fail(f"it claims {n_tensors:,} tensors and {n_keys:,} keys, more than any real model has")
         values, types = {}, {}
         for index in range(n_keys):
-            raw = cursor.string(f"key {index}", MAX_KEY_BYTES)
-            if isinstance(raw, int):
-                raise cursor.fail(f"key {index} is {raw:,} bytes long")
-            key = _text(raw, cursor, f"key {index}")
-            if key in values:
-                raise cursor.fail(f"the key {key!r} appears twice")
+            key = cursor.unique_name(f"key {index}", MAX_KEY_BYTES, values)
             type_id = cursor.scalar("<I", f"the type of {key!r}")
             types[key], values[key] = _value(cursor, type_id, key)
         entries = _tensor_entries(cursor, n_tensors)
