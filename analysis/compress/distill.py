@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from analysis.core.atomic import disk_full, os_problem, remove_dead_temps, replaced_atomically
-from analysis.core.errors import HeadscopeError, InputError, UnsupportedModelError, check_whole_number
+from analysis.core.errors import HeadscopeError, InputError, UnsupportedModelError, check_whole_number, first_line
 from analysis.arch.attention import float32_attention
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import next_token_nll
@@ -353,6 +353,30 @@ def load_checkpoint(path: Path, config: DistillConfig) -> dict | None:
     return state
 
 
+def _restore(state: dict, path: Path, params: dict, optimizer, schedule, config: DistillConfig) -> tuple[list, int]:
+    """Put a checkpoint's tensors, optimizer, schedule and RNG back; (history, step to go on from). A checkpoint
+    whose fingerprint matches but whose contents are damaged or edited (a missing key, a step that is no
+    whole number in 0 .. MAX_STEPS, tensors of another shape) is one InputError, never a KeyError from deep
+    inside."""
+    try:
+        step, history, saved = state["step"], state["history"], state["params"]
+        if (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEPS
+                or not isinstance(history, list) or not isinstance(saved, dict) or set(saved) != set(params)):
+            raise ValueError("its step, history or tensors are not what a checkpoint of these settings holds")
+        with torch.no_grad():
+            for name, value in saved.items():
+                if not isinstance(value, torch.Tensor) or value.shape != params[name].shape:
+                    raise ValueError(f"tensor {name} does not fit the student")
+                params[name].copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
+        raise InputError(f"The checkpoint {path} is damaged or was edited ({first_line(err, 120)}); delete it to "
+                         f"start over.") from None
+    return list(history), step
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -469,13 +493,7 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
         raise InputError(f"The checkpoint {path} was written for a student of another shape (its trainable "
                          f"tensors differ); resume with the same student, or delete it to start over.")
     if state is not None:
-        with torch.no_grad():
-            for name, value in state["params"].items():
-                params[name].copy_(value)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
-        history, start = list(state["history"]), int(state["step"])
+        history, start = _restore(state, path, params, optimizer, schedule, config)
     else:
         torch.manual_seed(config.seed)
     want_hidden = config.hidden_weight > 0 or subject.kind == "encoder"
