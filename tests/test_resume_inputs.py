@@ -6,6 +6,8 @@ Llama student, 2 steps: a second per case.
 """
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -44,17 +46,23 @@ def _edit(state: dict, how: str) -> dict:
     return state
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The checkpoint a finished 2-step run leaves (written once; each case edits a copy)."""
+    folder = tmp_path_factory.mktemp("resume")
+    distill(*_pair(), IDS, CFG, checkpoint_dir=folder)
+    return folder / D.CHECKPOINT_FILE
+
+
 @pytest.mark.parametrize("how", ["no-params", "step-text", "step-negative", "tensor-shape", "rng", "optimizer"])
-def test_an_edited_checkpoint_is_one_line(how, tmp_path):
-    distill(*_pair(), IDS, CFG, checkpoint_dir=tmp_path)
-    path = tmp_path / D.CHECKPOINT_FILE
-    state = torch.load(path, weights_only=True)
-    torch.save(_edit(state, how), path)
+def test_an_edited_checkpoint_is_one_line(how, checkpoint, tmp_path):
+    state = torch.load(checkpoint, weights_only=True)
+    torch.save(_edit(state, how), tmp_path / D.CHECKPOINT_FILE)
     with pytest.raises(InputError, match=r"checkpoint .* is damaged or was edited .* delete it to start over"):
         distill(*_pair(), IDS, CFG, checkpoint_dir=tmp_path, resume=True)
 
 
-def test_an_intact_checkpoint_still_resumes(tmp_path):
-    distill(*_pair(), IDS, CFG, checkpoint_dir=tmp_path)
+def test_an_intact_checkpoint_still_resumes(checkpoint, tmp_path):
+    shutil.copy(checkpoint, tmp_path / D.CHECKPOINT_FILE)
     resumed = distill(*_pair(), IDS, CFG, checkpoint_dir=tmp_path, resume=True)
     assert resumed.resumed_from == 2

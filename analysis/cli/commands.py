@@ -134,8 +134,13 @@ def parse_floats(text: str) -> list[float]:
 
 
 def run_sweep(ns):
+    from analysis.core.schemas import MAX_HEADS
+    from analysis.core.text import MAX_TOKENS_LIMIT
     from analysis.measure.profiles import profile_model
     from analysis.score.sweep import split_evaluators, sweep_z
+
+    check_counts(ns, {"max_tokens": (2, MAX_TOKENS_LIMIT), "min_per_layer": (0, MAX_HEADS)})   # before loading
+    zs = parse_floats(ns.z_values) if ns.z_values else None
 
     with progress_bar("loading", not ns.quiet) as report:
         _, loaded, info = load_source(ns, report)
@@ -143,7 +148,6 @@ def run_sweep(ns):
     ns.policy = resolve_policy(ns, loaded.geometry.group_size)
     profile = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
     calibration, evaluation, metric, higher = split_evaluators(loaded, max_tokens=ns.max_tokens, team=team_of(ns))
-    zs = parse_floats(ns.z_values) if ns.z_values else None
     with progress_bar("z sweep", not ns.quiet) as report:
         result = sweep_z(profile, ns.sparsity, calibration, evaluation, zs=zs, scorer=ns.scorer,
                          scope=ns.scope, ord=ns.ord, a_q=ns.a_q, a_kv=ns.a_kv, std=ns.std, policy=ns.policy,
