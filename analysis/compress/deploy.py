@@ -48,9 +48,9 @@ def check_files(dense, pruned: Sequence, ids: Sequence[int] | None = None) -> li
         for what, fact in facts.items():
             if fact(other) != fact(base):
                 raise InputError(f"The pruned file {other.path.name} ({other.path.parent.name}) has {what} "
-                                 f"{fact(other)}, the dense file {base.path.name} {fact(base)}: the report compares a "
-                                 f"cut with its own dense model at the same weight type. Export both at one --gguf-type "
-                                 f"from the same model.")
+                                 f"{fact(other)}, the dense file {base.path.name} {fact(base)}: the report compares "
+                                 f"a cut with its own dense model at the same weight type. Export both at one "
+                                 f"--gguf-type from the same model.")
     if ids is not None and len(ids):
         top = max(int(i) for i in ids)
         small = next((h for h in headers if top >= h.vocab_size), None)

@@ -115,8 +115,8 @@ class DistillConfig:
             check_whole_number(getattr(self, name), f"Distillation setting {name}", low=low, high=high)
         per_step = self.batch_size * self.seq_len * self.grad_accum
         if per_step > MAX_TOKENS_LIMIT:
-            raise InputError(f"One distillation step of batch_size x seq_len x grad_accum = {per_step:,} tokens is more "
-                             f"than the {MAX_TOKENS_LIMIT:,} any run trains on; lower them.")
+            raise InputError(f"One distillation step of batch_size x seq_len x grad_accum = {per_step:,} tokens is "
+                             f"more than the {MAX_TOKENS_LIMIT:,} any run trains on; lower them.")
         if self.max_seconds is not None and not (self.max_seconds > 0 and math.isfinite(self.max_seconds)):
             raise InputError(f"The time budget must be a positive number of seconds; got {self.max_seconds!r}.")
         if not (_finite_number(self.lr) and self.lr > 0):
