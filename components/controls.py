@@ -119,7 +119,9 @@ def format_options(where, fmt: str, options: dict, *, prefix: str = "export.opt"
         elif isinstance(opt.default, bool):
             out[name] = where.checkbox(label, key=key, help=opt.help or None)
         elif isinstance(opt.default, int):
-            out[name] = int(where.number_input(label, step=1, key=key, help=opt.help or None))
+            low, high = opt.bounds or (None, None)          # the library refuses the rest in one line too
+            out[name] = int(where.number_input(label, min_value=low, max_value=high, step=1, key=key,
+                                               help=opt.help or None))
         else:
             out[name] = where.text_input(label, key=key, help=opt.help or None)
     return out

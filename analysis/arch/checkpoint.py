@@ -19,6 +19,7 @@ MemoryError. config.json is read with trust_remote_code from the caller (default
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -77,11 +78,14 @@ def weight_map(folder: Path) -> dict[str, str] | None:
     if not index.is_file():
         return None
     fix = "re-download or re-save the checkpoint (save_pretrained(..., safe_serialization=True))"
+    from analysis.core.files import read_file_text
     try:
-        if index.stat().st_size > INDEX_MAX_BYTES:
-            raise ModelLoadError(f"{index} is larger than {INDEX_MAX_BYTES // 2**20} MiB, which no real index is; {fix}.")
-        mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        text = read_file_text(index, INDEX_MAX_BYTES, what=INDEX_FILE, fix=fix)   # bounded, regular files only
+    except HeadscopeError as err:
+        raise ModelLoadError(str(err)) from None
+    try:
+        mapping = json.loads(text)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise ModelLoadError(f"{index} is not a valid safetensors index ({first_line(err)}); {fix}.") from None
     if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
         raise ModelLoadError(f"{index}: weight_map must map tensor names to shard file names (a JSON object of "
@@ -119,6 +123,29 @@ def tensor_files(folder: Path) -> dict[str, Path]:
 
 
 CONFIG_MAX_BYTES = 16 * 2**20        # a config.json is a few KiB
+# the tokenizer's files of a model folder (transformers reads them; the streamed export copies them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+SIDE_FILES = TOKENIZER_FILES + ("generation_config.json", "preprocessor_config.json")
+SIDE_FILE_MAX_BYTES = 256 * 2**20    # the largest tokenizer.json in use is ~35 MB
+
+
+def check_side_files(folder) -> None:
+    """ModelLoadError unless each of SIDE_FILES that `folder` has is a regular file of at most
+    SIDE_FILE_MAX_BYTES: transformers opens them itself (unbounded), so a link to /dev/zero, a FIFO or a
+    2 GiB file there is refused here, before it reads a byte."""
+    from analysis.core.files import check_regular_size
+    folder = Path(folder)
+    for name in SIDE_FILES:
+        path = folder / name
+        if not os.path.lexists(path):
+            continue
+        try:
+            check_regular_size(path, SIDE_FILE_MAX_BYTES, what=name,
+                               fix=f"replace it with the model's own {name} or remove it")
+        except HeadscopeError as err:
+            raise ModelLoadError(str(err)) from None
 # geometry fields under their names in the families' configs -> what they count
 _COUNT_FIELDS = {
     "num_attention_heads": "attention heads", "n_head": "attention heads", "n_heads": "attention heads",
@@ -233,12 +260,28 @@ def check_tensor_header(role: str, name: str, shape: list[int], geometry, file: 
             f"Tensor '{name}' in {file.name} has shape {list(shape)}, but config.json ({geometry.n_heads} heads, "
             f"{geometry.n_kv_heads} KV heads, head_dim {geometry.head_dim}, hidden {geometry.hidden}) needs "
             f"{expected} values in 2 dimensions. Use the config.json that belongs to these weights.")
-    need = 2 * 4 * numel                         # the float32 upcast and one temporary of the same size
+    check_tensor_memory(name, file, 2 * 4 * numel, "profile",   # the float32 upcast and one temporary of its size
+                        available_bytes=available_bytes)
+
+
+def check_tensor_memory(name: str, file: Path, need: int, doing: str, *, available_bytes: int | None = None) -> None:
+    """ModelLoadError unless `need` bytes (what reading tensor `name` of `file` and working on it takes)
+    fit in free RAM: the one check, made before a byte of the tensor is read, by the streamed profile
+    (`doing` = "profile") and the streamed export ("export")."""
     free = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if need > free:
-        raise ModelLoadError(f"Tensor '{name}' in {file.name} needs about {need / 2**30:.2f} GiB of RAM to profile, "
-                             f"but only {free / 2**30:.2f} GiB is free. Close other programs or profile on a "
+        raise ModelLoadError(f"Tensor '{name}' in {Path(file).name} needs about {need / 2**30:.2f} GiB of RAM to "
+                             f"{doing}, but only {free / 2**30:.2f} GiB is free. Close other programs or {doing} on a "
                              f"machine with more memory.")
+
+
+def check_finite_tensor(tensor: torch.Tensor, name: str, where: str) -> None:
+    """ModelLoadError when tensor `name` (of `where`: a file name, "the model") holds NaN or infinite values:
+    the scorers refuse such weights (their norms), and a cut of them computes NaN, so the exports (streamed
+    and in memory, with a mask file that skips scoring) refuse them too."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ModelLoadError(f"Tensor '{name}' in {where} holds NaN or infinite values; a model cut from it computes "
+                             f"NaN. Use an intact copy of the weights (re-download or re-save them).")
 
 
 def read_tensors(roles: dict[str, str], entries: dict[str, "TensorEntry"], geometry=None,

@@ -255,11 +255,19 @@ def _check_memory(config, resolved: ResolvedPlacement, available_bytes, name, tr
 
 # -- built-ins -------------------------------------------------------------------------------
 
-def _read_marker(folder: Path) -> dict | None:
+MARKER_MAX_BYTES = 2**16             # the marker is a few lines of JSON
+
+
+def read_marker(folder: Path, name: str = _MARKER) -> dict | None:
+    """The JSON object of a small marker file in `folder` (a built-in's cache folder says which built-in it
+    holds), read through the capped, regular-file-only reader; None when it is absent or not one."""
+    from analysis.core.files import read_file_text
     try:
-        return json.loads((folder / _MARKER).read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_file_text(Path(folder) / name, MARKER_MAX_BYTES, what=name, fix=""))
+    except (HeadscopeError, ValueError, RecursionError):
         return None
+    return data if isinstance(data, dict) else None
+
 
 
 def _install_folder(tmp: Path, final: Path, marker: dict) -> None:
@@ -267,7 +275,7 @@ def _install_folder(tmp: Path, final: Path, marker: dict) -> None:
 
     If another process installed the same conversion meanwhile, its copy wins and ours is
     discarded; an outdated `final` is moved aside and deleted first."""
-    if _read_marker(final) == marker:
+    if read_marker(final) == marker:
         return
     if final.exists():
         stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
@@ -277,7 +285,7 @@ def _install_folder(tmp: Path, final: Path, marker: dict) -> None:
     try:
         os.rename(tmp, final)
     except OSError:
-        if _read_marker(final) != marker:  # lost a race to an identical conversion: fine
+        if read_marker(final) != marker:  # lost a race to an identical conversion: fine
             raise
 
 
@@ -292,7 +300,7 @@ def _cached_builtin(builtin: BuiltinModel, cache_root: Path, marker: dict, progr
     final = cache_root / "models" / builtin.name
     marker = {"format": _CACHE_FORMAT, "name": builtin.name, **marker}
     remove_dead_temps(final.parent, builtin.name)           # a conversion killed earlier (SIGKILL)
-    if _read_marker(final) == marker:
+    if read_marker(final) == marker:
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -430,7 +438,7 @@ def conversion_pending(name: str, cache_dir: str | os.PathLike | None = None) ->
     if builtin is None or not builtin.converts:
         return False
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    marker = _read_marker(root / "models" / builtin.name)
+    marker = read_marker(root / "models" / builtin.name)
     return not isinstance(marker, dict) or marker.get("format") != _CACHE_FORMAT
 
 
@@ -491,10 +499,11 @@ def _read_raw_config(source: str) -> dict:
 
 
 def _load_config(source: str, name: str, is_local: bool, trust_remote_code: bool):
-    from analysis.arch.checkpoint import read_config_json
+    from analysis.arch.checkpoint import check_side_files, read_config_json
     kwargs = dict(trust_remote_code=trust_remote_code, local_files_only=is_local or _hub_offline())
     if is_local:
         read_config_json(Path(source))      # not a config, or impossible geometry: refused before building
+        check_side_files(Path(source))      # tokenizer / generation files transformers reads unbounded
     try:
         return AutoConfig.from_pretrained(source, **kwargs)
     except (ValueError, TypeError, KeyError, AttributeError) as err:

@@ -2,12 +2,14 @@
 at the bottom; every one splits its work over the processes of a launch)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from analysis.cli.common import (add_kv_policy_argument, add_model_mask_arguments, add_output_arguments,
-                                 add_param_option, add_policy_arguments, add_scorer_arguments, add_source_arguments, compute_scores,
-                                 load_source, plan_from, progress_bar, register, resolve_policy, resolve_scorer,
-                                 team_of, warn)
+                                 add_param_option, add_policy_arguments, add_scorer_arguments, add_source_arguments,
+                                 check_counts, compute_scores, load_source, plan_from, progress_bar, register,
+                                 resolve_policy, resolve_scorer, team_of, warn)
 from analysis.core.errors import HeadscopeError, InputError
 from analysis.score.masks import summarize_mask
 
@@ -35,6 +37,8 @@ def _mask_arguments(parser):
 
 
 def run_mask(ns):
+    from analysis.core.text import MAX_TOKENS_LIMIT
+    check_counts(ns, {"flops_seq_len": (1, MAX_TOKENS_LIMIT)})
     plan, scores, loaded, info = plan_from(ns)
     bias = loaded is not None and loaded.adapter.has_qkv_bias(loaded.model)  # unknown when streamed
     dtype_bytes = next(loaded.model.parameters()).element_size() if loaded is not None else 4
@@ -128,8 +132,13 @@ def parse_floats(text: str) -> list[float]:
 
 
 def run_sweep(ns):
+    from analysis.core.schemas import MAX_HEADS
+    from analysis.core.text import MAX_TOKENS_LIMIT
     from analysis.measure.profiles import profile_model
     from analysis.score.sweep import split_evaluators, sweep_z
+
+    check_counts(ns, {"max_tokens": (2, MAX_TOKENS_LIMIT), "min_per_layer": (0, MAX_HEADS)})   # before loading
+    zs = parse_floats(ns.z_values) if ns.z_values else None
 
     with progress_bar("loading", not ns.quiet) as report:
         _, loaded, info = load_source(ns, report)
@@ -137,7 +146,6 @@ def run_sweep(ns):
     ns.policy = resolve_policy(ns, loaded.geometry.group_size)
     profile = profile_model(loaded.model, adapter=loaded.adapter, source=loaded.name)
     calibration, evaluation, metric, higher = split_evaluators(loaded, max_tokens=ns.max_tokens, team=team_of(ns))
-    zs = parse_floats(ns.z_values) if ns.z_values else None
     with progress_bar("z sweep", not ns.quiet) as report:
         result = sweep_z(profile, ns.sparsity, calibration, evaluation, zs=zs, scorer=ns.scorer,
                          scope=ns.scope, ord=ns.ord, a_q=ns.a_q, a_kv=ns.a_kv, std=ns.std, policy=ns.policy,
@@ -167,11 +175,9 @@ def run_ablate(ns):
     from analysis.measure.ablation import head_ablation
     from analysis.core.text import read_text_file, text_file_cap
 
-    from analysis.core.errors import check_whole_number
     from analysis.core.text import MAX_TOKENS_LIMIT
-    for option, low, high in (("max_tokens", 2, MAX_TOKENS_LIMIT), ("seq_len", 2, MAX_TOKENS_LIMIT),
-                              ("batch_size", 1, 2**16)):        # before anything is read or allocated
-        check_whole_number(getattr(ns, option), f"--{option.replace('_', '-')}", low=low, high=high)
+    check_counts(ns, {"max_tokens": (2, MAX_TOKENS_LIMIT), "seq_len": (2, MAX_TOKENS_LIMIT),
+                      "batch_size": (1, 2**16)})                # before anything is read or allocated
     text = None
     if ns.text_file is not None:
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
@@ -219,34 +225,37 @@ def run_deploy_report(ns):
     """llama.cpp's numbers for a dense and pruned GGUF files (size, perplexity, speed, KV cache)."""
     from pathlib import Path
     from analysis.arch.models import load_model
-    from analysis.compress.deploy import measure_gguf, ratios
+    from analysis.compress.deploy import check_files, check_options, measure_gguf, ratios
+    from analysis.compress.export import MASK_FILE, read_mask_json
     from analysis.compress.gguf_writer import GGUF_FILE
-    from analysis.core.errors import InputError
+    from analysis.core.atomic import path_problem
     from analysis.measure.evaluation import default_text, evaluate, token_ids
+
+    check_options(max_tokens=ns.max_tokens, speed_context=ns.speed_context, threads=ns.threads)
 
     def file_of(given: str) -> tuple[Path, Path | None]:
         path = Path(given)
-        if path.is_dir():
-            return path / GGUF_FILE, (path / "mask.json" if (path / "mask.json").is_file() else None)
+        if path_problem(path) is None and path.is_dir():   # an export folder: its model.gguf (and mask.json)
+            return path / GGUF_FILE, (path / MASK_FILE if os.path.lexists(path / MASK_FILE) else None)
         return path, None
 
     files = [file_of(ns.dense)] + [file_of(p) for p in ns.pruned]
-    for path, _ in files:
-        if not path.is_file():
-            raise InputError(f"No GGUF file at {path}; export one with `python -m analysis export "
-                             "--export-format gguf`.")
+    check_files(files[0][0], [path for path, _ in files[1:]])          # every header, before any work
+    masks = {path: read_mask_json(mask_file) for path, mask_file in files if mask_file is not None}
     loaded = load_model(ns.model, cache_dir=ns.cache_dir)
     ids = token_ids(loaded.tokenizer, default_text(), max_tokens=ns.max_tokens).tolist()
+    check_files(files[0][0], [path for path, _ in files[1:]], ids)     # --model's ids fit every vocabulary
+    for record in masks.values():
+        record.check_geometry(loaded.geometry)
     rows = []
     with progress_bar("measuring in llama.cpp", not ns.quiet) as report:
-        for i, (path, mask_file) in enumerate(files):
+        for i, (path, _) in enumerate(files):
             report(i / len(files), path.name)
             row = {"role": "dense" if i == 0 else "pruned",
                    **measure_gguf(path, ids, speed_context=ns.speed_context, threads=ns.threads)}
-            if mask_file is not None:
-                from analysis.compress.export import mask_from_json
-                pruned = mask_from_json(mask_file, geometry=loaded.geometry)
-                row["headscope_perplexity"] = float(evaluate(loaded, pruned=pruned, max_tokens=ns.max_tokens).value)
+            if path in masks:
+                row["headscope_perplexity"] = float(evaluate(loaded, pruned=masks[path].pruned(),
+                                                             max_tokens=ns.max_tokens).value)
             rows.append(row)
     payload = {"model": ns.model, "n_tokens": len(ids), "rows": rows,
                "ratios": [ratios(rows[0], row) for row in rows[1:]],

@@ -86,13 +86,14 @@ def to_jsonable(value):
 
 
 def render(payload, rows: list | None, fmt: str) -> str:
-    """JSON of the payload, or CSV of the rows."""
+    """JSON of the payload, or CSV of the rows (one column per key any row has; empty where a row lacks it)."""
     if fmt == "json":
         return json.dumps(to_jsonable(payload), indent=2) + "\n"
     if not rows:
         raise InputError("This command has no table to write as CSV; use --format json.")
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    columns = list(dict.fromkeys(key for row in rows for key in row))   # every row's keys (some rows have more)
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", lineterminator="\n")
     writer.writeheader()
     writer.writerows(to_jsonable(rows))
     return buffer.getvalue()
@@ -216,6 +217,14 @@ def read_array(path: str) -> np.ndarray:
     return arr
 
 
+def check_counts(ns: argparse.Namespace, bounds: dict[str, tuple[int, int]]) -> None:
+    """Each whole-number option `--dest-name` of `bounds` (dest -> (lowest, highest)) in its range, before any
+    work: `check_whole_number`'s one-line InputError names the flag and the range. None (not given) passes."""
+    from analysis.core.errors import check_whole_number
+    for dest, (low, high) in bounds.items():
+        check_whole_number(getattr(ns, dest), f"--{dest.replace('_', '-')}", low=low, high=high, none_ok=True)
+
+
 def load_source(ns: argparse.Namespace, report):
     """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint."""
     for option in ("model", "checkpoint"):
@@ -284,7 +293,9 @@ def add_kv_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 def plan_from(ns):
     """(MaskPlan, HeadScores, LoadedModel | None, info) for the mask / evaluate / export commands."""
+    from analysis.core.schemas import MAX_HEADS
     check_sparsity(ns.sparsity)                  # a bad sparsity fails before the model loads
+    check_counts(ns, {"min_per_layer": (0, MAX_HEADS)})
     scores, loaded, info = compute_scores(ns)
     ns.policy = resolve_policy(ns, info["group_size"])
     plan = plan_mask(scores, ns.sparsity, group_size=info["group_size"], policy=ns.policy, min_per_layer=ns.min_per_layer)

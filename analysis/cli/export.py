@@ -39,7 +39,8 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.compress.export import FORMATS, check_export_name, export, mask_record, read_mask_json, resolve_under
+    from analysis.compress.export import (FORMATS, check_export_name, export, format_options, mask_record,
+                                          read_mask_json, resolve_under)
 
     form = FORMATS[ns.export_format]
     given = {option: getattr(ns, f"format_{option}") for option in
@@ -48,6 +49,7 @@ def run_export(ns):
     if foreign:
         raise InputError(f"{_option_flag(foreign[0])} is an option of another export format, not of "
                          f"{ns.export_format}; leave it out or choose that format.")
+    format_options(ns.export_format, given)        # values and ranges (--opset 5), before any work
     target = resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
     check_export_name(ns.name)
     if ns.mask_file is None and ns.sparsity is None:

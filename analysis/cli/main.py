@@ -12,11 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from analysis.cli.common import COMMANDS, render
+from analysis.cli.common import COMMANDS, placement_kwargs, render
 from analysis.core import distributed
 from analysis.core import progress as cancel     # signals: a flag checked at cancel points
 from analysis.core.atomic import atomic_write, check_output_file
-from analysis.core.errors import HeadscopeError
+from analysis.core.errors import INTERRUPTED_AT_START, HeadscopeError
+from analysis.core.placement import Placement
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -105,8 +106,11 @@ def held_warnings() -> Iterator[_Held]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv)
-    ns = parser.parse_args(argv)
+    try:                                                 # building the parser imports the command's modules
+        ns = build_parser(argv).parse_args(argv)
+    except KeyboardInterrupt:                            # before the handler below is in place
+        print(INTERRUPTED_AT_START, file=sys.stderr)
+        return 130
     out = getattr(ns, "out", None)
     command = COMMANDS[ns.command]
     team = distributed.SOLO
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     ns.quiet = True                      # one set of progress bars: rank 0's
             if out is not None:
                 check_output_file(out, "--out")          # before any work: say now what is wrong with it
+            Placement.of(**placement_kwargs(ns))         # --device / --dtype / ..., whatever the source (--checkpoint)
             payload, rows = command.run(ns)
             cancel.raise_if_signalled()          # stopped after the last cancel point: write nothing
             text = render(payload, rows, getattr(ns, "format", "json"))

@@ -12,6 +12,7 @@ from analysis.cli.common import (add_output_arguments, add_scorer_arguments, add
 from analysis.core import progress as cancel     # signals: a flag checked at cancel points
 from analysis.core.errors import InputError
 from analysis.core.text import clean_user_text
+from analysis.core.threads import check_threads
 from analysis.score.masks import POLICIES
 
 # The compress package (distillation, peft, ONNX, the report) is imported when this command runs or
@@ -110,6 +111,7 @@ def run_pipeline_command(ns):
     if len(set(formats)) != len(formats):
         raise InputError(f"--formats names a format twice ({ns.formats}); give each format once, e.g. zeroed,onnx.")
     config = config_from(ns)
+    check_threads(ns.threads, "--threads", none_ok=True)       # used by the last stage: checked before the first
     run_dir = resolve_under(ns.out_dir, ns.name)
     train, held_out = _read_text(ns.train_text, "--train-text"), _read_text(ns.eval_text, "--eval-text")
     for note in clean_leftovers(run_dir.parent):              # a run killed earlier (SIGKILL)

@@ -16,11 +16,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from analysis.cli.common import add_output_arguments, add_source_arguments, load_source, progress_bar, register
-from analysis.core.errors import InputError
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+from analysis.cli.common import (add_output_arguments, add_source_arguments, check_counts, load_source, progress_bar,
+                                 register)
+from analysis.core.atomic import path_problem
+from analysis.core.errors import SEED_MAX, InputError, first_line
+from analysis.core.text import MAX_TOKENS_LIMIT
+from analysis.score.masks import check_sparsity
 
 
 def _arguments(parser):
@@ -48,35 +49,41 @@ def _arguments(parser):
 
 
 def _load(ns, report):
-    """(loaded-like with .model/.tokenizer, head layout or None, info dict)."""
-    from analysis.compress.export import LAYOUT_FILE, load_pruned
+    """(loaded-like with .model/.tokenizer, head layout or None, info dict). A folder with anything named
+    head_layout.json is a pruned export: its layout is read by load_pruned's own checked reader (a FIFO,
+    a link to /dev/zero or a folder there is one error line, never a plain-model load)."""
+    from analysis.arch.checkpoint import TOKENIZER_FILES
+    from analysis.compress.export.pruned import has_layout, load_pruned, read_layout
     folder = Path(ns.model) if ns.model else None
-    if folder is not None and (folder / LAYOUT_FILE).is_file():
+    if folder is not None and path_problem(folder) is None and has_layout(folder):
         from transformers import AutoTokenizer
 
-        from analysis.compress.surgery import HeadLayout
-        layout = HeadLayout.from_json((folder / LAYOUT_FILE).read_text(encoding="utf-8"))
+        layout = read_layout(folder)
         model = load_pruned(folder, attn_implementation="eager", trust_remote_code=ns.trust_remote_code)
-        tokenizer = None                      # transformers builds an empty tokenizer from no files: check first
-        if any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer, problem = None, "has no tokenizer files"   # transformers builds an empty one from no files
+        if any((folder / f).is_file() for f in TOKENIZER_FILES):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            except (OSError, ValueError):
-                tokenizer = None
+            except Exception as err:          # tokenizers' own errors are no ValueErrors: said below if needed
+                problem = f"has a tokenizer that does not load ({first_line(err, 80)})"
         info = dict(source=str(folder), pruned_export=True, n_layers=layout.n_layers, n_heads=layout.n_heads)
-        return SimpleNamespace(model=model, tokenizer=tokenizer), layout, info
+        return SimpleNamespace(model=model, tokenizer=tokenizer, tokenizer_problem=problem), layout, info
     _, loaded, info = load_source(ns, report)
     return loaded, None, info
 
 
 def run(ns):
     from analysis.core.text import read_text_file, text_file_cap
-    from analysis.measure.detectors import DETECTORS, detect_heads
-    for option, least in (("max_tokens", 2), ("seq_len", 2), ("n_sequences", 1), ("permutations", 1)):
-        if getattr(ns, option) < least:
-            raise InputError(f"--{option.replace('_', '-')} must be at least {least}; got {getattr(ns, option)}.")
-    if ns.sparsity is not None and not 0.0 <= ns.sparsity < 1.0:
-        raise InputError(f"--sparsity must be in [0, 1); got {ns.sparsity}.")
+    from analysis.measure.detectors import (DETECTORS, MAX_PATTERN_TOKENS, MAX_REPEAT, MAX_SEQUENCES, MIN_REPEAT,
+                                            detect_heads)
+    from analysis.measure.profiles import check_z
+    from analysis.score.specialization import MAX_PERMUTATIONS
+    check_counts(ns, {"max_tokens": (2, MAX_TOKENS_LIMIT), "seq_len": (2, MAX_PATTERN_TOKENS),  # before any work
+                      "length": (MIN_REPEAT, MAX_REPEAT), "n_sequences": (1, MAX_SEQUENCES),
+                      "permutations": (1, MAX_PERMUTATIONS), "seed": (0, SEED_MAX)})
+    check_z(ns.z)
+    if ns.sparsity is not None:
+        check_sparsity(ns.sparsity)
     names = list(DETECTORS) if not ns.detector or "all" in ns.detector else list(dict.fromkeys(ns.detector))
     text = None
     if ns.text_file is not None:
@@ -85,8 +92,9 @@ def run(ns):
         loaded, layout, info = _load(ns, report)
     needs_text = any(DETECTORS[n].needs_text for n in names)
     if loaded.tokenizer is None and needs_text:
-        raise InputError(f"{ns.model} has no tokenizer files, which the text detectors need; run only "
-                         f"--detector induction/duplicate-token/copying, or export with the tokenizer.")
+        problem = getattr(loaded, "tokenizer_problem", "has no tokenizer")
+        raise InputError(f"{ns.model} {problem}, which the text detectors need; run only --detector "
+                         f"induction/duplicate-token/copying, or export with the tokenizer.")
     with progress_bar("head detectors", not ns.quiet) as report:
         results = detect_heads(loaded, names, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len, layout=layout,
                                options=dict(length=ns.length, n_sequences=ns.n_sequences, seed=ns.seed),

@@ -56,20 +56,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from analysis.core.atomic import disk_full, os_problem, remove_dead_temps, replaced_atomically
-from analysis.core.errors import HeadscopeError, InputError, UnsupportedModelError
+from analysis.core.errors import HeadscopeError, InputError, UnsupportedModelError, check_whole_number, first_line
 from analysis.arch.attention import float32_attention
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import next_token_nll
 from analysis.arch.models import mean_pool
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.score.scoring import as_subject, check_seed
+from analysis.core.errors import check_seed
+from analysis.score.scoring import as_subject
 from analysis.compress.surgery import own_tensors
-from analysis.core.text import calibration_text, tokenize
+from analysis.core.text import MAX_TOKENS_LIMIT, calibration_text, tokenize
 
 OnStep = Callable[[dict], None] | None
 
 CHECKPOINT_FILE = "distill_checkpoint.pt"
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "auto": "auto"}
+MAX_STEPS = 2**20                    # optimizer steps of one distillation (weeks of CPU time)
+MAX_LORA_RANK = 4096                 # above any hidden size it would adapt
+# whole-number settings -> (lowest, highest), checked by DistillConfig.validate (`check_whole_number`)
+_WHOLE_SETTINGS = {"steps": (1, MAX_STEPS), "batch_size": (1, 2**16), "seq_len": (2, MAX_TOKENS_LIMIT),
+                   "grad_accum": (1, 2**16), "lora_rank": (1, MAX_LORA_RANK), "max_sequences": (1, 2**20),
+                   "warmup_steps": (0, MAX_STEPS), "checkpoint_every": (0, MAX_STEPS), "eval_every": (0, MAX_STEPS)}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")     # /proc/cpuinfo flags of CPUs with bfloat16 units
 
 
@@ -105,16 +112,14 @@ class DistillConfig:
     eval_every: int = 0              # held-out metric every N steps (0 = never; needs evaluate_fn)
 
     def validate(self) -> "DistillConfig":
-        whole = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "lora_rank": 1, "max_sequences": 1}
-        for name, low in whole.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InputError(f"Distillation setting {name} must be a whole number >= {low}; got {value!r}.")
+        for name, (low, high) in _WHOLE_SETTINGS.items():
+            check_whole_number(getattr(self, name), f"Distillation setting {name}", low=low, high=high)
+        per_step = self.batch_size * self.seq_len * self.grad_accum
+        if per_step > MAX_TOKENS_LIMIT:
+            raise InputError(f"One distillation step of batch_size x seq_len x grad_accum = {per_step:,} tokens is "
+                             f"more than the {MAX_TOKENS_LIMIT:,} any run trains on; lower them.")
         if self.max_seconds is not None and not (self.max_seconds > 0 and math.isfinite(self.max_seconds)):
             raise InputError(f"The time budget must be a positive number of seconds; got {self.max_seconds!r}.")
-        for name in ("warmup_steps", "checkpoint_every", "eval_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise InputError(f"Distillation setting {name} must be a whole number >= 0.")
         if not (_finite_number(self.lr) and self.lr > 0):
             raise InputError(f"The learning rate must be a positive number; got {self.lr!r}.")
         if not _finite_number(self.temperature) or not self.temperature > 0:
@@ -349,6 +354,30 @@ def load_checkpoint(path: Path, config: DistillConfig) -> dict | None:
     return state
 
 
+def _restore(state: dict, path: Path, params: dict, optimizer, schedule, config: DistillConfig) -> tuple[list, int]:
+    """Put a checkpoint's tensors, optimizer, schedule and RNG back; (history, step to go on from). A checkpoint
+    whose fingerprint matches but whose contents are damaged or edited (a missing key, a step that is no
+    whole number in 0 .. MAX_STEPS, tensors of another shape) is one InputError, never a KeyError from deep
+    inside."""
+    try:
+        step, history, saved = state["step"], state["history"], state["params"]
+        if (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEPS
+                or not isinstance(history, list) or not isinstance(saved, dict) or set(saved) != set(params)):
+            raise ValueError("its step, history or tensors are not what a checkpoint of these settings holds")
+        with torch.no_grad():
+            for name, value in saved.items():
+                if not isinstance(value, torch.Tensor) or value.shape != params[name].shape:
+                    raise ValueError(f"tensor {name} does not fit the student")
+                params[name].copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as err:
+        raise InputError(f"The checkpoint {path} is damaged or was edited ({first_line(err, 120)}); delete it to "
+                         f"start over.") from None
+    return list(history), step
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -465,13 +494,7 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
         raise InputError(f"The checkpoint {path} was written for a student of another shape (its trainable "
                          f"tensors differ); resume with the same student, or delete it to start over.")
     if state is not None:
-        with torch.no_grad():
-            for name, value in state["params"].items():
-                params[name].copy_(value)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
-        history, start = list(state["history"]), int(state["step"])
+        history, start = _restore(state, path, params, optimizer, schedule, config)
     else:
         torch.manual_seed(config.seed)
     want_hidden = config.hidden_weight > 0 or subject.kind == "encoder"

@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from analysis.core.errors import ModelLoadError
+from analysis.core.errors import InputError, ModelLoadError, first_line
 
 DEFAULT_THREADS = 2
 _GGML_TYPES = {"f32": 0, "f16": 1}          # ggml_type ids of the KV cache's element type
@@ -42,47 +42,89 @@ def _llama_cpp():
     return llama_cpp
 
 
-_captured: list[str] | None = None
+# llama.cpp's log callback is process-wide: the line lists of the llama_log blocks now open, outermost
+# first. A block's callback adds each line to every open list, so a block nested in another (the
+# loader's inside a KV-cache measurement) keeps the lines from the outer one, and its end hands the
+# log back to the enclosing block's callback.
+_LOG_BLOCKS: list[tuple[list[str], object]] = []
 
 
 @contextlib.contextmanager
 def llama_log() -> Iterator[list[str]]:
     """Collect llama.cpp's log lines (and keep them off the console) while the block runs."""
     llama_cpp = _llama_cpp()
-    global _captured
     lines: list[str] = []
+    targets = [outer for outer, _ in _LOG_BLOCKS] + [lines]
 
     @llama_cpp.llama_log_callback
     def collect(level, text, user_data):
-        lines.append(text.decode("utf-8", "replace"))
+        line = text.decode("utf-8", "replace")
+        for target in targets:
+            target.append(line)
 
-    previous, _captured = _captured, lines
+    block = (lines, collect)
+    _LOG_BLOCKS.append(block)
     llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     try:
         yield lines
     finally:
-        _captured = previous
+        _LOG_BLOCKS.remove(block)
         from llama_cpp._logger import llama_log_callback as default
-        llama_cpp.llama_log_set(default, ctypes.c_void_p(0))
+        llama_cpp.llama_log_set(_LOG_BLOCKS[-1][1] if _LOG_BLOCKS else default, ctypes.c_void_p(0))
+
+
+def _failed(path, err: BaseException, lines: list[str]) -> ModelLoadError:
+    """One line for a llama.cpp failure: its own first error line where it logged one (the specific one:
+    "check_tensor_dims: tensor ... has wrong shape", before the general "failed to load model")."""
+    said = next((line for word in ("error", "fail") for line in lines if word in line.lower()), "")
+    said = " ".join(said.split())
+    detail = first_line(err) + (f"; llama.cpp: {said[:200]}" if said else "")
+    return ModelLoadError(f"llama.cpp could not run {Path(str(path)).name} ({detail}). Export the GGUF file again "
+                          f"(`python -m analysis export --export-format gguf`) or use the headscope version it was "
+                          f"written with.")
+
+
+@contextlib.contextmanager
+def llama_errors(path) -> Iterator[list[str]]:
+    """llama.cpp's failures in the block (a ValueError from its loader, a RuntimeError such as
+    "llama_decode returned -1") as one ModelLoadError; its log lines are kept off the console."""
+    with llama_log() as lines:
+        try:
+            yield lines
+        except (ValueError, RuntimeError) as err:
+            raise _failed(path, err, lines) from None
 
 
 def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, threads: int = DEFAULT_THREADS,
          flash_attn: bool = False, n_batch: int | None = None, kv_type: str = "f16"):
     """llama_cpp.Llama over the GGUF file on the CPU. kv_type: the KV cache's element type, "f16"
     (llama.cpp's default: what a deployment uses) or "f32" (for exactness checks: an f16 cache rounds
-    K and V to 11 bits, ~1e-3 of the logits)."""
+    K and V to 11 bits, ~1e-3 of the logits). The file's header is checked first
+    (`analysis.compress.gguf_reader.read_gguf`): llama.cpp never sees a file it would crash on."""
+    from analysis.compress.gguf_reader import read_gguf
+    from analysis.core.threads import check_threads
     llama_cpp = _llama_cpp()
     path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"No GGUF file at {path}; export one with `python -m analysis export "
-                             "--export-format gguf`.")
-    try:
+    threads = check_threads(threads, "llama.cpp threads")
+    read_gguf(path)
+    with llama_errors(path):
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch or min(n_ctx, 512),
                                n_ubatch=n_batch or min(n_ctx, 512), logits_all=logits_all, n_threads=threads,
                                n_threads_batch=threads, flash_attn=flash_attn, verbose=False,
                                type_k=_GGML_TYPES[kv_type], type_v=_GGML_TYPES[kv_type])
-    except ValueError as err:
-        raise ModelLoadError(f"llama.cpp could not load {path.name}: {err}") from err
+
+
+def check_ids(llm, ids: Sequence[int]) -> list[int]:
+    """`ids` as ints, each a token id of `llm`'s vocabulary (InputError otherwise: llama.cpp's decode
+    would fail with -1)."""
+    ids = [int(i) for i in ids]
+    vocab = llm.n_vocab()
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise InputError(f"Token id {bad} is outside the {vocab}-token vocabulary of {Path(llm.model_path).name}: "
+                         f"the ids come from another model's tokenizer. Give the model the GGUF files were "
+                         f"exported from (--model).")
+    return ids
 
 
 def logits(path_or_llm, ids: Sequence[int], *, kv_type: str = "f32") -> np.ndarray:
@@ -90,8 +132,10 @@ def logits(path_or_llm, ids: Sequence[int], *, kv_type: str = "f32") -> np.ndarr
     a float32 KV cache: the exact computation; pass a loaded Llama to choose otherwise)."""
     ids = [int(i) for i in ids]
     llm = load(path_or_llm, n_ctx=max(len(ids), 8), kv_type=kv_type) if isinstance(path_or_llm, (str, os.PathLike)) else path_or_llm
-    llm.reset()
-    llm.eval(ids)
+    ids = check_ids(llm, ids)
+    with llama_errors(llm.model_path):
+        llm.reset()
+        llm.eval(ids)
     return np.array(llm.scores[:len(ids)], dtype=np.float32)           # [N, V]
 
 
@@ -143,18 +187,20 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
                n_batch=min(context, 512))
     rng = np.random.default_rng(seed)
     vocab = llm.n_vocab()
-    prompt = rng.integers(4, vocab, size=context).tolist()
-    steps = rng.integers(4, vocab, size=decode_tokens).tolist()
+    low = min(4, vocab - 1)                      # ids 0-3 are often special tokens
+    prompt = rng.integers(low, vocab, size=context).tolist()
+    steps = rng.integers(low, vocab, size=decode_tokens).tolist()
     prefill, decode = [], []
     skip = 1 if warmup else 0
     for run in range(repeats + skip):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        t1 = time.perf_counter()
-        for token in steps:
-            llm.eval([token])
-        t2 = time.perf_counter()
+        with llama_errors(path):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            t1 = time.perf_counter()
+            for token in steps:
+                llm.eval([token])
+            t2 = time.perf_counter()
         if run >= skip:                          # run 0 is the warm-up
             prefill.append(context / (t1 - t0))
             decode.append(decode_tokens / (t2 - t1))

@@ -35,8 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from analysis.compress.distill import DistillConfig, DistillResult, distill, with_steps
-from analysis.core.errors import InputError
+from analysis.compress.distill import MAX_STEPS, DistillConfig, DistillResult, distill, with_steps
+from analysis.core.errors import InputError, check_whole_number
+from analysis.core.text import check_max_tokens
 from analysis.measure.evaluation import evaluate
 from analysis.arch.head_gates import gates_from_mask, zero_heads
 from analysis.score.masks import GQA_POLICIES, POLICIES, default_policy, feasible_counts, heads_to_prune, plan_mask
@@ -91,11 +92,12 @@ class PipelineConfig:
             raise InputError(f"The target sparsity must be between 0 and 1 (exclusive); got {self.target_sparsity!r}.")
         if not (0 < self.step <= 1):
             raise InputError(f"The step (fraction of heads per round) must be in (0, 1]; got {self.step!r}.")
-        if isinstance(self.recovery_steps, bool) or not isinstance(self.recovery_steps, int) or self.recovery_steps < 0:
-            raise InputError(f"Recovery steps per round must be a whole number >= 0; got {self.recovery_steps!r}.")
-        tokens = self.recovery_tokens
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
-            raise InputError(f"Recovery tokens per round must be a whole number >= 0; got {tokens!r}.")
+        check_whole_number(self.recovery_steps, "Recovery steps per round", low=0, high=MAX_STEPS)
+        check_max_tokens(self.eval_tokens, "Evaluation tokens")
+        with_steps(self.distill, 1).validate()         # batch x seq len x accumulation, even without recovery
+        per_step = self.distill.batch_size * self.distill.seq_len * self.distill.grad_accum
+        check_whole_number(self.recovery_tokens, f"Recovery tokens per round ({per_step:,} per distillation step)",
+                           low=0, high=MAX_STEPS * per_step, none_ok=True)
         if self.policy is not None and self.policy not in POLICIES:
             raise InputError(f"Unknown mask policy {self.policy!r}; choose one of {', '.join(POLICIES)}.")
         if self.ppl_budget is not None and not (self.ppl_budget > 0 and math.isfinite(self.ppl_budget)):

@@ -43,8 +43,9 @@ import torch
 
 from analysis.arch import resize
 from analysis.arch.adapters import Adapter, adapter_for
-from analysis.arch.checkpoint import (FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TensorEntry, checkpoint_entries, checkpoint_folder,
-                                      check_tensor_header, load_config, read_tensor)
+from analysis.arch.checkpoint import (DTYPE_BYTES, FLOAT_DTYPES, INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES,
+                                      TensorEntry, check_finite_tensor, check_tensor_header, check_tensor_memory,
+                                      checkpoint_entries, checkpoint_folder, load_config, read_tensor)
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.models import quiet_load_report
 from analysis.compress.export.folder import ExportError, atomic_folder, clean_leftovers, listing
@@ -65,9 +66,7 @@ SLICE_DTYPES = FLOAT_DTYPES
 _TORCH_NAMES = {v: k for k, v in SLICE_DTYPES.items()}
 
 # files of the checkpoint folder copied into the export as they are (tokenizer and generation settings)
-PASS_THROUGH = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                "chat_template.jinja", "chat_template.json")
+PASS_THROUGH = TOKENIZER_FILES
 HF_PASS_THROUGH = ("generation_config.json",)     # with config.json only (a Hugging Face folder)
 
 
@@ -81,7 +80,6 @@ class SafetensorsWriter:
     in memory. `specs`: [(name, safetensors dtype, shape)] in the order they will be given."""
 
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
-        from analysis.arch.checkpoint import DTYPE_BYTES
         header, offset = {}, 0
         self._sizes = []
         for name, dtype, shape in specs:
@@ -380,7 +378,35 @@ def _plan(spec: StreamSpec, adapter, geometry, layout: HeadLayout, entries, name
     n = len(files)
     shards = [(SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors", by_file[f])
               for i, f in enumerate(files)]
+    _check_memory(spec, [item for _, items in shards for item in items], _attention_names(roles))
     return shards, roles, alias
+
+
+def _attention_names(roles: dict[int, dict[str, str]]) -> set[str]:
+    """The checkpoint names of every layer's attention tensors (read and checked finite, cut or not)."""
+    return {name for by_role in roles.values() for name in by_role.values()}
+
+
+def _check_memory(spec: StreamSpec, items: list, attention: set[str]) -> None:
+    """The free-memory check `score --checkpoint` makes, for the one tensor at a time the export holds:
+    the GGUF writer reads every tensor and makes float32 copies of it (about 3 x 4 bytes per value on top
+    of the read); the safetensors writer reads the attention tensors (and a cut's output), the rest it
+    copies by byte range. The largest need must fit, before the temporary folder is made."""
+    def numel(shape) -> int:
+        n = 1
+        for size in shape:
+            n *= int(size)
+        return n
+
+    def need(item) -> int:
+        if spec.writer == "gguf":
+            return item.entry.nbytes + 3 * 4 * numel(item.shape)
+        if item.entry.name in attention and item.entry.dtype in FLOAT_DTYPES:
+            return item.entry.nbytes + numel(item.shape) * DTYPE_BYTES[item.dtype]
+        return 0
+    largest = max(items, key=need, default=None)
+    if largest is not None and need(largest):
+        check_tensor_memory(largest.entry.name, largest.entry.file, need(largest), "export")
 
 
 def _groups(names: _Names) -> list[list[str]]:
@@ -399,6 +425,7 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
     done = 0
     metadata = {"format": "pt", **({"producer": TOOL} if spec.producer else {})}
     gathers: dict[int, dict] = {}                       # layer -> role -> (axis, positions) of the cut
+    attention = _attention_names(roles)
     weight_map = {}
     for file_name, items in shards:
         extra = {k: v for k, v in alias.items() if any(i.name == v for i in items)}
@@ -406,7 +433,14 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
         try:
             for item in items:
                 check_stop(should_stop, "The export")
-                if item.layer is None:
+                if item.layer is None and item.entry.name in attention and item.entry.dtype in FLOAT_DTYPES:
+                    # an attention tensor kept whole: read and checked finite, like the cut ones
+                    tensor = read_tensor(item.entry)
+                    check_finite_tensor(tensor, item.entry.name, item.entry.file.name)
+                    writer.write(item.name, tensor)
+                    del tensor
+                    what = f"copied {item.name}"
+                elif item.layer is None:
                     writer.copy(item.name, item.entry, should_stop)
                     what = f"copied {item.name}"
                 else:
@@ -414,12 +448,10 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
                         gathers[item.layer] = _cut_gathers(adapter, geometry, list(roles[item.layer]),
                                                            layout.heads[item.layer], layout.kv_heads[item.layer])
                     gather = gathers[item.layer][item.role]
-                    if gather is None:
-                        writer.copy(item.name, item.entry, should_stop)
-                    else:
-                        tensor = read_tensor(item.entry)                       # this one tensor only
-                        writer.write(item.name, tensor.index_select(*gather))
-                        del tensor
+                    tensor = read_tensor(item.entry)                           # this one tensor only
+                    check_finite_tensor(tensor, item.entry.name, item.entry.file.name)
+                    writer.write(item.name, tensor if gather is None else tensor.index_select(*gather))
+                    del tensor
                     what = f"layer {item.layer + 1}/{geometry.n_layers}: cut {item.name}"
                 done += item.entry.nbytes
                 weight_map[item.name] = file_name
@@ -455,11 +487,14 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
     plan = gguf_writer.plan_gguf(config, layout, weight_type, shapes=shapes, name=str(folder.name),
                                  tokenizer_gguf=tokenizer_source(holder))
     gathers: dict[int, dict] = {}
+    attention = _attention_names(roles)
 
     def fetch(hf_name: str) -> torch.Tensor:
         check_stop(should_stop, "The export")
         item = items.get(hf_name) or items[next(g[0] for g in names.ties if hf_name in g)]
         tensor = read_tensor(item.entry)
+        if item.entry.name in attention:
+            check_finite_tensor(tensor, item.entry.name, item.entry.file.name)
         if item.layer is not None:
             if item.layer not in gathers:
                 gathers[item.layer] = _cut_gathers(adapter, geometry, list(roles[item.layer]),

@@ -135,6 +135,10 @@ def check_output_file(path, what: str = "The output file") -> Path:
     problem = path_problem(target)           # e.g. a name too long (errno 36): every probe below would raise
     if problem is not None:
         raise OutputError(f"Cannot write {what.lower()} {shorten(target)}: {problem[0]}; {problem[1]}.")
+    if _deleted_link(target):                # /proc/self/fd/1 of a deleted file: it has no path to replace
+        raise OutputError(f"{what} {shorten(target)} is a link to a file that was deleted "
+                          f"({shorten(os.path.realpath(target))}); writing there would make a new file under that "
+                          f"name. Give the path of a file (e.g. out.json), or leave --out out to print the result.")
     kind = _special_kind(target)
     if kind == "stream":                     # /dev/null, a FIFO, /dev/stdout: written directly
         if not os.access(target, os.W_OK):
@@ -165,6 +169,18 @@ _SPECIAL_OUTPUTS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
+
+
+def _deleted_link(target: Path) -> bool:
+    """True for a link that still reaches a regular file (stat follows /proc's fd links to the open file)
+    with no name left (st_nlink 0): it was deleted while a process held it open, e.g. a redirected stdout."""
+    try:
+        if not target.is_symlink():
+            return False
+        info = os.stat(target)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 0
 
 
 def _special_kind(target: Path) -> str | None:

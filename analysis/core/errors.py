@@ -41,6 +41,10 @@ class DistributedError(HeadscopeError):
     """A multi-process run lost a process (it ended or stopped answering) or could not start."""
 
 
+# a Ctrl-C while the CLI starts (its imports take seconds), before its own handler is in place
+INTERRUPTED_AT_START = "error: interrupted (Ctrl-C) while headscope was starting; nothing was written."
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """"Type: first line of its message" (just the type when it has none), to quote a library's error."""
     text = str(err).strip()
@@ -66,3 +70,12 @@ def check_whole_number(value, what: str, *, low: int = 1, high: int | None = Non
         return int(value)
     span = f"from {low:,} to {high:,}" if high is not None else f">= {low:,}"
     raise InputError(f"{what} must be a whole number {span}; got {str(value)[:40]!r}.")
+
+
+SEED_MAX = 2**63 - 1                 # what numpy's and torch's generators both take
+
+
+def check_seed(seed, what: str = "The seed") -> int:
+    """`seed` as an int in 0 .. SEED_MAX (`check_whole_number`); InputError otherwise (2**70 would end in an
+    OverflowError deep inside torch)."""
+    return check_whole_number(seed, what, low=0, high=SEED_MAX)

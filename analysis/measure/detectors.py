@@ -41,7 +41,7 @@ import torch
 
 from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.core.registry import Registry
 from analysis.measure.circuits import CopyingDetector, SuccessorDetector
@@ -50,6 +50,10 @@ from analysis.measure.headmaps import Detection, gates_array, head_slots, masked
 from analysis.measure.roles import DEFAULT_THRESHOLDS, attention_forward, previous_token_mass
 
 MIN_REPEAT = 4          # random tokens per copy, at least
+# attention patterns are [batch, H, T, T] floats: a longer sequence needs gigabytes per layer
+MAX_PATTERN_TOKENS = 4096
+MAX_REPEAT = (MAX_PATTERN_TOKENS - 1) // 2          # [BOS] r r fits MAX_PATTERN_TOKENS
+MAX_SEQUENCES = 4096    # repeated random sequences
 
 
 def repeated_random_tokens(vocab_size: int, n_sequences: int, length: int, *, seed: int = 0,
@@ -96,8 +100,10 @@ class _RepeatedTokens:
 
     def __init__(self, length: int = 50, n_sequences: int = 8, batch_size: int = 4, seed: int = 0,
                  bos_id: int | None = None, exclude=()):
-        self.length, self.n_sequences, self.batch_size = int(length), int(n_sequences), max(1, int(batch_size))
-        self.seed, self.bos_id, self.exclude = seed, bos_id, tuple(exclude)
+        self.length = check_whole_number(length, "The repeat length", low=MIN_REPEAT, high=MAX_REPEAT)
+        self.n_sequences = check_whole_number(n_sequences, "The number of repeated sequences", high=MAX_SEQUENCES)
+        self.batch_size = check_whole_number(batch_size, "The batch size", high=MAX_SEQUENCES)
+        self.seed, self.bos_id, self.exclude = check_seed(seed), bos_id, tuple(exclude)
 
     def inputs(self, model) -> torch.Tensor:
         """The repeated random sequences [n, (1) + 2N] this detector reads (seeded: the same every call)."""
@@ -331,8 +337,11 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
 
     text: for the detectors that need one (None = the built-in evaluation text)."""
     from analysis.core.progress import scaled
+    from analysis.core.text import check_max_tokens
     names = list(DETECTORS) if names is None else list(names)
     specs = [detector_spec(name) for name in names]
+    check_max_tokens(max_tokens, "max_tokens")
+    check_whole_number(seq_len, "The sequence length (seq_len)", low=2, high=MAX_PATTERN_TOKENS)
     ids = None
     if any(spec.needs_text for spec in specs):
         ids = text_sequences(loaded.tokenizer, text, max_tokens=max_tokens, seq_len=seq_len)  # [n, T]

@@ -54,7 +54,7 @@ from analysis.measure.ablation import FastAblation, head_ablation
 from analysis.arch.adapters import Adapter, HeadWeights, adapter_for, input_device, is_offloaded
 from analysis.measure.attribution import gate_loss_fn, integrated_gate_gradients
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError, UnsupportedModelError, check_whole_number
+from analysis.core.errors import SEED_MAX, InputError, UnsupportedModelError, check_seed, check_whole_number  # noqa: F401 (SEED_MAX, check_seed: re-exported)
 from analysis.core.params import Param, bind
 from analysis.core.registry import Registry
 from analysis.arch.geometry import HeadGeometry
@@ -253,16 +253,6 @@ def _check_weight(name: str, value: float) -> float:
     if not np.isfinite(value) or value < 0:
         raise InputError(f"{name} must be a finite weight >= 0; got {value}.")
     return value
-
-
-SEED_MAX = 2**63 - 1
-
-
-def check_seed(seed, what: str = "The seed") -> int:
-    """`seed` as an int in 0 .. 2**63-1 (what numpy's and torch's generators both take); InputError otherwise."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= SEED_MAX:
-        raise InputError(f"{what} must be a whole number from 0 to {SEED_MAX}; got {seed!r}.")
-    return int(seed)
 
 
 def _check_steps(n_steps) -> int:

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import rankdata
 
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed, check_whole_number
 
 DEFAULT_PERMUTATIONS = 10_000
+MAX_PERMUTATIONS = 1_000_000         # p-values to 1e-6; more only costs time
 
 
 def _ranks(score: np.ndarray) -> np.ndarray:
@@ -43,12 +44,12 @@ def roc_auc(score: np.ndarray, label: np.ndarray) -> float:
 def permutation_p(score: np.ndarray, label: np.ndarray, *, n_permutations: int = DEFAULT_PERMUTATIONS,
                   seed: int = 0) -> float:
     """Two-sided permutation p-value of the AUC (seeded; NaN without both classes)."""
+    n_permutations = check_whole_number(n_permutations, "The number of permutations", low=1, high=MAX_PERMUTATIONS)
+    seed = check_seed(seed)
     y = np.asarray(label, dtype=bool).reshape(-1)
     n1, N = int(y.sum()), y.size
     if n1 == 0 or n1 == N:
         return float("nan")
-    if n_permutations < 1:
-        raise InputError(f"Use at least one permutation; got {n_permutations}.")
     r = _ranks(score)
     observed = abs(roc_auc(score, label) - 0.5)
     rng = np.random.default_rng(seed)

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Iterator
 
 from analysis.compress.export.records import MASK_FILE, TOOL
+from analysis.core import schemas
 from analysis.core.atomic import LEFTOVER, disk_full, os_problem, pid_alive
+from analysis.core.files import read_file_text
 from analysis.core.errors import HeadscopeError, InputError, first_line
 
 
@@ -112,11 +114,14 @@ RUN_FILE = "run.json"      # what a pipeline run folder holds at its top (its ex
 
 def is_headscope_export(folder: Path) -> bool:
     """True when `folder` holds a mask.json (an export) or a run.json (a pipeline run) written by
-    headscope: what --overwrite may replace."""
+    headscope: what --overwrite may replace, and what the leftover cleaner may remove. Both are read
+    through the capped, regular-file-only reader: a FIFO, a link to /dev/zero or a 2 GiB file there
+    is "not headscope's" at once (no hang, no memory), never a reason to stop."""
     for name in (MASK_FILE, RUN_FILE):
         try:
-            data = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            text = read_file_text(Path(folder) / name, schemas.MAX_JSON_CHARS, what=name, fix="")
+            data = schemas.load_json_text(text, name, "")
+        except (HeadscopeError, OSError, ValueError):
             continue
         if isinstance(data, dict) and data.get("tool") == TOOL:
             return True

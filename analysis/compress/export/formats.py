@@ -21,12 +21,13 @@ from typing import Any, ClassVar
 from torch import nn
 
 from analysis.arch.adapters import in_memory_copy, is_dispatched
+from analysis.arch.checkpoint import check_finite_tensor
 from analysis.compress.export.folder import (atomic_folder, check_export_name, clean_leftovers, listing,
                                              resolve_under)
 from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
 from analysis.compress.export.selfcheck import read_self_checks
 from analysis.compress.surgery import HeadLayout, prune_heads
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_whole_number
 from analysis.core.progress import Progress, check_stop, no_progress
 
 LAYOUT_FILE = "head_layout.json"
@@ -35,11 +36,12 @@ WEIGHTS_FILE = "model.safetensors"
 
 @dataclass(frozen=True)
 class FormatOption:
-    """One option of a format: its default, the allowed values (None: any value of the default's type)
-    and a help line."""
+    """One option of a format: its default, the allowed values (None: any value of the default's type),
+    a help line, and for a whole number its (lowest, highest) allowed value."""
     default: Any
     choices: tuple | None = None
     help: str = ""
+    bounds: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ def format_options(fmt: str, given: dict) -> dict:
         if spec[name].choices is not None and value not in spec[name].choices:
             raise InputError(f"The {fmt} export's {name} must be one of {', '.join(map(str, spec[name].choices))}; "
                              f"got {value!r}.")
+        if spec[name].bounds is not None:
+            low, high = spec[name].bounds
+            value = check_whole_number(value, f"The {fmt} export's {name}", low=low, high=high)
         out[name] = value
     return out
 
@@ -165,6 +170,8 @@ def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord 
     opts = format_options(fmt, options)
     report = progress or no_progress
     model = resident(model)
+    for name, tensor in model.state_dict().items():     # a mask file skips the scorers' own NaN check
+        check_finite_tensor(tensor, name, "the model")
     record = record_for(model, pruned, record)
     target = Path(target)
     notes = clean_leftovers(target.parent)

@@ -6,7 +6,6 @@ F32) is run by llama.cpp right after it is written and measured against the PyTo
 tokens (`selfcheck`); below its floor the export is refused."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +24,14 @@ def tokenizer_source(model) -> Path | None:
     """Where the export's tokenizer.* keys come from: the built-in's own GGUF file when `model` was
     loaded from a converted built-in (its folder's marker names it); else the model's folder when it
     holds a tokenizer.json (converted by analysis.compress.gguf_tokenizer); else None (token ids only)."""
+    from analysis.arch.models import read_marker
     from analysis.compress.gguf_tokenizer import TOKENIZER_JSON
     text = str(getattr(model.config, "_name_or_path", "") or "")
     folder = Path(text)
-    try:
-        name = json.loads((folder / BUILTIN_MARKER).read_text())["name"]
-    except (OSError, ValueError, KeyError, TypeError):
+    marker = read_marker(folder, BUILTIN_MARKER) if text else None     # capped, regular files only
+    if marker is None or not isinstance(marker.get("name"), str):
         return folder if text and (folder / TOKENIZER_JSON).is_file() else None
-    return source_gguf(name)
+    return source_gguf(marker["name"])
 
 
 @register_format

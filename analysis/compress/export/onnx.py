@@ -16,6 +16,9 @@ from analysis.core.errors import InputError
 from analysis.compress.export.formats import FormatOption, PhysicalFormat, register_format
 
 ONNX_FILE = "model.onnx"
+# the opsets written as asked: 9 is the lowest torch's TorchScript exporter writes for these models (7 and 8
+# fail), 20 its highest (torch.onnx._constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
+OPSETS = (9, 20)
 
 
 class _FirstOutput(nn.Module):
@@ -76,7 +79,7 @@ class OnnxFormat(PhysicalFormat):
     name = "onnx"
     label = "ONNX (ONNX Runtime)"
     help = "model.onnx of the pruned model, for ONNX Runtime"
-    options = {"opset": FormatOption(17, None, "ONNX opset version")}
+    options = {"opset": FormatOption(17, None, f"ONNX opset version ({OPSETS[0]} to {OPSETS[1]})", bounds=OPSETS)}
 
     def write_cut(self, smaller, layout, folder, *, original, opset=17, **options):
         write_onnx(smaller, folder / ONNX_FILE, opset=int(opset))

@@ -8,6 +8,7 @@ a transformers model class of the config's own type.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -79,22 +80,36 @@ def _producer(weights: Path) -> str | None:
 LOADABLE_DTYPES = (*DTYPES.values(), torch.float64)
 
 
+def has_layout(folder) -> bool:
+    """Whether `folder` has anything named head_layout.json (a FIFO or a folder of that name included: it is
+    then a broken pruned export, which `read_layout` refuses in one line, never a plain model)."""
+    return os.path.lexists(Path(folder) / LAYOUT_FILE)
+
+
+def read_layout(folder) -> HeadLayout:
+    """The checked HeadLayout of an export folder's head_layout.json, read through the one capped,
+    regular-file-only reader (a FIFO, a device, a folder, a 2 GiB file or bytes that are not UTF-8 are
+    one InputError)."""
+    return HeadLayout.from_json(read_file_text(Path(folder) / LAYOUT_FILE, schemas.MAX_JSON_CHARS, what=LAYOUT_FILE,
+                                               fix="export the pruned model again"))
+
+
 def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_code: bool = False) -> nn.Module:
     """Rebuild a model exported in the pruned format: build it from config.json, apply
     head_layout.json's shapes, load model.safetensors. A stock export (a save_pretrained
     checkpoint whose config.json already holds the pruned counts) is loaded with its class's
-    from_pretrained. Custom code in config.json (auto_map) runs only with trust_remote_code."""
+    from_pretrained. Custom code in config.json (auto_map) runs only with trust_remote_code.
+    Every file is checked before transformers or safetensors reads it (config.json and the
+    tokenizer / generation files bounded, regular files only)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from analysis.arch.checkpoint import INDEX_FILE, weight_map
+    from analysis.arch.checkpoint import INDEX_FILE, check_side_files, read_config_json, weight_map
     folder = Path(path)
-    layout_file = folder / LAYOUT_FILE
-    if not layout_file.is_file():
+    if not has_layout(folder):
         raise ModelLoadError(f"{folder} has no {LAYOUT_FILE}; it is not a headscope pruned export. Load zeroed "
                              f"or stock exports with transformers' from_pretrained.")
-    layout = HeadLayout.from_json(read_file_text(layout_file, schemas.MAX_JSON_CHARS, what=LAYOUT_FILE,
-                                                 fix="export the pruned model again"))
+    layout = read_layout(folder)
     if not (folder / WEIGHTS_FILE).is_file() and not (folder / INDEX_FILE).is_file():
         pickled = sorted(p.name for p in folder.glob("*.bin"))
         if pickled:
@@ -103,6 +118,8 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
                                  f"model again.")
         raise ModelLoadError(f"{folder} has no {WEIGHTS_FILE}; an ONNX export holds model.onnx only (run it with "
                              f"ONNX Runtime). Otherwise export the pruned model again.")
+    read_config_json(folder)                                  # bounded, regular, a JSON object with sane counts
+    check_side_files(folder)
     mapping = weight_map(folder)                              # shards outside the folder are refused
     files = [folder / WEIGHTS_FILE] if mapping is None else [folder / f for f in sorted(set(mapping.values()))]
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
@@ -115,7 +132,12 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
         g = adapter.geometry(config)
         cls = _architecture_class(config)
         if _producer(files[0]) != TOOL:                       # a stock (save_pretrained) checkpoint
-            if (g.n_heads, g.n_kv_heads) != (layout.uniform_counts() or (layout.n_heads, layout.n_kv_heads)):
+            counts = layout.uniform_counts()
+            if counts is None:                                # a stock config holds one count for every layer
+                raise ModelLoadError(f"{LAYOUT_FILE} in {folder} gives per-layer head counts, but the weights are "
+                                     f"not headscope's pruned format (a zeroed or stock export, or weights copied "
+                                     f"in), so they cannot hold that cut; export the pruned model again.")
+            if (g.n_heads, g.n_kv_heads) != counts:
                 raise ModelLoadError(f"config.json in {folder} ({g.n_heads} heads, {g.n_kv_heads} KV heads) does "
                                      f"not match its {LAYOUT_FILE}; export it again.")
             with quiet_progress_bars(), quiet_load_report():
