@@ -9,7 +9,7 @@ query / 8 KV heads, hidden 4096, FFN 14336, vocabulary 128256, untied LM head; b
     read    one read of every attention tensor (Q/K/V/O of every layer), in one thread, into one buffer per
             role reused layer after layer (memory already touched: no page faults): the physical limit of MP-G
     mp-g    MP-G scoring from the checkpoint (streamed profile + score), as `score --checkpoint` does
-    export  the streamed export (analysis.compress.streamed) of a 25% cut, mask policy "groups"
+    export  the streamed export (analysis.compress.export.streamed) of a 25% cut, mask policy "groups"
 
 Each pair is timed with bench/_timing.compare: interleaved pairs (read, mp-g, then mp-g, read, ...;
 the same for export and cp) until the spread of the per-pair ratios is known or --max-pairs, min /
@@ -80,7 +80,7 @@ def write_checkpoint(folder: Path, vocab: int, layers: int, heads: int, kv_heads
     from transformers import LlamaConfig
 
     from analysis.arch.checkpoint import INDEX_FILE
-    from analysis.compress.streamed import SafetensorsWriter
+    from analysis.compress.export.streamed import SafetensorsWriter
 
     folder.mkdir(parents=True)
     LlamaConfig(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -150,7 +150,7 @@ elif mode == "read":
     from analysis.arch.adapters import adapter_for
     from analysis.arch.checkpoint import checkpoint_entries, load_config
     from analysis.arch.checkpoint import read_tensors
-    from analysis.compress.streamed import _layer_roles, _prefix
+    from analysis.compress.export.streamed import _layer_roles, _prefix
     folder = Path(folder)
     config = load_config(folder)
     adapter = adapter_for(config)
@@ -199,7 +199,7 @@ elif mode == "randmask":           # a 25% groups mask from seeded random scores
     print(json.dumps({"n_pruned": int(plan.n_pruned)}))
 elif mode == "export":
     from analysis.compress.export import read_mask_json
-    from analysis.compress.streamed import export_checkpoint
+    from analysis.compress.export.streamed import export_checkpoint
     record = read_mask_json(sys.argv[4])
     start = time.perf_counter()
     result = export_checkpoint("pruned", folder, record.pruned(), out, record=record)
@@ -212,7 +212,7 @@ elif mode == "plan70b":
     from transformers import LlamaConfig
     from analysis.arch.adapters import adapter_for
     from analysis.compress.export import stock_check
-    from analysis.compress.streamed import _skeleton
+    from analysis.compress.export.streamed import _skeleton
     from analysis.compress.surgery import HeadLayout
     from analysis.score.masks import plan_mask, summarize_mask
     config = LlamaConfig(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, hidden_size=8192,

@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 
 from analysis.arch.models import load_model
-from analysis.compress import llamacpp
-from analysis.compress.distill import DistillConfig
+from analysis.compress.export.gguf import llamacpp
+from analysis.compress.recover.distill import DistillConfig
 from analysis.compress.export import export
-from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline
-from analysis.compress.report import FRONTIER_MARKERS
+from analysis.compress.recover.pipeline import PipelineConfig, export_round, run_pipeline
+from analysis.compress.recover.report import FRONTIER_MARKERS
 from analysis.compress.surgery import prune_heads
 from analysis.core.atomic import atomic_write, write_section
 from analysis.core.text import evaluation_text
@@ -121,7 +121,7 @@ def run_schedule(loaded, held: HeldOut, scorer: str, target: float, step: float,
 
 
 def run_rounds(loaded, cfg: PipelineConfig) -> list[int]:
-    from analysis.compress.pipeline import policy_unit, round_counts
+    from analysis.compress.recover.pipeline import policy_unit, round_counts
     g = loaded.geometry
     return round_counts(cfg.target_sparsity, cfg.step, g.n_total_heads, policy_unit("groups", g))
 

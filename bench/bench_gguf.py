@@ -4,10 +4,10 @@
         [--recovery-minutes 2.5] [--ppl-tokens 512] [--threads 1] [--out results.json] [--quick] [--write-docs]
 
 1. The edge table: the built-in Q4_1 file, SmolLM2 dense, and the pruned + distilled models of the
-   pipeline (analysis.compress.pipeline.run_pipeline: MP-G, one round to the target, then
+   pipeline (analysis.compress.recover.pipeline.run_pipeline: MP-G, one round to the target, then
    --recovery-steps distillation steps capped at --recovery-minutes; policies "groups" and
    "balanced", 12.5 / 25 / 50 %) written by headscope's GGUF export at Q8_0 and Q4_K_M. Per file
-   (analysis.compress.deploy.measure_gguf, all measured by llama.cpp): file size, perplexity on the
+   (analysis.compress.export.gguf.deploy.measure_gguf, all measured by llama.cpp): file size, perplexity on the
    first --ppl-tokens tokens of the built-in evaluation split (headscope's evaluator's ids; the
    pipeline's own PyTorch perplexity of the same ids next to it), prefill and decode tokens/s at
    --speed-context tokens of context, KV cache at 4096 and 8192 tokens.
@@ -32,11 +32,11 @@ import numpy as np
 
 
 from analysis.arch.models import load_model                                      # noqa: E402
-from analysis.compress import llamacpp                                           # noqa: E402
-from analysis.compress.deploy import gguf_facts, measure_gguf                    # noqa: E402
-from analysis.compress.distill import DistillConfig                              # noqa: E402
-from analysis.compress.gguf_writer import source_gguf, write_gguf                # noqa: E402
-from analysis.compress.pipeline import PipelineConfig, run_pipeline              # noqa: E402
+from analysis.compress.export.gguf import llamacpp
+from analysis.compress.export.gguf.deploy import gguf_facts, measure_gguf                    # noqa: E402
+from analysis.compress.recover.distill import DistillConfig                              # noqa: E402
+from analysis.compress.export.gguf.writer import source_gguf, write_gguf                # noqa: E402
+from analysis.compress.recover.pipeline import PipelineConfig, run_pipeline              # noqa: E402
 from analysis.compress.speed import forward_flops                                # noqa: E402
 from analysis.compress.surgery import prune_heads                                # noqa: E402
 from analysis.measure.evaluation import default_text, token_ids                  # noqa: E402
@@ -248,7 +248,7 @@ def goal_line(rows: list[dict]) -> str:
 
 
 def write_docs(rows: list[dict], speed: list[dict], args, wall: float) -> None:
-    from analysis.compress.report import EDGE_MARKERS
+    from analysis.compress.recover.report import EDGE_MARKERS
     from analysis.core.atomic import write_section
     argv = getattr(args, "argv", None) or " ".join(sys.argv[1:])
     argv += "" if "--write-docs" in argv else " --write-docs"

@@ -4,7 +4,7 @@
    scorer (--scorers, default MP-G and the Michel head gate, the best scorer of docs/results.md's
    table), under the mask policy (--policy; default `masks.default_policy`: "groups" on SmolLM2,
    which never grows the model): the one-shot cut, the same cut recovered by distillation
-   (analysis.compress.pipeline with the same budget for every scorer: --steps steps of --batch x
+   (analysis.compress.recover.pipeline with the same budget for every scorer: --steps steps of --batch x
    --seq tokens, the cosine schedule's length, stopped after --minutes of training if not done;
    precision --precision), and its integer
    INT8 (ONNX Runtime dynamic, per-channel weights, the sensitive layers and the LM head float; plus
@@ -59,14 +59,14 @@ ROOT = Path(__file__).resolve().parents[1]
 from bench._timing import compare, load_average, load_text
 from analysis.arch.head_gates import gates_from_mask, zero_heads
 from analysis.arch.models import count_parameters, load_model
-from analysis.compress.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences
+from analysis.compress.recover.distill import DistillConfig, cpu_has_bf16, distill, resolve_precision, training_sequences
 from analysis.compress.export import FORMATS, ExportError
-from analysis.compress.pipeline import PipelineConfig, export_round, run_pipeline
+from analysis.compress.recover.pipeline import PipelineConfig, export_round, run_pipeline
 from analysis.compress.export.onnx import OnnxLM
 from analysis.compress.export.onnx_int8 import quantize_onnx
-from analysis.compress.quantize import compare_onnx, torch_int8_report
+from analysis.compress.recover.quantize import compare_onnx, torch_int8_report
 from analysis.measure.outliers import int8_keep_float_for
-from analysis.compress.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text
+from analysis.compress.recover.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text
 from analysis.compress.speed import saved_bytes, torch_threads
 from analysis.compress.surgery import prune_heads
 from analysis.core.atomic import atomic_write, write_section

@@ -18,7 +18,7 @@ import numpy as np
 
 from analysis.arch.models import load_model
 from analysis.compress.export import export
-from analysis.compress.gguf_writer import WEIGHT_TYPES
+from analysis.compress.export.gguf.writer import WEIGHT_TYPES
 from bench._timing import load_average
 
 

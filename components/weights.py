@@ -4,7 +4,7 @@ The Model page's switch (`weights_only_switch`) makes `state.model_key()` say so
 then returns `analysis.arch.models.open_weights_only` (the model's structure on the meta device),
 `cache.profile` streams the row norms from the files (progress per layer, stoppable), and the
 weight-only scorers, masks, counts, the Walkthrough and the Export page (streamed pruned / stock / gguf
-export, `analysis.compress.streamed`) work from that. A page or section that runs the model
+export, `analysis.compress.export.streamed`) work from that. A page or section that runs the model
 (activations: perplexity, ablation, roles, Compare's curves, Pipeline) calls `needs_model`: one line
 that says so, and a button that loads the model with disk offload instead.
 """
@@ -75,7 +75,7 @@ def export_formats(all_formats) -> list[str]:
     """The export formats the current model can be written in (weights only: the streamed ones)."""
     if not state.weights_only():
         return list(all_formats)
-    from analysis.compress.streamed import streamed_formats
+    from analysis.compress.export.streamed import streamed_formats
     return [f for f in all_formats if f in streamed_formats()]
 
 
@@ -83,7 +83,7 @@ def export_streamed(lm, fmt: str, pruned, root, name: str, *, record, kv_policy:
                     should_stop, **options):
     """The Export page's export for a checkpoint open weights only (same checks as `export.export`)."""
     from analysis.compress.export import check_export_name, resolve_under
-    from analysis.compress.streamed import export_checkpoint
+    from analysis.compress.export.streamed import export_checkpoint
     target = resolve_under(root, name)
     check_export_name(name)
     return export_checkpoint(fmt, lm.source, pruned, target, record=record, kv_policy=kv_policy, overwrite=overwrite,

@@ -6,7 +6,8 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.compress import export as export_mod
-from analysis.compress import deploy, speed
+from analysis.compress import speed
+from analysis.compress.export.gguf import deploy
 from components import cache, charts, controls, explain, numbers, shell, state, views, weights
 from components.errors import shown_errors
 

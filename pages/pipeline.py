@@ -11,9 +11,9 @@ from pathlib import Path
 import streamlit as st
 
 from analysis.compress import export as export_mod
-from analysis.compress.distill import DistillConfig
-from analysis.compress.pipeline import PipelineConfig, export_round, round_counts
-from analysis.compress.report import compression_report
+from analysis.compress.recover.distill import DistillConfig
+from analysis.compress.recover.pipeline import PipelineConfig, export_round, round_counts
+from analysis.compress.recover.report import compression_report
 from components import cache, charts, controls, explain, numbers, shell, state, weights
 from components.errors import shown_errors
 

@@ -51,7 +51,7 @@ from analysis.core.errors import InputError  # noqa: E402
 from analysis.measure.evaluation import bootstrap_perplexity, evaluator_for, gate_batch, token_ids  # noqa: E402
 from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.measure.profiles import profile_model  # noqa: E402
-from analysis.compress.report import EDGE_MARKERS, RECOVERY_MARKERS  # noqa: E402
+from analysis.compress.recover.report import EDGE_MARKERS, RECOVERY_MARKERS  # noqa: E402
 from analysis.score.specialization import ROLES_MARKERS  # noqa: E402
 from analysis.score.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.score.sweep import split_evaluators, sweep_z  # noqa: E402

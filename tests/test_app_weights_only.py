@@ -98,7 +98,7 @@ def test_export_page_streams_and_equals_the_in_memory_export(checkpoint, out_roo
     from safetensors.torch import load_file
     at = _open(checkpoint, "export", sparsity="0.5", scorer="mp-g")
     fmt = at.selectbox(key="hs.w.export.format.streamed")
-    from analysis.compress.streamed import streamed_formats
+    from analysis.compress.export.streamed import streamed_formats
     assert "pruned" in streamed_formats() and "zeroed" not in streamed_formats()
     assert list(fmt.options) == [FORMATS[f].label for f in streamed_formats()]         # the streamed formats
     at.text_input(key="hs.w.export.folder").set_value("cut").run()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from analysis.arch.attention import SDPA_FLOAT32, current_implementation, eager_attention, float32_attention
-from analysis.compress import distill as D
+from analysis.compress.recover import distill as D
 from tests._tiny import FAMILIES, tiny_input_ids, tiny_model
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 

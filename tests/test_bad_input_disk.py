@@ -60,7 +60,7 @@ def test_export_on_a_full_disk_says_so_and_keeps_the_previous_export(tmpfs, mode
 
 
 def test_checkpoint_on_a_full_disk_is_the_projects_error(tmpfs):
-    from analysis.compress.distill import CheckpointError, DistillConfig, distill
+    from analysis.compress.recover.distill import CheckpointError, DistillConfig, distill
     disk = tmpfs("size=256k")
     fill_disk(disk, leave=8192)
     with pytest.raises(CheckpointError, match=r"disk is full.*no earlier checkpoint exists.*free some space"):

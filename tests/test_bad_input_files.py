@@ -189,7 +189,7 @@ def test_text_file_cap_cuts_at_a_character_boundary(char, tmp_path):
 
 
 def test_a_crafted_checkpoint_never_runs_its_code_on_resume(tmp_path):
-    from analysis.compress.distill import CHECKPOINT_FILE, DistillConfig, distill
+    from analysis.compress.recover.distill import CHECKPOINT_FILE, DistillConfig, distill
     marker = tmp_path / "payload-ran"
     folder = tmp_path / "ck"
     folder.mkdir()
@@ -207,7 +207,7 @@ def test_a_crafted_checkpoint_never_runs_its_code_on_resume(tmp_path):
 
 
 def test_resume_with_a_student_of_another_shape_is_a_clear_error(tmp_path):
-    from analysis.compress.distill import DistillConfig, distill
+    from analysis.compress.recover.distill import DistillConfig, distill
     from analysis.compress.surgery import prune_heads
     cfg = DistillConfig(**CFG)
     distill(*distill_pair(), IDS, cfg, checkpoint_dir=tmp_path)

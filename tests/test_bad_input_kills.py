@@ -105,7 +105,7 @@ def test_overwrite_killed_between_renames_is_recovered(pruned_export, tmp_path, 
 
 
 def test_sigkill_temporaries_are_removed_by_the_next_run(tmp_path):
-    from analysis.compress.distill import CHECKPOINT_FILE, DistillConfig, distill
+    from analysis.compress.recover.distill import CHECKPOINT_FILE, DistillConfig, distill
     from analysis.arch.models import BUILTIN_MODELS, _cached_builtin
     dead = dead_pid()
     leftover = tmp_path / f".{CHECKPOINT_FILE}.tmp-{dead}-abc123"

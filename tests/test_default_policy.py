@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from analysis.arch.adapters import adapter_for
-from analysis.compress.pipeline import PipelineConfig
+from analysis.compress.recover.pipeline import PipelineConfig
 from analysis.compress.speed import count_parameters
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import InputError

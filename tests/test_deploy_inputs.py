@@ -1,6 +1,6 @@
 """deploy-report (and the library under it) on hostile inputs, issue 36 class 1.
 
-Every GGUF file is checked by `analysis.compress.gguf_reader.read_gguf` before llama.cpp or the gguf
+Every GGUF file is checked by `analysis.compress.export.gguf.reader.read_gguf` before llama.cpp or the gguf
 package touches it: a file that is not GGUF, an empty, truncated or device file, a tensor whose size does
 not fit the file, a head-count array that disagrees with the attention tensors are one error line (exit 2),
 never a traceback or a run of llama.cpp. The numbers are bounded before any work (--speed-context 0 or
@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.compress import deploy, llamacpp
+from analysis.compress.export.gguf import deploy
+from analysis.compress.export.gguf import llamacpp
 from analysis.core.errors import InputError
 from tests._apptools import tiny_model_dir
 from tests._input_checks import cli_error, cli_run, released_fifo
@@ -50,7 +51,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def read_gguf(path):
-    from analysis.compress.gguf_reader import read_gguf as read    # imported here: each test fails alone without it
+    from analysis.compress.export.gguf.reader import read_gguf as read    # imported here: each test fails alone without it
     return read(path)
 
 

@@ -1,4 +1,4 @@
-"""Distillation (analysis/compress/distill.py): the KL really drops, LoRA merged == unmerged, a stopped run
+"""Distillation (analysis/compress/recover/distill.py): the KL really drops, LoRA merged == unmerged, a stopped run
 resumed from its checkpoint ends bit-identical, checkpoints survive a full disk, bad input is refused."""
 import copy
 import errno
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.compress import distill as D
-from analysis.compress.distill import CheckpointError, DistillConfig, distill, mean_kl
+from analysis.compress.recover import distill as D
+from analysis.compress.recover.distill import CheckpointError, DistillConfig, distill, mean_kl
 from analysis.core.errors import CancelledError, InputError, UnsupportedModelError
 from analysis.arch.head_gates import gates_from_mask, zero_heads
 from analysis.score.scoring import Subject

@@ -300,7 +300,7 @@ def test_failure_halfway_leaves_nothing(tmp_path, monkeypatch, failure):
     def half_written(tmp, record, tokenizer, layout):
         (tmp / "mask.json").write_text("partial")
         raise failure
-    monkeypatch.setattr(formats_mod, "_write_common", half_written)
+    monkeypatch.setattr(formats_mod, "write_common", half_written)
     with pytest.raises(ExportError, match="nothing was left behind") as info:
         export_to("pruned", model, _hard_mask("llama"), target)
     assert isinstance(info.value, HeadscopeError)
@@ -309,7 +309,7 @@ def test_failure_halfway_leaves_nothing(tmp_path, monkeypatch, failure):
     monkeypatch.undo()
     export_to("pruned", model, _hard_mask("llama"), target)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    monkeypatch.setattr(formats_mod, "_write_common", half_written)
+    monkeypatch.setattr(formats_mod, "write_common", half_written)
     with pytest.raises(ExportError):
         export_to("pruned", model, np.eye(2, 4, dtype=bool), target, overwrite=True)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from analysis.arch.adapters import adapter_for
-from analysis.compress import llamacpp
-from analysis.compress.gguf_writer import (FAMILIES, GGUF_FILE, PER_LAYER_ARCH, GGUFPlan, check_embedding_type,
+from analysis.compress.export.gguf import llamacpp
+from analysis.compress.export.gguf.writer import (FAMILIES, GGUF_FILE, PER_LAYER_ARCH, GGUFPlan, check_embedding_type,
                                            check_weight_type, plan_gguf, source_gguf, write_gguf, write_tensors)
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import InputError, UnsupportedModelError
@@ -178,7 +178,7 @@ def test_embedding_type_is_llama_cpps_token_embedding_and_output_type(tmp_path):
     output.weight get that type, every other tensor keeps the type the quantizer chose without it, the
     file keeps its weight type (general.file_type Q4_K_M = 15), llama.cpp runs it, and the deployment
     report's facts name the real types."""
-    from analysis.compress.deploy import gguf_facts
+    from analysis.compress.export.gguf.deploy import gguf_facts
     model = tiny_model("llama")
     smaller, layout = prune_heads(model, _uneven_mask("llama"))
     auto = write_gguf(smaller, layout, tmp_path / "auto.gguf", weight_type="q4_k_m")

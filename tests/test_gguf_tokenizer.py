@@ -1,4 +1,4 @@
-"""HF tokenizer.json -> GGUF tokenizer keys (analysis/compress/gguf_tokenizer.py), checked in llama.cpp.
+"""HF tokenizer.json -> GGUF tokenizer keys (analysis/compress/export/gguf/tokenizer.py), checked in llama.cpp.
 
 Oracles:
 - the SmolLM2 HF folder (the built-in converted to a plain checkpoint) converts to the same tokens,
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.compress import gguf_tokenizer
-from analysis.compress.gguf_writer import source_gguf, tokenizer_metadata
+from analysis.compress.export.gguf import tokenizer as gguf_tokenizer
+from analysis.compress.export.gguf.writer import source_gguf, tokenizer_metadata
 
 VOCAB = 49152
 
@@ -131,8 +131,8 @@ def test_gguf_export_of_an_hf_folder_carries_the_converted_tokenizer(smollm2, sm
     its tokenizer converted; the written file's keys are the converted ones."""
     from gguf import GGUFReader
     from analysis.arch.adapters import adapter_for
-    from analysis.compress.export.gguf import tokenizer_source
-    from analysis.compress.gguf_writer import write_gguf
+    from analysis.compress.export.gguf.format import tokenizer_source
+    from analysis.compress.export.gguf.writer import write_gguf
     from analysis.compress.surgery import prune_heads
     from tests._tiny import tiny_model
     folder = tmp_path / "hf"

@@ -238,7 +238,7 @@ def test_builtin_marker_is_read_bounded(model_dir, tmp_path):
     """The GGUF export asks a model's folder for headscope's built-in marker: a FIFO there hung it."""
     from types import SimpleNamespace
 
-    from analysis.compress.export.gguf import BUILTIN_MARKER, tokenizer_source
+    from analysis.compress.export.gguf.format import BUILTIN_MARKER, tokenizer_source
     folder = tmp_path / "model"
     shutil.copytree(model_dir, folder)
     with released_fifo(folder / BUILTIN_MARKER) as fifo:

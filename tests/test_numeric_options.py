@@ -79,9 +79,9 @@ def test_score_checkpoint_refuses_a_bad_dtype(model_dir):
 # -- the library the app and scripts call ---------------------------------------------------------------
 
 def test_library_bounds():
-    from analysis.compress.distill import DistillConfig
+    from analysis.compress.recover.distill import DistillConfig
     from analysis.compress.export import format_options
-    from analysis.compress.pipeline import PipelineConfig
+    from analysis.compress.recover.pipeline import PipelineConfig
     from analysis.core.errors import check_seed
     from analysis.core.threads import torch_threads
     from analysis.measure.detectors import InductionDetector

@@ -1,4 +1,4 @@
-"""The iterative schedule (analysis/compress/pipeline.py): exact target counts, rounds recorded in the head
+"""The iterative schedule (analysis/compress/recover/pipeline.py): exact target counts, rounds recorded in the head
 layout, every round's model reloads from every export format equal to itself, the budget rule."""
 import copy
 import json
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.compress.distill import DistillConfig
+from analysis.compress.recover.distill import DistillConfig
 from analysis.core.errors import InputError
 from analysis.compress.export import LAYOUT_FILE, ONNX_FILE, load_pruned
-from analysis.compress.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
+from analysis.compress.recover.pipeline import PipelineConfig, export_round, round_counts, run_pipeline
 from analysis.compress.surgery import prune_heads
 from tests._evalkit import tiny_loaded
 from tests._tolerance import EXACT, forward_tolerance, max_diff
@@ -182,8 +182,8 @@ def test_every_registered_scorer_drives_the_cut(tokenizer, scorer):
 def test_the_recorded_config_says_the_steps_each_round_ran():
     """report.json / the pipeline result record the distillation steps a round really runs: the recovery
     steps (or the token budget's steps), not DistillConfig's default."""
-    from analysis.compress.distill import DistillConfig
-    from analysis.compress.pipeline import PipelineConfig
+    from analysis.compress.recover.distill import DistillConfig
+    from analysis.compress.recover.pipeline import PipelineConfig
     cfg = PipelineConfig(recovery_steps=10, distill=DistillConfig(steps=80, batch_size=2, seq_len=16))
     assert cfg.as_dict()["distill"]["steps"] == 10 == cfg.steps_per_round()
     budget = PipelineConfig(recovery_steps=10, recovery_tokens=100, distill=DistillConfig(batch_size=2, seq_len=16))

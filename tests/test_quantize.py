@@ -1,4 +1,4 @@
-"""INT8 (analysis/compress/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
+"""INT8 (analysis/compress/recover/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
 ONNX perplexity path equals the PyTorch one, torch dynamic INT8 of the Linear layers; SmolLM2's
 INT8 ONNX check against float32 (top-1, perplexity, file size; bench/bench_recovery.py measures it on
 the pruned and distilled models too)."""
@@ -13,7 +13,7 @@ from analysis.measure.evaluation import evaluate
 from analysis.compress.export import ExportError, export
 from analysis.compress.export.onnx import OnnxLM
 from analysis.compress.export.onnx_int8 import quantize_onnx
-from analysis.compress.quantize import compare_onnx, quantize_linear, state_bytes, top1_agreement
+from analysis.compress.recover.quantize import compare_onnx, quantize_linear, state_bytes, top1_agreement
 from tests._evalkit import tiny_loaded
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)

@@ -1,4 +1,4 @@
-"""The compression report (analysis/compress/report.py): every stage measured, ratios to dense, the
+"""The compression report (analysis/compress/recover/report.py): every stage measured, ratios to dense, the
 one-shot curve equals the first iterative round (same mask from the same dense scores), files
 written atomically (JSON, markdown, PNG)."""
 import json
@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from analysis.compress.distill import DistillConfig
+from analysis.compress.recover.distill import DistillConfig
 from analysis.compress.export import ExportError
-from analysis.compress.pipeline import PipelineConfig
-from analysis.compress.report import REPORT_FILES, compression_report, write_report
+from analysis.compress.recover.pipeline import PipelineConfig
+from analysis.compress.recover.report import REPORT_FILES, compression_report, write_report
 from analysis.core.threads import torch_threads
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
@@ -82,7 +82,7 @@ def test_files_json_markdown_png(built, tmp_path):
 
 
 def test_growth_warnings_name_the_stage_and_what_grew():
-    from analysis.compress.report import Stage, _with_ratios, growth_warnings
+    from analysis.compress.recover.report import Stage, _with_ratios, growth_warnings
 
     def stage(name, sparsity, parameters, size_mb, kv):
         return Stage(name, sparsity, parameters, size_mb, 1, 1.0, None, 10.0, kv_bytes_per_token=kv)
@@ -95,7 +95,7 @@ def test_growth_warnings_name_the_stage_and_what_grew():
 
 
 def test_int8_lines_print_the_per_round_speedup_with_its_spread():
-    from analysis.compress.report import int8_lines
+    from analysis.compress.recover.report import int8_lines
     # made-up numbers: per round the integer route was 1.5x / 2x / 3x faster; the medians of each side
     # alone (100 ms vs 40 ms) would say 2.50x, which is what the per-round median replaces
     spread = {"min": 1.5, "median": 2.0, "max": 3.0, "rounds": 3}

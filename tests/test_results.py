@@ -93,7 +93,7 @@ def test_main_keeps_the_recovery_section_of_bench_recovery(results, monkeypatch,
     """docs/results.md has two generators: regenerating the scorer tables keeps the section that
     bench/bench_recovery.py --write-docs owns, and that bench's writer keeps the rest."""
     from analysis.core.atomic import write_section
-    from analysis.compress.report import RECOVERY_MARKERS
+    from analysis.compress.recover.report import RECOVERY_MARKERS
     out = tmp_path / "r.md"
     section = f"{RECOVERY_MARKERS[0]}\n## Recovery\nnumbers\n{RECOVERY_MARKERS[1]}"
     out.write_text("old table\n\n" + section + "\n", encoding="utf-8")

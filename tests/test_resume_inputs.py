@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.compress import distill as D
-from analysis.compress.distill import DistillConfig, distill
+from analysis.compress.recover import distill as D
+from analysis.compress.recover.distill import DistillConfig, distill
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import InputError
 from tests._tiny import tiny_input_ids, tiny_model

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from analysis.compress.export import FORMATS, export
-from analysis.compress.export import gguf as gguf_format
+from analysis.compress.export.gguf import format as gguf_format
 from analysis.compress.export import onnx_int8
 from analysis.compress.export.selfcheck import (FLOORS, SELF_CHECK_FILE, CheckText, SelfCheckFailed, check_causal,
                                                 floor_for)
@@ -180,7 +180,7 @@ def test_smollm2_int8_export_keeps_its_quality(smollm2, tmp_path):
 def test_streamed_gguf_is_self_checked_against_its_f32_in_llama_cpp(tmp_path, gguf_type):
     """export --checkpoint builds no model: the quantized file is measured against an F32 GGUF of the
     same cut (a temporary, gone afterwards) in llama.cpp."""
-    from analysis.compress.streamed import export_checkpoint
+    from analysis.compress.export.streamed import export_checkpoint
     from tests.test_streamed_export import _checkpoint
     _, ckpt = _checkpoint(tmp_path, "llama")
     result = export_checkpoint("gguf", ckpt, np.zeros((2, 4), bool), tmp_path / "out", gguf_type=gguf_type)

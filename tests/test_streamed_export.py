@@ -26,7 +26,7 @@ from analysis.arch.checkpoint import INDEX_FILE
 from analysis.arch.resize import SURGERY
 from analysis.compress.export import ExportError, export_to, load_pruned
 from analysis.compress.export.folder import TMP_MARKER
-from analysis.compress.streamed import SafetensorsWriter, export_checkpoint
+from analysis.compress.export.streamed import SafetensorsWriter, export_checkpoint
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, HeadscopeError, ModelLoadError
 from tests._tiny import FAMILIES, tiny_config, tiny_input_ids, tiny_model
@@ -361,7 +361,7 @@ _CHILD = """
 import sys, time
 from pathlib import Path
 import numpy as np
-import analysis.compress.streamed as streamed
+import analysis.compress.export.streamed as streamed
 original = streamed.SafetensorsWriter.copy
 def slow_copy(self, name, entry, should_stop=None):
     original(self, name, entry, should_stop)
@@ -486,7 +486,7 @@ def test_cli_truncated_shard_exit_2(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF from the checkpoint (analysis.compress.gguf_writer fed tensor by tensor)
+# GGUF from the checkpoint (analysis.compress.export.gguf.writer fed tensor by tensor)
 # ---------------------------------------------------------------------------------------------
 
 def _gguf_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -577,7 +577,7 @@ def test_streamed_gguf_q4_k_m_equals_in_memory_and_runs_in_llama_cpp(family, dty
     logits of the two files are equal, and finite."""
     pytest.importorskip("gguf")
     from gguf import GGUFReader
-    from analysis.compress import llamacpp
+    from analysis.compress.export.gguf import llamacpp
     # rows of 256 (the k-quant super-block; the tiny default hidden 32 would fall back everywhere)
     model, ckpt = _checkpoint(tmp_path, family, dtype=dtype, hidden_size=256, intermediate_size=512)
     pruned = _masks(family)["uneven-groups"]                     # 4 heads / 2 KV heads, as the default

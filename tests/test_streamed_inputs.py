@@ -96,7 +96,7 @@ def test_the_library_refuses_nan_weights_for_the_app(model_dir, mask_file, tmp_p
     """The Export page calls export_checkpoint (weights only) and export (a loaded model)."""
     from analysis.arch.models import load_model
     from analysis.compress.export import export, read_mask_json
-    from analysis.compress.streamed import export_checkpoint
+    from analysis.compress.export.streamed import export_checkpoint
     source = _poisoned(model_dir, tmp_path / "nan", lambda name: "self_attn" in name)
     pruned = read_mask_json(mask_file).pruned()
     with pytest.raises(HeadscopeError, match="NaN or infinite"):

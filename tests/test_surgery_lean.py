@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from analysis.arch.adapters import adapter_for
-from analysis.compress.distill import DistillConfig, distill
+from analysis.compress.recover.distill import DistillConfig, distill
 from analysis.compress.export import export
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.compress.surgery import own_tensors, prune_heads, shared_tensors, structural_twin

@@ -10,7 +10,7 @@ transformers dispatches attention through `AttentionInterface` by the name in
   for the kernel; the output stays float32 and the next Linear casts it as usual). Why: on CPUs the
   bfloat16 backward of SDPA is slower than the float32 one (SmolLM2-135M, a 4 x 128 batch, 2
   threads: 220 ms vs 64 ms a training step over its 30 layers, torch 2.13), so bf16 recovery
-  (analysis.compress.distill) keeps the attention core in float32 while its Linear layers run in
+  (analysis.compress.recover.distill) keeps the attention core in float32 while its Linear layers run in
   bfloat16. Models whose attention is not "sdpa" (eager, custom code) are left as they are.
 
 "sdpa-float32" is registered in transformers' AttentionInterface once, when this module is

@@ -650,7 +650,7 @@ def open_weights_only(path, *, trust_remote_code: bool = False) -> LoadedModel:
     is built on the meta device (structure, names, shapes and dtype; no memory, no values), so
     everything that needs only the geometry (masks, counts, stock checks, parameter counts) works,
     the profile is streamed from the files (`analysis.measure.streaming.profile_checkpoint`) and
-    the export is streamed too (`analysis.compress.streamed`). Anything that runs the model
+    the export is streamed too (`analysis.compress.export.streamed`). Anything that runs the model
     (activations) must load it (`load_model`, with offload for a model larger than memory)."""
     from analysis.arch.checkpoint import FLOAT_DTYPES, checkpoint_folder, load_config, read_header, tensor_files
     folder = checkpoint_folder(path)

@@ -8,7 +8,7 @@ the shared options and the registry common.py):
     ablate  single-head (and KV-group) ablation sweep     (CSV: layer,head,kv_group,delta,group_delta)
     evaluate  perplexity (or the kind's metric) dense and under the mask
     export  the pruned model in one of four formats, plus mask.json
-    pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/compress/pipeline.py)
+    pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/compress/recover/pipeline.py)
     roles   what heads do: induction, duplicate-token, previous-token, copying, successor, DLA scores (roles.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the

@@ -225,9 +225,9 @@ def run_deploy_report(ns):
     """llama.cpp's numbers for a dense and pruned GGUF files (size, perplexity, speed, KV cache)."""
     from pathlib import Path
     from analysis.arch.models import load_model
-    from analysis.compress.deploy import check_files, check_options, measure_gguf, ratios
+    from analysis.compress.export.gguf.deploy import check_files, check_options, measure_gguf, ratios
     from analysis.compress.export import MASK_FILE, read_mask_json
-    from analysis.compress.gguf_writer import GGUF_FILE
+    from analysis.compress.export.gguf.writer import GGUF_FILE
     from analysis.core.atomic import path_problem
     from analysis.measure.evaluation import default_text, evaluate, token_ids
 

@@ -95,11 +95,11 @@ def _plan_from_mask_file(ns):
 
 def _export_streamed(ns, target, given: dict):
     """export --checkpoint: score by streaming (or read --mask-file) and cut the checkpoint tensor by tensor
-    (analysis.compress.streamed); the model is never built."""
+    (analysis.compress.export.streamed); the model is never built."""
     from analysis.arch.adapters import adapter_for
     from analysis.arch.checkpoint import checkpoint_folder, load_config
     from analysis.compress.export import mask_record, read_mask_json
-    from analysis.compress.streamed import checkpoint_has_qkv_bias, export_checkpoint, streamed_formats
+    from analysis.compress.export.streamed import checkpoint_has_qkv_bias, export_checkpoint, streamed_formats
 
     if ns.export_format not in streamed_formats():
         raise InputError(f"--checkpoint streams the {' and '.join(streamed_formats())} formats; for "

@@ -1,5 +1,5 @@
 """The pipeline command: `python -m analysis pipeline ...` builds a PipelineConfig from its options,
-runs the iterative schedule with the compression report (analysis.compress.report), and writes the
+runs the iterative schedule with the compression report (analysis.compress.recover.report), and writes the
 report and the final model's exports under --out-dir/--name."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from analysis.score.masks import POLICIES
 
 def _pipeline_arguments(parser) -> None:
     from analysis.compress.export import FORMATS
-    from analysis.compress.pipeline import DEFAULT_SCORER
+    from analysis.compress.recover.pipeline import DEFAULT_SCORER
     add_source_arguments(parser, streaming=False)
     add_scorer_arguments(parser, default=DEFAULT_SCORER)
     parser.add_argument("--target", type=float, default=0.25, help="target head sparsity (fraction of all heads)")
@@ -81,8 +81,8 @@ def _read_text(path: str | None, option: str) -> str | None:
 
 def config_from(ns):
     """A PipelineConfig from the `pipeline` command's options."""
-    from analysis.compress.distill import DistillConfig
-    from analysis.compress.pipeline import PipelineConfig
+    from analysis.compress.recover.distill import DistillConfig
+    from analysis.compress.recover.pipeline import PipelineConfig
     scorer = scorer_from(ns)
     cfg = PipelineConfig(
         target_sparsity=ns.target, step=ns.step, recovery_steps=ns.recovery_steps, ppl_budget=ns.budget,
@@ -102,8 +102,8 @@ def run_pipeline_command(ns):
     from analysis.arch.models import DEFAULT_MODEL, load_model
     from analysis.compress.export import FORMATS, TOOL, resolve_under
     from analysis.compress.export.folder import RUN_FILE, atomic_folder, clean_leftovers
-    from analysis.compress.pipeline import export_round
-    from analysis.compress.report import compression_report, write_report
+    from analysis.compress.recover.pipeline import export_round
+    from analysis.compress.recover.report import compression_report, write_report
     formats = [f.strip() for f in ns.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:

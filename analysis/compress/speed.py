@@ -157,7 +157,7 @@ def alternating_times(calls: dict[str, Callable[[], object]], *, repeats: int = 
     """Time each named callable: `warmup` untimed rounds, then `repeats` rounds in which every
     callable runs once, the order rotating each round (so drift hits all alike).
     self_timed=True: each callable times itself and returns (wall, CPU) seconds (a decode step
-    whose prefill must stay outside the time: `_decode_step`)."""
+    whose prefill must stay outside the time: `decode_step`)."""
     names = list(calls)
     with torch.inference_mode():
         for _ in range(warmup):
@@ -208,7 +208,7 @@ def masked_call(model: nn.Module, gates: torch.Tensor, fn: Callable[[], object],
     return run
 
 
-def _decode_step(model: nn.Module, prompt: torch.Tensor, steps: int) -> Callable[[], tuple[float, float]]:
+def decode_step(model: nn.Module, prompt: torch.Tensor, steps: int) -> Callable[[], tuple[float, float]]:
     """A callable that prefills `prompt` (untimed) and returns the median (wall, CPU) seconds per
     decode step."""
     sync = _SYNCHRONIZE.get(prompt.device.type, lambda: None)
@@ -333,7 +333,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
                 dense_f = forward_flops(model, n, n, adapter=adapter)
                 small_f = forward_flops(smaller, n, n, layout=layout, adapter=adapter)
             else:
-                steps = {name: wrap[name](_decode_step(m, inputs, decode_steps)) for name, m in models.items()}
+                steps = {name: wrap[name](decode_step(m, inputs, decode_steps)) for name, m in models.items()}
                 times = alternating_times(steps, repeats=repeats, warmup=warmup, should_stop=should_stop,
                                           self_timed=True)
                 latency[key] = times.median_ms("wall")

@@ -18,7 +18,7 @@ small) are copied.
 Writing into the twin's untouched tensors in place (an optimizer step, `zero_heads`, LoRA
 merges) would write into the original: anything that trains or edits a pruned model must own
 its weights first: `prune_heads(..., share=False)` or `own_tensors(model, original)` (the one
-place that un-shares; `analysis.compress.distill.distill` calls it on every student). `in_place=True`
+place that un-shares; `analysis.compress.recover.distill.distill` calls it on every student). `in_place=True`
 reshapes the given model itself (the caller gives it up; no twin at all).
 
 GQA groups (H query heads share H_kv KV heads, G = H / H_kv per group):

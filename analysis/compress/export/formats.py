@@ -46,12 +46,12 @@ class FormatOption:
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """How a format is written from a checkpoint without building the model (`analysis.compress.streamed`):
+    """How a format is written from a checkpoint without building the model (`analysis.compress.export.streamed`):
     names "state_dict" (the model's state-dict names, a tied tensor once, as safetensors' save_model
     keeps it) or "checkpoint" (the checkpoint's save_pretrained names); producer: headscope's
     "producer" metadata (load_pruned reads the weights itself); config "original" or "stock" (the
     pruned head counts) or None (no config.json); writer "safetensors" (shards) or "gguf" (one
-    model.gguf through analysis.compress.gguf_writer, fed tensor by tensor)."""
+    model.gguf through analysis.compress.export.gguf.writer, fed tensor by tensor)."""
     names: str
     producer: bool
     config: str | None
@@ -65,6 +65,7 @@ class ExportFormat:
     help: ClassVar[str] = ""                   # one line: what the folder holds and what loads it
     physical: ClassVar[bool] = True            # written from surgery's smaller model (kv_policy applies)
     options: ClassVar[dict[str, FormatOption]] = {}
+    rank: ClassVar[int] = 100                  # where the format stands in the CLI's and the app's lists
     streamed: ClassVar[StreamSpec | None] = None   # also written from a checkpoint, tensor by tensor
 
     def write(self, model: nn.Module, pruned, folder: Path, *, kv_policy: str = "auto", rounds=None,
@@ -96,10 +97,14 @@ FORMATS: dict[str, ExportFormat] = {}
 
 
 def register_format(cls: type[ExportFormat]) -> type[ExportFormat]:
-    """Add a format to the registry (usable as a class decorator); its name must be new."""
+    """Add a format to the registry (usable as a class decorator); its name must be new. The registry
+    stays ordered by `rank` (then by registration)."""
     if not cls.name or cls.name in FORMATS:
         raise ValueError(f"export format name {cls.name!r} is empty or taken")
     FORMATS[cls.name] = cls()
+    ordered = sorted(FORMATS.items(), key=lambda item: item[1].rank)     # stable: equal ranks keep their order
+    FORMATS.clear()
+    FORMATS.update(ordered)
     return cls
 
 
@@ -143,7 +148,7 @@ class ExportResult:
         return sum(self.files.values())
 
 
-def _write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None) -> None:
+def write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None) -> None:
     if layout is not None:          # a physical cut: mask.json says which kv_policy built it
         record = replace(record, kv_policy=layout.kv_policy)
     (tmp / MASK_FILE).write_text(record.to_json(), encoding="utf-8")
@@ -180,7 +185,7 @@ def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord 
     report(0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
         layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, tokenizer=tokenizer, **opts)
-        _write_common(tmp, record, tokenizer, layout)
+        write_common(tmp, record, tokenizer, layout)
         check_stop(None, f"The {fmt} export")     # a signal during the write: the temporary folder goes
         report(0.9, f"{fmt} export: moving into place")
     checks = read_self_checks(target)

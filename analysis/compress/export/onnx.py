@@ -77,6 +77,7 @@ def write_onnx(model: nn.Module, path: Path, *, opset: int = 17) -> str:
 @register_format
 class OnnxFormat(PhysicalFormat):
     name = "onnx"
+    rank = 40
     label = "ONNX (ONNX Runtime)"
     help = "model.onnx of the pruned model, for ONNX Runtime"
     options = {"opset": FormatOption(17, None, f"ONNX opset version ({OPSETS[0]} to {OPSETS[1]})", bounds=OPSETS)}

@@ -37,10 +37,11 @@ def save_pruned(model: nn.Module, folder: Path) -> None:
 @register_format
 class PrunedFormat(PhysicalFormat):
     name = "pruned"
+    rank = 20
     label = "pruned checkpoint (head layout)"
     help = "physically smaller, any per-layer head counts: load_pruned loads it"
 
-    # streamed (analysis.compress.streamed): state-dict names, a tie stored once, the original config
+    # streamed (analysis.compress.export.streamed): state-dict names, a tie stored once, the original config
     streamed = StreamSpec(names="state_dict", producer=True, config="original")
 
     def write_cut(self, smaller, layout, folder, *, original, **options):
@@ -51,7 +52,7 @@ class PrunedFormat(PhysicalFormat):
 # Loading the physically pruned format
 # ---------------------------------------------------------------------------------------------
 
-def _architecture_class(config):
+def architecture_class(config):
     """The transformers model class config.architectures names, if it is one for this config type."""
     import transformers
     from transformers import PreTrainedModel
@@ -130,7 +131,7 @@ def load_pruned(path, *, attn_implementation: str | None = None, trust_remote_co
                                  f"config.json builds {config.model_type!r}; export the pruned model again.")
         adapter = adapter_for(config)
         g = adapter.geometry(config)
-        cls = _architecture_class(config)
+        cls = architecture_class(config)
         if _producer(files[0]) != TOOL:                       # a stock (save_pretrained) checkpoint
             counts = layout.uniform_counts()
             if counts is None:                                # a stock config holds one count for every layer

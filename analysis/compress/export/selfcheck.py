@@ -143,16 +143,29 @@ def held_back_windows(tokenizer, model, *, n_tokens: int = SELF_CHECK_TOKENS) ->
     from analysis.measure.evaluation import context_length
     vocab_size = int(model.config.get_text_config().vocab_size)
     window = min(SELF_CHECK_WINDOW, context_length(model, SELF_CHECK_WINDOW))
-    if tokenizer is not None and len(tokenizer) <= vocab_size:
-        from analysis.core.text import evaluation_text
-        from analysis.measure.evaluation import token_ids
-        ids = token_ids(tokenizer, evaluation_text(), max_tokens=n_tokens).numpy().astype(np.int64)   # [N]
+    ids = _text_ids(tokenizer, vocab_size, n_tokens)
+    if ids is not None:
         source = "held-back tokens"
     else:
         ids = np.random.default_rng(0).integers(0, vocab_size, n_tokens, dtype=np.int64)              # [N]
         source = "random token ids (no tokenizer for this model)"
     return CheckText([ids[b:b + window] for b in range(0, len(ids) - 1, window) if len(ids[b:b + window]) >= 2],
                      source)
+
+
+def _text_ids(tokenizer, vocab_size: int, n_tokens: int) -> np.ndarray | None:
+    """The evaluation split's first tokens [N], or None where the tokenizer cannot give them for this
+    model (no tokenizer, ids beyond its vocabulary, a tokenizer without a vocabulary of its own)."""
+    if tokenizer is None or len(tokenizer) > vocab_size:
+        return None
+    from analysis.core.errors import InputError
+    from analysis.core.text import evaluation_text
+    from analysis.measure.evaluation import token_ids
+    try:
+        ids = token_ids(tokenizer, evaluation_text(), max_tokens=n_tokens).numpy().astype(np.int64)   # [N]
+    except InputError:
+        return None
+    return ids if len(ids) >= 2 and int(ids.max()) < vocab_size else None
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -108,9 +108,10 @@ def stock_check(model_or_config, pruned, *, kv_policy: str = "auto", sparsity: f
 @register_format
 class StockFormat(PhysicalFormat):
     name = "stock"
+    rank = 30
     label = "stock checkpoint (from_pretrained)"
     help = "uniform head counts: plain from_pretrained loads it"
-    # streamed (analysis.compress.streamed): the checkpoint's names, config.json with the pruned counts
+    # streamed (analysis.compress.export.streamed): the checkpoint's names, config.json with the pruned counts
     streamed = StreamSpec(names="checkpoint", producer=False, config="stock")
 
     def write_cut(self, smaller, layout, folder, *, original, **options):

@@ -25,6 +25,7 @@ def save_hf(model: nn.Module, folder: Path, config=None) -> None:
 @register_format
 class ZeroedFormat(ExportFormat):
     name = "zeroed"
+    rank = 10
     label = "zeroed weights (original shapes)"
     help = "original shapes, pruned heads zeroed: loads anywhere, no smaller"
     physical = False

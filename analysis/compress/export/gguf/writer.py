@@ -28,7 +28,7 @@ time in plan order, so a checkpoint can be fed shard by shard without building t
 Tokenizer: the `tokenizer.*` keys (vocabulary, merges, special ids, chat template) are copied from
 a GGUF file the model came from (the built-in SmolLM2's own file, `source_gguf`), so llama.cpp
 tokenizes exactly as that file does; a model from an HF folder gets them converted from its
-tokenizer.json (byte-level BPE: `analysis.compress.gguf_tokenizer`); otherwise the file gets
+tokenizer.json (byte-level BPE: `analysis.compress.export.gguf.tokenizer`); otherwise the file gets
 `tokenizer.ggml.model = "none"` plus the vocabulary size (token ids only: enough for evaluation by ids).
 """
 from __future__ import annotations
@@ -300,14 +300,14 @@ def _llama_ftype(name: str) -> int:
 
 def tokenizer_metadata(source: str | os.PathLike | None, vocab_size: int) -> list[tuple]:
     """The `tokenizer.*` keys of `source`: a GGUF file (its keys, raw bytes kept) or an HF tokenizer
-    folder (tokenizer.json converted by `analysis.compress.gguf_tokenizer`); a "none" vocabulary (token
+    folder (tokenizer.json converted by `analysis.compress.export.gguf.tokenizer`); a "none" vocabulary (token
     ids only) when there is no source or the folder's tokenizer is not one that module converts. The
     source must describe `vocab_size` tokens."""
     none = [("tokenizer.ggml.model", "none", "STRING", None)]
     if source is None:
         return none
     if Path(source).is_dir():
-        from analysis.compress.gguf_tokenizer import hf_tokenizer_metadata
+        from analysis.compress.export.gguf.tokenizer import hf_tokenizer_metadata
         return hf_tokenizer_metadata(source, vocab_size) or none
     from gguf import GGUFReader, GGUFValueType
     reader = GGUFReader(str(source))
@@ -474,7 +474,7 @@ def llama_quantize(source: Path, target: Path, weight_type: str, *, threads: int
     if explicit is not None:                # ggml_type ids: the gguf package's GGMLQuantizationType
         params.token_embedding_type = params.output_tensor_type = int(gguf.GGMLQuantizationType[explicit])
     params.nthread = threads or (os.cpu_count() or 1)
-    from analysis.compress.llamacpp import llama_log
+    from analysis.compress.export.gguf.llamacpp import llama_log
     with llama_log():                       # its per-tensor fallback notes stay off the console
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
     if status != 0:

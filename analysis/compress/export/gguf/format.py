@@ -1,5 +1,5 @@
 """The "gguf" format: one model.gguf that llama.cpp loads and runs (per-layer head counts included),
-written from the physically pruned model by `analysis.compress.gguf_writer` (docs/EXPORT.md, "The
+written from the physically pruned model by `analysis.compress.export.gguf.writer` (docs/EXPORT.md, "The
 gguf format"). The tokenizer is carried over from the GGUF file a built-in model came from, or
 converted from the tokenizer.json of the folder a model was loaded from. A file of a lossy type (below
 F32) is run by llama.cpp right after it is written and measured against the PyTorch model on held-back
@@ -14,7 +14,7 @@ from analysis.arch.adapters import input_device
 from analysis.compress.export.formats import FormatOption, PhysicalFormat, StreamSpec, register_format
 from analysis.compress.export.selfcheck import (CheckText, LogitsFn, SelfCheck, check_causal, held_back_windows,
                                                 refuse, write_self_checks)
-from analysis.compress.gguf_writer import (DEFAULT_EMBEDDING_TYPE, DEFAULT_WEIGHT_TYPE, EMBEDDING_TYPES, GGUF_FILE,
+from analysis.compress.export.gguf.writer import (DEFAULT_EMBEDDING_TYPE, DEFAULT_WEIGHT_TYPE, EMBEDDING_TYPES, GGUF_FILE,
                                            WEIGHT_TYPES, check_weight_type, source_gguf, write_gguf)
 
 BUILTIN_MARKER = "headscope-builtin.json"       # analysis.arch.models writes it into a converted built-in
@@ -23,9 +23,9 @@ BUILTIN_MARKER = "headscope-builtin.json"       # analysis.arch.models writes it
 def tokenizer_source(model) -> Path | None:
     """Where the export's tokenizer.* keys come from: the built-in's own GGUF file when `model` was
     loaded from a converted built-in (its folder's marker names it); else the model's folder when it
-    holds a tokenizer.json (converted by analysis.compress.gguf_tokenizer); else None (token ids only)."""
+    holds a tokenizer.json (converted by analysis.compress.export.gguf.tokenizer); else None (token ids only)."""
     from analysis.arch.models import read_marker
-    from analysis.compress.gguf_tokenizer import TOKENIZER_JSON
+    from analysis.compress.export.gguf.tokenizer import TOKENIZER_JSON
     text = str(getattr(model.config, "_name_or_path", "") or "")
     folder = Path(text)
     marker = read_marker(folder, BUILTIN_MARKER) if text else None     # capped, regular files only
@@ -37,6 +37,7 @@ def tokenizer_source(model) -> Path | None:
 @register_format
 class GGUFFormat(PhysicalFormat):
     name = "gguf"
+    rank = 60
     label = "GGUF (llama.cpp)"
     help = "model.gguf for llama.cpp (and what is built on it), per-layer head counts included"
     options = {"gguf_type": FormatOption(DEFAULT_WEIGHT_TYPE, tuple(WEIGHT_TYPES),
@@ -46,7 +47,7 @@ class GGUFFormat(PhysicalFormat):
                    "type of the token embedding (and output) tensor that llama.cpp's quantizer is told to use "
                    "(its token_embedding_type / output_tensor_type; auto: its own choice, Q8_0 on SmolLM2); "
                    "the file keeps its weight type's name, the deployment report lists every tensor's type")}
-    # streamed (analysis.compress.streamed): the plan from names and shapes, the tensors fed one at a time
+    # streamed (analysis.compress.export.streamed): the plan from names and shapes, the tensors fed one at a time
     streamed = StreamSpec(names="state_dict", producer=False, config=None, writer="gguf")
 
     def write_cut(self, smaller, layout, folder, *, original, tokenizer=None, gguf_type=DEFAULT_WEIGHT_TYPE,
@@ -80,7 +81,7 @@ def torch_logits(model) -> LogitsFn:
 def llamacpp_logits(path: Path, n_ctx: int) -> LogitsFn:
     """One window of ids [T <= n_ctx] -> llama.cpp's logits [T, V] of the GGUF file, with the f16 KV
     cache a deployment runs with."""
-    from analysis.compress import llamacpp
+    from analysis.compress.export.gguf import llamacpp
     with llamacpp.llama_log():                 # its load notes stay off the console
         llm = llamacpp.load(path, n_ctx=n_ctx, kv_type="f16")
     return lambda ids: llamacpp.logits(llm, ids)

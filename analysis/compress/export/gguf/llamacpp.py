@@ -100,8 +100,8 @@ def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, 
     """llama_cpp.Llama over the GGUF file on the CPU. kv_type: the KV cache's element type, "f16"
     (llama.cpp's default: what a deployment uses) or "f32" (for exactness checks: an f16 cache rounds
     K and V to 11 bits, ~1e-3 of the logits). The file's header is checked first
-    (`analysis.compress.gguf_reader.read_gguf`): llama.cpp never sees a file it would crash on."""
-    from analysis.compress.gguf_reader import read_gguf
+    (`analysis.compress.export.gguf.reader.read_gguf`): llama.cpp never sees a file it would crash on."""
+    from analysis.compress.export.gguf.reader import read_gguf
     from analysis.core.threads import check_threads
     llama_cpp = _llama_cpp()
     path = Path(path)

@@ -1,6 +1,6 @@
 """The compression report of one pipeline run, stage by stage, as JSON, markdown and a PNG plot.
 
-`compression_report(loaded, config)` runs the configured schedule (analysis.compress.pipeline) and, for
+`compression_report(loaded, config)` runs the configured schedule (analysis.compress.recover.pipeline) and, for
 the plot, the same schedule without recovery and the one-shot cut (masks planned once from the
 dense model's scores) at every round's sparsity. Stages: dense; each accepted round (cut and,
 with recovery, recovered); final; INT8 (ONNX Runtime, weight-only, when `int8=True`). Each stage
@@ -26,12 +26,12 @@ import torch
 
 from analysis.measure.evaluation import evaluate
 from analysis.compress.export import atomic_folder
-from analysis.compress.pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
+from analysis.compress.recover.pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
 from analysis.core.progress import Progress, ShouldStop
 from analysis.score.masks import plan_mask, surgery_counts
 from analysis.score.scoring import get_scorer
 from analysis.arch.models import count_parameters
-from analysis.compress.speed import _decode_step, alternating_times, forward_flops, saved_bytes
+from analysis.compress.speed import decode_step, alternating_times, forward_flops, saved_bytes
 from analysis.core.threads import torch_threads
 from analysis.compress.surgery import prune_heads
 
@@ -167,7 +167,7 @@ def measure_stage(name: str, loaded, model, layout, sparsity: float, eval_text, 
         ms = alternating_times(calls, repeats=repeats, warmup=1).median_ms("wall")
         decode = None
         if causal:
-            step = _decode_step(model, x, 8)
+            step = decode_step(model, x, 8)
             with torch.inference_mode():
                 step()
                 decode = 1e3 * float(np.median([step()[0] for _ in range(repeats)]))   # per token
@@ -296,7 +296,7 @@ def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threa
     """The final model in float32 ONNX, its two ONNX INT8 files and PyTorch dynamic INT8, each
     measured against float32 in its own runtime (info[...]: agreement, speed-ups, sizes)."""
     from analysis.compress.export.onnx_int8 import quantize_onnx
-    from analysis.compress.quantize import compare_onnx, torch_int8_report
+    from analysis.compress.recover.quantize import compare_onnx, torch_int8_report
     from analysis.measure.outliers import int8_keep_float_for
     small, _ = result.smaller()
     keep = int8_keep_float_for(small, loaded.tokenizer)

@@ -1,6 +1,6 @@
 """The deployment report: what a GGUF file costs and does in llama.cpp, dense next to pruned.
 
-Per file, all measured by llama.cpp (`analysis.compress.llamacpp`): file size, perplexity on the
+Per file, all measured by llama.cpp (`analysis.compress.export.gguf.llamacpp`): file size, perplexity on the
 built-in evaluation split (the same token ids and windows as headscope's evaluator), prefill and
 decode tokens/s at one context length, and the KV cache llama.cpp allocates at 4096 and 8192
 tokens (f16 K/V, flash attention on: exact per-layer sizes). `headscope_perplexity` puts headscope's
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from analysis.compress import llamacpp
+from analysis.compress.export.gguf import llamacpp
 
 KV_CONTEXTS = (4096, 8192)
 SPEED_CONTEXT = 512
@@ -38,7 +38,7 @@ def check_files(dense, pruned: Sequence, ids: Sequence[int] | None = None) -> li
     """The checked headers (`gguf_reader.read_gguf`) of the dense file and each pruned one, which must
     come from the same model at the same weight type (layers, hidden size, vocabulary); with `ids`,
     every id must be in each file's vocabulary. InputError naming the file and the difference."""
-    from analysis.compress.gguf_reader import read_gguf
+    from analysis.compress.export.gguf.reader import read_gguf
     from analysis.core.errors import InputError
     headers = [read_gguf(dense)] + [read_gguf(p) for p in pruned]
     base = headers[0]
@@ -63,7 +63,7 @@ def check_files(dense, pruned: Sequence, ids: Sequence[int] | None = None) -> li
 
 def gguf_facts(path_or_header) -> dict:
     """Architecture, weight type and per-layer head counts, read from the file's checked header."""
-    from analysis.compress.gguf_reader import GGUFHeader, read_gguf
+    from analysis.compress.export.gguf.reader import GGUFHeader, read_gguf
     header = path_or_header if isinstance(path_or_header, GGUFHeader) else read_gguf(path_or_header)
     heads, kv = header.head_counts, header.kv_head_counts
     return {"arch": header.arch, "file_type": header.file_type, "heads": int(sum(heads)), "kv_heads": int(sum(kv)),
@@ -120,8 +120,8 @@ def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_toke
 
     import numpy as np
 
-    from analysis.compress.export.gguf import tokenizer_source
-    from analysis.compress.gguf_writer import GGUF_FILE, write_gguf
+    from analysis.compress.export.gguf.format import tokenizer_source
+    from analysis.compress.export.gguf.writer import GGUF_FILE, write_gguf
     from analysis.compress.surgery import HeadLayout
     from analysis.measure.evaluation import default_text, evaluate, token_ids
 

@@ -133,7 +133,7 @@ def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 
     """PyTorch dynamic INT8 of `model`'s Linear layers (`quantize_linear`; keep_float None = the
     sensitive layers and the LM head, `int8_keep_float` on the calibration split) vs the float32
     model in the same runtime: size, prefill and decode latency (alternating), metric, top-1."""
-    from analysis.compress.speed import _decode_step
+    from analysis.compress.speed import decode_step
     if keep_float is None:
         keep_float = int8_keep_float_for(model, loaded.tokenizer)
     q = quantize_linear(model, keep_float)
@@ -145,7 +145,7 @@ def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 
         agree = top1_agreement(model, q, all_ids, window)
         times = alternating_times({"fp32": lambda: model(input_ids=ids), "int8": lambda: q(input_ids=ids)},
                                   repeats=repeats, warmup=1)
-        decode = alternating_times({"fp32": _decode_step(model, ids, 8), "int8": _decode_step(q, ids, 8)},
+        decode = alternating_times({"fp32": decode_step(model, ids, 8), "int8": decode_step(q, ids, 8)},
                                    repeats=max(1, repeats), warmup=0, self_timed=True)   # per-token medians
     ms, decode_ms = times.median_ms("wall"), decode.median_ms("wall")
     sizes = {"fp32": state_bytes(model), "int8": state_bytes(q)}

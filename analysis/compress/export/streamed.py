@@ -49,8 +49,8 @@ from analysis.arch.checkpoint import (DTYPE_BYTES, FLOAT_DTYPES, INDEX_FILE, SIN
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.models import quiet_load_report
 from analysis.compress.export.folder import ExportError, atomic_folder, clean_leftovers, listing
-from analysis.compress.export.formats import FORMATS, ExportResult, StreamSpec, _write_common
-from analysis.compress.export.pruned import _architecture_class
+from analysis.compress.export.formats import FORMATS, ExportResult, StreamSpec, write_common
+from analysis.compress.export.pruned import architecture_class
 from analysis.compress.export.records import TOOL, MaskRecord, mask_record
 from analysis.compress.export.selfcheck import read_self_checks
 from analysis.compress.export.stock import stock_config_for
@@ -176,7 +176,7 @@ class _Names:
 
 def _skeleton(config):
     """The model config.json describes, built on the meta device (no weights, no memory)."""
-    cls = _architecture_class(config)
+    cls = architecture_class(config)
     with torch.device("meta"), warnings.catch_warnings(), quiet_load_report():
         warnings.simplefilter("ignore")
         return cls._from_config(config)
@@ -469,13 +469,13 @@ def _write_shards(tmp: Path, fmt: str, spec: StreamSpec, shards, roles, alias, a
 def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, adapter, geometry,
                 layout: HeadLayout, progress: Progress | None, should_stop: ShouldStop | None,
                 gguf_type: str, gguf_embedding_type: str) -> list[str]:
-    """model.gguf through analysis.compress.gguf_writer: its plan from the cut's names and shapes, then
+    """model.gguf through analysis.compress.export.gguf.writer: its plan from the cut's names and shapes, then
     every tensor read (and cut) from the checkpoint when the writer asks for it, one at a time. A lossy
     type is self-checked against an F32 GGUF of the same cut in llama.cpp (written as a temporary, read
     from the checkpoint a second time for q8_0 / f16) when that fits SELF_CHECK_MAX_F32; returns the
     notes (a check not run says why)."""
-    from analysis.compress import gguf_writer
-    from analysis.compress.export.gguf import tokenizer_source
+    from analysis.compress.export.gguf import writer as gguf_writer
+    from analysis.compress.export.gguf.format import tokenizer_source
     items = {item.name: item for _, shard in shards for item in shard}
     shapes = {name: item.shape for name, item in items.items()}
     for alias_name, group in ((m, g) for g in names.ties for m in g):
@@ -519,7 +519,7 @@ def _write_gguf(tmp: Path, config, folder: Path, shards, names: _Names, roles, a
     notes = []
     if reference is not None:
         report(progress, 0.89, f"gguf export: self-check of {weight_type} against F32 in llama.cpp")
-        from analysis.compress.export.gguf import llamacpp_logits, self_check_gguf
+        from analysis.compress.export.gguf.format import llamacpp_logits, self_check_gguf
         from analysis.compress.export.selfcheck import held_back_windows, write_self_checks
         text = held_back_windows(_folder_tokenizer(folder), SimpleNamespace(config=config))
         n_ctx = max(len(w) for w in text.windows)
@@ -544,7 +544,7 @@ def _f32_bytes(plan) -> int:
 def _self_check_reference(plan, weight_type: str):
     """True when a lossy streamed GGUF export is self-checked (its F32 reference fits SELF_CHECK_MAX_F32),
     else None (said in a note)."""
-    from analysis.compress import gguf_writer
+    from analysis.compress.export.gguf import writer as gguf_writer
     lossy = gguf_writer.WEIGHT_TYPES[weight_type][2] < 32
     return True if lossy and _f32_bytes(plan) <= SELF_CHECK_MAX_F32 else None
 
@@ -607,7 +607,7 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
             _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, progress, should_stop)
         if out_config is not None:
             out_config.save_pretrained(tmp)
-        _write_common(tmp, record, None, layout)
+        write_common(tmp, record, None, layout)
         for name in PASS_THROUGH + (HF_PASS_THROUGH if out_config is not None else ()):
             if (folder / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(folder / name, tmp / name)
@@ -634,5 +634,5 @@ def _output_config(spec: StreamSpec, config, layout: HeadLayout):
         new = stock_config_for(config, layout)
     else:
         new = copy.deepcopy(config)
-    new.architectures = [_architecture_class(config).__name__]
+    new.architectures = [architecture_class(config).__name__]
     return new

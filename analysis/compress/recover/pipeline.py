@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from analysis.compress.distill import MAX_STEPS, DistillConfig, DistillResult, distill, with_steps
+from analysis.compress.recover.distill import MAX_STEPS, DistillConfig, DistillResult, distill, with_steps
 from analysis.core.errors import InputError, check_whole_number
 from analysis.core.text import check_max_tokens
 from analysis.measure.evaluation import evaluate
