@@ -1,7 +1,7 @@
 """The folder tree is the architecture: analysis/'s packages in import order, checked on the source.
 
 core < arch < measure < score < compress < cli: a module may import from its own package or one before
-it, never from one after it; nothing under analysis/ imports streamlit, and nothing but the CLI package
+it, never from one after it (inside compress/, export/ before recover/); nothing under analysis/ imports streamlit, and nothing but the CLI package
 and `python -m analysis` imports analysis.cli. A module never imports a private name (one starting with
 "_") from another package: what a package offers the others is its public names. Imports inside
 functions count as much as top-level ones. The public API table in analysis/__init__.py names only things
@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "analysis"
 ORDER = ("core", "arch", "measure", "score", "compress", "cli")
 RANK = {name: i for i, name in enumerate(ORDER)}
+# inside compress/: the concept folders in import order (surgery and speed at compress/'s top come first)
+INNER = {"compress": ("export", "recover")}
 
 
 def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
@@ -71,6 +73,11 @@ def violations(root: Path = ROOT) -> list[str]:
                 bad.append(f"{where}: only the CLI package imports analysis.cli")
             elif RANK[target] > RANK[own]:
                 bad.append(f"{where}: {own} is below {target}")
+            elif target == own and own in INNER and len(rel.parts) > 2 and len(top) > 2:
+                inner, mine = INNER[own], rel.parts[1]
+                rank_of = {name: i + 1 for i, name in enumerate(inner)}       # a module at the top is 0
+                if top[2] in rank_of and rank_of[top[2]] > rank_of.get(mine, 0):
+                    bad.append(f"{where}: {own}/{mine} is below {own}/{top[2]}")
         for line, module, name in private_imports(tree):
             top = module.split(".")
             if own is not None and len(top) > 1 and top[1] in RANK and top[1] != own:
@@ -105,6 +112,18 @@ def test_the_rule_fails_on_a_bad_import(tmp_path):
     assert any("measure/loss.py" in v and "relative import" in v for v in found)
     assert any("measure/loss.py" in v and "streamlit" in v for v in found)
     assert len(found) == 4
+
+
+def test_export_never_imports_recover(tmp_path):
+    """compress/export/ writes a cut model; compress/recover/ (distill, pipeline, report) uses it: an
+    import the other way round is caught (on a copy of the tree, the real one untouched)."""
+    import shutil
+    copy = tmp_path / "analysis"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "compress" / "export" / "gguf" / "deploy.py"
+    target.write_text(target.read_text() + "\n\ndef _late():\n    from analysis.compress.recover.report import REPORT_FILES\n")
+    found = violations(copy)
+    assert len(found) == 1 and "compress/export is below compress/recover" in found[0], found
 
 
 def test_the_rule_fails_on_a_private_name_from_another_package(tmp_path):
