@@ -441,23 +441,9 @@ def _autocast(config: DistillConfig, device: torch.device):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def distill(teacher, student: nn.Module, data=None, config: DistillConfig = DistillConfig(), *,
-            gates=None, checkpoint_dir=None, resume: bool = False, merge: bool = True,
-            progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None,
-            evaluate_fn: Callable[[nn.Module], float] | None = None) -> DistillResult:
-    """Train `student` (changed in place: a pruned copy; any tensor it shares with the teacher is
-    copied first, `surgery.own_tensors`) to imitate `teacher`.
-
-    teacher: LoadedModel (its kind and tokenizer are used) or nn.Module. data: token ids
-    [n, T], text, or None (the built-in calibration split). gates: [L, H] head mask applied to
-    the student during training (a full-shape student whose pruned heads are masked).
-    checkpoint_dir: where `distill_checkpoint.pt` goes every `config.checkpoint_every` steps;
-    resume=True continues from it (from step 0 when there is none yet). on_step(record) after every step (for live loss curves).
-    evaluate_fn(student) -> the held-out metric, called every `config.eval_every` steps and after the
-    last one (the student in eval mode, the gates applied); its value goes into the record as "heldout".
-    Returns a DistillResult whose model is the trained student in eval mode, its LoRA adapters
-    merged into the weights (merge=False: the peft model, for `merge_lora` later)."""
-    config = config.validate()
+def _prepared(teacher, student: nn.Module, data, config: DistillConfig, checkpoint_dir, resume: bool):
+    """(the teacher as a Subject, the training ids [n, T], the checkpoint path or None), every input
+    checked before anything trains; the student gets its own copies of the tensors it shares."""
     subject = as_subject(teacher)
     check_kind(subject.kind, config)
     if student is subject.model:
@@ -476,90 +462,135 @@ def distill(teacher, student: nn.Module, data=None, config: DistillConfig = Dist
     path = None if checkpoint_dir is None else Path(checkpoint_dir) / CHECKPOINT_FILE
     if (resume or config.checkpoint_every) and path is None:
         raise InputError("Checkpoints and resuming need a checkpoint folder.")
+    return subject, ids, path
 
-    base = student
-    trained = add_lora(student, config) if config.lora else student
-    if not config.lora:
-        for p in trained.parameters():
-            p.requires_grad_(True)
-    params = _trainable(trained)
-    device = next(trained.parameters()).device
-    optimizer = make_optimizer(list(params.values()), config, device)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
-    history: list[dict] = []
-    start = 0
-    state = load_checkpoint(path, config) if resume else None
-    if state is not None and state.get("shapes") != param_shapes(params):
-        raise InputError(f"The checkpoint {path} was written for a student of another shape (its trainable "
-                         f"tensors differ); resume with the same student, or delete it to start over.")
-    if state is not None:
-        history, start = _restore(state, path, params, optimizer, schedule, config)
-    else:
-        torch.manual_seed(config.seed)
+
+class _Run:
+    """One distillation run's trainable state: the student (with LoRA adapters when asked), its
+    optimizer and schedule, the history, the step it starts from (a resumed checkpoint's)."""
+
+    def __init__(self, student: nn.Module, config: DistillConfig, path: Path | None, resume: bool):
+        self.config, self.base = config, student
+        self.trained = add_lora(student, config) if config.lora else student
+        if not config.lora:
+            for p in self.trained.parameters():
+                p.requires_grad_(True)
+        self.params = _trainable(self.trained)
+        self.device = next(self.trained.parameters()).device
+        self.optimizer = make_optimizer(list(self.params.values()), config, self.device)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps))
+        self.history: list[dict] = []
+        self.start = 0
+        state = load_checkpoint(path, config) if resume else None
+        if state is not None and state.get("shapes") != param_shapes(self.params):
+            raise InputError(f"The checkpoint {path} was written for a student of another shape (its trainable "
+                             f"tensors differ); resume with the same student, or delete it to start over.")
+        if state is not None:
+            self.history, self.start = _restore(state, path, self.params, self.optimizer, self.schedule, config)
+        else:
+            torch.manual_seed(config.seed)
+
+    def step(self, subject, ids: torch.Tensor, step: int, want_hidden: bool) -> dict:
+        """One optimizer step over grad_accum batches of ids [n, T]; its record (losses averaged, lr)."""
+        config = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for a in range(config.grad_accum):
+            rows = batch_indices(ids.shape[0], config.batch_size, step * config.grad_accum + a, config.seed)  # [B]
+            x = ids[rows].to(self.device)                                       # [B, T]
+            with torch.no_grad(), _autocast(config, self.device):
+                t_out = _forward(subject.model, x, want_hidden)
+            with _autocast(config, self.device):
+                s_out = _forward(self.trained, x, want_hidden)
+            parts = LOSSES[subject.kind](s_out, t_out, x, config)
+            loss = weighted(parts, config) / config.grad_accum
+            loss.backward()
+            for name, value in {"loss": loss * config.grad_accum, **parts}.items():
+                sums[name] = sums.get(name, 0.0) + float(value.detach()) / config.grad_accum
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), config.max_grad_norm)
+        record = {"step": step + 1, **sums, "lr": self.optimizer.param_groups[0]["lr"]}
+        self.optimizer.step()
+        self.schedule.step()
+        return record
+
+    def held_out(self, evaluate_fn: Callable[[nn.Module], float]) -> float:
+        """The held-out metric of the student in eval mode (the gates applied by the caller's block)."""
+        self.trained.eval()
+        try:
+            return float(evaluate_fn(self.base))
+        finally:
+            self.trained.train(self.config.dropout)
+
+    def checkpoint(self, step: int) -> dict:
+        """What save_checkpoint writes after `step` steps (resume continues bit for bit from it)."""
+        return {"step": step, "fingerprint": self.config.fingerprint(), "history": self.history,
+                "shapes": param_shapes(self.params),
+                "params": {n: p.detach().clone() for n, p in self.params.items()},
+                "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+                "rng": torch.get_rng_state()}
+
+
+def distill(teacher, student: nn.Module, data=None, config: DistillConfig = DistillConfig(), *,
+            gates=None, checkpoint_dir=None, resume: bool = False, merge: bool = True,
+            progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step: OnStep = None,
+            evaluate_fn: Callable[[nn.Module], float] | None = None) -> DistillResult:
+    """Train `student` (changed in place: a pruned copy; any tensor it shares with the teacher is
+    copied first, `surgery.own_tensors`) to imitate `teacher`.
+
+    teacher: LoadedModel (its kind and tokenizer are used) or nn.Module. data: token ids
+    [n, T], text, or None (the built-in calibration split). gates: [L, H] head mask applied to
+    the student during training (a full-shape student whose pruned heads are masked).
+    checkpoint_dir: where `distill_checkpoint.pt` goes every `config.checkpoint_every` steps;
+    resume=True continues from it (from step 0 when there is none yet). on_step(record) after every step (for live loss curves).
+    evaluate_fn(student) -> the held-out metric, called every `config.eval_every` steps and after the
+    last one (the student in eval mode, the gates applied); its value goes into the record as "heldout".
+    Returns a DistillResult whose model is the trained student in eval mode, its LoRA adapters
+    merged into the weights (merge=False: the peft model, for `merge_lora` later)."""
+    config = config.validate()
+    subject, ids, path = _prepared(teacher, student, data, config, checkpoint_dir, resume)
+    run = _Run(student, config, path, resume)
     want_hidden = config.hidden_weight > 0 or subject.kind == "encoder"
-    precision = resolve_precision(config.precision, device)
-    mask = contextlib.nullcontext() if gates is None else head_mask(base, gates)
-    attention = float32_attention(base) if precision == "bf16" else contextlib.nullcontext()
+    precision = resolve_precision(config.precision, run.device)
+    mask = contextlib.nullcontext() if gates is None else head_mask(run.base, gates)
+    attention = float32_attention(run.base) if precision == "bf16" else contextlib.nullcontext()
     subject.model.eval()
-    trained.train(config.dropout)
+    run.trained.train(config.dropout)
     stopped_by_time, done = False, 0
     began = time.perf_counter()
+
+    def out_of_time() -> bool:
+        return config.max_seconds is not None and time.perf_counter() - began >= config.max_seconds
+
     try:
         with mask, attention:
-            for step in range(start, config.steps):
+            for step in range(run.start, config.steps):
                 check_stop(should_stop, "Distillation")
-                if (config.max_seconds is not None and step > start
-                        and time.perf_counter() - began >= config.max_seconds):     # at least one step
+                if step > run.start and out_of_time():                         # at least one step
                     stopped_by_time = True
                     break
-                optimizer.zero_grad(set_to_none=True)
-                sums: dict[str, float] = {}
-                for a in range(config.grad_accum):
-                    rows = batch_indices(ids.shape[0], config.batch_size, step * config.grad_accum + a,
-                                         config.seed)                         # [B]
-                    x = ids[rows].to(device)                                   # [B, T]
-                    with torch.no_grad(), _autocast(config, device):
-                        t_out = _forward(subject.model, x, want_hidden)
-                    with _autocast(config, device):
-                        s_out = _forward(trained, x, want_hidden)
-                    parts = LOSSES[subject.kind](s_out, t_out, x, config)
-                    loss = weighted(parts, config) / config.grad_accum
-                    loss.backward()
-                    for name, value in {"loss": loss * config.grad_accum, **parts}.items():
-                        sums[name] = sums.get(name, 0.0) + float(value.detach()) / config.grad_accum
-                if config.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(list(params.values()), config.max_grad_norm)
-                record = {"step": step + 1, **sums, "lr": optimizer.param_groups[0]["lr"]}
-                optimizer.step()
-                schedule.step()
+                record = run.step(subject, ids, step, want_hidden)
                 done += 1
-                last = step + 1 == config.steps or (config.max_seconds is not None and
-                                                     time.perf_counter() - began >= config.max_seconds)
+                last = step + 1 == config.steps or out_of_time()
                 if evaluate_fn is not None and config.eval_every and ((step + 1) % config.eval_every == 0 or last):
-                    trained.eval()
-                    record["heldout"] = float(evaluate_fn(base))
-                    trained.train(config.dropout)
-                history.append(record)
+                    record["heldout"] = run.held_out(evaluate_fn)
+                run.history.append(record)
                 if on_step is not None:
                     on_step(record)
                 report(progress, (step + 1) / config.steps,
                        f"distillation: step {step + 1}/{config.steps}, loss {record['loss']:.4f}")
                 if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                    save_checkpoint(path, {
-                        "step": step + 1, "fingerprint": config.fingerprint(), "history": history,
-                        "shapes": param_shapes(params),
-                        "params": {n: p.detach().clone() for n, p in params.items()},
-                        "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                        "rng": torch.get_rng_state()})
+                    save_checkpoint(path, run.checkpoint(step + 1))
     finally:
-        trained.eval()
+        run.trained.eval()
     seconds = time.perf_counter() - began
-    model = merge_lora(trained) if config.lora and merge else trained
+    model = merge_lora(run.trained) if config.lora and merge else run.trained
     model.requires_grad_(False)
     tokens = done * config.grad_accum * config.batch_size * ids.shape[1]
-    return DistillResult(model=model.eval(), history=history, steps_done=start + done, resumed_from=start,
-                         seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+    return DistillResult(model=model.eval(), history=run.history, steps_done=run.start + done,
+                         resumed_from=run.start, seconds=seconds,
+                         tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
                          precision=precision, stopped_by_time=stopped_by_time)
 
 

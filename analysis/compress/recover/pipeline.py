@@ -227,6 +227,49 @@ def next_mask(loaded, model, previous: np.ndarray, count: int, config: PipelineC
     return pruned, scores
 
 
+def _recover(loaded, candidate, mask, index: int, span, config: PipelineConfig, train_data, eval_text,
+             checkpoint_dir, progress, should_stop, on_step):
+    """Distill round `index`'s candidate under its mask from the dense model: (the recovered full-shape
+    model with the pruned heads zero again, its evaluation, the round's history, the DistillResult)."""
+    def step_report(record):
+        if on_step is not None:
+            on_step({"round": index, **record})
+
+    def sub_progress(fraction, message):
+        report(progress, span[0] + span[1] * (0.1 + 0.8 * fraction), f"round {index}: {message}")
+
+    result: DistillResult = distill(
+        loaded, candidate, train_data, with_steps(config.distill, config.steps_per_round()),
+        gates=gates_from_mask(mask), on_step=step_report, progress=sub_progress, should_stop=should_stop,
+        evaluate_fn=lambda m: _measure(loaded, m, eval_text, config, should_stop).value,
+        checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir) / f"round-{index}")
+    recovered = zero_heads(result.model, mask)    # LoRA merges touch pruned rows: zero them again
+    history = [{"round": index, **r} for r in result.history]
+    return recovered, _measure(loaded, recovered, eval_text, config, should_stop), history, result
+
+
+def _round(loaded, model, pruned: np.ndarray, index: int, count: int, n_rounds: int, config: PipelineConfig, *,
+           train_data, eval_text, calibration, checkpoint_dir, progress, should_stop, on_step):
+    """One round: score the current weights, plan `count` heads, cut, recover (with steps per round),
+    measure. Returns (the Round, its full-shape model, its mask [L, H])."""
+    began = time.perf_counter()
+    span = (index - 1) / n_rounds, 1 / n_rounds                          # this round's share of the progress bar
+    report(progress, span[0], f"round {index}/{n_rounds}: scoring {config.scorer}")
+    mask, _ = next_mask(loaded, model, pruned, count, config, calibration, should_stop)
+    candidate = zero_heads(copy.deepcopy(model), mask)
+    cut = _measure(loaded, candidate, eval_text, config, should_stop)
+    final, history, recovery_seconds, precision = cut, [], 0.0, None
+    if config.steps_per_round():
+        candidate, final, history, result = _recover(loaded, candidate, mask, index, span, config, train_data,
+                                                     eval_text, checkpoint_dir, progress, should_stop, on_step)
+        recovery_seconds, precision = result.seconds, result.precision
+    new = [(int(l), int(h)) for l, h in zip(*np.nonzero(mask & ~pruned))]
+    done = Round(index, int(mask.sum()), float(mask.sum() / mask.size), new, float(cut.value), float(final.value),
+                 not _over_budget(final.value, config.ppl_budget), time.perf_counter() - began, history,
+                 cut.accuracy, final.accuracy, recovery_seconds, precision)
+    return done, candidate, mask
+
+
 def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_data=None, eval_text=None,
                  calibration=None, checkpoint_dir=None, keep_round_models: bool = False,
                  progress: Progress | None = None, should_stop: ShouldStop | None = None,
@@ -258,45 +301,13 @@ def run_pipeline(loaded, config: PipelineConfig = PipelineConfig(), *, train_dat
     rounds, kept_models, stopped = [], [], False
     for index, count in enumerate(counts, start=1):
         check_stop(should_stop, "The pipeline")
-        began = time.perf_counter()
-        span = (index - 1) / len(counts), 1 / len(counts)
-        report(progress, span[0], f"round {index}/{len(counts)}: scoring {config.scorer}")
-        mask, _ = next_mask(loaded, model, pruned, count, config, calibration, should_stop)
-        candidate = zero_heads(copy.deepcopy(model), mask)
-        cut_eval = _measure(loaded, candidate, eval_text, config, should_stop)
-        cut, accuracy_cut = cut_eval.value, cut_eval.accuracy
-        history: list[dict] = []
-        recovery_seconds, precision = 0.0, None
-        if config.steps_per_round():
-            def step_report(record, index=index):
-                history_record = {"round": index, **record}
-                if on_step is not None:
-                    on_step(history_record)
-
-            def sub_progress(fraction, message, index=index):
-                report(progress, span[0] + span[1] * (0.1 + 0.8 * fraction), f"round {index}: {message}")
-
-            result: DistillResult = distill(
-                loaded, candidate, train_data, with_steps(config.distill, config.steps_per_round()),
-                gates=gates_from_mask(mask), on_step=step_report, progress=sub_progress, should_stop=should_stop,
-                evaluate_fn=lambda m: _measure(loaded, m, eval_text, config, should_stop).value,
-                checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir) / f"round-{index}")
-            candidate = zero_heads(result.model, mask)    # LoRA merges touch pruned rows: zero them again
-            history = [{"round": index, **r} for r in result.history]
-            recovered = _measure(loaded, candidate, eval_text, config, should_stop)
-            value, accuracy = recovered.value, recovered.accuracy
-            recovery_seconds, precision = result.seconds, result.precision
-        else:
-            value, accuracy = cut, accuracy_cut
-        new = [(int(l), int(h)) for l, h in zip(*np.nonzero(mask & ~pruned))]
-        accepted = not _over_budget(value, config.ppl_budget)
-        done = Round(index, int(mask.sum()), float(mask.sum() / mask.size), new, float(cut), float(value),
-                     accepted, time.perf_counter() - began, history, accuracy_cut, accuracy, recovery_seconds,
-                     precision)
+        done, candidate, mask = _round(loaded, model, pruned, index, count, len(counts), config, train_data=train_data,
+                                       eval_text=eval_text, calibration=calibration, checkpoint_dir=checkpoint_dir,
+                                       progress=progress, should_stop=should_stop, on_step=on_step)
         rounds.append(done)
-        report(progress, span[0] + span[1], f"round {index}/{len(counts)}: {mask.sum()} heads pruned, "
-                                            f"{dense.metric} {value:.3f}")
-        if not accepted:
+        report(progress, index / len(counts), f"round {index}/{len(counts)}: {mask.sum()} heads pruned, "
+                                              f"{dense.metric} {done.metric:.3f}")
+        if not done.accepted:
             stopped = True
             break
         model, pruned = candidate, mask
