@@ -43,7 +43,6 @@ import numpy as np
 
 from analysis.arch.models import load_model
 from analysis.compress.export.gguf import llamacpp
-from analysis.compress.recover.distill import DistillConfig
 from analysis.compress.export import export
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, run_pipeline
 from analysis.compress.recover.report import FRONTIER_MARKERS
@@ -51,6 +50,7 @@ from analysis.compress.surgery import prune_heads
 from analysis.core.atomic import atomic_write, write_section
 from analysis.core.text import evaluation_text
 from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, causal_windows, token_ids
+from bench._distill_options import add_distill_options, distill_config
 from bench._timing import load_average
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,12 +91,6 @@ class HeldOut:
         return {**self._row(sums, counts, None), "bytes": path.stat().st_size}
 
 
-def distill_config(args) -> DistillConfig:
-    return DistillConfig(steps=args.total_steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,
-                         warmup_steps=args.warmup, precision=args.precision, temperature=args.temperature,
-                         max_sequences=args.max_sequences, max_seconds=None)
-
-
 def schedule_name(target: float, step: float) -> str:
     return "one round" if step >= target else f"rounds of {step * 100:g} %"
 
@@ -104,7 +98,7 @@ def schedule_name(target: float, step: float) -> str:
 def run_schedule(loaded, held: HeldOut, scorer: str, target: float, step: float, args) -> tuple[dict, object]:
     """One schedule: the pipeline to `target` in rounds of `step`, args.total_steps split over its rounds."""
     base = PipelineConfig(target_sparsity=target, step=step, scorer=scorer, policy="groups",
-                          distill=distill_config(args), eval_tokens=512)
+                          distill=distill_config(args, steps=args.total_steps), eval_tokens=512)
     rounds = len(run_rounds(loaded, base))
     cfg = replace(base, recovery_steps=max(1, args.total_steps // rounds))
     start = time.perf_counter()
@@ -256,13 +250,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-targets", dest="extra_targets", default="0.125",
                    help="one-round recovered cuts for the frontier only")
     p.add_argument("--total-steps", dest="total_steps", type=int, default=240)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
-    p.add_argument("--max-sequences", dest="max_sequences", type=int, default=2048)
+    add_distill_options(p)
     p.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=16384)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--bootstrap", type=int, default=1000)

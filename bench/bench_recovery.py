@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 
+from bench._distill_options import add_distill_options, distill_config as shared_distill_config
 from bench._timing import compare, load_average, load_text
 from analysis.arch.head_gates import gates_from_mask, zero_heads
 from analysis.arch.models import count_parameters, load_model
@@ -111,10 +112,8 @@ def size_row(loaded, model, pruned, kv_policy="auto") -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def distill_config(args, **over) -> DistillConfig:
-    return replace(DistillConfig(steps=args.steps, lr=args.lr, batch_size=args.batch, seq_len=args.seq,
-                                 temperature=args.temperature, warmup_steps=args.warmup, precision=args.precision,
-                                 max_seconds=None if args.minutes is None else 60 * args.minutes,
-                                 eval_every=args.eval_every, max_sequences=args.max_sequences), **over)
+    return replace(shared_distill_config(args, steps=args.steps, eval_every=args.eval_every,
+                                         max_seconds=None if args.minutes is None else 60 * args.minutes), **over)
 
 
 def recover(loaded, held: HeldOut, sparsity: float, scorer: str, args, calibration) -> dict:
@@ -485,14 +484,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300,
                    help="distillation steps (the cosine schedule's length; 300 x ~4 s = the 20 minutes on 2 cores)")
     p.add_argument("--minutes", type=float, default=20.0, help="most minutes of distillation per cut")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
-    p.add_argument("--max-sequences", dest="max_sequences", type=int, default=2048,
-                   help="training sequences cut from the calibration split")
+    add_distill_options(p)
     p.add_argument("--eval-every", dest="eval_every", type=int, default=100)
     p.add_argument("--curve-tokens", dest="curve_tokens", type=int, default=2048)
     p.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=16384)
