@@ -405,6 +405,24 @@ def test_killed_gguf_export_leaves_nothing_behind(tmp_path, gguf_model_dir):
     assert sorted(os.listdir(root)) == ["next"]
 
 
+def test_kv_cache_of_an_uneven_cut_is_exact_only_with_flash_attention(gguf_model_dir, tmp_path):
+    """A cut whose layers keep different KV-head counts: with flash attention llama.cpp allocates each
+    layer's own K and V (the cut's KV saving is real); without it the V cache of every layer is padded
+    to the widest layer, so the cut keeps more V than it has (what the deployment report shows). At
+    32768 tokens the tiny model's caches are whole MiB, which llama.cpp's two-decimal log line holds exactly."""
+    from analysis.compress.export.gguf.deploy import measure_gguf
+    base = [*GGUF_EXPORT[:4], "--model", str(gguf_model_dir), "--out-dir", str(tmp_path), "--export-format", "gguf",
+            "--gguf-type", "f32"]
+    assert cli.main([*base, "--sparsity", "0", "--name", "dense"]) == 0
+    assert cli.main([*base, "--sparsity", "0.25", "--policy", "groups", "--name", "cut"]) == 0   # one group, one layer
+    ids = list(range(4, 20))
+    dense = measure_gguf(tmp_path / "dense" / "model.gguf", ids, speed=False, kv_contexts=(32768,))
+    cut = measure_gguf(tmp_path / "cut" / "model.gguf", ids, speed=False, kv_contexts=(32768,))
+    assert dense["kv_mib_32768"] == dense["kv_mib_32768_no_fa"]
+    assert cut["kv_mib_32768"] == 0.75 * dense["kv_mib_32768"]                 # 3 of 4 KV heads, exactly
+    assert cut["kv_mib_32768"] < cut["kv_mib_32768_no_fa"] < dense["kv_mib_32768"]   # V padded, K not
+
+
 def test_cli_deploy_report_measures_dense_and_pruned_in_llama_cpp(gguf_model_dir, tmp_path, capsys):
     import json
     base = [*GGUF_EXPORT[:4], "--model", str(gguf_model_dir), "--out-dir", str(tmp_path), "--export-format", "gguf",
@@ -424,6 +442,14 @@ def test_cli_deploy_report_measures_dense_and_pruned_in_llama_cpp(gguf_model_dir
     # llama.cpp's perplexity of the cut equals headscope's evaluator on the same ids (f16 KV cache: 1%)
     assert abs(cut["perplexity"] / cut["headscope_perplexity"] - 1) < 0.01
     assert report["ratios"][0]["bytes"] == cut["bytes"] / dense["bytes"]
+    # steady-state speed in interleaved pairs, flash attention on and off, each with its per-round spread
+    ratio = report["ratios"][0]
+    for key in ("prefill_tok_s", "decode_tok_s", "prefill_tok_s_no_fa", "decode_tok_s_no_fa"):
+        spread = ratio[key + "_spread"]
+        assert spread["rounds"] >= 3 and spread["min"] <= ratio[key] <= spread["max"], key
+    assert any(line.startswith("KV cache (8192 tokens)") for line in report["verdicts"][0])
+    assert any(line.startswith("Flash attention off") for line in report["verdicts"][0])
+    assert "cut.gguf" not in err and "model.gguf: KV cache" in err           # the verdict on stderr, per file
     code = cli.main(["deploy-report", "--quiet", "--model", str(gguf_model_dir), "--dense", str(tmp_path / "nope"),
                      "--pruned", str(tmp_path / "cut")])
     _, err = capsys.readouterr()

@@ -2,7 +2,9 @@
 at the bottom; every one splits its work over the processes of a launch)."""
 from __future__ import annotations
 
+
 import os
+import sys
 
 import numpy as np
 
@@ -225,7 +227,7 @@ def run_deploy_report(ns):
     """llama.cpp's numbers for a dense and pruned GGUF files (size, perplexity, speed, KV cache)."""
     from pathlib import Path
     from analysis.arch.models import load_model
-    from analysis.compress.export.gguf.deploy import check_files, check_options, measure_gguf, ratios
+    from analysis.compress.export.gguf.deploy import check_files, check_options, compare, verdict
     from analysis.compress.export import MASK_FILE, read_mask_json
     from analysis.compress.export.gguf.writer import GGUF_FILE
     from analysis.core.atomic import path_problem
@@ -247,19 +249,23 @@ def run_deploy_report(ns):
     check_files(files[0][0], [path for path, _ in files[1:]], ids)     # --model's ids fit every vocabulary
     for record in masks.values():
         record.check_geometry(loaded.geometry)
-    rows = []
     with progress_bar("measuring in llama.cpp", not ns.quiet) as report:
-        for i, (path, _) in enumerate(files):
-            report(i / len(files), path.name)
-            row = {"role": "dense" if i == 0 else "pruned",
-                   **measure_gguf(path, ids, speed_context=ns.speed_context, threads=ns.threads)}
-            if path in masks:
-                row["headscope_perplexity"] = float(evaluate(loaded, pruned=masks[path].pruned(),
-                                                             max_tokens=ns.max_tokens).value)
-            rows.append(row)
-    payload = {"model": ns.model, "n_tokens": len(ids), "rows": rows,
-               "ratios": [ratios(rows[0], row) for row in rows[1:]],
-               "kv_cache": "f16 K/V, flash attention (llama.cpp's exact per-layer sizes)"}
+        rows, ratios = compare(files[0][0], [path for path, _ in files[1:]], ids, speed_context=ns.speed_context,
+                               threads=ns.threads, progress=report)
+    for row, (path, _) in zip(rows, files):
+        row.pop("paired", None)
+        if path in masks:
+            row["headscope_perplexity"] = float(evaluate(loaded, pruned=masks[path].pruned(),
+                                                         max_tokens=ns.max_tokens).value)
+    verdicts = [verdict(r) for r in ratios]
+    for (path, _), lines in zip(files[1:], verdicts):
+        for line in lines:
+            sys.stderr.write(f"{path.name}: {line}\n")
+    payload = {"model": ns.model, "n_tokens": len(ids), "rows": rows, "ratios": ratios, "verdicts": verdicts,
+               "kv_cache": "f16 K/V; kv_mib_* with flash attention (llama.cpp's exact per-layer sizes), "
+                           "kv_mib_*_no_fa without (V padded to the widest layer)",
+               "speed": "steady state: interleaved rounds against the dense file after warm-up rounds; "
+                        "*_no_fa without flash attention"}
     return payload, rows
 
 

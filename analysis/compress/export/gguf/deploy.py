@@ -1,9 +1,12 @@
 """The deployment report: what a GGUF file costs and does in llama.cpp, dense next to pruned.
 
 Per file, all measured by llama.cpp (`analysis.compress.export.gguf.llamacpp`): file size, perplexity on the
-built-in evaluation split (the same token ids and windows as headscope's evaluator), prefill and
-decode tokens/s at one context length, and the KV cache llama.cpp allocates at 4096 and 8192
-tokens (f16 K/V, flash attention on: exact per-layer sizes). `headscope_perplexity` puts headscope's
+built-in evaluation split (the same token ids and windows as headscope's evaluator), the KV cache
+llama.cpp allocates at 4096 and 8192 tokens (f16 K/V) with flash attention on (exact per-layer sizes)
+and off (every layer's V padded to the widest: a cut with uneven layers saves less), and prefill and
+decode tokens/s at one context length in the steady state: each pruned file against the dense one in
+interleaved rounds after untimed warm-up rounds (`compare`), flash attention on and off, with the
+per-round ratios' spread; `verdict` says in words whether, and with which setting, the cut pays. `headscope_perplexity` puts headscope's
 own PyTorch number for the same cut next to it when the caller has it (an export folder's mask.json
 and the model). Ratios pruned / dense come with the rows (`ratios`). Each row also lists the types its tensors really
 have (`tensor_types`: the weight type names the mix llama.cpp's quantizer aims at, not what every tensor
@@ -87,35 +90,128 @@ def tensor_types(header) -> dict:
 
 def measure_gguf(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512,
                  speed_context: int = SPEED_CONTEXT, kv_contexts: Sequence[int] = KV_CONTEXTS,
-                 decode_tokens: int = 16, repeats: int = 3, threads: int = llamacpp.DEFAULT_THREADS) -> dict:
-    """One row of the report for one GGUF file (its header checked, the options in range, first)."""
+                 decode_tokens: int = 16, repeats: int = 3, threads: int = llamacpp.DEFAULT_THREADS,
+                 speed: bool = True) -> dict:
+    """One file's row (its header checked, the options in range, first): facts, llama.cpp's perplexity,
+    the KV cache at each of `kv_contexts` with flash attention on and off, and (speed=True) its own
+    steady-state tokens/s (after warm-up rounds, flash attention on). `compare` times files in pairs."""
     check_options(speed_context=speed_context, threads=threads)
     path = Path(path)
     facts = gguf_facts(path)
     ppl = llamacpp.perplexity(path, ids, window=window, threads=threads)
-    speed = llamacpp.speed(path, speed_context, decode_tokens=decode_tokens, repeats=repeats, threads=threads)
     row = {"file": str(path), "bytes": path.stat().st_size, "arch": facts["arch"], "heads": facts["heads"],
            "kv_heads": facts["kv_heads"], "perplexity": ppl.value, "n_tokens": ppl.n_tokens,
-           "speed_context": speed_context, "prefill_tok_s": speed.prefill_tokens_per_s,
-           "decode_tok_s": speed.decode_tokens_per_s, "threads": threads,
+           "speed_context": speed_context, "threads": threads,
            "embedding_type": facts["embedding_type"], "tensor_types": facts["tensor_types"]}
+    if speed:
+        timed = llamacpp.paired_speed({"file": path}, speed_context, decode_tokens=decode_tokens, rounds=repeats,
+                                      threads=threads, flash_attn=True)
+        row.update(prefill_tok_s=timed.median("prefill", "file"), decode_tok_s=timed.median("decode", "file"))
     for n_ctx in kv_contexts:
-        row[f"kv_mib_{n_ctx}"] = llamacpp.kv_cache_mib(path, n_ctx).mib
+        row[f"kv_mib_{n_ctx}"] = llamacpp.kv_cache_mib(path, n_ctx, flash_attn=True).mib
+        row[f"kv_mib_{n_ctx}_no_fa"] = llamacpp.kv_cache_mib(path, n_ctx, flash_attn=False).mib
     return row
 
 
+SPEED_KEYS = ("prefill_tok_s", "decode_tok_s")
+FLASH = {"": True, "_no_fa": False}          # row-key suffix -> llama.cpp's flash attention
+
+
 def ratios(dense: dict, pruned: dict) -> dict:
-    """pruned / dense for every number that both rows have."""
-    keys = ("bytes", "perplexity", "prefill_tok_s", "decode_tok_s",
-            *(k for k in dense if k.startswith("kv_mib_")))
-    return {k: pruned[k] / dense[k] for k in keys if dense.get(k) and k in pruned}
+    """pruned / dense for every number that both rows have (a speed > 1: faster); a paired speed
+    (`compare`) gives the median of its per-round ratios, with their spread under "<key>_spread"."""
+    keys = ("bytes", "perplexity", *(k for k in dense if k.startswith("kv_mib_")),
+            *(k + suffix for k in SPEED_KEYS for suffix in FLASH))
+    out = {k: pruned[k] / dense[k] for k in keys if dense.get(k) and k in pruned}
+    for key, spread in pruned.get("paired", {}).items():
+        out[key] = spread["median"]
+        out[key + "_spread"] = spread
+    return out
 
 
-def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_tokens: int = 512,
-                    threads: int = llamacpp.DEFAULT_THREADS) -> list[dict]:
+def compare(dense, pruned: Sequence, ids: Sequence[int], *, window: int = 512, speed_context: int = SPEED_CONTEXT,
+            decode_tokens: int = 32, rounds: int = 6, threads: int = llamacpp.DEFAULT_THREADS,
+            progress=None, should_stop=None) -> tuple[list[dict], list[dict]]:
+    """The deployment report of a dense GGUF file and pruned ones: each file's row (`measure_gguf`, no
+    speed of its own), then each pruned file timed against the dense one in interleaved rounds after
+    warm-up rounds (`llamacpp.paired_speed`), with flash attention on and off. Returns (rows: dense
+    first, ratios per pruned file)."""
+    from analysis.core.progress import report
+    check_options(max_tokens=len(ids), speed_context=speed_context, threads=threads)
+    check_files(dense, list(pruned), ids)
+    paths = [Path(dense)] + [Path(p) for p in pruned]
+    rows = []
+    for i, path in enumerate(paths):
+        report(progress, i / (3 * len(paths)), f"{path.name}: perplexity and KV cache")
+        rows.append({"role": "dense" if i == 0 else "pruned",
+                     **measure_gguf(path, ids, window=window, speed_context=speed_context, threads=threads,
+                                    speed=False)})
+    for i, path in enumerate(paths[1:], start=1):
+        paired = {}
+        for suffix, flash in FLASH.items():
+            report(progress, (len(paths) + 2 * (i - 1) + (not flash)) / (3 * len(paths)),
+                   f"{path.name} vs dense: tokens/s, flash attention {'on' if flash else 'off'}")
+            timed = llamacpp.paired_speed({"dense": paths[0], "pruned": path}, speed_context,
+                                          decode_tokens=decode_tokens, rounds=rounds, threads=threads,
+                                          flash_attn=flash, should_stop=should_stop)
+            for key, part in zip(SPEED_KEYS, ("prefill", "decode")):
+                rows[i][key + suffix] = timed.median(part, "pruned")
+                rows[0].setdefault(key + suffix, timed.median(part, "dense"))
+                paired[key + suffix] = timed.ratio(part, "pruned", "dense")
+        rows[i]["paired"] = paired
+    report(progress, 1.0, "report ready")
+    return rows, [ratios(rows[0], row) for row in rows[1:]]
+
+
+def verdict(ratio: dict) -> list[str]:
+    """In words, for one pruned file against dense: the KV memory llama.cpp really allocates with flash
+    attention on and off, the steady-state speed-ups (each as faster or slower, with the per-round
+    spread), and which setting makes the cut pay, or that none does."""
+    lines = []
+    kv = sorted(k for k in ratio if k.startswith("kv_mib_") and not k.endswith("_no_fa"))
+    if kv:
+        key = kv[-1]
+        on, off = ratio[key], ratio.get(key + "_no_fa")
+        lines.append(f"KV cache ({key.split('_')[2]} tokens): {on:.2f}x dense with flash attention"
+                     + ("" if off is None else f", {off:.2f}x without (llama.cpp pads the V cache of every layer "
+                                               f"to the widest one without it)") + ".")
+    pays = []
+    for suffix, flash in FLASH.items():
+        parts = []
+        for key, what in zip(SPEED_KEYS, ("prefill", "decode")):
+            spread = ratio.get(key + suffix + "_spread")
+            if spread is None:
+                continue
+            parts.append(f"{what} {speed_words(spread['median'])} (per round {spread['min']:.2f}-{spread['max']:.2f}x, "
+                         f"{spread['rounds']} rounds)")
+        if parts:
+            lines.append(f"Flash attention {'on' if flash else 'off'}: " + "; ".join(parts) + ".")
+            if all(ratio.get(k + suffix, 0) >= 1.0 for k in SPEED_KEYS):
+                pays.append("on" if flash else "off")
+    if pays:
+        lines.append(f"The cut pays in llama.cpp here with flash attention {' or '.join(pays)} (both prefill and "
+                     f"decode at least as fast as dense" + (", the KV memory saved in full" if "on" in pays else "")
+                     + ").")
+    elif any(k.endswith("_spread") for k in ratio):
+        lines.append("The cut does not pay in llama.cpp here: it is slower than dense in prefill or decode with "
+                     "flash attention on and off (it still saves file and KV bytes).")
+    return lines
+
+
+def speed_words(ratio: float) -> str:
+    """A speed ratio (new / old tokens/s) as words: "1.25x faster", "0.80x (1.25x slower)"."""
+    if ratio >= 1.0:
+        return f"{ratio:.2f}x faster"
+    return f"{ratio:.2f}x ({1 / ratio:.2f}x slower)"
+
+
+def deployment_report(loaded, pruned, export_result, weight_type: str, *, max_tokens: int = 512,
+                      threads: int = llamacpp.DEFAULT_THREADS, progress=None, should_stop=None) -> dict:
     """The Export page's report for a written gguf export: the dense model written at the same weight
-    type (a temporary file) and the export's file, both measured by llama.cpp, each with headscope's own
-    perplexity (the dense model; the masked model, which the cut computes) next to llama.cpp's."""
+    type (a temporary file) and the export's file, measured by llama.cpp (`compare`: steady-state speed
+    in interleaved rounds, flash attention on and off, the KV cache it allocates), each with
+    headscope's own perplexity (the dense model; the masked model, which the cut computes) next to
+    llama.cpp's. {"rows": [dense, pruned], "ratios": pruned / dense, "verdict": sentences}."""
     import tempfile
 
     import numpy as np
@@ -129,15 +225,19 @@ def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_toke
     model, g = loaded.model, loaded.geometry
     ids = token_ids(loaded.tokenizer, default_text(), max_tokens=max_tokens).tolist()
     dense_layout = HeadLayout.from_mask(np.zeros((g.n_layers, g.n_heads), bool), g, loaded.adapter.model_type)
-    rows = []
     with tempfile.TemporaryDirectory(prefix="headscope-dense-gguf-") as tmp:
         dense_file = Path(tmp) / GGUF_FILE
         write_gguf(model, dense_layout, dense_file, weight_type=weight_type, tokenizer_gguf=tokenizer_source(model))
-        check_files(dense_file, [Path(export_result.path) / GGUF_FILE], ids)
-        for role, path, mask in (("dense", dense_file, None), ("pruned", Path(export_result.path) / GGUF_FILE, pruned)):
-            row = {"role": role, **measure_gguf(path, ids, threads=threads)}
-            row["headscope_perplexity"] = float(evaluate(loaded, pruned=mask, max_tokens=max_tokens).value)
-            row["file"] = Path(row["file"]).name if role == "dense" else row["file"]
-            rows.append(row)
+        rows, (ratio,) = compare(dense_file, [Path(export_result.path) / GGUF_FILE], ids, threads=threads,
+                                 progress=progress, should_stop=should_stop)
+    for row, mask in zip(rows, (None, pruned)):
+        row["headscope_perplexity"] = float(evaluate(loaded, pruned=mask, max_tokens=max_tokens).value)
+        row.pop("paired", None)
+    rows[0]["file"] = Path(rows[0]["file"]).name
     rows[1]["size_ratio"] = rows[1]["bytes"] / rows[0]["bytes"]
-    return rows
+    return {"rows": rows, "ratios": ratio, "verdict": verdict(ratio)}
+
+
+def deployment_rows(loaded, pruned, export_result, weight_type: str, **kwargs) -> list[dict]:
+    """`deployment_report`'s rows (dense, pruned)."""
+    return deployment_report(loaded, pruned, export_result, weight_type, **kwargs)["rows"]

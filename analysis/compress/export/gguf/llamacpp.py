@@ -6,10 +6,14 @@ The measurements of the deployment report and of the GGUF tests come from llama.
   (`analysis.measure.evaluation.causal_windows`) over the same token ids, NLL summed in float64;
 - `speed(path, context)`: prefill tokens/s over `context` tokens, then decode tokens/s one token at
   a time after it (medians of repeats, fixed thread count);
-- `kv_cache_mib(path, n_ctx)`: the KV-cache size llama.cpp allocates for a context, as its loader
-  reports it ("llama_kv_cache: size = ... MiB"; K and V in f16). Without flash attention llama.cpp pads
-  the V cache of every layer to the widest layer, so the report uses flash attention (exact
-  per-layer sizes) and says so.
+- `paired_speed(paths, context)`: the same for several files in interleaved rounds after untimed
+  warm-up rounds (llama.cpp builds its graphs per shape on first use: steady state is what a
+  deployment sees), with per-round ratios; `paired_decode_at(paths, context)`: decode speed after a
+  long prefill, interleaved the same way;
+- `kv_cache_mib(path, n_ctx, flash_attn)`: the KV-cache size llama.cpp allocates for a context, as its
+  loader reports it ("llama_kv_cache: size = ... MiB"; K and V in f16). Without flash attention
+  llama.cpp pads the V cache of every layer to the widest layer ("padding V cache to ..."), so a cut
+  with uneven layers saves its full KV memory only with flash attention on.
 llama_cpp is imported lazily: nothing else in headscope needs it.
 """
 from __future__ import annotations
@@ -205,6 +209,107 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
             prefill.append(context / (t1 - t0))
             decode.append(decode_tokens / (t2 - t1))
     return Speed(context, statistics.median(prefill), statistics.median(decode), threads)
+
+
+WARMUP_ROUNDS = 2        # untimed rounds of every file first: llama.cpp allocates its compute buffers and
+                         # builds its graphs on first use per shape (a cut's first decode calls ran ~25x slower)
+
+
+@dataclass
+class PairedSpeed:
+    """Tokens/s of several files measured in interleaved rounds (each round runs every file once, the
+    order rotating), after WARMUP_ROUNDS untimed rounds: the steady state, and per-round ratios whose
+    spread says how far a ratio can be trusted on a shared CPU."""
+    context: int
+    decode_tokens: int
+    threads: int
+    flash_attn: bool
+    prefill: dict[str, list[float]]      # name -> prefill tokens/s per round
+    decode: dict[str, list[float]]       # name -> decode tokens/s per round (after the prefill)
+
+    def median(self, part: str, name: str) -> float:
+        return float(statistics.median(getattr(self, part)[name]))
+
+    def ratio(self, part: str, name: str, base: str) -> dict:
+        """{"min", "median", "max", "rounds"} of the per-round speed of `name` / speed of `base` (> 1: faster)."""
+        values = [a / b for a, b in zip(getattr(self, part)[name], getattr(self, part)[base])]
+        return {"min": min(values), "median": float(statistics.median(values)), "max": max(values),
+                "rounds": len(values)}
+
+
+def paired_speed(paths: dict, context: int, *, decode_tokens: int = 32, rounds: int = 6,
+                 warmup: int = WARMUP_ROUNDS, threads: int = DEFAULT_THREADS, flash_attn: bool = False,
+                 seed: int = 0, should_stop=None) -> PairedSpeed:
+    """Prefill of `context` random token ids, then `decode_tokens` single steps, for each file of
+    `paths` (name -> GGUF file) in turn, `rounds` timed rounds after `warmup` untimed ones. All files
+    stay loaded, so every round times the same llama.cpp state of each."""
+    from analysis.core.progress import check_stop
+    llms = {name: load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
+                       n_batch=min(context, 512), flash_attn=flash_attn) for name, path in paths.items()}
+    rng = np.random.default_rng(seed)
+    vocab = min(llm.n_vocab() for llm in llms.values())
+    low = min(4, vocab - 1)                      # ids 0-3 are often special tokens
+    prompt = rng.integers(low, vocab, size=context).tolist()
+    steps = rng.integers(low, vocab, size=decode_tokens).tolist()
+    names = list(llms)
+    prefill: dict[str, list[float]] = {n: [] for n in names}
+    decode: dict[str, list[float]] = {n: [] for n in names}
+    for run in range(warmup + rounds):
+        order = names[run % len(names):] + names[:run % len(names)]      # rotate who goes first
+        for name in order:
+            check_stop(should_stop, "The llama.cpp speed measurement")
+            llm = llms[name]
+            with llama_errors(paths[name]):
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(prompt)
+                t1 = time.perf_counter()
+                for token in steps:
+                    llm.eval([token])
+                t2 = time.perf_counter()
+            if run >= warmup:
+                prefill[name].append(context / (t1 - t0))
+                decode[name].append(decode_tokens / (t2 - t1))
+    return PairedSpeed(context, decode_tokens, threads, flash_attn, prefill, decode)
+
+
+def paired_decode_at(paths: dict, context: int, *, tokens_per_round: int = 16, rounds: int = 6,
+                     warmup: int = WARMUP_ROUNDS, threads: int = DEFAULT_THREADS, flash_attn: bool = True,
+                     seed: int = 0, should_stop=None) -> PairedSpeed:
+    """Decode speed at a long context: each file prefills `context` random ids once (untimed), then the
+    files decode `tokens_per_round` tokens each in turn, `rounds` timed rounds after `warmup` ones
+    (the context grows by the decoded tokens, a small share of it)."""
+    from analysis.core.progress import check_stop
+    total = context + (warmup + rounds) * tokens_per_round + 8
+    llms = {name: load(path, n_ctx=total, logits_all=False, threads=threads, n_batch=512, flash_attn=flash_attn)
+            for name, path in paths.items()}
+    rng = np.random.default_rng(seed)
+    vocab = min(llm.n_vocab() for llm in llms.values())
+    low = min(4, vocab - 1)
+    prompt = rng.integers(low, vocab, size=context).tolist()
+    steps = rng.integers(low, vocab, size=(warmup + rounds) * tokens_per_round).tolist()
+    names = list(llms)
+    prefill: dict[str, list[float]] = {n: [] for n in names}
+    decode: dict[str, list[float]] = {n: [] for n in names}
+    for name, llm in llms.items():
+        check_stop(should_stop, "The llama.cpp long-context measurement")
+        with llama_errors(paths[name]):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            prefill[name].append(context / (time.perf_counter() - t0))
+    for run in range(warmup + rounds):
+        chunk = steps[run * tokens_per_round:(run + 1) * tokens_per_round]
+        for name in names[run % len(names):] + names[:run % len(names)]:
+            check_stop(should_stop, "The llama.cpp long-context measurement")
+            with llama_errors(paths[name]):
+                t0 = time.perf_counter()
+                for token in chunk:
+                    llms[name].eval([token])
+                seconds = time.perf_counter() - t0
+            if run >= warmup:
+                decode[name].append(tokens_per_round / seconds)
+    return PairedSpeed(context, tokens_per_round, threads, flash_attn, prefill, decode)
 
 
 @dataclass(frozen=True)
