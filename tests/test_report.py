@@ -33,7 +33,7 @@ def test_stages_and_ratios(built):
     names = [s.name for s in rep.stages]
     assert names == ["dense", "round 1 cut", "round 1 recovered", "round 2 cut", "round 2 recovered", "final",
                      "final (ONNX fp32)", "INT8 weight-only (ONNX)", "INT8 integer (ONNX dynamic)",
-                     "INT8 integer (PyTorch dynamic)"]
+                     "INT8 Q8_0 (llama.cpp GGUF)", "INT8 integer (PyTorch dynamic)"]
     dense, final = rep.stages[0], rep.stages[names.index("final")]
     assert all(v == pytest.approx(1.0) for v in dense.ratios.values())
     assert final.parameters < dense.parameters and final.attention_flops < dense.attention_flops
@@ -45,6 +45,13 @@ def test_stages_and_ratios(built):
     assert rep.stages[names.index("INT8 weight-only (ONNX)")].metric == rep.int8["weight-only"]["perplexity_int8"]
     assert rep.stages[-1].metric == rep.int8["torch"]["metric_int8"]
     assert "lm_head" in rep.int8["keep_float"]                           # the LM head stays float
+    # llama.cpp's INT8 route: Q8_0 against the F32 GGUF of the same model, in llama.cpp, timed in pairs
+    gguf = rep.int8["gguf"]
+    assert gguf["bytes_int8"] < 0.5 * gguf["bytes_fp32"] and gguf["floor"]["passed"]
+    assert gguf["speedups"]["decode"]["rounds"] >= 3
+    assert rep.stages[names.index("INT8 Q8_0 (llama.cpp GGUF)")].metric == gguf["perplexity_int8"]
+    assert set(rep.int8["recommended"]["routes"]) == {"ONNX dynamic", "ONNX weight-only", "PyTorch dynamic",
+                                                      "llama.cpp Q8_0"}
     # every stage: parameters, size, KV bytes and top-1 next to the metric; the KV bytes are surgery's
     from analysis.score.masks import surgery_counts
     g = loaded.geometry
@@ -107,3 +114,20 @@ def test_int8_lines_print_the_per_round_speedup_with_its_spread():
     lines = int8_lines({"keep_float": ["lm_head"], "weight-only": onnx, "dynamic": onnx, "torch": torch_row})
     assert all("2.00x (per round min 1.50 / max 3.00, 3 rounds)" in line for line in lines[1:3]), lines
     assert "2.50x (ratio of medians)" in lines[3], lines[3]        # older saved numbers say what they are
+
+
+def test_int8_recommendation_names_the_route_that_meets_the_bar_or_why_none_does():
+    from analysis.compress.recover.report import INT8_BAR, int8_recommendation
+    fast = {"min": 1.6, "median": 1.8, "max": 2.0, "rounds": 3}
+    slow = {"min": 0.9, "median": 1.1, "max": 1.2, "rounds": 3}
+    good = {"top1_agreement": 0.97, "perplexity_ratio": 1.005, "speedups": {"prefill": fast, "decode": fast}}
+    onnx = {"top1_agreement": 0.90, "perplexity_ratio": 1.02, "speedups": {"prefill": fast, "one_token": slow}}
+    torch_row = {"top1_agreement": 0.96, "metric_fp32": 10.0, "metric_int8": 10.05,
+                 "speedups": {"prefill": fast, "decode": slow}}
+    rec = int8_recommendation({"dynamic": onnx, "torch": torch_row, "gguf": good})
+    assert rec["route"] == "llama.cpp Q8_0" and rec["bar"] == INT8_BAR
+    assert rec["routes"]["ONNX dynamic"]["misses"] == ["top-1 agreement 0.900 < 0.95", "perplexity 1.020x > 1.01x",
+                                                       "one-token 1.10x < 1.5x"]
+    assert rec["routes"]["PyTorch dynamic"]["misses"] == ["decode 1.10x < 1.5x"]
+    none = int8_recommendation({"dynamic": onnx, "torch": torch_row})
+    assert none["route"] is None and all(r["misses"] for r in none["routes"].values())

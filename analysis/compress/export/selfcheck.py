@@ -98,6 +98,7 @@ class SelfCheck:
     perplexity: float | None = None
     reference_perplexity: float | None = None
     reference_accuracy: float | None = None     # the reference's own next-token top-1 accuracy
+    accuracy: float | None = None               # the file's own next-token top-1 accuracy
     fidelity: float | None = None
     details: dict = field(default_factory=dict)  # what the file is, e.g. the layers an INT8 file keeps float
 
@@ -177,7 +178,7 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 def check_causal(reference: LogitsFn, artifact: LogitsFn, text: CheckText, *, bits: int,
                  artifact_name: str, reference_name: str) -> SelfCheck:
     """Next-token agreement and perplexity ratio of `artifact` against `reference` over the windows."""
-    same = hits = count = 0
+    same = hits = hits_art = count = 0
     nll_ref = nll_art = 0.0
     for ids in text.windows:
         ref, art = _log_softmax(reference(ids)), _log_softmax(artifact(ids))   # [T, V] each
@@ -186,6 +187,7 @@ def check_causal(reference: LogitsFn, artifact: LogitsFn, text: CheckText, *, bi
         pred_ref, pred_art = ref[:-1].argmax(1), art[:-1].argmax(1)             # [T-1]
         same += int((pred_ref == pred_art).sum())
         hits += int((pred_ref == targets).sum())
+        hits_art += int((pred_art == targets).sum())
         nll_ref -= float(ref[rows, targets].sum())
         nll_art -= float(art[rows, targets].sum())
         count += len(targets)
@@ -196,7 +198,7 @@ def check_causal(reference: LogitsFn, artifact: LogitsFn, text: CheckText, *, bi
     passed = bool(np.isfinite(ratio) and ratio <= floor.perplexity_ratio and agreement >= floor.agreement)
     return SelfCheck(artifact=artifact_name, reference=reference_name, bits=bits, n_tokens=count, passed=passed,
                      floor=asdict(floor), cpu=cpu_features(), text=text.source, agreement=agreement, perplexity=ppl_art,
-                     reference_perplexity=ppl_ref, reference_accuracy=accuracy)
+                     reference_perplexity=ppl_ref, reference_accuracy=accuracy, accuracy=hits_art / count)
 
 
 def check_outputs(reference: LogitsFn, artifact: LogitsFn, text: CheckText, *, bits: int,

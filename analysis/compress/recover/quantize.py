@@ -122,6 +122,38 @@ def compare_onnx(loaded, fp32, int8, text=None, *, max_tokens: int = 1024, windo
                                      "one_token": times.ratio_spread("fp32-1", "int8-1")})
 
 
+def compare_gguf(loaded, f32, quantized, text=None, *, max_tokens: int = 1024, window: int = 256,
+                 context: int = 128, decode_tokens: int = 16, rounds: int = 5, threads: int = 2) -> dict:
+    """A quantized GGUF file (e.g. Q8_0: llama.cpp's CPU INT8 route, activations quantized per block of 32
+    values with their own scale) against the F32 GGUF of the same model, both run by llama.cpp on this
+    CPU: next-token top-1 agreement and perplexity on the same tokens (windows of `window`), file sizes,
+    and prefill / decode tokens/s in interleaved rounds after warm-up (`llamacpp.paired_speed`) with the
+    per-round speed-ups. Keys as `QuantComparison.as_dict` where they mean the same."""
+    from pathlib import Path
+    from analysis.compress.export.gguf import llamacpp
+    from analysis.compress.export.gguf.format import llamacpp_logits
+    from analysis.compress.export.selfcheck import CheckText, check_causal
+    f32, quantized = Path(f32), Path(quantized)
+    ids = token_ids(loaded.tokenizer, evaluation_text_or(text), max_tokens=max_tokens).numpy()       # [N]
+    windows = CheckText([ids[b:b + window] for b in range(0, len(ids) - 1, window) if len(ids[b:b + window]) >= 2],
+                        "evaluation tokens")
+    n_ctx = max(len(w) for w in windows.windows)
+    check = check_causal(llamacpp_logits(f32, n_ctx), llamacpp_logits(quantized, n_ctx), windows, bits=8,
+                         artifact_name=quantized.name, reference_name=f32.name)
+    speed = llamacpp.paired_speed({"fp32": f32, "int8": quantized}, context, decode_tokens=decode_tokens,
+                                  rounds=rounds, threads=threads)
+    bytes_fp32, bytes_int8 = f32.stat().st_size, quantized.stat().st_size
+    return {"top1_agreement": check.agreement, "perplexity_fp32": check.reference_perplexity,
+            "perplexity_int8": check.perplexity, "perplexity_ratio": check.perplexity_ratio,
+            "accuracy_fp32": check.reference_accuracy, "accuracy_int8": check.accuracy,
+            "bytes_fp32": bytes_fp32, "bytes_int8": bytes_int8, "size_ratio": bytes_int8 / bytes_fp32,
+            "n_tokens": check.n_tokens, "context": context, "threads": threads,
+            "prefill_tok_s_fp32": speed.median("prefill", "fp32"), "prefill_tok_s_int8": speed.median("prefill", "int8"),
+            "decode_tok_s_fp32": speed.median("decode", "fp32"), "decode_tok_s_int8": speed.median("decode", "int8"),
+            "speedups": {"prefill": speed.ratio("prefill", "int8", "fp32"),
+                         "decode": speed.ratio("decode", "int8", "fp32")}}
+
+
 def evaluation_text_or(text):
     from analysis.core.text import evaluation_text
     return evaluation_text() if text is None else text

@@ -252,7 +252,8 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     int8_info = None
     if int8 and causal:
         report(0.7, "INT8: ONNX export and quantization, PyTorch dynamic INT8")
-        int8_info, int8_stages = _int8_stages(loaded, result, final, eval_text, workdir, config, threads, repeats)
+        int8_info, int8_stages = _int8_stages(loaded, result, final, eval_text, workdir, config, threads, repeats,
+                                              seq_len=seq_len)
         stages.extend(int8_stages)
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
@@ -290,9 +291,10 @@ def _curves(loaded, config, result, eval_text, train_data, should_stop) -> dict:
 # INT8 stages: name -> ONNX Runtime method (analysis.compress.export.onnx_int8.ONNX_METHODS); the PyTorch route after them
 ONNX_INT8 = {"INT8 weight-only (ONNX)": "weight-only", "INT8 integer (ONNX dynamic)": "dynamic"}
 TORCH_INT8 = "INT8 integer (PyTorch dynamic)"
+GGUF_INT8 = "INT8 Q8_0 (llama.cpp GGUF)"
 
 
-def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats):
+def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threads, repeats, seq_len: int = 128):
     """The final model in float32 ONNX, its two ONNX INT8 files and PyTorch dynamic INT8, each
     measured against float32 in its own runtime (info[...]: agreement, speed-ups, sizes)."""
     from analysis.compress.export.onnx_int8 import quantize_onnx
@@ -316,12 +318,76 @@ def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threa
                                       top1=cmp.accuracy_fp32))
             stages.append(replace(final, name=name, size_mb=cmp.bytes_int8 / 2 ** 20, prefill_ms=cmp.latency_ms_int8,
                                   decode_ms=None, metric=cmp.perplexity_int8, top1=cmp.accuracy_int8))
+        gguf = _gguf_int8(loaded, result, eval_text, folder, config, threads, repeats, seq_len=seq_len)
+        if gguf is not None:
+            info["gguf"] = gguf
+            stages.append(replace(final, name=GGUF_INT8, size_mb=gguf["bytes_int8"] / 2 ** 20,
+                                  prefill_ms=1e3 * seq_len / gguf["prefill_tok_s_int8"],
+                                  decode_ms=1e3 / gguf["decode_tok_s_int8"], metric=gguf["perplexity_int8"],
+                                  top1=gguf["accuracy_int8"]))
     t = torch_int8_report(loaded, small, eval_text, max_tokens=config.eval_tokens, repeats=repeats, threads=threads,
                           keep_float=keep)
     info["torch"] = {k: v for k, v in t.items() if k != "model"}
     stages.append(replace(final, name=TORCH_INT8, size_mb=t["bytes_int8"] / 2 ** 20, prefill_ms=t["latency_ms_int8"],
                           decode_ms=t["decode_ms_int8"], metric=t["metric_int8"], top1=t["accuracy_int8"]))
+    info["recommended"] = int8_recommendation(info)
     return info, stages
+
+
+def _gguf_int8(loaded, result, eval_text, folder, config, threads, repeats, *, seq_len: int) -> dict | None:
+    """llama.cpp's INT8 route: the final model as F32 and Q8_0 GGUF (the gguf export: the Q8_0 file
+    self-checked), compared in llama.cpp (`quantize.compare_gguf`); None, with the reason in the dict's
+    place, for a family llama.cpp's GGUF does not take."""
+    from analysis.compress.export.gguf.writer import family_for
+    from analysis.compress.recover.quantize import compare_gguf
+    from analysis.core.errors import UnsupportedModelError
+    try:
+        family_for(loaded.adapter.model_type)
+    except UnsupportedModelError:
+        return None
+    files = {t: export_round("gguf", result.model, result.pruned, result.head_rounds, folder, f"gguf-{t}",
+                             tokenizer=loaded.tokenizer, kv_policy=config.kv_policy, gguf_type=t).path / "model.gguf"
+             for t in ("f32", "q8_0")}
+    cmp = compare_gguf(loaded, files["f32"], files["q8_0"], eval_text, max_tokens=config.eval_tokens,
+                       context=seq_len, rounds=max(3, repeats), threads=threads or 2)
+    return {**cmp, "floor": floor_verdict(cmp["top1_agreement"], cmp["perplexity_ratio"], 8)}
+
+
+# The bar an INT8 route meets to be recommended (issue 35's targets for llama.cpp's Q8_0 against F32)
+INT8_BAR = {"agreement": 0.95, "perplexity_ratio": 1.01, "speedup": 1.5}
+
+
+def int8_recommendation(info: dict) -> dict:
+    """Which INT8 route meets INT8_BAR on this machine (agreement, perplexity ratio, and both its speed-ups,
+    prefill and decode / 1-token, each the per-round median), the best by its decode speed-up if several;
+    with the misses of every route, so a report can say why none does."""
+    def speedup_of(c: dict, part: str) -> float | None:
+        spread = (c.get("speedups") or {}).get(part)
+        return None if spread is None else spread["median"]
+
+    routes = {}
+    for key, label, parts in (("dynamic", "ONNX dynamic", ("prefill", "one_token")),
+                              ("weight-only", "ONNX weight-only", ("prefill", "one_token")),
+                              ("torch", "PyTorch dynamic", ("prefill", "decode")),
+                              ("gguf", "llama.cpp Q8_0", ("prefill", "decode"))):
+        c = info.get(key)
+        if not c:
+            continue
+        ratio = c["perplexity_ratio"] if "perplexity_ratio" in c else c["metric_int8"] / c["metric_fp32"]
+        misses = []
+        if c["top1_agreement"] < INT8_BAR["agreement"]:
+            misses.append(f"top-1 agreement {c['top1_agreement']:.3f} < {INT8_BAR['agreement']}")
+        if ratio > INT8_BAR["perplexity_ratio"]:
+            misses.append(f"perplexity {ratio:.3f}x > {INT8_BAR['perplexity_ratio']}x")
+        for part in parts:
+            value = speedup_of(c, part)
+            if value is None or value < INT8_BAR["speedup"]:
+                misses.append(f"{part.replace('_', '-')} {'n/a' if value is None else f'{value:.2f}x'} < "
+                              f"{INT8_BAR['speedup']}x")
+        routes[label] = {"misses": misses, "decode": speedup_of(c, parts[1]) or 0.0}
+    meeting = [name for name, r in routes.items() if not r["misses"]]
+    best = max(meeting, key=lambda name: routes[name]["decode"]) if meeting else None
+    return {"route": best, "bar": INT8_BAR, "routes": routes}
 
 
 def floor_verdict(agreement: float, perplexity_ratio: float, bits: int) -> dict:
@@ -334,14 +400,14 @@ def floor_verdict(agreement: float, perplexity_ratio: float, bits: int) -> dict:
 
 
 def int8_warnings(info: dict | None) -> list[str]:
-    """A sentence for every ONNX INT8 stage below the self-check floor on this CPU."""
+    """A sentence for every INT8 file stage (ONNX, llama.cpp Q8_0) below the self-check floor on this CPU."""
     out = []
-    for name, method in ONNX_INT8.items():
+    for name, method in (*ONNX_INT8.items(), (GGUF_INT8, "gguf")):
         c = (info or {}).get(method)
         if c and not c["floor"]["passed"]:
             out.append(f"stage '{name}' is below the INT8 floor on this CPU (top-1 agreement {c['top1_agreement']:.3f}, "
                        f"floor {c['floor']['agreement']:.2f}; perplexity {c['perplexity_ratio']:.3g}x, floor "
-                       f"{c['floor']['perplexity_ratio']:.2f}x): a broken file, which the onnx-int8 export refuses.")
+                       f"{c['floor']['perplexity_ratio']:.2f}x): a broken file, which the export refuses.")
     return out
 
 
@@ -372,11 +438,29 @@ def int8_lines(info: dict) -> list[str]:
                     f"{speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} faster, 1-token forward "
                     f"{speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')} faster (ONNX Runtime, "
                     f"same threads).")
+    g = info.get("gguf")
+    if g:
+        below = "" if g["floor"]["passed"] else "**BELOW THE INT8 FLOOR (a broken file):** "
+        rows.append(f"- {below}llama.cpp Q8_0 against F32 GGUF: top-1 agreement {g['top1_agreement']:.3f}, perplexity "
+                    f"{g['perplexity_ratio']:.3f}x, file {g['size_ratio']:.3f}x, prefill "
+                    f"{g['speedups']['prefill']['median']:.2f}x, decode {g['speedups']['decode']['median']:.2f}x "
+                    f"the F32 file's speed (per-round medians, {g['speedups']['decode']['rounds']} interleaved rounds "
+                    f"after warm-up; llama.cpp, {g['threads']} threads).")
     t = info["torch"]
     rows.append(f"- PyTorch dynamic: top-1 agreement {t['top1_agreement']:.3f}, perplexity "
                 f"{t['metric_int8'] / t['metric_fp32']:.3f}x, state {t['size_ratio']:.3f}x, prefill "
                 f"{speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} faster, decode "
                 f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')} faster (PyTorch, same threads).")
+    rec = info.get("recommended")
+    if rec:
+        bar = rec["bar"]
+        head = (f"top-1 agreement >= {bar['agreement']}, perplexity <= {bar['perplexity_ratio']}x, prefill and "
+                f"decode >= {bar['speedup']}x faster than float")
+        if rec["route"]:
+            rows.append(f"- **Recommended on this machine: {rec['route']}** (meets the bar: {head}).")
+        else:
+            rows.append(f"- No INT8 route meets the bar on this machine ({head}): "
+                        + "; ".join(f"{name}: {', '.join(r['misses'])}" for name, r in rec["routes"].items()) + ".")
     return rows
 
 
