@@ -323,4 +323,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:       # run as a file: bench/ and tests/ are then not importable
+        sys.exit("run it as a module from the repository root: python -m bench.gpu_check " + " ".join(sys.argv[1:]))
     sys.exit(main())

@@ -145,7 +145,7 @@ def test_bad_timeouts_are_input_errors(text):
 
 
 def test_gpu_check_quick_cpu_mode_runs_every_item_but_the_launch():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick",
                            "--skip-multiprocess", "--dtypes", "float32,bfloat16"], cwd=ROOT, capture_output=True,
                           text=True, timeout=LAUNCH_LIMIT_S, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -191,7 +191,7 @@ def self_check_onnx(fp32: Path, int8: Path, config, tokenizer, *, causal: bool, 
 class OnnxInt8Format(PhysicalFormat):
     name = "onnx-int8"
     rank = 50
-    label = "ONNX INT8 (ONNX Runtime, self-checked)"
+    label = "ONNX INT8 (self-checked)"
     help = ("model.onnx with INT8 weights for ONNX Runtime (integer kernels by default), measured against "
             "the float32 file on this CPU before it is written")
     options = {"opset": FormatOption(17, None, "ONNX opset version"),
