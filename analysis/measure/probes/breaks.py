@@ -135,3 +135,50 @@ def cut_report(loaded, *, pruned=None, model=None, built: dict | None = None, sk
     cut = measure_probes(loaded.model if model is None else model, built, pruned=pruned, seed=seed,
                          progress=progress, should_stop=should_stop, team=team)
     return CutReport([compare(dense[n], cut[n]) for n in cut if n in dense], dict(skipped or {}))
+
+
+class CapabilityCheck:
+    """The probes measured once on the dense model, then on any number of cuts (a pipeline's rounds):
+    `stage(name, sparsity, model=... | pruned=...)` -> that stage's dense-vs-cut rows as a dict. A model
+    no probe applies to (or builds for) gives empty stages with the reason in `skipped`."""
+
+    def __init__(self, loaded, names=None, *, options: dict | None = None, seed: int = 0,
+                 should_stop: ShouldStop | None = None):
+        self.loaded, self.seed, self.should_stop = loaded, seed, should_stop
+        try:
+            self.built, self.skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
+        except InputError as err:
+            self.built, self.skipped = {}, {"all": str(err)}
+        self.dense = dense_scores(loaded, self.built, seed=seed, should_stop=should_stop) if self.built else {}
+
+    def stage(self, name: str, sparsity: float, *, model=None, pruned=None) -> dict:
+        out = dict(stage=name, sparsity=float(sparsity))
+        if not self.built:
+            return dict(out, probes=[], lost=[], warnings=[], skipped=self.skipped)
+        rep = cut_report(self.loaded, model=model, pruned=pruned, built=self.built, skipped=self.skipped,
+                         dense=self.dense, seed=self.seed, should_stop=self.should_stop)
+        return dict(out, **rep.as_dict())
+
+
+def capabilities_markdown(stages: list[dict]) -> str:
+    """A report section: per stage, each probe's accuracy [CI] (dense first), LOST where its CI is below dense."""
+    rows = [s for s in stages if s["probes"]]
+    if not rows:
+        why = "; ".join(f"{k}: {v}" for s in stages for k, v in s.get("skipped", {}).items())
+        return f"## Capability probes\n\nNot measured ({why or 'no probe applies'}).\n"
+    names = [p["label"] for p in rows[0]["probes"]]
+    dense = rows[0]["probes"]
+    out = ["## What each stage breaks (capability probes)", "",
+           "Accuracy [95 % bootstrap CI]: the share of probe items whose correct token out-scores its contrast "
+           "(chance 0.5), on the same items for every stage; LOST = the stage's CI lies below the dense accuracy.", "",
+           "| stage | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
+           "| dense | " + " | ".join(f"{p['dense_accuracy']:.3f} [{p['dense_low']:.3f}, {p['dense_high']:.3f}]"
+                                     for p in dense) + " |"]
+    for s in rows:
+        out.append(f"| {s['stage']} | " + " | ".join(
+            f"{p['cut_accuracy']:.3f} [{p['cut_low']:.3f}, {p['cut_high']:.3f}]" + (" **LOST**" if p["lost"] else "")
+            for p in s["probes"]) + " |")
+    out += [""] + [f"**Warning:** {s['stage']}: {w}." for s in rows for w in s["warnings"]]
+    skipped = rows[0].get("skipped") or {}
+    out += [f"- Not measured: {k}: {v}" for k, v in skipped.items()]
+    return "\n".join(out) + "\n"

@@ -168,3 +168,16 @@ def _batched_map(model, items, geo, groups, progress, should_stop, team):
     drop = (mean[0] - mean[1:]).reshape(geo.n_layers, -1)                # [L, R]
     H = geo.n_heads
     return drop[:, :H], (drop[:, H:] if drop.shape[1] > H else None)
+
+
+def role_overlap(pmap: ProbeMap, detections: dict, k: int = 10) -> list[dict]:
+    """Per detector role (analysis.measure.detectors results): how many of the probe's top-k heads have it,
+    which ones, and the share of all heads that have it (what k heads picked at random would show)."""
+    top = [(l, h) for l, h, _ in pmap.top(k)]
+    rows = []
+    for name, det in detections.items():
+        has = det.has_role
+        hits = [f"L{l}H{h}" for l, h in top if has[l, h]]
+        rows.append(dict(role=name, top_k=len(top), with_role=len(hits), heads=hits,
+                         base_rate=float(has.mean()), expected=float(has.mean() * len(top))))
+    return rows
