@@ -8,6 +8,7 @@ import streamlit as st
 from analysis.compress import export as export_mod
 from analysis.compress import deploy, speed
 from components import cache, charts, controls, explain, numbers, shell, state, views, weights
+from components import probes as probes_ui
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -158,3 +159,5 @@ with shown_errors("Measuring"):
         st.caption(speed.RATIO_NOTE)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))
+
+probes_ui.cut_panel(lm, plan.pruned, where="export")     # the report's capability check of this mask

@@ -167,7 +167,7 @@ def _text_set(value: str, flag: str):
     if value in BUILTIN_SETS:
         return builtin_text_set(value)
     raw = read_text_file(value, USER_TEXT_MAX_BYTES + 1, what=flag)   # one byte more: "too large" is seen, not cut
-    return user_text_set(Path(value).name, raw)
+    return user_text_set(f"{flag} {Path(value).name}", raw)
 
 
 def run_domains(ns):

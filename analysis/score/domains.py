@@ -60,9 +60,10 @@ def builtin_text_set(which: str) -> TextSet:
 BUILTIN_SETS = ("wikipedia", "python")
 
 
-def user_text_set(name: str, raw: str | bytes, *, max_bytes: int = USER_TEXT_MAX_BYTES) -> TextSet:
-    """The user's text as a set: refused in one line when empty, binary, not UTF-8 or above `max_bytes`;
-    cut in two (scoring / held-out) at the paragraph boundary nearest its middle."""
+def user_text_set(name: str, raw: str | bytes, *, max_bytes: int | None = None) -> TextSet:
+    """The user's text as a set: refused in one line when empty, binary, not UTF-8 or above `max_bytes`
+    (default USER_TEXT_MAX_BYTES); cut in two (scoring / held-out) at the paragraph boundary nearest its middle."""
+    max_bytes = USER_TEXT_MAX_BYTES if max_bytes is None else max_bytes
     data = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
     if len(data) > max_bytes:
         raise InputError(f"The text for {name} is {len(data) / 2**20:.1f} MiB; the domain comparison takes at most "

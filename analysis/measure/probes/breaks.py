@@ -18,6 +18,7 @@ import numpy as np
 
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, scaled
+from analysis.measure.evaluation import context_length
 from analysis.measure.probes.measure import ProbeScore, build_items, measure_probes
 from analysis.measure.probes.registry import chosen
 
@@ -95,13 +96,19 @@ def build_applicable(loaded, names=None, *, options: dict | None = None) -> tupl
     """(built items by probe, skipped probe -> reason): with names=None every applicable probe that can be
     built (the others skipped with the reason); named probes must apply and build (InputError otherwise)."""
     picked = chosen(names, loaded.kind)
-    if names is not None and "all" not in names:
-        return build_items(picked, loaded.tokenizer, loaded.kind, options=options), {}
+    context = context_length(loaded.model, default=2**31)
     built, skipped = {}, {}
     for name in picked:
         try:
-            built.update(build_items([name], loaded.tokenizer, loaded.kind, options=options))
+            one = build_items([name], loaded.tokenizer, loaded.kind, options=options)
+            longest = int(one[name][2].lengths.max())
+            if longest > context:
+                raise InputError(f"The {one[name][0].label} probe's prompts take up to {longest} tokens; this model "
+                                 f"reads at most {context}.")
+            built.update(one)
         except InputError as err:
+            if names is not None and "all" not in names:
+                raise
             skipped[name] = str(err)
     if not built:
         raise InputError("No probe could be built for this model: " + " ".join(skipped.values()))

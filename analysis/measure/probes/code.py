@@ -3,7 +3,8 @@ files (analysis.core.pysource; PSF License Version 2).
 
 Python's own `tokenize` module finds, in each file, the brackets ( [ { whose closer comes within a
 few lines, and the plain one-line string literals. An item's prompt runs from the first non-blank
-character of the opener's line up to the closer (at most `max_chars` characters); the answer is the
+character of the opener's line up to the closer (at most `max_chars` characters and `max_tokens`
+tokens); the answer is the
 token the model's tokenizer starts at the closer in that context (it may carry what follows, e.g.
 "):"), the contrast the token it starts there when the closer is swapped for a wrong one
 () <-> ], } -> ), ' <-> "). An item whose closer is not the start of a token in either text is left
@@ -76,9 +77,10 @@ def all_closers(max_chars: int) -> dict[str, tuple[tuple[str, int, int], ...]]:
 class CodeProbe(Probe):
     """Close the bracket or quote that is open, in real Python source; items rotate over the closers."""
 
-    def __init__(self, n_items: int = 48, seed: int = 0, bos: str = "auto", max_chars: int = 120):
+    def __init__(self, n_items: int = 48, seed: int = 0, bos: str = "auto", max_chars: int = 120,
+                 max_tokens: int = 48):
         super().__init__(n_items, seed, bos)
-        self.max_chars = int(max_chars)
+        self.max_chars, self.max_tokens = int(max_chars), int(max_tokens)
 
     def drafts(self, vocab: Vocabulary, kind: str) -> list[Draft]:
         rng = self.rng()
@@ -103,6 +105,9 @@ class CodeProbe(Probe):
         line_end = len(text) if line_end < 0 else line_end
         prefix, closer, rest = text[begin:end], text[end], text[end + 1:line_end]
         head = vocab.encode(prefix)
+        if len(head) > self.max_tokens:
+            vocab.reject(f"prompts longer than {self.max_tokens} tokens", prefix[:30] + "...")
+            return None
         right, wrong = vocab.encode(prefix + closer + rest), vocab.encode(prefix + WRONG[closer] + rest)
         n = len(head)
         if not head or right[:n] != head or wrong[:n] != head or len(right) <= n or len(wrong) <= n \

@@ -26,7 +26,7 @@ from analysis.arch.adapters import input_device
 from analysis.core.distributed import SOLO, Team
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
-from analysis.measure.evaluation import gate_batch
+from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.loss import token_nll
 from analysis.measure.probes.items import ProbeItems
 from analysis.measure.probes.registry import chosen
@@ -74,6 +74,10 @@ def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, 
     base = model.base_model
     if base is model:
         raise InputError("This model has no language-model head, so it predicts no tokens to probe.")
+    longest, context = int(items.lengths.max()), context_length(model, default=2**31)
+    if longest > context:
+        raise InputError(f"The {items.name} probe's prompts take up to {longest} tokens; this model reads at most "
+                         f"{context}. Use fewer or shorter items (e.g. the code probe's max_chars).")
     mask_chunk = max(1, min(B, batch_tokens // max(1, int(items.lengths.max()))))
     jobs = [(rows, m) for rows in _batches(items, min(B, mask_chunk), batch_tokens)
             for m in range(0, B, mask_chunk)]
