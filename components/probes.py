@@ -22,11 +22,17 @@ def _fold(title: str, body: str) -> None:
 # -- cached calls ---------------------------------------------------------------------------------
 
 @st.cache_data(show_spinner=False, max_entries=4)
+def probe_items(name: str, how, seed: int = SEED):
+    """(built items, skipped probe -> reason) of every probe that applies to the model (the tokenizer only)."""
+    from analysis.measure.probes.breaks import build_applicable
+    return build_applicable(cache.load(name, how), None, options={"seed": seed})
+
+
+@st.cache_data(show_spinner=False, max_entries=4)
 def dense_probes(name: str, how, seed: int = SEED, _progress=None, _should_stop=None):
     """(built items, skipped probe -> reason, dense scores) of every probe that applies to the model."""
-    from analysis.measure.probes.breaks import build_applicable, dense_scores
-    lm = cache.load(name, how)
-    built, skipped = build_applicable(lm, None, options={"seed": seed})
+    from analysis.measure.probes.breaks import dense_scores
+    built, skipped = probe_items(name, how, seed)                       # before taking the lock (cache.exclusive)
     with cache.exclusive(name, how, _progress, _should_stop) as lm:
         return built, skipped, dense_scores(lm, built, seed=seed, progress=_progress, should_stop=_should_stop)
 
@@ -45,7 +51,7 @@ def cut_probes(name: str, how, pruned, seed: int = SEED, _progress=None, _should
 def probe_map(name: str, how, probe: str, seed: int = SEED, _progress=None, _should_stop=None):
     """The per-head map of one probe (analysis.measure.probes.circuit.probe_map, the fast sweep)."""
     from analysis.measure.probes.circuit import probe_map as run
-    built, _, _ = dense_probes(name, how, seed)
+    built, _ = probe_items(name, how, seed)
     spec, _, items = built[probe]
     with cache.exclusive(name, how, _progress, _should_stop) as lm:
         return run(lm.model, spec, items, seed=seed, progress=_progress, should_stop=_should_stop)
@@ -123,11 +129,14 @@ def heads_section(lm) -> None:
     from analysis.measure.probes.registry import PROBES, applicable
     g = lm.geometry
     st.subheader("The heads behind each capability")
-    names = applicable(lm.kind)
-    if not names:
+    if not applicable(lm.kind):
         st.caption("No capability probe applies to this model (no language-model head).")
     else:
         with shown_errors("Probe maps"):
+            built, skipped = probe_items(lm.name, state.load_options())
+            names = list(built)
+            if skipped:
+                st.caption("Not available for this tokenizer or context: " + " ".join(skipped.values()))
             probe = st.selectbox("Probe", names, format_func=lambda n: f"{PROBES[n].label}: {PROBES[n].help}",
                                  key=state.widget_key("heads.probe", value=names[0]))
             probe = probe if probe in names else names[0]
