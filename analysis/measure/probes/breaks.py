@@ -22,6 +22,9 @@ from analysis.measure.evaluation import context_length
 from analysis.measure.probes.measure import ProbeScore, build_items, measure_probes
 from analysis.measure.probes.registry import chosen
 
+# docs/results.md section written by scripts/probes_results.py (scripts/results.py keeps it)
+PROBES_MARKERS = ("<!-- probes:begin -->", "<!-- probes:end -->")
+
 
 @dataclass(frozen=True)
 class ProbeChange:
