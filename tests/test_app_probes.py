@@ -85,3 +85,26 @@ def test_bad_domain_text_is_one_error_line(tiny_dir, text, words, monkeypatch):
     assert len(errors) == 1 and words.lower() in errors[0].lower() and "\n" not in errors[0]
     assert not [b for b in at.button if b.key == "heads.domains"]       # nothing to run on bad text
     assert len(at.get("plotly_chart")) == charts
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    """A tiny BERT encoder without an LM head (like all-MiniLM-L6-v2) with a tokenizer."""
+    from transformers import AutoModel
+    from tests._tiny import tiny_config
+    folder = tmp_path_factory.mktemp("encoder")
+    AutoModel.from_config(tiny_config("bert")).save_pretrained(folder)
+    trivial_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_an_encoder_gets_one_line_and_no_probe(encoder_dir):
+    at = new_app(encoder_dir, page="prune", sparsity="0.25")
+    no_exception(at)
+    assert "prune.probes" not in [b.key for b in at.button]
+    shown = texts(at)
+    assert "No capability probe applies to this model" in shown and "no language-model head" in shown
+    at = new_app(encoder_dir, page="heads")
+    no_exception(at)
+    assert "heads.probe_map" not in [b.key for b in at.button]
+    assert "No capability probe applies to this model (no language-model head)." in texts(at)

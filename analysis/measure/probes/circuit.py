@@ -7,8 +7,9 @@ layer's ablations batched in one pass (gates [R, L, H]), and only the read posit
 LM head. The sweep splits its layers over the processes of a launch as the loss sweep does. The
 rows are first cut into a few buckets of similar length (each bucket one sweep, its padding small);
 the buckets' per-unit changes add up to the whole probe's. `method="naive"` is the reference: one
-full masked forward per ablation (analysis.measure.ablation.naive_sweep, same readout, same buckets);
-the two agree to rounding (tests in float64). Masked LMs evaluate every ablation's gates in batched
+full masked forward per ablation over all the probe's rows at once (right-padded: padding after the
+last read position changes nothing in a causal model; analysis.measure.ablation.naive_sweep, same
+readout); the two agree to rounding (tests in float64). Masked LMs evaluate every ablation's gates in batched
 passes of `measure.item_values` (no prefix to reuse: attention looks both ways).
 
 drop[l, h] = mean diff (dense) - mean diff (head l, h removed): positive = the head helps the answer.
@@ -129,7 +130,7 @@ def probe_map(model, spec, items: ProbeItems, *, method: str = "fast", groups: b
         base = float(item_values(model, items)[0][0, items.scored.numpy()].mean())
         return ProbeMap(spec.name, spec.label, base, drop, group, None, items.n_items, "batched masks",
                         time.perf_counter() - t0)
-    buckets = length_buckets(items)
+    buckets = length_buckets(items) if method == "fast" else [sorted(set(items.row[items.scored].tolist()))]
     n = items.n_items
     R = ablation_gates(geo, 0, groups=groups).shape[0]
     delta, base, units, weights = np.zeros((geo.n_layers, R)), 0.0, [], []
