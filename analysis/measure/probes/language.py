@@ -95,18 +95,22 @@ FEMALE_NAMES = ("Mary", "Anna", "Sarah", "Laura", "Emma", "Lisa", "Kate", "Alice
 VERBS = ("hurt", "blamed", "praised", "admired", "helped", "introduced", "described", "fooled", "criticized",
          "forgave", "questioned", "trusted", "watched", "saw", "taught", "defended", "surprised", "hated")
 REFLEXIVES = {"male": " himself", "female": " herself", "plural": " themselves"}
+# a short lead-in before the subject: with the subject as the prompt's first word, SmolLM2 told
+# "himself" from "herself" at 0.62 for male subjects (0.58 with a name; a BOS token did not help), with
+# any of these in front at 1.0 (docs/results.md, "What a cut breaks")
+LEAD_INS = ("Yesterday,", "In the story,", "At the party,", "After the game,", "Last week,", "That morning,")
 
 
 class AnaphorProbe(Probe):
-    """Anaphor agreement (BLiMP-style minimal pairs): "The queen hurt" -> " herself" over " himself".
-    Male, female and plural subjects rotate (a name or "the" + noun); the contrast is the other gender
-    for a singular subject and a singular reflexive for a plural one (number)."""
+    """Anaphor agreement (BLiMP-style minimal pairs): "Yesterday, the queen hurt" -> " herself" over " himself".
+    Male, female and plural subjects rotate (a name or "the" + noun) after a short lead-in; the contrast is
+    the other gender for a singular subject and a singular reflexive for a plural one (number)."""
 
     def drafts(self, vocab: Vocabulary, kind: str) -> list[Draft]:
-        subjects = {"male": [f"The {w}" for w in vocab.keep("male nouns", MALE)] + vocab.keep("male names", MALE_NAMES),
-                    "female": [f"The {w}" for w in vocab.keep("female nouns", FEMALE)]
+        subjects = {"male": [f"the {w}" for w in vocab.keep("male nouns", MALE)] + vocab.keep("male names", MALE_NAMES),
+                    "female": [f"the {w}" for w in vocab.keep("female nouns", FEMALE)]
                     + vocab.keep("female names", FEMALE_NAMES),
-                    "plural": [f"The {w}" for w in vocab.keep("plural nouns", GROUPS)]}
+                    "plural": [f"the {w}" for w in vocab.keep("plural nouns", GROUPS)]}
         verbs = vocab.keep("verbs", VERBS)
         conditions = [c for c in REFLEXIVES if subjects[c]]
         if not verbs or not conditions:
@@ -118,7 +122,7 @@ class AnaphorProbe(Probe):
                 wrong = REFLEXIVES[("male", "female")[(i // len(conditions)) % 2]]
             else:
                 wrong = REFLEXIVES["female" if condition == "male" else "male"]
-            prompt = f"{rng.choice(subjects[condition])} {rng.choice(verbs)}"
+            prompt = f"{rng.choice(LEAD_INS)} {rng.choice(subjects[condition])} {rng.choice(verbs)}"
             return vocab.complete(prompt, REFLEXIVES[condition], wrong, condition=condition)
         return self.collect(make)
 
@@ -136,7 +140,7 @@ register_probe(ProbeSpec(
     AgreementProbe))
 register_probe(ProbeSpec(
     "anaphor", "Anaphor agreement",
-    "a reflexive agrees with its subject: 'The queen hurt' -> herself, not himself",
+    "a reflexive agrees with its subject: 'Yesterday, the queen hurt' -> herself, not himself",
     "Warstadt et al. 2020, 'BLiMP' (its anaphor gender / number agreement paradigms, as minimal pairs written "
     "for headscope)",
     AnaphorProbe))
