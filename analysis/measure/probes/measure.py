@@ -171,7 +171,7 @@ class ProbeScore:
                     extras=self.extras, rejected=self.rejected, notes=list(self.notes), chance=self.chance)
 
 
-def score(spec, probe, items: ProbeItems, diff: np.ndarray, nll: np.ndarray, *, seed: int = 0,
+def score_items(spec, probe, items: ProbeItems, diff: np.ndarray, nll: np.ndarray, *, seed: int = 0,
           n_boot: int = N_BOOT, seconds: float = 0.0) -> ProbeScore:
     """ProbeScore from the item values diff / nll [B, n] (the scored items; reference items go to extras)."""
     s = items.scored.numpy()
@@ -179,7 +179,7 @@ def score(spec, probe, items: ProbeItems, diff: np.ndarray, nll: np.ndarray, *, 
     acc, acc_ci = bootstrap((d > 0).astype(np.float64), units, n_boot=n_boot, seed=seed)
     mean, mean_ci = bootstrap(d, units, n_boot=n_boot, seed=seed)
     conds = np.array(items.conditions)[s]
-    by = {c: (d[:, conds == c] > 0).mean(1) for c in dict.fromkeys(conds)}
+    by = {str(c): (d[:, conds == c] > 0).mean(1) for c in dict.fromkeys(conds)}
     return ProbeScore(spec.name, spec.label, items.kind, items.n_items, items.n_units, items.n_tokens, acc, acc_ci,
                       mean, mean_ci, by, probe.extras(items, diff, nll), items.rejected_counts(), items.notes,
                       spec.chance, seconds)
@@ -206,7 +206,7 @@ def measure_probes(model, built: dict, *, gates=None, pruned=None, seed: int = 0
         t0 = time.perf_counter()
         diff, nll = item_values(model, items, g, batch_tokens=batch_tokens, should_stop=should_stop, team=team,
                                 progress=scaled(progress, i / len(built), (i + 1) / len(built)))
-        out[name] = score(spec, probe, items, diff, nll, seed=seed, n_boot=n_boot, seconds=time.perf_counter() - t0)
+        out[name] = score_items(spec, probe, items, diff, nll, seed=seed, n_boot=n_boot, seconds=time.perf_counter() - t0)
     return out
 
 
