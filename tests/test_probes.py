@@ -55,6 +55,7 @@ def test_planted_head_comes_first_by_a_margin(layer, head, monkeypatch):
     diff, _ = item_values(model, items)
     assert (diff > 0).all()                                            # the task is solved, by that head
     m = probe_map(model, PLANTED, items)
+    assert abs(m.base - diff.mean()) <= EXACT                           # the map reads what the probe measures
     (l0, h0, first), (_, _, second) = m.top(2)
     assert (l0, h0) == (layer, head)
     assert first > 10 * second and first > 0.5 * m.base                # first, by a margin
