@@ -129,9 +129,11 @@ def _maps(ns, loaded, built):
             sub = (lambda f, m, i=i: report((i + f) / len(built), m))
             m = probe_map(loaded.model, spec, items, method=ns.map_method, seed=ns.probe_seed, progress=sub, team=team_of(ns))
             maps[name] = dict(m.as_dict(), top=[dict(layer=l, head=h, drop=d) for l, h, d in m.top(ns.top)])
+            G = loaded.geometry.group_size
             rows += [dict(probe=name, layer=l, head=h, drop=float(m.drop[l, h]),
                           low=None if m.drop_ci is None else float(m.drop_ci[l, h, 0]),
-                          high=None if m.drop_ci is None else float(m.drop_ci[l, h, 1]))
+                          high=None if m.drop_ci is None else float(m.drop_ci[l, h, 1]), kv_group=h // G,
+                          group_drop=None if m.group_drop is None else float(m.group_drop[l, h // G]))
                      for l in range(m.drop.shape[0]) for h in range(m.drop.shape[1])]
             built[name] = (spec, m, items)
     if ns.roles:
