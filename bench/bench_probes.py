@@ -7,13 +7,14 @@
    cores; the ratio says what the probes cost against a perplexity check of the same tokens (> 1: the
    overhead of many short prompts and of reading the logits at their positions).
 2. The per-head map of one probe: the fast sweep (analysis.measure.probes.circuit.probe_map) against the
-   naive loop (one full masked forward per ablation, the same buckets and readout) over the same
-   heads and KV groups of evenly spread layers (--layer-step; every layer with 1), each a whole map,
-   in interleaved pairs. Target: naive / fast >= 5x (median per-pair ratio), same numbers (max |diff|
+   naive loop (one full masked forward per ablation over all the probe's rows, the same readout) over the
+   same heads and KV groups of evenly spread layers (--layer-step k: layers k//2, k//2 + k, ..., so the
+   mean number of layers an ablation replays stays about L/2, as for the whole map; every layer with
+   1), each a whole map, in interleaved pairs. Target: naive / fast >= 5x (median per-pair ratio), same numbers (max |diff|
    over max |drop|, printed).
 
     nice -n 5 .venv/bin/python bench/bench_probes.py [--cache-dir DIR] [--threads 2] [--sparsity 0.25]
-                                                      [--map-probe ioi] [--map-items 24] [--layer-step 5]
+                                                      [--map-probe ioi] [--map-items 16] [--layer-step 6]
 """
 import argparse
 import os
@@ -31,8 +32,8 @@ def main(argv=None) -> bool:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sparsity", type=float, default=0.25, help="the mask: MP-G at this sparsity, default policy")
     parser.add_argument("--map-probe", default="ioi")
-    parser.add_argument("--map-items", type=int, default=24)
-    parser.add_argument("--layer-step", type=int, default=5)
+    parser.add_argument("--map-items", type=int, default=16)
+    parser.add_argument("--layer-step", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=5, help="least number of interleaved pairs")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="per comparison, after the least pairs")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: probes, map")
@@ -82,7 +83,7 @@ def main(argv=None) -> bool:
     if "map" not in skip:
         spec, _, items = build_items([args.map_probe], lm.tokenizer, lm.kind,
                                      options=dict(n_items=args.map_items))[args.map_probe]
-        layers = list(range(0, lm.geometry.n_layers, args.layer_step))
+        layers = list(range(args.layer_step // 2, lm.geometry.n_layers, args.layer_step))   # centred: mean suffix ~ L/2
         maps = {}
 
         def run(method):
