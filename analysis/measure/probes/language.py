@@ -104,7 +104,12 @@ LEAD_INS = ("Yesterday,", "In the story,", "At the party,", "After the game,", "
 class AnaphorProbe(Probe):
     """Anaphor agreement (BLiMP-style minimal pairs): "Yesterday, the queen hurt" -> " herself" over " himself".
     Male, female and plural subjects rotate (a name or "the" + noun) after a short lead-in; the contrast is
-    the other gender for a singular subject and a singular reflexive for a plural one (number)."""
+    the other gender for a singular subject and a singular reflexive for a plural one (number).
+    lead_ins=False: the subject starts the prompt ("The queen hurt"; what docs/results.md compares)."""
+
+    def __init__(self, n_items: int = 48, seed: int = 0, bos: str = "auto", lead_ins: bool = True):
+        super().__init__(n_items, seed, bos)
+        self.lead_ins = bool(lead_ins)
 
     def drafts(self, vocab: Vocabulary, kind: str) -> list[Draft]:
         subjects = {"male": [f"the {w}" for w in vocab.keep("male nouns", MALE)] + vocab.keep("male names", MALE_NAMES),
@@ -122,7 +127,9 @@ class AnaphorProbe(Probe):
                 wrong = REFLEXIVES[("male", "female")[(i // len(conditions)) % 2]]
             else:
                 wrong = REFLEXIVES["female" if condition == "male" else "male"]
-            prompt = f"{rng.choice(LEAD_INS)} {rng.choice(subjects[condition])} {rng.choice(verbs)}"
+            subject = rng.choice(subjects[condition])
+            lead = rng.choice(LEAD_INS) + " " if self.lead_ins else ""
+            prompt = f"{lead}{subject if lead else subject[0].upper() + subject[1:]} {rng.choice(verbs)}"
             return vocab.complete(prompt, REFLEXIVES[condition], wrong, condition=condition)
         return self.collect(make)
 
