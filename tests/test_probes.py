@@ -267,6 +267,9 @@ def test_cli_probes_json_csv_mask_file_and_export(tiny_dir, capsys, tmp_path):
                            "--quiet")
     rows = list(csv.DictReader(io.StringIO(stdout)))
     assert code == 0 and len(rows) == 16 and {r["probe"] for r in rows} == {"copying"}
+    code, stdout, _ = _run(capsys, "probes", "--model", tiny_dir, "--probe", "copying", "--map", "--quiet")
+    mpg = json.loads(stdout)["maps"]["copying"]["versus_mpg"]
+    assert code == 0 and mpg["n_with_role"] == 10 and 0 <= mpg["auc"] <= 1 and 0 < mpg["p_value"] <= 1
 
 
 def test_cli_domains(tiny_dir, capsys, tmp_path):

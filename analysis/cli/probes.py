@@ -7,7 +7,8 @@ which heads carry each probe, and which heads matter more for one text than anot
     python -m analysis domains [--model M] [--a wikipedia|python|FILE] [--b ...] [--sparsity S] [--tokens N] ...
 
 probes JSON: {"model", "probes": {name: dense numbers}, "cut": dense vs cut (analysis.measure.probes.breaks)
-with "lost" and "warnings", "skipped": {probe: reason}, "maps": {name: per-head drop [L][H], CIs, top heads}}.
+with "lost" and "warnings", "skipped": {probe: reason}, "maps": {name: per-head drop [L][H], CIs, top heads,
+"versus_mpg": ROC AUC and permutation p of MP-G (z = 2) for the probe's top-10 heads, "roles" with --roles}}.
 CSV: one row per probe (dense, or dense vs cut), or with --map one row per probe and head. A cut is a mask
 (scored here with --sparsity, or a mask.json / an export folder's mask.json with --mask-file) applied to
 --model, or an export folder's own weights (--export: a pruned / zeroed / stock export, e.g. a recovered
@@ -136,6 +137,11 @@ def _maps(ns, loaded, built):
                           group_drop=None if m.group_drop is None else float(m.group_drop[l, h // G]))
                      for l in range(m.drop.shape[0]) for h in range(m.drop.shape[1])]
             built[name] = (spec, m, items)
+    from analysis.score.specialization import mpg_scores, probe_strengths, role_tests
+    mpg = mpg_scores(loaded, 2.0).scores                                   # does MP-G keep each probe's top heads?
+    for test, name in zip(role_tests(mpg, probe_strengths({n: m for n, (_, m, _) in built.items()}, 10), seed=0),
+                          built):
+        maps[name]["versus_mpg"] = test.as_dict()
     if ns.roles:
         from analysis.measure.detectors import detect_heads
         with progress_bar("head detectors", not ns.quiet) as report:
