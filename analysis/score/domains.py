@@ -139,7 +139,7 @@ class DomainReport:
         dense = self.cuts[0]
         lines = []
         for c in self.cuts[1:]:
-            lines.append(f"cut scored on {c['scored_on']} ({c['n_pruned']} heads, {c['policy']}): "
+            lines.append(f"cut scored on {c['scored_on']} ({c['n_pruned']} heads, {c['sparsity']:.0%}, {c['policy']}): "
                          f"{self.a.name} {c['ratio_a']:.3f}x dense, {self.b.name} {c['ratio_b']:.3f}x dense")
         return f"dense {self.a.name} {dense['ppl_a']:.2f}, {self.b.name} {dense['ppl_b']:.2f}; " + "; ".join(lines)
 
@@ -169,9 +169,10 @@ def compare_domains(loaded, a: TextSet, b: TextSet, *, sparsity: float = 0.25, p
                     eval_tokens: int = DEFAULT_EVAL_TOKENS, seed: int = 0, progress: Progress | None = None,
                     should_stop: ShouldStop | None = None, team=None) -> DomainReport:
     """Importance on A and on B, their difference with CIs, and the cuts scored on each evaluated on both."""
-    from analysis.score.masks import check_sparsity, default_policy, plan_mask
-    from analysis.score.scoring import get_scorer
+    from analysis.score.masks import check_sparsity
     check_sparsity(sparsity)
+    if a.name == b.name:
+        b = TextSet(f"{b.name} (B)", b.score_text, b.eval_text, b.attribution)
     t0 = time.perf_counter()
     imp_a = importance(loaded, a.score_text, a.name, max_tokens=max_tokens, seq_len=seq_len, seed=seed,
                        progress=scaled(progress, 0.0, 0.45), should_stop=should_stop, team=team)
@@ -181,20 +182,33 @@ def compare_domains(loaded, a: TextSet, b: TextSet, *, sparsity: float = 0.25, p
     diff_ci = None
     if imp_a.boot is not None and imp_b.boot is not None:
         diff_ci = np.moveaxis(np.percentile(imp_b.boot - imp_a.boot, [2.5, 97.5], axis=0), 0, -1)   # [L, H, 2]
-    G = loaded.geometry.group_size
-    policy = policy or default_policy(G)
-    plans = {imp.name: plan_mask(get_scorer("ablation", loss_increase=imp.mean).score(loaded), sparsity,
-                                 group_size=G, policy=policy) for imp in (imp_a, imp_b)}
-    masks = np.stack([np.zeros_like(next(iter(plans.values())).pruned)] + [p.pruned for p in plans.values()])
     if progress is not None:
         progress(0.9, "evaluating the cuts on both held-out texts")
-    ppl_a, ci_a = _evaluate(loaded, a.eval_text, masks, eval_tokens, seed, should_stop)
-    ppl_b, ci_b = _evaluate(loaded, b.eval_text, masks, eval_tokens, seed, should_stop)
-    cuts = []
-    for i, scored_on in enumerate(["dense", *plans]):
-        n_pruned = int(masks[i].sum())
-        cuts.append(dict(scored_on=scored_on, sparsity=0.0 if i == 0 else sparsity, policy=policy, n_pruned=n_pruned,
-                         ppl_a=float(ppl_a[i]), ppl_a_ci=ci_a[i].tolist(), ratio_a=float(ppl_a[i] / ppl_a[0]),
-                         ppl_b=float(ppl_b[i]), ppl_b_ci=ci_b[i].tolist(), ratio_b=float(ppl_b[i] / ppl_b[0])))
+    cuts = domain_cuts(loaded, a, b, {imp_a.name: imp_a.mean, imp_b.name: imp_b.mean}, sparsities=(sparsity,),
+                       policy=policy, eval_tokens=eval_tokens, seed=seed, should_stop=should_stop)
     return DomainReport(imp_a, imp_b, diff, diff_ci, cuts, tuple(x for x in (a.attribution, b.attribution) if x),
                         time.perf_counter() - t0)
+
+
+def domain_cuts(loaded, a: TextSet, b: TextSet, importances: dict, *, sparsities=(0.25,), policy: str | None = None,
+                eval_tokens: int = DEFAULT_EVAL_TOKENS, seed: int = 0, should_stop: ShouldStop | None = None) -> list:
+    """Dense, then for each sparsity the cut scored on each importance map (set name -> [L, H] loss increase,
+    the ablation oracle's scores), all evaluated on the held-out parts of A and B (one batched pass each)."""
+    from analysis.score.masks import default_policy, plan_mask
+    from analysis.score.scoring import get_scorer
+    G = loaded.geometry.group_size
+    policy = policy or default_policy(G)
+    labels, masks = [("dense", 0.0)], [np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), dtype=bool)]
+    for sparsity in sparsities:
+        for name, imp in importances.items():
+            plan = plan_mask(get_scorer("ablation", loss_increase=imp).score(loaded), sparsity, group_size=G,
+                             policy=policy)
+            labels.append((name, float(sparsity)))
+            masks.append(np.asarray(plan.pruned))
+    masks = np.stack(masks)                                              # [1 + S * 2, L, H]
+    ppl_a, ci_a = _evaluate(loaded, a.eval_text, masks, eval_tokens, seed, should_stop)
+    ppl_b, ci_b = _evaluate(loaded, b.eval_text, masks, eval_tokens, seed, should_stop)
+    return [dict(scored_on=on, sparsity=sp, policy=policy, n_pruned=int(masks[i].sum()),
+                 ppl_a=float(ppl_a[i]), ppl_a_ci=ci_a[i].tolist(), ratio_a=float(ppl_a[i] / ppl_a[0]),
+                 ppl_b=float(ppl_b[i]), ppl_b_ci=ci_b[i].tolist(), ratio_b=float(ppl_b[i] / ppl_b[0]))
+            for i, (on, sp) in enumerate(labels)]
