@@ -127,8 +127,8 @@ class AnaphorProbe(Probe):
                 wrong = REFLEXIVES[("male", "female")[(i // len(conditions)) % 2]]
             else:
                 wrong = REFLEXIVES["female" if condition == "male" else "male"]
-            subject = rng.choice(subjects[condition])
             lead = rng.choice(LEAD_INS) + " " if self.lead_ins else ""
+            subject = rng.choice(subjects[condition])
             prompt = f"{lead}{subject if lead else subject[0].upper() + subject[1:]} {rng.choice(verbs)}"
             return vocab.complete(prompt, REFLEXIVES[condition], wrong, condition=condition)
         return self.collect(make)
