@@ -8,8 +8,8 @@ package or those before it; tests/test_layering.py checks it):
     core      errors, atomic writes, progress and cancel, schemas, placement, processes, built-in text
     arch      head geometry, the family table and layouts, surgery mechanics, head gates, checkpoints, loading
     measure   row-norm profiles (also streamed), losses, evaluation, ablation, attribution, roles, redundancy,
-              head detectors (induction, duplicate-token, copying, successor, DLA)
-    score     the scorer registry, masks and policies, z sweeps, sparsity curves
+              head detectors (induction, duplicate-token, copying, successor, DLA), capability probes
+    score     the scorer registry, masks and policies, z sweeps, sparsity curves, domains
     compress  surgery, exports (format registry), speed, distillation, INT8, the pipeline and its report
     cli       `python -m analysis ...` (nothing else imports it)
 
@@ -37,6 +37,10 @@ API: dict[str, str] = {
     "head_roles": "analysis.measure.roles", "head_redundancy": "analysis.measure.redundancy",
     "detect_heads": "analysis.measure.detectors", "DETECTORS": "analysis.measure.detectors",
     "logit_parts": "analysis.measure.dla", "role_tests": "analysis.score.specialization",
+    "PROBES": "analysis.measure.probes", "register_probe": "analysis.measure.probes",
+    "ProbeSpec": "analysis.measure.probes", "run_probes": "analysis.measure.probes.measure",
+    "cut_report": "analysis.measure.probes.breaks", "probe_map": "analysis.measure.probes.circuit",
+    "compare_domains": "analysis.score.domains",
     # scoring and masks
     "get_scorer": "analysis.score.scoring", "register_scorer": "analysis.score.scoring", "SCORERS": "analysis.score.scoring",
     "HeadScores": "analysis.score.scoring", "plan_mask": "analysis.score.masks", "default_policy": "analysis.score.masks",

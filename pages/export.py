@@ -9,6 +9,7 @@ from analysis.compress import export as export_mod
 from analysis.compress import speed
 from analysis.compress.export.gguf import deploy
 from components import cache, charts, controls, explain, numbers, shell, state, views, weights
+from components import probes as probes_ui
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -159,3 +160,5 @@ with shown_errors("Measuring"):
         st.caption(speed.RATIO_NOTE)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))
+
+probes_ui.cut_panel(lm, plan.pruned, where="export")     # the report's capability check of this mask

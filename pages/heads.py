@@ -9,6 +9,7 @@ from analysis.measure import redundancy
 from analysis.measure import roles
 from analysis.core.text import WIKI_ATTRIBUTION
 from components import cache, charts, controls, explain, numbers, shell, state, taxonomy, weights
+from components import probes as probes_ui
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -106,6 +107,7 @@ with shown_errors("Head roles"):
         st.dataframe(rows, hide_index=True, height=240)
 
 taxonomy.section(lm)   # what heads do: induction, duplicate-token, copying, DLA; does MP find them?
+probes_ui.heads_section(lm)   # the heads behind each capability probe; domains
 
 st.subheader("Redundant heads")
 with shown_errors("Head redundancy"):

@@ -15,6 +15,7 @@ from analysis.compress.recover.distill import DistillConfig
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, round_counts
 from analysis.compress.recover.report import compression_report
 from components import cache, charts, controls, explain, numbers, shell, state, weights
+from components import probes as probes_ui
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -179,6 +180,7 @@ if last is not None:
                   for s in rep.stages], hide_index=True, width="stretch")
     st.caption("In brackets: the ratio to the dense model; above 1 on parameters, size or FLOPs means that stage is "
                "bigger.")
+    probes_ui.pipeline_capabilities(rep)           # each stage's capability probes against dense
     curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
         "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
     st.plotly_chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",

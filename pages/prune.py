@@ -11,6 +11,7 @@ from analysis.score import scoring
 
 from analysis.score import sweep
 from components import cache, charts, controls, explain, numbers, shell, state, views, weights
+from components import probes as probes_ui
 from components.errors import show_exception, shown_errors
 
 shell.ensure_app()
@@ -158,6 +159,7 @@ with shown_errors("Reading the text"):
                   delta_color="normal" if result.higher_is_better else "inverse")
         m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
 explain.evaluation()
+probes_ui.cut_panel(lm, plan.pruned, where="prune")      # beside the perplexity check: what the cut breaks
 
 st.subheader("z sweep")
 if scorer not in sweep.SWEEP_SCORERS:

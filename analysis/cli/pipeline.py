@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from analysis.cli.common import (add_output_arguments, add_scorer_arguments, add_source_arguments, placement_kwargs,
-                                 progress_bar, register, scorer_from)
+                                 progress_bar, register, scorer_from, warn)
 from analysis.core import progress as cancel     # signals: a flag checked at cancel points
 from analysis.core.errors import InputError
 from analysis.core.text import clean_user_text
@@ -142,11 +142,13 @@ def run_pipeline_command(ns):
                    "kv_bytes_per_token": s.kv_bytes_per_token, rep.metric: s.metric, "top1": s.top1,
                    **{f"{k}_ratio": v for k, v in s.ratios.items()}} for s in rep.stages]
         payload = {"model": loaded.name, "metric": rep.metric, "policy": result.config.policy,
-                   "warnings": rep.warnings, "n_pruned": int(result.pruned.sum()),
+                   "warnings": rep.warnings, "capability_warnings": rep.capability_warnings,
+                   "n_pruned": int(result.pruned.sum()),
                    "stopped_by_budget": result.stopped_by_budget, "stages": stages, "curves": rep.curves,
                    "report": files, "exports": exports}
         (tmp / RUN_FILE).write_text(json.dumps({"tool": TOOL, "model": loaded.name, "formats": formats}, indent=1))
         cancel.raise_if_signalled()              # a signal during the last export: the run folder goes
+    warn(rep.capability_warnings)
     return payload, stages
 
 

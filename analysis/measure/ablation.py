@@ -18,6 +18,11 @@ ablation inside layers >= l:
    (logit soft-capping, ...) falls back to the naive loop (`AblationResult.method` says so).
 
 `naive_sweep` is the reference: one full masked forward per head. Both take ids [n, T].
+
+What is read after the last layer is a readout (`LossReadout`, the default: summed next-token NLL per
+sequence; the capability probes pass theirs, analysis.measure.probes.circuit): per-unit sums whose
+total over `readout.total(x)` is the metric, so `AblationResult.unit_delta` gives every unit's change
+(a bootstrap over units gives CIs of a head's effect).
 The LM head's cost (one vocabulary projection per ablation) cannot be shared; `timings` says
 where time went.
 
@@ -61,6 +66,8 @@ class AblationResult:
     metric: str = "loss"             # "loss" (causal NLL), "pseudo-nll", "1 - fidelity"
     method: str = "fast"             # "fast" | "naive"
     timings: dict = field(default_factory=dict)  # seconds by stage
+    unit_delta: np.ndarray | None = None   # [L, R, U] change of each unit's sum (fast sweep; R = H (+ H_kv))
+    unit_weight: np.ndarray | None = None  # [U] each unit's share of readout.total (its predictions / items)
 
 
 def ablation_gates(geometry: HeadGeometry, layer: int, *, groups: bool) -> torch.Tensor:
@@ -84,11 +91,53 @@ def layer_list(geometry: HeadGeometry, layers=None) -> list[int]:
     return out
 
 
+def apply_chain(chain, hidden: torch.Tensor) -> torch.Tensor:
+    """The modules after the last layer (`_DenseCapture.tail`) applied to hidden [..., D] -> logits [..., V]."""
+    for m in chain:
+        hidden = _first(m(hidden))
+    return hidden
+
+
+class LossReadout:
+    """The loss sweep's readout: units = sequences, unit sum = summed next-token NLL (float64), the
+    metric = their total / the number of predictions (mean NLL, nats)."""
+    metric = "loss"
+
+    def total(self, x: torch.Tensor) -> int:
+        return int(x[:, 1:].numel())
+
+    def weights(self, x: torch.Tensor) -> np.ndarray:
+        """Each unit's share of `total` [n]."""
+        return np.full(x.shape[0], x.shape[1] - 1, dtype=np.float64)
+
+    def dense(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Unit sums [n] from the full logits [n, T, V]."""
+        return summed_nll(logits[:, :-1], x[:, 1:])                     # [n]
+
+    def replay(self, chain, hidden: torch.Tensor, x: torch.Tensor, r: int) -> torch.Tensor:
+        """Unit sums [r, n] of r ablations from the last layer's output hidden [r*n, T, D] (mask-major)."""
+        targets = x[:, 1:].repeat(r, 1)                                  # [r*n, T-1]
+        N, Tp = targets.shape
+        vocab = chain[-1].weight.shape[0] if hasattr(chain[-1], "weight") else 50000
+        rows = max(1, TAIL_BYTES // max(1, Tp * vocab * 4))
+        nll = torch.cat([summed_nll(apply_chain(chain, hidden[i:i + rows, :-1]), targets[i:i + rows])
+                         for i in range(0, N, rows)])                    # [r*n]
+        return nll.reshape(r, x.shape[0])                                # [r, n]
+
+
+LOSS = LossReadout()
+
+
 @torch.no_grad()
+def full_forward_metric(model, x: torch.Tensor, readout=LOSS) -> float:
+    """The readout's metric of one full forward. x [n, T]."""
+    logits = model(input_ids=x, use_cache=False).logits                 # [n, T, V]
+    return float(readout.dense(logits, x).sum() / readout.total(x))
+
+
 def full_forward_loss(model, x: torch.Tensor) -> float:
     """Mean next-token NLL of a full forward. x [n, T]."""
-    logits = model(input_ids=x, use_cache=False).logits[:, :-1]         # [n, T-1, V]
-    return float(summed_nll(logits, x[:, 1:]).sum() / x[:, 1:].numel())
+    return full_forward_metric(model, x, LOSS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,35 +146,36 @@ def full_forward_loss(model, x: torch.Tensor) -> float:
 
 @torch.no_grad()
 def naive_layer_deltas(model, x: torch.Tensor, layer: int, base_loss: float, *, groups: bool = True,
-                       should_stop: ShouldStop | None = None) -> np.ndarray:
-    """Loss change [R] of every single-head (then KV-group) ablation of `layer`, one forward each."""
+                       should_stop: ShouldStop | None = None, readout=LOSS) -> np.ndarray:
+    """Metric change [R] of every single-head (then KV-group) ablation of `layer`, one forward each."""
     adapter = adapter_for(model)
     gates = ablation_gates(adapter.geometry(model), layer, groups=groups)  # [R, L, H]
     out = np.zeros(gates.shape[0])
     for r in range(gates.shape[0]):
         check_stop(should_stop, "Ablation sweep")
         with head_mask(model, gates[r], adapter=adapter):
-            out[r] = full_forward_loss(model, x) - base_loss
+            out[r] = full_forward_metric(model, x, readout) - base_loss
     return out
 
 
 @torch.no_grad()
 def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progress | None = None,
-                should_stop: ShouldStop | None = None, team: Team | None = None) -> AblationResult:
-    """Reference: one full forward per ablated head (and per KV group), same loss as the fast sweep.
+                should_stop: ShouldStop | None = None, team: Team | None = None, readout=LOSS) -> AblationResult:
+    """Reference: one full forward per ablated head (and per KV group), same metric as the fast sweep.
 
     layers: which layers to sweep (default all); rows of other layers are NaN. team: the
-    processes that split the layers (module docstring)."""
+    processes that split the layers (module docstring). readout: what is read (default the loss)."""
     x = as_sequences(ids, "Ablation").to(input_device(model))                        # [n, T]
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
     t0 = time.perf_counter()
-    base = full_forward_loss(model, x)
+    base = full_forward_metric(model, x, readout)
     todo = layer_list(geo, layers)
     out = np.full((geo.n_layers, ablation_gates(geo, 0, groups=groups).shape[0]), np.nan)  # [L, R]
 
     def run(i: int) -> np.ndarray:
-        deltas = naive_layer_deltas(model, x, todo[i], base, groups=groups, should_stop=should_stop)  # [R]
+        deltas = naive_layer_deltas(model, x, todo[i], base, groups=groups, should_stop=should_stop,
+                                    readout=readout)                      # [R]
         report(progress, (i + 1) / len(todo), f"naive ablation: layer {todo[i] + 1}/{geo.n_layers}")
         return deltas
 
@@ -133,7 +183,7 @@ def naive_sweep(model, ids, *, groups: bool = True, layers=None, progress: Progr
         out[l] = deltas
     H = geo.n_heads
     return AblationResult(base, out[:, :H], out[:, H:] if out.shape[1] > H else None,
-                          int(x[:, 1:].numel()), "loss", "naive", {"total": time.perf_counter() - t0})
+                          readout.total(x), readout.metric, "naive", {"total": time.perf_counter() - t0})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,23 +349,26 @@ def _with_input(args, kwargs, hidden):
 class PreparedSweep:
     """What one dense pass leaves for the per-layer ablation passes (see FastAblation.prepare)."""
     x: torch.Tensor                  # [n, T] token ids
-    base_loss: float                 # dense mean NLL
+    base_loss: float                 # dense metric (the readout's; mean NLL for the loss)
     calls: list                      # per layer: (args, kwargs) it was called with
     batched: list                    # per layer: paths of the call tensors that carry the batch
     layer_inputs: list               # per layer: hidden states entering it [n, T, D]
     chain: list                      # modules from the last layer's output to the logits
     prefix_seconds: float
+    base_units: np.ndarray | None = None   # [U] the readout's dense unit sums (float64)
 
 
 class FastAblation:
     """Single-head (and KV-group) ablation sweep with prefix reuse and batched gates; verb: sweep.
 
     `sweep` = `prepare` (one dense pass, two short probes) + `layer_deltas` per layer; the two
-    steps are public so a benchmark can interleave layers with the naive loop."""
+    steps are public so a benchmark can interleave layers with the naive loop. `readout`: what is
+    read after the last layer (default the loss; module docstring)."""
 
-    def __init__(self, batch_size: int = 16, groups: bool = True):
+    def __init__(self, batch_size: int = 16, groups: bool = True, readout=LOSS):
         self.batch_size = max(1, int(batch_size))   # sequences per forward pass (rows * n)
         self.groups = groups
+        self.readout = readout
 
     @torch.no_grad()
     def prepare(self, model, ids) -> PreparedSweep | None:
@@ -325,31 +378,32 @@ class FastAblation:
         t0 = time.perf_counter()
         cap = _DenseCapture(model, adapter)
         logits = cap.run(x)                                              # [n, T, V]
-        base = float(summed_nll(logits[:, :-1], x[:, 1:]).sum() / x[:, 1:].numel())
+        units = self.readout.dense(logits, x).double().cpu().numpy()     # [U]
+        base = float(units.sum() / self.readout.total(x))
         chain = cap.tail(logits)
-        if chain is None or not torch.allclose(self._apply(chain, cap.last_out), logits, atol=1e-5, rtol=1e-4):
+        if chain is None or not torch.allclose(apply_chain(chain, cap.last_out), logits, atol=1e-5, rtol=1e-4):
             return None
         layer_inputs = [_input_of(a, k).detach().clone() for a, k in cap.calls]  # L x [n, T, D]
         blocks = adapter.layers(model)
         rep = representative_calls(cap.calls)                           # [L] layer whose call to probe
         one, two = (probe_calls(model, blocks, x[:1].repeat(b, 1), max(rep) + 1) for b in (1, 2))
         batched = [batch_paths(one[r], two[r]) for r in rep]            # which call tensors carry the batch
-        return PreparedSweep(x, base, cap.calls, batched, layer_inputs, chain, time.perf_counter() - t0)
+        return PreparedSweep(x, base, cap.calls, batched, layer_inputs, chain, time.perf_counter() - t0, units)
 
     @torch.no_grad()
-    def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
-                     should_stop: ShouldStop | None = None,
-                     on_part: Callable[[float], None] | None = None) -> np.ndarray:
-        """Loss change [R] for every single-head (then KV-group) ablation of `layer`; `on_part(f)` with
-        the fraction f of the layer's work done after each replayed block (progress inside a layer:
-        the first layers replay every layer after them, so one layer can take many seconds on a CPU)."""
+    def layer_units(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
+                    should_stop: ShouldStop | None = None,
+                    on_part: Callable[[float], None] | None = None) -> np.ndarray:
+        """The readout's unit sums [R, U] under every single-head (then KV-group) ablation of `layer`;
+        `on_part(f)` with the fraction f of the layer's work done after each replayed block (progress
+        inside a layer: the first layers replay every layer after them, so one layer can take many
+        seconds on a CPU)."""
         adapter = adapter_for(model)
         geo = adapter.geometry(model)
         blocks = adapter.layers(model)
         n = prep.x.shape[0]
-        targets = prep.x[:, 1:]                                          # [n, T-1]
         gates = ablation_gates(geo, layer, groups=self.groups)           # [R, L, H]
-        out = np.zeros(gates.shape[0])                                   # [R]
+        out = None                                                       # [R, U]
         timings = {} if timings is None else timings
         rows_per_pass = max(1, self.batch_size // n)
         for start in range(0, gates.shape[0], rows_per_pass):
@@ -366,15 +420,23 @@ class FastAblation:
                     if on_part is not None:
                         on_part((start + r * (j - layer + 1) / (geo.n_layers - layer)) / gates.shape[0])
             t2 = time.perf_counter()
-            nll = self._tail_nll(prep.chain, hidden[:, :-1], targets.repeat(r, 1))  # [r*n]
-            out[start:start + r] = (nll.reshape(r, n).sum(1) / targets.numel()).cpu().numpy() - prep.base_loss
+            units = self.readout.replay(prep.chain, hidden, prep.x, r).double().cpu().numpy()  # [r, U]
+            out = np.zeros((gates.shape[0], units.shape[1])) if out is None else out
+            out[start:start + r] = units
             timings["layers"] = timings.get("layers", 0.0) + t2 - t1
             timings["lm_head"] = timings.get("lm_head", 0.0) + time.perf_counter() - t2
         return out
 
+    def layer_deltas(self, model, prep: PreparedSweep, layer: int, timings: dict | None = None,
+                     should_stop: ShouldStop | None = None,
+                     on_part: Callable[[float], None] | None = None) -> np.ndarray:
+        """Metric change [R] for every single-head (then KV-group) ablation of `layer` (`layer_units`, summed)."""
+        units = self.layer_units(model, prep, layer, timings, should_stop, on_part)   # [R, U]
+        return units.sum(1) / self.readout.total(prep.x) - prep.base_loss
+
     def sweep(self, model, ids, *, layers=None, progress: Progress | None = None,
               should_stop: ShouldStop | None = None, team: Team | None = None) -> AblationResult:
-        """Loss change per removed head for ids [n, T]; `layers` limits the sweep (others NaN);
+        """Metric change per removed head for ids [n, T]; `layers` limits the sweep (others NaN);
         `team` splits the layers over the processes of a launch (module docstring)."""
         x = as_sequences(ids, "Ablation").to(input_device(model))                    # [n, T]
         geo = adapter_for(model).geometry(model)
@@ -384,13 +446,13 @@ class FastAblation:
         prep = self.prepare(model, x)
         if prep is None:
             result = naive_sweep(model, x, groups=self.groups, layers=layers, progress=progress,
-                                 should_stop=should_stop, team=team)
+                                 should_stop=should_stop, team=team, readout=self.readout)
             return AblationResult(result.base_loss, result.head_delta, result.group_delta, result.n_tokens,
                                   result.metric, "naive (tail after the last layer is not replayable)",
                                   result.timings)
         timings = {"prefix": prep.prefix_seconds, "layers": 0.0, "lm_head": 0.0}
         R = ablation_gates(geo, 0, groups=self.groups).shape[0]
-        out = np.full((geo.n_layers, R), np.nan)                         # [L, R]
+        units = np.full((geo.n_layers, R, prep.base_units.size), np.nan)   # [L, R, U]
         work = [geo.n_layers - l for l in todo]                          # layer passes per swept layer
         team = team or SOLO
         mine = sum(work[i] for i in team.mine(len(todo), work))
@@ -403,31 +465,20 @@ class FastAblation:
                 report(progress, (done + work[i] * part) / mine,
                        f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}, {100 * part:.0f}% of its ablations")
 
-            deltas = self.layer_deltas(model, prep, todo[i], timings, should_stop, on_part)  # [R]
+            sums = self.layer_units(model, prep, todo[i], timings, should_stop, on_part)  # [R, U]
             done += work[i]
             report(progress, done / mine, f"ablation sweep: layer {todo[i] + 1}/{geo.n_layers}")
-            return deltas
+            return sums
 
-        for l, deltas in zip(todo, team.map(run, len(todo), weights=work, what="the ablation sweep")):
-            out[l] = deltas
+        for l, sums in zip(todo, team.map(run, len(todo), weights=work, what="the ablation sweep")):
+            units[l] = sums
         timings["total"] = time.perf_counter() - t0
+        total = self.readout.total(x)
+        out = units.sum(2) / total - prep.base_loss                     # [L, R]
         H = geo.n_heads
-        return AblationResult(prep.base_loss, out[:, :H], out[:, H:] if R > H else None,
-                              int(x[:, 1:].numel()), "loss", "fast", timings)
-
-    @staticmethod
-    def _apply(chain, hidden):
-        for m in chain:
-            hidden = _first(m(hidden))
-        return hidden
-
-    def _tail_nll(self, chain, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed NLL per row [N] of the tail applied to hidden [N, T', D] against targets [N, T']."""
-        N, Tp = targets.shape
-        vocab = chain[-1].weight.shape[0] if hasattr(chain[-1], "weight") else 50000
-        rows = max(1, TAIL_BYTES // max(1, Tp * vocab * 4))
-        return torch.cat([summed_nll(self._apply(chain, hidden[i:i + rows]), targets[i:i + rows])
-                          for i in range(0, N, rows)])                   # [N]
+        return AblationResult(prep.base_loss, out[:, :H], out[:, H:] if R > H else None, total,
+                              self.readout.metric, "fast", timings, unit_delta=units - prep.base_units,
+                              unit_weight=self.readout.weights(x))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,3 +124,14 @@ def mpg_scores(target, z: float = 2.0):
 
 # docs/results.md section written by scripts/roles_results.py (scripts/results.py keeps it)
 ROLES_MARKERS = ("<!-- roles:begin -->", "<!-- roles:end -->")
+
+
+def probe_strengths(maps: dict, top: int = 10) -> dict[str, tuple[np.ndarray, float]]:
+    """The probes' top heads as roles: probe -> (drop [L, H], threshold = its top-th largest drop), so
+    `role_tests` asks whether MP-G keeps the heads each probe depends on most (maps: name -> ProbeMap)."""
+    out = {}
+    for name, m in maps.items():
+        drop = np.nan_to_num(np.asarray(m.drop, dtype=np.float64), nan=-np.inf)
+        k = min(int(top), drop.size)
+        out[f"{name} probe (top {k} heads)"] = (drop, float(np.sort(drop, axis=None)[-k]))
+    return out

@@ -69,11 +69,18 @@ class CompressionReport:
     int8: dict | None = None
     warnings: list = field(default_factory=list)  # e.g. a stage bigger than dense
     compensation: list | None = None              # analysis.measure.compensation rows (with recovery)
+    capabilities: list | None = None              # per stage: the probes dense vs that stage (probes.breaks)
+
+    @property
+    def capability_warnings(self) -> list[str]:
+        """A sentence per capability a stage lost (its probe accuracy CI below dense)."""
+        return [f"{s['stage']}: {w}" for s in self.capabilities or () for w in s["warnings"]]
 
     def as_dict(self) -> dict:
         return {"model": self.model, "metric": self.metric, "config": self.config,
                 "stages": [asdict(s) for s in self.stages], "curves": self.curves, "rounds": self.rounds,
-                "int8": self.int8, "warnings": self.warnings, "compensation": self.compensation}
+                "int8": self.int8, "warnings": self.warnings, "compensation": self.compensation,
+                "capabilities": self.capabilities}
 
     def to_json(self) -> str:
         return json.dumps(_plain(self.as_dict()), indent=1)
@@ -102,6 +109,9 @@ class CompressionReport:
             int8_lines(self.int8))
         from analysis.measure.compensation import compensation_markdown
         extra = "\n" + compensation_markdown(self.compensation) if self.compensation else ""
+        if self.capabilities:
+            from analysis.measure.probes.breaks import capabilities_markdown
+            extra += "\n" + capabilities_markdown(self.capabilities)
         return head + "\n".join(rows) + int8 + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n" + extra
 
     def plot_png(self, path) -> None:
@@ -221,9 +231,10 @@ def one_shot_curve(loaded, sparsities, config: PipelineConfig, eval_text) -> lis
 def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_text=None, int8: bool = True,
                        seq_len: int = 128, repeats: int = 3, threads: int | None = None, workdir=None,
                        progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step=None,
-                       on_round=None) -> tuple[CompressionReport, PipelineResult]:
+                       on_round=None, probes: bool = True) -> tuple[CompressionReport, PipelineResult]:
     """Run the pipeline and measure every stage (each round as it is accepted, so no round's model
-    is kept). on_round(round, model, pruned) is passed through. Returns (report, result)."""
+    is kept). on_round(round, model, pruned) is passed through. probes: each round's capability probes
+    against dense (analysis.measure.probes.breaks). Returns (report, result)."""
     report = progress or (lambda f, m: None)
     config = config.for_model(loaded.geometry)
     recovering = bool(config.steps_per_round())
@@ -231,6 +242,7 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     common = dict(eval_tokens=config.eval_tokens, seq_len=seq_len, repeats=repeats, threads=threads, causal=causal)
     report(0.0, "measuring the dense model")
     stages = [measure_stage("dense", loaded, loaded.model, None, 0.0, eval_text, **common)]
+    check, capabilities = _capability_check(loaded, probes, should_stop), []
 
     def measure_round(r, model, mask):
         small, layout = prune_heads(model, mask, kv_policy=config.kv_policy)
@@ -241,6 +253,8 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
             stages.append(replace(stage, name=f"round {r.index} cut", metric=r.metric_cut,
                                   top1=r.accuracy_cut))  # same shapes
         stages.append(stage)
+        if check is not None:
+            capabilities.append(check.stage(name, r.sparsity, model=model))
         if on_round is not None:
             on_round(r, model, mask)
 
@@ -267,8 +281,16 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
                             stages=stages, curves=curves, rounds=[r.as_dict() for r in result.rounds],
                             int8=int8_info, warnings=growth_warnings(stages[:n_torch]) + int8_warnings(int8_info),
-                            compensation=comp)
+                            compensation=comp, capabilities=capabilities if check is not None else None)
     return rep, result
+
+
+def _capability_check(loaded, probes: bool, should_stop):
+    """The probes' dense side, measured once (None when the report is asked without probes)."""
+    if not probes:
+        return None
+    from analysis.measure.probes.breaks import CapabilityCheck
+    return CapabilityCheck(loaded, should_stop=should_stop)
 
 
 def _curves(loaded, config, result, eval_text, train_data, should_stop) -> dict:

@@ -1,0 +1,219 @@
+"""A probe's numbers under any mask: logit difference and accuracy per item, bootstrap CIs over units.
+
+For item i read at position p with correct token c and contrast k:
+    diff_i = logit_p[c] - logit_p[k]        (the logit difference)
+    correct_i = diff_i > 0                   (accuracy = their share; 0.5 = chance)
+    nll_i = -log softmax(logit_p)[c]         (what a probe's extras read, e.g. the ICL score)
+Logits are computed at the read positions only (a forward hook on the base model keeps just those
+hidden states before the LM head), rows are batched by length (each batch trimmed to its longest
+row, so short prompts pay for no padding), and B masks (gates [B, L, H] through
+analysis.arch.head_gates.head_mask) share the passes, mask-major as the masking contract says.
+
+CIs: a percentile bootstrap (`N_BOOT` resamples, seeded) over units (the sequences items come from;
+analysis.measure.probes.items), the same resamples for every mask, so two calls with the same items
+and seed (a dense run cached earlier and a cut) are paired.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from analysis.arch.adapters import input_device
+from analysis.core.distributed import SOLO, Team
+from analysis.core.errors import InputError
+from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
+from analysis.measure.evaluation import context_length, gate_batch
+from analysis.measure.loss import token_nll
+from analysis.measure.probes.items import ProbeItems
+from analysis.measure.probes.registry import chosen
+
+N_BOOT = 1000
+LEVEL = 0.95
+BATCH_TOKENS = 4096          # tokens per forward pass (rows x length x masks)
+
+
+def _keep_positions(positions: torch.Tensor):
+    """Forward hook for the base model: keep each row's hidden states at positions [R, K] only."""
+    def hook(module, args, output):
+        hidden = output[0]                                              # [R, T, D]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]   # [R, 1]
+        picked = hidden[rows, positions.to(hidden.device)]              # [R, K, D]
+        if isinstance(output, tuple):
+            return (picked, *output[1:])
+        output[next(iter(output.keys()))] = picked
+        return output
+    return hook
+
+
+def _batches(items: ProbeItems, n_masks: int, batch_tokens: int) -> list[list[int]]:
+    """Rows grouped by length (longest first), each group within batch_tokens for all masks."""
+    order = sorted(range(items.ids.shape[0]), key=lambda s: (-int(items.lengths[s]), s))
+    out, current = [], []
+    for s in order:
+        longest = int(items.lengths[current[0]]) if current else int(items.lengths[s])
+        if current and (len(current) + 1) * longest * n_masks > batch_tokens:
+            out.append(current)
+            current = []
+        current.append(s)
+    return out + ([current] if current else [])
+
+
+@torch.no_grad()
+def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, batch_tokens: int = BATCH_TOKENS,
+                progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                team: Team | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(diff [B, n], nll [B, n]) float64 of every item under every gate row (gates [B, L, H]; None = dense,
+    B = 1). `team`: the processes of a launch that split the batches (single-process numbers)."""
+    from analysis.arch.head_gates import head_mask
+    B = 1 if gates is None else gates.shape[0]
+    n = items.correct.numel()
+    base = model.base_model
+    if base is model:
+        raise InputError("This model has no language-model head, so it predicts no tokens to probe.")
+    longest, context = int(items.lengths.max()), context_length(model, default=2**31)
+    if longest > context:
+        raise InputError(f"The {items.name} probe's prompts take up to {longest} tokens; this model reads at most "
+                         f"{context}. Use fewer or shorter items (e.g. the code probe's max_chars).")
+    mask_chunk = max(1, min(B, batch_tokens // max(1, int(items.lengths.max()))))
+    jobs = [(rows, m) for rows in _batches(items, min(B, mask_chunk), batch_tokens)
+            for m in range(0, B, mask_chunk)]
+    by_row: dict[int, list[int]] = {}
+    for i, s in enumerate(items.row.tolist()):
+        by_row.setdefault(s, []).append(i)
+    device = input_device(model)
+    attention = items.attention_mask() if items.kind == "masked-lm" else None
+
+    def run(j: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        rows, m0 = jobs[j]
+        check_stop(should_stop, "Probes")
+        g = None if gates is None else gates[m0:m0 + mask_chunk]        # [b, L, H]
+        b = 1 if g is None else g.shape[0]
+        T = int(items.lengths[rows].max())
+        x = items.ids[rows, :T]                                         # [r, T]
+        K = max(len(by_row[s]) for s in rows)
+        idx = [by_row[s] + [by_row[s][0]] * (K - len(by_row[s])) for s in rows]   # [r][K] item per slot
+        pos = items.position[torch.tensor(idx)]                         # [r, K]
+        handle = base.register_forward_hook(_keep_positions(pos.repeat(b, 1)))
+        try:
+            kwargs = {} if attention is None else {"attention_mask": attention[rows, :T].repeat(b, 1).to(device)}
+            with head_mask(model, g) if g is not None else nullcontext():
+                logits = model(input_ids=x.repeat(b, 1).to(device), use_cache=False, **kwargs).logits  # [b*r, K, V]
+        finally:
+            handle.remove()
+        logits = logits.reshape(b, len(rows), K, -1)                    # [b, r, K, V]
+        flat = [(ri, k, i) for ri, s in enumerate(rows) for k, i in enumerate(by_row[s])]
+        ri, ki, ii = (torch.tensor(v) for v in zip(*flat))
+        picked = logits[:, ri, ki].float() if logits.dtype not in (torch.float32, torch.float64) else logits[:, ri, ki]
+        c, k = items.correct[ii].to(picked.device), items.contrast[ii].to(picked.device)  # [m]
+        diff = (picked.gather(-1, c.expand(b, -1)[..., None]) - picked.gather(-1, k.expand(b, -1)[..., None]))[..., 0]
+        nll = token_nll(picked, c.expand(b, -1))                         # [b, m]
+        report(progress, (j + 1) / len(jobs), f"{items.name}: batch {j + 1}/{len(jobs)}")
+        return diff.double().cpu().numpy(), nll.double().cpu().numpy(), ii.tolist()
+
+    diff, nll = np.zeros((B, n)), np.zeros((B, n))
+    for (rows, m0), (d, l, ii) in zip(jobs, (team or SOLO).map(run, len(jobs), what="the probes")):
+        diff[m0:m0 + d.shape[0], ii] = d
+        nll[m0:m0 + l.shape[0], ii] = l
+    return diff, nll
+
+
+def bootstrap(values: np.ndarray, units: np.ndarray, *, n_boot: int = N_BOOT, seed: int = 0,
+              level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
+    """(mean [B], CI [B, 2]) of values [B, n] with a percentile bootstrap over units [n] (ids): units
+    are resampled with replacement, a resample's mean is its items' mean. Same resamples for any B."""
+    uniq, inverse = np.unique(units, return_inverse=True)
+    U = uniq.size
+    sums = np.zeros((values.shape[0], U))
+    np.add.at(sums.T, inverse, values.T)                                # [B, U] per-unit sums
+    counts = np.bincount(inverse, minlength=U).astype(np.float64)       # [U]
+    picks = np.random.default_rng(seed).integers(0, U, size=(n_boot, U))    # [n_boot, U]
+    means = sums[:, picks].sum(-1) / counts[picks].sum(-1)              # [B, n_boot]
+    tail = 100 * (1 - level) / 2
+    return values.mean(1), np.percentile(means, [tail, 100 - tail], axis=1).T   # [B], [B, 2]
+
+
+@dataclass(frozen=True)
+class ProbeScore:
+    """One probe's numbers for B masks (row 0 is whatever the caller put first, e.g. the dense model)."""
+    name: str
+    label: str
+    kind: str
+    n_items: int
+    n_units: int
+    n_tokens: int
+    accuracy: np.ndarray                 # [B] share of items with diff > 0
+    accuracy_ci: np.ndarray              # [B, 2]
+    logit_diff: np.ndarray               # [B] mean logit difference
+    logit_diff_ci: np.ndarray            # [B, 2]
+    conditions: dict                     # condition -> accuracy [B]
+    extras: dict = field(default_factory=dict)     # name -> [B] (e.g. icl_score)
+    rejected: dict = field(default_factory=dict)   # filler list -> how many the tokenizer split
+    notes: tuple = ()
+    chance: float = 0.5
+    seconds: float = 0.0
+
+    def row(self, b: int = 0) -> dict:
+        """Mask b's numbers as a flat JSON-able dict."""
+        return dict(probe=self.name, label=self.label, n_items=self.n_items, n_units=self.n_units,
+                    accuracy=float(self.accuracy[b]), accuracy_low=float(self.accuracy_ci[b, 0]),
+                    accuracy_high=float(self.accuracy_ci[b, 1]), logit_diff=float(self.logit_diff[b]),
+                    logit_diff_low=float(self.logit_diff_ci[b, 0]), logit_diff_high=float(self.logit_diff_ci[b, 1]),
+                    **{k: float(v[b]) for k, v in self.extras.items()})
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, label=self.label, kind=self.kind, n_items=self.n_items, n_units=self.n_units,
+                    n_tokens=self.n_tokens, accuracy=self.accuracy, accuracy_ci=self.accuracy_ci,
+                    logit_diff=self.logit_diff, logit_diff_ci=self.logit_diff_ci, conditions=self.conditions,
+                    extras=self.extras, rejected=self.rejected, notes=list(self.notes), chance=self.chance)
+
+
+def score_items(spec, probe, items: ProbeItems, diff: np.ndarray, nll: np.ndarray, *, seed: int = 0,
+          n_boot: int = N_BOOT, seconds: float = 0.0) -> ProbeScore:
+    """ProbeScore from the item values diff / nll [B, n] (the scored items; reference items go to extras)."""
+    s = items.scored.numpy()
+    d, units = diff[:, s], items.unit.numpy()[s]
+    acc, acc_ci = bootstrap((d > 0).astype(np.float64), units, n_boot=n_boot, seed=seed)
+    mean, mean_ci = bootstrap(d, units, n_boot=n_boot, seed=seed)
+    conds = np.array(items.conditions)[s]
+    by = {str(c): (d[:, conds == c] > 0).mean(1) for c in dict.fromkeys(conds)}
+    return ProbeScore(spec.name, spec.label, items.kind, items.n_items, items.n_units, items.n_tokens, acc, acc_ci,
+                      mean, mean_ci, by, probe.extras(items, diff, nll), items.rejected_counts(), items.notes,
+                      spec.chance, seconds)
+
+
+def build_items(names, tokenizer, kind: str, *, options: dict | None = None) -> dict[str, tuple]:
+    """name -> (spec, probe, items) for the probes `names` (None = all that apply to `kind`)."""
+    from analysis.measure.probes.registry import probe_spec
+    out = {}
+    for name in chosen(names, kind):
+        spec = probe_spec(name)
+        probe = spec.make(**(options or {}))
+        out[name] = (spec, probe, probe.build(tokenizer, kind))
+    return out
+
+
+def measure_probes(model, built: dict, *, gates=None, pruned=None, seed: int = 0, n_boot: int = N_BOOT,
+                   batch_tokens: int = BATCH_TOKENS, progress: Progress | None = None,
+                   should_stop: ShouldStop | None = None, team: Team | None = None) -> dict[str, ProbeScore]:
+    """Every probe of `built` (build_items) on `model` under the masks gates [B, L, H] / pruned (None: dense)."""
+    g = gate_batch(model, gates, pruned)                                # [B, L, H] | None
+    out = {}
+    for i, (name, (spec, probe, items)) in enumerate(built.items()):
+        t0 = time.perf_counter()
+        diff, nll = item_values(model, items, g, batch_tokens=batch_tokens, should_stop=should_stop, team=team,
+                                progress=scaled(progress, i / len(built), (i + 1) / len(built)))
+        out[name] = score_items(spec, probe, items, diff, nll, seed=seed, n_boot=n_boot, seconds=time.perf_counter() - t0)
+    return out
+
+
+def run_probes(loaded, names=None, *, gates=None, pruned=None, options: dict | None = None, seed: int = 0,
+               progress: Progress | None = None, should_stop: ShouldStop | None = None,
+               team: Team | None = None) -> dict[str, ProbeScore]:
+    """Build and measure the probes `names` (None = all that apply) on a LoadedModel under a mask."""
+    built = build_items(names, loaded.tokenizer, loaded.kind, options={"seed": seed, **(options or {})})
+    return measure_probes(loaded.model, built, gates=gates, pruned=pruned, seed=seed, progress=progress,
+                          should_stop=should_stop, team=team)
