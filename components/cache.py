@@ -183,18 +183,19 @@ def cached_call(fn: Callable[..., Any], *args, label: str, stoppable: bool = Fal
 
 
 def run_button(button_label: str, *, button_key: str, slot: str, run_key, fn: Callable[..., Any], args: tuple,
-               label: str, stale_note: str, **button_kwargs):
+               label: str, stale_note: str, view: str = "", **button_kwargs):
     """A button that runs `cached_call(fn, *args)` (stoppable, with progress) and keeps the result in
     session state under `slot` with `run_key`; returns that result on later reruns while `run_key`
-    still describes the current inputs. A result for other inputs is never shown: `stale_note`
-    says so instead, and None is returned."""
+    still describes the current inputs. A result for other inputs is never shown: `stale_note` says
+    so instead (its "{view}" replaced by `view` as it was when that result was computed), and None
+    is returned."""
     if st.button(button_label, key=button_key, **button_kwargs):
         result = cached_call(fn, *args, label=label, stoppable=True)
         if result is not None:
-            state.remember_run(slot, run_key, result)
+            state.remember_run(slot, run_key, result, view=view)
     result = state.run_result(slot, run_key)
     if result is None and state.last_run(slot) is not None:
-        st.caption(stale_note)
+        st.caption(stale_note.format(view=state.run_view(slot) or "another view"))
     return result
 
 

@@ -215,20 +215,37 @@ def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, 
     return fig
 
 
+LOG_STEPS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9))   # coarse to fine
+
+
 def log_ticks(fig: go.Figure, values, axis: str = "y") -> go.Figure:
     """THE log-axis rule: a log axis labels only whole numbers a reader cannot misread -- the decades
     (10, 100, 1000) when the values span two or more of them, else the 1-2-5 steps inside (20, 50,
-    100, 200) -- each written in full. Plotly's default labels bare minor digits ("5, 2, 1000, 5,
-    2, 100"), and a reader takes the top "5" for a perplexity of 5."""
+    100, 200), else finer steps (20, 30) -- each written in full, at least two of them, and the axis
+    range is set to hold every labelled tick (issue 33: a tick just outside plotly's own range left a
+    chart with no y labels at all). Plotly's default labels bare minor digits ("5, 2, 1000, 5, 2,
+    100"), and a reader takes the top "5" for a perplexity of 5."""
     v = np.asarray([x for x in values if np.isfinite(x) and x > 0], dtype=float)
     update = fig.update_yaxes if axis == "y" else fig.update_xaxes
     if v.size == 0:
         return update(type="log")
-    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
-    steps = (1,) if hi - lo >= 2 else (1, 2, 5)
-    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in steps]
-    ticks = [t for t in ticks if v.min() / 1.5 <= t <= v.max() * 1.5] or [10.0 ** lo, 10.0 ** hi]
-    return update(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks],
+    vmin, vmax = float(v.min()), float(v.max())
+    lo, hi = math.floor(math.log10(vmin)), math.ceil(math.log10(vmax))
+    coarse = 0 if hi - lo >= 2 else 1
+    ticks: list[float] = []
+    for steps in LOG_STEPS[coarse:]:
+        grid = sorted({round(m * 10.0 ** k, 12) for k in range(lo - 1, hi + 1) for m in steps})
+        ticks = [t for t in grid if vmin / 1.5 <= t <= vmax * 1.5]
+        if len(ticks) >= 2:
+            break
+    if len(ticks) < 2:                              # one value, or a very narrow range: the ticks around it
+        below = max((t for t in grid if t <= vmin), default=10.0 ** lo)
+        above = min((t for t in grid if t > below and t >= vmax), default=below * 10)
+        ticks = [below, above]
+    low, high = math.log10(min(vmin, ticks[0])), math.log10(max(vmax, ticks[-1]))
+    pad = 0.04 * max(high - low, 0.05)
+    return update(type="log", tickmode="array", tickvals=ticks, range=[low - pad, high + pad],
+                  ticktext=[f"{t:,.0f}" if t >= 1 and t == int(t) else f"{t:g}" for t in ticks],
                   minor=dict(showgrid=False))
 
 
@@ -288,6 +305,7 @@ def category_heatmap(labels: np.ndarray, categories: list[str], strengths: np.nd
 
 
 SLICE_COLOR = "#c0392b"       # the head's own slices
+LEGEND_MARGIN = 70            # px below a plot for a one-line horizontal legend
 GROUP_COLOR = "#f5b7b1"       # the other query heads of its KV group
 MATRIX_COLOR = "#eef2f7"
 
@@ -377,8 +395,10 @@ def head_rows(population: dict[str, np.ndarray], picked: dict[str, int], taus: d
                                  hovertemplate="tau %{y:.4g}<extra></extra>"), row=1, col=i)
         fig.update_xaxes(showticklabels=False, range=[-0.5, 0.5], row=1, col=i)
     fig.update_yaxes(title_text="row norm", row=1, col=1)
-    fig.update_layout(title=title, height=380, margin=dict(l=50, r=20, t=80, b=40),
-                      legend=dict(orientation="h", y=-0.1))
+    # the legend below the panels inside the bottom margin: at y=-0.1 with a 40 px margin a downloaded
+    # image cut its last entry ("tau = mean + z*st", issue 33)
+    fig.update_layout(title=title, height=420, margin=dict(l=50, r=20, t=80, b=LEGEND_MARGIN),
+                      legend=dict(orientation="h", x=0, y=0, yref="container", yanchor="bottom"))
     return fig
 
 

@@ -16,7 +16,17 @@ def _fold(title: str, body: str) -> None:
         st.markdown(body)
 
 
-def structured_pruning() -> None:
+def structured_pruning(policy: str | None = None) -> None:
+    """The fold on structured pruning; its last paragraph says what the view's mask `policy` does
+    (the registry's help line: on GQA models the default is whole KV groups, not one global list)."""
+    from analysis.score import masks
+    if policy in masks.POLICIES:
+        rule = (f"The current mask policy is **{masks.POLICIES[policy].label}**: {masks.POLICIES[policy].help} "
+                "Within what the policy allows, the lowest-scored heads go first, ⌊sparsity × L × H⌋ of them "
+                "(the policy's own step where it prunes whole groups). Change the policy on the Prune page.")
+    else:
+        rule = ("Which heads go is set by the mask policy on the Prune page: the lowest-scored heads anywhere "
+                "(global), the same count per layer or per KV group, or whole KV groups (the default on GQA models).")
     _fold("structured vs unstructured pruning", """
 **Unstructured** pruning zeroes individual weights anywhere in a matrix. It can remove many
 weights with little damage, but the matrices keep their shape, so the model is only faster on
@@ -27,9 +37,7 @@ query rows, its output-projection columns and (when every query head sharing the
 key/value rows disappear, so the attention layers become genuinely smaller and faster on any
 hardware. The cost: a head is a coarse unit, so choosing *which* heads to remove matters.
 
-headscope ranks every head of every layer on one global list (least important first) and
-prunes the first ⌊sparsity × L × H⌋ of them.
-""")
+""" + rule + "\n")
 
 
 def model_geometry(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
@@ -68,7 +76,8 @@ Lower z → lower τ → more outliers and fewer zero-score heads; higher z → 
 """)
 
 
-def mp_score(*, z: float, n_zero: int | None, n_heads: int) -> None:
+def mp_score(*, z: float, n_zero: int | None, n_heads: int, policy: str | None = None) -> None:
+    policy_words = f" (here {policy})" if policy else ""
     zero = "" if n_zero is None else (f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among "
                                       "them the tie-break (plain magnitude, then layer and head) decides.")
     _fold("the MP score and the ranking", f"""
@@ -76,8 +85,9 @@ Each row norm n is compared with its population's threshold **τ = mean(n) + {z:
 the excess is e = max(0, n − τ). A head's MP score sums the excess of its Q rows and O columns
 and of its KV group's K and V rows (MP-G divides the group part by G).
 
-All L × H heads are ranked together by ascending score, and the first ⌊sparsity × L × H⌋ are
-pruned; when every query head of a KV group is pruned, the group's K/V rows go too.{zero}
+All L × H heads are ranked together by ascending score; the mask policy{policy_words} then prunes
+the lowest-ranked heads it allows, ⌊sparsity × L × H⌋ of them (global: the first of the list); when
+every query head of a KV group is pruned, the group's K/V rows go too.{zero}
 """)
 
 

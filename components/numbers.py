@@ -125,3 +125,47 @@ def show_stock(check: export_mod.StockCheck | str) -> None:
         st.caption(f"Stock config: {check}")
         return
     (st.caption if check.ok else st.info)("Stock config: " + check.message())
+
+
+WORSE_STYLE = "background-color: #fadbd8; color: #922b21"     # a row worse than its input (red)
+
+
+def flagged_table(rows: list[dict], *, flag: str, where=st, **kwargs) -> None:
+    """A table whose rows with a non-empty `flag` column are red (issue 33: a broken or slower stage is
+    never drawn as a normal row). Every column is shown whole at 1280x800 (wide text wraps in the cell)."""
+    import pandas as pd
+    frame = pd.DataFrame(rows)
+    styled = frame.style.apply(lambda row: [WORSE_STYLE if row.get(flag) else ""] * len(row), axis=1)
+    where.dataframe(styled, hide_index=True, width="stretch", **kwargs)
+
+
+# the deployment report's numbers, one row each: (label, key, format)
+DEPLOY_ROWS = (("file size (MiB)", "bytes", lambda v: f"{v / 2**20:,.1f}"),
+               ("perplexity (llama.cpp)", "perplexity", lambda v: f"{v:.3f}"),
+               ("perplexity (headscope, PyTorch)", "headscope_perplexity", lambda v: f"{v:.3f}"),
+               ("prefill tokens/s", "prefill_tok_s", lambda v: f"{v:,.1f}"),
+               ("decode tokens/s", "decode_tok_s", lambda v: f"{v:,.2f}"))
+
+
+def deployment_table(dense: dict, pruned: dict) -> list[dict]:
+    """The deployment report as rows of numbers (dense, pruned, pruned vs dense in words, worse): narrow
+    enough for 1280x800, where the file-per-row table was cut off at the right (issue 33)."""
+    from analysis.compress.verdict import is_slower, speed_words
+    rows = []
+    kv = [(f"KV cache at {k[len('kv_mib_'):]} tokens (MiB)", k, lambda v: f"{v:,.1f}")
+          for k in dense if k.startswith("kv_mib_")]
+    for label, key, fmt in (*DEPLOY_ROWS, *kv):
+        a, b = dense.get(key), pruned.get(key)
+        if a is None or b is None:
+            continue
+        if key.endswith("_tok_s"):                   # a rate: the pruned file's speed-up in words
+            change, worse = speed_words(b / a), is_slower(b / a)
+        else:                                          # a size grows, or a quality that is expected to change
+            change, worse = f"{b / a:.3g}x", b > a and (key == "bytes" or key.startswith("kv_mib_"))
+        rows.append({"measure": label, "dense": fmt(a), "pruned": fmt(b), "pruned vs dense": change,
+                     "worse": "worse" if worse else ""})
+    rows.append({"measure": "heads / KV heads", "dense": f"{dense['heads']} / {dense['kv_heads']}",
+                 "pruned": f"{pruned['heads']} / {pruned['kv_heads']}", "pruned vs dense": "", "worse": ""})
+    rows.append({"measure": "tensor types", "dense": dense.get("tensor_types", ""),
+                 "pruned": pruned.get("tensor_types", ""), "pruned vs dense": "", "worse": ""})
+    return rows

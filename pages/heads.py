@@ -20,6 +20,7 @@ g = lm.geometry
 explain.heads_page()
 
 st.subheader("Single-head ablation")
+run_key = None              # the ablation's settings; the sections below use its result only while they hold
 with shown_errors("Single-head ablation"):
     text, tokens = controls.text_and_tokens(prefix="heads.ablation", tokens_key="heads.ablation.tokens",
                                             default=128, most=4096)
@@ -74,14 +75,16 @@ else:
             st.plotly_chart(charts.layer_head_heatmap(result.importance, "Importance = loss increase the head's gate "
                                                       "prevents", colorbar="importance", group_size=g.group_size),
                             width="stretch", key="heads.ig_map")
-            last_ablation = state.model_result("heads.ablation", lm.name)
+            last_ablation = state.run_result("heads.ablation", run_key)
             if last_ablation is not None:
                 rho = attribution.rank_correlation(result.importance, last_ablation.head_delta)
                 st.metric("Spearman rank correlation with the ablation oracle", f"{rho:.3f}")
             else:
-                st.caption("Run the ablation sweep above to compare this ranking with the real loss increases.")
+                st.caption("Run the ablation sweep above (with its current settings) to compare this ranking with "
+                           "the real loss increases.")
 
-last_ablation = state.model_result("heads.ablation", lm.name)
+# the ablation of the settings shown above, never one of other settings (issue 33: a stale one was used here)
+last_ablation = state.run_result("heads.ablation", run_key)
 ablation_delta = None if last_ablation is None else last_ablation.head_delta  # [L, H], shown beside roles
 
 st.subheader("Head roles")
@@ -116,7 +119,7 @@ with shown_errors("Head redundancy"):
     threshold = c2.slider("Near-duplicate above", 0.5, 1.0, step=0.01,
                           key=state.widget_key("heads.red.threshold", value=float(redundancy.DEFAULT_THRESHOLD)))
     red_tokens = int(c3.number_input("Tokens", 16, 2048, step=64, key=state.widget_key("heads.red.tokens", value=256)))
-    red_key = (lm.name, kind, threshold, red_tokens, ablation_delta is not None)
+    red_key = (lm.name, kind, threshold, red_tokens, run_key if ablation_delta is not None else None)
     result = cache.run_button("Find redundant heads", button_key="heads.redundancy", slot="heads.redundancy",
                               run_key=red_key, fn=cache.head_redundancy,
                               args=(state.model_key(), None, red_tokens, kind, float(threshold),

@@ -14,7 +14,8 @@ from analysis.compress import export as export_mod
 from analysis.compress.distill import DistillConfig
 from analysis.compress.pipeline import PipelineConfig, export_round, round_counts
 from analysis.compress.report import compression_report
-from components import cache, charts, controls, explain, numbers, shell, state, weights
+from analysis.compress.verdict import speed_words
+from components import cache, charts, controls, explain, exports, numbers, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -27,6 +28,38 @@ def loss_chart(points: list[dict]):
     return charts.curves({"distillation loss": ([p["step"] for p in points], [p["loss"] for p in points])},
                          title="Distillation loss per recovery step", x_title="recovery step (all rounds)",
                          y_title="loss (T² · KL to the dense model)")
+
+
+def describe_config(c: PipelineConfig) -> str:
+    """A run's settings in a few words (to say which run a report is of)."""
+    rounds = "one-shot" if c.recovery_steps == 0 and c.step >= c.target_sparsity else f"step {c.step:g}"
+    return (f"{controls.label(c.scorer)}, target {c.target_sparsity:g}, {rounds}, {c.recovery_steps} recovery steps, "
+            f"policy {c.policy}")
+
+
+def stage_rows(rep) -> list[dict]:
+    """The report's stages as table rows: each number with its ratio to dense, latencies in words, the flags."""
+    dense = rep.stages[0]
+
+    def cell(s, key: str, text: str) -> str:
+        """A number with its ratio to the dense model, e.g. "21.83 M (0.961x)"."""
+        ratio = s.ratios.get(key)
+        return text if ratio is None or s is dense else f"{text} ({ratio:.3g}x)"
+
+    def timed(s, key: str, text: str) -> str:
+        ratio = s.ratios.get(key)
+        same = f" (= {s.timed_as})" if getattr(s, "timed_as", None) else ""
+        return text + same if ratio is None or s is dense else f"{text} ({speed_words(1 / ratio)}){same}"
+
+    return [{"stage": s.name, "sparsity": f"{s.sparsity:.2f}",
+             "parameters": cell(s, "parameters", f"{s.parameters / 1e6:,.2f} M"),
+             "size": cell(s, "size_mb", f"{s.size_mb:,.1f} MiB"),
+             "attention FLOPs": cell(s, "attention_flops", f"{s.attention_flops / 1e9:,.2f} G"),
+             "prefill": timed(s, "prefill_ms", f"{s.prefill_ms:,.1f} ms"),
+             "decode": "—" if s.decode_ms is None else timed(s, "decode_ms", f"{s.decode_ms:,.2f} ms"),
+             rep.metric: "—" if s.metric is None else cell(s, "metric", f"{s.metric:.3f}"),
+             "worse than its input": "; ".join(getattr(s, "flags", None) or [])}
+            for s in rep.stages]
 
 
 st.title("Pipeline")
@@ -138,7 +171,7 @@ if requested > done:
 
                 rep, result = compression_report(lm, config, int8=int8, progress=report,
                                                  should_stop=stop_check, on_step=on_step)
-            state.remember("pipe.last", (rep, result, losses))
+            state.remember("pipe.last", (rep, result, losses, config))
             state.remember(f"pipe.seconds_per_work.{lm.name}", (time.monotonic() - t0) / max(work, 1))
     finally:
         stop.empty()
@@ -150,8 +183,11 @@ if note:
     st.info(note)
 last = state.recall("pipe.last")
 if last is not None:
-    rep, result, losses = last
+    rep, result, losses, run_config = (*last, None) if len(last) == 3 else last
     dense, final = rep.stages[0], rep.stages[-1]
+    if run_config is not None and run_config != config:
+        st.warning("The report below is of the last run, started with other settings than the ones above "
+                   f"({describe_config(run_config)}); press Run to run these.", icon=":material/history:")
     summary = (f"{int(result.pruned.sum())} of {g.n_total_heads} heads pruned in {len(result.accepted)} round(s); "
                f"{rep.metric} {result.dense_metric:.3f} -> {result.final_metric:.3f}"
                + (" (stopped by the budget)" if result.stopped_by_budget else ""))
@@ -163,22 +199,16 @@ if last is not None:
     if losses:
         st.plotly_chart(loss_chart(losses), width="stretch", key="pipe.loss_chart")
     st.subheader("Compression report")
-
-    def cell(s, key: str, text: str) -> str:
-        """A number with its ratio to the dense model, e.g. "21.83 M (0.961x)"."""
-        ratio = s.ratios.get(key)
-        return text if ratio is None or s is dense else f"{text} ({ratio:.3g}x)"
-
-    st.dataframe([{"stage": s.name, "sparsity": f"{s.sparsity:.2f}",
-                   "parameters": cell(s, "parameters", f"{s.parameters / 1e6:,.2f} M"),
-                   "size": cell(s, "size_mb", f"{s.size_mb:,.1f} MB"),
-                   "attention FLOPs": cell(s, "attention_flops", f"{s.attention_flops / 1e9:,.2f} G"),
-                   "prefill": cell(s, "prefill_ms", f"{s.prefill_ms:,.1f} ms"),
-                   "decode": "—" if s.decode_ms is None else cell(s, "decode_ms", f"{s.decode_ms:,.2f} ms"),
-                   rep.metric: "—" if s.metric is None else cell(s, "metric", f"{s.metric:.3f}")}
-                  for s in rep.stages], hide_index=True, width="stretch")
-    st.caption("In brackets: the ratio to the dense model; above 1 on parameters, size or FLOPs means that stage is "
-               "bigger.")
+    worse = [s for s in rep.stages if getattr(s, "flags", None)]
+    if worse:
+        st.error("Worse than the stage it was made from: " + "; ".join(
+            f"**{s.name}** ({', '.join(s.flags)})" for s in worse), icon=":material/warning:")
+    numbers.flagged_table(stage_rows(rep), flag="worse than its input")
+    st.caption("In brackets: the ratio to the dense model (latencies in words: faster or slower than dense); "
+               "above 1 on parameters, size or FLOPs means that stage is bigger. Red rows are worse than the stage "
+               "they were made from. '= X': timed once on X, a model of the same shapes.")
+    for line in rep.warnings:
+        st.warning(line)
     curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
         "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
     st.plotly_chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",
@@ -195,21 +225,21 @@ if last is not None:
                          key="pipe.dl.png")
 
     st.subheader("Export the final model")
-    default_root = str(export_mod.default_export_root())
-    output_root = Path(str(state.kept("export.root", default_root)).strip() or default_root).expanduser()
-    st.caption(f"Into the export root set on the Export page: **{output_root}**.")
-    c1, c2 = st.columns([1, 2])
-    fmt = c1.selectbox("Format", list(export_mod.FORMATS), key=state.widget_key("pipe.fmt", value="pruned"),
-                       format_func=lambda name: export_mod.FORMATS[name].label,
-                       help="The formats of the Export page; a lossy one (INT8, quantized GGUF) is measured "
-                            "against its float model on this CPU before it is written.")
-    folder = c2.text_input(f"Folder inside {output_root}",
-                           key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
-    if st.button("Export", key="pipe.export"):
-        with shown_errors("Exporting"):
-            with cache.progress_bar(f"Exporting ({fmt})"):
-                written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
-                                       tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
-            st.success(f"Wrote the {fmt} export to {written.path}.")
-            for line in written.notes:
-                st.caption(line)
+    output_root = exports.kept_root()
+    if output_root is not None:
+        st.caption(f"Into the export root set on the Export page: **{output_root}**.")
+        c1, c2 = st.columns([1, 2])
+        fmt = c1.selectbox("Format", list(export_mod.FORMATS), key=state.widget_key("pipe.fmt", value="pruned"),
+                           format_func=lambda name: export_mod.FORMATS[name].label,
+                           help="The formats of the Export page; a lossy one (INT8, quantized GGUF) is measured "
+                                "against its float model on this CPU before it is written.")
+        folder = c2.text_input(f"Folder inside {output_root}",
+                               key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
+        if st.button("Export", key="pipe.export"):
+            with shown_errors("Exporting"):
+                with cache.progress_bar(f"Exporting ({export_mod.FORMATS[fmt].label})"):
+                    written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
+                                           tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
+                st.success(f"Wrote the {export_mod.FORMATS[fmt].label} export to {written.path}.")
+                for line in written.notes:
+                    st.caption(line)

@@ -39,28 +39,32 @@ with c3.expander("Scorer parameters and KV policy", expanded=False):
 
 @st.fragment
 def live_mask(scorer: str, base_params: dict, policy: str, kv_policy: str, flops_len: int) -> None:
-    """z and sparsity -> the mask grid and its numbers.
+    """z and sparsity -> the mask grid and its numbers, and every section below that depends on the view.
 
     A fragment: a key press on z or the sparsity reruns only this part, so the grid redraws
-    without the whole page. Everything it shows is computed first, from one (scores, plan), and
-    drawn after, in one burst of elements: the numbers and the grid never show different masks.
-    The grid is HTML (`charts.mask_grid`), which the browser swaps in place; a plotly chart would
-    be built anew (Plotly.newPlot) on every key press. The sections below read the same view from
-    `views.view_mask` on the next full run (any press of their buttons is one), so they never
-    evaluate a mask other than the one shown here: both take their scores and mask from
-    `views.scores_of` / `views.plan_of`. The grid sits beside the sliders (right column), so at
-    1280x800 a slider move is seen; notes fold below it."""
+    without the whole page. Everything the grid and its numbers show is computed first, from one
+    (scores, plan), and drawn after, in one burst of elements: the numbers and the grid never show
+    different masks. The grid is HTML (`charts.mask_grid`), which the browser swaps in place; a
+    plotly chart would be built anew (Plotly.newPlot) on every key press. The perplexity check, the
+    z sweep and the teaching text are drawn in the same fragment from the same (scores, plan)
+    (`view_sections`): a result kept from another view is never left under the new mask (issue 33:
+    it was, while only the sliders' part reran). The grid sits beside the sliders (right column),
+    so at 1280x800 a slider move is seen; notes fold below it."""
     left, right = st.columns([2, 3], gap="medium")
     z, sparsity = _sliders(left)
     params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
     head_scores = _live_scores(left, scorer, params)
     if head_scores is None:
         st.stop()          # in a full run this ends the page too: nothing below has a mask
+    plan = None
     with shown_errors("Building the mask"):
         plan = views.plan_of(lm, head_scores, sparsity, policy)
         shown = _mask_view(plan, head_scores, scorer, kv_policy, flops_len, sparsity)
         _draw_mask_view(shown, left, right, scorer, flops_len,
                         zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
+    _threshold_caption(base_params, scorer)
+    if plan is not None:
+        view_sections(head_scores, plan, params, policy, scorer, z, sparsity)
 
 
 def _sliders(left) -> tuple[float, float]:
@@ -123,46 +127,65 @@ def _draw_mask_view(shown: dict, left, right, scorer: str, flops_len: int, *, ze
                                   key="prune.dl.summary")
 
 
-live_mask(scorer, base_params, policy, kv_policy, flops_len)
-if "z" not in base_params:
-    st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
-elif "std" in base_params:
-    st.caption(f"Threshold tau = mean + z * std with the {scoring.STD.shown(base_params['std'])} std "
-               f"(change it under 'Scorer parameters').")
-built = views.view_mask(lm, explain=False)        # live_mask has shown why, if there is no mask
-if built is None:
-    st.stop()
-head_scores, plan, params, policy = built
-scorer, z, sparsity = state.get("scorer"), float(state.get("z")), float(state.get("sparsity"))
-key = cache.params_key(params)
+def _threshold_caption(base_params: dict, scorer: str) -> None:
+    if "z" not in base_params:
+        st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
+    elif "std" in base_params:
+        st.caption(f"Threshold tau = mean + z * std with the {scoring.STD.shown(base_params['std'])} std "
+                   f"(change it under 'Scorer parameters').")
 
-weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
-st.subheader("Check this mask")
-with shown_errors("Reading the text"):
-    text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256, most=8192)
-    check = (lm.name, scorer, key, sparsity, policy, controls.min_per_layer(), text, max_tokens)
-    metric_name = evaluation.evaluator_class(lm.kind).label
-    dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
-    result = cache.run_button(f"Check {metric_name} against the dense model", button_key="prune.check",
-                              slot="prune.check", run_key=check, fn=cache.evaluate_masks,
-                              args=(state.model_key(), dense_and_masked, text, max_tokens),
-                              label="Evaluating",
-                              stale_note="The settings changed since the last check; press the button to check this mask.")
-    if result is not None:
-        st.caption(f"Checked: {int(plan.pruned.sum())} pruned heads ({controls.label(scorer)}, z = {z:g}, "
-                   f"sparsity {sparsity:g}) on {max_tokens} tokens.")
-        dense, pruned_value = float(result.values[0]), float(result.values[1])
-        m1, m2, m3 = st.columns(3)
-        m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
-        m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
-                  delta_color="normal" if result.higher_is_better else "inverse")
-        m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
-explain.evaluation()
 
-st.subheader("z sweep")
-if scorer not in sweep.SWEEP_SCORERS:
-    st.caption(f"The z sweep applies to threshold scorers ({', '.join(sweep.SWEEP_SCORERS)}); pick one above.")
-else:
+def view_sections(head_scores, plan, params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
+    """Everything below the mask that depends on the view: the perplexity check, the z sweep and the
+    teaching text with the view's z. Drawn inside the fragment, so a key press that changes the mask
+    also changes (or marks as stale) every result shown under it: a result of another view is never
+    shown as this view's (issue 33)."""
+    weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
+    _check_section(plan, params, policy, scorer, z, sparsity)
+    _sweep_section(params, policy, scorer, z, sparsity)
+    explain.structured_pruning(policy=policy)
+    explain.mp_score(z=z, n_zero=head_scores.zero_count if "z" in params else None, n_heads=g.n_total_heads,
+                     policy=policy)
+    explain.gqa(g.n_heads, g.n_kv_heads)
+    explain.scorers()
+
+
+def _view_words(scorer: str, z: float, sparsity: float, policy: str, n_pruned: int | None = None) -> str:
+    heads = "" if n_pruned is None else f"{n_pruned} pruned heads, "
+    return f"{heads}{controls.label(scorer)}, z = {z:g}, sparsity {sparsity:g}, policy {policy}"
+
+
+def _check_section(plan, params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
+    st.subheader("Check this mask")
+    key = cache.params_key(params)
+    with shown_errors("Reading the text"):
+        text, max_tokens = controls.text_and_tokens(prefix="prune", tokens_key="prune.max_tokens", default=256,
+                                                    most=8192)
+        check = (lm.name, scorer, key, sparsity, policy, controls.min_per_layer(), text, max_tokens)
+        metric_name = evaluation.evaluator_class(lm.kind).label
+        dense_and_masked = np.stack([np.zeros_like(plan.pruned), plan.pruned])   # [2, L, H]
+        shown = _view_words(scorer, z, sparsity, policy, int(plan.pruned.sum()))
+        result = cache.run_button(
+            f"Check {metric_name} against the dense model", button_key="prune.check", slot="prune.check",
+            run_key=check, fn=cache.evaluate_masks, args=(state.model_key(), dense_and_masked, text, max_tokens),
+            label="Evaluating", view=shown,
+            stale_note="The settings changed since the last check ({view}); press the button to check this mask.")
+        if result is not None:
+            st.caption(f"Checked: {shown}, on {max_tokens} tokens.")
+            dense, pruned_value = float(result.values[0]), float(result.values[1])
+            m1, m2, m3 = st.columns(3)
+            m1.metric(f"Dense {result.metric}", f"{dense:.4g}")
+            m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
+                      delta_color="normal" if result.higher_is_better else "inverse")
+            m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
+    explain.evaluation()
+
+
+def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
+    st.subheader("z sweep")
+    if scorer not in sweep.SWEEP_SCORERS:
+        st.caption(f"The z sweep applies to threshold scorers ({', '.join(sweep.SWEEP_SCORERS)}); pick one above.")
+        return
     sweep_tokens = int(st.number_input("Tokens per split", 16, 4096, step=64,
                                        key=state.widget_key("prune.sweep_tokens", value=256)))
     options = cache.params_key(dict(scorer=scorer, **{k: v for k, v in params.items() if k != "z"}, policy=policy,
@@ -171,25 +194,26 @@ else:
     zs = cache.run_button(f"Sweep z at sparsity {sparsity:g}", button_key="prune.sweep", slot="prune.sweep",
                           run_key=sweep_key, fn=cache.z_sweep,
                           args=(state.model_key(), sparsity, options, sweep_tokens), label="Sweeping z",
-                          stale_note="The settings changed since the last sweep; press the button to sweep again.")
-    if zs is not None:
-        series = {"calibration split": (zs.zs, zs.calibration)}
-        if np.isfinite(zs.evaluation).any():
-            series["evaluation split"] = (zs.zs, zs.evaluation)
-        st.plotly_chart(charts.curves(series, title=f"{zs.metric} vs z at sparsity {zs.sparsity:g} "
-                                                    f"(suggested z = {zs.suggested_z:g})",
-                                      x_title="z", y_title=zs.metric, log_y=charts.log_axis(zs.metric),
-                                      marker_x=z), width="stretch",
-                        key="prune.sweep_chart")
-        st.plotly_chart(charts.curves({"heads with score 0": (zs.zs, zs.zero_score_heads)},
-                                      title="Heads in the bulk (score 0) vs z", x_title="z", y_title="heads",
-                                      marker_x=z), width="stretch", key="prune.zero_chart")
-        if st.button(f"Use the suggested z = {zs.suggested_z:g}", key="prune.use_z"):
-            state.set("z", float(zs.suggested_z))
-            state.reset_widget("z")
-            st.rerun()
+                          view=f"{controls.label(scorer)}, sparsity {sparsity:g}, policy {policy}",
+                          stale_note="The settings changed since the last sweep ({view}); press the button to "
+                                     "sweep again.")
+    if zs is None:
+        return
+    series = {"calibration split": (zs.zs, zs.calibration)}
+    if np.isfinite(zs.evaluation).any():
+        series["evaluation split"] = (zs.zs, zs.evaluation)
+    st.plotly_chart(charts.curves(series, title=f"{zs.metric} vs z at sparsity {zs.sparsity:g} "
+                                                f"(suggested z = {zs.suggested_z:g})",
+                                  x_title="z", y_title=zs.metric, log_y=charts.log_axis(zs.metric),
+                                  marker_x=z), width="stretch",
+                    key="prune.sweep_chart")
+    st.plotly_chart(charts.curves({"heads with score 0": (zs.zs, zs.zero_score_heads)},
+                                  title="Heads in the bulk (score 0) vs z", x_title="z", y_title="heads",
+                                  marker_x=z), width="stretch", key="prune.zero_chart")
+    if st.button(f"Use the suggested z = {zs.suggested_z:g}", key="prune.use_z"):
+        state.set("z", float(zs.suggested_z))
+        state.reset_widget("z")
+        st.rerun()
 
-explain.structured_pruning()
-explain.mp_score(z=z, n_zero=head_scores.zero_count if "z" in params else None, n_heads=g.n_total_heads)
-explain.gqa(g.n_heads, g.n_kv_heads)
-explain.scorers()
+
+live_mask(scorer, base_params, policy, kv_policy, flops_len)

@@ -83,10 +83,12 @@ def ratios(dense: dict, pruned: dict) -> dict:
 
 
 def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_tokens: int = 512,
-                    threads: int = llamacpp.DEFAULT_THREADS) -> list[dict]:
+                    threads: int = llamacpp.DEFAULT_THREADS, progress=None, should_stop=None) -> list[dict]:
     """The Export page's report for a written gguf export: the dense model written at the same weight
     type (a temporary file) and the export's file, both measured by llama.cpp, each with headscope's own
-    perplexity (the dense model; the masked model, which the cut computes) next to llama.cpp's."""
+    perplexity (the dense model; the masked model, which the cut computes) next to llama.cpp's. The
+    pruned row's "worse_than_dense" lists what is slower or bigger than dense (analysis.compress.verdict).
+    progress(fraction, message) after each step; should_stop is checked between steps."""
     import tempfile
 
     import numpy as np
@@ -96,17 +98,40 @@ def deployment_rows(loaded, pruned, export_result, weight_type: str, *, max_toke
     from analysis.compress.surgery import HeadLayout
     from analysis.measure.evaluation import default_text, evaluate, token_ids
 
+    from analysis.core.progress import tick
     model, g = loaded.model, loaded.geometry
     ids = token_ids(loaded.tokenizer, default_text(), max_tokens=max_tokens).tolist()
     dense_layout = HeadLayout.from_mask(np.zeros((g.n_layers, g.n_heads), bool), g, loaded.adapter.model_type)
     rows = []
     with tempfile.TemporaryDirectory(prefix="headscope-dense-gguf-") as tmp:
         dense_file = Path(tmp) / GGUF_FILE
+        tick(progress, should_stop, 0.0, f"writing the dense model's GGUF ({weight_type})")
         write_gguf(model, dense_layout, dense_file, weight_type=weight_type, tokenizer_gguf=tokenizer_source(model))
-        for role, path, mask in (("dense", dense_file, None), ("pruned", Path(export_result.path) / GGUF_FILE, pruned)):
+        for i, (role, path, mask) in enumerate((("dense", dense_file, None),
+                                                ("pruned", Path(export_result.path) / GGUF_FILE, pruned))):
+            tick(progress, should_stop, 0.1 + 0.45 * i, f"{role} file: perplexity, speed and KV cache in llama.cpp")
             row = {"role": role, **measure_gguf(path, ids, threads=threads)}
+            tick(progress, should_stop, 0.45 + 0.45 * i, f"{role} model: headscope's own perplexity")
             row["headscope_perplexity"] = float(evaluate(loaded, pruned=mask, max_tokens=max_tokens).value)
             row["file"] = Path(row["file"]).name if role == "dense" else row["file"]
             rows.append(row)
     rows[1]["size_ratio"] = rows[1]["bytes"] / rows[0]["bytes"]
+    rows[0]["worse_than_dense"], rows[1]["worse_than_dense"] = "", "; ".join(worse_than_dense(rows[0], rows[1]))
+    tick(progress, should_stop, 1.0, "measured")
     return rows
+
+
+def worse_than_dense(dense: dict, pruned: dict) -> list[str]:
+    """What the pruned file does worse than the dense one in llama.cpp: slower prefill or decode (tokens/s
+    as time per token), a bigger file or KV cache (issue 33: 1.30 vs 5.81 tok/s decode went without a word)."""
+    from analysis.compress.verdict import worse_than_input
+
+    def per_token(row, key):
+        return 1 / row[key] if row.get(key) else None
+
+    return worse_than_input(
+        times={what: (per_token(dense, key), per_token(pruned, key))
+               for what, key in (("prefill", "prefill_tok_s"), ("decode", "decode_tok_s"))},
+        sizes={"file": (dense.get("bytes"), pruned.get("bytes")),
+               **{f"KV cache at {k[len('kv_mib_'):]} tokens": (dense.get(k), pruned.get(k))
+                  for k in dense if k.startswith("kv_mib_")}})
