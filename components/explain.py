@@ -76,12 +76,15 @@ Lower z → lower τ → more outliers and fewer zero-score heads; higher z → 
 """)
 
 
-def mp_score(*, z: float, n_zero: int | None, n_heads: int, policy: str | None = None) -> None:
+def mp_score(*, z: float | None, n_zero: int | None, n_heads: int, policy: str | None = None) -> None:
+    """The MP score fold; `z` None: written with the symbol z (a page whose z moves without a full rerun)."""
     policy_words = f" (here {policy})" if policy else ""
-    zero = "" if n_zero is None else (f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among "
-                                      "them the tie-break (plain magnitude, then layer and head) decides.")
+    z_text = "z" if z is None else f"{z:g}"
+    zero = "" if n_zero is None or z is None else (
+        f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among them the tie-break (plain magnitude, "
+        "then layer and head) decides.")
     _fold("the MP score and the ranking", f"""
-Each row norm n is compared with its population's threshold **τ = mean(n) + {z:g} · std(n)**;
+Each row norm n is compared with its population's threshold **τ = mean(n) + {z_text} · std(n)**;
 the excess is e = max(0, n − τ). A head's MP score sums the excess of its Q rows and O columns
 and of its KV group's K and V rows (MP-G divides the group part by G).
 

@@ -114,7 +114,8 @@ def stock_of(lm, pruned, kv_policy: str, sparsity: float) -> export_mod.StockChe
     """Whether a stock config describes the pruned model (and the nearest sparsities that can); the
     reason as text for a family without surgery."""
     try:
-        return export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity)
+        return export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity,
+                                      stock=cache.stock_sparsities(state.model_key()))
     except Exception as err:  # noqa: BLE001 - a family without surgery: say so, do not fail the page
         return str(err)
 

@@ -20,7 +20,7 @@ def _fold(title: str, body: str) -> None:
 
 # -- cached calls ---------------------------------------------------------------------------------
 
-@st.cache_data(show_spinner=False, max_entries=8)
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=None,
                _should_stop=None):
     """analysis.measure.detectors.detect_heads for `names` on the dense model (text: None = built-in)."""
@@ -30,7 +30,7 @@ def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=N
                             should_stop=_should_stop)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def sentence_dla(key, sentence: str):
     """(tokens, per-token head DLA [T-1, L, H], parts) of one sentence."""
     from analysis.measure.dla import logit_parts
@@ -42,7 +42,7 @@ def sentence_dla(key, sentence: str):
     return tokens, parts.heads[0], parts
 
 
-@st.cache_data(show_spinner=False, max_entries=8)
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def mpg(key, z: float):
     from analysis.score.specialization import mpg_scores
     return mpg_scores(cache.load(key), z)
@@ -122,7 +122,7 @@ def section(lm) -> None:
         result = cache.run_button("Run the head detectors", button_key="heads.taxonomy", slot="heads.taxonomy",
                                   run_key=(lm.name, names, tokens), fn=detections,
                                   args=(state.model_key(), names, None, tokens),
-                                  label="Detecting head roles",
+                                  label="Detecting head roles", kind="detectors", work=tokens,
                                   stale_note="The settings changed since the last run; press the button again.")
         if result is not None:
             _show_detections(result, g)

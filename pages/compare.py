@@ -88,7 +88,7 @@ if st.button("Compute the curves", key="compare.curves"):
     for name, (key, _) in results.items():
         curve = cache.cached_call(cache.sparsity_curve, state.model_key(), name, key,
                                   policy, controls.min_per_layer(), levels, tokens, label=f"Curve of {controls.label(name)}",
-                                  stoppable=True)
+                                  stoppable=True, kind="curve", work=len(levels) * tokens)
         if curve is None:
             break
         curves[name] = curve

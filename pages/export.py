@@ -15,7 +15,8 @@ from components.errors import shown_errors
 shell.ensure_app()
 
 MIN_REPEATS = 5      # fewer timings per setting: on a shared CPU their median is mostly noise
-STOCK_FORMATS = ("stock",)   # the formats loaded by a stock config (the "stock config" note is about them)
+STOCK_FORMATS = ("stock",)
+DEPLOY_TOKENS = 512          # the deployment report's perplexity tokens (its work unit for the estimate)   # the formats loaded by a stock config (the "stock config" note is about them)
 
 st.title("Export")
 lm = cache.model_or_stop()
@@ -129,18 +130,16 @@ def deployment_report(last: dict) -> None:
     st.markdown("**Deployment report (llama.cpp)**: this file next to the dense model at the same weight type "
                 f"({weight_type}), measured by llama.cpp itself, with headscope's own perplexity of the cut.")
     run_key = (lm.name, str(result.path), weight_type, last["pruned"].tobytes())
-    if st.button("Measure in llama.cpp", key="export.deploy"):
-        stop = cache.stop_button("deployment report")
-        try:
-            with shown_errors("Measuring in llama.cpp"):
-                with cache.progress_bar("Deployment report") as bar, cache.exclusive(
-                        state.model_key(), bar, should_stop=state.stop_check()) as loaded:
+    pressed = st.button("Measure in llama.cpp", key="export.deploy")
+    st.caption(cache.estimate_words(state.model_key(), "deploy", DEPLOY_TOKENS))
+    if pressed:
+        with shown_errors("Measuring in llama.cpp"):
+            with cache.tracked("Deployment report", key=state.model_key(), kind="deploy", work=DEPLOY_TOKENS,
+                               stoppable=True) as (bar, should_stop):
+                with cache.exclusive(state.model_key(), bar, should_stop=should_stop) as loaded:
                     rows = deploy.deployment_rows(loaded, last["pruned"], result, weight_type, progress=bar,
-                                                  should_stop=state.stop_check())
-                state.remember_run("export.deploy", run_key, rows, view=last["view"])
-        finally:
-            stop.empty()
-            state.clear_stop()
+                                                  should_stop=should_stop, max_tokens=DEPLOY_TOKENS)
+            state.remember_run("export.deploy", run_key, rows, view=last["view"])
     rows = state.run_result("export.deploy", run_key)
     if rows is None:
         return
@@ -179,7 +178,7 @@ with shown_errors("Measuring"):
     report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
                               slot="export.speed", run_key=speed_key, fn=cache.speed_report,
                               args=(state.model_key(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
-                              label="Measuring",
+                              label="Measuring", kind="speed", work=3 * repeats * (sum(lengths) or 1),
                               stale_note="The mask or the settings changed since the last measurement; press the button again.")
     if report is not None:
         predicted = report.predicted

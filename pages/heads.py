@@ -30,6 +30,7 @@ with shown_errors("Single-head ablation"):
     result = cache.run_button(f"Run the ablation sweep ({g.n_total_heads} heads)", button_key="heads.ablate",
                               slot="heads.ablation", run_key=run_key, fn=cache.ablation,
                               args=(state.model_key(), text, tokens), label="Ablating heads",
+                              kind="ablation", work=tokens * g.n_total_heads,
                               stale_note="The text or token count changed since the sweep; press the button to run it again.")
     if result is not None:
         if lm.kind == "encoder":        # the dense model is the reference: its 1 - fidelity is 0 by definition
@@ -66,7 +67,7 @@ else:
         result = cache.run_button("Attribute the loss to the heads", button_key="heads.attribute",
                                   slot="heads.attribution", run_key=ig_key, fn=cache.head_attribution,
                                   args=(state.model_key(), None, ig_tokens, ig_steps),
-                                  label="Integrating gradients",
+                                  label="Integrating gradients", kind="attribution", work=ig_tokens * ig_steps,
                                   stale_note="The settings changed since the last run; press the button again.")
         if result is not None:
             st.caption(f"Gates go from 0 (every head off, loss {result.loss_baseline:.4g}) to 1 (dense, loss "
@@ -94,7 +95,7 @@ with shown_errors("Head roles"):
     st.caption(WIKI_ATTRIBUTION)
     result = cache.run_button("Tag head roles from their attention patterns", button_key="heads.roles",
                               slot="heads.roles", run_key=(lm.name, tokens), fn=cache.head_roles,
-                              args=(state.model_key(), None, tokens), label="Tagging heads",
+                              args=(state.model_key(), None, tokens), label="Tagging heads", kind="roles", work=tokens,
                               stale_note="The settings changed since the last run; press the button again.")
     if result is not None:
         primary, strength = result.primary()
@@ -123,7 +124,7 @@ with shown_errors("Head redundancy"):
     result = cache.run_button("Find redundant heads", button_key="heads.redundancy", slot="heads.redundancy",
                               run_key=red_key, fn=cache.head_redundancy,
                               args=(state.model_key(), None, red_tokens, kind, float(threshold),
-                                    ablation_delta), label="Comparing heads",
+                                    ablation_delta), label="Comparing heads", kind="redundancy", work=red_tokens,
                               stale_note="The settings changed since the last run; press the button again.")
     if result is not None:
         st.plotly_chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",

@@ -4,7 +4,6 @@ time estimate, progress and Stop; then the compression report (table, chart, dow
 final model's exports in every format, under the Export page's root. The cached dense model is
 never changed."""
 import io
-import math
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from analysis.compress.distill import DistillConfig
 from analysis.compress.pipeline import PipelineConfig, export_round, round_counts
 from analysis.compress.report import compression_report
 from analysis.compress.verdict import speed_words
-from components import cache, charts, controls, explain, exports, numbers, shell, state, weights
+from components import cache, charts, controls, explain, exports, jobs, numbers, shell, state, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -86,8 +85,9 @@ st.caption(f"Starts from the Prune page's view: **{controls.label(scorer)}** ({d
            "controls as on Prune; z and the scorer's parameters are set there.")
 
 c = st.columns(4)
-target = c[0].slider("Target sparsity", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.target", value=0.25),
-                     help="Fraction of all query heads pruned at the end.")
+target = c[0].slider("Target sparsity", 0.01, 0.9, step=0.01,
+                     key=state.following_widget_key("pipe.target", min(max(float(state.get("sparsity")), 0.01), 0.9)),
+                     help="Fraction of all query heads pruned at the end: the Prune view's sparsity until you move it.")
 step = c[1].slider("Heads per round (fraction)", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.step", value=0.1),
                    disabled=one_shot, help="Fraction of all heads pruned in each round (the last round stops at the "
                                           "target). Smaller steps: more rounds, more recovery, more time.")
@@ -123,23 +123,22 @@ config = PipelineConfig(target_sparsity=float(target), step=float(step), recover
 config = config.one_shot() if one_shot else config
 
 rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
-# the work of a run, in forward-pass tokens: a recovery step is a teacher forward + a student forward and
-# backward (~4 forwards) on batch x seq_len tokens; each measured stage (dense, each round, final) is
-# evaluated on eval_tokens. Measuring a stage (size, latency) costs more than that count says, so once
-# a run has finished the estimate is scaled by that run's measured seconds per unit of this work.
-work = rounds * config.recovery_steps * 4 * batch * seq_len + (rounds + 2) * eval_tokens
+units = jobs.pipeline_units(rounds=rounds, recovery_steps=config.recovery_steps, batch=batch, seq_len=seq_len,
+                            eval_tokens=eval_tokens, int8=int8 and lm.kind == "causal-lm",
+                            recovering=config.recovery_steps > 0)
 with shown_errors("Estimating the time"):
-    last_rate = state.recall(f"pipe.seconds_per_work.{lm.name}")
-    if last_rate is not None:
-        seconds, basis = work * last_rate, "scaled from the last run's measured time on this model"
-    else:
-        seconds = work / cache.forward_rate(state.model_key())
-        basis = ("a lower bound: forward passes only, at this machine's measured speed; measuring every stage's "
-                 "size and latency adds more (a first run tells)")
-    text = f"~{max(1, math.ceil(seconds / 60))} min" if seconds >= 60 else f"~{seconds:.0f} s"
-    c[2].metric("Estimated time", text if last_rate is not None else f"≥ {text[1:]}",
-                help=f"{rounds} round(s) x {config.recovery_steps} recovery steps; {basis}"
-                     f"{'; INT8 adds about a minute' if int8 else ''}. The bar shows the time left once it runs.")
+    board, model = jobs.board(), repr(state.model_key())
+    if not board.knows("forward", model):
+        cache.forward_rate(state.model_key())     # one short measurement per model and server (not 4 full passes)
+    clock = jobs.PhaseClock(board, model, units)
+    total = clock.total_s()
+    measured = all(board.knows(f"pipeline.{p}", model) for p in units)
+    basis = ("this machine's pace on the last runs, phase by phase" if measured else
+             "this machine's measured forward speed; the first run measures each phase's own pace")
+    c[2].metric("Estimated time", "—" if total is None else jobs.seconds_words(total),
+                help=f"{rounds} round(s) x {config.recovery_steps} recovery steps"
+                     f"{', then the INT8 stages' if 'int8' in units else ''}; from {basis}. While it runs, the bar "
+                     "says the time left, phase by phase, from the same pace and from the run's own progress.")
 
 requested, done = state.recall("pipe.request", 0), state.recall("pipe.done", 0)
 st.button("Run the pipeline", type="primary", key="pipe.run", disabled=requested > done,
@@ -157,26 +156,21 @@ if requested > done:
             drawn[0] = time.monotonic()
             curve.plotly_chart(loss_chart(losses), width="stretch")
 
-    stop = cache.stop_button("pipeline")
-    stop_check = state.stop_check()
-    t0 = time.monotonic()
     try:
         with shown_errors("The pipeline"):
-            with cache.progress_bar("Pipeline") as bar, cache.exclusive(state.model_key(), bar,
-                                                                       should_stop=stop_check):
-                def report(fraction: float, message: str) -> None:
-                    spent = time.monotonic() - t0
-                    left = f", about {spent * (1 - fraction) / fraction / 60:.1f} min left" if fraction > 0.02 else ""
-                    bar(fraction, f"{message} ({spent / 60:.1f} min so far{left})")
+            with cache.tracked("Pipeline", key=state.model_key(), stoppable=True) as (bar, stop_check):
+                jobs.CURRENT.get().clock = clock            # the bar's time left comes from the phases
+                with cache.exclusive(state.model_key(), bar, should_stop=stop_check):
+                    def report(fraction: float, message: str) -> None:
+                        clock.update(fraction)
+                        bar(fraction, message)
 
-                rep, result = compression_report(lm, config, int8=int8, progress=report,
-                                                 should_stop=stop_check, on_step=on_step)
+                    rep, result = compression_report(lm, config, int8=int8, progress=report,
+                                                     should_stop=stop_check, on_step=on_step)
+                    clock.finish()
             state.remember("pipe.last", (rep, result, losses, config))
-            state.remember(f"pipe.seconds_per_work.{lm.name}", (time.monotonic() - t0) / max(work, 1))
     finally:
-        stop.empty()
         curve.empty()                                  # the final chart is drawn once, below
-        state.clear_stop()
 
 note = state.stopped_note()
 if note:

@@ -26,6 +26,8 @@ SCORED_HELP = {
 st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
+if not scoring.scorer_class(state.get("scorer")).needs_calibration if state.get("scorer") in scoring.SCORERS else False:
+    cache.profile_or_stop()          # with its progress bar, on the full run: a key press then only reads it
 
 c1, c2, c3 = st.columns([1.25, 1.2, 1.05])   # the longest scorer and policy labels fit at 1280x800
 scorer = controls.scorer_choice(c1, group_size=g.group_size)
@@ -62,9 +64,8 @@ def live_mask(scorer: str, base_params: dict, policy: str, kv_policy: str, flops
         shown = _mask_view(plan, head_scores, scorer, kv_policy, flops_len, sparsity)
         _draw_mask_view(shown, left, right, scorer, flops_len,
                         zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
-    _threshold_caption(base_params, scorer)
     if plan is not None:
-        view_sections(head_scores, plan, params, policy, scorer, z, sparsity)
+        view_sections(plan, params, policy, scorer, z, sparsity)
 
 
 def _sliders(left) -> tuple[float, float]:
@@ -81,7 +82,8 @@ def _sliders(left) -> tuple[float, float]:
 def _live_scores(left, scorer: str, params: dict):
     """The scores at `params`; a calibration scorer's only once its button has computed them."""
     if not views.needs_computing(lm, scorer, params):
-        return views.scores_of(lm, scorer, params, stoppable=scoring.scorer_class(scorer).needs_calibration)
+        return views.scores_of(lm, scorer, params, stoppable=scoring.scorer_class(scorer).needs_calibration,
+                               quiet=not scoring.scorer_class(scorer).needs_calibration)
     left.info(f"{controls.label(scorer)} runs calibration text through the model, which takes a while.")
     if left.button(f"Compute {controls.label(scorer)} scores", type="primary", key="prune.compute"):
         return views.scores_of(lm, scorer, params, stoppable=True)
@@ -135,19 +137,13 @@ def _threshold_caption(base_params: dict, scorer: str) -> None:
                    f"(change it under 'Scorer parameters').")
 
 
-def view_sections(head_scores, plan, params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
-    """Everything below the mask that depends on the view: the perplexity check, the z sweep and the
-    teaching text with the view's z. Drawn inside the fragment, so a key press that changes the mask
-    also changes (or marks as stale) every result shown under it: a result of another view is never
-    shown as this view's (issue 33)."""
+def view_sections(plan, params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
+    """Everything below the mask that depends on z or the sparsity: the perplexity check and the z sweep.
+    Drawn inside the fragment, so a key press that changes the mask also changes (or marks as stale)
+    every result shown under it: a result of another view is never shown as this view's (issue 33)."""
     weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
     _check_section(plan, params, policy, scorer, z, sparsity)
     _sweep_section(params, policy, scorer, z, sparsity)
-    explain.structured_pruning(policy=policy)
-    explain.mp_score(z=z, n_zero=head_scores.zero_count if "z" in params else None, n_heads=g.n_total_heads,
-                     policy=policy)
-    explain.gqa(g.n_heads, g.n_kv_heads)
-    explain.scorers()
 
 
 def _view_words(scorer: str, z: float, sparsity: float, policy: str, n_pruned: int | None = None) -> str:
@@ -168,7 +164,7 @@ def _check_section(plan, params: dict, policy: str, scorer: str, z: float, spars
         result = cache.run_button(
             f"Check {metric_name} against the dense model", button_key="prune.check", slot="prune.check",
             run_key=check, fn=cache.evaluate_masks, args=(state.model_key(), dense_and_masked, text, max_tokens),
-            label="Evaluating", view=shown,
+            label="Evaluating", view=shown, kind="evaluate", work=2 * max_tokens,
             stale_note="The settings changed since the last check ({view}); press the button to check this mask.")
         if result is not None:
             st.caption(f"Checked: {shown}, on {max_tokens} tokens.")
@@ -178,7 +174,6 @@ def _check_section(plan, params: dict, policy: str, scorer: str, z: float, spars
             m2.metric(f"Masked {result.metric}", f"{pruned_value:.4g}", f"{pruned_value - dense:+.4g}",
                       delta_color="normal" if result.higher_is_better else "inverse")
             m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
-    explain.evaluation()
 
 
 def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
@@ -195,6 +190,7 @@ def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: f
                           run_key=sweep_key, fn=cache.z_sweep,
                           args=(state.model_key(), sparsity, options, sweep_tokens), label="Sweeping z",
                           view=f"{controls.label(scorer)}, sparsity {sparsity:g}, policy {policy}",
+                          kind="sweep", work=2 * sweep_tokens * len(sweep.z_grid()),
                           stale_note="The settings changed since the last sweep ({view}); press the button to "
                                      "sweep again.")
     if zs is None:
@@ -217,3 +213,11 @@ def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: f
 
 
 live_mask(scorer, base_params, policy, kv_policy, flops_len)
+_threshold_caption(base_params, scorer)
+# the teaching text depends on the policy (a full run), not on z or the sparsity: outside the fragment, so a
+# key press does not redraw it (the live metric beside the grid says how many heads score 0 at this z)
+explain.evaluation()
+explain.structured_pruning(policy=policy)
+explain.mp_score(z=None, n_zero=None, n_heads=g.n_total_heads, policy=policy)
+explain.gqa(g.n_heads, g.n_kv_heads)
+explain.scorers()

@@ -97,3 +97,12 @@ def test_a_stage_worse_than_its_input_is_red_and_named(tiny_dir, out_root):
     styles = table.proto.arrow_data.styler.styles
     red_rows = {int(r) for r in __import__("re").findall(r"#T_\w+_row(\d+)_col0", styles)}
     assert "#fadbd8" in styles and red_rows == {1, 3}, styles
+
+
+def test_target_sparsity_follows_the_prune_view_in_steps_of_0_01(tiny_dir):
+    """Issue 33: the target sparsity moved in steps of 0.05 and was not the Prune view's."""
+    at = new_app(tiny_dir, page="pipeline", sparsity="0.37")
+    no_exception(at)
+    target = at.slider(key="hs.w.pipe.target")
+    assert target.value == pytest.approx(0.37) and target.proto.step == pytest.approx(0.01)
+    assert any(m.label == "Estimated time" for m in at.metric)
