@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable
 
+import numpy as np
 import streamlit as st
 
 from analysis.core.errors import CancelledError, HeadscopeError
@@ -545,3 +546,120 @@ def speed_report(key: ModelKey, pruned, prefill: tuple, repeats: int, kv_policy:
     with exclusive(key, _progress, _should_stop) as lm:
         return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
                              progress=_progress, should_stop=_should_stop)
+
+
+# formats whose files hold the full-shape weights (a cut saves nothing on disk)
+FULL_SHAPE_FORMATS = ("zeroed",)
+# a k-quant's nominal GGUF type per weight type, and the type llama.cpp falls back to for rows that are not
+# a multiple of its 256-value block (docs/EXPORT.md: SmolLM2's 576-wide rows); the estimate says "about"
+KQUANT = {"q4_k_m": ("Q4_K", "Q5_0"), "q5_k_m": ("Q5_K", "Q5_0"), "q6_k": ("Q6_K", "Q8_0"),
+          "q4_0": ("Q4_0", "Q4_0"), "q4_1": ("Q4_1", "Q4_1")}
+
+
+def _unique_bytes(model) -> int:
+    """Bytes of the model's tensors, each storage once (tied weights once): its safetensors size, but
+    the header."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _gguf_bytes(model, layout, weight_type: str) -> tuple[int, bool]:
+    """(tensor bytes of the GGUF file at `weight_type`, exact?): from the file plan (names and shapes);
+    a k-quant's size is estimated with its nominal type (llama.cpp quantizes after the plan)."""
+    import gguf
+
+    from analysis.compress.gguf_writer import plan_gguf
+    plan = plan_gguf(model, layout, weight_type)
+    sizes = gguf.GGML_QUANT_SIZES
+    total, exact = 0, weight_type not in KQUANT
+    for t in plan.tensors:
+        kind = t.ggml_type
+        if not exact and len(t.shape) >= 2:
+            nominal, fallback = KQUANT[weight_type]
+            block = sizes[gguf.GGMLQuantizationType[nominal]][0]
+            kind = nominal if t.shape[-1] % block == 0 else fallback
+        block, size = sizes[gguf.GGMLQuantizationType[kind]]
+        n = int(np.prod(t.shape))
+        total += -(-n // block) * size
+    return total, exact
+
+
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=KEY_HASH)
+def whole_model_change(key: ModelKey, pruned, kv_policy: str, fmt: str, options: tuple,
+                       _progress=None, _should_stop=None) -> list[dict]:
+    """Before an export: what the cut changes in the WHOLE model, not only in attention -- parameters,
+    the file's tensor bytes in `fmt` (GGUF at its weight type too) and the KV cache per token, each dense
+    and cut, with the change in percent of the dense model. Built from surgery's own twin of the model
+    (no file is written)."""
+    from analysis.arch.models import count_parameters
+    from analysis.compress.surgery import HeadLayout, prune_heads
+    from analysis.score.masks import surgery_counts
+    opts = dict(options)
+    with exclusive(key, _progress, _should_stop, what="Counting the whole model") as lm:
+        g = lm.geometry
+        smaller, layout = prune_heads(lm.model, pruned, kv_policy=kv_policy)
+        dense_layout = HeadLayout.from_mask(np.zeros_like(pruned), g, lm.adapter.model_type)
+        rows = [("parameters", count_parameters(lm.model), count_parameters(smaller), True)]
+        if fmt == "gguf":
+            wt = opts.get("gguf_type", "f16")
+            (before, exact), (after, _) = _gguf_bytes(lm.model, dense_layout, wt), _gguf_bytes(smaller, layout, wt)
+            rows.append((f"GGUF file, {wt} (tensor bytes{'' if exact else ', about: llama.cpp picks each tensor'})",
+                         before, after, exact))
+        elif fmt in FULL_SHAPE_FORMATS:
+            size = _unique_bytes(lm.model)
+            rows.append((f"{fmt} file (full shapes: the cut saves no bytes)", size, size, True))
+        elif fmt.startswith("onnx") and fmt != "onnx":
+            rows.append((f"{fmt} file (measured when written: INT8 keeps some layers in float)", None, None, False))
+        else:
+            rows.append((f"{fmt} file (tensor bytes)", _unique_bytes(lm.model), _unique_bytes(smaller), True))
+        if lm.kind != "encoder":
+            counts = surgery_counts(pruned, group_size=g.group_size, head_dim=g.head_dim, hidden=g.hidden,
+                                    kv_policy=kv_policy, dtype_bytes=next(lm.model.parameters()).element_size())
+            rows.append(("KV cache per token (bytes)", counts.kv_cache_bytes_per_token,
+                         counts.kv_cache_bytes_per_token_after, True))
+    out = []
+    for what, before, after, exact in rows:
+        change = None if before is None or after is None else after - before
+        out.append({"whole model": what, "dense": before, "cut": after, "change": change,
+                    "change, % of the model": None if change is None or not before else 100 * change / before,
+                    "exact": exact})
+    return out
+
+
+GENERATE_PROMPTS = ("The capital of Germany is", "Water boils at a temperature of", "The opposite of hot is")
+
+
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=KEY_HASH)
+def generate_side_by_side(key: ModelKey, pruned, prompts: tuple, new_tokens: int,
+                          _progress=None, _should_stop=None) -> list[dict]:
+    """Greedy continuations of `prompts` by the dense model and by the cut (its heads gated off on the
+    shared model, the same function as the cut: analysis.arch.head_gates), side by side."""
+    import torch
+
+    from analysis.arch.adapters import input_device
+    from analysis.arch.head_gates import gates_from_mask, head_mask
+    from analysis.core.progress import tick
+    out = []
+    with exclusive(key, _progress, _should_stop, what="Generating") as lm:
+        tok = lm.tokenizer
+        for i, prompt in enumerate(prompts):
+            ids = tok(prompt, return_tensors="pt").input_ids.to(input_device(lm.model))      # [1, T]
+            texts = {}
+            for j, (name, mask) in enumerate((("dense", None), ("cut", pruned))):
+                tick(_progress, _should_stop, (2 * i + j) / (2 * len(prompts)), f"prompt {i + 1}/{len(prompts)}, {name}")
+                with torch.no_grad():
+                    if mask is None:
+                        new = lm.model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                                pad_token_id=tok.eos_token_id)
+                    else:
+                        with head_mask(lm.model, gates_from_mask(mask), adapter=lm.adapter):
+                            new = lm.model.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                                    pad_token_id=tok.eos_token_id)
+                texts[name] = tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True)
+            out.append({"prompt": prompt, "dense": texts["dense"], "cut": texts["cut"]})
+    return out

@@ -426,3 +426,61 @@ def kv_copies(kept: tuple[int, ...], group_size: int, *, expanded: bool) -> str:
     return ('<div style="font:12px sans-serif;margin:4px 0 10px">'
             f'<div><b>kept {" + ".join(map(str, kept))}</b>: the mask</div><div>{"".join(before)}</div>'
             f'<div style="margin-top:4px">after surgery: {note}</div><div>{"".join(after)}</div></div>')
+
+
+def kv_copies_figure(kept: tuple[int, ...], group_size: int, *, expanded: bool, title: str = "") -> go.Figure:
+    """`kv_copies` as a figure (for a download or a projector): per KV group its G query heads (kept blue,
+    pruned grey) above its K/V head; below, after surgery, the kept query heads with their K/V (one copy
+    per query head, orange, when `expanded`). Big boxes with their letters, so it reads from afar."""
+    fig = go.Figure()
+    box, gap = 1.0, 0.6
+
+    def cell(x: float, y: float, color: str, text: str) -> None:
+        fig.add_shape(type="rect", x0=x, x1=x + box * 0.9, y0=y, y1=y + box * 0.9, fillcolor=color,
+                      line=dict(width=0))
+        fig.add_annotation(x=x + box * 0.45, y=y + box * 0.45, text=text, showarrow=False, font=dict(color="white"))
+
+    x = 0.0
+    for g, n in enumerate(kept):
+        left = x
+        for h in range(group_size):
+            cell(x + h * box, 3.0, "#1f77b4" if h < n else "#cfd8dc", "Q")
+        cell(left + (group_size - 1) * box / 2, 2.0, "#2ca02c" if n else "#cfd8dc", "KV")
+        fig.add_annotation(x=left + group_size * box / 2 - 0.05, y=1.75, text=f"group {g}", showarrow=False)
+        if expanded:
+            for h in range(n):
+                cell(left + h * box, 0.6, "#1f77b4", "Q")
+                cell(left + h * box, -0.4, "#ff7f0e", "KV")
+        elif n:
+            for h in range(n):
+                cell(left + h * box, 0.6, "#1f77b4", "Q")
+            cell(left + (n - 1) * box / 2, -0.4, "#2ca02c", "KV")
+        x += group_size * box + gap
+    note = ("after surgery: each kept query head gets its own copy of its group's K/V (orange)" if expanded else
+            "after surgery: the kept groups keep their shared K/V")
+    fig.add_annotation(x=0, y=1.35, xanchor="left", text=note, showarrow=False)
+    fig.add_annotation(x=0, y=4.2, xanchor="left", text=f"the mask: heads kept per KV group {' + '.join(map(str, kept))}",
+                       showarrow=False)
+    fig.update_xaxes(visible=False, range=[-0.3, x])
+    fig.update_yaxes(visible=False, range=[-0.7, 4.6], scaleanchor="x")
+    fig.update_layout(title=title or f"Kept {' + '.join(map(str, kept))}: before and after surgery", height=320,
+                      margin=dict(l=10, r=10, t=50, b=10), plot_bgcolor="white")
+    return fig
+
+
+def score_vs_effect(scores: np.ndarray, effect: np.ndarray, *, x_title: str, y_title: str, title: str,
+                    group_size: int = 1) -> go.Figure:
+    """One point per head: a scorer's score (x) against the measured effect of removing it (y), e.g.
+    MP-G against the single-head ablation's loss increase; hover names the head."""
+    scores, effect = np.asarray(scores, dtype=float), np.asarray(effect, dtype=float)       # [L, H] each
+    L, H = scores.shape
+    names = np.array([[f"L{l}H{h}" + (f" (KV group {h // group_size})" if group_size > 1 else "") for h in range(H)]
+                      for l in range(L)])
+    fig = go.Figure(go.Scatter(x=scores.ravel(), y=effect.ravel(), mode="markers", text=names.ravel(),
+                               marker=dict(color=np.repeat(np.arange(L), H), colorscale="Viridis", size=7,
+                                           colorbar=dict(title="layer")),
+                               hovertemplate="%{text}<br>score %{x:.4g}<br>effect %{y:.4g}<extra></extra>"))
+    fig.add_hline(y=0, line=dict(color="#999", dash="dot"))
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=420,
+                      margin=dict(l=60, r=20, t=60, b=50))
+    return fig

@@ -6,6 +6,7 @@ Walkthrough page's own text, shown open. Numbers passed in are results computed 
 """
 from __future__ import annotations
 
+import numpy as np
 import streamlit as st
 
 LABEL = "How to read this"
@@ -344,3 +345,40 @@ WALK_STEPS = (
     ("heads", "Heads", "Check the scores against reality: the loss change when each head alone is removed."),
     ("export", "Export", "Write the mask, a zeroed model or a physically smaller one."),
 )
+
+
+def curves_sentence(curves: dict[str, tuple], *, metric: str, higher_is_better: bool, floor: str | None = None) -> str:
+    """One sentence that says what metric-vs-sparsity curves show, computed from their numbers: which
+    scorer is best at the largest sparsity they share, and from which sparsity on a scorer is worse than
+    the `floor` curve (Random) -- e.g. "on SmolLM2 MP-G is worse than random from sparsity 0.4: 7,128 vs 120"."""
+    def better(a: float, b: float) -> bool:
+        return a > b if higher_is_better else a < b
+
+    def fmt(v: float) -> str:
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    named = {n: (np.asarray(x, dtype=float), np.asarray(y, dtype=float)) for n, (x, y) in curves.items()}
+    shared = set.intersection(*(set(np.round(x, 6)) for x, _ in named.values())) if named else set()
+    if not shared:
+        return ""
+    top = max(shared)
+    at_top = {n: float(y[np.round(x, 6) == top][0]) for n, (x, y) in named.items()}
+    best = max(at_top, key=lambda n: at_top[n] if higher_is_better else -at_top[n])
+    words = [f"At sparsity {top:g} the best is {best} ({metric} {fmt(at_top[best])})"]
+    others = [n for n in at_top if n != best]
+    if others:
+        worst = min(others, key=lambda n: at_top[n] if higher_is_better else -at_top[n])
+        words[0] += f", the worst {worst} ({fmt(at_top[worst])})"
+    if floor in named:
+        fx, fy = named[floor]
+        for n, (x, y) in named.items():
+            if n == floor:
+                continue
+            lost = [s for s in sorted(shared) if s > 0 and better(float(fy[np.round(fx, 6) == s][0]),
+                                                                    float(y[np.round(x, 6) == s][0]))]
+            if lost:
+                s = lost[0]
+                words.append(f"{n} is worse than {floor} from sparsity {s:g} on ({fmt(float(y[np.round(x, 6) == s][0]))} "
+                             f"vs {fmt(float(fy[np.round(fx, 6) == s][0]))})"
+                             + ("" if all(q in lost for q in sorted(shared) if q >= s) else ", though not at every larger one"))
+    return "; ".join(words) + "."

@@ -9,11 +9,13 @@ one server, issue 33):
   and last message, and its estimate before it started;
 - the queue per model: jobs take the model's lock in the order they asked for it (`first_in_line`), so
   the position and the wait shown to a waiting session (`waiting_words`) are the real ones;
-- the pace: seconds per unit of work of each kind of job on each model (`record` after a job, `estimate`
-  before one), measured on this machine as jobs finish. Before any job of a kind has finished, the
-  estimate is the model's measured forward speed (`forward_rate`: seconds per token of a forward pass)
-  times the kind's forward tokens per unit (`FORWARD_TOKENS`); each finished job replaces that prior by
-  what it measured (a mean over the last runs, weighted to the newest).
+- the pace: the seconds of each kind of job on each model as a function of its work (`record` after a
+  job, `estimate` before one), measured on this machine as jobs finish. Before any job of a kind has
+  finished, the estimate is the model's measured forward speed (`forward_rate`: seconds per token of a
+  forward pass) times the kind's forward tokens per unit (`FORWARD_TOKENS`); one finished job makes it
+  proportional to that job's pace; two or more of different sizes, a fixed cost plus a cost per unit
+  (least squares over the last PACE_POINTS runs: a check of 256 or 512 tokens took the same 14 s here,
+  which a proportional pace got 2x wrong).
 - `left_words(job)`: the time left, from the pace before the job has reported progress and from its
   own measured pace (elapsed / fraction, blended with the prior as the fraction grows) after: it
   moves every second (the progress bar's ticker redraws it), it is never a frozen number.
@@ -49,7 +51,7 @@ FORWARD_TOKENS = {
     # the pipeline's phases count forward-token units themselves (pipeline_units)
     **{f"pipeline.{phase}": 1.0 for phase in ("dense", "rounds", "int8", "curves", "roles")},
 }
-PACE_WEIGHT = 0.5           # the newest run's weight in the pace (the rest: the runs before it)
+PACE_POINTS = 6             # the last runs of a kind kept for its pace (seconds = fixed + per unit x work)
 PRIOR_TRUST = 0.25          # how much a job's own progress must show before its own pace replaces the prior
 
 
@@ -100,7 +102,7 @@ class Board:
         self._lock = threading.Lock()
         self._jobs: list[Job] = []
         self._count = itertools.count()
-        self._pace: dict[tuple[str, str], float] = {}          # (kind, model) -> seconds per unit
+        self._pace: dict[tuple[str, str], list[tuple[float, float]]] = {}   # (kind, model) -> [(work, seconds)]
 
     # -- jobs --------------------------------------------------------------------------------------
     def add(self, job: Job) -> Job:
@@ -161,12 +163,13 @@ class Board:
 
     # -- pace --------------------------------------------------------------------------------------
     def record(self, kind: str, model: str, work: float, seconds: float) -> None:
-        """A finished job's measured pace (seconds per unit) joins the pace of its kind on its model."""
+        """A finished job's (work, seconds) joins the pace of its kind on its model."""
         if not kind or work <= 0 or seconds <= 0:
             return
         with self._lock:
-            rate, old = seconds / work, self._pace.get((kind, model))
-            self._pace[(kind, model)] = rate if old is None else PACE_WEIGHT * rate + (1 - PACE_WEIGHT) * old
+            points = self._pace.setdefault((kind, model), [])
+            points.append((float(work), float(seconds)))
+            del points[:-PACE_POINTS]
 
     def estimate(self, kind: str, model: str, work: float) -> float | None:
         with self._lock:
@@ -175,15 +178,32 @@ class Board:
     def _estimate(self, kind: str, model: str, work: float) -> float | None:
         if not kind or work <= 0:
             return None
-        rate = self._pace.get((kind, model))
-        if rate is None and kind in FORWARD_TOKENS and ("forward", model) in self._pace:
-            rate = FORWARD_TOKENS[kind] * self._pace[("forward", model)]
-        return None if rate is None else rate * work
+        points = self._pace.get((kind, model))
+        if points:
+            return fit_seconds(points, work)
+        if kind in FORWARD_TOKENS and ("forward", model) in self._pace:
+            return FORWARD_TOKENS[kind] * fit_seconds(self._pace[("forward", model)], 1.0) * work
+        return None
 
     def knows(self, kind: str, model: str) -> bool:
         """Whether a job of `kind` has finished on `model` (the estimate is measured, not the prior)."""
         with self._lock:
             return (kind, model) in self._pace
+
+
+def fit_seconds(points: list[tuple[float, float]], work: float) -> float:
+    """Seconds for `work` from measured (work, seconds) points: fixed + per unit x work, least squares, both
+    at least 0, when the points have two sizes or more; else proportional to the newest point."""
+    w = np.array([p[0] for p in points])
+    t = np.array([p[1] for p in points])
+    if np.ptp(w) > 0.05 * w.max():
+        per_unit, fixed = np.polyfit(w, t, 1)
+        if per_unit < 0:                                   # no growth with the size measured: the mean
+            return float(t.mean())
+        if fixed < 0:                                      # through the origin instead
+            return float(work * (w @ t) / (w @ w))
+        return float(fixed + per_unit * work)
+    return float(t[-1] / w[-1] * work)
 
 
 def _ordinal(n: int) -> str:
@@ -238,13 +258,15 @@ def pipeline_units(*, rounds: int, recovery_steps: int, batch: int, seq_len: int
 
 
 class PhaseClock:
-    """The time left of a pipeline run from its phases: a finished phase counts what it took, the current
-    one the larger of its estimate and its time so far (scaled by its own fraction where it has one: the
-    rounds), the later ones their estimates. `record` stores each finished phase's pace on the board."""
+    """The time left of a pipeline run from its phases: what is left of the current phase's estimate, plus
+    the later phases' estimates, scaled up by how far the current phase has overrun its own (the machine is
+    slower than the pace said). Each finished phase's time is recorded on the board as that phase's pace.
+    (The fractions inside a phase are not time: a round reports 1.0 before its stage is measured.)"""
 
     def __init__(self, board: Board, model: str, units: dict[str, float]):
         self.board, self.model, self.units = board, model, units
         self.expected = {p: board.estimate(f"pipeline.{p}", model, u) for p, u in units.items()}
+        self.measured: dict[str, float] = {}
         self.phase, self.phase_start, self.fraction = None, None, 0.0
 
     def total_s(self) -> float | None:
@@ -263,15 +285,17 @@ class PhaseClock:
         now = time.monotonic() if now is None else now
         phase = self._phase_of(fraction)
         if phase != self.phase:
-            if self.phase is not None and self.phase in self.units:
-                self.board.record(f"pipeline.{self.phase}", self.model, self.units[self.phase], now - self.phase_start)
+            self._close(now)
             self.phase, self.phase_start = phase, now
         self.fraction = fraction
 
-    def finish(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def _close(self, now: float) -> None:
         if self.phase is not None and self.phase in self.units:
+            self.measured[self.phase] = now - self.phase_start
             self.board.record(f"pipeline.{self.phase}", self.model, self.units[self.phase], now - self.phase_start)
+
+    def finish(self, now: float | None = None) -> None:
+        self._close(time.monotonic() if now is None else now)
         self.phase = None
 
     def left_s(self, now: float | None = None) -> float | None:
@@ -284,13 +308,8 @@ class PhaseClock:
             return None
         spent = now - self.phase_start
         expected = self.expected.get(self.phase)
-        if self.phase == "rounds" and self.fraction > 0.07:           # its own progress: rounds and steps
-            f = (self.fraction - 0.05) / 0.6
-            own_total = spent / max(f, 1e-3)
-            current = own_total if expected is None else min(f / PRIOR_TRUST, 1.0) * own_total + (
-                1 - min(f / PRIOR_TRUST, 1.0)) * max(expected, spent)
-        elif expected is None:
+        if expected is None:
             return None
-        else:
-            current = max(expected, spent)
-        return max(current - spent, 0.0) + sum(self.expected[p] for p in later)
+        # a phase past its estimate says the machine is slower than the pace: the later ones are scaled alike
+        slower = max(1.0, spent / expected) if expected > 0 else 1.0
+        return max(expected - spent, 0.0) + slower * sum(self.expected[p] for p in later)

@@ -102,11 +102,18 @@ def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str 
 
 
 def show_notes(summary: masks.MaskSummary, where=st) -> None:
-    """The summary's warnings (rounding, expanded K/V and why, emptied layers), folded."""
-    if summary.warnings:
-        with where.expander(f"Notes on this mask ({len(summary.warnings)})", expanded=False,
-                            icon=":material/warning:"):
-            for line in summary.warnings:
+    """The summary's warnings (rounding, expanded K/V and why), folded; a layer that loses every head is
+    said in the open (issue 33: the default view pruned all of layer 4 with the only note folded away)."""
+    empty = list(getattr(summary.surgery, "empty_layers", None) or [])
+    if empty:
+        layers = ", ".join(map(str, empty))
+        where.warning(f"This mask prunes every head of layer{'s' if len(empty) > 1 else ''} {layers}: "
+                      f"{'their' if len(empty) > 1 else 'its'} attention then outputs only O's bias. The "
+                      "min-per-layer policy keeps some heads in every layer.", icon=":material/warning:")
+    rest = [line for line in summary.warnings if not (empty and line.startswith(f"Layers {empty}"))]
+    if rest:
+        with where.expander(f"Notes on this mask ({len(rest)})", expanded=False, icon=":material/warning:"):
+            for line in rest:
                 st.warning(line)
 
 
@@ -131,13 +138,20 @@ def show_stock(check: export_mod.StockCheck | str) -> None:
 WORSE_STYLE = "background-color: #fadbd8; color: #922b21"     # a row worse than its input (red)
 
 
-def flagged_table(rows: list[dict], *, flag: str, where=st, **kwargs) -> None:
+def flagged_table(rows: list[dict], *, flag: str, where=st) -> None:
     """A table whose rows with a non-empty `flag` column are red (issue 33: a broken or slower stage is
-    never drawn as a normal row). Every column is shown whole at 1280x800 (wide text wraps in the cell)."""
+    never drawn as a normal row). A static table: every column is shown whole at 1280x800, long text
+    wraps in its cell (a data grid cut the widest columns off at the right)."""
     import pandas as pd
     frame = pd.DataFrame(rows)
-    styled = frame.style.apply(lambda row: [WORSE_STYLE if row.get(flag) else ""] * len(row), axis=1)
-    where.dataframe(styled, hide_index=True, width="stretch", **kwargs)
+    styled = frame.style.apply(lambda row: [WORSE_STYLE if row.get(flag) else ""] * len(row), axis=1).hide(axis="index")
+    where.table(styled)
+
+
+def wide_table(rows: list[dict], where=st) -> None:
+    """A small table shown whole at 1280x800 (no index; headers and long cells wrap)."""
+    import pandas as pd
+    where.table(pd.DataFrame(rows).style.hide(axis="index"))
 
 
 # the deployment report's numbers, one row each: (label, key, format)

@@ -9,7 +9,7 @@ import streamlit as st
 
 from analysis.compress import export as export_mod
 from analysis.compress import deploy, speed
-from components import cache, charts, controls, explain, exports, numbers, shell, state, views, weights
+from components import cache, charts, controls, explain, exports, figures, numbers, shell, state, tools, views, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -32,8 +32,8 @@ described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" f
 st.caption(f"Current mask: {controls.label(scorer)} ({described or 'no parameters'}), sparsity {sparsity:g}, "
            f"policy {policy}: **{plan.n_pruned} of {g.n_total_heads} heads pruned** (red = pruned). "
            "Change it on the Prune page.")
-st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
-                                    group_size=g.group_size), width="stretch", key="export.mask")
+figures.chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
+                                    group_size=g.group_size), "export.mask")
 
 st.subheader("Mask JSON")
 with shown_errors("Writing the mask JSON"):
@@ -70,11 +70,17 @@ def export_section() -> None:
             if fmt in STOCK_FORMATS:                 # only a stock export needs a stock config to describe the cut
                 numbers.show_stock(numbers.stock_of(lm, plan.pruned, kv_policy, sparsity))
             numbers.show_notes(summary)
+    if not state.weights_only():
+        whole_model(plan, kv_policy, fmt, options)
+    waiting = tools.llama_missing() if tools.gguf_needs_llama(fmt, options) else ""
+    if waiting:
+        st.info(waiting, icon=":material/hourglass_top:")
     overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
     view_words = (f"{controls.label(scorer)} ({described or 'no parameters'}), sparsity {sparsity:g}, policy {policy}: "
                   f"{plan.n_pruned} heads pruned")
-    if st.button("Export", type="primary", key="export.run", disabled=output_root is None,
-                 help=None if output_root is not None else "Nothing can be written: see the export root above."):
+    if st.button("Export", type="primary", key="export.run", disabled=output_root is None or bool(waiting),
+                 help=waiting or (None if output_root is not None else "Nothing can be written: see the export root "
+                                                                       "above.")):
         state.forget("export.last")
         with shown_errors("Exporting"):
             if state.weights_only():
@@ -95,10 +101,40 @@ def export_section() -> None:
 
 
 
-if exports.mode() == "off":
-    st.info(exports.OFF_NOTE, icon=":material/block:")
-else:
-    export_section()
+def whole_model(plan, kv_policy: str, fmt: str, options: dict) -> None:
+    """Before the export: what the cut changes in the whole model (parameters, this format's file, the KV
+    cache), in percent of the model -- the summary above counts attention only."""
+    rows = cache.cached_call(cache.whole_model_change, state.model_key(), plan.pruned, kv_policy, fmt,
+                             tuple(sorted(options.items())), label="Counting the whole model")
+    if rows is None:
+        return
+    st.markdown("**The whole model, dense and cut** (in this format)")
+    numbers.wide_table([{"whole model": r["whole model"],
+                         "dense": "—" if r["dense"] is None else f"{r['dense']:,}",
+                         "cut": "—" if r["cut"] is None else f"{r['cut']:,}",
+                         "change": "—" if r["change"] is None else f"{r['change']:+,}",
+                         "change, % of the model": "—" if r["change, % of the model"] is None
+                         else f"{r['change, % of the model']:+.2f}%"} for r in rows])
+
+
+def side_by_side(plan) -> None:
+    """A few prompts continued by the dense model and by the cut (greedy), next to each other."""
+    st.subheader("Dense vs cut, side by side")
+    prompts = st.text_area("Prompts (one per line)", key=state.widget_key(
+        "export.prompts", value="\n".join(cache.GENERATE_PROMPTS)), height=100)
+    lines = tuple(line.strip() for line in prompts.splitlines() if line.strip())[:8]
+    new_tokens = int(st.number_input("New tokens", 1, 64, key=state.widget_key("export.gen_tokens", value=12)))
+    rows = cache.run_button("Generate with both", button_key="export.generate", slot="export.generate",
+                            run_key=(lm.name, plan.pruned.tobytes(), lines, new_tokens), fn=cache.generate_side_by_side,
+                            args=(state.model_key(), plan.pruned, lines, new_tokens), label="Generating",
+                            kind="evaluate", work=2 * len(lines) * new_tokens * 4,
+                            stale_note="The mask or the prompts changed since ({view}); press the button again.",
+                            view=f"{plan.n_pruned} heads pruned", disabled=not lines)
+    if rows is not None:
+        numbers.wide_table(rows)
+        st.caption("Greedy decoding (the most likely next token each time). The cut is the dense model with its "
+                   "pruned heads switched off, which computes what the exported cut computes.")
+
 
 def last_export(plan) -> None:
     """The last export written in this session, marked when the view has changed since (it is the
@@ -130,7 +166,10 @@ def deployment_report(last: dict) -> None:
     st.markdown("**Deployment report (llama.cpp)**: this file next to the dense model at the same weight type "
                 f"({weight_type}), measured by llama.cpp itself, with headscope's own perplexity of the cut.")
     run_key = (lm.name, str(result.path), weight_type, last["pruned"].tobytes())
-    pressed = st.button("Measure in llama.cpp", key="export.deploy")
+    waiting = tools.llama_missing()
+    if waiting:
+        st.info(waiting, icon=":material/hourglass_top:")
+    pressed = st.button("Measure in llama.cpp", key="export.deploy", disabled=bool(waiting))
     st.caption(cache.estimate_words(state.model_key(), "deploy", DEPLOY_TOKENS))
     if pressed:
         with shown_errors("Measuring in llama.cpp"):
@@ -156,7 +195,13 @@ def deployment_report(last: dict) -> None:
                        file_name="deployment_report.json", mime="application/json", key="export.deploy.json")
 
 
+if exports.mode() == "off":
+    st.info(exports.OFF_NOTE, icon=":material/block:")
+else:
+    export_section()
 last_export(plan)
+if lm.kind == "causal-lm" and not state.weights_only():
+    side_by_side(plan)
 weights.needs_model(lm, "The measured report (latency of dense vs pruned)")
 st.subheader("Measured report")
 kv_policy = state.get("kv_policy")           # the view's (Export's box for a physical format sets it too)
@@ -203,7 +248,7 @@ with shown_errors("Measuring"):
                 bool(report.file_bytes) and report.file_bytes["pruned"] > report.file_bytes["dense"],
             f"KV cache {predicted['kv_cache_ratio']:.3g}x dense": lm.kind != "encoder" and predicted["kv_cache_ratio"] > 1,
         }.items() if grew])
-        st.dataframe(report.rows(), hide_index=True, width="stretch")
+        numbers.wide_table(report.rows())
         st.caption(speed.RATIO_NOTE)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))

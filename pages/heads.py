@@ -1,5 +1,6 @@
 """Heads page: the single-head ablation heatmap, role tags, redundancy groups, and one head's
 attention pattern on a sentence the user can edit."""
+import numpy as np
 import streamlit as st
 
 from analysis.measure import attribution
@@ -8,7 +9,7 @@ from analysis.measure import redundancy
 
 from analysis.measure import roles
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, numbers, shell, state, taxonomy, weights
+from components import cache, charts, controls, explain, figures, numbers, shell, state, taxonomy, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -18,6 +19,44 @@ lm = cache.model_or_stop()
 weights.needs_model(lm, "The Heads page")
 g = lm.geometry
 explain.heads_page()
+
+def ablation_extras(result) -> None:
+    """The ablation as a CSV, and the view's scorer against it: one point per head, with their rank
+    correlation and a sentence that says what the scatter shows (computed from it)."""
+    from analysis.measure.attribution import rank_correlation
+    from analysis.score import scoring
+    from components import views
+    delta = result.head_delta                                                     # [L, H]
+    scorer = state.get("scorer")
+    scores = None
+    if scorer in scoring.SCORERS and not views.needs_computing(lm, scorer, controls.current_params(scorer, state.get("z"))):
+        hs = views.scores_of(lm, scorer, controls.current_params(scorer, state.get("z")), quiet=True)
+        scores = None if hs is None else hs.scores                                 # [L, H]
+    header = "layer,head,ablation_delta" + (f",{scorer}_score" if scores is not None else "")
+    st.download_button("Ablation results (CSV)", lambda: header + "\n" + "\n".join(
+        f"{l},{h},{delta[l, h]:.8g}" + (f",{scores[l, h]:.8g}" if scores is not None else "")
+        for l in range(delta.shape[0]) for h in range(delta.shape[1])) + "\n",
+                       file_name="ablation.csv", mime="text/csv", key="heads.ablation_csv", on_click="ignore")
+    if scores is None:
+        st.caption(f"{controls.label(scorer)} needs calibration: compute its scores on the Prune page to see it "
+                   "against the ablation.")
+        return
+    rho = rank_correlation(scores, delta)
+    label = controls.label(scorer)
+    figures.chart(charts.score_vs_effect(scores, delta, x_title=f"{label} score (higher = kept first)",
+                                         y_title=f"Δ {result.metric} when the head alone is removed",
+                                         title=f"{label} score vs measured ablation loss (Spearman {rho:.2f})",
+                                         group_size=g.group_size), "heads.ablation_scatter")
+    order = np.argsort(scores.ravel(), kind="stable")                            # [L*H] prune-first order
+    k = max(1, scores.size // 10)
+    first, rest = delta.ravel()[order[:k]], delta.ravel()[order[k:]]
+    st.markdown(f"Spearman rank correlation {rho:.2f}: " + (
+        "the heads the scorer ranks high do tend to hurt more when removed" if rho > 0.3 else
+        "the scorer's ranking says little about what removing a head costs" if rho > -0.3 else
+        "the scorer tends to keep the heads whose removal costs least") +
+        f". The {k} heads it would prune first cost {first.mean():+.4g} on average when removed alone, the "
+        f"others {rest.mean():+.4g}.")
+
 
 st.subheader("Single-head ablation")
 run_key = None              # the ablation's settings; the sections below use its result only while they hold
@@ -45,13 +84,13 @@ with shown_errors("Single-head ablation"):
         fig = charts.layer_head_heatmap(result.head_delta, f"{result.metric} increase when one head is removed",
                                         colorbar=f"Δ {result.metric}", group_size=g.group_size,
                                         colorscale="RdBu_r").update_traces(zmin=-lim, zmax=lim)
-        st.plotly_chart(fig, width="stretch", key="heads.ablation_map")
+        figures.chart(fig, "heads.ablation_map")
         if result.group_delta is not None:
-            st.plotly_chart(charts.layer_head_heatmap(result.group_delta,
+            figures.chart(charts.layer_head_heatmap(result.group_delta,
                                                       f"{result.metric} increase when a whole KV group is removed",
                                                       colorbar=f"Δ {result.metric}", x_title="KV group",
-                                                      colorscale="Reds"),
-                            width="stretch", key="heads.group_map")
+                                                      colorscale="Reds"), "heads.group_map")
+        ablation_extras(result)
 
 st.subheader("Integrated-gradients attribution (Captum)")
 if lm.kind != "causal-lm":
@@ -73,9 +112,8 @@ else:
             st.caption(f"Gates go from 0 (every head off, loss {result.loss_baseline:.4g}) to 1 (dense, loss "
                        f"{result.loss_dense:.4g}) in {result.n_steps} steps; attributions sum to the loss change "
                        f"up to {result.convergence_delta:+.3g} (Captum's convergence delta).")
-            st.plotly_chart(charts.layer_head_heatmap(result.importance, "Importance = loss increase the head's gate "
-                                                      "prevents", colorbar="importance", group_size=g.group_size),
-                            width="stretch", key="heads.ig_map")
+            figures.chart(charts.layer_head_heatmap(result.importance, "Importance = loss increase the head's gate "
+                                                      "prevents", colorbar="importance", group_size=g.group_size), "heads.ig_map")
             last_ablation = state.run_result("heads.ablation", run_key)
             if last_ablation is not None:
                 rho = attribution.rank_correlation(result.importance, last_ablation.head_delta)
@@ -99,9 +137,8 @@ with shown_errors("Head roles"):
                               stale_note="The settings changed since the last run; press the button again.")
     if result is not None:
         primary, strength = result.primary()
-        st.plotly_chart(charts.category_heatmap(primary, list(roles.ROLES), strength,
-                                                title="Primary role of each head", group_size=g.group_size),
-                        width="stretch", key="heads.roles_map")
+        figures.chart(charts.category_heatmap(primary, list(roles.ROLES), strength,
+                                                title="Primary role of each head", group_size=g.group_size), "heads.roles_map")
         rows = result.table(ablation_delta)
         st.caption(f"{len(rows)} tags over {g.n_total_heads} heads (a head can have several); thresholds "
                    + ", ".join(f"{k} >= {v:g}" for k, v in result.thresholds.items())
@@ -127,9 +164,8 @@ with shown_errors("Head redundancy"):
                                     ablation_delta), label="Comparing heads", kind="redundancy", work=red_tokens,
                               stale_note="The settings changed since the last run; press the button again.")
     if result is not None:
-        st.plotly_chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",
-                                                  colorbar="cosine", group_size=g.group_size),
-                        width="stretch", key="heads.nearest")
+        figures.chart(charts.layer_head_heatmap(result.nearest, "Similarity to the most similar other head",
+                                                  colorbar="cosine", group_size=g.group_size), "heads.nearest")
         st.markdown(f"**{len(result.groups)} near-duplicate groups** (similarity >= {result.threshold:g}):")
         for group in result.groups[:20]:
             st.markdown("- " + ", ".join(f"L{l}H{h}" for l, h in group))
@@ -148,7 +184,6 @@ with shown_errors("Attention pattern"):
     sentence = st.text_input("Sentence (edit it)", key=state.widget_key(
         "heads.sentence", value="The cat sat on the mat, and then the cat saw the dog on the mat."))
     tokens_, probs = cache.attention_pattern(state.model_key(), sentence)
-    st.plotly_chart(charts.attention_heatmap(probs[layer, head], tokens_,
+    figures.chart(charts.attention_heatmap(probs[layer, head], tokens_,
                                              title=f"Layer {layer}, head {head}" +
-                                                   (f" (KV group {head // g.group_size})" if g.group_size > 1 else "")),
-                    width="stretch", key="heads.pattern")
+                                                   (f" (KV group {head // g.group_size})" if g.group_size > 1 else "")), "heads.pattern")

@@ -14,7 +14,7 @@ from analysis.compress.distill import DistillConfig
 from analysis.compress.pipeline import PipelineConfig, export_round, round_counts
 from analysis.compress.report import compression_report
 from analysis.compress.verdict import speed_words
-from components import cache, charts, controls, explain, exports, jobs, numbers, shell, state, weights
+from components import cache, charts, controls, explain, exports, figures, jobs, numbers, shell, state, tools, weights
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -191,7 +191,7 @@ if last is not None:
     (st.warning if grown else st.success)(summary)
     numbers.show_growth(grown)
     if losses:
-        st.plotly_chart(loss_chart(losses), width="stretch", key="pipe.loss_chart")
+        figures.chart(loss_chart(losses), "pipe.loss_chart")
     st.subheader("Compression report")
     worse = [s for s in rep.stages if getattr(s, "flags", None)]
     if worse:
@@ -205,9 +205,8 @@ if last is not None:
         st.warning(line)
     curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
         "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
-    st.plotly_chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",
-                                  y_title=rep.metric, log_y=charts.log_axis(rep.metric)),
-                    width="stretch", key="pipe.metric_chart")
+    figures.chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",
+                                  y_title=rep.metric, log_y=charts.log_axis(rep.metric)), "pipe.metric_chart")
     png = io.BytesIO()
     rep.plot_png(png)
     d = st.columns(3)
@@ -229,7 +228,10 @@ if last is not None:
                                 "against its float model on this CPU before it is written.")
         folder = c2.text_input(f"Folder inside {output_root}",
                                key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
-        if st.button("Export", key="pipe.export"):
+        waiting = tools.llama_missing() if tools.gguf_needs_llama(fmt, {}) else ""
+        if waiting:
+            st.info(waiting, icon=":material/hourglass_top:")
+        if st.button("Export", key="pipe.export", disabled=bool(waiting)):
             with shown_errors("Exporting"):
                 with cache.progress_bar(f"Exporting ({export_mod.FORMATS[fmt].label})"):
                     written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,

@@ -10,7 +10,7 @@ from analysis.measure import evaluation
 from analysis.score import scoring
 
 from analysis.score import sweep
-from components import cache, charts, controls, explain, numbers, shell, state, views, weights
+from components import cache, charts, controls, explain, figures, numbers, shell, state, views, weights
 from components.errors import show_exception, shown_errors
 
 shell.ensure_app()
@@ -62,10 +62,11 @@ def live_mask(scorer: str, base_params: dict, policy: str, kv_policy: str, flops
     with shown_errors("Building the mask"):
         plan = views.plan_of(lm, head_scores, sparsity, policy)
         shown = _mask_view(plan, head_scores, scorer, kv_policy, flops_len, sparsity)
-        _draw_mask_view(shown, left, right, scorer, flops_len,
+        pack = _pack_parts(plan, head_scores, scorer)
+        _draw_mask_view(shown, left, right, scorer, flops_len, pack,
                         zero_label=f"Heads with score 0 at z = {z:g}" if "z" in params else "Heads with score 0")
     if plan is not None:
-        view_sections(plan, params, policy, scorer, z, sparsity)
+        view_sections(plan, params, policy, scorer, z, sparsity, pack)
 
 
 def _sliders(left) -> tuple[float, float]:
@@ -107,7 +108,21 @@ def _mask_view(plan, head_scores, scorer: str, kv_policy: str, flops_len: int, s
         summary_json=json.dumps(summary.as_dict(), indent=1) if summary is not None else None)
 
 
-def _draw_mask_view(shown: dict, left, right, scorer: str, flops_len: int, *, zero_label: str) -> None:
+def _pack_parts(plan, head_scores, scorer: str) -> dict:
+    """The lecture pack's figures of this view, each built only when the pack (or its own button) is
+    clicked: the mask and the scores; the sections below add theirs."""
+    name = controls.label(scorer)
+    return {
+        "mask": (lambda: charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=name, group_size=g.group_size,
+                                             title=f"{plan.n_pruned} of {g.n_total_heads} heads pruned (red)"),
+                 f"The mask: which heads the view prunes (red), {plan.n_pruned} of {g.n_total_heads}, layer by layer."),
+        "scores": (lambda: charts.layer_head_heatmap(head_scores.scores, f"{name} score of every head",
+                                                     colorbar="score", group_size=g.group_size),
+                   f"Each head's {name} score (higher = kept first)."),
+    }
+
+
+def _draw_mask_view(shown: dict, left, right, scorer: str, flops_len: int, pack: dict, *, zero_label: str) -> None:
     """Draw what `_mask_view` computed: the grid, the numbers (or why there are none), the downloads."""
     right.html(shown["grid"])
     if shown["summary"] is not None:
@@ -127,6 +142,8 @@ def _draw_mask_view(shown: dict, left, right, scorer: str, flops_len: int, *, ze
         downloads.download_button("Mask summary (JSON)", shown["summary_json"],
                                   file_name=f"{scorer}_mask_summary.json", mime="application/json",
                                   key="prune.dl.summary")
+    figures.downloads(pack["mask"][0], f"mask_{scorer}", key="prune.dl.grid", where=downloads, label="Mask ")
+    figures.pack_button(pack, key="prune.dl.pack", name=f"lecture_pack_{scorer}", where=downloads)
 
 
 def _threshold_caption(base_params: dict, scorer: str) -> None:
@@ -137,13 +154,16 @@ def _threshold_caption(base_params: dict, scorer: str) -> None:
                    f"(change it under 'Scorer parameters').")
 
 
-def view_sections(plan, params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
+def view_sections(plan, params: dict, policy: str, scorer: str, z: float, sparsity: float, pack: dict) -> None:
     """Everything below the mask that depends on z or the sparsity: the perplexity check and the z sweep.
     Drawn inside the fragment, so a key press that changes the mask also changes (or marks as stale)
     every result shown under it: a result of another view is never shown as this view's (issue 33)."""
     weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
     _check_section(plan, params, policy, scorer, z, sparsity)
-    _sweep_section(params, policy, scorer, z, sparsity)
+    zs = _sweep_section(params, policy, scorer, z, sparsity)
+    if zs is not None:
+        pack["z sweep"] = (lambda: _sweep_chart(zs, z), f"{zs.metric} of the masks each z gives at sparsity "
+                                                        f"{zs.sparsity:g} (suggested z = {zs.suggested_z:g}).")
 
 
 def _view_words(scorer: str, z: float, sparsity: float, policy: str, n_pruned: int | None = None) -> str:
@@ -176,11 +196,20 @@ def _check_section(plan, params: dict, policy: str, scorer: str, z: float, spars
             m3.metric("Tokens scored", result.n_tokens, help=SCORED_HELP.get(lm.kind))
 
 
-def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: float) -> None:
+def _sweep_chart(zs, z: float):
+    series = {"calibration split": (zs.zs, zs.calibration)}
+    if np.isfinite(zs.evaluation).any():
+        series["evaluation split"] = (zs.zs, zs.evaluation)
+    return charts.curves(series, title=f"{zs.metric} vs z at sparsity {zs.sparsity:g} (suggested z = {zs.suggested_z:g})",
+                         x_title="z", y_title=zs.metric, log_y=charts.log_axis(zs.metric), marker_x=z)
+
+
+def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: float):
+    """The z sweep of this view (its button, the charts); returns the sweep shown, or None."""
     st.subheader("z sweep")
     if scorer not in sweep.SWEEP_SCORERS:
         st.caption(f"The z sweep applies to threshold scorers ({', '.join(sweep.SWEEP_SCORERS)}); pick one above.")
-        return
+        return None
     sweep_tokens = int(st.number_input("Tokens per split", 16, 4096, step=64,
                                        key=state.widget_key("prune.sweep_tokens", value=256)))
     options = cache.params_key(dict(scorer=scorer, **{k: v for k, v in params.items() if k != "z"}, policy=policy,
@@ -194,22 +223,16 @@ def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: f
                           stale_note="The settings changed since the last sweep ({view}); press the button to "
                                      "sweep again.")
     if zs is None:
-        return
-    series = {"calibration split": (zs.zs, zs.calibration)}
-    if np.isfinite(zs.evaluation).any():
-        series["evaluation split"] = (zs.zs, zs.evaluation)
-    st.plotly_chart(charts.curves(series, title=f"{zs.metric} vs z at sparsity {zs.sparsity:g} "
-                                                f"(suggested z = {zs.suggested_z:g})",
-                                  x_title="z", y_title=zs.metric, log_y=charts.log_axis(zs.metric),
-                                  marker_x=z), width="stretch",
-                    key="prune.sweep_chart")
-    st.plotly_chart(charts.curves({"heads with score 0": (zs.zs, zs.zero_score_heads)},
+        return None
+    figures.chart(_sweep_chart(zs, z), "prune.sweep_chart")
+    figures.chart(charts.curves({"heads with score 0": (zs.zs, zs.zero_score_heads)},
                                   title="Heads in the bulk (score 0) vs z", x_title="z", y_title="heads",
-                                  marker_x=z), width="stretch", key="prune.zero_chart")
+                                  marker_x=z), "prune.zero_chart")
     if st.button(f"Use the suggested z = {zs.suggested_z:g}", key="prune.use_z"):
         state.set("z", float(zs.suggested_z))
         state.reset_widget("z")
         st.rerun()
+    return zs
 
 
 live_mask(scorer, base_params, policy, kv_policy, flops_len)

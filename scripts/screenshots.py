@@ -1,7 +1,8 @@
 """Screenshots of every page at 1280x800 for both built-in models, into artifacts/ (what a user sees
 first on each page). Serves the app with tests/e2e/serving.py and drives Debian's Chromium.
 
-    .venv/bin/python -m scripts.screenshots [--out artifacts] [--models smollm2-135m,minilm-l6]
+    .venv/bin/python -m scripts.screenshots [--out artifacts] [--models smollm2-135m,minilm-l6] [--full]
+--full also saves each whole page (<model>_<page>_full.png): what scrolling shows at 1280 px wide.
 """
 import argparse
 import os
@@ -22,6 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "artifacts"))
     ap.add_argument("--models", default="smollm2-135m,minilm-l6")
+    ap.add_argument("--full", action="store_true", help="also a whole-page screenshot of each page")
     ap.add_argument("--cache", default=os.environ.get("HEADSCOPE_CACHE") or
                     str(Path(tempfile.gettempdir()) / f"headscope-test-cache-{os.getuid()}"))
     args = ap.parse_args()
@@ -41,6 +43,10 @@ def main() -> None:
                 file = out / f"{model}_{name}.png"
                 page.screenshot(path=str(file))
                 print(file)
+                if args.full:
+                    whole = out / f"{model}_{name}_full.png"
+                    page.screenshot(path=str(whole), full_page=True)
+                    print(whole)
             context.close()
 
 

@@ -90,7 +90,7 @@ def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
     shown = int([m for m in at.metric if m.label == "Parameters"][0].value.replace(",", ""))
     assert 0 < shown < dense
     assert any(m.label == "Heads pruned" and m.value == "8 / 16" for m in at.metric)
-    assert at.dataframe, "no timing table"
+    assert at.table, "no timing table"
 
 
 def test_default_folder_name_follows_the_settings_until_edited(tiny_dir, out_root):

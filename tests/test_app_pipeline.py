@@ -32,7 +32,7 @@ def test_run_report_downloads_and_export(tiny_dir, out_root, downloads):
     # a tiny model's latencies are noise: a stage may be flagged slower than its input, nothing else is an error
     assert not [e.value for e in at.error if not e.value.startswith("Worse than the stage")], [e.value for e in at.error]
     assert any("8 of 16 heads pruned in 2 round(s)" in s.value for s in at.success), [s.value for s in at.success]
-    stages = at.dataframe[0].value["stage"].tolist()
+    stages = at.table[0].value["stage"].tolist()
     assert stages[0] == "dense" and stages[-1] == "final" and "round 2 recovered" in stages
     assert json.loads(downloads["report.json"])["stages"][0]["name"] == "dense"
     assert downloads["ppl_vs_sparsity.png"][:4] == b"\x89PNG"
@@ -89,7 +89,7 @@ def test_a_stage_worse_than_its_input_is_red_and_named(tiny_dir, out_root):
     no_exception(at)
     banner = next(e.value for e in at.error if e.value.startswith("Worse than the stage"))
     assert "**round 1 cut** (decode 4.50x slower)" in banner and "BROKEN: below the INT8 floor" in banner
-    table = at.dataframe[0]
+    table = at.table[0]
     frame = table.value
     flagged = frame["worse than its input"].tolist()
     assert flagged[0] == "" and flagged[2] == "" and "4.50x slower" in flagged[1] and "BROKEN" in flagged[3]
