@@ -269,8 +269,9 @@ that such heads are the specialized ones, and heads whose rows are all typical a
 ones. The score measures how far the head's rows stick out.
 
 **A low score is pruned first.** All heads are ranked by score, lowest first, and the mask at
-sparsity s prunes the first s · (all heads) of that ranking: heads in the bulk (score 0) go
-first, outlier heads last.
+sparsity s prunes s · (all heads) of them, lowest first, as the mask policy allows (the global policy
+takes the first of the whole ranking; on GQA models the default, groups, prunes whole KV groups, ranked
+by their heads' scores): heads in the bulk (score 0) go first, outlier heads last.
 """)
 
 

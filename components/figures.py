@@ -146,11 +146,12 @@ def safe_name(text: str) -> str:
     return "_".join(filter(None, keep.split("_")))[:80] or "figure"
 
 
-def downloads(fig, name: str, *, key: str, where=st, title: str | None = None, label: str = "") -> None:
+def downloads(fig, name: str, *, key: str, where=st, title: str | None = None, label: str = "",
+              inline: bool = False) -> None:
     """Two buttons, SVG and PNG, that render `fig` (a figure, or a function that builds one: nothing is
-    built before a click) for a projector when clicked."""
+    built before a click) for a projector when clicked; `inline`: into `where` itself (a row already)."""
     why = available()
-    row = where.container(horizontal=True)
+    row = where if inline else where.container(horizontal=True)
 
     def projected(fmt: str) -> bytes:
         return render(for_projector(fig() if callable(fig) else fig, title), fmt)

@@ -74,7 +74,9 @@ def _delta(change: float, text: str) -> str | None:
 def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str | None = None,
                  kind: str = "causal-lm", where=st) -> None:
     """Metrics of what surgery makes of the mask, all as after / before with the change below (red =
-    the model grows, green = it shrinks); a red line for growth, other notes folded below."""
+    the model grows, green = it shrinks); a layer left without heads said first, a red line for growth,
+    other notes folded below."""
+    show_empty_layers(summary, where)
     row = where.container(horizontal=True)       # one block for the row (columns would be one per metric)
     kept = summary.n_heads - summary.n_pruned
     row.metric("Query heads after / before", f"{kept} / {summary.n_heads}",
@@ -101,15 +103,21 @@ def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str 
                   f"change {summary.checkpoint_bytes_change / 2**20:+.2f} MiB (weights).")
 
 
-def show_notes(summary: masks.MaskSummary, where=st) -> None:
-    """The summary's warnings (rounding, expanded K/V and why), folded; a layer that loses every head is
-    said in the open (issue 33: the default view pruned all of layer 4 with the only note folded away)."""
+def show_empty_layers(summary: masks.MaskSummary, where=st) -> None:
+    """A layer that loses every head, said in the open where the numbers are (issue 33: the default view
+    pruned all of layer 4 with the only note folded away)."""
     empty = list(getattr(summary.surgery, "empty_layers", None) or [])
     if empty:
         layers = ", ".join(map(str, empty))
         where.warning(f"This mask prunes every head of layer{'s' if len(empty) > 1 else ''} {layers}: "
                       f"{'their' if len(empty) > 1 else 'its'} attention then outputs only O's bias. The "
                       "min-per-layer policy keeps some heads in every layer.", icon=":material/warning:")
+
+
+def show_notes(summary: masks.MaskSummary, where=st) -> None:
+    """The summary's other warnings (rounding, expanded K/V and why), folded (`show_empty_layers` says the
+    emptied layers in the open)."""
+    empty = list(getattr(summary.surgery, "empty_layers", None) or [])
     rest = [line for line in summary.warnings if not (empty and line.startswith(f"Layers {empty}"))]
     if rest:
         with where.expander(f"Notes on this mask ({len(rest)})", expanded=False, icon=":material/warning:"):

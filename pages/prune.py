@@ -23,6 +23,14 @@ SCORED_HELP = {
     "encoder": "Token positions of the text, with the tokenizer's special tokens.",
 }
 
+def _threshold_caption(base_params: dict, scorer: str) -> None:
+    if "z" not in base_params:
+        st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
+    elif "std" in base_params:
+        st.caption(f"Threshold tau = mean + z * std with the {scoring.STD.shown(base_params['std'])} std "
+                   f"(change it under 'Scorer parameters').")
+
+
 st.title("Prune")
 lm = cache.model_or_stop()
 g = lm.geometry
@@ -35,6 +43,7 @@ policy = controls.policy_controls(c2)
 with c3.expander("Scorer parameters and KV policy", expanded=False):
     base_params = controls.scorer_params(scorer, state.get("z"))
     kv_policy = numbers.kv_policy_choice()
+    _threshold_caption(base_params, scorer)
     flops_len = int(st.number_input("Sequence length for the FLOP count", 1, 1_000_000, step=64,
                                     key=state.widget_key("prune.flops_len", value=512)))
 
@@ -142,16 +151,9 @@ def _draw_mask_view(shown: dict, left, right, scorer: str, flops_len: int, pack:
         downloads.download_button("Mask summary (JSON)", shown["summary_json"],
                                   file_name=f"{scorer}_mask_summary.json", mime="application/json",
                                   key="prune.dl.summary")
-    figures.downloads(pack["mask"][0], f"mask_{scorer}", key="prune.dl.grid", where=downloads, label="Mask ")
+    figures.downloads(pack["mask"][0], f"mask_{scorer}", key="prune.dl.grid", where=downloads, label="Mask ",
+                      inline=True)
     figures.pack_button(pack, key="prune.dl.pack", name=f"lecture_pack_{scorer}", where=downloads)
-
-
-def _threshold_caption(base_params: dict, scorer: str) -> None:
-    if "z" not in base_params:
-        st.caption(f"{controls.label(scorer)} has no threshold: z does not change its scores.")
-    elif "std" in base_params:
-        st.caption(f"Threshold tau = mean + z * std with the {scoring.STD.shown(base_params['std'])} std "
-                   f"(change it under 'Scorer parameters').")
 
 
 def view_sections(plan, params: dict, policy: str, scorer: str, z: float, sparsity: float, pack: dict) -> None:
@@ -236,7 +238,6 @@ def _sweep_section(params: dict, policy: str, scorer: str, z: float, sparsity: f
 
 
 live_mask(scorer, base_params, policy, kv_policy, flops_len)
-_threshold_caption(base_params, scorer)
 # the teaching text depends on the policy (a full run), not on z or the sparsity: outside the fragment, so a
 # key press does not redraw it (the live metric beside the grid says how many heads score 0 at this z)
 explain.evaluation()

@@ -2,7 +2,9 @@
 first on each page). Serves the app with tests/e2e/serving.py and drives Debian's Chromium.
 
     .venv/bin/python -m scripts.screenshots [--out artifacts] [--models smollm2-135m,minilm-l6] [--full]
---full also saves each whole page (<model>_<page>_full.png): what scrolling shows at 1280 px wide.
+--full also saves each whole page (<model>_<page>_full.png): what scrolling shows at 1280 px wide (a window
+FULL_HEIGHT px tall: the app scrolls inside its own container, so a "full page" screenshot of the browser
+would show only the first 800 px).
 """
 import argparse
 import os
@@ -17,6 +19,7 @@ from tests.e2e.serving import SETTLED, chromium, served_app  # noqa: E402
 PAGES = {"model": "", "walkthrough": "walkthrough", "profiles": "profiles", "prune": "prune",
          "compare": "compare", "heads": "heads", "export": "export", "pipeline": "pipeline"}
 VIEWPORT = {"width": 1280, "height": 800}
+FULL_HEIGHT = 6000
 
 
 def main() -> None:
@@ -31,23 +34,27 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log = Path(tempfile.mkdtemp(prefix="headscope-shots-")) / "server.log"
     with served_app(log, {"HEADSCOPE_CACHE": args.cache}) as base, chromium() as browser:
+        sizes = [("", VIEWPORT)] + ([("_full", {"width": VIEWPORT["width"], "height": FULL_HEIGHT})] if args.full else [])
         for model in args.models.split(","):
-            context = browser.new_context(viewport=VIEWPORT)
-            page = context.new_page()
-            for name, path in PAGES.items():
-                page.goto(f"{base}/{path}?model={model}")
-                page.get_by_role("heading", level=1).first.wait_for(timeout=180_000)
-                for _ in range(3):                     # settled for a moment (charts drawn)
-                    page.wait_for_timeout(700)
-                    page.wait_for_selector(SETTLED, timeout=180_000)
-                file = out / f"{model}_{name}.png"
-                page.screenshot(path=str(file))
-                print(file)
-                if args.full:
-                    whole = out / f"{model}_{name}_full.png"
-                    page.screenshot(path=str(whole), full_page=True)
-                    print(whole)
-            context.close()
+            for suffix, viewport in sizes:
+                context = browser.new_context(viewport=viewport)
+                page = context.new_page()
+                for name, path in PAGES.items():
+                    page.goto(f"{base}/{path}?model={model}")
+                    page.get_by_role("heading", level=1).first.wait_for(timeout=180_000)
+                    for _ in range(3):                     # settled for a moment (charts drawn)
+                        page.wait_for_timeout(700)
+                        page.wait_for_selector(SETTLED, timeout=180_000)
+                    file = out / f"{model}_{name}{suffix}.png"
+                    if suffix:                             # the page's own height, not the whole window
+                        height = page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]')"
+                                               ".scrollHeight") or FULL_HEIGHT
+                        page.screenshot(path=str(file), clip={"x": 0, "y": 0, "width": viewport["width"],
+                                                               "height": min(height, FULL_HEIGHT)})
+                    else:
+                        page.screenshot(path=str(file))
+                    print(file)
+                context.close()
 
 
 if __name__ == "__main__":
