@@ -215,20 +215,37 @@ def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, 
     return fig
 
 
+LOG_STEPS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9))   # coarse to fine
+
+
 def log_ticks(fig: go.Figure, values, axis: str = "y") -> go.Figure:
     """THE log-axis rule: a log axis labels only whole numbers a reader cannot misread -- the decades
     (10, 100, 1000) when the values span two or more of them, else the 1-2-5 steps inside (20, 50,
-    100, 200) -- each written in full. Plotly's default labels bare minor digits ("5, 2, 1000, 5,
-    2, 100"), and a reader takes the top "5" for a perplexity of 5."""
+    100, 200), else finer steps (20, 30) -- each written in full, at least two of them, and the axis
+    range is set to hold every labelled tick (issue 33: a tick just outside plotly's own range left a
+    chart with no y labels at all). Plotly's default labels bare minor digits ("5, 2, 1000, 5, 2,
+    100"), and a reader takes the top "5" for a perplexity of 5."""
     v = np.asarray([x for x in values if np.isfinite(x) and x > 0], dtype=float)
     update = fig.update_yaxes if axis == "y" else fig.update_xaxes
     if v.size == 0:
         return update(type="log")
-    lo, hi = math.floor(math.log10(v.min())), math.ceil(math.log10(v.max()))
-    steps = (1,) if hi - lo >= 2 else (1, 2, 5)
-    ticks = [m * 10.0 ** k for k in range(lo, hi + 1) for m in steps]
-    ticks = [t for t in ticks if v.min() / 1.5 <= t <= v.max() * 1.5] or [10.0 ** lo, 10.0 ** hi]
-    return update(type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:,.0f}" if t >= 1 else f"{t:g}" for t in ticks],
+    vmin, vmax = float(v.min()), float(v.max())
+    lo, hi = math.floor(math.log10(vmin)), math.ceil(math.log10(vmax))
+    coarse = 0 if hi - lo >= 2 else 1
+    ticks: list[float] = []
+    for steps in LOG_STEPS[coarse:]:
+        grid = sorted({round(m * 10.0 ** k, 12) for k in range(lo - 1, hi + 1) for m in steps})
+        ticks = [t for t in grid if vmin / 1.5 <= t <= vmax * 1.5]
+        if len(ticks) >= 2:
+            break
+    if len(ticks) < 2:                              # one value, or a very narrow range: the ticks around it
+        below = max((t for t in grid if t <= vmin), default=10.0 ** lo)
+        above = min((t for t in grid if t > below and t >= vmax), default=below * 10)
+        ticks = [below, above]
+    low, high = math.log10(min(vmin, ticks[0])), math.log10(max(vmax, ticks[-1]))
+    pad = 0.04 * max(high - low, 0.05)
+    return update(type="log", tickmode="array", tickvals=ticks, range=[low - pad, high + pad],
+                  ticktext=[f"{t:,.0f}" if t >= 1 and t == int(t) else f"{t:g}" for t in ticks],
                   minor=dict(showgrid=False))
 
 
@@ -288,6 +305,7 @@ def category_heatmap(labels: np.ndarray, categories: list[str], strengths: np.nd
 
 
 SLICE_COLOR = "#c0392b"       # the head's own slices
+LEGEND_MARGIN = 70            # px below a plot for a one-line horizontal legend
 GROUP_COLOR = "#f5b7b1"       # the other query heads of its KV group
 MATRIX_COLOR = "#eef2f7"
 
@@ -377,8 +395,10 @@ def head_rows(population: dict[str, np.ndarray], picked: dict[str, int], taus: d
                                  hovertemplate="tau %{y:.4g}<extra></extra>"), row=1, col=i)
         fig.update_xaxes(showticklabels=False, range=[-0.5, 0.5], row=1, col=i)
     fig.update_yaxes(title_text="row norm", row=1, col=1)
-    fig.update_layout(title=title, height=380, margin=dict(l=50, r=20, t=80, b=40),
-                      legend=dict(orientation="h", y=-0.1))
+    # the legend below the panels inside the bottom margin: at y=-0.1 with a 40 px margin a downloaded
+    # image cut its last entry ("tau = mean + z*st", issue 33)
+    fig.update_layout(title=title, height=420, margin=dict(l=50, r=20, t=80, b=LEGEND_MARGIN),
+                      legend=dict(orientation="h", x=0, y=0, yref="container", yanchor="bottom"))
     return fig
 
 
@@ -406,3 +426,61 @@ def kv_copies(kept: tuple[int, ...], group_size: int, *, expanded: bool) -> str:
     return ('<div style="font:12px sans-serif;margin:4px 0 10px">'
             f'<div><b>kept {" + ".join(map(str, kept))}</b>: the mask</div><div>{"".join(before)}</div>'
             f'<div style="margin-top:4px">after surgery: {note}</div><div>{"".join(after)}</div></div>')
+
+
+def kv_copies_figure(kept: tuple[int, ...], group_size: int, *, expanded: bool, title: str = "") -> go.Figure:
+    """`kv_copies` as a figure (for a download or a projector): per KV group its G query heads (kept blue,
+    pruned grey) above its K/V head; below, after surgery, the kept query heads with their K/V (one copy
+    per query head, orange, when `expanded`). Big boxes with their letters, so it reads from afar."""
+    fig = go.Figure()
+    box, gap = 1.0, 0.6
+
+    def cell(x: float, y: float, color: str, text: str) -> None:
+        fig.add_shape(type="rect", x0=x, x1=x + box * 0.9, y0=y, y1=y + box * 0.9, fillcolor=color,
+                      line=dict(width=0))
+        fig.add_annotation(x=x + box * 0.45, y=y + box * 0.45, text=text, showarrow=False, font=dict(color="white"))
+
+    x = 0.0
+    for g, n in enumerate(kept):
+        left = x
+        for h in range(group_size):
+            cell(x + h * box, 3.0, "#1f77b4" if h < n else "#cfd8dc", "Q")
+        cell(left + (group_size - 1) * box / 2, 2.0, "#2ca02c" if n else "#cfd8dc", "KV")
+        fig.add_annotation(x=left + group_size * box / 2 - 0.05, y=1.75, text=f"group {g}", showarrow=False)
+        if expanded:
+            for h in range(n):
+                cell(left + h * box, 0.6, "#1f77b4", "Q")
+                cell(left + h * box, -0.4, "#ff7f0e", "KV")
+        elif n:
+            for h in range(n):
+                cell(left + h * box, 0.6, "#1f77b4", "Q")
+            cell(left + (n - 1) * box / 2, -0.4, "#2ca02c", "KV")
+        x += group_size * box + gap
+    note = ("after surgery: each kept query head gets its own copy of its group's K/V (orange)" if expanded else
+            "after surgery: the kept groups keep their shared K/V")
+    fig.add_annotation(x=0, y=1.35, xanchor="left", text=note, showarrow=False)
+    fig.add_annotation(x=0, y=4.2, xanchor="left", text=f"the mask: heads kept per KV group {' + '.join(map(str, kept))}",
+                       showarrow=False)
+    fig.update_xaxes(visible=False, range=[-0.3, x])
+    fig.update_yaxes(visible=False, range=[-0.7, 4.6], scaleanchor="x")
+    fig.update_layout(title=title or f"Kept {' + '.join(map(str, kept))}: before and after surgery", height=320,
+                      margin=dict(l=10, r=10, t=50, b=10), plot_bgcolor="white")
+    return fig
+
+
+def score_vs_effect(scores: np.ndarray, effect: np.ndarray, *, x_title: str, y_title: str, title: str,
+                    group_size: int = 1) -> go.Figure:
+    """One point per head: a scorer's score (x) against the measured effect of removing it (y), e.g.
+    MP-G against the single-head ablation's loss increase; hover names the head."""
+    scores, effect = np.asarray(scores, dtype=float), np.asarray(effect, dtype=float)       # [L, H] each
+    L, H = scores.shape
+    names = np.array([[f"L{l}H{h}" + (f" (KV group {h // group_size})" if group_size > 1 else "") for h in range(H)]
+                      for l in range(L)])
+    fig = go.Figure(go.Scatter(x=scores.ravel(), y=effect.ravel(), mode="markers", text=names.ravel(),
+                               marker=dict(color=np.repeat(np.arange(L), H), colorscale="Viridis", size=7,
+                                           colorbar=dict(title="layer")),
+                               hovertemplate="%{text}<br>score %{x:.4g}<br>effect %{y:.4g}<extra></extra>"))
+    fig.add_hline(y=0, line=dict(color="#999", dash="dot"))
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=420,
+                      margin=dict(l=60, r=20, t=60, b=50))
+    return fig

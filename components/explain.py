@@ -6,6 +6,7 @@ Walkthrough page's own text, shown open. Numbers passed in are results computed 
 """
 from __future__ import annotations
 
+import numpy as np
 import streamlit as st
 
 LABEL = "How to read this"
@@ -16,7 +17,17 @@ def _fold(title: str, body: str) -> None:
         st.markdown(body)
 
 
-def structured_pruning() -> None:
+def structured_pruning(policy: str | None = None) -> None:
+    """The fold on structured pruning; its last paragraph says what the view's mask `policy` does
+    (the registry's help line: on GQA models the default is whole KV groups, not one global list)."""
+    from analysis.score import masks
+    if policy in masks.POLICIES:
+        rule = (f"The current mask policy is **{masks.POLICIES[policy].label}**: {masks.POLICIES[policy].help} "
+                "Within what the policy allows, the lowest-scored heads go first, ⌊sparsity × L × H⌋ of them "
+                "(the policy's own step where it prunes whole groups). Change the policy on the Prune page.")
+    else:
+        rule = ("Which heads go is set by the mask policy on the Prune page: the lowest-scored heads anywhere "
+                "(global), the same count per layer or per KV group, or whole KV groups (the default on GQA models).")
     _fold("structured vs unstructured pruning", """
 **Unstructured** pruning zeroes individual weights anywhere in a matrix. It can remove many
 weights with little damage, but the matrices keep their shape, so the model is only faster on
@@ -27,9 +38,7 @@ query rows, its output-projection columns and (when every query head sharing the
 key/value rows disappear, so the attention layers become genuinely smaller and faster on any
 hardware. The cost: a head is a coarse unit, so choosing *which* heads to remove matters.
 
-headscope ranks every head of every layer on one global list (least important first) and
-prunes the first ⌊sparsity × L × H⌋ of them.
-""")
+""" + rule + "\n")
 
 
 def model_geometry(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
@@ -68,16 +77,21 @@ Lower z → lower τ → more outliers and fewer zero-score heads; higher z → 
 """)
 
 
-def mp_score(*, z: float, n_zero: int | None, n_heads: int) -> None:
-    zero = "" if n_zero is None else (f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among "
-                                      "them the tie-break (plain magnitude, then layer and head) decides.")
+def mp_score(*, z: float | None, n_zero: int | None, n_heads: int, policy: str | None = None) -> None:
+    """The MP score fold; `z` None: written with the symbol z (a page whose z moves without a full rerun)."""
+    policy_words = f" (here {policy})" if policy else ""
+    z_text = "z" if z is None else f"{z:g}"
+    zero = "" if n_zero is None or z is None else (
+        f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among them the tie-break (plain magnitude, "
+        "then layer and head) decides.")
     _fold("the MP score and the ranking", f"""
-Each row norm n is compared with its population's threshold **τ = mean(n) + {z:g} · std(n)**;
+Each row norm n is compared with its population's threshold **τ = mean(n) + {z_text} · std(n)**;
 the excess is e = max(0, n − τ). A head's MP score sums the excess of its Q rows and O columns
 and of its KV group's K and V rows (MP-G divides the group part by G).
 
-All L × H heads are ranked together by ascending score, and the first ⌊sparsity × L × H⌋ are
-pruned; when every query head of a KV group is pruned, the group's K/V rows go too.{zero}
+All L × H heads are ranked together by ascending score; the mask policy{policy_words} then prunes
+the lowest-ranked heads it allows, ⌊sparsity × L × H⌋ of them (global: the first of the list); when
+every query head of a KV group is pruned, the group's K/V rows go too.{zero}
 """)
 
 
@@ -255,8 +269,9 @@ that such heads are the specialized ones, and heads whose rows are all typical a
 ones. The score measures how far the head's rows stick out.
 
 **A low score is pruned first.** All heads are ranked by score, lowest first, and the mask at
-sparsity s prunes the first s · (all heads) of that ranking: heads in the bulk (score 0) go
-first, outlier heads last.
+sparsity s prunes s · (all heads) of them, lowest first, as the mask policy allows (the global policy
+takes the first of the whole ranking; on GQA models the default, groups, prunes whole KV groups, ranked
+by their heads' scores): heads in the bulk (score 0) go first, outlier heads last.
 """)
 
 
@@ -331,3 +346,40 @@ WALK_STEPS = (
     ("heads", "Heads", "Check the scores against reality: the loss change when each head alone is removed."),
     ("export", "Export", "Write the mask, a zeroed model or a physically smaller one."),
 )
+
+
+def curves_sentence(curves: dict[str, tuple], *, metric: str, higher_is_better: bool, floor: str | None = None) -> str:
+    """One sentence that says what metric-vs-sparsity curves show, computed from their numbers: which
+    scorer is best at the largest sparsity they share, and from which sparsity on a scorer is worse than
+    the `floor` curve (Random) -- e.g. "on SmolLM2 MP-G is worse than random from sparsity 0.4: 7,128 vs 120"."""
+    def better(a: float, b: float) -> bool:
+        return a > b if higher_is_better else a < b
+
+    def fmt(v: float) -> str:
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    named = {n: (np.asarray(x, dtype=float), np.asarray(y, dtype=float)) for n, (x, y) in curves.items()}
+    shared = set.intersection(*(set(np.round(x, 6)) for x, _ in named.values())) if named else set()
+    if not shared:
+        return ""
+    top = max(shared)
+    at_top = {n: float(y[np.round(x, 6) == top][0]) for n, (x, y) in named.items()}
+    best = max(at_top, key=lambda n: at_top[n] if higher_is_better else -at_top[n])
+    words = [f"At sparsity {top:g} the best is {best} ({metric} {fmt(at_top[best])})"]
+    others = [n for n in at_top if n != best]
+    if others:
+        worst = min(others, key=lambda n: at_top[n] if higher_is_better else -at_top[n])
+        words[0] += f", the worst {worst} ({fmt(at_top[worst])})"
+    if floor in named:
+        fx, fy = named[floor]
+        for n, (x, y) in named.items():
+            if n == floor:
+                continue
+            lost = [s for s in sorted(shared) if s > 0 and better(float(fy[np.round(fx, 6) == s][0]),
+                                                                    float(y[np.round(x, 6) == s][0]))]
+            if lost:
+                s = lost[0]
+                words.append(f"{n} is worse than {floor} from sparsity {s:g} on ({fmt(float(y[np.round(x, 6) == s][0]))} "
+                             f"vs {fmt(float(fy[np.round(fx, 6) == s][0]))})"
+                             + ("" if all(q in lost for q in sorted(shared) if q >= s) else ", though not at every larger one"))
+    return "; ".join(words) + "."

@@ -74,7 +74,9 @@ def _delta(change: float, text: str) -> str | None:
 def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str | None = None,
                  kind: str = "causal-lm", where=st) -> None:
     """Metrics of what surgery makes of the mask, all as after / before with the change below (red =
-    the model grows, green = it shrinks); a red line for growth, other notes folded below."""
+    the model grows, green = it shrinks); a layer left without heads said first, a red line for growth,
+    other notes folded below."""
+    show_empty_layers(summary, where)
     row = where.container(horizontal=True)       # one block for the row (columns would be one per metric)
     kept = summary.n_heads - summary.n_pruned
     row.metric("Query heads after / before", f"{kept} / {summary.n_heads}",
@@ -101,12 +103,25 @@ def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str 
                   f"change {summary.checkpoint_bytes_change / 2**20:+.2f} MiB (weights).")
 
 
+def show_empty_layers(summary: masks.MaskSummary, where=st) -> None:
+    """A layer that loses every head, said in the open where the numbers are (issue 33: the default view
+    pruned all of layer 4 with the only note folded away)."""
+    empty = list(getattr(summary.surgery, "empty_layers", None) or [])
+    if empty:
+        layers = ", ".join(map(str, empty))
+        where.warning(f"This mask prunes every head of layer{'s' if len(empty) > 1 else ''} {layers}: "
+                      f"{'their' if len(empty) > 1 else 'its'} attention then outputs only O's bias. The "
+                      "min-per-layer policy keeps some heads in every layer.", icon=":material/warning:")
+
+
 def show_notes(summary: masks.MaskSummary, where=st) -> None:
-    """The summary's warnings (rounding, expanded K/V and why, emptied layers), folded."""
-    if summary.warnings:
-        with where.expander(f"Notes on this mask ({len(summary.warnings)})", expanded=False,
-                            icon=":material/warning:"):
-            for line in summary.warnings:
+    """The summary's other warnings (rounding, expanded K/V and why), folded (`show_empty_layers` says the
+    emptied layers in the open)."""
+    empty = list(getattr(summary.surgery, "empty_layers", None) or [])
+    rest = [line for line in summary.warnings if not (empty and line.startswith(f"Layers {empty}"))]
+    if rest:
+        with where.expander(f"Notes on this mask ({len(rest)})", expanded=False, icon=":material/warning:"):
+            for line in rest:
                 st.warning(line)
 
 
@@ -114,7 +129,8 @@ def stock_of(lm, pruned, kv_policy: str, sparsity: float) -> export_mod.StockChe
     """Whether a stock config describes the pruned model (and the nearest sparsities that can); the
     reason as text for a family without surgery."""
     try:
-        return export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity)
+        return export_mod.stock_check(lm.model.config, pruned, kv_policy=kv_policy, sparsity=sparsity,
+                                      stock=cache.stock_sparsities(state.model_key()))
     except Exception as err:  # noqa: BLE001 - a family without surgery: say so, do not fail the page
         return str(err)
 
@@ -125,3 +141,54 @@ def show_stock(check: export_mod.StockCheck | str) -> None:
         st.caption(f"Stock config: {check}")
         return
     (st.caption if check.ok else st.info)("Stock config: " + check.message())
+
+
+WORSE_STYLE = "background-color: #fadbd8; color: #922b21"     # a row worse than its input (red)
+
+
+def flagged_table(rows: list[dict], *, flag: str, where=st) -> None:
+    """A table whose rows with a non-empty `flag` column are red (issue 33: a broken or slower stage is
+    never drawn as a normal row). A static table: every column is shown whole at 1280x800, long text
+    wraps in its cell (a data grid cut the widest columns off at the right)."""
+    import pandas as pd
+    frame = pd.DataFrame(rows)
+    styled = frame.style.apply(lambda row: [WORSE_STYLE if row.get(flag) else ""] * len(row), axis=1).hide(axis="index")
+    where.table(styled)
+
+
+def wide_table(rows: list[dict], where=st) -> None:
+    """A small table shown whole at 1280x800 (no index; headers and long cells wrap)."""
+    import pandas as pd
+    where.table(pd.DataFrame(rows).style.hide(axis="index"))
+
+
+# the deployment report's numbers, one row each: (label, key, format)
+DEPLOY_ROWS = (("file size (MiB)", "bytes", lambda v: f"{v / 2**20:,.1f}"),
+               ("perplexity (llama.cpp)", "perplexity", lambda v: f"{v:.3f}"),
+               ("perplexity (headscope, PyTorch)", "headscope_perplexity", lambda v: f"{v:.3f}"),
+               ("prefill tokens/s", "prefill_tok_s", lambda v: f"{v:,.1f}"),
+               ("decode tokens/s", "decode_tok_s", lambda v: f"{v:,.2f}"))
+
+
+def deployment_table(dense: dict, pruned: dict) -> list[dict]:
+    """The deployment report as rows of numbers (dense, pruned, pruned vs dense in words, worse): narrow
+    enough for 1280x800, where the file-per-row table was cut off at the right (issue 33)."""
+    from analysis.compress.verdict import is_slower, speed_words
+    rows = []
+    kv = [(f"KV cache at {k[len('kv_mib_'):]} tokens (MiB)", k, lambda v: f"{v:,.1f}")
+          for k in dense if k.startswith("kv_mib_")]
+    for label, key, fmt in (*DEPLOY_ROWS, *kv):
+        a, b = dense.get(key), pruned.get(key)
+        if a is None or b is None:
+            continue
+        if key.endswith("_tok_s"):                   # a rate: the pruned file's speed-up in words
+            change, worse = speed_words(b / a), is_slower(b / a)
+        else:                                          # a size grows, or a quality that is expected to change
+            change, worse = f"{b / a:.3g}x", b > a and (key == "bytes" or key.startswith("kv_mib_"))
+        rows.append({"measure": label, "dense": fmt(a), "pruned": fmt(b), "pruned vs dense": change,
+                     "worse": "worse" if worse else ""})
+    rows.append({"measure": "heads / KV heads", "dense": f"{dense['heads']} / {dense['kv_heads']}",
+                 "pruned": f"{pruned['heads']} / {pruned['kv_heads']}", "pruned vs dense": "", "worse": ""})
+    rows.append({"measure": "tensor types", "dense": dense.get("tensor_types", ""),
+                 "pruned": pruned.get("tensor_types", ""), "pruned vs dense": "", "worse": ""})
+    return rows

@@ -34,7 +34,7 @@ it is open weights only): the one key of the loaded model and of everything cach
 (`components/cache.py`).
 
 Other keys this module owns: the stop flag and stop count of long work (`stop_check`), `remember`/`recall` slots that keep
-a button's result on screen across reruns (`remember_run` / `run_result` / `model_result` for the
+a button's result on screen across reruns (`remember_run` / `run_result` / `run_view` for the
 (run key, result) pairs of `cache.run_button`, whose run keys start with the model name), and
 which calibration scores were computed for which parameters (`mark_scored` / `is_scored`).
 """
@@ -423,9 +423,16 @@ def forget(slot: str) -> None:
     st.session_state.pop(_MEMO + slot, None)
 
 
-def remember_run(slot: str, run_key: tuple, result: Any) -> None:
-    """Keep a button-run's result with the key of the inputs it was computed for (model name first)."""
+def remember_run(slot: str, run_key: tuple, result: Any, *, view: str = "") -> None:
+    """Keep a button-run's result with the key of the inputs it was computed for (model name first),
+    and `view`, the words that say which view that was (for the note shown once it is stale)."""
     remember(slot, (run_key, result))
+    remember(slot + ".view", view)
+
+
+def run_view(slot: str) -> str:
+    """The words `remember_run` kept for the view of the result in `slot` ("" when none)."""
+    return recall(slot + ".view", "")
 
 
 def last_run(slot: str) -> tuple[tuple, Any] | None:
@@ -437,12 +444,6 @@ def run_result(slot: str, run_key: tuple) -> Any:
     """The result kept in `slot` if it was computed for exactly `run_key`, else None."""
     kept = last_run(slot)
     return kept[1] if kept and kept[0] == run_key else None
-
-
-def model_result(slot: str, model: str) -> Any:
-    """The result kept in `slot` if it was computed on `model` (whatever its other inputs), else None."""
-    kept = last_run(slot)
-    return kept[1] if kept and kept[0][0] == model else None
 
 
 def _scored_slot(model: str, scorer: str) -> str:

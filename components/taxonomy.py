@@ -10,7 +10,7 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
-from components import cache, charts, controls, explain, state
+from components import cache, charts, controls, explain, figures, numbers, state
 from components.errors import shown_errors
 
 def _fold(title: str, body: str) -> None:
@@ -20,7 +20,7 @@ def _fold(title: str, body: str) -> None:
 
 # -- cached calls ---------------------------------------------------------------------------------
 
-@st.cache_data(show_spinner=False, max_entries=8)
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=None,
                _should_stop=None):
     """analysis.measure.detectors.detect_heads for `names` on the dense model (text: None = built-in)."""
@@ -30,7 +30,7 @@ def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=N
                             should_stop=_should_stop)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def sentence_dla(key, sentence: str):
     """(tokens, per-token head DLA [T-1, L, H], parts) of one sentence."""
     from analysis.measure.dla import logit_parts
@@ -42,7 +42,7 @@ def sentence_dla(key, sentence: str):
     return tokens, parts.heads[0], parts
 
 
-@st.cache_data(show_spinner=False, max_entries=8)
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def mpg(key, z: float):
     from analysis.score.specialization import mpg_scores
     return mpg_scores(cache.load(key), z)
@@ -122,7 +122,7 @@ def section(lm) -> None:
         result = cache.run_button("Run the head detectors", button_key="heads.taxonomy", slot="heads.taxonomy",
                                   run_key=(lm.name, names, tokens), fn=detections,
                                   args=(state.model_key(), names, None, tokens),
-                                  label="Detecting head roles",
+                                  label="Detecting head roles", kind="detectors", work=tokens,
                                   stale_note="The settings changed since the last run; press the button again.")
         if result is not None:
             _show_detections(result, g)
@@ -135,8 +135,8 @@ def _show_detections(result: dict, g) -> None:
     from analysis.measure.detectors import DETECTORS
     tag, strength = primary_detector(result)
     roles = _roles(result)
-    st.plotly_chart(charts.category_heatmap(tag, roles, strength, title="Strongest detected role of each head",
-                                            group_size=g.group_size), width="stretch", key="heads.taxonomy_tags")
+    figures.chart(charts.category_heatmap(tag, roles, strength, title="Strongest detected role of each head",
+                                            group_size=g.group_size), "heads.taxonomy_tags")
     rows = [dict(layer=l, head=h, role=name, score=round(s, 4), threshold=r.threshold)
             for name, r in result.items() for l, h, s in r.tagged()]
     st.caption(f"{len(rows)} tags; thresholds " + ", ".join(f"{n} >= {r.threshold:g}" for n, r in result.items()))
@@ -158,7 +158,7 @@ def _show_detections(result: dict, g) -> None:
             else:
                 fig = charts.layer_head_heatmap(r.scores, spec.title, colorbar=r.unit,
                                                 group_size=g.group_size)
-            st.plotly_chart(fig, width="stretch", key=f"heads.taxonomy.{name}")
+            figures.chart(fig, f"heads.taxonomy.{name}")
             st.caption(spec.help)
             _fold(name, spec.about)
 
@@ -169,7 +169,7 @@ def _sentence_dla(lm) -> None:
         "heads.dla.sentence", value="The cat sat on the mat. The cat sat on the mat."))
     with shown_errors("Direct logit attribution"):
         tokens, per_token, parts = sentence_dla(state.model_key(), sentence)
-        st.plotly_chart(token_heads_heatmap(per_token, tokens), width="stretch", key="heads.dla_tokens")
+        figures.chart(token_heads_heatmap(per_token, tokens), "heads.dla_tokens")
         gap = float(np.abs(parts.total() - parts.logit).max())
         st.caption(f"Heads + embeddings + MLPs + biases rebuild the correct-token logit to within {gap:.1e}.")
         _fold("direct logit attribution per token", DETECTORS["dla"].about)
@@ -193,7 +193,7 @@ def _specialization(lm, result: dict) -> None:
                                                                                       value=list(strengths)[0]))
         if role in strengths:
             s, thr = strengths[role]
-            st.plotly_chart(role_scatter(scores.scores, s, thr, role), width="stretch", key="heads.mpg_scatter")
+            figures.chart(role_scatter(scores.scores, s, thr, role), "heads.mpg_scatter")
         mask = views.view_mask(lm, explain=False)
         if mask is None:
             st.caption("Set a mask on the Prune page to see which roles its pruned heads had.")
@@ -201,8 +201,8 @@ def _specialization(lm, result: dict) -> None:
             _, plan, _, _ = mask
             st.markdown(f"Roles of the heads the current mask ({controls.label(state.get('scorer'))}, sparsity "
                         f"{plan.sparsity:g}) prunes:")
-            st.dataframe([{k: v for k, v in row.items() if k != "heads"} | dict(heads=", ".join(row["heads"][:12]))
-                          for row in pruned_roles(plan.pruned, strengths)], hide_index=True)
+            numbers.wide_table([{k: v for k, v in row.items() if k != "heads"} | dict(heads=", ".join(row["heads"]))
+                                for row in pruned_roles(plan.pruned, strengths)])
         _fold("does MP find the specialized heads?", """
 The MP paper argues that heads with outlier weight norms (high MP-G score, kept) are the specialized
 ones and that typical-norm heads (score 0, pruned first) are redundant. Here every head's MP-G score

@@ -22,10 +22,18 @@ def needs_computing(lm, scorer: str, params: dict) -> bool:
         lm.name, scorer, cache.params_key(params))
 
 
-def scores_of(lm, scorer: str, params: dict, *, stoppable: bool = False):
+def scores_of(lm, scorer: str, params: dict, *, stoppable: bool = False, quiet: bool = False):
     """HeadScores of `scorer` at `params` on the current model (cached; progress, and Stop when
-    `stoppable`), or None after showing why. Marks calibration scores as computed."""
+    `stoppable`), or None after showing why. Marks calibration scores as computed. `quiet`: no progress
+    bar (a weight-only scorer on a key press: array arithmetic on the cached profile, milliseconds; the
+    bar's three elements cost more than the scores)."""
     key = cache.params_key(params)
+    if quiet:
+        try:
+            return cache.scores(state.model_key(), scorer, key)
+        except Exception as err:  # noqa: BLE001 - shown in one line, as cached_call would
+            show_exception(err, f"Scoring with {controls.label(scorer)}")
+            return None
     head_scores = cache.cached_call(cache.scores, state.model_key(), scorer, key,
                                     label=f"Scoring with {controls.label(scorer)}", stoppable=stoppable)
     if head_scores is not None and scoring.scorer_class(scorer).needs_calibration:

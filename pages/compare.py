@@ -3,13 +3,14 @@ score rank correlation (Spearman), and metric-vs-sparsity curves."""
 import numpy as np
 import streamlit as st
 
+from analysis.measure import evaluation
 from analysis.score import curves
 
 from analysis.score import masks
 
 from analysis.measure.attribution import rank_correlation
 from analysis.core.text import WIKI_ATTRIBUTION
-from components import cache, charts, controls, explain, shell, state, views, weights
+from components import cache, charts, controls, explain, figures, shell, state, views, weights
 from components.errors import shown_errors
 
 COMPACT_TICKS = 4   # head labels under each of the side-by-side masks (about 110 px of plot each)
@@ -58,20 +59,17 @@ with shown_errors("Comparing masks"):
     st.subheader(f"Masks at sparsity {sparsity:g} ({n_pruned} of {g.n_total_heads} heads pruned; red = pruned)")
     cols = st.columns(min(len(plans), 4))     # a quarter of the page: 12 head labels overlapped at 1280x800
     for i, (name, plan) in enumerate(plans.items()):
-        cols[i % len(cols)].plotly_chart(
-            charts.mask_heatmap(plan.pruned, results[name][1].scores, score_name=controls.label(name),
+        figures.chart(charts.mask_heatmap(plan.pruned, results[name][1].scores, score_name=controls.label(name),
                                 title=f"{controls.label(name)}<br><sup>{plan.n_pruned} pruned</sup>", group_size=g.group_size,
-                                max_x_ticks=COMPACT_TICKS),
-            width="stretch", key=f"compare.mask.{name}")
+                                max_x_ticks=COMPACT_TICKS), f"compare.mask.{name}", where=cols[i % len(cols)])
 
     jaccard = np.array([[masks.jaccard(plans[a].pruned, plans[b].pruned) for b in plans] for a in plans])
     rho = np.array([[rank_correlation(results[a][1].scores, results[b][1].scores) if a != b else 1.0
                      for b in results] for a in results])
     left, right = st.columns(2)
-    left.plotly_chart(charts.matrix_heatmap(jaccard, labels, title="Mask overlap (Jaccard)", zmin=0, zmax=1),
-                      width="stretch", key="compare.jaccard")
-    right.plotly_chart(charts.matrix_heatmap(np.nan_to_num(rho), labels, title="Score rank correlation (Spearman)",
-                                             zmin=-1, zmax=1), width="stretch", key="compare.spearman")
+    figures.chart(charts.matrix_heatmap(jaccard, labels, title="Mask overlap (Jaccard)", zmin=0, zmax=1), "compare.jaccard", where=left)
+    figures.chart(charts.matrix_heatmap(np.nan_to_num(rho), labels, title="Score rank correlation (Spearman)",
+                                             zmin=-1, zmax=1), "compare.spearman", where=right)
 explain.comparison()
 
 weights.needs_model(lm, "Quality vs sparsity")
@@ -88,7 +86,7 @@ if st.button("Compute the curves", key="compare.curves"):
     for name, (key, _) in results.items():
         curve = cache.cached_call(cache.sparsity_curve, state.model_key(), name, key,
                                   policy, controls.min_per_layer(), levels, tokens, label=f"Curve of {controls.label(name)}",
-                                  stoppable=True)
+                                  stoppable=True, kind="curve", work=len(levels) * tokens)
         if curve is None:
             break
         curves[name] = curve
@@ -97,11 +95,14 @@ if st.button("Compute the curves", key="compare.curves"):
 curves = state.run_result("compare.curves", curve_key)
 if curves is not None:
     metric = next(iter(curves.values())).metric
-    st.plotly_chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
+    figures.chart(charts.curves({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
                                   title=f"{metric} vs sparsity", x_title="sparsity", y_title=metric,
                                   log_y=charts.log_axis(metric), marker_x=sparsity,
-                                  colors={controls.label(n): controls.scorer_color(n) for n in curves}),
-                    width="stretch", key="compare.curve_chart")
+                                  colors={controls.label(n): controls.scorer_color(n) for n in curves}), "compare.curve_chart")
+    # what the curves show, in one sentence computed from their numbers (not a fixed text)
+    st.markdown(explain.curves_sentence({controls.label(n): (c.sparsities, c.values) for n, c in curves.items()},
+                                        metric=metric, higher_is_better=evaluation.evaluator_class(lm.kind).higher_is_better,
+                                        floor=controls.label("random") if "random" in curves else None))
     skipped = sorted({x for c in curves.values() for x, _ in c.skipped})
     if skipped:
         st.caption(f"Left out: sparsities {', '.join(f'{x:g}' for x in skipped)}, which the "

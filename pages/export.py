@@ -3,18 +3,22 @@ pruned, stock-loadable, ONNX, GGUF) into a folder under the output root. Exports
 export can be measured in llama.cpp next to the dense model (the deployment report)."""
 from pathlib import Path
 
+import numpy as np
+
 import streamlit as st
 
 from analysis.compress import export as export_mod
 from analysis.compress import speed
 from analysis.compress.export.gguf import deploy
-from components import cache, charts, controls, explain, numbers, shell, state, views, weights
+from components import cache, charts, controls, explain, exports, figures, numbers, shell, state, tools, views, weights
 from components import probes as probes_ui
 from components.errors import shown_errors
 
 shell.ensure_app()
 
 MIN_REPEATS = 5      # fewer timings per setting: on a shared CPU their median is mostly noise
+STOCK_FORMATS = ("stock",)   # the formats loaded by a stock config (the "stock config" note is about them)
+DEPLOY_TOKENS = 512          # the deployment report's perplexity tokens (its work unit for the estimate)
 
 st.title("Export")
 lm = cache.model_or_stop()
@@ -30,8 +34,8 @@ described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" f
 st.caption(f"Current mask: {controls.label(scorer)} ({described or 'no parameters'}), sparsity {sparsity:g}, "
            f"policy {policy}: **{plan.n_pruned} of {g.n_total_heads} heads pruned** (red = pruned). "
            "Change it on the Prune page.")
-st.plotly_chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
-                                    group_size=g.group_size), width="stretch", key="export.mask")
+figures.chart(charts.mask_heatmap(plan.pruned, head_scores.scores, score_name=controls.label(scorer),
+                                    group_size=g.group_size), "export.mask")
 
 st.subheader("Mask JSON")
 with shown_errors("Writing the mask JSON"):
@@ -41,78 +45,168 @@ with shown_errors("Writing the mask JSON"):
                        key="export.mask_json")
 
 st.subheader("Pruned model")
-default_root = str(export_mod.default_export_root())
-root_text = st.text_input("Export root: every export becomes a folder in here",
-                          key=state.widget_key("export.root", value=default_root),
-                          help=f"Default {export_mod.DEFAULT_EXPORT_ROOT}, or the folder in the environment variable "
-                               f"{export_mod.EXPORT_ROOT_ENV}.")
-output_root = Path(root_text.strip() or default_root).expanduser()
-c1, c2 = st.columns([1, 2])
-names = weights.export_formats(export_mod.FORMATS)                 # the format registry (weights only: streamed)
-fmt = c1.selectbox("Format", names, format_func=lambda f: export_mod.FORMATS[f].label or f,
-                   key=state.widget_key("export.format" + (".streamed" if state.weights_only() else ""),
-                                        value=names[0]))
-form = export_mod.FORMATS[fmt]
-c1.caption(form.help + (f" Weights only: {weights.STREAMED_HELP}." if state.weights_only() else ""))
-# a physical format is cut by surgery (kv_policy applies); a full-shape one keeps the original shapes
-surgery = {"kv_policy": numbers.kv_policy_choice(c1)} if form.physical else {}
-kv_policy = surgery.get("kv_policy", "auto")
-options = controls.format_options(c1, fmt, form.options)
-auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy}-{fmt}"
-folder = c2.text_input("Folder name (follows the settings until you edit it)",
-                       key=state.following_widget_key("export.folder", auto_name))
-st.caption(f"Writes **{output_root / folder.strip()}**.")
-if surgery:
-    with shown_errors("Counting what surgery removes"):
-        summary = numbers.summary_of(lm, plan, head_scores, kv_policy)
-        numbers.show_summary(summary, flops_len=512, kind=lm.kind)
-        numbers.show_stock(numbers.stock_of(lm, plan.pruned, kv_policy, sparsity))
-        numbers.show_notes(summary)
-overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
-if st.button("Export", type="primary", key="export.run"):
-    state.forget("export.last")
-    with shown_errors("Exporting"):
-        if state.weights_only():
-            stop = cache.stop_button("export")
-            with cache.progress_bar(f"Exporting ({fmt}, streamed)") as report:
-                result = weights.export_streamed(lm, fmt, plan.pruned, output_root, folder.strip(), record=record,
-                                                 kv_policy=kv_policy, overwrite=overwrite, progress=report,
-                                                 should_stop=state.should_stop, **options)
-            stop.empty()
-        else:
-            with cache.progress_bar(f"Exporting ({fmt})") as report, cache.exclusive(state.model_key(),
-                                                                                      report):
-                result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
-                                           tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
-                                           **options)
-        state.remember("export.last", result)
-last = state.recall("export.last")
-if last is not None:
-    st.success(f"Wrote the {last.format} export to {last.path} ({last.total_bytes / 2**20:.1f} MiB).")
-    for note in last.notes:        # leftovers cleaned; a lossy file's self-check (a failed one was replaced)
+def export_section() -> None:
+    """Root, format, its options, the folder, what surgery makes of the mask, and the Export button
+    (disabled, with the reason above it, while the root cannot take an export)."""
+    output_root = exports.root_widget()           # None: exports off, or a root that cannot take them (shown why)
+    c1, c2 = st.columns([1, 2])
+    names = weights.export_formats(export_mod.FORMATS)                 # the format registry (weights only: streamed)
+    fmt = c1.selectbox("Format", names, format_func=lambda f: export_mod.FORMATS[f].label or f,
+                       key=state.widget_key("export.format" + (".streamed" if state.weights_only() else ""),
+                                            value=names[0]))
+    form = export_mod.FORMATS[fmt]
+    c1.caption(form.help + (f" Weights only: {weights.STREAMED_HELP}." if state.weights_only() else ""))
+    # a physical format is cut by surgery (kv_policy applies); a full-shape one keeps the original shapes
+    surgery = {"kv_policy": numbers.kv_policy_choice(c1)} if form.physical else {}
+    kv_policy = surgery.get("kv_policy", "auto")
+    options = controls.format_options(c1, fmt, form.options)
+    auto_name = f"{Path(lm.name).name}-{scorer}-s{sparsity:g}-{policy}-{fmt}"
+    folder = c2.text_input("Folder name (follows the settings until you edit it)",
+                           key=state.following_widget_key("export.folder", auto_name))
+    if output_root is not None:
+        st.caption(f"Writes **{output_root / folder.strip()}**.")
+    if surgery:
+        with shown_errors("Counting what surgery removes"):
+            summary = numbers.summary_of(lm, plan, head_scores, kv_policy)
+            numbers.show_summary(summary, flops_len=512, kind=lm.kind)
+            if fmt in STOCK_FORMATS:                 # only a stock export needs a stock config to describe the cut
+                numbers.show_stock(numbers.stock_of(lm, plan.pruned, kv_policy, sparsity))
+            numbers.show_notes(summary)
+    if not state.weights_only():
+        whole_model(plan, kv_policy, fmt, options)
+    waiting = tools.llama_missing() if tools.gguf_needs_llama(fmt, options) else ""
+    if waiting:
+        st.info(waiting, icon=":material/hourglass_top:")
+    overwrite = st.checkbox("Replace the folder if it exists", key=state.widget_key("export.overwrite", value=False))
+    view_words = (f"{controls.label(scorer)} ({described or 'no parameters'}), sparsity {sparsity:g}, policy {policy}: "
+                  f"{plan.n_pruned} heads pruned")
+    if st.button("Export", type="primary", key="export.run", disabled=output_root is None or bool(waiting),
+                 help=waiting or (None if output_root is not None else "Nothing can be written: see the export root "
+                                                                       "above.")):
+        state.forget("export.last")
+        with shown_errors("Exporting"):
+            if state.weights_only():
+                stop = cache.stop_button("export")
+                with cache.progress_bar(f"Exporting ({form.label})") as report:
+                    result = weights.export_streamed(lm, fmt, plan.pruned, output_root, folder.strip(), record=record,
+                                                     kv_policy=kv_policy, overwrite=overwrite, progress=report,
+                                                     should_stop=state.should_stop, **options)
+                stop.empty()
+            else:
+                with cache.progress_bar(f"Exporting ({form.label})") as report, cache.exclusive(state.model_key(),
+                                                                                                 report):
+                    result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
+                                               tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
+                                               **options)
+            state.remember("export.last", dict(result=result, pruned=plan.pruned.copy(), view=view_words,
+                                               options=dict(options)))
+
+
+
+def whole_model(plan, kv_policy: str, fmt: str, options: dict) -> None:
+    """Before the export: what the cut changes in the whole model (parameters, this format's file, the KV
+    cache), in percent of the model -- the summary above counts attention only."""
+    rows = cache.cached_call(cache.whole_model_change, state.model_key(), plan.pruned, kv_policy, fmt,
+                             tuple(sorted(options.items())), label="Counting the whole model")
+    if rows is None:
+        return
+    st.markdown("**The whole model, dense and cut** (in this format)")
+    numbers.wide_table([{"whole model": r["whole model"],
+                         "dense": "—" if r["dense"] is None else f"{r['dense']:,}",
+                         "cut": "—" if r["cut"] is None else f"{r['cut']:,}",
+                         "change": "—" if r["change"] is None else f"{r['change']:+,}",
+                         "change, % of the model": "—" if r["change, % of the model"] is None
+                         else f"{r['change, % of the model']:+.2f}%"} for r in rows])
+
+
+def side_by_side(plan) -> None:
+    """A few prompts continued by the dense model and by the cut (greedy), next to each other."""
+    st.subheader("Dense vs cut, side by side")
+    prompts = st.text_area("Prompts (one per line)", key=state.widget_key(
+        "export.prompts", value="\n".join(cache.GENERATE_PROMPTS)), height=100)
+    lines = tuple(line.strip() for line in prompts.splitlines() if line.strip())[:8]
+    new_tokens = int(st.number_input("New tokens", 1, 64, key=state.widget_key("export.gen_tokens", value=12)))
+    rows = cache.run_button("Generate with both", button_key="export.generate", slot="export.generate",
+                            run_key=(lm.name, plan.pruned.tobytes(), lines, new_tokens), fn=cache.generate_side_by_side,
+                            args=(state.model_key(), plan.pruned, lines, new_tokens), label="Generating",
+                            kind="evaluate", work=2 * len(lines) * new_tokens * 4,
+                            stale_note="The mask or the prompts changed since ({view}); press the button again.",
+                            view=f"{plan.n_pruned} heads pruned", disabled=not lines)
+    if rows is not None:
+        numbers.wide_table(rows)
+        st.caption("Greedy decoding (the most likely next token each time). The cut is the dense model with its "
+                   "pruned heads switched off, which computes what the exported cut computes.")
+
+
+def last_export(plan) -> None:
+    """The last export written in this session, marked when the view has changed since (it is the
+    export's own mask that the deployment report measures, never the view's)."""
+    last = state.recall("export.last")
+    if not isinstance(last, dict):
+        return
+    result = last["result"]
+    label = export_mod.FORMATS[result.format].label if result.format in export_mod.FORMATS else result.format
+    st.success(f"Wrote the {label} export to {result.path} ({result.total_bytes / 2**20:.1f} MiB).")
+    if not np.array_equal(last["pruned"], plan.pruned):
+        st.warning(f"This export is of another view ({last['view']}); the mask above has changed since. "
+                   "Press Export to write the current one.", icon=":material/history:")
+    for note in result.notes:        # leftovers cleaned; a lossy file's self-check (a failed one was replaced)
         (st.warning if note.startswith("self-check FAILED") else st.info)(note)
-    st.dataframe([{"file": name, "bytes": size} for name, size in last.files.items()], hide_index=True)
-    if last.format == "gguf" and state.weights_only():
+    st.dataframe([{"file": name, "bytes": size} for name, size in result.files.items()], hide_index=True)
+    if result.format == "gguf" and state.weights_only():
         st.caption("The deployment report also writes and runs the dense model's GGUF: load the model (Model page) "
                    "to measure this file next to it.")
-    elif last.format == "gguf":
-        st.markdown("**Deployment report (llama.cpp)**: this file next to the dense model at the same weight type, "
-                    "measured by llama.cpp itself, with headscope's own perplexity of the cut.")
-        if st.button("Measure in llama.cpp", key="export.deploy"):
-            state.forget("export.deploy_rows")
-            with shown_errors("Measuring in llama.cpp"):
-                with st.spinner("Writing the dense GGUF and measuring both files (about a minute)"):
-                    rows = deploy.deployment_rows(lm, plan.pruned, last, options.get("gguf_type", "f16"))
-                state.remember("export.deploy_rows", rows)
-        rows = state.recall("export.deploy_rows")
-        if rows is not None:
-            st.dataframe(rows, hide_index=True, width="stretch")
-            st.caption("Perplexity on the built-in evaluation split (512 tokens, headscope's token ids); tokens/s "
-                       "at 512 tokens of context on this machine; KV cache as llama.cpp allocates it (f16, flash "
-                       "attention).")
+    elif result.format == "gguf":
+        deployment_report(last)
 
+
+def deployment_report(last: dict) -> None:
+    """The llama.cpp deployment report of the last GGUF export (dense next to it), with progress and Stop;
+    what the pruned file does worse than dense in red, and the rows as a download."""
+    result = last["result"]
+    weight_type = last["options"].get("gguf_type", "f16")
+    st.markdown("**Deployment report (llama.cpp)**: this file next to the dense model at the same weight type "
+                f"({weight_type}), measured by llama.cpp itself, with headscope's own perplexity of the cut.")
+    run_key = (lm.name, str(result.path), weight_type, last["pruned"].tobytes())
+    waiting = tools.llama_missing()
+    if waiting:
+        st.info(waiting, icon=":material/hourglass_top:")
+    pressed = st.button("Measure in llama.cpp", key="export.deploy", disabled=bool(waiting))
+    st.caption(cache.estimate_words(state.model_key(), "deploy", DEPLOY_TOKENS))
+    if pressed:
+        with shown_errors("Measuring in llama.cpp"):
+            with cache.tracked("Deployment report", key=state.model_key(), kind="deploy", work=DEPLOY_TOKENS,
+                               stoppable=True) as (bar, should_stop):
+                with cache.exclusive(state.model_key(), bar, should_stop=should_stop) as loaded:
+                    rows = deploy.deployment_rows(loaded, last["pruned"], result, weight_type, progress=bar,
+                                                  should_stop=should_stop, max_tokens=DEPLOY_TOKENS)
+            state.remember_run("export.deploy", run_key, rows, view=last["view"])
+    rows = state.run_result("export.deploy", run_key)
+    if rows is None:
+        return
+    dense, pruned = rows
+    worse = pruned.get("worse_than_dense")
+    if worse:
+        st.error(f"The pruned file is worse than the dense one in llama.cpp: {worse}.", icon=":material/warning:")
+    numbers.flagged_table(numbers.deployment_table(dense, pruned), flag="worse")
+    st.caption("Perplexity on the built-in evaluation split (512 tokens, headscope's token ids); tokens/s "
+               "at 512 tokens of context on this machine; KV cache as llama.cpp allocates it (f16, flash "
+               "attention). Red: worse than dense.")
+    import json
+    st.download_button("Deployment report (JSON)", json.dumps(rows, indent=1, default=str),
+                       file_name="deployment_report.json", mime="application/json", key="export.deploy.json")
+
+
+if exports.mode() == "off":
+    st.info(exports.OFF_NOTE, icon=":material/block:")
+else:
+    export_section()
+last_export(plan)
+if lm.kind == "causal-lm" and not state.weights_only():
+    side_by_side(plan)
 weights.needs_model(lm, "The measured report (latency of dense vs pruned)")
 st.subheader("Measured report")
+kv_policy = state.get("kv_policy")           # the view's (Export's box for a physical format sets it too)
 with shown_errors("Measuring"):
     c1, c2 = st.columns([2, 1])
     lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
@@ -131,7 +225,7 @@ with shown_errors("Measuring"):
     report = cache.run_button("Measure dense vs masked vs pruned", button_key="export.measure",
                               slot="export.speed", run_key=speed_key, fn=cache.speed_report,
                               args=(state.model_key(), plan.pruned, tuple(sorted(lengths)), repeats, kv_policy),
-                              label="Measuring",
+                              label="Measuring", kind="speed", work=3 * repeats * (sum(lengths) or 1),
                               stale_note="The mask or the settings changed since the last measurement; press the button again.")
     if report is not None:
         predicted = report.predicted
@@ -156,7 +250,7 @@ with shown_errors("Measuring"):
                 bool(report.file_bytes) and report.file_bytes["pruned"] > report.file_bytes["dense"],
             f"KV cache {predicted['kv_cache_ratio']:.3g}x dense": lm.kind != "encoder" and predicted["kv_cache_ratio"] > 1,
         }.items() if grew])
-        st.dataframe(report.rows(), hide_index=True, width="stretch")
+        numbers.wide_table(report.rows())
         st.caption(speed.RATIO_NOTE)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))

@@ -11,7 +11,6 @@ shell.ensure_app()
 st.title("Model")
 st.caption("Pick a model in the sidebar: a built-in (nothing is downloaded), a Hugging Face id that is "
            "in the local cache, or a local folder. Every page uses the model picked here.")
-explain.structured_pruning()
 
 
 def placement_form() -> None:
@@ -73,6 +72,7 @@ st.caption(f"Weights from `{lm.source}`. Attention: "
               "multi-query (MQA)" if g.n_kv_heads == 1 else f"grouped-query (GQA), G = {g.group_size}")
            + ". The loaded model is shared by all pages and never modified: masks are temporary hooks, "
              "exports work on a copy.")
+explain.structured_pruning(policy=state.get("policy"))    # the model's default policy once loaded
 explain.model_geometry(g.n_layers, g.n_heads, g.n_kv_heads, g.head_dim)
 if g.group_size > 1:
     explain.gqa(g.n_heads, g.n_kv_heads)

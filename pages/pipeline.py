@@ -4,7 +4,6 @@ time estimate, progress and Stop; then the compression report (table, chart, dow
 final model's exports in every format, under the Export page's root. The cached dense model is
 never changed."""
 import io
-import math
 import time
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from analysis.compress import export as export_mod
 from analysis.compress.recover.distill import DistillConfig
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, round_counts
 from analysis.compress.recover.report import compression_report
-from components import cache, charts, controls, explain, numbers, shell, state, weights
+from analysis.compress.verdict import speed_words
+from components import cache, charts, controls, explain, exports, figures, jobs, numbers, shell, state, tools, weights
 from components import probes as probes_ui
 from components.errors import shown_errors
 
@@ -28,6 +28,38 @@ def loss_chart(points: list[dict]):
     return charts.curves({"distillation loss": ([p["step"] for p in points], [p["loss"] for p in points])},
                          title="Distillation loss per recovery step", x_title="recovery step (all rounds)",
                          y_title="loss (T² · KL to the dense model)")
+
+
+def describe_config(c: PipelineConfig) -> str:
+    """A run's settings in a few words (to say which run a report is of)."""
+    rounds = "one-shot" if c.recovery_steps == 0 and c.step >= c.target_sparsity else f"step {c.step:g}"
+    return (f"{controls.label(c.scorer)}, target {c.target_sparsity:g}, {rounds}, {c.recovery_steps} recovery steps, "
+            f"policy {c.policy}")
+
+
+def stage_rows(rep) -> list[dict]:
+    """The report's stages as table rows: each number with its ratio to dense, latencies in words, the flags."""
+    dense = rep.stages[0]
+
+    def cell(s, key: str, text: str) -> str:
+        """A number with its ratio to the dense model, e.g. "21.83 M (0.961x)"."""
+        ratio = s.ratios.get(key)
+        return text if ratio is None or s is dense else f"{text} ({ratio:.3g}x)"
+
+    def timed(s, key: str, text: str) -> str:
+        ratio = s.ratios.get(key)
+        same = f" (= {s.timed_as})" if getattr(s, "timed_as", None) else ""
+        return text + same if ratio is None or s is dense else f"{text} ({speed_words(1 / ratio)}){same}"
+
+    return [{"stage": s.name, "sparsity": f"{s.sparsity:.2f}",
+             "parameters": cell(s, "parameters", f"{s.parameters / 1e6:,.2f} M"),
+             "size": cell(s, "size_mb", f"{s.size_mb:,.1f} MiB"),
+             "attention FLOPs": cell(s, "attention_flops", f"{s.attention_flops / 1e9:,.2f} G"),
+             "prefill": timed(s, "prefill_ms", f"{s.prefill_ms:,.1f} ms"),
+             "decode": "—" if s.decode_ms is None else timed(s, "decode_ms", f"{s.decode_ms:,.2f} ms"),
+             rep.metric: "—" if s.metric is None else cell(s, "metric", f"{s.metric:.3f}"),
+             "worse than its input": "; ".join(getattr(s, "flags", None) or [])}
+            for s in rep.stages]
 
 
 st.title("Pipeline")
@@ -54,8 +86,9 @@ st.caption(f"Starts from the Prune page's view: **{controls.label(scorer)}** ({d
            "controls as on Prune; z and the scorer's parameters are set there.")
 
 c = st.columns(4)
-target = c[0].slider("Target sparsity", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.target", value=0.25),
-                     help="Fraction of all query heads pruned at the end.")
+target = c[0].slider("Target sparsity", 0.01, 0.9, step=0.01,
+                     key=state.following_widget_key("pipe.target", min(max(float(state.get("sparsity")), 0.01), 0.9)),
+                     help="Fraction of all query heads pruned at the end: the Prune view's sparsity until you move it.")
 step = c[1].slider("Heads per round (fraction)", 0.05, 0.9, step=0.05, key=state.widget_key("pipe.step", value=0.1),
                    disabled=one_shot, help="Fraction of all heads pruned in each round (the last round stops at the "
                                           "target). Smaller steps: more rounds, more recovery, more time.")
@@ -91,23 +124,22 @@ config = PipelineConfig(target_sparsity=float(target), step=float(step), recover
 config = config.one_shot() if one_shot else config
 
 rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
-# the work of a run, in forward-pass tokens: a recovery step is a teacher forward + a student forward and
-# backward (~4 forwards) on batch x seq_len tokens; each measured stage (dense, each round, final) is
-# evaluated on eval_tokens. Measuring a stage (size, latency) costs more than that count says, so once
-# a run has finished the estimate is scaled by that run's measured seconds per unit of this work.
-work = rounds * config.recovery_steps * 4 * batch * seq_len + (rounds + 2) * eval_tokens
+units = jobs.pipeline_units(rounds=rounds, recovery_steps=config.recovery_steps, batch=batch, seq_len=seq_len,
+                            eval_tokens=eval_tokens, int8=int8 and lm.kind == "causal-lm",
+                            recovering=config.recovery_steps > 0)
 with shown_errors("Estimating the time"):
-    last_rate = state.recall(f"pipe.seconds_per_work.{lm.name}")
-    if last_rate is not None:
-        seconds, basis = work * last_rate, "scaled from the last run's measured time on this model"
-    else:
-        seconds = work / cache.forward_rate(state.model_key())
-        basis = ("a lower bound: forward passes only, at this machine's measured speed; measuring every stage's "
-                 "size and latency adds more (a first run tells)")
-    text = f"~{max(1, math.ceil(seconds / 60))} min" if seconds >= 60 else f"~{seconds:.0f} s"
-    c[2].metric("Estimated time", text if last_rate is not None else f"≥ {text[1:]}",
-                help=f"{rounds} round(s) x {config.recovery_steps} recovery steps; {basis}"
-                     f"{'; INT8 adds about a minute' if int8 else ''}. The bar shows the time left once it runs.")
+    board, model = jobs.board(), repr(state.model_key())
+    if not board.knows("forward", model):
+        cache.forward_rate(state.model_key())     # one short measurement per model and server (not 4 full passes)
+    clock = jobs.PhaseClock(board, model, units)
+    total = clock.total_s()
+    measured = all(board.knows(f"pipeline.{p}", model) for p in units)
+    basis = ("this machine's pace on the last runs, phase by phase" if measured else
+             "this machine's measured forward speed; the first run measures each phase's own pace")
+    c[2].metric("Estimated time", "—" if total is None else jobs.seconds_words(total),
+                help=f"{rounds} round(s) x {config.recovery_steps} recovery steps"
+                     f"{', then the INT8 stages' if 'int8' in units else ''}; from {basis}. While it runs, the bar "
+                     "says the time left, phase by phase, from the same pace and from the run's own progress.")
 
 requested, done = state.recall("pipe.request", 0), state.recall("pipe.done", 0)
 st.button("Run the pipeline", type="primary", key="pipe.run", disabled=requested > done,
@@ -125,34 +157,32 @@ if requested > done:
             drawn[0] = time.monotonic()
             curve.plotly_chart(loss_chart(losses), width="stretch")
 
-    stop = cache.stop_button("pipeline")
-    stop_check = state.stop_check()
-    t0 = time.monotonic()
     try:
         with shown_errors("The pipeline"):
-            with cache.progress_bar("Pipeline") as bar, cache.exclusive(state.model_key(), bar,
-                                                                       should_stop=stop_check):
-                def report(fraction: float, message: str) -> None:
-                    spent = time.monotonic() - t0
-                    left = f", about {spent * (1 - fraction) / fraction / 60:.1f} min left" if fraction > 0.02 else ""
-                    bar(fraction, f"{message} ({spent / 60:.1f} min so far{left})")
+            with cache.tracked("Pipeline", key=state.model_key(), stoppable=True) as (bar, stop_check):
+                jobs.CURRENT.get().clock = clock            # the bar's time left comes from the phases
+                with cache.exclusive(state.model_key(), bar, should_stop=stop_check):
+                    def report(fraction: float, message: str) -> None:
+                        clock.update(fraction)
+                        bar(fraction, message)
 
-                rep, result = compression_report(lm, config, int8=int8, progress=report,
-                                                 should_stop=stop_check, on_step=on_step)
-            state.remember("pipe.last", (rep, result, losses))
-            state.remember(f"pipe.seconds_per_work.{lm.name}", (time.monotonic() - t0) / max(work, 1))
+                    rep, result = compression_report(lm, config, int8=int8, progress=report,
+                                                     should_stop=stop_check, on_step=on_step)
+                    clock.finish()
+            state.remember("pipe.last", (rep, result, losses, config))
     finally:
-        stop.empty()
         curve.empty()                                  # the final chart is drawn once, below
-        state.clear_stop()
 
 note = state.stopped_note()
 if note:
     st.info(note)
 last = state.recall("pipe.last")
 if last is not None:
-    rep, result, losses = last
+    rep, result, losses, run_config = (*last, None) if len(last) == 3 else last
     dense, final = rep.stages[0], rep.stages[-1]
+    if run_config is not None and run_config != config:
+        st.warning("The report below is of the last run, started with other settings than the ones above "
+                   f"({describe_config(run_config)}); press Run to run these.", icon=":material/history:")
     summary = (f"{int(result.pruned.sum())} of {g.n_total_heads} heads pruned in {len(result.accepted)} round(s); "
                f"{rep.metric} {result.dense_metric:.3f} -> {result.final_metric:.3f}"
                + (" (stopped by the budget)" if result.stopped_by_budget else ""))
@@ -162,30 +192,23 @@ if last is not None:
     (st.warning if grown else st.success)(summary)
     numbers.show_growth(grown)
     if losses:
-        st.plotly_chart(loss_chart(losses), width="stretch", key="pipe.loss_chart")
+        figures.chart(loss_chart(losses), "pipe.loss_chart")
     st.subheader("Compression report")
-
-    def cell(s, key: str, text: str) -> str:
-        """A number with its ratio to the dense model, e.g. "21.83 M (0.961x)"."""
-        ratio = s.ratios.get(key)
-        return text if ratio is None or s is dense else f"{text} ({ratio:.3g}x)"
-
-    st.dataframe([{"stage": s.name, "sparsity": f"{s.sparsity:.2f}",
-                   "parameters": cell(s, "parameters", f"{s.parameters / 1e6:,.2f} M"),
-                   "size": cell(s, "size_mb", f"{s.size_mb:,.1f} MB"),
-                   "attention FLOPs": cell(s, "attention_flops", f"{s.attention_flops / 1e9:,.2f} G"),
-                   "prefill": cell(s, "prefill_ms", f"{s.prefill_ms:,.1f} ms"),
-                   "decode": "—" if s.decode_ms is None else cell(s, "decode_ms", f"{s.decode_ms:,.2f} ms"),
-                   rep.metric: "—" if s.metric is None else cell(s, "metric", f"{s.metric:.3f}")}
-                  for s in rep.stages], hide_index=True, width="stretch")
-    st.caption("In brackets: the ratio to the dense model; above 1 on parameters, size or FLOPs means that stage is "
-               "bigger.")
+    worse = [s for s in rep.stages if getattr(s, "flags", None)]
+    if worse:
+        st.error("Worse than the stage it was made from: " + "; ".join(
+            f"**{s.name}** ({', '.join(s.flags)})" for s in worse), icon=":material/warning:")
+    numbers.flagged_table(stage_rows(rep), flag="worse than its input")
+    st.caption("In brackets: the ratio to the dense model (latencies in words: faster or slower than dense); "
+               "above 1 on parameters, size or FLOPs means that stage is bigger. Red rows are worse than the stage "
+               "they were made from. '= X': timed once on X, a model of the same shapes.")
+    for line in rep.warnings:
+        st.warning(line)
     probes_ui.pipeline_capabilities(rep)           # each stage's capability probes against dense
     curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
         "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
-    st.plotly_chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",
-                                  y_title=rep.metric, log_y=charts.log_axis(rep.metric)),
-                    width="stretch", key="pipe.metric_chart")
+    figures.chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",
+                                  y_title=rep.metric, log_y=charts.log_axis(rep.metric)), "pipe.metric_chart")
     png = io.BytesIO()
     rep.plot_png(png)
     d = st.columns(3)
@@ -197,21 +220,24 @@ if last is not None:
                          key="pipe.dl.png")
 
     st.subheader("Export the final model")
-    default_root = str(export_mod.default_export_root())
-    output_root = Path(str(state.kept("export.root", default_root)).strip() or default_root).expanduser()
-    st.caption(f"Into the export root set on the Export page: **{output_root}**.")
-    c1, c2 = st.columns([1, 2])
-    fmt = c1.selectbox("Format", list(export_mod.FORMATS), key=state.widget_key("pipe.fmt", value="pruned"),
-                       format_func=lambda name: export_mod.FORMATS[name].label,
-                       help="The formats of the Export page; a lossy one (INT8, quantized GGUF) is measured "
-                            "against its float model on this CPU before it is written.")
-    folder = c2.text_input(f"Folder inside {output_root}",
-                           key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
-    if st.button("Export", key="pipe.export"):
-        with shown_errors("Exporting"):
-            with cache.progress_bar(f"Exporting ({fmt})"):
-                written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
-                                       tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
-            st.success(f"Wrote the {fmt} export to {written.path}.")
-            for line in written.notes:
-                st.caption(line)
+    output_root = exports.kept_root()
+    if output_root is not None:
+        st.caption(f"Into the export root set on the Export page: **{output_root}**.")
+        c1, c2 = st.columns([1, 2])
+        fmt = c1.selectbox("Format", list(export_mod.FORMATS), key=state.widget_key("pipe.fmt", value="pruned"),
+                           format_func=lambda name: export_mod.FORMATS[name].label,
+                           help="The formats of the Export page; a lossy one (INT8, quantized GGUF) is measured "
+                                "against its float model on this CPU before it is written.")
+        folder = c2.text_input(f"Folder inside {output_root}",
+                               key=state.widget_key("pipe.folder", value=f"{Path(lm.name).name}-pipeline"))
+        waiting = tools.llama_missing() if tools.gguf_needs_llama(fmt, {}) else ""
+        if waiting:
+            st.info(waiting, icon=":material/hourglass_top:")
+        if st.button("Export", key="pipe.export", disabled=bool(waiting)):
+            with shown_errors("Exporting"):
+                with cache.progress_bar(f"Exporting ({export_mod.FORMATS[fmt].label})"):
+                    written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
+                                           tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
+                st.success(f"Wrote the {export_mod.FORMATS[fmt].label} export to {written.path}.")
+                for line in written.notes:
+                    st.caption(line)

@@ -4,7 +4,7 @@ import numpy as np
 import streamlit as st
 
 from analysis.score import scoring
-from components import cache, charts, controls, explain, shell, state
+from components import cache, charts, controls, explain, figures, shell, state
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -34,10 +34,10 @@ with shown_errors("Computing thresholds"):
     for pair in (("q", "k"), ("v", "o")):                      # a 2 x 2 grid: wide enough for 12+ heads
         for col, p in zip(st.columns(2), pair):
             per_unit = norms[p].mean(axis=-1)                  # [L, units]
-            col.plotly_chart(charts.layer_head_heatmap(per_unit, PROJ_TITLES[p], colorbar=f"L{ord_}",
+            figures.chart(charts.layer_head_heatmap(per_unit, PROJ_TITLES[p], colorbar=f"L{ord_}",
                                                        x_title="head" if p in ("q", "o") else kv_unit,
-                                                       group_size=g.group_size if p in ("q", "o") else 1),
-                             width="stretch", key=f"profiles.heat.{p}")
+                                                       group_size=g.group_size if p in ("q", "o") else 1), f"profiles.heat.{p}",
+                          where=col)
 
     explain.gqa(g.n_heads, g.n_kv_heads)
 
@@ -72,15 +72,13 @@ def one_population(norms: dict, stats: dict) -> None:
         mean, std = float(stats[proj][0][layer]), float(stats[proj][1][layer])
         tau = float(taus[proj][layer])
         n_out = int((rows > tau).sum())
-        st.plotly_chart(charts.norm_histogram(rows, mean, tau, z=z, row_labels=labels,
+        figures.chart(charts.norm_histogram(rows, mean, tau, z=z, row_labels=labels,
                                               title=f"Layer {layer}, {PROJ_TITLES[proj]}: {n_out} of {rows.size} "
-                                                    f"rows above tau"),
-                        width="stretch", key="profiles.hist")
+                                                    f"rows above tau"), "profiles.hist")
         head_excess = excess[proj][layer].sum(axis=-1)         # [units]
-        st.plotly_chart(charts.head_bars(head_excess, title=f"Excess per {unit} (layer {layer}, {proj.upper()})",
+        figures.chart(charts.head_bars(head_excess, title=f"Excess per {unit} (layer {layer}, {proj.upper()})",
                                          y_title="sum of max(0, n - tau)",
-                                         labels=[f"{unit[0].upper()}{u}" for u in range(head_excess.size)]),
-                        width="stretch", key="profiles.excess")
+                                         labels=[f"{unit[0].upper()}{u}" for u in range(head_excess.size)]), "profiles.excess")
         n_pop = rows.size if scope == "layer" else norms[proj].size
         explain.mp_formula(z=z, layer=layer, projection=proj, mean=mean, std=std, tau=tau, n_outliers=n_out,
                            n_rows=n_pop if scope == "layer" else rows.size, scope=scope, convention=convention)

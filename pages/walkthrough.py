@@ -10,7 +10,7 @@ from analysis.score import masks
 
 from analysis.compress import surgery
 from analysis.arch.geometry import HeadGeometry
-from components import cache, charts, controls, explain, shell, state, views
+from components import cache, charts, controls, explain, figures, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -32,8 +32,8 @@ layer = c1.slider("Layer", 0, g.n_layers - 1, key=state.widget_key("walk.layer",
 head = c2.slider("Query head", 0, g.n_heads - 1, key=state.widget_key("walk.head", value=0))
 layer, head = min(layer, g.n_layers - 1), min(head, g.n_heads - 1)
 group = g.kv_group(head)
-st.plotly_chart(charts.head_slices(n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
-                                   hidden=g.hidden, head=head), width="stretch", key="walk.slices")
+figures.chart(charts.head_slices(n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
+                                   hidden=g.hidden, head=head), "walk.slices")
 explain.walk_head(layer=layer, head=head, n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim,
                   hidden=g.hidden)
 
@@ -56,9 +56,8 @@ with shown_errors("Working the example"):
         st.stop()
     mp, mpg = scored["mp"].scores, scored["mp-g"].scores                   # [L, H] each
     own, e_kv = float(own_sums[layer, head]), float(group_sums[layer, group])
-    st.plotly_chart(charts.head_rows(norms, unit, taus, title=f"Layer {layer}: head {head}'s rows (red) among "
-                                                             f"their populations at z = {z:g}"),
-                    width="stretch", key="walk.rows")
+    figures.chart(charts.head_rows(norms, unit, taus, title=f"Layer {layer}: head {head}'s rows (red) among "
+                                                             f"their populations at z = {z:g}"), "walk.rows")
     worked = {"Own excess (Q + O)": own, f"KV group {group} excess (K + V)": e_kv, "MP score": mp[layer, head],
               "MP-G score": mpg[layer, head]}
     for col, (name, value) in zip(st.columns(4), worked.items()):
@@ -108,6 +107,10 @@ if explain.walk_uneven(G=G, n_kv_heads=g.n_kv_heads):
             if kept != tuple([G] * g.n_kv_heads):
                 layout = surgery.HeadLayout.from_mask(pattern_mask(kept), one_layer, lm.adapter.model_type)
                 st.html(charts.kv_copies(kept, G, expanded=layout.kv_expanded(0)))
+                figures.downloads(charts.kv_copies_figure(kept, G, expanded=layout.kv_expanded(0)),
+                                  f"gqa_kept_{'_'.join(map(str, kept))}", key=f"walk.kv.{'_'.join(map(str, kept))}",
+                                  title=f"One GQA layer (G = {G}), kept {' + '.join(map(str, kept))} per KV group: "
+                                        "before and after surgery")
         st.table(pd.DataFrame(rows).set_index("pattern").rename_axis("heads kept per KV group"))
         explain.walk_uneven_counts(rows)
         st.caption(f"Per query head: Q rows + O columns = {costs['head_params']:,} parameters; per KV head: K + V "

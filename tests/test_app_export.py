@@ -90,7 +90,7 @@ def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
     shown = int([m for m in at.metric if m.label == "Parameters"][0].value.replace(",", ""))
     assert 0 < shown < dense
     assert any(m.label == "Heads pruned" and m.value == "8 / 16" for m in at.metric)
-    assert at.dataframe, "no timing table"
+    assert at.table, "no timing table"
 
 
 def test_default_folder_name_follows_the_settings_until_edited(tiny_dir, out_root):
@@ -115,3 +115,50 @@ def test_export_goes_under_the_root_shown_on_the_page(tiny_dir, out_root, tmp_pa
     no_exception(at)
     assert (other / "here" / "mask.json").is_file() and not out_root.exists()
     assert any(str(other / "here") in s.value for s in at.success)
+
+
+def test_a_relative_root_is_refused_with_where_it_would_land(tiny_dir, out_root):
+    """Issue 33: a typed `relative/dir` wrote 516 MiB under the server's working folder."""
+    from pathlib import Path
+    at = new_app(tiny_dir, page="export", policy="global")
+    at.text_input(key="hs.w.export.root").set_value("relative/e2e-dir").run()
+    no_exception(at)
+    error = next(e.value for e in at.error if "relative path" in e.value)
+    assert str(Path.cwd() / "relative" / "e2e-dir") in error and "absolute path" in error
+    assert at.button(key="export.run").disabled
+    assert not (Path.cwd() / "relative").exists()
+
+
+@pytest.mark.parametrize("root", ["/proc", "/proc/headscope/x"])
+def test_an_unwritable_root_says_the_true_reason(tiny_dir, out_root, root):
+    """Issue 33: /proc as the export root said "a folder on the path does not exist"."""
+    at = new_app(tiny_dir, page="export", policy="global")
+    at.text_input(key="hs.w.export.root").set_value(root).run()
+    no_exception(at)
+    error = next(e.value for e in at.error if "Cannot write into" in e.value)
+    assert "takes no new folders" in error and "e.g. /proc or /sys" in error and "does not exist" not in error
+    assert at.button(key="export.run").disabled
+
+
+def test_a_read_only_root_says_so(tiny_dir, out_root, tmp_path):
+    import os
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a folder without write permission")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    at = new_app(tiny_dir, page="export", policy="global")
+    at.text_input(key="hs.w.export.root").set_value(str(locked / "sub")).run()
+    assert any("permission" in e.value.lower() for e in at.error), [e.value for e in at.error]
+
+
+def test_exports_off_for_a_class(tiny_dir, out_root, monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_EXPORTS", "off")
+    at = new_app(tiny_dir, page="export", policy="global")
+    no_exception(at)
+    assert any("HEADSCOPE_EXPORTS=off" in i.value for i in at.info)
+    assert not [t for t in at.text_input if t.key.startswith("hs.w.export")] and not [b for b in at.button if b.key == "export.run"]
+    monkeypatch.setenv("HEADSCOPE_EXPORTS", "fixed")
+    at = new_app(tiny_dir, page="export", policy="global")
+    assert all(t.key != "hs.w.export.root" for t in at.text_input)                 # no root to type
+    assert any(str(out_root) in c.value and "fixed by the server" in c.value for c in at.caption)
+    assert not at.button(key="export.run").disabled

@@ -86,3 +86,19 @@ def test_attribution_and_its_correlation_with_ablation(tiny_dir):
     ablation = heatmap_z(figure_titled(at, "increase when one head is removed")).astype(float)
     rho = [m for m in at.metric if m.label.startswith("Spearman")][0].value
     assert float(rho) == pytest.approx(rank_correlation(importance, ablation), abs=1e-3)
+
+
+def test_a_stale_ablation_is_never_used_beside_other_results(tiny_dir):
+    """Issue 33's sibling on Heads: the roles table, the redundancy flags and the attribution's Spearman
+    used the last ablation whatever its settings, after the ablation above said it was stale."""
+    at = new_app(tiny_dir, page="heads")
+    at.number_input(key="hs.w.heads.ablation.tokens").set_value(32).run()
+    at.button(key="heads.ablate").click().run()
+    at.button(key="heads.roles").click().run()
+    no_exception(at)
+    assert any("Ablation effect from the sweep above" in c.value for c in at.caption)
+    at.number_input(key="hs.w.heads.ablation.tokens").set_value(48).run()       # the ablation is stale now
+    no_exception(at)
+    assert any("text or token count changed since the sweep" in c.value for c in at.caption)
+    assert not any("Ablation effect from the sweep above" in c.value for c in at.caption)
+    assert any("Run the ablation sweep above to see each tagged head" in c.value for c in at.caption)

@@ -95,3 +95,12 @@ def test_builtin_minilm_encoder_on_every_page():
     no_exception(at)
     assert float(metric(at, "Dense embedding-fidelity")) == pytest.approx(1.0, abs=1e-5)
     assert 0.0 < float(metric(at, "Masked embedding-fidelity")) < 1.0
+
+
+def test_the_pruning_note_names_the_models_default_policy(tiny_dir):
+    """Issue 33: the Model page explained "one global list" while the default on GQA models is groups."""
+    from tests._apptools import new_app, texts
+    at = new_app(tiny_dir, page="model")
+    shown = texts(at)
+    assert "one global list" not in shown
+    assert "The current mask policy is **groups (GQA): whole KV groups**" in shown

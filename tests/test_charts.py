@@ -28,3 +28,20 @@ def test_the_spearman_matrix_is_diverging_at_zero_and_jaccard_is_not():
     assert rho.data[0].zmid == 0.0 and rho.data[0].colorscale[0][1] != rho.data[0].colorscale[-1][1]
     jac = charts.matrix_heatmap(np.eye(2), ["a", "b"], title="j", zmin=0, zmax=1)
     assert jac.data[0].zmid is None
+
+
+def _range(values):
+    fig = charts.curves({"a": (np.arange(len(values)), values)}, title="t", x_title="x", y_title="ppl", log_y=True)
+    return [10 ** x for x in fig.layout.yaxis.range]
+
+
+def test_every_log_tick_lies_inside_the_axis_range_and_there_are_two():
+    """Issue 33: a perplexity axis without any y labels (its one tick lay outside the range)."""
+    for values in ([20.5, 24.0], [17.5, 18.0], [14.7, 90.0, 2500.0, 31000.0], [18.0, 3076.0], [42.0], [0.3, 0.31]):
+        vals, text, _ = _ticks(values)
+        low, high = _range(values)
+        assert len(vals) >= 2, (values, vals)
+        assert all(low <= v <= high for v in vals), (values, vals, low, high)
+        assert low <= min(values) and max(values) <= high
+        assert all(float(t.replace(",", "")) == v for t, v in zip(text, vals)), text
+    assert _ticks([20.5, 24.0])[0] == [15.0, 20.0, 30.0]

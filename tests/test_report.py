@@ -61,6 +61,14 @@ def test_stages_and_ratios(built):
     assert all(s.top1 is not None and s.kv_bytes_per_token for s in rep.stages)
     assert rep.config["policy"] == "groups"                                # the GQA default
     assert final.ratios["kv_bytes_per_token"] < 1 and not rep.warnings     # groups: smaller, no warning
+    # every stage names its input; a cut has its recovered model's shapes, timed once and marked so
+    made_from = {s.name: s.made_from for s in rep.stages}
+    assert made_from["round 1 cut"] == "dense" and made_from["round 1 recovered"] == "round 1 cut"
+    assert made_from["round 2 cut"] == "round 1 recovered" and made_from["final"] == "round 2 recovered"
+    assert made_from["INT8 weight-only (ONNX)"] == "final (ONNX fp32)" and made_from[names[-1]] == "final"
+    timed = {s.name: s.timed_as for s in rep.stages}
+    assert timed["round 1 cut"] == "round 1 recovered" and timed["final"] == "round 2 recovered"
+    assert timed["round 1 recovered"] is None and timed["dense"] is None
 
 
 def test_curves_share_the_first_round(built):
@@ -112,8 +120,8 @@ def test_int8_lines_print_the_per_round_speedup_with_its_spread():
     torch_row = {"top1_agreement": 0.8, "metric_fp32": 10.0, "metric_int8": 11.0, "size_ratio": 0.4,
                  "latency_ms_fp32": 100.0, "latency_ms_int8": 40.0, "decode_ms_fp32": 5.0, "decode_ms_int8": 2.0}
     lines = int8_lines({"keep_float": ["lm_head"], "weight-only": onnx, "dynamic": onnx, "torch": torch_row})
-    assert all("2.00x (per round min 1.50 / max 3.00, 3 rounds)" in line for line in lines[1:3]), lines
-    assert "2.50x (ratio of medians)" in lines[3], lines[3]        # older saved numbers say what they are
+    assert all("2.00x faster (speed-up per round min 1.50 / max 3.00, 3 rounds)" in line for line in lines[1:3]), lines
+    assert "2.50x faster (ratio of medians)" in lines[3], lines[3]        # older saved numbers say what they are
 
 
 def test_int8_recommendation_names_the_route_that_meets_the_bar_or_why_none_does():
@@ -131,3 +139,52 @@ def test_int8_recommendation_names_the_route_that_meets_the_bar_or_why_none_does
     assert rec["routes"]["PyTorch dynamic"]["misses"] == ["decode 1.10x < 1.5x"]
     none = int8_recommendation({"dynamic": onnx, "torch": torch_row})
     assert none["route"] is None and all(r["misses"] for r in none["routes"].values())
+
+
+def test_int8_lines_say_slower_for_a_slowdown():
+    """Issue 33: report.md said "decode 0.35x ... faster" for a decode 2.9x slower."""
+    from analysis.compress.recover.report import int8_lines
+    slow = {"min": 0.3, "median": 0.35, "max": 0.4, "rounds": 3}
+    onnx = {"top1_agreement": 0.129, "perplexity_ratio": 176.0, "size_ratio": 0.3, "latency_ms_fp32": 10.0,
+            "latency_ms_int8": 77.0, "one_token_ms_fp32": 1.0, "one_token_ms_int8": 7.7,
+            "speedups": {"prefill": slow, "one_token": {**slow, "median": 0.13}},
+            "floor": {"agreement": 0.9, "perplexity_ratio": 1.5, "passed": False}}
+    torch_row = {"top1_agreement": 0.9, "metric_fp32": 10.0, "metric_int8": 10.1, "size_ratio": 0.4,
+                 "latency_ms_fp32": 10.0, "latency_ms_int8": 20.0, "decode_ms_fp32": 1.0, "decode_ms_int8": 2.86}
+    lines = int8_lines({"keep_float": [], "weight-only": onnx, "dynamic": onnx, "torch": torch_row})
+    assert "prefill 2.86x slower" in lines[1] and "1-token forward 7.69x slower" in lines[1], lines[1]
+    assert "BELOW THE INT8 FLOOR" in lines[1]
+    assert "prefill 2.00x slower" in lines[3] and "decode 2.86x slower" in lines[3], lines[3]
+    assert not any("faster" in line for line in lines), lines
+
+
+def test_markdown_and_json_mark_a_stage_worse_than_its_input():
+    from analysis.compress.recover.report import CompressionReport, Stage, _with_ratios
+    from analysis.compress.verdict import worse_than_input
+
+    def stage(name, prefill, decode, metric):
+        return Stage(name, 0.25, 100, 4.0, 1, prefill, decode, metric, kv_bytes_per_token=80)
+
+    dense, cut, broken = stage("dense", 10.0, 1.0, 20.0), stage("round 1 cut", 8.0, 1.3, 25.0), stage("INT8", 30.0, None, 3076.0)
+    cut.made_from, broken.made_from = "dense", "round 1 cut"
+    cut.flags = worse_than_input(times={"prefill": (10.0, 8.0), "decode": (1.0, 1.3)})
+    broken.flags = worse_than_input(times={"prefill": (8.0, 30.0)}, floor={
+        "passed": False, "agreement": 0.9, "perplexity_ratio": 1.5, "top1_agreement": 0.129, "ratio": 176.0})
+    rep = CompressionReport("m", "perplexity", {"policy": "groups"}, _with_ratios([dense, cut, broken]), {}, [])
+    md = rep.to_markdown()
+    row = next(line for line in md.splitlines() if line.startswith("| round 1 cut |"))
+    assert "**WORSE than dense**: decode 1.30x slower" in row and "prefill" not in row.split("WORSE")[1]
+    assert "(1.25x faster than dense)" in row and "(1.30x slower than dense)" in row       # every ratio in words
+    bad = next(line for line in md.splitlines() if line.startswith("| INT8 |"))
+    assert "BROKEN: below the INT8 floor" in bad and "prefill 3.75x slower" in bad
+    assert "size MiB" in md and "size MB" not in md                     # the column holds MiB
+    data = json.loads(rep.to_json())
+    assert data["stages"][0]["flags"] == [] and data["stages"][1]["made_from"] == "dense"
+    assert data["stages"][1]["flags"] == ["decode 1.30x slower"]
+
+
+def test_speed_words():
+    from analysis.compress.verdict import is_slower, speed_words
+    assert speed_words(2.0) == "2.00x faster" and speed_words(0.5) == "2.00x slower"
+    assert speed_words(1.001).startswith("same speed") and speed_words(None) == "n/a"
+    assert is_slower(1 / 1.10) and not is_slower(1 / 1.09) and not is_slower(1.5)

@@ -122,20 +122,28 @@ def sweep_z(profile: NormProfile, sparsity: float, evaluate_calibration: MaskEva
 
 
 def split_evaluators(loaded, *, max_tokens: int = 512, window: int | None = None,
-                     batch_size: int = 8, team: Team | None = None) -> tuple[MaskEvaluator, MaskEvaluator, str, bool]:
+                     batch_size: int = 8, team: Team | None = None,
+                     progress: Progress | None = None) -> tuple[MaskEvaluator, MaskEvaluator, str, bool]:
     """(calibration evaluator, evaluation evaluator, metric name, higher_is_better) for a LoadedModel.
 
     Each evaluator runs `analysis.measure.evaluation.evaluate` on the first `max_tokens` tokens of its
     built-in split, every mask of the batch in the same forward passes; with a `team` the processes
     of a launch split those passes (the values are the single-process ones, analysis.core.distributed).
+    `progress`: each window batch reported, as `sweep_z` spans them (calibration 0.05-0.7, evaluation
+    0.7-1.0), so a long sweep says how far it is between its own steps.
     """
     chars = max(4096, 12 * check_max_tokens(max_tokens, "max_tokens (--max-tokens)"))
     texts = {"calibration": calibration_text(max_chars=chars), "evaluation": evaluation_text(max_chars=chars)}
 
+    spans = {"calibration": (0.05, 0.7), "evaluation": (0.7, 1.0)}
+
     def make(split: str) -> MaskEvaluator:
         def run(pruned: np.ndarray) -> np.ndarray:
+            n = np.asarray(pruned).reshape(-1, *np.asarray(pruned).shape[-2:]).shape[0]
+            told = None if progress is None else (lambda f, m: progress(
+                spans[split][0] + (spans[split][1] - spans[split][0]) * f, f"{split} split, {n} masks: {m}"))
             return evaluate(loaded, texts[split], pruned=pruned, max_tokens=max_tokens, window=window,
-                            batch_size=batch_size, team=team).values
+                            batch_size=batch_size, team=team, progress=told).values
         return run
 
     metric, higher_is_better = metric_of(loaded.kind)

@@ -28,9 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Served(str):
+    """The base URL of a served app (a str), with the server's process id (`pid`: its CPU time is read
+    from /proc by the benchmarks)."""
+    pid: int
+
+
 @contextmanager
 def served_app(log: Path, env: dict[str, str] | None = None):
-    """Yields the base URL of `streamlit run app.py` once /_stcore/health answers ok.
+    """Yields the base URL of `streamlit run app.py` once /_stcore/health answers ok (a `Served`: with .pid).
 
     RuntimeError (with the log's tail) when it does not become healthy in HEALTH_TIMEOUT_S."""
     port = free_port()
@@ -40,7 +46,8 @@ def served_app(log: Path, env: dict[str, str] | None = None):
            "--server.fileWatcherType", "none"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    base = Served(f"http://127.0.0.1:{port}")
+    base.pid = proc.pid
     try:
         deadline = time.time() + HEALTH_TIMEOUT_S
         while True:

@@ -253,7 +253,7 @@ def test_export_journey(server, page, export_root):
     _settled(page)
     expect(name_box).to_have_value("smollm2-135m-mp-g-s0.1-groups-pruned", timeout=30_000)
     page.get_by_role("button", name="Export", exact=True).click()
-    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
+    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned checkpoint",
                                                                           timeout=LOAD_TIMEOUT_MS)
     folder = export_root / "smollm2-135m-mp-g-s0.1-groups-pruned"
     assert (folder / "head_layout.json").is_file() and (folder / "mask.json").is_file()

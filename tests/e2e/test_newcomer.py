@@ -157,7 +157,7 @@ def test_exported_files_get_the_modes_of_the_umask(server, page, export_root):
     name_box.press("Enter")
     _settled(page)
     page.get_by_role("button", name="Export", exact=True).click()
-    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
+    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned checkpoint",
                                                                           timeout=LOAD_TIMEOUT_MS)
     umask = os.umask(0)
     os.umask(umask)                                        # the server inherited this process's umask

@@ -73,7 +73,7 @@ def test_weights_only_prune_and_export(server, page, checkpoint, export_root):
     expect(name_box).to_have_value(re.compile(r"^ckpt-mp-g-s0\.5-[a-z-]+-pruned$"), timeout=30_000)
     name = name_box.input_value()
     page.get_by_role("button", name="Export", exact=True).click()
-    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned export to",
+    expect(page.get_by_test_id("stAlertContentSuccess")).to_contain_text("Wrote the pruned checkpoint",
                                                                           timeout=LOAD_TIMEOUT_MS)
     folder = export_root / name
     record = json.loads((folder / "mask.json").read_text())

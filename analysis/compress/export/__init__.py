@@ -11,7 +11,8 @@ import importlib
 import pkgutil
 
 from analysis.compress.export.folder import (DEFAULT_EXPORT_ROOT, EXPORT_ROOT_ENV, NAME_RULE, ExportError,
-                                             atomic_folder, check_export_name, clean_leftovers,
+                                             atomic_folder, check_export_name, check_export_root,
+                                             clean_leftovers,
                                              default_export_root, is_headscope_export, resolve_under)
 from analysis.compress.export.formats import (FORMATS, LAYOUT_FILE, WEIGHTS_FILE, ExportFormat, ExportResult,
                                               FormatOption, PhysicalFormat, export, export_to, format_options,
@@ -25,7 +26,7 @@ from analysis.compress.export.pruned import load_pruned
 from analysis.compress.export.stock import StockCheck, stock_check, stock_sparsities
 
 __all__ = [
-    "DEFAULT_EXPORT_ROOT", "EXPORT_ROOT_ENV", "NAME_RULE", "ExportError", "atomic_folder", "check_export_name",
+    "DEFAULT_EXPORT_ROOT", "EXPORT_ROOT_ENV", "NAME_RULE", "ExportError", "atomic_folder", "check_export_name", "check_export_root",
     "clean_leftovers", "default_export_root", "is_headscope_export", "resolve_under",
     "FORMATS", "LAYOUT_FILE", "WEIGHTS_FILE", "ExportFormat", "ExportResult", "FormatOption", "PhysicalFormat",
     "export", "export_to", "format_options", "get_format", "register_format",

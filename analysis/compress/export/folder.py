@@ -240,14 +240,55 @@ def listing(folder: Path) -> dict[str, int]:
 
 
 def _cannot_create(folder: Path, err: OSError) -> ExportError:
-    """The error for a folder that cannot be made: a missing folder on a path that exists (ENOENT from a
-    file system such as /proc that takes no new folders) says so rather than 'does not exist'."""
+    """The error for a folder that cannot be made or written into, with the true reason: a path that
+    exists but takes no new folders (ENOENT from a file system such as /proc, EPERM from /sys) says
+    so rather than 'does not exist' or 'not permitted'."""
     existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
-    if err.errno == errno.ENOENT and existing is not None and existing.is_dir():
-        return ExportError(f"Cannot create the folder {folder}: {existing} exists but takes no new folders (it is "
-                           f"not an ordinary disk folder, e.g. /proc or /sys); choose an output folder on a disk.")
+    pseudo = err.errno == errno.ENOENT or (err.errno == errno.EPERM and existing is not None and _pseudo_fs(existing))
+    if pseudo and existing is not None and existing.is_dir():
+        on_the_way = "" if existing == folder else f" (on the way to {folder})"
+        return ExportError(f"Cannot write into {folder}: {existing}{on_the_way} exists but takes no new folders (it "
+                           f"is not an ordinary disk folder, e.g. /proc or /sys); choose an output folder on a disk.")
     problem, fix = os_problem(err)
-    return ExportError(f"Cannot create the folder {folder} ({problem}); {fix}.")
+    return ExportError(f"Cannot write into {folder} ({problem}); {fix}.")
+
+
+PSEUDO_FILE_SYSTEMS = ("proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "securityfs", "tracefs")
+
+
+def _pseudo_fs(path: Path) -> bool:
+    """Whether `path` lies on a kernel file system (/proc, /sys, ...), read from /proc/self/mounts."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return False
+    best = max(((m, t) for m, t in mounts if path == Path(m) or Path(m) in path.parents),
+               key=lambda mt: len(mt[0]), default=None)
+    return best is not None and best[1] in PSEUDO_FILE_SYSTEMS
+
+
+def check_export_root(root) -> Path:
+    """`root` resolved to an absolute folder that an export can be written into; ExportError with the
+    true reason otherwise (a file on the path, a read-only disk, no permission, /proc or /sys).
+
+    Probed for real before any work: a folder is made and removed in the nearest folder of the path
+    that exists (the export itself creates the missing ones). A relative `root` is taken from the
+    current folder (the CLI's meaning); the app refuses one first (components/exports.py)."""
+    text = str(root) if root is not None else ""
+    if not text.strip() or "\x00" in text:
+        raise InputError(f"The output folder {text[:60]!r} is empty or holds a NUL byte; give a folder path.")
+    path = Path(text).expanduser().absolute()
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    if existing is None:
+        raise ExportError(f"Cannot write into {path}: no folder of its path exists.")
+    if not existing.is_dir():
+        raise ExportError(f"Cannot write into {path}: {existing} is a file, not a folder; choose another path.")
+    try:
+        probe = _fresh_dir(existing, f".headscope-probe-{os.getpid()}-")
+    except OSError as err:
+        raise _cannot_create(path, err) from None
+    os.rmdir(probe)
+    return path
 
 
 def _fresh_dir(parent: Path, prefix: str) -> Path:
@@ -282,8 +323,7 @@ def atomic_folder(target, *, overwrite: bool = False) -> Iterator[Path]:
         tmp = _fresh_dir(target.parent, f".{target.name}.tmp-{os.getpid()}-")
     except OSError as err:
         _remove_empty(created)
-        problem, fix = os_problem(err)
-        raise ExportError(f"Cannot write into {target.parent} ({problem}); {fix}.") from err
+        raise _cannot_create(target.parent, err) from err
     try:
         (tmp / TMP_MARKER).write_text(json.dumps({"tool": TOOL, "pid": os.getpid()}))
         yield tmp

@@ -82,16 +82,18 @@ def stock_sparsities(model_or_config) -> list[tuple[float, str, str, tuple[int, 
     return out
 
 
-def stock_check(model_or_config, pruned, *, kv_policy: str = "auto", sparsity: float | None = None) -> StockCheck:
+def stock_check(model_or_config, pruned, *, kv_policy: str = "auto", sparsity: float | None = None,
+                stock: list | None = None) -> StockCheck:
     """Can a stock config describe what surgery makes of pruned [L, H] under kv_policy? `nearest`
-    lists the stock-describable sparsities closest to `sparsity` (default: the mask's)."""
+    lists the stock-describable sparsities closest to `sparsity` (default: the mask's). `stock`: the
+    model's `stock_sparsities` when the caller keeps them (they depend on the config only)."""
     from analysis.score.masks import plan_layout
     adapter = adapter_for(model_or_config)
     config = getattr(model_or_config, "config", model_or_config)
     g = adapter.geometry(config)
     p = np.asarray(pruned, dtype=bool)
     target = float(p.mean() if sparsity is None else sparsity)
-    nearest = sorted(stock_sparsities(config), key=lambda c: (abs(c[0] - target), c[0]))
+    nearest = sorted(stock_sparsities(config) if stock is None else stock, key=lambda c: (abs(c[0] - target), c[0]))
     heads, kv_heads = plan_layout(p, g.group_size, kv_policy)
     counts = sorted({(len(h), len(kv)) for h, kv in zip(heads, kv_heads)})
     if len(counts) != 1 or counts[0][0] == 0:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from analysis.measure.evaluation import evaluate
+from analysis.measure.evaluation import evaluate, evaluator_class
 from analysis.compress.export import atomic_folder
 from analysis.compress.recover.pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
 from analysis.core.progress import Progress, ShouldStop
@@ -34,6 +34,7 @@ from analysis.arch.models import count_parameters
 from analysis.compress.speed import decode_step, alternating_times, forward_flops, saved_bytes
 from analysis.core.threads import torch_threads
 from analysis.compress.surgery import prune_heads
+from analysis.compress import verdict
 
 REPORT_FILES = ("report.json", "report.md", "ppl_vs_sparsity.png")
 # the section of docs/results.md that bench/bench_recovery.py --write-docs owns (scripts/results.py keeps it)
@@ -56,6 +57,9 @@ class Stage:
     kv_bytes_per_token: int | None = None        # K/V cached per token (None: not a cached decoder)
     top1: float | None = None                    # next-token top-1 accuracy (causal LMs)
     ratios: dict = field(default_factory=dict)   # every number / dense's
+    made_from: str | None = None                 # the stage this one was made from (its input)
+    timed_as: str | None = None                  # latencies measured on that stage's model (same shapes), not again
+    flags: list = field(default_factory=list)    # what is WORSE than its input (analysis.compress.verdict)
 
 
 @dataclass
@@ -91,18 +95,22 @@ class CompressionReport:
                 f"Metric: {self.metric} on the evaluation text (lower is better for perplexity); top-1 = next-token "
                 f"top-1 accuracy on the same text. Mask policy: {policy}. Ratios are to the dense model.\n\n"
                 + "".join(f"**Warning:** {w}\n\n" for w in self.warnings) +
-                "| stage | sparsity | parameters | size MB | KV bytes / token | attention FLOPs | prefill ms | "
-                f"decode ms | {self.metric} | top-1 |\n|---|---|---|---|---|---|---|---|---|---|\n")
+                "A stage marked **WORSE** is worse than the stage it was made from (slower, bigger, or a "
+                "broken file); latencies marked = were measured once on a model of the same shapes.\n\n"
+                "| stage | sparsity | parameters | size MiB | KV bytes / token | attention FLOPs | prefill ms | "
+                f"decode ms | {self.metric} | top-1 | worse than its input |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
         rows = []
         for s in self.stages:
             r = s.ratios
-            decode = "n/a" if s.decode_ms is None else f"{s.decode_ms:.2f} ({r.get('decode_ms', 1):.2f}x)"
+            same = f" (= {s.timed_as})" if s.timed_as else ""
+            decode = "n/a" if s.decode_ms is None else f"{s.decode_ms:.2f} ({_speed(r, 'decode_ms')}){same}"
             kv = "n/a" if s.kv_bytes_per_token is None else f"{s.kv_bytes_per_token:,}{_times(r, 'kv_bytes_per_token')}"
             top1 = "n/a" if s.top1 is None else f"{s.top1:.3f}{_times(r, 'top1')}"
             rows.append(f"| {s.name} | {s.sparsity:.1%} | {s.parameters:,} ({r['parameters']:.3f}x) | "
                         f"{s.size_mb:.1f} ({r['size_mb']:.3f}x) | {kv} | {s.attention_flops:.3g} "
-                        f"({r['attention_flops']:.3f}x) | {s.prefill_ms:.2f} ({r['prefill_ms']:.2f}x) | {decode} | "
-                        f"{s.metric:.3f} ({r['metric']:.3f}x) | {top1} |")
+                        f"({r['attention_flops']:.3f}x) | {s.prefill_ms:.2f} ({_speed(r, 'prefill_ms')}){same} | "
+                        f"{decode} | {s.metric:.3f} ({r['metric']:.3f}x) | {top1} | "
+                        + (f"**WORSE than {s.made_from}**: {'; '.join(s.flags)}" if s.flags else "") + " |")
         curves = "\n".join(f"- {name}: " + ", ".join(f"{x:.1%} -> {y:.3f}" for x, y in zip(c["sparsity"], c["metric"]))
                            for name, c in self.curves.items())
         int8 = "" if not self.int8 else "\n\n## INT8 against float32 in the same runtime\n\n" + "\n".join(
@@ -131,6 +139,11 @@ class CompressionReport:
             fig.savefig(path, format="png")
         finally:
             plt.close(fig)
+
+
+def _speed(ratios: dict, key: str) -> str:
+    """A latency's ratio to dense in words ("1.30x slower than dense")."""
+    return f"{verdict.speed_words(1 / ratios[key])} than dense" if ratios.get(key) else "n/a"
 
 
 def _times(ratios: dict, key: str) -> str:
@@ -239,6 +252,19 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     config = config.for_model(loaded.geometry)
     recovering = bool(config.steps_per_round())
     causal = loaded.kind == "causal-lm"
+    higher = evaluator_class(loaded.kind).higher_is_better
+
+    def flagged(stage: Stage, source: Stage, *, times=False, sizes=False, metric=False, floor=None) -> Stage:
+        """`stage` with its input and what is worse than it (analysis.compress.verdict)."""
+        stage.made_from = source.name
+        stage.flags = verdict.worse_than_input(
+            times={"prefill": (source.prefill_ms, stage.prefill_ms), "decode": (source.decode_ms, stage.decode_ms)}
+            if times else None,
+            sizes={"parameters": (source.parameters, stage.parameters), "file": (source.size_mb, stage.size_mb),
+                   "KV cache": (source.kv_bytes_per_token, stage.kv_bytes_per_token)} if sizes else None,
+            metric=(source.metric, stage.metric, higher) if metric else None, floor=floor)
+        return stage
+
     common = dict(eval_tokens=config.eval_tokens, seq_len=seq_len, repeats=repeats, threads=threads, causal=causal)
     report(0.0, "measuring the dense model")
     stages = [measure_stage("dense", loaded, loaded.model, None, 0.0, eval_text, **common)]
@@ -249,10 +275,13 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
         name = f"round {r.index}" + (" recovered" if recovering else "")
         stage = measure_stage(name, loaded, small, layout, r.sparsity, eval_text, metric=r.metric, top1=r.accuracy,
                               pruned=mask, kv_policy=config.kv_policy, **common)
-        if recovering:
-            stages.append(replace(stage, name=f"round {r.index} cut", metric=r.metric_cut,
-                                  top1=r.accuracy_cut))  # same shapes
-        stages.append(stage)
+        cut = stage
+        if recovering:                           # the cut has the recovered model's shapes: timed once
+            cut = replace(stage, name=f"round {r.index} cut", metric=r.metric_cut, top1=r.accuracy_cut,
+                          timed_as=name)
+            stages.append(flagged(cut, stages[-1], times=True, sizes=True))
+            flagged(stage, cut, metric=True)
+        stages.append(stage if recovering else flagged(stage, stages[-1], times=True, sizes=True))
         if check is not None:
             capabilities.append(check.stage(name, r.sparsity, model=model))
         if on_round is not None:
@@ -260,7 +289,8 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
 
     result = run_pipeline(loaded, config, train_data=train_data, eval_text=eval_text, should_stop=should_stop,
                           on_step=on_step, on_round=measure_round, progress=lambda f, m: report(0.05 + 0.6 * f, m))
-    final = (replace(stages[-1], name="final") if result.accepted else replace(stages[0], name="final"))
+    source = stages[-1] if result.accepted else stages[0]
+    final = replace(source, name="final", made_from=source.name, timed_as=source.timed_as or source.name, flags=[])
     stages.append(final)
     n_torch = len(stages)          # the safetensors-sized stages, compared with dense in growth_warnings
     int8_info = None
@@ -268,7 +298,17 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
         report(0.7, "INT8: ONNX export and quantization, PyTorch dynamic INT8")
         int8_info, int8_stages = _int8_stages(loaded, result, final, eval_text, workdir, config, threads, repeats,
                                               seq_len=seq_len)
-        stages.extend(int8_stages)
+        fp32 = int8_stages[0]
+        stages.append(flagged(fp32, final, metric=True))
+        info_key = {**ONNX_INT8, GGUF_INT8: "gguf", TORCH_INT8: "torch"}
+        for s in int8_stages[1:]:
+            c = int8_info[info_key[s.name]]
+            floor = {**c["floor"], "top1_agreement": c["top1_agreement"],
+                     "ratio": c.get("perplexity_ratio", c.get("metric_int8", 1) / c.get("metric_fp32", 1))}
+            # ONNX INT8 against the ONNX float file, PyTorch INT8 against the float model (same runtime:
+            # timed); llama.cpp's Q8_0 was timed against its own F32 GGUF (its line), so sizes only here
+            source = final if s.name == TORCH_INT8 else fp32
+            stages.append(flagged(s, source, times=s.name != GGUF_INT8, sizes=True, floor=floor))
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
     comp = None
@@ -350,6 +390,7 @@ def _int8_stages(loaded, result, final: Stage, eval_text, workdir, config, threa
     t = torch_int8_report(loaded, small, eval_text, max_tokens=config.eval_tokens, repeats=repeats, threads=threads,
                           keep_float=keep)
     info["torch"] = {k: v for k, v in t.items() if k != "model"}
+    info["torch"]["floor"] = floor_verdict(t["top1_agreement"], t["metric_int8"] / t["metric_fp32"], 8)
     stages.append(replace(final, name=TORCH_INT8, size_mb=t["bytes_int8"] / 2 ** 20, prefill_ms=t["latency_ms_int8"],
                           decode_ms=t["decode_ms_int8"], metric=t["metric_int8"], top1=t["accuracy_int8"]))
     info["recommended"] = int8_recommendation(info)
@@ -442,11 +483,13 @@ def speedup(c: dict, part: str, fp32: str, int8: str) -> float:
 
 
 def speedup_text(c: dict, part: str, fp32: str, int8: str) -> str:
-    """"1.96x (per round min 1.71 / max 2.20, 5 rounds)": the speed-up with how far it can be trusted."""
+    """"1.96x faster (speed-up per round min 1.71 / max 2.20, 5 rounds)" or "2.86x slower (...)": the
+    speed-up in words (analysis.compress.verdict.speed_words) with how far it can be trusted."""
     spread = c.get("speedups", {}).get(part)
     if not spread:
-        return f"{c[fp32] / c[int8]:.2f}x (ratio of medians)"
-    return f"{spread['median']:.2f}x (per round min {spread['min']:.2f} / max {spread['max']:.2f}, {spread['rounds']} rounds)"
+        return f"{verdict.speed_words(c[fp32] / c[int8])} (ratio of medians)"
+    return (f"{verdict.speed_words(spread['median'])} (speed-up per round min {spread['min']:.2f} / max "
+            f"{spread['max']:.2f}, {spread['rounds']} rounds)")
 
 
 def int8_lines(info: dict) -> list[str]:
@@ -457,8 +500,8 @@ def int8_lines(info: dict) -> list[str]:
         below = "" if c.get("floor", {}).get("passed", True) else "**BELOW THE INT8 FLOOR (a broken file):** "
         rows.append(f"- {below}ONNX {method}: top-1 agreement with fp32 {c['top1_agreement']:.3f}, perplexity "
                     f"{c['perplexity_ratio']:.3f}x, file {c['size_ratio']:.3f}x, prefill "
-                    f"{speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} faster, 1-token forward "
-                    f"{speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')} faster (ONNX Runtime, "
+                    f"{speedup_text(c, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, 1-token forward "
+                    f"{speedup_text(c, 'one_token', 'one_token_ms_fp32', 'one_token_ms_int8')} (ONNX Runtime, "
                     f"same threads).")
     g = info.get("gguf")
     if g:
@@ -471,8 +514,8 @@ def int8_lines(info: dict) -> list[str]:
     t = info["torch"]
     rows.append(f"- PyTorch dynamic: top-1 agreement {t['top1_agreement']:.3f}, perplexity "
                 f"{t['metric_int8'] / t['metric_fp32']:.3f}x, state {t['size_ratio']:.3f}x, prefill "
-                f"{speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')} faster, decode "
-                f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')} faster (PyTorch, same threads).")
+                f"{speedup_text(t, 'prefill', 'latency_ms_fp32', 'latency_ms_int8')}, decode "
+                f"{speedup_text(t, 'decode', 'decode_ms_fp32', 'decode_ms_int8')} (PyTorch, same threads).")
     rec = info.get("recommended")
     if rec:
         bar = rec["bar"]
