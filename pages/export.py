@@ -97,7 +97,7 @@ def export_section() -> None:
                                                                                                  report):
                     result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
                                                tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
-                                               **options)
+                                               dtype=lm.source_dtype, **options)   # the checkpoint's dtype
             state.remember("export.last", dict(result=result, pruned=plan.pruned.copy(), view=view_words,
                                                options=dict(options)))
 

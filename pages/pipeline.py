@@ -237,7 +237,8 @@ if last is not None:
             with shown_errors("Exporting"):
                 with cache.progress_bar(f"Exporting ({export_mod.FORMATS[fmt].label})"):
                     written = export_round(fmt, result.model, result.pruned, result.head_rounds, output_root, folder,
-                                           tokenizer=lm.tokenizer, kv_policy=config.kv_policy)
+                                           tokenizer=lm.tokenizer, kv_policy=config.kv_policy,
+                                           dtype=lm.source_dtype)     # the checkpoint's dtype, not the load's
                 st.success(f"Wrote the {export_mod.FORMATS[fmt].label} export to {written.path}.")
                 for line in written.notes:
                     st.caption(line)

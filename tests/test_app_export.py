@@ -162,3 +162,24 @@ def test_exports_off_for_a_class(tiny_dir, out_root, monkeypatch):
     assert all(t.key != "hs.w.export.root" for t in at.text_input)                 # no root to type
     assert any(str(out_root) in c.value and "fixed by the server" in c.value for c in at.caption)
     assert not at.button(key="export.run").disabled
+
+
+def test_a_bfloat16_checkpoint_is_exported_in_bfloat16(tmp_path, out_root):
+    """Issue 35: the app loads a bfloat16 checkpoint in float32 on a CPU; the export keeps bfloat16 (the
+    checkpoint's dtype), and the shared model stays float32."""
+    from safetensors.torch import load_file
+    from components import cache, state
+    from tests._apptools import trivial_tokenizer
+    from tests._tiny import tiny_model
+    ckpt = tmp_path / "bf16"
+    tiny_model("llama", num_hidden_layers=4).to(torch.bfloat16).save_pretrained(ckpt)
+    trivial_tokenizer().save_pretrained(ckpt)
+    at = new_app(str(ckpt), page="export", policy="groups", sparsity="0.5")
+    at.selectbox(key="hs.w.export.format").set_value("pruned").run()
+    at.text_input(key="hs.w.export.folder").set_value("bf16-export").run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+    assert not at.error and any("bf16-export" in s.value for s in at.success)
+    written = {t.dtype for f in (out_root / "bf16-export").glob("*.safetensors") for t in load_file(str(f)).values()}
+    assert written == {torch.bfloat16}
+    assert next(cache.load(state.ModelKey(str(ckpt))).model.parameters()).dtype == torch.float32

@@ -440,6 +440,35 @@ def test_cli_streamed_equals_cli_in_memory(options, tmp_path, capsys):
     assert {p.name for p in memory.glob("tokenizer*")} <= {p.name for p in streamed.iterdir()}
 
 
+@pytest.mark.parametrize("fmt", ["pruned", "stock", "zeroed"])
+def test_cli_bfloat16_checkpoint_exports_in_bfloat16_through_model_and_checkpoint(fmt, tmp_path, capsys):
+    """Issue 35: `export --model` of a bfloat16 checkpoint (loaded in float32 on a CPU) wrote float32, twice
+    the checkpoint; the export keeps the source dtype, so --model and --checkpoint write the same bytes."""
+    from tests._apptools import trivial_tokenizer
+    _, ckpt = _checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
+    trivial_tokenizer().save_pretrained(ckpt)
+    capsys.readouterr()
+    common = ["export", "--quiet", "--out-dir", str(tmp_path / "out"), "--sparsity", "0.5", "--policy",
+              "balanced-uniform", "--export-format", fmt]
+    sources = [("memory", ["--model", str(ckpt)])] + ([("streamed", ["--checkpoint", str(ckpt)])] if fmt != "zeroed" else [])
+    for name, source in sources:
+        code, _, err = _cli([*common, *source, "--name", name], capsys)
+        assert code == 0, err
+    memory = tmp_path / "out" / "memory"
+    assert {t.dtype for t in _tensors(memory).values()} == {torch.bfloat16}
+    if fmt != "zeroed":
+        streamed = tmp_path / "out" / "streamed"
+        _assert_same_tensors(memory, streamed)
+        assert ({f.name: f.stat().st_size for f in memory.glob("*.safetensors")}
+                == {f.name: f.stat().st_size for f in streamed.glob("*.safetensors")})
+    code, _, err = _cli([*common, "--model", str(ckpt), "--name", "wide", "--export-dtype", "float32"], capsys)
+    assert code == 0, err                                      # asked for: float32, twice the bytes
+    assert {t.dtype for t in _tensors(tmp_path / "out" / "wide").values()} == {torch.float32}
+    if fmt != "zeroed":                                        # the stream copies bytes: it cannot cast
+        code, _, err = _cli([*common, "--checkpoint", str(ckpt), "--name", "x", "--export-dtype", "float16"], capsys)
+        assert code == 2 and "--export-dtype float16" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("source", ["--checkpoint", "--model"])
 def test_cli_mask_file(source, tmp_path, capsys):
     from tests._apptools import trivial_tokenizer

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import pickle
 import re
@@ -91,6 +92,9 @@ class LoadedModel:
     geometry: HeadGeometry
     source: str      # where the weights came from (a folder, or the hub id)
     placement: ResolvedPlacement | None = None   # device, dtype, device_map (None: built elsewhere, CPU)
+    # the dtype the checkpoint stores its weights in (what an export writes unless asked otherwise);
+    # None: unknown (built elsewhere), the model's own dtype then
+    source_dtype: torch.dtype | None = None
 
     @property
     def device(self) -> torch.device:
@@ -630,7 +634,30 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
         tokenizer = _load_tokenizer(source, name, is_local, kind, trust_remote_code)
     report(1.0, "loaded")
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
-                       geometry=geometry, source=source, placement=resolved)
+                       geometry=geometry, source=source, placement=resolved,
+                       source_dtype=stored_dtype(source, config) if is_local else _config_dtype(config))
+
+
+def stored_dtype(folder, config=None) -> torch.dtype | None:
+    """The floating dtype that holds most of a checkpoint folder's weight bytes (its safetensors headers:
+    what the file really stores, whatever config.json says), else the config's dtype, else None."""
+    from analysis.arch.checkpoint import DTYPE_BYTES, FLOAT_DTYPES, checkpoint_entries
+    try:
+        entries = checkpoint_entries(Path(folder))
+    except (HeadscopeError, OSError, ValueError):
+        return _config_dtype(config)
+    weight: dict[str, int] = {}
+    for entry in entries.values():
+        if entry.dtype in FLOAT_DTYPES:
+            weight[entry.dtype] = weight.get(entry.dtype, 0) + DTYPE_BYTES[entry.dtype] * math.prod(entry.shape)
+    return FLOAT_DTYPES[max(weight, key=weight.get)] if weight else _config_dtype(config)
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    """config.json's dtype (transformers reads "dtype" or the older "torch_dtype"), before any
+    from_pretrained(dtype=...) overwrites it; None if it names none."""
+    value = getattr(config, "dtype", None) if config is not None else None
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
 
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

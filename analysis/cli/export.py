@@ -15,7 +15,7 @@ def _option_flag(name: str) -> str:
 
 
 def _export_arguments(parser):
-    from analysis.compress.export import FORMATS
+    from analysis.compress.export import EXPORT_DTYPES, FORMATS
 
     add_model_mask_arguments(parser, streaming=True, mask_file=True)
     parser.add_argument("--export-format", dest="export_format", choices=FORMATS, default="pruned",
@@ -31,6 +31,10 @@ def _export_arguments(parser):
             kind = None if isinstance(spec.default, bool) else type(spec.default)
             parser.add_argument(_option_flag(option), dest=f"format_{option}", default=None, type=kind,
                                 choices=spec.choices, help=f"{name} export: {spec.help} (default {spec.default})")
+    parser.add_argument("--export-dtype", dest="export_dtype", choices=EXPORT_DTYPES, default="source",
+                        help="the dtype of the written weights (zeroed, pruned, stock): source = what the checkpoint "
+                             "stores (a bfloat16 checkpoint stays bfloat16 even when loaded in float32); ONNX and "
+                             "GGUF have their own precision")
     parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
     parser.add_argument("--name", required=True, help="folder to create under --out-dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
@@ -39,8 +43,8 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.compress.export import (FORMATS, check_export_name, export, format_options, mask_record,
-                                          read_mask_json, resolve_under)
+    from analysis.compress.export import (FORMATS, check_export_name, export, export_dtype, format_options,
+                                          mask_record, read_mask_json, resolve_under)
 
     form = FORMATS[ns.export_format]
     given = {option: getattr(ns, f"format_{option}") for option in
@@ -72,7 +76,8 @@ def run_export(ns):
                             kv_policy=ns.kv_policy).warnings)
     with progress_bar(f"exporting ({ns.export_format})", not ns.quiet) as report:
         result = export(ns.export_format, loaded.model, plan.pruned, ns.out_dir, ns.name, record=record,
-                        tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report, **surgery, **given)
+                        tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report,
+                        dtype=export_dtype(ns.export_dtype, loaded.source_dtype), **surgery, **given)
     payload = dict(model=info, format=result.format, path=str(result.path), files=result.files,
                    total_bytes=result.total_bytes, n_pruned=plan.n_pruned)
     for note in result.notes:
@@ -104,6 +109,9 @@ def _export_streamed(ns, target, given: dict):
     if ns.export_format not in streamed_formats():
         raise InputError(f"--checkpoint streams the {' and '.join(streamed_formats())} formats; for "
                          f"--export-format {ns.export_format} load the model with --model.")
+    if ns.export_dtype != "source":
+        raise InputError(f"--checkpoint copies the checkpoint's tensors as stored; for --export-dtype "
+                         f"{ns.export_dtype} load the model with --model.")
     folder = checkpoint_folder(ns.checkpoint)
     config = load_config(folder, trust_remote_code=ns.trust_remote_code)
     adapter = adapter_for(config)

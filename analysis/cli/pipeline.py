@@ -20,7 +20,7 @@ from analysis.score.masks import POLICIES
 
 
 def _pipeline_arguments(parser) -> None:
-    from analysis.compress.export import FORMATS
+    from analysis.compress.export import EXPORT_DTYPES, FORMATS
     from analysis.compress.recover.pipeline import DEFAULT_SCORER
     add_source_arguments(parser, streaming=False)
     add_scorer_arguments(parser, default=DEFAULT_SCORER)
@@ -59,6 +59,9 @@ def _pipeline_arguments(parser) -> None:
     parser.add_argument("--eval-text", dest="eval_text", default=None, help="UTF-8 file to evaluate on")
     parser.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=512)
     parser.add_argument("--formats", default="pruned,onnx", help=f"comma-separated, of {', '.join(FORMATS)}")
+    parser.add_argument("--export-dtype", dest="export_dtype", choices=EXPORT_DTYPES, default="source",
+                        help="the dtype of the exported weights (zeroed, pruned, stock): source = what the checkpoint "
+                             "stores (the recovered float32 weights are rounded to it); ONNX and GGUF have their own")
     parser.add_argument("--no-int8", dest="int8", action="store_false", help="skip the INT8 ONNX stage")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the timings")
     parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
@@ -100,7 +103,7 @@ def config_from(ns):
 def run_pipeline_command(ns):
     """Run the pipeline, write the report and the final model's exports under --out-dir/--name."""
     from analysis.arch.models import DEFAULT_MODEL, load_model
-    from analysis.compress.export import FORMATS, TOOL, resolve_under
+    from analysis.compress.export import FORMATS, TOOL, export_dtype, resolve_under
     from analysis.compress.export.folder import RUN_FILE, atomic_folder, clean_leftovers
     from analysis.compress.recover.pipeline import export_round
     from analysis.compress.recover.report import compression_report, write_report
@@ -134,7 +137,8 @@ def run_pipeline_command(ns):
             formats.append("onnx-int8")            # the INT8 stage's file, self-checked like any export
         for fmt in formats:
             out = export_round(fmt, result.model, result.pruned, result.head_rounds, tmp, fmt,
-                               tokenizer=loaded.tokenizer, kv_policy=config.kv_policy)
+                               tokenizer=loaded.tokenizer, kv_policy=config.kv_policy,
+                               dtype=export_dtype(ns.export_dtype, loaded.source_dtype))
             exports[fmt] = moved(out.path)
             for line in out.notes:
                 sys.stderr.write(f"note: {fmt}: {line}\n")

@@ -14,8 +14,8 @@ from analysis.compress.export.folder import (DEFAULT_EXPORT_ROOT, EXPORT_ROOT_EN
                                              atomic_folder, check_export_name, check_export_root,
                                              clean_leftovers,
                                              default_export_root, is_headscope_export, resolve_under)
-from analysis.compress.export.formats import (FORMATS, LAYOUT_FILE, WEIGHTS_FILE, ExportFormat, ExportResult,
-                                              FormatOption, PhysicalFormat, export, export_to, format_options,
+from analysis.compress.export.formats import (EXPORT_DTYPES, FORMATS, LAYOUT_FILE, WEIGHTS_FILE, ExportFormat, ExportResult,
+                                              FormatOption, PhysicalFormat, export, export_dtype, export_to, format_options,
                                               get_format, register_format)
 from analysis.compress.export.records import (MASK_FILE, TOOL, TOOL_VERSION, MaskRecord, mask_from_json,
                                               mask_record, read_mask_json)
@@ -28,8 +28,8 @@ from analysis.compress.export.stock import StockCheck, stock_check, stock_sparsi
 __all__ = [
     "DEFAULT_EXPORT_ROOT", "EXPORT_ROOT_ENV", "NAME_RULE", "ExportError", "atomic_folder", "check_export_name", "check_export_root",
     "clean_leftovers", "default_export_root", "is_headscope_export", "resolve_under",
-    "FORMATS", "LAYOUT_FILE", "WEIGHTS_FILE", "ExportFormat", "ExportResult", "FormatOption", "PhysicalFormat",
-    "export", "export_to", "format_options", "get_format", "register_format",
+    "EXPORT_DTYPES", "FORMATS", "LAYOUT_FILE", "WEIGHTS_FILE", "ExportFormat", "ExportResult", "FormatOption", "PhysicalFormat",
+    "export", "export_dtype", "export_to", "format_options", "get_format", "register_format",
     "MASK_FILE", "TOOL", "TOOL_VERSION", "MaskRecord", "mask_from_json", "mask_record", "read_mask_json",
     "ONNX_FILE", "write_onnx", "load_pruned", "StockCheck", "stock_check", "stock_sparsities",
 ]

@@ -67,6 +67,9 @@ class ExportFormat:
     options: ClassVar[dict[str, FormatOption]] = {}
     rank: ClassVar[int] = 100                  # where the format stands in the CLI's and the app's lists
     streamed: ClassVar[StreamSpec | None] = None   # also written from a checkpoint, tensor by tensor
+    # writes the weights in the export's dtype (`export_to(dtype=...)`: the source checkpoint's by default);
+    # False: the format has its own precision (ONNX float32, a GGUF type)
+    keeps_dtype: ClassVar[bool] = False
 
     def write(self, model: nn.Module, pruned, folder: Path, *, kv_policy: str = "auto", rounds=None,
               **options) -> HeadLayout | None:
@@ -83,8 +86,10 @@ class PhysicalFormat(ExportFormat):
     """A format written from the physically pruned model: `write` cuts, `write_cut` writes it."""
     physical = True
 
-    def write(self, model, pruned, folder, *, kv_policy="auto", rounds=None, **options):
+    def write(self, model, pruned, folder, *, kv_policy="auto", rounds=None, dtype=None, **options):
         smaller, layout = prune_heads(model, pruned, kv_policy=kv_policy, rounds=rounds)
+        if dtype is not None and self.keeps_dtype:     # the twin's own tensors: `model` keeps its dtype
+            smaller = smaller.to(dtype)
         self.write_cut(smaller, layout, folder, original=model, **options)
         return layout
 
@@ -148,6 +153,21 @@ class ExportResult:
         return sum(self.files.values())
 
 
+# what an export's weights are stored in: the source checkpoint's dtype (the default), or one named
+EXPORT_DTYPES = ("source", "float32", "bfloat16", "float16")
+
+
+def export_dtype(choice: str, source_dtype=None):
+    """The dtype an export writes for the user's `choice` (EXPORT_DTYPES): "source" = the checkpoint's
+    stored dtype (`LoadedModel.source_dtype`; None when unknown: the model's own); InputError otherwise."""
+    from analysis.core.placement import DTYPES
+    if choice == "source":
+        return source_dtype
+    if choice not in DTYPES:
+        raise InputError(f"The export dtype must be one of {', '.join(EXPORT_DTYPES)}; got {choice!r}.")
+    return DTYPES[choice]
+
+
 def write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None) -> None:
     if layout is not None:          # a physical cut: mask.json says which kv_policy built it
         record = replace(record, kv_policy=layout.kv_policy)
@@ -166,11 +186,13 @@ def resident(model: nn.Module) -> nn.Module:
 
 def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
               kv_policy: str = "auto", rounds=None, overwrite: bool = False, progress: Progress | None = None,
-              **options) -> ExportResult:
+              dtype: torch.dtype | None = None, **options) -> ExportResult:
     """Export `model` under the mask `pruned` [L, H] in format `fmt` into the folder `target` (atomic).
 
     kv_policy / rounds go to surgery for physical formats (ignored by full-shape ones); `options` are the
-    format's own (`FormatOption`s)."""
+    format's own (`FormatOption`s). dtype: the floating dtype the weight files store, for the formats that
+    keep one (`keeps_dtype`); callers pass the source checkpoint's (`LoadedModel.source_dtype`) so that a
+    bfloat16 checkpoint loaded in float32 is exported in bfloat16, not twice its size; None: the model's."""
     form = get_format(fmt)
     opts = format_options(fmt, options)
     report = progress or no_progress
@@ -184,7 +206,8 @@ def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord 
         report(0.0, note)
     report(0.0, f"{fmt} export: writing to a temporary folder")
     with atomic_folder(target, overwrite=overwrite) as tmp:
-        layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, tokenizer=tokenizer, **opts)
+        kept = {"dtype": dtype} if form.keeps_dtype and dtype is not None else {}
+        layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, tokenizer=tokenizer, **kept, **opts)
         write_common(tmp, record, tokenizer, layout)
         check_stop(None, f"The {fmt} export")     # a signal during the write: the temporary folder goes
         report(0.9, f"{fmt} export: moving into place")

@@ -39,6 +39,7 @@ class PrunedFormat(PhysicalFormat):
     name = "pruned"
     rank = 20
     label = "pruned checkpoint (head layout)"
+    keeps_dtype = True
     help = "physically smaller, any per-layer head counts: load_pruned loads it"
 
     # streamed (analysis.compress.export.streamed): state-dict names, a tie stored once, the original config

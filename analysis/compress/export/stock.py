@@ -112,6 +112,7 @@ class StockFormat(PhysicalFormat):
     name = "stock"
     rank = 30
     label = "stock checkpoint (from_pretrained)"
+    keeps_dtype = True
     help = "uniform head counts: plain from_pretrained loads it"
     # streamed (analysis.compress.export.streamed): the checkpoint's names, config.json with the pruned counts
     streamed = StreamSpec(names="checkpoint", producer=False, config="stock")

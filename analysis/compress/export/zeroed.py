@@ -29,7 +29,9 @@ class ZeroedFormat(ExportFormat):
     label = "zeroed weights (original shapes)"
     help = "original shapes, pruned heads zeroed: loads anywhere, no smaller"
     physical = False
+    keeps_dtype = True
 
-    def write(self, model, pruned, folder, *, kv_policy="auto", rounds=None, **options):
-        save_hf(zero_heads(copy.deepcopy(model), pruned), folder)
+    def write(self, model, pruned, folder, *, kv_policy="auto", rounds=None, dtype=None, **options):
+        copied = zero_heads(copy.deepcopy(model), pruned)
+        save_hf(copied if dtype is None else copied.to(dtype), folder)
         return None
