@@ -127,8 +127,10 @@ def one_shot(loaded, held: HeldOut, scorer: str, target: float) -> dict:
     return {**held.torch_row(small), "rounds": 1, "steps": 0, "n_pruned": int(result.pruned.sum())}
 
 
-def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], folder: Path, out: dict) -> None:
-    """Write `result`'s model (None: the dense model) at each GGUF type and measure it in llama.cpp."""
+def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], folder: Path, out: dict,
+                saved=lambda: None) -> None:
+    """Write `result`'s model (None: the dense model) at each GGUF type and measure it in llama.cpp
+    (`saved()` after each point: a stopped run resumes from the next)."""
     for gguf_type in types:
         key = f"{label} {gguf_type}"
         if key in out["frontier"]:
@@ -143,6 +145,7 @@ def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], fol
         row = {**held.gguf_row(written.path / "model.gguf"), "label": label, "type": gguf_type,
                "self_check": written.checks[-1]["line"] if written.checks else "F32/F16 reference"}
         out["frontier"][key] = row
+        saved()
         print(f"  {key}: {row['bytes'] / 2**20:.1f} MiB, llama.cpp ppl {row['ppl']:.2f} [{row['lo']:.2f}, "
               f"{row['hi']:.2f}]", flush=True)
 
@@ -308,7 +311,7 @@ def run(args, out: dict, save: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-frontier-") as tmp:
         folder = Path(tmp)
         if "frontier" in parts:
-            gguf_points(loaded, held, None, "dense", args.dense_types.split(","), folder, out)
+            gguf_points(loaded, held, None, "dense", args.dense_types.split(","), folder, out, saved)
             saved()
         for scorer in scorers:
             for target in targets + (extra if "frontier" in parts else []):
@@ -330,7 +333,7 @@ def run(args, out: dict, save: Path) -> None:
                     if target in targets:
                         out["iterative"][key] = row
                     if wants_gguf:
-                        gguf_points(loaded, held, result, label, args.pruned_types.split(","), folder, out)
+                        gguf_points(loaded, held, result, label, args.pruned_types.split(","), folder, out, saved)
                     saved()
 
 
