@@ -103,3 +103,19 @@ def test_main_keeps_the_recovery_section_of_bench_recovery(results, monkeypatch,
     assert out.read_text(encoding="utf-8") == "new table\n\n" + section + "\n"
     write_section(out, section.replace("numbers", "new numbers"), *RECOVERY_MARKERS)
     assert out.read_text(encoding="utf-8") == "new table\n\n" + section.replace("numbers", "new numbers") + "\n"
+
+
+def test_main_keeps_every_generated_section(results, monkeypatch, tmp_path):
+    """Every bench that owns a section of docs/results.md (recovery, roles, probes, edge, frontier) keeps
+    it when the scorer tables are regenerated."""
+    from analysis.compress.recover.report import EDGE_MARKERS, FRONTIER_MARKERS, RECOVERY_MARKERS
+    from analysis.measure.probes.breaks import PROBES_MARKERS
+    from analysis.score.specialization import ROLES_MARKERS
+    out = tmp_path / "r.md"
+    sections = [f"{b}\n## {i}\nnumbers {i}\n{e}" for i, (b, e) in
+                enumerate((RECOVERY_MARKERS, ROLES_MARKERS, PROBES_MARKERS, EDGE_MARKERS, FRONTIER_MARKERS))]
+    out.write_text("old table\n\n" + "\n\n".join(sections) + "\n", encoding="utf-8")
+    monkeypatch.setattr(results, "run", lambda loaded, options, team=None: ("new table", {}))
+    monkeypatch.setattr("analysis.arch.models.load_model", lambda name, cache_dir=None: name)
+    results.main(["--out", str(out), "--quiet"])
+    assert out.read_text(encoding="utf-8") == "new table\n\n" + "\n\n".join(sections) + "\n"
