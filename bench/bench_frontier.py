@@ -44,6 +44,7 @@ import numpy as np
 from analysis.arch.models import load_model
 from analysis.compress.export.gguf import llamacpp
 from analysis.compress.export import export
+from analysis.compress.export.selfcheck import SelfCheckFailed
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, run_pipeline
 from analysis.compress.recover.report import FRONTIER_MARKERS
 from analysis.compress.surgery import prune_heads
@@ -136,18 +137,30 @@ def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], fol
         if key in out["frontier"]:
             continue
         name = f"g{len(out['frontier'])}"
-        if result is None:
-            pruned = np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), bool)
-            written = export("gguf", loaded.model, pruned, folder, name, tokenizer=loaded.tokenizer, gguf_type=gguf_type)
-        else:
-            written = export_round("gguf", result.model, result.pruned, result.head_rounds, folder, name,
-                                   tokenizer=loaded.tokenizer, gguf_type=gguf_type)
+        try:
+            if result is None:
+                pruned = np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), bool)
+                written = export("gguf", loaded.model, pruned, folder, name, tokenizer=loaded.tokenizer,
+                                 gguf_type=gguf_type)
+            else:
+                written = export_round("gguf", result.model, result.pruned, result.head_rounds, folder, name,
+                                       tokenizer=loaded.tokenizer, gguf_type=gguf_type)
+        except SelfCheckFailed as refused:         # the export refused the file: a point that does not exist
+            out["frontier"][key] = {"refused": str(refused), "label": label, "type": gguf_type}
+            saved()
+            print(f"  {key}: REFUSED by the export's self-check: {refused}", flush=True)
+            continue
         row = {**held.gguf_row(written.path / "model.gguf"), "label": label, "type": gguf_type,
                "self_check": written.checks[-1]["line"] if written.checks else "F32/F16 reference"}
         out["frontier"][key] = row
         saved()
         print(f"  {key}: {row['bytes'] / 2**20:.1f} MiB, llama.cpp ppl {row['ppl']:.2f} [{row['lo']:.2f}, "
               f"{row['hi']:.2f}]", flush=True)
+
+
+def measured(points: dict) -> dict:
+    """The points llama.cpp measured (not those the export's self-check refused)."""
+    return {k: p for k, p in points.items() if "refused" not in p}
 
 
 def pareto(points: dict) -> list[str]:
@@ -232,13 +245,15 @@ def markdown(out: dict) -> str:
                          f"{row['ppl']:.2f} [{row['lo']:.2f}, {row['hi']:.2f}] | {row['top1']:.3f} | {per_round} |")
         lines.append("")
     if out.get("frontier"):
+        points = measured(out["frontier"])
         lines += ["### Size against llama.cpp perplexity", "", "![frontier](data/frontier.png)", "",
                   "| model | type | file MiB | perplexity [95 % CI] | on the frontier |", "|---|---|---:|---|---|"]
-        front = set(pareto(out["frontier"]))
-        for key, p in sorted(out["frontier"].items(), key=lambda kv: kv[1]["bytes"]):
+        front = set(pareto(points))
+        for key, p in sorted(points.items(), key=lambda kv: kv[1]["bytes"]):
             lines.append(f"| {p['label']} | {p['type']} | {p['bytes'] / 2**20:.1f} | {p['ppl']:.2f} [{p['lo']:.2f}, "
                          f"{p['hi']:.2f}] | {'yes' if key in front else ''} |")
-        lines += ["", "Per pruned file:", *verdict(out["frontier"]), ""]
+        lines += ["", "Per pruned file:", *verdict(points), ""]
+        lines += [f"- {k}: not written: {p['refused']}" for k, p in out["frontier"].items() if "refused" in p]
     lines.append(MARKERS[1])
     return "\n".join(lines) + "\n"
 
@@ -281,7 +296,7 @@ def main(argv=None) -> int:
     if not args.render_only:
         run(args, out, save)
     if out.get("frontier"):
-        plot(out["frontier"], save.with_suffix(".png"))
+        plot(measured(out["frontier"]), save.with_suffix(".png"))
     if args.write_docs:
         write_section(ROOT / "docs" / "results.md", markdown(out), *MARKERS)
     print(markdown(out))

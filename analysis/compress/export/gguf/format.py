@@ -95,5 +95,9 @@ def self_check_gguf(path: Path, weight_type: str, text: CheckText, reference: Lo
     check = check_causal(reference, llamacpp_logits(path, n_ctx), text, bits=WEIGHT_TYPES[weight_type][2],
                          artifact_name=f"GGUF {weight_type} in llama.cpp", reference_name=reference_name)
     if not check.passed:
-        raise refuse(check, f"try a type with more bits (q8_0 or f16) or report the CPU ({check.cpu}).")
+        bits = WEIGHT_TYPES[weight_type][2]
+        wider = [t for t in ("q8_0", "f16") if 16 >= WEIGHT_TYPES[t][2] > bits]
+        raise refuse(check, (f"try a type with more bits ({' or '.join(wider)}), " if wider else "")
+                     + "recover the cut first if it is one (a heavily cut model can be too fragile for rounding: "
+                       f"its float logits move with any noise), or report the CPU ({check.cpu}).")
     return check
