@@ -183,6 +183,19 @@ class Speed:
     threads: int
 
 
+def _timed_round(llm, path, prompt: list[int], steps: list[int]) -> tuple[float, float]:
+    """One timed round from an empty cache: (seconds to prefill `prompt`, seconds to decode `steps` one
+    token at a time after it)."""
+    with llama_errors(path):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        for token in steps:
+            llm.eval([token])
+        return t1 - t0, time.perf_counter() - t1
+
+
 def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, repeats: int = 3,
           threads: int = DEFAULT_THREADS, seed: int = 0, warmup: bool = True) -> Speed:
     """Prefill of `context` random token ids, then `decode_tokens` single-token steps after them;
@@ -197,17 +210,10 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
     prefill, decode = [], []
     skip = 1 if warmup else 0
     for run in range(repeats + skip):
-        with llama_errors(path):
-            llm.reset()
-            t0 = time.perf_counter()
-            llm.eval(prompt)
-            t1 = time.perf_counter()
-            for token in steps:
-                llm.eval([token])
-            t2 = time.perf_counter()
+        seconds = _timed_round(llm, path, prompt, steps)
         if run >= skip:                          # run 0 is the warm-up
-            prefill.append(context / (t1 - t0))
-            decode.append(decode_tokens / (t2 - t1))
+            prefill.append(context / seconds[0])
+            decode.append(decode_tokens / seconds[1])
     return Speed(context, statistics.median(prefill), statistics.median(decode), threads)
 
 
@@ -258,18 +264,10 @@ def paired_speed(paths: dict, context: int, *, decode_tokens: int = 32, rounds: 
         order = names[run % len(names):] + names[:run % len(names)]      # rotate who goes first
         for name in order:
             check_stop(should_stop, "The llama.cpp speed measurement")
-            llm = llms[name]
-            with llama_errors(paths[name]):
-                llm.reset()
-                t0 = time.perf_counter()
-                llm.eval(prompt)
-                t1 = time.perf_counter()
-                for token in steps:
-                    llm.eval([token])
-                t2 = time.perf_counter()
+            seconds = _timed_round(llms[name], paths[name], prompt, steps)
             if run >= warmup:
-                prefill[name].append(context / (t1 - t0))
-                decode[name].append(decode_tokens / (t2 - t1))
+                prefill[name].append(context / seconds[0])
+                decode[name].append(decode_tokens / seconds[1])
     return PairedSpeed(context, decode_tokens, threads, flash_attn, prefill, decode)
 
 
