@@ -13,7 +13,7 @@
    1), each a whole map, in interleaved pairs. Target: naive / fast >= 5x (median per-pair ratio), same numbers (max |diff|
    over max |drop|, printed).
 
-    nice -n 5 .venv/bin/python bench/bench_probes.py [--cache-dir DIR] [--threads 2] [--sparsity 0.25]
+    nice -n 5 .venv/bin/python -m bench.bench_probes [--cache-dir DIR] [--threads 2] [--sparsity 0.25]
                                                       [--map-probe ioi] [--map-items 16] [--layer-step 6]
 """
 import argparse

@@ -5,7 +5,7 @@ written and self-checked as a user's export would be; prints each check's line a
 and its check took, so that the floors in analysis/compress/export/selfcheck.py can be compared with
 what correct files of a small (hard to quantize) model keep (docs/EXPORT.md, "Self-check").
 
-Usage: nice -n 10 .venv/bin/python bench/bench_selfcheck.py [--cache-dir DIR] [--types q8_0,q4_k_m,...]
+Usage: nice -n 10 .venv/bin/python -m bench.bench_selfcheck [--cache-dir DIR] [--types q8_0,q4_k_m,...]
        [--onnx dynamic,weight-only]
 """
 from __future__ import annotations
