@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import shlex
 import sys
@@ -42,15 +41,15 @@ from pathlib import Path
 import numpy as np
 
 from analysis.arch.models import load_model
-from analysis.compress.export.gguf import llamacpp
 from analysis.compress.export import export
 from analysis.compress.export.selfcheck import SelfCheckFailed
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, run_pipeline
+from analysis.compress.recover.frontier import gguf_point, measured, pareto, plot_png, verdict
 from analysis.compress.recover.report import FRONTIER_MARKERS
 from analysis.compress.surgery import prune_heads
 from analysis.core.atomic import atomic_write, write_section
 from analysis.core.text import evaluation_text
-from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, causal_windows, token_ids
+from analysis.measure.evaluation import CausalPerplexity, bootstrap_perplexity, token_ids
 from bench._distill_options import add_distill_options, distill_config
 from bench._timing import load_average
 
@@ -78,18 +77,7 @@ class HeldOut:
         return self._row(sums[0], counts, float(correct.sum() / counts.sum()))
 
     def gguf_row(self, path: Path) -> dict:
-        ids = self.ids.numpy()
-        windows = causal_windows(len(ids), self.window, self.window)
-        sums, counts = np.zeros(len(windows)), np.zeros(len(windows))
-        with llamacpp.llama_log():
-            llm = llamacpp.load(path, n_ctx=self.window, kv_type="f16")
-        for i, w in enumerate(windows):
-            rows = llamacpp.logits(llm, ids[w.begin:w.end]).astype(np.float64)                     # [w, V]
-            scored, targets = rows[-w.n_target - 1:-1], ids[w.end - w.n_target:w.end]             # [n, V], [n]
-            m = scored.max(axis=1)
-            lse = m + np.log(np.exp(scored - m[:, None]).sum(axis=1))                              # [n]
-            sums[i], counts[i] = float((lse - scored[np.arange(len(targets)), targets]).sum()), w.n_target
-        return {**self._row(sums, counts, None), "bytes": path.stat().st_size}
+        return gguf_point(path, self.ids.numpy(), window=self.window, n_boot=self.n_boot)
 
 
 def schedule_name(target: float, step: float) -> str:
@@ -158,71 +146,6 @@ def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], fol
               f"{row['hi']:.2f}]", flush=True)
 
 
-def measured(points: dict) -> dict:
-    """The points llama.cpp measured (not those the export's self-check refused)."""
-    return {k: p for k, p in points.items() if "refused" not in p}
-
-
-def pareto(points: dict) -> list[str]:
-    """Keys of the points no other point beats in both size and perplexity, by size."""
-    keys = sorted(points, key=lambda k: (points[k]["bytes"], points[k]["ppl"]))
-    front, best = [], math.inf
-    for k in keys:
-        if points[k]["ppl"] < best:
-            front.append(k)
-            best = points[k]["ppl"]
-    return front
-
-
-def verdict(points: dict) -> list[str]:
-    """In words: which pruned points are on the frontier, and against the best dense file at or below
-    their size, by how much."""
-    front = set(pareto(points))
-    dense = {k: p for k, p in points.items() if p["label"] == "dense"}
-    lines = []
-    for k, p in sorted(points.items(), key=lambda kv: kv[1]["bytes"]):
-        if p["label"] == "dense":
-            continue
-        smaller = [d for d in dense.values() if d["bytes"] <= p["bytes"]]
-        ref = min(smaller, key=lambda d: d["ppl"]) if smaller else None
-        where = "on the frontier" if k in front else "not on the frontier"
-        against = ("no dense file is this small" if ref is None else
-                   f"best dense file at or below its size: {ref['type']} {ref['bytes'] / 2**20:.1f} MiB, ppl "
-                   f"{ref['ppl']:.2f} ({p['ppl'] / ref['ppl'] - 1:+.1%})")
-        lines.append(f"- {k}: {p['bytes'] / 2**20:.1f} MiB, ppl {p['ppl']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}]: {where}; "
-                     f"{against}")
-    return lines
-
-
-def plot(points: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=150)
-    try:
-        for label in sorted({p["label"] for p in points.values()}, key=lambda s: (s != "dense", s)):
-            group = sorted((p for p in points.values() if p["label"] == label), key=lambda p: p["bytes"])
-            x = [p["bytes"] / 2**20 for p in group]
-            y = [p["ppl"] for p in group]
-            err = [[p["ppl"] - p["lo"] for p in group], [p["hi"] - p["ppl"] for p in group]]
-            ax.errorbar(x, y, yerr=err, marker="o" if label == "dense" else "s", capsize=2, label=label,
-                        linestyle="-" if label == "dense" else ":")
-            for p, xi, yi in zip(group, x, y):
-                ax.annotate(p["type"], (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        front = [points[k] for k in pareto(points)]
-        ax.step([p["bytes"] / 2**20 for p in front], [p["ppl"] for p in front], where="post", color="black",
-                alpha=0.4, linewidth=3, label="Pareto frontier")
-        ax.set_xlabel("GGUF file (MiB)")
-        ax.set_ylabel("llama.cpp perplexity (held-out, 95 % CI)")
-        ax.set_title("SmolLM2-135M: size vs perplexity, dense quantized vs pruned + recovered + quantized")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, format="png")
-    finally:
-        plt.close(fig)
-
-
 def markdown(out: dict) -> str:
     a = out["args"]
     lines = [MARKERS[0], "", "## The compression frontier and iterative recovery (bench/bench_frontier.py)", "",
@@ -252,8 +175,7 @@ def markdown(out: dict) -> str:
         for key, p in sorted(points.items(), key=lambda kv: kv[1]["bytes"]):
             lines.append(f"| {p['label']} | {p['type']} | {p['bytes'] / 2**20:.1f} | {p['ppl']:.2f} [{p['lo']:.2f}, "
                          f"{p['hi']:.2f}] | {'yes' if key in front else ''} |")
-        lines += ["", "Per pruned file:", *verdict(points), ""]
-        lines += [f"- {k}: not written: {p['refused']}" for k, p in out["frontier"].items() if "refused" in p]
+        lines += ["", "Per pruned file:", *(f"- {line}" for line in verdict(out["frontier"])), ""]
     lines.append(MARKERS[1])
     return "\n".join(lines) + "\n"
 
@@ -296,7 +218,8 @@ def main(argv=None) -> int:
     if not args.render_only:
         run(args, out, save)
     if out.get("frontier"):
-        plot(measured(out["frontier"]), save.with_suffix(".png"))
+        plot_png(out["frontier"], save.with_suffix(".png"),
+                 "SmolLM2-135M: size vs perplexity, dense quantized vs pruned + recovered + quantized")
     if args.write_docs:
         write_section(ROOT / "docs" / "results.md", markdown(out), *MARKERS)
     print(markdown(out))

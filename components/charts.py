@@ -215,6 +215,29 @@ def curves(series: dict[str, tuple], *, title: str, x_title: str, y_title: str, 
     return fig
 
 
+def frontier(points: dict, *, title: str) -> go.Figure:
+    """File size (MiB) against perplexity with 95 % CIs, one series per label (dense, the cut), each point
+    named by its GGUF type, and the Pareto frontier as a grey step line
+    (analysis.compress.recover.frontier's points)."""
+    from analysis.compress.recover.frontier import measured, pareto
+    ok = measured(points)
+    fig = go.Figure()
+    for i, label in enumerate(sorted({p["label"] for p in ok.values()}, key=lambda s: (s != "dense", s))):
+        group = sorted((p for p in ok.values() if p["label"] == label), key=lambda p: p["bytes"])
+        y = np.asarray([p["ppl"] for p in group])                                      # [n]
+        fig.add_trace(go.Scatter(
+            x=[p["bytes"] / 2**20 for p in group], y=y, name=label, mode="lines+markers+text",
+            text=[p["type"] for p in group], textposition="top right", line=dict(color=PALETTE[i % len(PALETTE)]),
+            error_y=dict(type="data", symmetric=False, array=[p["hi"] - p["ppl"] for p in group],
+                         arrayminus=[p["ppl"] - p["lo"] for p in group])))
+    front = [ok[k] for k in pareto(ok)]
+    fig.add_trace(go.Scatter(x=[p["bytes"] / 2**20 for p in front], y=[p["ppl"] for p in front], name="Pareto frontier",
+                             mode="lines", line=dict(color="#999", width=6, shape="hv"), opacity=0.4))
+    fig.update_layout(title=title, height=380, xaxis_title="GGUF file (MiB)",
+                      yaxis_title="llama.cpp perplexity (95 % CI)", margin=dict(l=50, r=20, t=50, b=40))
+    return fig
+
+
 LOG_STEPS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9))   # coarse to fine
 
 

@@ -238,20 +238,24 @@ def finite(x: float | None) -> bool:
 
 # -- the pipeline's estimate, phase by phase ---------------------------------------------------------------
 # analysis.compress.recover.report.compression_report reports fixed fractions: the dense model's stage until 0.05,
-# the rounds over 0.05 .. 0.65, INT8 from 0.7, the curves from 0.85, the kept heads' roles from 0.95. Each
-# phase has its own pace (kind "pipeline.<phase>", in forward-token units), recorded when it ends.
-PIPELINE_PHASES = (("dense", 0.0), ("rounds", 0.05), ("int8", 0.7), ("curves", 0.85), ("roles", 0.95))
+# the rounds over 0.05 .. 0.65, INT8 from 0.7, the frontier from 0.8, the curves from 0.85, the kept heads'
+# roles from 0.95. Each phase has its own pace (kind "pipeline.<phase>", in forward-token units), recorded
+# when it ends.
+PIPELINE_PHASES = (("dense", 0.0), ("rounds", 0.05), ("int8", 0.7), ("frontier", 0.8), ("curves", 0.85),
+                   ("roles", 0.95))
 STAGE_TOKENS = 1500          # measuring a stage beyond its evaluation: latency repeats, the safetensors size
 INT8_TOKENS = 12000          # the INT8 stages beyond their evaluations: the ONNX export, two quantizations, timings
+FRONTIER_FILE_TOKENS = 3000  # a frontier file beyond its evaluation: writing, quantizing, the export's self-check
 
 
 def pipeline_units(*, rounds: int, recovery_steps: int, batch: int, seq_len: int, eval_tokens: int, int8: bool,
-                   recovering: bool) -> dict[str, float]:
+                   recovering: bool, frontier_types: int = 0) -> dict[str, float]:
     """Forward-token units of each phase of a pipeline run (the pace turns them into seconds)."""
     stage = eval_tokens + STAGE_TOKENS
     units = {"dense": stage,
              "rounds": rounds * (4 * recovery_steps * batch * seq_len + 2 * eval_tokens + stage),
              "int8": INT8_TOKENS + 6 * eval_tokens if int8 else 0,
+             "frontier": 2 * frontier_types * (eval_tokens + FRONTIER_FILE_TOKENS),    # dense and final per type
              "curves": rounds * eval_tokens * (3 if recovering else 1),
              "roles": 6 * eval_tokens if recovering else 0}
     return {k: float(v) for k, v in units.items() if v}

@@ -163,25 +163,34 @@ def wide_table(rows: list[dict], where=st) -> None:
 
 
 # the deployment report's numbers, one row each: (label, key, format)
-DEPLOY_ROWS = (("file size (MiB)", "bytes", lambda v: f"{v / 2**20:,.1f}"),
+DEPLOY_ROWS = (("file size (MiB)", "bytes", lambda v: f"{v / 2**20:,.4g}"),     # 258.3, or 0.1953 for a tiny one
                ("perplexity (llama.cpp)", "perplexity", lambda v: f"{v:.3f}"),
                ("perplexity (headscope, PyTorch)", "headscope_perplexity", lambda v: f"{v:.3f}"),
                ("prefill tokens/s", "prefill_tok_s", lambda v: f"{v:,.1f}"),
-               ("decode tokens/s", "decode_tok_s", lambda v: f"{v:,.2f}"))
+               ("decode tokens/s", "decode_tok_s", lambda v: f"{v:,.2f}"),
+               ("prefill tokens/s, no flash attention", "prefill_tok_s_no_fa", lambda v: f"{v:,.1f}"),
+               ("decode tokens/s, no flash attention", "decode_tok_s_no_fa", lambda v: f"{v:,.2f}"))
+
+
+def _kv_label(key: str) -> str:
+    """kv_mib_4096 -> "KV cache at 4096 tokens (MiB)"; kv_mib_4096_no_fa -> "..., no flash attention"."""
+    tokens = key[len("kv_mib_"):].removesuffix("_no_fa")
+    return f"KV cache at {tokens} tokens (MiB)" + (", no flash attention" if key.endswith("_no_fa") else "")
 
 
 def deployment_table(dense: dict, pruned: dict) -> list[dict]:
     """The deployment report as rows of numbers (dense, pruned, pruned vs dense in words, worse): narrow
-    enough for 1280x800, where the file-per-row table was cut off at the right (issue 33)."""
+    enough for 1280x800, where the file-per-row table was cut off at the right (issue 33). Steady-state
+    speeds and the KV cache llama.cpp allocates, with flash attention on and off
+    (analysis.compress.export.gguf.deploy)."""
     from analysis.compress.verdict import is_slower, speed_words
     rows = []
-    kv = [(f"KV cache at {k[len('kv_mib_'):]} tokens (MiB)", k, lambda v: f"{v:,.1f}")
-          for k in dense if k.startswith("kv_mib_")]
+    kv = [(_kv_label(k), k, lambda v: f"{v:,.1f}") for k in dense if k.startswith("kv_mib_")]
     for label, key, fmt in (*DEPLOY_ROWS, *kv):
         a, b = dense.get(key), pruned.get(key)
         if a is None or b is None:
             continue
-        if key.endswith("_tok_s"):                   # a rate: the pruned file's speed-up in words
+        if "_tok_s" in key:                            # a rate: the pruned file's speed-up in words
             change, worse = speed_words(b / a), is_slower(b / a)
         else:                                          # a size grows, or a quality that is expected to change
             change, worse = f"{b / a:.3g}x", b > a and (key == "bytes" or key.startswith("kv_mib_"))

@@ -178,22 +178,26 @@ def deployment_report(last: dict) -> None:
             with cache.tracked("Deployment report", key=state.model_key(), kind="deploy", work=DEPLOY_TOKENS,
                                stoppable=True) as (bar, should_stop):
                 with cache.exclusive(state.model_key(), bar, should_stop=should_stop) as loaded:
-                    rows = deploy.deployment_rows(loaded, last["pruned"], result, weight_type, progress=bar,
-                                                  should_stop=should_stop, max_tokens=DEPLOY_TOKENS)
-            state.remember_run("export.deploy", run_key, rows, view=last["view"])
-    rows = state.run_result("export.deploy", run_key)
-    if rows is None:
+                    measured = deploy.deployment_report(loaded, last["pruned"], result, weight_type, progress=bar,
+                                                        should_stop=should_stop, max_tokens=DEPLOY_TOKENS)
+            state.remember_run("export.deploy", run_key, measured, view=last["view"])
+    measured = state.run_result("export.deploy", run_key)
+    if measured is None:
         return
+    rows = measured["rows"]
     dense, pruned = rows
     worse = pruned.get("worse_than_dense")
     if worse:
         st.error(f"The pruned file is worse than the dense one in llama.cpp: {worse}.", icon=":material/warning:")
     numbers.flagged_table(numbers.deployment_table(dense, pruned), flag="worse")
+    for line in measured["verdict"]:
+        st.markdown(f"- {line}")
     st.caption("Perplexity on the built-in evaluation split (512 tokens, headscope's token ids); tokens/s "
-               "at 512 tokens of context on this machine; KV cache as llama.cpp allocates it (f16, flash "
-               "attention). Red: worse than dense.")
+               "in steady state on this machine (interleaved rounds after untimed warm-up rounds, the per-round "
+               "spread in the lines above); KV cache as llama.cpp allocates it (f16), with flash attention on and "
+               "off. Red: worse than dense.")
     import json
-    st.download_button("Deployment report (JSON)", json.dumps(rows, indent=1, default=str),
+    st.download_button("Deployment report (JSON)", json.dumps(measured, indent=1, default=str),
                        file_name="deployment_report.json", mime="application/json", key="export.deploy.json")
 
 

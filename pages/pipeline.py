@@ -12,6 +12,7 @@ import streamlit as st
 from analysis.compress import export as export_mod
 from analysis.compress.recover.distill import DistillConfig
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, round_counts
+from analysis.compress.recover.frontier import FRONTIER_CHOICES
 from analysis.compress.recover.report import compression_report
 from analysis.compress.verdict import speed_words
 from components import cache, charts, controls, explain, exports, figures, jobs, numbers, shell, state, tools, weights
@@ -115,6 +116,14 @@ batch = int(c[0].number_input("Batch (sequences)", 1, 64, key=state.widget_key("
                               help="Sequences per distillation step."))
 seq_len = int(c[1].number_input("Sequence length", 8, 2048, key=state.widget_key("pipe.seq", value=128),
                                 help="Tokens per training sequence."))
+frontier_waits = tools.llama_missing() if lm.kind == "causal-lm" else "The frontier is for causal LMs."
+frontier = tuple(c[3].multiselect(
+    "Frontier (GGUF)", list(FRONTIER_CHOICES), key=state.widget_key("pipe.frontier", value=[]),
+    disabled=bool(frontier_waits), placeholder="none",
+    help=frontier_waits or "After the last round: the dense and the final model written as GGUF at these types and "
+                           "run in llama.cpp on the evaluation tokens: file size vs perplexity, the Pareto frontier and "
+                           "whether the cut is on it (does pruning beat quantizing the dense model harder?)."))
+frontier = () if frontier_waits else frontier
 
 config = PipelineConfig(target_sparsity=float(target), step=float(step), recovery_steps=0 if one_shot else recovery,
                         ppl_budget=budget or None, scorer=scorer,
@@ -126,7 +135,7 @@ config = config.one_shot() if one_shot else config
 rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
 units = jobs.pipeline_units(rounds=rounds, recovery_steps=config.recovery_steps, batch=batch, seq_len=seq_len,
                             eval_tokens=eval_tokens, int8=int8 and lm.kind == "causal-lm",
-                            recovering=config.recovery_steps > 0)
+                            recovering=config.recovery_steps > 0, frontier_types=len(frontier))
 with shown_errors("Estimating the time"):
     board, model = jobs.board(), repr(state.model_key())
     if not board.knows("forward", model):
@@ -167,7 +176,7 @@ if requested > done:
                         bar(fraction, message)
 
                     rep, result = compression_report(lm, config, int8=int8, progress=report,
-                                                     should_stop=stop_check, on_step=on_step)
+                                                     should_stop=stop_check, on_step=on_step, frontier_types=frontier)
                     clock.finish()
             state.remember("pipe.last", (rep, result, losses, config))
     finally:
@@ -205,6 +214,13 @@ if last is not None:
     for line in rep.warnings:
         st.warning(line)
     probes_ui.pipeline_capabilities(rep)           # each stage's capability probes against dense
+    if rep.frontier:
+        from analysis.compress.recover.frontier import verdict
+        st.markdown("#### The frontier in llama.cpp")
+        figures.chart(charts.frontier(rep.frontier, title=f"{lm.name}: GGUF size vs llama.cpp perplexity"),
+                      "pipe.frontier_chart")
+        for line in verdict(rep.frontier):
+            st.caption(line)
     curves = {name: (c["sparsity"], c["metric"]) for name, c in rep.curves.items()} or {
         "stages": ([s.sparsity for s in rep.stages], [s.metric for s in rep.stages])}
     figures.chart(charts.curves(curves, title=f"{rep.metric} vs head sparsity", x_title="head sparsity",

@@ -106,3 +106,25 @@ def test_target_sparsity_follows_the_prune_view_in_steps_of_0_01(tiny_dir):
     target = at.slider(key="hs.w.pipe.target")
     assert target.value == pytest.approx(0.37) and target.proto.step == pytest.approx(0.01)
     assert any(m.label == "Estimated time" for m in at.metric)
+
+
+def test_the_frontier_of_a_report_is_drawn_with_its_verdict(tiny_dir, out_root):
+    """Issue 35: the frontier (GGUF size vs llama.cpp perplexity) on the Pipeline page, with the verdict."""
+    from components import state
+    from tests._apptools import figure_titled
+    rep, result = _report_with_a_broken_stage()
+    mib = 2 ** 20
+    rep.frontier = {"dense q8_0": {"label": "dense", "type": "q8_0", "bytes": 138 * mib, "ppl": 15.3, "lo": 14.3,
+                                   "hi": 16.4, "tokens": 512},
+                    "final q8_0": {"label": "final", "type": "q8_0", "bytes": 131 * mib, "ppl": 19.0, "lo": 18.0,
+                                   "hi": 20.0, "tokens": 512},
+                    "final q4_k_m": {"label": "final", "type": "q4_k_m", "refused": "self-check FAILED: x"}}
+    at = new_app(tiny_dir, page="pipeline", run=False)
+    at.session_state[state._MEMO + "pipe.last"] = (rep, result, [], None)
+    at.run()
+    no_exception(at)
+    fig = figure_titled(at, "GGUF size vs llama.cpp perplexity")
+    assert [t["name"] for t in fig["data"]] == ["dense", "final", "Pareto frontier"]
+    shown = [c.value for c in at.caption]
+    assert any(c.startswith("final q8_0: 131.0 MiB") and "ON the frontier" in c for c in shown), shown
+    assert "final q4_k_m: not written: self-check FAILED: x" in shown

@@ -53,3 +53,27 @@ def test_pipeline_command_bad_input(tiny_folder, tmp_path, capsys):
     code = main(["pipeline", "--model", str(tiny_folder), "--out-dir", str(tmp_path), "--name", "../escape",
                  "--quiet"])
     assert code == 2 and "outside the output folder" in capsys.readouterr().err
+
+
+def test_pipeline_frontier_writes_the_points_the_plot_and_the_verdict(tiny_folder, tmp_path, capsys):
+    """--frontier: the dense and the final model as GGUF, run in llama.cpp on the report's held-out tokens
+    (F32: no rounding, so no self-check can refuse the random tiny model's files)."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "runs"
+    code = main(["pipeline", "--model", str(tiny_folder), "--target", "0.5", "--step", "0.5", "--recovery-tokens",
+                 "32", "--train-batch", "2", "--train-seq-len", "16", "--eval-tokens", "64", "--no-int8",
+                 "--formats", "pruned", "--frontier", "f32", "--out-dir", str(out), "--name", "run", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    points = json.loads(captured.out)["frontier"]
+    assert sorted(points) == ["dense f32", "final f32"]
+    assert points["final f32"]["bytes"] < points["dense f32"]["bytes"]
+    assert all(p["lo"] <= p["ppl"] <= p["hi"] and p["tokens"] > 0 for p in points.values())
+    report = out / "run" / "report"
+    assert (report / "frontier.png").stat().st_size > 0
+    assert "The frontier in llama.cpp" in (report / "report.md").read_text()
+    assert "frontier: final f32:" in captured.err and "the frontier" in captured.err
+    code = main(["pipeline", "--model", str(tiny_folder), "--frontier", "q9_9", "--out-dir", str(tmp_path),
+                 "--name", "bad", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Unknown GGUF type 'q9_9'" in err and not (tmp_path / "bad").exists()

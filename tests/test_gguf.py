@@ -481,11 +481,14 @@ def test_export_page_writes_a_gguf_and_measures_it_in_llama_cpp(tiny_dir, out_ro
     at.button(key="export.deploy").click().run(timeout=300)
     no_exception(at)
     assert not at.error
-    rows = at.dataframe[-1].value
-    assert list(rows["role"]) == ["dense", "pruned"]
-    assert rows["bytes"].iloc[1] < rows["bytes"].iloc[0]
-    ratio = rows["perplexity"] / rows["headscope_perplexity"]        # llama.cpp vs headscope, same ids
-    assert ((ratio - 1).abs() < 0.01).all()
+    table = at.table[-1].value.set_index("measure")
+    number = lambda measure, side: float(table.loc[measure, side].replace(",", ""))   # noqa: E731
+    assert number("file size (MiB)", "pruned") < number("file size (MiB)", "dense")
+    for side in ("dense", "pruned"):                                 # llama.cpp vs headscope, same ids
+        ratio = number("perplexity (llama.cpp)", side) / number("perplexity (headscope, PyTorch)", side)
+        assert abs(ratio - 1) < 0.01, (side, ratio)
+    assert {"decode tokens/s, no flash attention", "KV cache at 4096 tokens (MiB), no flash attention"} <= set(table.index)
+    assert any("Flash attention on:" in m.value for m in at.markdown)      # the verdict in words
 
 
 @pytest.mark.slow

@@ -63,6 +63,10 @@ def _pipeline_arguments(parser) -> None:
                         help="the dtype of the exported weights (zeroed, pruned, stock): source = what the checkpoint "
                              "stores (the recovered float32 weights are rounded to it); ONNX and GGUF have their own")
     parser.add_argument("--no-int8", dest="int8", action="store_false", help="skip the INT8 ONNX stage")
+    parser.add_argument("--frontier", default="", metavar="TYPES",
+                        help="also write the dense and the final model as GGUF at these types (e.g. q8_0,q4_k_m, or "
+                             "'default': q8_0,q5_k_m,q4_k_m) and run them in llama.cpp: file size vs perplexity, the "
+                             "Pareto frontier and its verdict in the report (frontier.png)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for the timings")
     parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
     parser.add_argument("--name", required=True, help="run folder to create under --out-dir")
@@ -114,6 +118,8 @@ def run_pipeline_command(ns):
     if len(set(formats)) != len(formats):
         raise InputError(f"--formats names a format twice ({ns.formats}); give each format once, e.g. zeroed,onnx.")
     config = config_from(ns)
+    from analysis.compress.recover.frontier import parse_types
+    frontier = parse_types(ns.frontier)                        # a bad type fails before the rounds
     check_threads(ns.threads, "--threads", none_ok=True)       # used by the last stage: checked before the first
     run_dir = resolve_under(ns.out_dir, ns.name)
     train, held_out = _read_text(ns.train_text, "--train-text"), _read_text(ns.eval_text, "--eval-text")
@@ -128,6 +134,7 @@ def run_pipeline_command(ns):
                                 cache_dir=ns.cache_dir, progress=bar, **placement_kwargs(ns))
         with progress_bar("pipeline", not ns.quiet) as bar:
             rep, result = compression_report(loaded, config, train_data=train, eval_text=held_out, int8=ns.int8,
+                                             frontier_types=frontier,
                                              threads=ns.threads, progress=bar)
         def moved(path) -> str:                  # where a file written into `tmp` will be
             return str(run_dir / Path(path).resolve().relative_to(tmp.resolve()))
@@ -149,10 +156,14 @@ def run_pipeline_command(ns):
                    "warnings": rep.warnings, "capability_warnings": rep.capability_warnings,
                    "n_pruned": int(result.pruned.sum()),
                    "stopped_by_budget": result.stopped_by_budget, "stages": stages, "curves": rep.curves,
-                   "report": files, "exports": exports}
+                   "report": files, "exports": exports, "frontier": rep.frontier}
         (tmp / RUN_FILE).write_text(json.dumps({"tool": TOOL, "model": loaded.name, "formats": formats}, indent=1))
         cancel.raise_if_signalled()              # a signal during the last export: the run folder goes
     warn(rep.capability_warnings)
+    if rep.frontier:
+        from analysis.compress.recover.frontier import verdict
+        for line in verdict(rep.frontier):
+            sys.stderr.write(f"frontier: {line}\n")
     return payload, stages
 
 

@@ -20,6 +20,7 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from analysis.compress.surgery import prune_heads
 from analysis.compress import verdict
 
 REPORT_FILES = ("report.json", "report.md", "ppl_vs_sparsity.png")
+FRONTIER_PNG = "frontier.png"              # with a frontier (compression_report's frontier_types)
 # the section of docs/results.md that bench/bench_recovery.py --write-docs owns (scripts/results.py keeps it)
 RECOVERY_MARKERS = ("<!-- recovery:begin -->", "<!-- recovery:end -->")
 EDGE_MARKERS = ("<!-- edge:begin -->", "<!-- edge:end -->")          # bench/bench_gguf.py's section
@@ -74,6 +76,7 @@ class CompressionReport:
     warnings: list = field(default_factory=list)  # e.g. a stage bigger than dense
     compensation: list | None = None              # analysis.measure.compensation rows (with recovery)
     capabilities: list | None = None              # per stage: the probes dense vs that stage (probes.breaks)
+    frontier: dict | None = None                  # GGUF points, dense and final (analysis.compress.recover.frontier)
 
     @property
     def capability_warnings(self) -> list[str]:
@@ -84,7 +87,7 @@ class CompressionReport:
         return {"model": self.model, "metric": self.metric, "config": self.config,
                 "stages": [asdict(s) for s in self.stages], "curves": self.curves, "rounds": self.rounds,
                 "int8": self.int8, "warnings": self.warnings, "compensation": self.compensation,
-                "capabilities": self.capabilities}
+                "capabilities": self.capabilities, "frontier": self.frontier}
 
     def to_json(self) -> str:
         return json.dumps(_plain(self.as_dict()), indent=1)
@@ -120,6 +123,8 @@ class CompressionReport:
         if self.capabilities:
             from analysis.measure.probes.breaks import capabilities_markdown
             extra += "\n" + capabilities_markdown(self.capabilities)
+        if self.frontier:
+            extra += "\n" + frontier_markdown(self.frontier)
         return head + "\n".join(rows) + int8 + f"\n\n## {self.metric} vs sparsity\n\n{curves}\n" + extra
 
     def plot_png(self, path) -> None:
@@ -244,10 +249,13 @@ def one_shot_curve(loaded, sparsities, config: PipelineConfig, eval_text) -> lis
 def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_text=None, int8: bool = True,
                        seq_len: int = 128, repeats: int = 3, threads: int | None = None, workdir=None,
                        progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step=None,
-                       on_round=None, probes: bool = True) -> tuple[CompressionReport, PipelineResult]:
+                       on_round=None, probes: bool = True,
+                       frontier_types: Sequence[str] = ()) -> tuple[CompressionReport, PipelineResult]:
     """Run the pipeline and measure every stage (each round as it is accepted, so no round's model
     is kept). on_round(round, model, pruned) is passed through. probes: each round's capability probes
-    against dense (analysis.measure.probes.breaks). Returns (report, result)."""
+    against dense (analysis.measure.probes.breaks). frontier_types: GGUF types at which the dense and
+    the final model are written and run in llama.cpp (analysis.compress.recover.frontier; causal LMs of
+    a family GGUF takes). Returns (report, result)."""
     report = progress or (lambda f, m: None)
     config = config.for_model(loaded.geometry)
     recovering = bool(config.steps_per_round())
@@ -309,6 +317,10 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
             # timed); llama.cpp's Q8_0 was timed against its own F32 GGUF (its line), so sizes only here
             source = final if s.name == TORCH_INT8 else fp32
             stages.append(flagged(s, source, times=s.name != GGUF_INT8, sizes=True, floor=floor))
+    points = None
+    if frontier_types and causal:
+        report(0.8, "the frontier: dense and final model at " + ", ".join(frontier_types) + " in llama.cpp")
+        points = _frontier(loaded, result, frontier_types, eval_text, workdir, config, threads, should_stop)
     report(0.85, "perplexity vs sparsity curves")
     curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
     comp = None
@@ -321,8 +333,25 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
                             stages=stages, curves=curves, rounds=[r.as_dict() for r in result.rounds],
                             int8=int8_info, warnings=growth_warnings(stages[:n_torch]) + int8_warnings(int8_info),
-                            compensation=comp, capabilities=capabilities if check is not None else None)
+                            compensation=comp, capabilities=capabilities if check is not None else None,
+                            frontier=points)
     return rep, result
+
+
+def _frontier(loaded, result, types, eval_text, workdir, config, threads, should_stop) -> dict | None:
+    """The frontier's points (analysis.compress.recover.frontier) on the report's held-out tokens; None for
+    a family llama.cpp's GGUF does not take."""
+    from analysis.compress.export.gguf.writer import family_for
+    from analysis.compress.recover.frontier import frontier_points
+    from analysis.core.errors import UnsupportedModelError
+    try:
+        family_for(loaded.adapter.model_type)
+    except UnsupportedModelError:
+        return None
+    with tempfile.TemporaryDirectory(prefix="headscope-frontier-", dir=workdir) as folder:
+        return frontier_points(loaded, result, types, eval_text, folder=folder, max_tokens=config.eval_tokens,
+                               threads=threads or 2, kv_policy=config.kv_policy, label="final",
+                               should_stop=should_stop)
 
 
 def _capability_check(loaded, probes: bool, should_stop):
@@ -529,11 +558,28 @@ def int8_lines(info: dict) -> list[str]:
     return rows
 
 
+def frontier_markdown(points: dict) -> str:
+    """The report's frontier section: the table and the verdict in words."""
+    from analysis.compress.recover.frontier import measured, pareto, verdict
+    front = set(pareto(points))
+    rows = [f"| {p['label']} | {p['type']} | {p['bytes'] / 2**20:.1f} | {p['ppl']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}] | "
+            f"{'yes' if k in front else ''} |" for k, p in sorted(measured(points).items(), key=lambda kv: kv[1]["bytes"])]
+    return ("\n## The frontier in llama.cpp (file size vs perplexity)\n\n"
+            "| model | GGUF type | file MiB | perplexity [95 % CI] | on the frontier |\n|---|---|---:|---|---|\n"
+            + "\n".join(rows) + "\n\n" + "\n".join(f"- {line}" for line in verdict(points)) + "\n")
+
+
 def write_report(report: CompressionReport, folder, *, overwrite: bool = False) -> dict[str, Path]:
-    """report.json, report.md and ppl_vs_sparsity.png in `folder` (written atomically)."""
+    """report.json, report.md and ppl_vs_sparsity.png in `folder` (written atomically), and frontier.png
+    when the report has a frontier."""
     folder = Path(folder)
     with atomic_folder(folder, overwrite=overwrite) as tmp:
         (tmp / "report.json").write_text(report.to_json(), encoding="utf-8")
         (tmp / "report.md").write_text(report.to_markdown(), encoding="utf-8")
         report.plot_png(tmp / "ppl_vs_sparsity.png")
-    return {name: folder / name for name in REPORT_FILES}
+        if report.frontier:
+            from analysis.compress.recover.frontier import plot_png
+            plot_png(report.frontier, tmp / FRONTIER_PNG, f"{report.model}: GGUF size vs llama.cpp perplexity, "
+                                                          f"dense vs the final model")
+    names = REPORT_FILES + ((FRONTIER_PNG,) if report.frontier else ())
+    return {name: folder / name for name in names}

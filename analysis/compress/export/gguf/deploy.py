@@ -245,8 +245,3 @@ def worse_than_dense(dense: dict, pruned: dict) -> list[str]:
         sizes={"file": (dense.get("bytes"), pruned.get("bytes")),
                **{f"KV cache at {k[len('kv_mib_'):]} tokens": (dense.get(k), pruned.get(k))
                   for k in dense if k.startswith("kv_mib_") and not k.endswith("_no_fa")}})
-
-
-def deployment_rows(loaded, pruned, export_result, weight_type: str, **kwargs) -> list[dict]:
-    """`deployment_report`'s rows (dense, pruned)."""
-    return deployment_report(loaded, pruned, export_result, weight_type, **kwargs)["rows"]

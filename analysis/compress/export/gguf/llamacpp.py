@@ -157,22 +157,29 @@ class Perplexity:
     n_tokens: int
 
 
-def perplexity(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512, stride: int | None = None,
-               threads: int = DEFAULT_THREADS) -> Perplexity:
-    """exp(mean NLL) of the ids in llama.cpp, scored window by window exactly as headscope's evaluator
-    scores them (`causal_windows`: each token at most once, up to window - 1 tokens of context)."""
+def window_nll(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512, stride: int | None = None,
+               threads: int = DEFAULT_THREADS, kv_type: str = "f16") -> tuple[np.ndarray, np.ndarray]:
+    """Summed NLL [W] and scored tokens [W] per window of the ids in llama.cpp, the windows exactly as
+    headscope's evaluator scores them (`causal_windows`: each token at most once, up to window - 1
+    tokens of context); the input of `perplexity` and of a bootstrap CI over windows."""
     from analysis.measure.evaluation import causal_windows
     ids = np.asarray([int(i) for i in ids], dtype=np.int64)             # [N]
     windows = causal_windows(len(ids), window, stride or window)
-    llm = load(path, n_ctx=max(w.end - w.begin for w in windows), threads=threads)
-    total, count = 0.0, 0
-    for w in windows:
+    llm = load(path, n_ctx=max(w.end - w.begin for w in windows), threads=threads, kv_type=kv_type)
+    sums, counts = np.zeros(len(windows)), np.zeros(len(windows))
+    for i, w in enumerate(windows):
         rows = logits(llm, ids[w.begin:w.end])                          # [w, V]
         scored = rows[-w.n_target - 1:-1]                               # predictions of the last n_target tokens
-        total += float(_nll(scored, ids[w.end - w.n_target:w.end]).sum())
-        count += w.n_target
-    mean = total / count
-    return Perplexity(float(np.exp(mean)), mean, count)
+        sums[i], counts[i] = float(_nll(scored, ids[w.end - w.n_target:w.end]).sum()), w.n_target
+    return sums, counts
+
+
+def perplexity(path: str | os.PathLike, ids: Sequence[int], *, window: int = 512, stride: int | None = None,
+               threads: int = DEFAULT_THREADS) -> Perplexity:
+    """exp(mean NLL) of the ids in llama.cpp (`window_nll`: scored as headscope's evaluator scores them)."""
+    sums, counts = window_nll(path, ids, window=window, stride=stride, threads=threads)
+    mean = float(sums.sum() / counts.sum())
+    return Perplexity(float(np.exp(mean)), mean, int(counts.sum()))
 
 
 @dataclass(frozen=True)

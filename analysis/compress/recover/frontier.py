@@ -1,0 +1,162 @@
+"""The compression frontier: file size against llama.cpp perplexity, the dense model quantized vs the cut
+(pruned + recovered) model quantized, and which points no other point beats (issue 35).
+
+A point = one GGUF file written by the gguf export (so a lossy one is self-checked: a refused file is a
+point that does not exist, kept with the refusal's line), run by llama.cpp on held-out ids: its
+perplexity with a 95 % bootstrap CI over windows (the same resamples for every point, so the CIs
+compare), its size in bytes. The Pareto frontier holds the points that no other point beats in both
+size and perplexity; the verdict says, for each cut point, whether it is on the frontier and how it
+compares with the best dense file at or below its size.
+
+    points = frontier_points(loaded, result, ("q8_0", "q4_k_m"), eval_text, folder=tmp)
+    pareto(points), verdict(points)
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from analysis.core.progress import Progress, ShouldStop, check_stop, report as tell
+
+FRONTIER_TYPES = ("q8_0", "q5_k_m", "q4_k_m")       # the CLI's --frontier default
+FRONTIER_CHOICES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")   # what the Pipeline page offers
+N_BOOT = 1000
+
+
+def parse_types(text: str | None) -> tuple[str, ...]:
+    """"q8_0,q4_k_m" -> the GGUF types of a frontier ("default": FRONTIER_TYPES; "" or None: none);
+    InputError for a type GGUF has not or one named twice."""
+    from analysis.compress.export.gguf.writer import WEIGHT_TYPES
+    from analysis.core.errors import InputError
+    if not text:
+        return ()
+    if text.strip() == "default":
+        return FRONTIER_TYPES
+    types = tuple(t.strip().lower() for t in text.split(",") if t.strip())
+    bad = [t for t in types if t not in WEIGHT_TYPES]
+    if bad:
+        raise InputError(f"Unknown GGUF type {bad[0]!r} for the frontier; choose from {', '.join(WEIGHT_TYPES)} "
+                         f"(or 'default': {', '.join(FRONTIER_TYPES)}).")
+    if len(set(types)) != len(types):
+        raise InputError(f"The frontier names a GGUF type twice ({text}); give each once.")
+    return types
+
+
+def gguf_point(path: Path, ids: np.ndarray, *, window: int = 512, n_boot: int = N_BOOT, threads: int = 2) -> dict:
+    """{"ppl", "lo", "hi", "tokens", "bytes"} of one GGUF file on the ids [N] (llama.cpp, f16 KV cache)."""
+    from analysis.compress.export.gguf import llamacpp
+    from analysis.measure.evaluation import bootstrap_perplexity
+    sums, counts = llamacpp.window_nll(path, ids, window=window, threads=threads)    # [W], [W]
+    boot = bootstrap_perplexity(sums[None], counts, n_boot)[:, 0]                   # [n_boot]
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"ppl": float(np.exp(sums.sum() / counts.sum())), "lo": float(lo), "hi": float(hi),
+            "tokens": int(counts.sum()), "bytes": Path(path).stat().st_size}
+
+
+def measured(points: dict) -> dict:
+    """The points llama.cpp measured (not those the export's self-check refused)."""
+    return {k: p for k, p in points.items() if "refused" not in p}
+
+
+def pareto(points: dict) -> list[str]:
+    """Keys of the measured points no other point beats in both size and perplexity, by size."""
+    points = measured(points)
+    front, best = [], math.inf
+    for k in sorted(points, key=lambda k: (points[k]["bytes"], points[k]["ppl"])):
+        if points[k]["ppl"] < best:
+            front.append(k)
+            best = points[k]["ppl"]
+    return front
+
+
+def verdict(points: dict) -> list[str]:
+    """In words, per cut point: on the frontier or not, and against the best dense file at or below its
+    size (perplexity difference); refused points with their reason."""
+    ok = measured(points)
+    front = set(pareto(ok))
+    dense = [p for p in ok.values() if p["label"] == "dense"]
+    lines = []
+    for k, p in sorted(ok.items(), key=lambda kv: kv[1]["bytes"]):
+        if p["label"] == "dense":
+            continue
+        smaller = [d for d in dense if d["bytes"] <= p["bytes"]]
+        ref = min(smaller, key=lambda d: d["ppl"]) if smaller else None
+        against = ("no dense file is this small" if ref is None else
+                   f"the best dense file at or below its size is {ref['type']} ({ref['bytes'] / 2**20:.1f} MiB, "
+                   f"perplexity {ref['ppl']:.2f}): the cut is {p['ppl'] / ref['ppl'] - 1:+.1%}")
+        lines.append(f"{k}: {p['bytes'] / 2**20:.1f} MiB, perplexity {p['ppl']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}], "
+                     f"{'ON' if k in front else 'not on'} the frontier; {against}.")
+    lines += [f"{k}: not written: {p['refused']}" for k, p in points.items() if "refused" in p]
+    return lines
+
+
+def frontier_points(loaded, result, types: Sequence[str], eval_text=None, *, folder, max_tokens: int = 4096,
+                    window: int = 512, threads: int = 2, kv_policy: str = "auto", label: str = "cut",
+                    progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict:
+    """The dense model and `result`'s final model (a PipelineResult) as GGUF at each type, measured by
+    llama.cpp on the first `max_tokens` ids of `eval_text` (None: the built-in evaluation split).
+    Returns {"<label> <type>": point} (point: `gguf_point`'s keys + label, type, self_check; or label,
+    type, refused)."""
+    from analysis.compress.export import export
+    from analysis.compress.export.selfcheck import SelfCheckFailed
+    from analysis.compress.recover.pipeline import export_round
+    from analysis.measure.evaluation import default_text, token_ids
+    ids = token_ids(loaded.tokenizer, eval_text if eval_text is not None else default_text(),
+                    max_tokens=max_tokens).numpy()                                        # [N]
+    g = loaded.geometry
+    dense = np.zeros((g.n_layers, g.n_heads), bool)
+    jobs = [("dense", t) for t in types] + [(label, t) for t in types]
+    points = {}
+    for i, (who, gguf_type) in enumerate(jobs):
+        check_stop(should_stop, "The frontier")
+        tell(progress, i / len(jobs), f"frontier: {who} at {gguf_type} in llama.cpp")
+        key, name = f"{who} {gguf_type}", f"frontier-{i}"
+        try:
+            if who == "dense":
+                written = export("gguf", loaded.model, dense, folder, name, tokenizer=loaded.tokenizer,
+                                 gguf_type=gguf_type)
+            else:
+                written = export_round("gguf", result.model, result.pruned, result.head_rounds, folder, name,
+                                       tokenizer=loaded.tokenizer, kv_policy=kv_policy, gguf_type=gguf_type)
+        except SelfCheckFailed as refused:
+            points[key] = {"label": who, "type": gguf_type, "refused": str(refused)}
+            continue
+        points[key] = {**gguf_point(written.path / "model.gguf", ids, window=window, threads=threads),
+                       "label": who, "type": gguf_type,
+                       "self_check": written.checks[-1]["line"] if written.checks else ""}
+    tell(progress, 1.0, "frontier measured")
+    return points
+
+
+def plot_png(points: dict, path, title: str) -> None:
+    """Size (MiB) against perplexity with CIs, one series per label, the frontier drawn; a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    ok = measured(points)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=150)
+    try:
+        for label in sorted({p["label"] for p in ok.values()}, key=lambda s: (s != "dense", s)):
+            group = sorted((p for p in ok.values() if p["label"] == label), key=lambda p: p["bytes"])
+            x = [p["bytes"] / 2**20 for p in group]                                          # MiB
+            y = [p["ppl"] for p in group]
+            err = [[p["ppl"] - p["lo"] for p in group], [p["hi"] - p["ppl"] for p in group]]
+            ax.errorbar(x, y, yerr=err, marker="o" if label == "dense" else "s", capsize=2, label=label,
+                        linestyle="-" if label == "dense" else ":")
+            for p, xi, yi in zip(group, x, y):
+                ax.annotate(p["type"], (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        front = [ok[k] for k in pareto(ok)]
+        ax.step([p["bytes"] / 2**20 for p in front], [p["ppl"] for p in front], where="post", color="black",
+                alpha=0.4, linewidth=3, label="Pareto frontier")
+        ax.set_xlabel("GGUF file (MiB)")
+        ax.set_ylabel("llama.cpp perplexity (held-out, 95 % CI)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)

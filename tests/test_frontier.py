@@ -1,0 +1,42 @@
+"""The frontier's arithmetic (analysis/compress/recover/frontier.py): which points no other point beats in
+size and perplexity, and the verdict in words, refused files included."""
+import pytest
+
+from analysis.compress.recover.frontier import FRONTIER_TYPES, parse_types, pareto, verdict
+from analysis.core.errors import InputError
+
+MIB = 2 ** 20
+
+
+def _point(label, gguf_type, mib, ppl):
+    return {"label": label, "type": gguf_type, "bytes": int(mib * MIB), "ppl": ppl, "lo": ppl * 0.95,
+            "hi": ppl * 1.05, "tokens": 1000}
+
+
+POINTS = {"dense f16": _point("dense", "f16", 258, 15.2), "dense q8_0": _point("dense", "q8_0", 138, 15.3),
+          "dense q4_k_m": _point("dense", "q4_k_m", 101, 17.0),
+          "cut q8_0": _point("cut", "q8_0", 131, 19.0),       # bigger than q4_k_m and worse: off
+          "cut q4_k_m": _point("cut", "q4_k_m", 90, 21.0),    # the smallest file: on
+          "cut q2": {"label": "cut", "type": "q2", "refused": "self-check FAILED: ..."}}
+
+
+def test_pareto_keeps_what_nothing_beats_in_both():
+    assert pareto(POINTS) == ["cut q4_k_m", "dense q4_k_m", "dense q8_0", "dense f16"]
+
+
+def test_verdict_compares_with_the_best_dense_file_at_or_below_the_size():
+    lines = verdict(POINTS)
+    cut8 = next(line for line in lines if line.startswith("cut q8_0"))
+    assert "not on the frontier" in cut8 and "q4_k_m (101.0 MiB, perplexity 17.00): the cut is +11.8%" in cut8
+    cut4 = next(line for line in lines if line.startswith("cut q4_k_m"))
+    assert "ON the frontier" in cut4 and "no dense file is this small" in cut4
+    assert lines[-1] == "cut q2: not written: self-check FAILED: ..."
+
+
+def test_types_are_checked_before_any_work():
+    assert parse_types("") == () and parse_types("default") == FRONTIER_TYPES
+    assert parse_types("Q8_0, q4_k_m") == ("q8_0", "q4_k_m")
+    with pytest.raises(InputError, match="Unknown GGUF type 'int3'"):
+        parse_types("q8_0,int3")
+    with pytest.raises(InputError, match="twice"):
+        parse_types("q8_0,q8_0")
