@@ -556,15 +556,18 @@ KQUANT = {"q4_k_m": ("Q4_K", "Q5_0"), "q5_k_m": ("Q5_K", "Q5_0"), "q6_k": ("Q6_K
           "q4_0": ("Q4_0", "Q4_0"), "q4_1": ("Q4_1", "Q4_1")}
 
 
-def _unique_bytes(model) -> int:
+def _unique_bytes(model, dtype=None) -> int:
     """Bytes of the model's tensors, each storage once (tied weights once): its safetensors size, but
-    the header."""
+    the header; `dtype`: the floating tensors counted as written in it (an export's source dtype)."""
+    import torch
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
-            total += t.numel() * t.element_size()
+            size = torch.empty((), dtype=dtype).element_size() if dtype is not None and t.is_floating_point() \
+                else t.element_size()
+            total += t.numel() * size
     return total
 
 
@@ -597,6 +600,7 @@ def whole_model_change(key: ModelKey, pruned, kv_policy: str, fmt: str, options:
     and cut, with the change in percent of the dense model. Built from surgery's own twin of the model
     (no file is written)."""
     from analysis.arch.models import count_parameters
+    from analysis.compress.export import get_format
     from analysis.compress.surgery import HeadLayout, prune_heads
     from analysis.score.masks import surgery_counts
     opts = dict(options)
@@ -605,18 +609,20 @@ def whole_model_change(key: ModelKey, pruned, kv_policy: str, fmt: str, options:
         smaller, layout = prune_heads(lm.model, pruned, kv_policy=kv_policy)
         dense_layout = HeadLayout.from_mask(np.zeros_like(pruned), g, lm.adapter.model_type)
         rows = [("parameters", count_parameters(lm.model), count_parameters(smaller), True)]
+        written = lm.source_dtype if get_format(fmt).keeps_dtype else None   # what the export writes them in
         if fmt == "gguf":
             wt = opts.get("gguf_type", "f16")
             (before, exact), (after, _) = _gguf_bytes(lm.model, dense_layout, wt), _gguf_bytes(smaller, layout, wt)
             rows.append((f"GGUF file, {wt} (tensor bytes{'' if exact else ', about: llama.cpp picks each tensor'})",
                          before, after, exact))
         elif fmt in FULL_SHAPE_FORMATS:
-            size = _unique_bytes(lm.model)
+            size = _unique_bytes(lm.model, written)
             rows.append((f"{fmt} file (full shapes: the cut saves no bytes)", size, size, True))
         elif fmt.startswith("onnx") and fmt != "onnx":
             rows.append((f"{fmt} file (measured when written: INT8 keeps some layers in float)", None, None, False))
         else:
-            rows.append((f"{fmt} file (tensor bytes)", _unique_bytes(lm.model), _unique_bytes(smaller), True))
+            rows.append((f"{fmt} file (tensor bytes)", _unique_bytes(lm.model, written), _unique_bytes(smaller, written),
+                         True))
         if lm.kind != "encoder":
             counts = surgery_counts(pruned, group_size=g.group_size, head_dim=g.head_dim, hidden=g.hidden,
                                     kv_policy=kv_policy, dtype_bytes=next(lm.model.parameters()).element_size())

@@ -83,3 +83,25 @@ def test_the_export_page_shows_the_whole_model_and_generates(tiny_dir, out_root)
     no_exception(at)
     shown = next(t.value for t in at.table if "prompt" in t.value.columns)
     assert list(shown["prompt"]) == ["The cat", "A dog"] and {"dense", "cut"} <= set(shown.columns)
+
+
+def test_whole_model_change_counts_the_bytes_of_the_dtype_the_export_writes(tmp_path, out_root):
+    """A bfloat16 checkpoint loaded in float32: the export writes bfloat16 (issue 35), and the table counts
+    the bytes of that file, not of the float32 copy in memory."""
+    import torch
+
+    from analysis.compress import export as export_mod
+    from components import cache, state
+    from tests._apptools import trivial_tokenizer
+    from tests._tiny import tiny_model
+    folder = tmp_path / "bf16"
+    tiny_model("llama", num_hidden_layers=4).to(torch.bfloat16).save_pretrained(folder)
+    trivial_tokenizer().save_pretrained(folder)
+    key = state.ModelKey(str(folder))
+    lm = cache.load(key)
+    assert lm.source_dtype == torch.bfloat16 and next(lm.model.parameters()).dtype == torch.float32
+    rows = {r["whole model"].split(" ")[0]: r for r in cache.whole_model_change(key, _mask(), "auto", "pruned", ())}
+    result = export_mod.export("pruned", lm.model, _mask(), out_root, "cut16", tokenizer=lm.tokenizer,
+                               dtype=lm.source_dtype)
+    raw = (result.path / export_mod.WEIGHTS_FILE).read_bytes()
+    assert rows["pruned"]["cut"] == len(raw) - 8 - struct.unpack("<Q", raw[:8])[0]
