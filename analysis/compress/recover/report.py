@@ -251,27 +251,17 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
                        progress: Progress | None = None, should_stop: ShouldStop | None = None, on_step=None,
                        on_round=None, probes: bool = True,
                        frontier_types: Sequence[str] = ()) -> tuple[CompressionReport, PipelineResult]:
-    """Run the pipeline and measure every stage (each round as it is accepted, so no round's model
-    is kept). on_round(round, model, pruned) is passed through. probes: each round's capability probes
-    against dense (analysis.measure.probes.breaks). frontier_types: GGUF types at which the dense and
-    the final model are written and run in llama.cpp (analysis.compress.recover.frontier; causal LMs of
-    a family GGUF takes). Returns (report, result)."""
+    """Run the pipeline and measure every stage as its round is accepted (no round's model is kept); on_round
+    passed through; probes: each round's capability probes vs dense; frontier_types: GGUF types of the dense
+    and final model run in llama.cpp (`frontier`). Returns (report, result)."""
     report = progress or (lambda f, m: None)
     config = config.for_model(loaded.geometry)
     recovering = bool(config.steps_per_round())
     causal = loaded.kind == "causal-lm"
     higher = evaluator_class(loaded.kind).higher_is_better
 
-    def flagged(stage: Stage, source: Stage, *, times=False, sizes=False, metric=False, floor=None) -> Stage:
-        """`stage` with its input and what is worse than it (analysis.compress.verdict)."""
-        stage.made_from = source.name
-        stage.flags = verdict.worse_than_input(
-            times={"prefill": (source.prefill_ms, stage.prefill_ms), "decode": (source.decode_ms, stage.decode_ms)}
-            if times else None,
-            sizes={"parameters": (source.parameters, stage.parameters), "file": (source.size_mb, stage.size_mb),
-                   "KV cache": (source.kv_bytes_per_token, stage.kv_bytes_per_token)} if sizes else None,
-            metric=(source.metric, stage.metric, higher) if metric else None, floor=floor)
-        return stage
+    def flagged(stage: Stage, source: Stage, **what) -> Stage:
+        return _flagged(stage, source, higher, **what)
 
     common = dict(eval_tokens=config.eval_tokens, seq_len=seq_len, repeats=repeats, threads=threads, causal=causal)
     report(0.0, "measuring the dense model")
@@ -297,8 +287,7 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
 
     result = run_pipeline(loaded, config, train_data=train_data, eval_text=eval_text, should_stop=should_stop,
                           on_step=on_step, on_round=measure_round, progress=lambda f, m: report(0.05 + 0.6 * f, m))
-    source = stages[-1] if result.accepted else stages[0]
-    final = replace(source, name="final", made_from=source.name, timed_as=source.timed_as or source.name, flags=[])
+    final = _final_stage(stages[-1] if result.accepted else stages[0])
     stages.append(final)
     n_torch = len(stages)          # the safetensors-sized stages, compared with dense in growth_warnings
     int8_info = None
@@ -306,28 +295,9 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
         report(0.7, "INT8: ONNX export and quantization, PyTorch dynamic INT8")
         int8_info, int8_stages = _int8_stages(loaded, result, final, eval_text, workdir, config, threads, repeats,
                                               seq_len=seq_len)
-        fp32 = int8_stages[0]
-        stages.append(flagged(fp32, final, metric=True))
-        info_key = {**ONNX_INT8, GGUF_INT8: "gguf", TORCH_INT8: "torch"}
-        for s in int8_stages[1:]:
-            c = int8_info[info_key[s.name]]
-            floor = {**c["floor"], "top1_agreement": c["top1_agreement"],
-                     "ratio": c.get("perplexity_ratio", c.get("metric_int8", 1) / c.get("metric_fp32", 1))}
-            # ONNX INT8 against the ONNX float file, PyTorch INT8 against the float model (same runtime:
-            # timed); llama.cpp's Q8_0 was timed against its own F32 GGUF (its line), so sizes only here
-            source = final if s.name == TORCH_INT8 else fp32
-            stages.append(flagged(s, source, times=s.name != GGUF_INT8, sizes=True, floor=floor))
-    points = None
-    if frontier_types and causal:
-        report(0.8, "the frontier: dense and final model at " + ", ".join(frontier_types) + " in llama.cpp")
-        points = _frontier(loaded, result, frontier_types, eval_text, workdir, config, threads, should_stop)
-    report(0.85, "perplexity vs sparsity curves")
-    curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
-    comp = None
-    if config.recovery_steps and result.accepted:                # kept heads' roles before / after distillation
-        from analysis.measure.compensation import compensation
-        report(0.95, "roles of the kept heads before and after recovery")
-        comp = compensation(loaded, result.model, result.pruned, eval_text, should_stop=should_stop)
+        stages += _int8_flagged(int8_stages, int8_info, final, higher)
+    points = _frontier(loaded, result, frontier_types, eval_text, workdir, config, threads, report, should_stop)
+    curves, comp = _curves_and_roles(loaded, config, result, eval_text, train_data, report, should_stop)
     report(1.0, "report ready")
     stages = _with_ratios(stages)
     rep = CompressionReport(model=loaded.name, metric=result.metric, config=_plain(config.as_dict()),
@@ -338,16 +308,64 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
     return rep, result
 
 
-def _frontier(loaded, result, types, eval_text, workdir, config, threads, should_stop) -> dict | None:
-    """The frontier's points (analysis.compress.recover.frontier) on the report's held-out tokens; None for
-    a family llama.cpp's GGUF does not take."""
+def _final_stage(source: Stage) -> Stage:
+    """The final model: the last accepted round's stage (or dense), its numbers not measured again."""
+    return replace(source, name="final", made_from=source.name, timed_as=source.timed_as or source.name, flags=[])
+
+
+def _curves_and_roles(loaded, config, result, eval_text, train_data, report, should_stop) -> tuple[dict, list | None]:
+    """The metric-vs-sparsity curves, and with recovery the kept heads' roles before / after distillation."""
+    report(0.85, "perplexity vs sparsity curves")
+    curves = _curves(loaded, config, result, eval_text, train_data, should_stop)
+    if not (config.recovery_steps and result.accepted):
+        return curves, None
+    from analysis.measure.compensation import compensation
+    report(0.95, "roles of the kept heads before and after recovery")
+    return curves, compensation(loaded, result.model, result.pruned, eval_text, should_stop=should_stop)
+
+
+def _flagged(stage: Stage, source: Stage, higher: bool, *, times=False, sizes=False, metric=False,
+             floor=None) -> Stage:
+    """`stage` with its input and what is worse than it (analysis.compress.verdict)."""
+    stage.made_from = source.name
+    stage.flags = verdict.worse_than_input(
+        times={"prefill": (source.prefill_ms, stage.prefill_ms), "decode": (source.decode_ms, stage.decode_ms)}
+        if times else None,
+        sizes={"parameters": (source.parameters, stage.parameters), "file": (source.size_mb, stage.size_mb),
+               "KV cache": (source.kv_bytes_per_token, stage.kv_bytes_per_token)} if sizes else None,
+        metric=(source.metric, stage.metric, higher) if metric else None, floor=floor)
+    return stage
+
+
+def _int8_flagged(int8_stages: list[Stage], info: dict, final: Stage, higher: bool) -> list[Stage]:
+    """The INT8 stages, each flagged against its own input: the ONNX float file against the final model
+    (metric), the ONNX INT8 files against the ONNX float file and PyTorch INT8 against the final model
+    (same runtime: timed, sizes, the self-check floor), llama.cpp's Q8_0 by size and floor only (it was
+    timed against its own F32 GGUF: its line in the INT8 section)."""
+    fp32 = _flagged(int8_stages[0], final, higher, metric=True)
+    out, info_key = [fp32], {**ONNX_INT8, GGUF_INT8: "gguf", TORCH_INT8: "torch"}
+    for s in int8_stages[1:]:
+        c = info[info_key[s.name]]
+        floor = {**c["floor"], "top1_agreement": c["top1_agreement"],
+                 "ratio": c.get("perplexity_ratio", c.get("metric_int8", 1) / c.get("metric_fp32", 1))}
+        source = final if s.name == TORCH_INT8 else fp32
+        out.append(_flagged(s, source, higher, times=s.name != GGUF_INT8, sizes=True, floor=floor))
+    return out
+
+
+def _frontier(loaded, result, types, eval_text, workdir, config, threads, report, should_stop) -> dict | None:
+    """The frontier's points (analysis.compress.recover.frontier) on the report's held-out tokens; None
+    without types, for a model that is not a causal LM, or of a family llama.cpp's GGUF does not take."""
     from analysis.compress.export.gguf.writer import family_for
     from analysis.compress.recover.frontier import frontier_points
     from analysis.core.errors import UnsupportedModelError
+    if not types or loaded.kind != "causal-lm":
+        return None
     try:
         family_for(loaded.adapter.model_type)
     except UnsupportedModelError:
         return None
+    report(0.8, "the frontier: dense and final model at " + ", ".join(types) + " in llama.cpp")
     with tempfile.TemporaryDirectory(prefix="headscope-frontier-", dir=workdir) as folder:
         return frontier_points(loaded, result, types, eval_text, folder=folder, max_tokens=config.eval_tokens,
                                threads=threads or 2, kv_policy=config.kv_policy, label="final",
