@@ -223,7 +223,7 @@ def render(state: dict) -> str:
                 c = r["conditions"]
                 lines.append(f"| {k} | {r['accuracy']:.3f} [{r['low']:.2f}, {r['high']:.2f}] | {c.get('male', 0):.2f} | "
                              f"{c.get('female', 0):.2f} | {c.get('plural', 0):.2f} |")
-            lines.append("The probe keeps the lead-in (docs/DEFINITIONS.md).")
+            lines += ["", "The probe keeps the lead-in (docs/DEFINITIONS.md)."]
         lines.append(f"\nDense probes took {d['auto']['seconds']:.1f} s for all six ({sum(r['n_tokens'] for r in d['auto']['probes'].values())} tokens) on this machine.")
         lines.append("")
     m = state.get("maps")
