@@ -138,9 +138,10 @@ def heads_section(lm) -> None:
             names = list(built)
             if skipped:
                 st.caption("Not available for this tokenizer or context: " + " ".join(skipped.values()))
-            probe = st.selectbox("Probe", names, format_func=lambda n: f"{PROBES[n].label}: {PROBES[n].help}",
+            probe = st.selectbox("Probe", names, format_func=lambda n: PROBES[n].label,   # fits at 1280x800
                                  key=state.widget_key("heads.probe", value=names[0]))
             probe = probe if probe in names else names[0]
+            st.caption(PROBES[probe].help)
             result = cache.run_button(f"Map the heads behind {PROBES[probe].label}", button_key="heads.probe_map",
                                       slot="heads.probe_map", run_key=(state.model_key(), probe),
                                       fn=probe_map, args=(state.model_key(), probe),

@@ -57,15 +57,19 @@ def _load_with_offload() -> None:
                                      offload_folder=offload_folder(str(state.get("model")))))
 
 
-def needs_model(lm, what: str) -> None:
-    """Stop here, in one line, when the checkpoint is open weights only and `what` runs the model."""
+def needs_model(lm, what: str, *, stop: bool = True) -> bool:
+    """When the checkpoint is open weights only and `what` runs the model: say so in one line with the
+    button that loads it, then stop the page (stop=False: return True instead, for a fragment, where
+    st.stop() on every rerun lost the key presses that came in meanwhile). False: the model is loaded."""
     if not state.weights_only():
-        return
+        return False
     st.info(f"{what} runs the model (activations); this checkpoint is open weights only. Load the model "
             f"(with disk offload, for one larger than memory) to use it.", icon=":material/memory:")
     st.button("Load the model with disk offload", key=state.WIDGET_PREFIX + "weights_only.load." + what,
               on_click=_load_with_offload)
-    st.stop()
+    if stop:
+        st.stop()
+    return True
 
 
 STREAMED_HELP = "streamed from the checkpoint's files (weights only): the model is never built"

@@ -67,7 +67,7 @@ def live_mask(scorer: str, base_params: dict, policy: str, kv_policy: str, flops
     params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
     head_scores = _live_scores(left, scorer, params)
     if head_scores is None:
-        st.stop()          # in a full run this ends the page too: nothing below has a mask
+        return             # not st.stop(): inside a fragment it lost the key presses that came in meanwhile
     plan = None
     with shown_errors("Building the mask"):
         plan = views.plan_of(lm, head_scores, sparsity, policy)
@@ -161,7 +161,8 @@ def view_sections(plan, params: dict, policy: str, scorer: str, z: float, sparsi
     """Everything below the mask that depends on z or the sparsity: the perplexity check and the z sweep.
     Drawn inside the fragment, so a key press that changes the mask also changes (or marks as stale)
     every result shown under it: a result of another view is never shown as this view's (issue 33)."""
-    weights.needs_model(lm, "Checking the mask's perplexity and the z sweep")
+    if weights.needs_model(lm, "Checking the mask's perplexity and the z sweep", stop=False):
+        return
     _check_section(plan, params, policy, scorer, z, sparsity)
     probes_ui.cut_panel(lm, plan.pruned, where="prune")      # beside the perplexity check: what the cut breaks
     zs = _sweep_section(params, policy, scorer, z, sparsity)

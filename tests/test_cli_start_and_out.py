@@ -24,6 +24,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORME
 # the child: an import hook that sends SIGINT to itself as the CLI's heavy imports start, then the CLI
 TRIP = """
 import os, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal (a background job inherits SIG_IGN)
 class Trip:
     def find_spec(self, name, path=None, target=None):
         if name == "analysis.cli.common":
