@@ -30,6 +30,7 @@ def test_verdict_compares_with_the_best_dense_file_at_or_below_the_size():
     assert "not on the frontier" in cut8 and "q4_k_m (101.0 MiB, perplexity 17.00): the cut is +11.8%" in cut8
     cut4 = next(line for line in lines if line.startswith("cut q4_k_m"))
     assert "ON the frontier" in cut4 and "no dense file is this small" in cut4
+    assert "against the smallest, q4_k_m (101.0 MiB, perplexity 17.00), the cut saves 10.9% of the file for +23.5%" in cut4
     assert lines[-1] == "cut q2: not written: self-check FAILED: ..."
 
 

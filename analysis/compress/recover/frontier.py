@@ -84,9 +84,17 @@ def verdict(points: dict) -> list[str]:
             continue
         smaller = [d for d in dense if d["bytes"] <= p["bytes"]]
         ref = min(smaller, key=lambda d: d["ppl"]) if smaller else None
-        against = ("no dense file is this small" if ref is None else
-                   f"the best dense file at or below its size is {ref['type']} ({ref['bytes'] / 2**20:.1f} MiB, "
-                   f"perplexity {ref['ppl']:.2f}): the cut is {p['ppl'] / ref['ppl'] - 1:+.1%}")
+        if ref is not None:
+            against = (f"the best dense file at or below its size is {ref['type']} ({ref['bytes'] / 2**20:.1f} MiB, "
+                       f"perplexity {ref['ppl']:.2f}): the cut is {p['ppl'] / ref['ppl'] - 1:+.1%}")
+        elif dense:                  # on the frontier only by being smaller: say what that costs
+            least = min(dense, key=lambda d: d["bytes"])
+            against = (f"no dense file is this small; against the smallest, {least['type']} "
+                       f"({least['bytes'] / 2**20:.1f} MiB, perplexity {least['ppl']:.2f}), the cut saves "
+                       f"{1 - p['bytes'] / least['bytes']:.1%} of the file for {p['ppl'] / least['ppl'] - 1:+.1%} "
+                       f"perplexity")
+        else:
+            against = "no dense file was measured"
         lines.append(f"{k}: {p['bytes'] / 2**20:.1f} MiB, perplexity {p['ppl']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}], "
                      f"{'ON' if k in front else 'not on'} the frontier; {against}.")
     lines += [f"{k}: not written: {p['refused']}" for k, p in points.items() if "refused" in p]
