@@ -2,9 +2,9 @@
 targets; a result, not a test).
 
 The dense SmolLM2-135M is written by headscope's GGUF export at F32 and at Q8_0 (the Q8_0 file
-self-checked as any export), once per --embedding-types (llama.cpp's quantizer picks Q8_0 for the tied
-token embedding / output tensor by itself, "auto"; "f16" keeps that one tensor in F16: which tensors
-cost agreement). Each Q8_0 file is compared with the F32 one by `analysis.compress.recover.quantize
+self-checked as any export; headscope's writer quantizes every 2-D tensor to Q8_0 itself, the tied token
+embedding / output tensor included: the format's embedding type applies only to the k-quants and Q4_x,
+which llama.cpp's quantizer makes, so --embedding-types takes "auto" for Q8_0). Each Q8_0 file is compared with the F32 one by `analysis.compress.recover.quantize
 .compare_gguf`, both run by llama.cpp on this CPU: top-1 agreement and perplexity ratio on --tokens
 tokens of the evaluation split (windows of --window), file size, and prefill (--context tokens) and
 decode (--decode tokens) speed in --rounds interleaved rounds after warm-up, per-round spread.
@@ -15,7 +15,7 @@ AVX2, FMA, F16C; a native build, e.g. `CMAKE_ARGS=-DGGML_NATIVE=ON pip install -
 llama-cpp-python`, run with PYTHONPATH=DIR, uses what this CPU has).
 
 Usage: nice -n 10 .venv/bin/python -m bench.bench_gguf_int8 [--tokens 16384] [--rounds 6] [--threads 2]
-       [--embedding-types auto,f16] [--parts quality,speed] [--out FILE.json]
+       [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", type=int, default=32, help="decode steps of the speed rounds")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--embedding-types", dest="embedding_types", default="auto,f16")
+    p.add_argument("--embedding-types", dest="embedding_types", default="auto")
     p.add_argument("--cache-dir", dest="cache_dir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
