@@ -14,7 +14,8 @@ because the seed's claim is that the saving grows with the sequence length: the 
 the KV cache grow with the context while the weights do not.
 
 Usage: nice -n 10 .venv/bin/python -m bench.bench_long_context [--contexts 512,4096,16384]
-       [--sparsities 0.25,0.5] [--rounds 6] [--tokens 16] [--threads 2] [--out FILE.json] [--quick]
+       [--sparsities 0.25,0.5] [--rounds 6] [--tokens 16] [--threads 2] [--out FILE.json] [--write-docs]
+       [--render-only FILE.json] [--quick]
 --quick: 50 % only, contexts 256 and 1024, 3 rounds of 4 tokens: checks the script in a minute.
 """
 from __future__ import annotations
@@ -36,7 +37,11 @@ from analysis.compress.speed import forward_flops
 from analysis.compress.surgery import prune_heads
 from analysis.score.masks import plan_mask
 from analysis.score.scoring import get_scorer
+from analysis.compress.recover.report import LONG_CONTEXT_MARKERS
+from analysis.core.atomic import write_section
 from bench._timing import load_average
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cut_mask(loaded, sparsity: float) -> np.ndarray:
@@ -75,7 +80,13 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", dest="cache_dir", default=None)
     p.add_argument("--out", default=None, help="also write the numbers as JSON")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--write-docs", dest="write_docs", action="store_true", help="write docs/results.md's section")
+    p.add_argument("--render-only", dest="render_only", default=None, metavar="FILE.json",
+                   help="no measuring: the table (and --write-docs) from numbers an --out run saved")
     args = p.parse_args(argv)
+    if args.render_only:
+        finish(json.loads(Path(args.render_only).read_text()), args)
+        return 0
     if args.quick:
         args.contexts, args.sparsities, args.rounds, args.tokens = "256,1024", "0.5", 3, 4
     contexts = [int(c) for c in args.contexts.split(",") if c]
@@ -107,17 +118,46 @@ def main(argv=None) -> int:
                       f"{row['decode_tok_s_dense']:.1f} tok/s = {ratio['median']:.2f}x (per round "
                       f"{ratio['min']:.2f}-{ratio['max']:.2f}); predicted {row['flop_speedup']:.2f}x by FLOPs, "
                       f"KV read {row['kv_ratio']:.2f}x", flush=True)
-    print("\n| context | cut | dense tok/s | cut tok/s | measured speed-up (per-round min-max) | FLOP prediction | KV bytes |")
-    print("|---:|---:|---:|---:|---|---:|---:|")
-    for r in rows:
-        s = r["speedup"]
-        print(f"| {r['context']:,} | {r['sparsity']:.1%} | {r['decode_tok_s_dense']:.1f} | {r['decode_tok_s_cut']:.1f} | "
-              f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) | {r['flop_speedup']:.2f}x | {r['kv_ratio']:.2f}x |")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "args": vars(args), "load": load_average(),
-                                              "when": datetime.now(timezone.utc).isoformat()}, indent=1))
+    out = {"rows": rows, "args": vars(args), "load": load_average(), "when": datetime.now(timezone.utc).isoformat(),
+           "machine": platform.processor() or platform.machine()}
+    finish(out, args)
     return 0
 
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| context | cut | dense tok/s | cut tok/s | measured speed-up (per-round min-max) | FLOP prediction | KV bytes |",
+             "|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        s = r["speedup"]
+        lines.append(f"| {r['context']:,} | {r['sparsity']:.1%} | {r['decode_tok_s_dense']:.1f} | {r['decode_tok_s_cut']:.1f} | "
+                     f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) | {r['flop_speedup']:.2f}x | {r['kv_ratio']:.2f}x |")
+    return lines
+
+
+def markdown(out: dict) -> str:
+    a = out["args"]
+    return "\n".join([
+        LONG_CONTEXT_MARKERS[0], "", "## Long context: pruned vs dense decode in llama.cpp (bench/bench_long_context.py)", "",
+        f"Measured {out['when'][:16].replace('T', ' ')} UTC on {out.get('machine', 'x86_64')}, {a['threads']} threads, "
+        f"{a['gguf_type']} GGUF written by headscope, flash attention on; MP-G groups cuts, one-shot (decode speed "
+        f"depends on the shapes, not on the weights); each context prefilled once untimed, then {a['rounds']} "
+        f"interleaved rounds of {a['tokens']} decode steps after warm-up; load average at the end {out['load']}. "
+        f"Command: `python -m bench.bench_long_context --out FILE --write-docs`.", "",
+        *table(out["rows"]), "",
+        "FLOP prediction: one decode step at that context (projections, MLP, LM head and the attention scores "
+        "over the context, `analysis.compress.speed.forward_flops`), dense over cut; KV bytes: the share of KV "
+        "heads kept, what each step reads from the cache. The saving grows with the context, as the seed's "
+        "method claims: the weights are the same at every context, the attention and the KV cache are not.",
+        "", LONG_CONTEXT_MARKERS[1], ""])
+
+
+def finish(out: dict, args) -> None:
+    """Print the table; --out saves the numbers, --write-docs the section of docs/results.md."""
+    print("\n" + "\n".join(table(out["rows"])))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.write_docs:
+        write_section(ROOT / "docs" / "results.md", markdown(out), *LONG_CONTEXT_MARKERS)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -43,6 +43,7 @@ FRONTIER_PNG = "frontier.png"              # with a frontier (compression_report
 RECOVERY_MARKERS = ("<!-- recovery:begin -->", "<!-- recovery:end -->")
 EDGE_MARKERS = ("<!-- edge:begin -->", "<!-- edge:end -->")          # bench/bench_gguf.py's section
 FRONTIER_MARKERS = ("<!-- frontier:begin -->", "<!-- frontier:end -->")  # bench/bench_frontier.py's section
+LONG_CONTEXT_MARKERS = ("<!-- long-context:begin -->", "<!-- long-context:end -->")  # bench/bench_long_context.py
 
 
 @dataclass
