@@ -559,15 +559,12 @@ KQUANT = {"q4_k_m": ("Q4_K", "Q5_0"), "q5_k_m": ("Q5_K", "Q5_0"), "q6_k": ("Q6_K
 def _unique_bytes(model, dtype=None) -> int:
     """Bytes of the model's tensors, each storage once (tied weights once): its safetensors size, but
     the header; `dtype`: the floating tensors counted as written in it (an export's source dtype)."""
-    import torch
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
-            size = torch.empty((), dtype=dtype).element_size() if dtype is not None and t.is_floating_point() \
-                else t.element_size()
-            total += t.numel() * size
+            total += t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
     return total
 
 
