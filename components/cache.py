@@ -30,7 +30,7 @@ from analysis.core.errors import CancelledError, HeadscopeError
 from analysis.core.progress import check_stop
 from analysis.core.progress import Progress
 
-from . import jobs, state
+from . import jobs, shell, state
 from .errors import show_exception
 from .state import ModelKey
 
@@ -183,7 +183,7 @@ def model_or_stop():
     name = state.get("model")
     if not name:
         st.info("Pick a model in the sidebar: a built-in, a Hugging Face id, or a local folder.")
-        st.stop()
+        shell.end_run()
     cold = conversion_pending(name)
     slot = stop_button(f"Loading {name}") if cold else None
     try:
@@ -203,7 +203,7 @@ def model_or_stop():
         if slot is not None:
             slot.empty()
             state.clear_stop()
-    st.stop()
+    shell.end_run()
 
 
 def profile_or_stop():
@@ -212,14 +212,14 @@ def profile_or_stop():
         prof = cached_call(profile, state.model_key(), label="Streaming the row norms from the checkpoint",
                            stoppable=True)
         if prof is None:
-            st.stop()
+            shell.end_run()
         return prof
     try:
         with progress_bar("Computing row norms") as report:
             return profile(state.model_key(), _progress=report)
     except Exception as err:  # noqa: BLE001
         show_exception(err, "Computing row norms")
-    st.stop()
+    shell.end_run()
 
 
 @contextmanager

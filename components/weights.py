@@ -18,7 +18,7 @@ import streamlit as st
 from analysis.arch.checkpoint import INDEX_FILE
 from analysis.core.placement import Placement
 
-from . import state
+from . import shell, state
 
 
 def is_checkpoint_folder(name: str) -> bool:
@@ -59,8 +59,8 @@ def _load_with_offload() -> None:
 
 def needs_model(lm, what: str, *, stop: bool = True) -> bool:
     """When the checkpoint is open weights only and `what` runs the model: say so in one line with the
-    button that loads it, then stop the page (stop=False: return True instead, for a fragment, where
-    st.stop() on every rerun lost the key presses that came in meanwhile). False: the model is loaded."""
+    button that loads it, then end the run (stop=False: return True instead, for a fragment that still
+    draws what needs no activations). False: the model is loaded."""
     if not state.weights_only():
         return False
     st.info(f"{what} runs the model (activations); this checkpoint is open weights only. Load the model "
@@ -68,7 +68,7 @@ def needs_model(lm, what: str, *, stop: bool = True) -> bool:
     st.button("Load the model with disk offload", key=state.WIDGET_PREFIX + "weights_only.load." + what,
               on_click=_load_with_offload)
     if stop:
-        st.stop()
+        shell.end_run()
     return True
 
 

@@ -34,7 +34,7 @@ state.set("sparsity", sparsity)
 policy = controls.policy_controls(c4)
 if len(chosen) < 2:
     st.info("Pick at least two scorers to compare.")
-    st.stop()
+    shell.end_run()
 
 results = {}
 for name in chosen:
@@ -50,7 +50,7 @@ for name in chosen:
 st.caption("Each scorer runs with its default parameters (z from the slider); tune one scorer on the Prune page.")
 if len(results) < 2:
     st.info("At least two scorers need scores before they can be compared.")
-    st.stop()
+    shell.end_run()
 
 with shown_errors("Comparing masks"):
     plans = {n: views.plan_of(lm, hs, sparsity, policy) for n, (_, hs) in results.items()}

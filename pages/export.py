@@ -27,7 +27,7 @@ explain.export()
 
 built = views.view_mask(lm)
 if built is None:
-    st.stop()
+    shell.end_run()
 head_scores, plan, params, policy = built
 scorer, sparsity = state.get("scorer"), float(state.get("sparsity"))
 described = ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in params.items())

@@ -67,7 +67,7 @@ def live_mask(scorer: str, base_params: dict, policy: str, kv_policy: str, flops
     params = {**base_params, "z": float(z)} if "z" in base_params else dict(base_params)
     head_scores = _live_scores(left, scorer, params)
     if head_scores is None:
-        return             # not st.stop(): inside a fragment it lost the key presses that came in meanwhile
+        return
     plan = None
     with shown_errors("Building the mask"):
         plan = views.plan_of(lm, head_scores, sparsity, policy)

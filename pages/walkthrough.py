@@ -53,7 +53,7 @@ with shown_errors("Working the example"):
                                       cache.params_key(controls.default_params(name, z)),
                                       label=f"Scoring with {controls.label(name)}") for name in ("mp", "mp-g")}
     if any(s is None for s in scored.values()):
-        st.stop()
+        shell.end_run()
     mp, mpg = scored["mp"].scores, scored["mp-g"].scores                   # [L, H] each
     own, e_kv = float(own_sums[layer, head]), float(group_sums[layer, group])
     figures.chart(charts.head_rows(norms, unit, taus, title=f"Layer {layer}: head {head}'s rows (red) among "
