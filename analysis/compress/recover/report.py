@@ -140,7 +140,10 @@ class CompressionReport:
             ax.set_ylabel(self.metric)
             ax.set_title(f"{self.model}: {self.metric} vs head sparsity")
             ax.grid(alpha=0.3)
-            ax.legend()
+            if self.curves:
+                ax.legend()
+            else:                     # a report without measured curves: say so, not an empty legend
+                ax.text(0.5, 0.5, "no curves measured", ha="center", va="center", transform=ax.transAxes)
             fig.tight_layout()
             fig.savefig(path, format="png")
         finally:
