@@ -22,7 +22,8 @@ ends the process (exit status 2, the same line on stderr) should a backend still
 TIMEOUT + 10 s later. The launcher then stops the remaining processes.
 
 Test hook: HEADSCOPE_DIST_FAULT="kill:R" makes rank R SIGKILL itself at its first gather,
-"hang:R" makes it sleep there (tests/test_distributed.py uses both).
+"hang:R" makes it stop answering there, waiting at a cancel point, so the launcher's SIGTERM ends it
+as it ends a busy worker (tests/test_distributed.py uses both).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 
 from analysis.core.errors import DistributedError, InputError, first_line
+from analysis.core.progress import raise_if_signalled
 
 TIMEOUT_ENV = "HEADSCOPE_DIST_TIMEOUT_S"
 FAULT_ENV = "HEADSCOPE_DIST_FAULT"
@@ -258,6 +260,7 @@ def _fault_hook(t: Team) -> None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "hang":
+    elif action == "hang":          # never answers; the launcher's SIGTERM (recorded by the CLI) ends it
         while True:
-            time.sleep(3600)
+            raise_if_signalled()
+            time.sleep(0.1)
