@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import streamlit as st
 
+from analysis.measure.compensation import COMPENSATION_TOKENS
+
 # forward-pass tokens per unit of work, by kind of job: the prior before a job of that kind has run here.
 # A unit is what the call site counts (e.g. evaluated tokens x masks); the factor says how many tokens of a
 # full forward pass one unit costs (1: one forward of that token; 0.5: half the layers on average, ...).
@@ -243,21 +245,32 @@ def finite(x: float | None) -> bool:
 # when it ends.
 PIPELINE_PHASES = (("dense", 0.0), ("rounds", 0.05), ("int8", 0.7), ("frontier", 0.8), ("curves", 0.85),
                    ("roles", 0.95))
-STAGE_TOKENS = 1500          # measuring a stage beyond its evaluation: latency repeats, the safetensors size
+STAGE_TOKENS = 1500          # measuring a stage beyond its evaluation: prefill and decode timings, the safetensors size
 INT8_TOKENS = 12000          # the INT8 stages beyond their evaluations: the ONNX export, two quantizations, timings
 FRONTIER_FILE_TOKENS = 3000  # a frontier file beyond its evaluation: writing, quantizing, the export's self-check
+# a recovery step's forward tokens per training token: the teacher's forward, the student's forward, its re-forward
+# under gradient checkpointing, the backward (about two forwards) and the AdamW step over every weight (SmolLM2,
+# batch 2 x 64: 3.4 s a step at 281 forward tokens/s, 7.5 per token; the prior said 4 and was 2x low)
+DISTILL_FORWARDS = 7.0
+PROBE_FORWARDS = 1.2         # the capability probes per prompt token (bench_probes: 1.17x a perplexity check)
+# the kept heads' roles (analysis.measure.compensation): every detector before and after recovery, then DLA
+# on the dense model, each on its own fixed number of tokens (not the evaluation's)
+ROLES_UNITS = (2 * FORWARD_TOKENS["detectors"] + 1.0) * COMPENSATION_TOKENS
 
 
 def pipeline_units(*, rounds: int, recovery_steps: int, batch: int, seq_len: int, eval_tokens: int, int8: bool,
-                   recovering: bool, frontier_types: int = 0) -> dict[str, float]:
-    """Forward-token units of each phase of a pipeline run (the pace turns them into seconds)."""
+                   recovering: bool, frontier_types: int = 0, probe_tokens: int = 0) -> dict[str, float]:
+    """Forward-token units of each phase of a pipeline run (the pace turns them into seconds). probe_tokens:
+    the prompt tokens of the capability probes the report runs on the dense model and on every round (0: none;
+    they were left out of this prior, which came out 3x low on a first run: bench/bench_estimates.py)."""
     stage = eval_tokens + STAGE_TOKENS
-    units = {"dense": stage,
-             "rounds": rounds * (4 * recovery_steps * batch * seq_len + 2 * eval_tokens + stage),
+    probes = PROBE_FORWARDS * probe_tokens
+    units = {"dense": stage + probes,
+             "rounds": rounds * (DISTILL_FORWARDS * recovery_steps * batch * seq_len + 2 * eval_tokens + stage + probes),
              "int8": INT8_TOKENS + 6 * eval_tokens if int8 else 0,
              "frontier": 2 * frontier_types * (eval_tokens + FRONTIER_FILE_TOKENS),    # dense and final per type
              "curves": rounds * eval_tokens * (3 if recovering else 1),
-             "roles": 6 * eval_tokens if recovering else 0}
+             "roles": ROLES_UNITS if recovering else 0}
     return {k: float(v) for k, v in units.items() if v}
 
 

@@ -29,6 +29,17 @@ def probe_items(key: ModelKey, seed: int = SEED):
     return build_applicable(cache.load(key), None, options={"seed": seed})
 
 
+def probe_tokens(key: ModelKey, seed: int = SEED) -> int:
+    """The prompt tokens of every probe that applies to the model (0: none builds): what a pipeline's
+    report runs on the dense model and on each round, for its time estimate."""
+    from analysis.core.errors import InputError
+    try:
+        built, _ = probe_items(key, seed)
+    except InputError:
+        return 0
+    return int(sum(items.n_tokens for _, _, items in built.values()))
+
+
 @st.cache_data(show_spinner=False, max_entries=4)
 def dense_probes(key: ModelKey, seed: int = SEED, _progress=None, _should_stop=None):
     """(built items, skipped probe -> reason, dense scores) of every probe that applies to the model."""

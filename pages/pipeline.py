@@ -135,7 +135,8 @@ config = config.one_shot() if one_shot else config
 rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
 units = jobs.pipeline_units(rounds=rounds, recovery_steps=config.recovery_steps, batch=batch, seq_len=seq_len,
                             eval_tokens=eval_tokens, int8=int8 and lm.kind == "causal-lm",
-                            recovering=config.recovery_steps > 0, frontier_types=len(frontier))
+                            recovering=config.recovery_steps > 0, frontier_types=len(frontier),
+                            probe_tokens=probes_ui.probe_tokens(state.model_key()))
 with shown_errors("Estimating the time"):
     board, model = jobs.board(), repr(state.model_key())
     if not board.knows("forward", model):

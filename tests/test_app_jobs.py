@@ -116,3 +116,17 @@ def test_the_lock_serves_jobs_in_arrival_order(tiny_dir):
         t.join(30)
     assert order == ["first", "second", "third", "fourth"]
     assert queued == ["first", "second", "third", "fourth"]
+
+
+def test_the_pipeline_prior_counts_the_probes_on_dense_and_on_every_round():
+    """The report runs the capability probes on the dense model and after each round; the roles phase reads
+    its own fixed tokens. (Left out, the first estimate of a pipeline run was 3x low.)"""
+    from components import jobs
+    shape = dict(rounds=3, recovery_steps=4, batch=2, seq_len=64, eval_tokens=64, int8=False, recovering=True)
+    without, with_probes = jobs.pipeline_units(**shape), jobs.pipeline_units(**shape, probe_tokens=1000)
+    assert with_probes["dense"] - without["dense"] == pytest.approx(jobs.PROBE_FORWARDS * 1000)
+    assert with_probes["rounds"] - without["rounds"] == pytest.approx(3 * jobs.PROBE_FORWARDS * 1000)
+    assert with_probes["curves"] == without["curves"] and with_probes["roles"] == without["roles"] > 0
+    more_eval = jobs.pipeline_units(**{**shape, "eval_tokens": 4096})
+    assert more_eval["roles"] == without["roles"]
+    assert "roles" not in jobs.pipeline_units(**{**shape, "recovering": False, "recovery_steps": 0})

@@ -19,10 +19,12 @@ import torch
 from analysis.measure.detectors import DETECTORS, detect_heads
 
 DEFAULT_DETECTORS = ("previous-token", "induction", "duplicate-token", "copying", "dla")
+COMPENSATION_TOKENS = 128     # tokens of text each detector reads, before and after recovery
 
 
-def compensation(loaded, recovered_model, pruned, text=None, *, names=DEFAULT_DETECTORS, max_tokens: int = 128,
-                 options: dict | None = None, progress=None, should_stop=None) -> list[dict]:
+def compensation(loaded, recovered_model, pruned, text=None, *, names=DEFAULT_DETECTORS,
+                 max_tokens: int = COMPENSATION_TOKENS, options: dict | None = None, progress=None,
+                 should_stop=None) -> list[dict]:
     """One row per detector comparing the kept heads before (loaded.model under `pruned`) and after
     recovery (`recovered_model`, full shape, under `pruned`). Decoder-only detectors are skipped for
     encoders."""
