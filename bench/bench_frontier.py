@@ -265,8 +265,8 @@ def run(args, out: dict, save: Path) -> None:
                     label = f"{SCORER_LABELS[scorer]} {target * 100:g} %"
                     wants_gguf = "frontier" in parts and step >= target and any(
                         f"{label} {t}" not in out["frontier"] for t in args.pruned_types.split(","))
-                    if key in out["iterative"] and not wants_gguf:
-                        continue
+                    if not wants_gguf and (key in out["iterative"] or target not in targets):
+                        continue           # held already (an extra target is run only for its GGUF points)
                     row, result = run_schedule(loaded, held, scorer, target, step, args)
                     if target in targets:
                         out["iterative"][key] = row
