@@ -22,6 +22,8 @@ from html import escape
 import numpy as np
 import plotly.graph_objects as go
 
+from analysis.core.ticks import log_ticks as core_log_ticks
+
 KEPT_COLOR = "#dbe9f6"
 PRUNED_COLOR = "#c0392b"
 MEAN_COLOR = "#2c3e50"
@@ -235,40 +237,20 @@ def frontier(points: dict, *, title: str) -> go.Figure:
                              mode="lines", line=dict(color="#999", width=6, shape="hv"), opacity=0.4))
     fig.update_layout(title=title, height=380, xaxis_title="GGUF file (MiB)",
                       yaxis_title="llama.cpp perplexity (95 % CI)", margin=dict(l=50, r=20, t=50, b=40))
-    return fig
-
-
-LOG_STEPS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9))   # coarse to fine
+    # log axis: a damaged cut (perplexity 200) would flatten the dense points (15-20) into one line
+    return log_ticks(fig, [v for p in ok.values() for v in (p["lo"], p["ppl"], p["hi"])])
 
 
 def log_ticks(fig: go.Figure, values, axis: str = "y") -> go.Figure:
-    """THE log-axis rule: a log axis labels only whole numbers a reader cannot misread -- the decades
-    (10, 100, 1000) when the values span two or more of them, else the 1-2-5 steps inside (20, 50,
-    100, 200), else finer steps (20, 30) -- each written in full, at least two of them, and the axis
-    range is set to hold every labelled tick (issue 33: a tick just outside plotly's own range left a
-    chart with no y labels at all). Plotly's default labels bare minor digits ("5, 2, 1000, 5, 2,
-    100"), and a reader takes the top "5" for a perplexity of 5."""
-    v = np.asarray([x for x in values if np.isfinite(x) and x > 0], dtype=float)
+    """THE log-axis rule (analysis.core.ticks: whole numbers written in full, at least two, inside the
+    range) on a plotly axis; plotly's default labels bare minor digits ("5, 2, 1000, 5, 2, 100"), and a
+    reader takes the top "5" for a perplexity of 5."""
     update = fig.update_yaxes if axis == "y" else fig.update_xaxes
-    if v.size == 0:
+    found = core_log_ticks(np.asarray(list(values), dtype=float).ravel())
+    if found is None:
         return update(type="log")
-    vmin, vmax = float(v.min()), float(v.max())
-    lo, hi = math.floor(math.log10(vmin)), math.ceil(math.log10(vmax))
-    coarse = 0 if hi - lo >= 2 else 1
-    ticks: list[float] = []
-    for steps in LOG_STEPS[coarse:]:
-        grid = sorted({round(m * 10.0 ** k, 12) for k in range(lo - 1, hi + 1) for m in steps})
-        ticks = [t for t in grid if vmin / 1.5 <= t <= vmax * 1.5]
-        if len(ticks) >= 2:
-            break
-    if len(ticks) < 2:                              # one value, or a very narrow range: the ticks around it
-        below = max((t for t in grid if t <= vmin), default=10.0 ** lo)
-        above = min((t for t in grid if t > below and t >= vmax), default=below * 10)
-        ticks = [below, above]
-    low, high = math.log10(min(vmin, ticks[0])), math.log10(max(vmax, ticks[-1]))
-    pad = 0.04 * max(high - low, 0.05)
-    return update(type="log", tickmode="array", tickvals=ticks, range=[low - pad, high + pad],
-                  ticktext=[f"{t:,.0f}" if t >= 1 and t == int(t) else f"{t:g}" for t in ticks],
+    ticks, (low, high), labels = found
+    return update(type="log", tickmode="array", tickvals=ticks, range=[low, high], ticktext=labels,
                   minor=dict(showgrid=False))
 
 

@@ -45,3 +45,31 @@ def test_every_log_tick_lies_inside_the_axis_range_and_there_are_two():
         assert low <= min(values) and max(values) <= high
         assert all(float(t.replace(",", "")) == v for t, v in zip(text, vals)), text
     assert _ticks([20.5, 24.0])[0] == [15.0, 20.0, 30.0]
+
+
+def _frontier_points():
+    def point(label, kind, mib, ppl):
+        return {"label": label, "type": kind, "bytes": mib * 2**20, "ppl": ppl, "lo": ppl * 0.93, "hi": ppl * 1.08}
+    return {f"{lab} {k}": point(lab, k, mib, ppl) for lab, k, mib, ppl in [
+        ("dense", "q8_0", 138.1, 15.3), ("dense", "q4_k_m", 100.6, 16.3), ("MP-G 50 %", "q8_0", 124.6, 222.6)]}
+
+
+def test_the_frontier_chart_and_png_share_the_log_rule():
+    """A damaged cut (perplexity 220) beside dense points (15-16) flattened the frontier on a linear axis:
+    the app's chart and the report's PNG both use the one log-tick rule (analysis.core.ticks)."""
+    from matplotlib import pyplot as plt
+
+    from analysis.core.ticks import log_ticks, matplotlib_log_y
+    points = _frontier_points()
+    values = [v for p in points.values() for v in (p["lo"], p["ppl"], p["hi"])]
+    ticks, (low, high), labels = log_ticks(values)
+    fig = charts.frontier(points, title="t")
+    assert fig.layout.yaxis.type == "log" and list(fig.layout.yaxis.tickvals) == ticks
+    assert low <= np.log10(min(values)) and np.log10(max(values)) <= high
+    mfig, ax = plt.subplots()
+    try:
+        matplotlib_log_y(ax, values)
+        assert ax.get_yscale() == "log"
+        assert list(ax.get_yticks()) == ticks and [t.get_text() for t in ax.get_yticklabels()] == labels
+    finally:
+        plt.close(mfig)

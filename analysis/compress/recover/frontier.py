@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from analysis.core.progress import Progress, ShouldStop, check_stop, report as tell
+from analysis.core.ticks import matplotlib_log_y
 
 FRONTIER_TYPES = ("q8_0", "q5_k_m", "q4_k_m")       # the CLI's --frontier default
 FRONTIER_CHOICES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")   # what the Pipeline page offers
@@ -159,8 +160,9 @@ def plot_png(points: dict, path, title: str) -> None:
         front = [ok[k] for k in pareto(ok)]
         ax.step([p["bytes"] / 2**20 for p in front], [p["ppl"] for p in front], where="post", color="black",
                 alpha=0.4, linewidth=3, label="Pareto frontier")
+        matplotlib_log_y(ax, [v for p in ok.values() for v in (p["lo"], p["ppl"], p["hi"])])   # a damaged cut: 10x dense
         ax.set_xlabel("GGUF file (MiB)")
-        ax.set_ylabel("llama.cpp perplexity (held-out, 95 % CI)")
+        ax.set_ylabel("llama.cpp perplexity (held-out, 95 % CI, log scale)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

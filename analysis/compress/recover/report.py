@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from analysis.core.ticks import matplotlib_log_y
 from analysis.measure.evaluation import evaluate, evaluator_class
 from analysis.compress.export import atomic_folder
 from analysis.compress.recover.pipeline import PipelineConfig, PipelineResult, export_round, run_pipeline
@@ -136,6 +137,8 @@ class CompressionReport:
         try:
             for name, c in self.curves.items():
                 ax.plot(np.asarray(c["sparsity"]) * 100, c["metric"], marker="o", label=name)
+            if self.metric.endswith("perplexity"):     # spans orders of magnitude as heads go (as in the app)
+                matplotlib_log_y(ax, [v for c in self.curves.values() for v in c["metric"]])
             ax.set_xlabel("heads pruned (%)")
             ax.set_ylabel(self.metric)
             ax.set_title(f"{self.model}: {self.metric} vs head sparsity")
