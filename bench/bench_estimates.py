@@ -52,11 +52,11 @@ def pipeline_job(board, key, lm, *, target: float, recovery: int, eval_tokens: i
                             scorer_params={"z": 2.0}, policy="groups", eval_tokens=eval_tokens,
                             distill=DistillConfig(lr=1e-4, batch_size=2, seq_len=64))
     rounds = len(round_counts(config.target_sparsity, config.step, g.n_total_heads))
-    from analysis.measure.probes.breaks import build_applicable
+    from analysis.measure.probes.breaks import build_applicable, prompt_tokens
     built, _ = build_applicable(lm, None, options={"seed": 0})        # what the report's probes run
     units = jobs.pipeline_units(rounds=rounds, recovery_steps=recovery, batch=2, seq_len=64,
                                 eval_tokens=eval_tokens, int8=int8, recovering=recovery > 0,
-                                probe_tokens=sum(items.n_tokens for _, _, items in built.values()))
+                                probe_tokens=prompt_tokens(built))
     clock = jobs.PhaseClock(board, repr(key), units)
     estimate = clock.total_s()
     lefts: list[tuple[float, float | None]] = []          # (elapsed, clock's time left) every progress report

@@ -44,7 +44,7 @@ def main(argv=None) -> bool:
 
     from analysis.arch.models import load_model
     from analysis.measure.evaluation import evaluate
-    from analysis.measure.probes.breaks import build_applicable, dense_scores
+    from analysis.measure.probes.breaks import build_applicable, dense_scores, prompt_tokens
     from analysis.measure.probes.circuit import probe_map
     from analysis.measure.probes.measure import build_items, measure_probes
     from analysis.score.masks import default_policy, plan_mask
@@ -66,7 +66,7 @@ def main(argv=None) -> bool:
         t0 = time.perf_counter()
         dense_scores(lm, built)
         dense_s = time.perf_counter() - t0
-        n_tokens = sum(items.n_tokens for _, _, items in built.values())
+        n_tokens = prompt_tokens(built)
         print(f"probes: {', '.join(f'{n} {it.n_items} items / {it.n_tokens} tokens' for n, (_, _, it) in built.items())}"
               f" = {n_tokens} tokens; items built in {build_s:.2f} s (once per model), dense side {dense_s:.2f} s "
               f"(once per model){'; skipped ' + ', '.join(skipped) if skipped else ''}", flush=True)

@@ -33,11 +33,12 @@ def probe_tokens(key: ModelKey, seed: int = SEED) -> int:
     """The prompt tokens of every probe that applies to the model (0: none builds): what a pipeline's
     report runs on the dense model and on each round, for its time estimate."""
     from analysis.core.errors import InputError
+    from analysis.measure.probes.breaks import prompt_tokens
     try:
         built, _ = probe_items(key, seed)
     except InputError:
         return 0
-    return int(sum(items.n_tokens for _, _, items in built.values()))
+    return prompt_tokens(built)
 
 
 @st.cache_data(show_spinner=False, max_entries=4)

@@ -118,6 +118,11 @@ def build_applicable(loaded, names=None, *, options: dict | None = None) -> tupl
     return built, skipped
 
 
+def prompt_tokens(built: dict) -> int:
+    """The prompt tokens of `built` (build_applicable's items): what one measurement of them reads."""
+    return int(sum(items.n_tokens for _, _, items in built.values()))
+
+
 def dense_scores(loaded, built: dict, *, seed: int = 0, progress: Progress | None = None,
                  should_stop: ShouldStop | None = None, team=None) -> dict[str, ProbeScore]:
     """The dense model's scores of `built` (what an app caches once per model)."""
