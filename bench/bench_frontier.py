@@ -150,7 +150,7 @@ def markdown(out: dict) -> str:
     a = out["args"]
     lines = [MARKERS[0], "", "## The compression frontier and iterative recovery (bench/bench_frontier.py)", "",
              f"Measured {out['when']} on {out['machine']} ({out['threads']} threads), load average "
-             f"{out['load']}. Command: `{out['command']}`.", "",
+             f"{out['load']}. " + commands_line(out), "",
              f"Held-out: {a['eval_tokens']:,} tokens of the evaluation split in windows of {a['window']}, 95 % "
              f"bootstrap CIs over windows ({a['bootstrap']} resamples, the same for every row). Recovery: "
              f"{a['total_steps']} distillation steps in all per schedule (batch {a['batch']} x {a['seq']} tokens, "
@@ -178,6 +178,15 @@ def markdown(out: dict) -> str:
         lines += ["", "Per pruned file:", *(f"- {line}" for line in verdict(out["frontier"])), ""]
     lines.append(MARKERS[1])
     return "\n".join(lines) + "\n"
+
+
+def commands_line(out: dict) -> str:
+    """The commands whose rows the file holds (a --resume run adds to the rows of the ones before)."""
+    runs = out.get("commands") or [{"command": out["command"], "when": out["when"]}]
+    if len(runs) == 1:
+        return f"Command: `{runs[0]['command']}`."
+    return "Commands, in order (each --resume run added its rows): " + "; ".join(
+        f"`{r['command']}` ({r['when']})" for r in runs) + "."
 
 
 def parser() -> argparse.ArgumentParser:
@@ -232,6 +241,9 @@ def run(args, out: dict, save: Path) -> None:
     out.update(args={k: v for k, v in vars(args).items() if k not in ("resume", "write_docs", "render_only")},
                command="python -m bench.bench_frontier " + shlex.join(sys.argv[1:]), machine=platform.processor()
                or platform.machine(), threads=args.threads, when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    # a resumed file holds rows of earlier commands too: every command that added rows is listed
+    out["commands"] = [c for c in out.get("commands", []) if c["command"] != out["command"]] + [
+        {"command": out["command"], "when": out["when"]}]
     out.setdefault("iterative", {})
     out.setdefault("frontier", {})
 

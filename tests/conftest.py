@@ -17,6 +17,40 @@ _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 os.environ.update(_OFFLINE)
 
 
+def _worker_threads() -> int | None:
+    """Under pytest-xdist (scripts/test.sh runs `-n N`): this worker's share of the CPUs, so N
+    workers with torch's default of one thread per core do not run N x cores threads on the
+    cores (OpenMP threads that outnumber the cores spin and wait on each other). None when not
+    a worker. Set before torch is imported (it reads OMP_NUM_THREADS once); the servers and
+    command lines the tests start inherit it."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not count:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // int(count))
+
+
+if _worker_threads() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(_worker_threads())
+
+
+# The longest test modules first, so N workers (`--dist loadfile`: a module stays on one worker,
+# its module fixtures built once) end together instead of one waiting on the other's last long
+# module. Ranks only: the order inside a module, and of the rest, is pytest's.
+_LONG_MODULES = ("e2e/test_journeys.py", "e2e/test_browser.py", "e2e/test_newcomer.py", "e2e/test_fit.py")
+
+
+def _module_rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    for rank, long in enumerate(_LONG_MODULES):
+        if path.endswith(long):
+            return rank
+    return len(_LONG_MODULES) + (0 if "/e2e/" in path else 1)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)          # stable: pytest's order within each rank
+
+
 @pytest.fixture(autouse=True)
 def _hub_offline(monkeypatch):
     """No test may reach a model hub (a test could unset them; this restores them)."""
