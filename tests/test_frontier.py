@@ -41,3 +41,38 @@ def test_types_are_checked_before_any_work():
         parse_types("q8_0,int3")
     with pytest.raises(InputError, match="twice"):
         parse_types("q8_0,q8_0")
+
+
+def _figure_of(monkeypatch, points):
+    """plot_png's figure (captured before it is closed) and the file it wrote."""
+    from matplotlib import pyplot as plt
+    from analysis.compress.recover import frontier
+    seen = []
+    monkeypatch.setattr(plt, "close", lambda fig: seen.append(fig))
+    return seen, frontier
+
+
+def test_a_damaged_cut_gets_a_second_panel_near_the_frontier(monkeypatch, tmp_path):
+    """A cut at 10x dense perplexity squeezes every other point into one line on the full log axis: the
+    figure adds a linear panel up to ZOOM_RATIO x the best dense file, names what lies above it, and
+    draws each series in the same colour in both panels."""
+    from matplotlib.colors import to_hex
+    damaged = {**POINTS, "wreck q8_0": _point("wreck", "q8_0", 120, 220.0)}
+    seen, frontier = _figure_of(monkeypatch, damaged)
+    frontier.plot_png(damaged, tmp_path / "f.png", "t")
+    (fig,) = seen
+    left, right = fig.axes
+    top = frontier.ZOOM_RATIO * 15.2
+    assert right.get_ylim() == pytest.approx((0.97 * 0.95 * 15.2, top))
+    assert "above it: wreck" in right.get_title()
+    colour = {ax: {c.get_label(): to_hex(c.lines[0].get_color()) for c in ax.containers} for ax in (left, right)}
+    assert set(colour[right]) == {"dense", "cut"} and set(colour[left]) == {"dense", "cut", "wreck"}
+    assert all(colour[right][label] == colour[left][label] for label in colour[right])
+    assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_panel_when_every_point_is_near_dense(monkeypatch, tmp_path):
+    seen, frontier = _figure_of(monkeypatch, POINTS)
+    frontier.plot_png(POINTS, tmp_path / "f.png", "t")
+    (fig,) = seen
+    assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "log"

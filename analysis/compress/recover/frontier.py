@@ -140,32 +140,78 @@ def frontier_points(loaded, result, types: Sequence[str], eval_text=None, *, fol
     return points
 
 
+ZOOM_RATIO = 1.5          # the right panel: perplexity up to this times the best dense file's
+
+
+def _near_frontier(ok: dict) -> tuple[float, float] | None:
+    """The right panel's perplexity range: from the lowest lower bound to ZOOM_RATIO x the best dense
+    file's perplexity; None when there is no dense point or every point is already inside it."""
+    dense = [p["ppl"] for p in ok.values() if p["label"] == "dense"]
+    if not dense:
+        return None
+    top = ZOOM_RATIO * min(dense)
+    if all(p["hi"] <= top for p in ok.values()):
+        return None
+    return 0.97 * min(p["lo"] for p in ok.values()), top
+
+
+def _colors(ok: dict) -> dict[str, str]:
+    """One colour per series label (dense first), the same in both panels."""
+    labels = sorted({p["label"] for p in ok.values()}, key=lambda s: (s != "dense", s))
+    return {label: f"C{i % 10}" for i, label in enumerate(labels)}
+
+
+def _draw(ax, ok: dict, colors: dict[str, str], annotate: bool) -> None:
+    """One series per label (dense first), CIs as error bars, the Pareto frontier as a grey step."""
+    for i, label in enumerate(colors):
+        group = sorted((p for p in ok.values() if p["label"] == label), key=lambda p: p["bytes"])
+        if not group:
+            continue
+        x = [p["bytes"] / 2**20 for p in group]                                              # MiB
+        y = [p["ppl"] for p in group]
+        err = [[p["ppl"] - p["lo"] for p in group], [p["hi"] - p["ppl"] for p in group]]
+        ax.errorbar(x, y, yerr=err, marker="o" if label == "dense" else "s", capsize=2, label=label,
+                    linestyle="-" if label == "dense" else ":", color=colors[label])
+        for p, xi, yi in zip(group, x, y) if annotate else ():
+            # series at the same size (cuts of one head count) get their labels stacked, not overlaid
+            ax.annotate(p["type"], (xi, yi), fontsize=6, xytext=(4, -9 + 7 * (i % 6)), textcoords="offset points")
+    front = [ok[k] for k in pareto(ok)]
+    ax.step([p["bytes"] / 2**20 for p in front], [p["ppl"] for p in front], where="post", color="black",
+            alpha=0.35, linewidth=3, label="Pareto frontier")
+    ax.set_xlabel("GGUF file (MiB)")
+    ax.grid(alpha=0.3)
+
+
 def plot_png(points: dict, path, title: str) -> None:
-    """Size (MiB) against perplexity with CIs, one series per label, the frontier drawn; a PNG."""
+    """Size (MiB) against perplexity with CIs, one series per label, the frontier drawn; a PNG.
+
+    Left: every file (log y: a damaged cut can sit at 10x dense). Right, when some point lies
+    beyond it: the files within ZOOM_RATIO x the best dense perplexity on a linear axis, where
+    the choice is made (points above it are named in the panel's title)."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     ok = measured(points)
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=150)
+    zoom = _near_frontier(ok)
+    fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(12 if zoom else 8, 5), dpi=150, squeeze=False)
     try:
-        for label in sorted({p["label"] for p in ok.values()}, key=lambda s: (s != "dense", s)):
-            group = sorted((p for p in ok.values() if p["label"] == label), key=lambda p: p["bytes"])
-            x = [p["bytes"] / 2**20 for p in group]                                          # MiB
-            y = [p["ppl"] for p in group]
-            err = [[p["ppl"] - p["lo"] for p in group], [p["hi"] - p["ppl"] for p in group]]
-            ax.errorbar(x, y, yerr=err, marker="o" if label == "dense" else "s", capsize=2, label=label,
-                        linestyle="-" if label == "dense" else ":")
-            for p, xi, yi in zip(group, x, y):
-                ax.annotate(p["type"], (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        front = [ok[k] for k in pareto(ok)]
-        ax.step([p["bytes"] / 2**20 for p in front], [p["ppl"] for p in front], where="post", color="black",
-                alpha=0.4, linewidth=3, label="Pareto frontier")
-        matplotlib_log_y(ax, [v for p in ok.values() for v in (p["lo"], p["ppl"], p["hi"])])   # a damaged cut: 10x dense
-        ax.set_xlabel("GGUF file (MiB)")
-        ax.set_ylabel("llama.cpp perplexity (held-out, 95 % CI, log scale)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        left = axes[0][0]
+        colors = _colors(ok)
+        _draw(left, ok, colors, annotate=not zoom)
+        matplotlib_log_y(left, [v for p in ok.values() for v in (p["lo"], p["ppl"], p["hi"])])
+        left.set_ylabel("llama.cpp perplexity (held-out, 95 % CI, log scale)")
+        left.set_title("every file" if zoom else title, fontsize=9)
+        left.legend(fontsize=7)
+        if zoom:
+            right = axes[0][1]
+            inside = {k: p for k, p in ok.items() if p["ppl"] <= zoom[1]}
+            _draw(right, inside, colors, annotate=True)
+            right.set_ylim(*zoom)
+            right.set_ylabel("llama.cpp perplexity (linear)")
+            above = sorted({p["label"] for k, p in ok.items() if k not in inside})
+            right.set_title(f"near the frontier (up to {ZOOM_RATIO:g}x the best dense file)"
+                            + (f"; above it: {', '.join(above)}" if above else ""), fontsize=8)
+            fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         fig.savefig(path, format="png")
     finally:
