@@ -29,8 +29,9 @@ def _worker_threads() -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // int(count))
 
 
-if _worker_threads() and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(_worker_threads())
+_THREADS = _worker_threads()
+if _THREADS and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
 # The longest test modules first, so N workers (`--dist loadfile`: a module stays on one worker,

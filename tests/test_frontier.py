@@ -2,7 +2,7 @@
 size and perplexity, and the verdict in words, refused files included."""
 import pytest
 
-from analysis.compress.recover.frontier import FRONTIER_TYPES, parse_types, pareto, verdict
+from analysis.compress.recover.frontier import FRONTIER_TYPES, ZOOM_RATIO, parse_types, pareto, plot_png, verdict
 from analysis.core.errors import InputError
 
 MIB = 2 ** 20
@@ -43,13 +43,12 @@ def test_types_are_checked_before_any_work():
         parse_types("q8_0,q8_0")
 
 
-def _figure_of(monkeypatch, points):
-    """plot_png's figure (captured before it is closed) and the file it wrote."""
+def _closed_figures(monkeypatch) -> list:
+    """The figures plot_png closes, kept open to be read (appended as plot_png closes them)."""
     from matplotlib import pyplot as plt
-    from analysis.compress.recover import frontier
     seen = []
     monkeypatch.setattr(plt, "close", lambda fig: seen.append(fig))
-    return seen, frontier
+    return seen
 
 
 def test_a_damaged_cut_gets_a_second_panel_near_the_frontier(monkeypatch, tmp_path):
@@ -58,11 +57,11 @@ def test_a_damaged_cut_gets_a_second_panel_near_the_frontier(monkeypatch, tmp_pa
     draws each series in the same colour in both panels."""
     from matplotlib.colors import to_hex
     damaged = {**POINTS, "wreck q8_0": _point("wreck", "q8_0", 120, 220.0)}
-    seen, frontier = _figure_of(monkeypatch, damaged)
-    frontier.plot_png(damaged, tmp_path / "f.png", "t")
+    seen = _closed_figures(monkeypatch)
+    plot_png(damaged, tmp_path / "f.png", "t")
     (fig,) = seen
     left, right = fig.axes
-    top = frontier.ZOOM_RATIO * 15.2
+    top = ZOOM_RATIO * 15.2
     assert right.get_ylim() == pytest.approx((0.97 * 0.95 * 15.2, top))
     assert "above it: wreck" in right.get_title()
     colour = {ax: {c.get_label(): to_hex(c.lines[0].get_color()) for c in ax.containers} for ax in (left, right)}
@@ -72,7 +71,7 @@ def test_a_damaged_cut_gets_a_second_panel_near_the_frontier(monkeypatch, tmp_pa
 
 
 def test_one_panel_when_every_point_is_near_dense(monkeypatch, tmp_path):
-    seen, frontier = _figure_of(monkeypatch, POINTS)
-    frontier.plot_png(POINTS, tmp_path / "f.png", "t")
+    seen = _closed_figures(monkeypatch)
+    plot_png(POINTS, tmp_path / "f.png", "t")
     (fig,) = seen
     assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "log"
