@@ -75,3 +75,50 @@ def test_one_panel_when_every_point_is_near_dense(monkeypatch, tmp_path):
     plot_png(POINTS, tmp_path / "f.png", "t")
     (fig,) = seen
     assert len(fig.axes) == 1 and fig.axes[0].get_yscale() == "log"
+
+
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def _snap(model, levels: int) -> None:
+    """Every linear weight (the head apart) put on a per-32-block grid of `levels` values from its min to
+    its max: what dequantizing a Q4_1 (levels=16) file gives."""
+    import torch
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m is not head:
+                b = m.weight.reshape(-1, 32)                                            # [n, 32]
+                lo, hi = b.min(1, keepdim=True).values, b.max(1, keepdim=True).values
+                d = (hi - lo) / (levels - 1)                                            # [n, 1]
+                m.weight.copy_((lo + torch.round((b - lo) / d) * d).reshape(m.weight.shape))
+
+
+def test_prior_lattice_finds_weights_that_were_quantized_at_4_bits():
+    from analysis.compress.recover.frontier import LATTICE_SHARE, prior_lattice
+    model = _tiny_llama()
+    fresh = prior_lattice(model)
+    assert fresh["blocks"] > 0 and fresh["share"] < 0.01 and fresh["distinct"] > 30     # float weights: ~32 per block
+    _snap(model, 256)                                                                    # 8-bit: not a 4-bit lattice
+    assert prior_lattice(model)["share"] < LATTICE_SHARE
+    _snap(model, 16)
+    snapped = prior_lattice(model)
+    assert snapped["share"] == 1.0 and snapped["distinct"] <= 16 and snapped["blocks"] == fresh["blocks"]
+
+
+def test_the_verdict_says_when_the_dense_model_was_quantized_before():
+    from analysis.compress.recover.frontier import lattice_line
+    on = {k: {**p, "lattice": {"share": 1.0, "distinct": 13.1, "blocks": 10}} if p.get("label") == "dense" else p
+          for k, p in POINTS.items()}
+    off = {k: {**p, "lattice": {"share": 0.0, "distinct": 31.9, "blocks": 10}} if p.get("label") == "dense" else p
+           for k, p in POINTS.items()}
+    assert lattice_line(POINTS) is None and lattice_line(off) is None
+    assert verdict(off) == verdict(POINTS)
+    assert verdict(on)[:-1] == verdict(POINTS)
+    assert verdict(on)[-1].startswith("The dense model was quantized before: 100.0% of the 32-value blocks")

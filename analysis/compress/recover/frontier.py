@@ -23,8 +23,10 @@ from analysis.core.progress import Progress, ShouldStop, check_stop, report as t
 from analysis.core.ticks import matplotlib_log_y
 
 FRONTIER_TYPES = ("q8_0", "q5_k_m", "q4_k_m")       # the CLI's --frontier default
-FRONTIER_CHOICES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")   # what the Pipeline page offers
+FRONTIER_CHOICES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_1", "q4_0")   # what the Pipeline page offers
 N_BOOT = 1000
+LATTICE_BLOCK, LATTICE_LEVELS = 32, 16   # a 4-bit block type (Q4_0, Q4_1) holds <= 16 values per 32-value block
+LATTICE_SHARE = 0.99                     # the share of blocks at which weights count as quantized before
 
 
 def parse_types(text: str | None) -> tuple[str, ...]:
@@ -55,6 +57,44 @@ def gguf_point(path: Path, ids: np.ndarray, *, window: int = 512, n_boot: int = 
     lo, hi = np.percentile(boot, [2.5, 97.5])
     return {"ppl": float(np.exp(sums.sum() / counts.sum())), "lo": float(lo), "hi": float(hi),
             "tokens": int(counts.sum()), "bytes": Path(path).stat().st_size}
+
+
+def prior_lattice(model, max_blocks: int = 4096) -> dict:
+    """Whether the linear layers' weights (the output head apart: a tied embedding is often stored at
+    more bits) were quantized before: {"share": of LATTICE_BLOCK-value blocks with at most LATTICE_LEVELS
+    distinct values, "distinct": the mean per block, "blocks": how many were read (at most `max_blocks`
+    per tensor, evenly strided)}. A checkpoint dequantized from a 4-bit GGUF (the built-in SmolLM2:
+    Q4_1) has share 1.0; a trained float one ~0. Such weights requantize to their own type almost
+    losslessly and to other grids unevenly (docs/EXPORT.md, "Requantizing a checkpoint that was
+    quantized before"), which the frontier's dense series inherits and a recovered cut does not."""
+    import torch
+    head = model.get_output_embeddings()
+    share = distinct = 0.0
+    blocks = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or module is head or module.in_features % LATTICE_BLOCK:
+            continue
+        w = module.weight.detach().float().reshape(-1, LATTICE_BLOCK)                      # [n_blocks, 32]
+        w = w[:: max(1, w.shape[0] // max_blocks)]                                          # [<=2*max, 32]
+        levels = 1 + (w.sort(dim=1).values.diff(dim=1) != 0).sum(dim=1)                    # [n]
+        share += float((levels <= LATTICE_LEVELS).sum())
+        distinct += float(levels.sum())
+        blocks += int(levels.numel())
+    return {"share": share / blocks if blocks else 0.0, "distinct": distinct / blocks if blocks else 0.0,
+            "blocks": blocks}
+
+
+def lattice_line(points: dict) -> str | None:
+    """The caveat the verdict adds when the dense series' weights were quantized before (a dense point
+    carries `prior_lattice`'s dict as "lattice"); None otherwise."""
+    lattice = next((p["lattice"] for p in points.values() if p.get("label") == "dense" and "lattice" in p), None)
+    if lattice is None or lattice["share"] < LATTICE_SHARE:
+        return None
+    return (f"The dense model was quantized before: {lattice['share']:.1%} of the 32-value blocks of its linear "
+            f"layers hold at most {LATTICE_LEVELS} distinct values ({lattice['distinct']:.1f} on average), the "
+            f"lattice of a 4-bit type. It requantizes to that type almost losslessly and to other grids unevenly "
+            f"(a 5-bit type can lose to a 4-bit one), while recovery moves a cut's weights off the lattice: at "
+            f"4-6 bits this frontier favours the dense series more than it would for a model trained in float.")
 
 
 def measured(points: dict) -> dict:
@@ -99,7 +139,8 @@ def verdict(points: dict) -> list[str]:
         lines.append(f"{k}: {p['bytes'] / 2**20:.1f} MiB, perplexity {p['ppl']:.2f} [{p['lo']:.2f}, {p['hi']:.2f}], "
                      f"{'ON' if k in front else 'not on'} the frontier; {against}.")
     lines += [f"{k}: not written: {p['refused']}" for k, p in points.items() if "refused" in p]
-    return lines
+    caveat = lattice_line(points)
+    return lines + ([caveat] if caveat else [])
 
 
 def frontier_points(loaded, result, types: Sequence[str], eval_text=None, *, folder, max_tokens: int = 4096,
@@ -107,8 +148,8 @@ def frontier_points(loaded, result, types: Sequence[str], eval_text=None, *, fol
                     progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict:
     """The dense model and `result`'s final model (a PipelineResult) as GGUF at each type, measured by
     llama.cpp on the first `max_tokens` ids of `eval_text` (None: the built-in evaluation split).
-    Returns {"<label> <type>": point} (point: `gguf_point`'s keys + label, type, self_check; or label,
-    type, refused)."""
+    Returns {"<label> <type>": point} (point: `gguf_point`'s keys + label, type, self_check, and for the
+    dense ones `prior_lattice`'s "lattice"; or label, type, refused)."""
     from analysis.compress.export import export
     from analysis.compress.export.selfcheck import SelfCheckFailed
     from analysis.compress.recover.pipeline import export_round
@@ -117,6 +158,7 @@ def frontier_points(loaded, result, types: Sequence[str], eval_text=None, *, fol
                     max_tokens=max_tokens).numpy()                                        # [N]
     g = loaded.geometry
     dense = np.zeros((g.n_layers, g.n_heads), bool)
+    lattice = prior_lattice(loaded.model)
     jobs = [("dense", t) for t in types] + [(label, t) for t in types]
     points = {}
     for i, (who, gguf_type) in enumerate(jobs):
@@ -135,7 +177,8 @@ def frontier_points(loaded, result, types: Sequence[str], eval_text=None, *, fol
             continue
         points[key] = {**gguf_point(written.path / "model.gguf", ids, window=window, threads=threads),
                        "label": who, "type": gguf_type,
-                       "self_check": written.checks[-1]["line"] if written.checks else ""}
+                       "self_check": written.checks[-1]["line"] if written.checks else "",
+                       **({"lattice": lattice} if who == "dense" else {})}
     tell(progress, 1.0, "frontier measured")
     return points
 
