@@ -44,7 +44,7 @@ from analysis.arch.models import load_model
 from analysis.compress.export import export
 from analysis.compress.export.selfcheck import SelfCheckFailed
 from analysis.compress.recover.pipeline import PipelineConfig, export_round, run_pipeline
-from analysis.compress.recover.frontier import gguf_point, measured, pareto, plot_png, verdict
+from analysis.compress.recover.frontier import gguf_point, measured, pareto, plot_png, prior_lattice, verdict
 from analysis.compress.recover.report import FRONTIER_MARKERS
 from analysis.compress.surgery import prune_heads
 from analysis.core.atomic import atomic_write, write_section
@@ -54,7 +54,7 @@ from bench._distill_options import add_distill_options, distill_config
 from bench._timing import load_average
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKERS = FRONTIER_MARKERS
+MARKERS = FRONTIER_MARKERS          # the default section's; --section NAME owns <!-- NAME:begin/end -->
 SCORER_LABELS = {"mp-g": "MP-G", "gate": "head gate"}
 
 
@@ -117,9 +117,11 @@ def one_shot(loaded, held: HeldOut, scorer: str, target: float) -> dict:
 
 
 def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], folder: Path, out: dict,
-                saved=lambda: None) -> None:
+                saved=lambda: None, source_ppl: float | None = None) -> None:
     """Write `result`'s model (None: the dense model) at each GGUF type and measure it in llama.cpp
-    (`saved()` after each point: a stopped run resumes from the next)."""
+    (`saved()` after each point: a stopped run resumes from the next). `source_ppl`: PyTorch's held-out
+    perplexity of the model the files were written from (kept with each point: points of one label
+    written by different runs can be checked to come from the same model)."""
     for gguf_type in types:
         key = f"{label} {gguf_type}"
         if key in out["frontier"]:
@@ -139,16 +141,26 @@ def gguf_points(loaded, held: HeldOut, result, label: str, types: list[str], fol
             print(f"  {key}: REFUSED by the export's self-check: {refused}", flush=True)
             continue
         row = {**held.gguf_row(written.path / "model.gguf"), "label": label, "type": gguf_type,
-               "self_check": written.checks[-1]["line"] if written.checks else "F32/F16 reference"}
+               "self_check": written.checks[-1]["line"] if written.checks else "F32/F16 reference",
+               **({"source_ppl": source_ppl} if source_ppl is not None else {})}
         out["frontier"][key] = row
         saved()
         print(f"  {key}: {row['bytes'] / 2**20:.1f} MiB, llama.cpp ppl {row['ppl']:.2f} [{row['lo']:.2f}, "
               f"{row['hi']:.2f}]", flush=True)
 
 
-def markdown(out: dict) -> str:
+def section_markers(section: str) -> tuple[str, str]:
+    """The markers of docs/results.md's section: "frontier" is the pipeline report's (FRONTIER_MARKERS);
+    another name (a run at another budget, with its own --save-json) gets its own pair."""
+    return MARKERS if section == "frontier" else (f"<!-- {section}:begin -->", f"<!-- {section}:end -->")
+
+
+def markdown(out: dict, section: str = "frontier") -> str:
     a = out["args"]
-    lines = [MARKERS[0], "", "## The compression frontier and iterative recovery (bench/bench_frontier.py)", "",
+    markers = section_markers(section)
+    title = ("The compression frontier and iterative recovery" if section == "frontier" else
+             f"Iterative vs one-shot with {a['total_steps']} distillation steps")
+    lines = [markers[0], "", f"## {title} (bench/bench_frontier.py)", "",
              f"Measured {out['when']} on {out['machine']} ({out['threads']} threads), load average "
              f"{out['load']}. " + commands_line(out), "",
              f"Held-out: {a['eval_tokens']:,} tokens of the evaluation split in windows of {a['window']}, 95 % "
@@ -176,7 +188,7 @@ def markdown(out: dict) -> str:
             lines.append(f"| {p['label']} | {p['type']} | {p['bytes'] / 2**20:.1f} | {p['ppl']:.2f} [{p['lo']:.2f}, "
                          f"{p['hi']:.2f}] | {'yes' if key in front else ''} |")
         lines += ["", "Per pruned file:", *(f"- {line}" for line in verdict(out["frontier"])), ""]
-    lines.append(MARKERS[1])
+    lines.append(markers[1])
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +222,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-json", dest="save_json", default=str(ROOT / "docs" / "data" / "frontier.json"))
     p.add_argument("--resume", action="store_true", help="skip the runs --save-json already holds")
     p.add_argument("--write-docs", dest="write_docs", action="store_true")
+    p.add_argument("--section", default="frontier",
+                   help="docs/results.md section to write (another name: a run kept apart, e.g. at another budget)")
     p.add_argument("--render-only", dest="render_only", action="store_true",
                    help="only render docs/results.md's section (and the plot) from --save-json")
     p.add_argument("--quick", action="store_true")
@@ -230,15 +244,15 @@ def main(argv=None) -> int:
         plot_png(out["frontier"], save.with_suffix(".png"),
                  "SmolLM2-135M: size vs perplexity, dense quantized vs pruned + recovered + quantized")
     if args.write_docs:
-        write_section(ROOT / "docs" / "results.md", markdown(out), *MARKERS)
-    print(markdown(out))
+        write_section(ROOT / "docs" / "results.md", markdown(out, args.section), *section_markers(args.section))
+    print(markdown(out, args.section))
     return 0
 
 
 def run(args, out: dict, save: Path) -> None:
     import torch
     torch.set_num_threads(args.threads)
-    out.update(args={k: v for k, v in vars(args).items() if k not in ("resume", "write_docs", "render_only")},
+    out.update(args={k: v for k, v in vars(args).items() if k not in ("resume", "write_docs", "render_only", "section")},
                command="python -m bench.bench_frontier " + shlex.join(sys.argv[1:]), machine=platform.processor()
                or platform.machine(), threads=args.threads, when=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     # a resumed file holds rows of earlier commands too: every command that added rows is listed
@@ -262,6 +276,10 @@ def run(args, out: dict, save: Path) -> None:
         folder = Path(tmp)
         if "frontier" in parts:
             gguf_points(loaded, held, None, "dense", args.dense_types.split(","), folder, out, saved)
+            lattice = prior_lattice(loaded.model)       # the verdict's caveat when the dense model was quantized before
+            for point in out["frontier"].values():
+                if point["label"] == "dense" and "refused" not in point:
+                    point["lattice"] = lattice
             saved()
         for scorer in scorers:
             for target in targets + (extra if "frontier" in parts else []):
@@ -280,10 +298,14 @@ def run(args, out: dict, save: Path) -> None:
                     if not wants_gguf and (key in out["iterative"] or target not in targets):
                         continue           # held already (an extra target is run only for its GGUF points)
                     row, result = run_schedule(loaded, held, scorer, target, step, args)
-                    if target in targets:
+                    if target in targets and key not in out["iterative"]:
                         out["iterative"][key] = row
+                    elif key in out["iterative"]:  # re-run for new GGUF types: the held row stays, its rerun is compared
+                        held_ppl = out["iterative"][key]["ppl"]
+                        print(f"  re-run of a held schedule: ppl {row['ppl']:.4f} (held {held_ppl:.4f})", flush=True)
                     if wants_gguf:
-                        gguf_points(loaded, held, result, label, args.pruned_types.split(","), folder, out, saved)
+                        gguf_points(loaded, held, result, label, args.pruned_types.split(","), folder, out, saved,
+                                    source_ppl=row["ppl"])
                     saved()
 
 
