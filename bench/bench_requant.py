@@ -1,0 +1,141 @@
+"""Benchmark: what requantizing the built-in SmolLM2 costs, type by type, and why (issue 35; a result,
+not a test).
+
+The built-in SmolLM2-135M ships as a Q4_1 GGUF file, dequantized once to float32 (DESIGN.md): every
+32-value block of its weights holds at most 16 distinct values, min + k * d. Writing it again at another
+llama.cpp type requantizes a lattice, and how much that costs depends on how the new grid meets the
+old one, not only on the bits. For each --types the dense model is exported by headscope's GGUF export
+(self-checked as any export), then:
+- the file is read back into PyTorch by transformers' GGUF loader (dequantized, rope rows permuted
+  back): the weight error against the source (relative Frobenius norm, per tensor kind and in all);
+- perplexity of that dequantized model in PyTorch (float32 activations) and of the file in llama.cpp
+  (its own kernels, 8-bit activations for the quantized types), on the same --tokens held-out tokens
+  in windows of --window: when both move together, the cost is in the weights, not in the runtime.
+Printed first: the lattice of the source (distinct values per 32-value block; the share of blocks that
+Q4_1 re-encodes bit-exactly).
+
+Usage: nice -n 10 .venv/bin/python -m bench.bench_requant [--types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_1,q4_0]
+       [--tokens 4096] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from analysis.arch.models import load_model
+from analysis.compress.export import export
+from analysis.compress.export.gguf import llamacpp
+from analysis.compress.export.gguf.deploy import gguf_facts
+from analysis.core.text import evaluation_text
+from analysis.measure.evaluation import CausalPerplexity, token_ids
+from bench._timing import load_average
+
+KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lattice(model, block: int = 32) -> dict:
+    """How the source's 2-D weights sit on a quantization lattice, per kind (the embedding apart): the
+    mean number of distinct values in a block of `block`, and the share of blocks with at most 16 (what
+    a 4-bit block type can hold)."""
+    stats: dict[str, list[float]] = {}
+    for name, w in distinct_tensors(model.state_dict()).items():
+        if w.dim() != 2 or w.shape[1] % block:
+            continue
+        s = np.sort(w.float().numpy().reshape(-1, block), axis=1)                    # [n_blocks, 32]
+        distinct = 1 + (np.diff(s, axis=1) != 0).sum(axis=1)                          # [n_blocks]
+        entry = stats.setdefault("embedding" if "embed_tokens" in name else "layers", [0.0, 0.0, 0])
+        entry[0] += float(distinct.sum())
+        entry[1] += float((distinct <= 16).sum())
+        entry[2] += len(distinct)
+    return {k: {"distinct_per_block": d / n, "share_at_most_16": m / n, "blocks": n} for k, (d, m, n) in stats.items()}
+
+
+def distinct_tensors(state: dict) -> dict:
+    """The state dict without tensors that share storage with an earlier one (a tied lm_head)."""
+    seen, out = set(), {}
+    for name, w in state.items():
+        if w.data_ptr() not in seen:
+            seen.add(w.data_ptr())
+            out[name] = w
+    return out
+
+
+def weight_error(source: dict, back: dict) -> dict:
+    """Relative Frobenius error of the read-back 2-D weights, per kind (KINDS) and in all."""
+    num, den = {}, {}
+    for name, w in distinct_tensors(source).items():
+        if w.dim() != 2 or name not in back:
+            continue
+        kind = next((k for k in KINDS if k in name), "other")
+        ref = w.double()
+        num[kind] = num.get(kind, 0.0) + float(((back[name].double() - ref) ** 2).sum())
+        den[kind] = den.get(kind, 0.0) + float((ref ** 2).sum())
+    out = {k: (num[k] / den[k]) ** 0.5 for k in num}
+    out["all"] = (sum(num.values()) / sum(den.values())) ** 0.5
+    return out
+
+
+def read_back(path: Path):
+    """The GGUF file as a float32 transformers model (dequantized, rope rows permuted back)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--types", default="f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_1,q4_0")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache-dir", dest="cache_dir", default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
+    source = {k: v.detach().clone() for k, v in distinct_tensors(loaded.model.state_dict()).items()}
+    ids = token_ids(loaded.tokenizer, evaluation_text(), max_tokens=args.tokens)               # [N]
+    evaluator = CausalPerplexity(window=args.window, stride=args.window, batch_size=8)
+
+    def torch_ppl(model) -> float:
+        sums, _, counts = evaluator.window_stats(model, ids)                                   # [1, W], [W]
+        return float(np.exp(sums.sum() / counts.sum()))
+
+    lat = lattice(loaded.model)
+    for kind, st in lat.items():
+        print(f"source lattice, {kind}: {st['distinct_per_block']:.1f} distinct values per 32-value block on "
+              f"average; {st['share_at_most_16']:.1%} of {st['blocks']:,} blocks hold at most 16", flush=True)
+    rows = {"source": {"torch_ppl": torch_ppl(loaded.model)}}
+    print(f"source (float32): PyTorch perplexity {rows['source']['torch_ppl']:.3f} on {len(ids):,} tokens", flush=True)
+    dense = np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), bool)
+    with tempfile.TemporaryDirectory(prefix="bench-requant-") as tmp:
+        for t in [t for t in args.types.split(",") if t]:
+            written = export("gguf", loaded.model, dense, tmp, t, tokenizer=loaded.tokenizer, gguf_type=t)
+            path = written.path / "model.gguf"
+            back = read_back(path)
+            row = {"bytes": path.stat().st_size, "tensor_types": gguf_facts(path)["tensor_types"],
+                   "weight_error": weight_error(source, back.state_dict()), "torch_ppl": torch_ppl(back),
+                   "llama_ppl": llamacpp.perplexity(path, ids.tolist(), window=args.window, threads=args.threads).value}
+            del back
+            rows[t] = row
+            e = row["weight_error"]
+            print(f"{t}: {row['bytes'] / 2**20:.1f} MiB; weight error {e['all']:.2e} (attention q/k/v/o "
+                  f"{e.get('q_proj', 0):.2e}/{e.get('k_proj', 0):.2e}/{e.get('v_proj', 0):.2e}/{e.get('o_proj', 0):.2e}, "
+                  f"mlp gate/up/down {e.get('gate_proj', 0):.2e}/{e.get('up_proj', 0):.2e}/{e.get('down_proj', 0):.2e}, "
+                  f"embedding {e.get('embed_tokens', 0):.2e}); perplexity PyTorch {row['torch_ppl']:.3f}, "
+                  f"llama.cpp {row['llama_ppl']:.3f}; {row['tensor_types']}", flush=True)
+    print(f"load average at end: {load_average()}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "lattice": lat, "rows": rows,
+                                              "load": load_average()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
