@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -53,6 +54,33 @@ def lattice(model, block: int = 32) -> dict:
         entry[1] += float((distinct <= 16).sum())
         entry[2] += len(distinct)
     return {k: {"distinct_per_block": d / n, "share_at_most_16": m / n, "blocks": n} for k, (d, m, n) in stats.items()}
+
+
+def error_by_code(model, block: int = 32, max_blocks: int = 4096) -> dict:
+    """Where 5-bit requantization of a 4-bit (Q4_1) lattice errs: for each old code k (0..15, min + k * d
+    in its block) the share of weights and the mean |error| / step of Q5_1 (min + j * range / 31, the
+    same endpoints: code k lands at 2k + k/15 of the new grid, k/15 of a step off) and of Q5_0 (a grid
+    around 0, step = the block's largest magnitude / 16, not anchored to the old one), both written as
+    ggml's reference quantizers write them (the bytes llama.cpp's quantizer writes), in float64."""
+    head = model.get_output_embeddings()
+    rows = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and module.in_features % block == 0:
+            w = module.weight.detach().double().numpy().reshape(-1, block)                  # [n, 32]
+            rows.append(w[:: max(1, len(w) // max_blocks)])
+    w = np.concatenate(rows)                                                              # [n, 32]
+    lo, hi = w.min(1, keepdims=True), w.max(1, keepdims=True)                             # [n, 1]
+    code = np.rint((w - lo) / ((hi - lo) / 15)).astype(int)                               # [n, 32]
+    step1 = (hi - lo) / 31
+    err1 = np.abs(np.floor((w - lo) / step1 + 0.5) * step1 + lo - w) / step1              # Q5_1
+    amax = np.take_along_axis(w, np.abs(w).argmax(1)[:, None], 1)                         # [n, 1] signed
+    step0 = amax / -16
+    err0 = np.abs((np.minimum(31, np.trunc(w / step0 + 16.5)) - 16) * step0 - w) / np.abs(step0)   # Q5_0
+    return {"share": [float((code == k).mean()) for k in range(16)],
+            "q5_1": [float(err1[code == k].mean()) for k in range(16)],
+            "q5_0": [float(err0[code == k].mean()) for k in range(16)],
+            "rms_per_step": {"q5_1": float(np.sqrt((err1 ** 2).mean())), "q5_0": float(np.sqrt((err0 ** 2).mean()))},
+            "step_ratio_q5_1_to_q5_0": float((step1 / np.abs(step0)).mean())}
 
 
 def distinct_tensors(state: dict) -> dict:
@@ -98,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("TQDM_DISABLE", "1")           # transformers' GGUF loader draws a bar per file
     loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
     source = {k: v.detach().clone() for k, v in distinct_tensors(loaded.model.state_dict()).items()}
     ids = token_ids(loaded.tokenizer, evaluation_text(), max_tokens=args.tokens)               # [N]
@@ -111,6 +140,13 @@ def main(argv=None) -> int:
     for kind, st in lat.items():
         print(f"source lattice, {kind}: {st['distinct_per_block']:.1f} distinct values per 32-value block on "
               f"average; {st['share_at_most_16']:.1%} of {st['blocks']:,} blocks hold at most 16", flush=True)
+    by_code = error_by_code(loaded.model)
+    print("requantizing the 4-bit lattice at 5 bits, per old code k = 0..15:\n"
+          f"  share of weights  {' '.join(f'{v:.3f}' for v in by_code['share'])}\n"
+          f"  Q5_1 |err|/step   {' '.join(f'{v:.3f}' for v in by_code['q5_1'])}\n"
+          f"  Q5_0 |err|/step   {' '.join(f'{v:.3f}' for v in by_code['q5_0'])}\n"
+          f"  rms error / step: Q5_1 {by_code['rms_per_step']['q5_1']:.3f}, Q5_0 {by_code['rms_per_step']['q5_0']:.3f} "
+          f"(uniform rounding: {12 ** -0.5:.3f}); Q5_1's step is {by_code['step_ratio_q5_1_to_q5_0']:.3f}x Q5_0's", flush=True)
     rows = {"source": {"torch_ppl": torch_ppl(loaded.model)}}
     print(f"source (float32): PyTorch perplexity {rows['source']['torch_ppl']:.3f} on {len(ids):,} tokens", flush=True)
     dense = np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), bool)
@@ -132,7 +168,7 @@ def main(argv=None) -> int:
                   f"llama.cpp {row['llama_ppl']:.3f}; {row['tensor_types']}", flush=True)
     print(f"load average at end: {load_average()}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "lattice": lat, "rows": rows,
+        Path(args.out).write_text(json.dumps({"args": vars(args), "lattice": lat, "by_code": by_code, "rows": rows,
                                               "load": load_average()}, indent=1))
     return 0
 
