@@ -11,8 +11,8 @@ old one, not only on the bits. For each --types the dense model is exported by h
 - perplexity of that dequantized model in PyTorch (float32 activations) and of the file in llama.cpp
   (its own kernels, 8-bit activations for the quantized types), on the same --tokens held-out tokens
   in windows of --window: when both move together, the cost is in the weights, not in the runtime.
-Printed first: the lattice of the source (distinct values per 32-value block; the share of blocks that
-Q4_1 re-encodes bit-exactly).
+Printed first: the lattice of the source (`frontier.prior_lattice`: the share of 32-value blocks with at
+most 16 distinct values) and, per old 4-bit code, where 5-bit requantization errs (`error_by_code`).
 
 Usage: nice -n 10 .venv/bin/python -m bench.bench_requant [--types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_1,q4_0]
        [--tokens 4096] [--out FILE.json]
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -32,28 +31,12 @@ from analysis.arch.models import load_model
 from analysis.compress.export import export
 from analysis.compress.export.gguf import llamacpp
 from analysis.compress.export.gguf.deploy import gguf_facts
+from analysis.compress.recover.frontier import prior_lattice
 from analysis.core.text import evaluation_text
 from analysis.measure.evaluation import CausalPerplexity, token_ids
 from bench._timing import load_average
 
 KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def lattice(model, block: int = 32) -> dict:
-    """How the source's 2-D weights sit on a quantization lattice, per kind (the embedding apart): the
-    mean number of distinct values in a block of `block`, and the share of blocks with at most 16 (what
-    a 4-bit block type can hold)."""
-    stats: dict[str, list[float]] = {}
-    for name, w in distinct_tensors(model.state_dict()).items():
-        if w.dim() != 2 or w.shape[1] % block:
-            continue
-        s = np.sort(w.float().numpy().reshape(-1, block), axis=1)                    # [n_blocks, 32]
-        distinct = 1 + (np.diff(s, axis=1) != 0).sum(axis=1)                          # [n_blocks]
-        entry = stats.setdefault("embedding" if "embed_tokens" in name else "layers", [0.0, 0.0, 0])
-        entry[0] += float(distinct.sum())
-        entry[1] += float((distinct <= 16).sum())
-        entry[2] += len(distinct)
-    return {k: {"distinct_per_block": d / n, "share_at_most_16": m / n, "blocks": n} for k, (d, m, n) in stats.items()}
 
 
 def error_by_code(model, block: int = 32, max_blocks: int = 4096) -> dict:
@@ -111,8 +94,6 @@ def weight_error(source: dict, back: dict) -> dict:
 def read_back(path: Path):
     """The GGUF file as a float32 transformers model (dequantized, rope rows permuted back)."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-    logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
@@ -126,7 +107,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("TQDM_DISABLE", "1")           # transformers' GGUF loader draws a bar per file
     loaded = load_model("smollm2-135m", cache_dir=args.cache_dir)
     source = {k: v.detach().clone() for k, v in distinct_tensors(loaded.model.state_dict()).items()}
     ids = token_ids(loaded.tokenizer, evaluation_text(), max_tokens=args.tokens)               # [N]
@@ -136,10 +116,9 @@ def main(argv=None) -> int:
         sums, _, counts = evaluator.window_stats(model, ids)                                   # [1, W], [W]
         return float(np.exp(sums.sum() / counts.sum()))
 
-    lat = lattice(loaded.model)
-    for kind, st in lat.items():
-        print(f"source lattice, {kind}: {st['distinct_per_block']:.1f} distinct values per 32-value block on "
-              f"average; {st['share_at_most_16']:.1%} of {st['blocks']:,} blocks hold at most 16", flush=True)
+    lat = prior_lattice(loaded.model)
+    print(f"source lattice (linear layers, the output head apart): {lat['share']:.1%} of {lat['blocks']:,} 32-value "
+          f"blocks hold at most 16 distinct values, {lat['distinct']:.1f} on average", flush=True)
     by_code = error_by_code(loaded.model)
     print("requantizing the 4-bit lattice at 5 bits, per old code k = 0..15:\n"
           f"  share of weights  {' '.join(f'{v:.3f}' for v in by_code['share'])}\n"
