@@ -94,7 +94,8 @@ def weight_error(source: dict, back: dict) -> dict:
 def read_back(path: Path):
     """The GGUF file as a float32 transformers model (dequantized, rope rows permuted back)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                trust_remote_code=False).eval()
 
 
 def main(argv=None) -> int:
