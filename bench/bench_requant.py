@@ -31,7 +31,7 @@ from analysis.arch.models import load_model
 from analysis.compress.export import export
 from analysis.compress.export.gguf import llamacpp
 from analysis.compress.export.gguf.deploy import gguf_facts
-from analysis.compress.recover.frontier import prior_lattice
+from analysis.compress.recover.frontier import linear_blocks, prior_lattice
 from analysis.core.text import evaluation_text
 from analysis.measure.evaluation import CausalPerplexity, token_ids
 from bench._timing import load_average
@@ -39,19 +39,13 @@ from bench._timing import load_average
 KINDS = ("embed_tokens", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def error_by_code(model, block: int = 32, max_blocks: int = 4096) -> dict:
+def error_by_code(model, max_blocks: int = 4096) -> dict:
     """Where 5-bit requantization of a 4-bit (Q4_1) lattice errs: for each old code k (0..15, min + k * d
     in its block) the share of weights and the mean |error| / step of Q5_1 (min + j * range / 31, the
     same endpoints: code k lands at 2k + k/15 of the new grid, k/15 of a step off) and of Q5_0 (a grid
     around 0, step = the block's largest magnitude / 16, not anchored to the old one), both written as
     ggml's reference quantizers write them (the bytes llama.cpp's quantizer writes), in float64."""
-    head = model.get_output_embeddings()
-    rows = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head and module.in_features % block == 0:
-            w = module.weight.detach().double().numpy().reshape(-1, block)                  # [n, 32]
-            rows.append(w[:: max(1, len(w) // max_blocks)])
-    w = np.concatenate(rows)                                                              # [n, 32]
+    w = np.concatenate([b.double().numpy() for b in linear_blocks(model, max_blocks)])   # [n, 32]
     lo, hi = w.min(1, keepdims=True), w.max(1, keepdims=True)                             # [n, 1]
     code = np.rint((w - lo) / ((hi - lo) / 15)).astype(int)                               # [n, 32]
     step1 = (hi - lo) / 31

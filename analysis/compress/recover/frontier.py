@@ -59,6 +59,17 @@ def gguf_point(path: Path, ids: np.ndarray, *, window: int = 512, n_boot: int = 
             "tokens": int(counts.sum()), "bytes": Path(path).stat().st_size}
 
 
+def linear_blocks(model, max_blocks: int = 4096):
+    """Each linear layer's weight (the output head apart) as [n, LATTICE_BLOCK] blocks of its rows, at
+    most about `max_blocks` per tensor, evenly strided (a view: detached, in the weight's dtype)."""
+    import torch
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head and module.in_features % LATTICE_BLOCK == 0:
+            w = module.weight.detach().reshape(-1, LATTICE_BLOCK)                            # [n_blocks, 32]
+            yield w[:: max(1, w.shape[0] // max_blocks)]                                     # [<=2*max, 32]
+
+
 def prior_lattice(model, max_blocks: int = 4096) -> dict:
     """Whether the linear layers' weights (the output head apart: a tied embedding is often stored at
     more bits) were quantized before: {"share": of LATTICE_BLOCK-value blocks with at most LATTICE_LEVELS
@@ -67,16 +78,10 @@ def prior_lattice(model, max_blocks: int = 4096) -> dict:
     Q4_1) has share 1.0; a trained float one ~0. Such weights requantize to their own type almost
     losslessly and to other grids unevenly (docs/EXPORT.md, "Requantizing a checkpoint that was
     quantized before"), which the frontier's dense series inherits and a recovered cut does not."""
-    import torch
-    head = model.get_output_embeddings()
     share = distinct = 0.0
     blocks = 0
-    for module in model.modules():
-        if not isinstance(module, torch.nn.Linear) or module is head or module.in_features % LATTICE_BLOCK:
-            continue
-        w = module.weight.detach().float().reshape(-1, LATTICE_BLOCK)                      # [n_blocks, 32]
-        w = w[:: max(1, w.shape[0] // max_blocks)]                                          # [<=2*max, 32]
-        levels = 1 + (w.sort(dim=1).values.diff(dim=1) != 0).sum(dim=1)                    # [n]
+    for w in linear_blocks(model, max_blocks):                                              # [n, 32]
+        levels = 1 + (w.float().sort(dim=1).values.diff(dim=1) != 0).sum(dim=1)             # [n]
         share += float((levels <= LATTICE_LEVELS).sum())
         distinct += float(levels.sum())
         blocks += int(levels.numel())
