@@ -35,6 +35,17 @@ Families: those whose attention goes through transformers' AttentionInterface wi
 eager kernel (llama, mistral, qwen2, qwen3, gemma, olmo, starcoder2, phi3, ...). A model on another
 kernel (flash attention, custom code) or without `layer_idx` on its attention modules is refused with
 one line.
+
+Compact layers: inside a block the masked path above still holds every token of a windowed head (the
+band is a mask over the whole sequence). A compact cache (analysis.arch.kvcache.CompactCache) holds only
+what the band reads: its layer's `update` hands the kernel a `CompactKV` instead of a key tensor, with
+the full heads' keys / values [B, h_full, S, d] and the windowed heads' [B, h_win, n, d] (n <= sinks +
+recent - 1 + the new tokens) with the absolute position of each of them. The kernel then runs the full
+heads as before and the windowed heads on those keys only, with the band computed from the positions,
+so nothing of length S is built for them. A step with many queries (a prefill) runs the windowed heads
+in blocks of `block_size(recent)` queries: each block reads the sink keys and the keys from `recent - 1`
+before its first query to its last one (`banded_attention`), so its cost grows with sinks + recent, not
+with the sequence. A tap needs every head's keys and is refused on a compact layer.
 """
 from __future__ import annotations
 
@@ -124,8 +135,15 @@ def _allowed(attention_mask: torch.Tensor | None, q: int, S: int, device) -> tor
 
 
 def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """The registered kernel: query [B, H, q, d], key / value [B, Hkv, S, d] -> ([B, q, H, d], None)."""
+    """The registered kernel: query [B, H, q, d], key / value [B, Hkv, S, d] (or one CompactKV from a compact
+    cache) -> ([B, q, H, d], None)."""
     entry = (_ACTIVE.get() or {}).get(id(module))
+    if isinstance(key, CompactKV):
+        if entry is not None and entry.tap is not None:
+            raise InputError("A tap reads every head's keys; a compact KV cache keeps only the windows. Run the "
+                             "tap without the compact cache.")
+        base = entry.base if entry is not None else "sdpa"
+        return compact_attention(_kernel(base, module), base, module, query, key, attention_mask, *args, **kwargs)
     if entry is None:                                                   # no block in this thread: plain kernel
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
@@ -155,6 +173,104 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
         heads = (kv[:, None] * G + torch.arange(G, device=kv.device)).flatten()   # [h_kv * G] their query heads
         part, _ = kernel(module, query[:, heads], key[:, kv], value[:, kv], mask, *args, **kwargs)  # [B, q, h, d_v]
         out[:, :, heads] = part
+    return out, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact layers: the windowed heads' keys only, with their positions
+# ---------------------------------------------------------------------------------------------
+
+MIN_BLOCK = 64                      # queries per block of a banded prefill, at least
+
+
+@dataclass(frozen=True)
+class CompactKV:
+    """What a compact cache layer hands the kernel for one step (analysis.arch.kvcache). Heads are the
+    layer's KV heads; the query heads of KV head j are j*G .. j*G + G - 1."""
+    n_kv_heads: int
+    full_heads: torch.Tensor             # [h_full] long: KV heads that read every token
+    window_heads: torch.Tensor           # [h_win] long: KV heads that read sinks + recent
+    full_keys: torch.Tensor | None       # [B, h_full, S, d] every token so far, this step's included
+    full_values: torch.Tensor | None     # [B, h_full, S, d_v]
+    window_keys: torch.Tensor | None     # [B, h_win, n, d] the tokens the band may read, in any order
+    window_values: torch.Tensor | None   # [B, h_win, n, d_v]
+    window_positions: torch.Tensor | None    # [n] long: the absolute position of each of them
+    query_start: int                     # position of this step's first query (tokens before it)
+    length: int                          # S: tokens so far, this step's included
+    sinks: int
+    recent: int
+    block: int = 0                       # queries per block of a banded prefill (0: block_size(recent))
+
+    @property
+    def value_dim(self) -> int:
+        v = self.full_values if self.full_values is not None else self.window_values
+        return int(v.shape[-1])
+
+
+def block_size(recent: int) -> int:
+    """Queries per block of a banded prefill: about one window, so a block reads ~ sinks + 2 * recent keys."""
+    return max(MIN_BLOCK, int(recent))
+
+
+def _padding(attention_mask, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
+    """The model's mask [b, 1, q, S] at query rows `rows` and key columns `positions`, as bool (True = read);
+    None without a mask (no padding: the band alone decides)."""
+    if attention_mask is None:
+        return None
+    part = attention_mask[:, :, rows][..., positions.to(attention_mask.device)]    # [b, 1, q', n]
+    return part if part.dtype == torch.bool else part == 0
+
+
+def banded_attention(kernel: Callable, base: str, module, query, keys, values, q_positions, k_positions,
+                     sinks: int, recent: int, attention_mask=None, *args, block: int = 0, **kwargs) -> torch.Tensor:
+    """Windowed attention on the keys a band can read: query [B, h, q, d] at absolute q_positions [q],
+    keys / values [B, h_kv, n, d] at k_positions [n] (any order) -> [B, q, h, d_v]. More queries than
+    `block` (default `block_size(recent)`) run block by block, each on its sink keys and the keys of its own
+    window span (gathered, so a block costs ~ block * (sinks + recent + block)); attention_mask: the model's
+    [b, 1, q, S] over absolute positions (padding), or None."""
+    q = query.shape[2]
+    block = block or block_size(recent)
+    out = []
+    for start in range(0, q, block if q > block else q):
+        stop = min(q, start + block)
+        qp = q_positions[start:stop]                                      # [q']
+        if q > block:                                                     # this block's keys only
+            near = (k_positions < sinks) | ((k_positions > qp[0] - recent) & (k_positions <= qp[-1]))
+            index = torch.nonzero(near).flatten()                         # [m]
+            k, v, kp = keys.index_select(2, index), values.index_select(2, index), k_positions[index]
+        else:
+            k, v, kp = keys, values, k_positions
+        allowed = band(qp, kp, sinks, recent)[None, None]                 # [1, 1, q', m]
+        pad = _padding(attention_mask, slice(start, stop), kp)
+        if pad is not None:
+            allowed = allowed & pad                                       # [b, 1, q', m]
+        mask = None if (base == "sdpa" and stop - start == 1 and bool(allowed.all())) else \
+            _as_mask(allowed, base, query.dtype)                          # one query reading all it holds: no mask
+        part, _ = kernel(module, query[:, :, start:stop], k, v, mask, *args, **kwargs)   # [B, q', h, d_v]
+        out.append(part)
+    return out[0] if len(out) == 1 else torch.cat(out, 1)                 # [B, q, h, d_v]
+
+
+def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV, attention_mask, *args, **kwargs):
+    """The kernel on a compact layer: query [B, H, q, d] -> ([B, q, H, d_v], None); full heads over every key
+    (the model's own mask), windowed heads through `banded_attention` on the keys the cache kept."""
+    B, H, q = query.shape[:3]
+    G = H // kv.n_kv_heads
+    out = query.new_empty(B, q, H, kv.value_dim)                        # [B, q, H, d_v]
+    groups = torch.arange(G, device=query.device)
+    if kv.full_heads.numel():
+        heads = (kv.full_heads.to(query.device)[:, None] * G + groups).flatten()   # [h_full * G]
+        mask = attention_mask
+        if base != "sdpa":                                                # eager adds its mask: always give one
+            mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
+        part, _ = kernel(module, query[:, heads], kv.full_keys, kv.full_values, mask, *args, **kwargs)
+        out[:, :, heads] = part
+    if kv.window_heads.numel():
+        heads = (kv.window_heads.to(query.device)[:, None] * G + groups).flatten()  # [h_win * G]
+        q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
+        out[:, :, heads] = banded_attention(kernel, base, module, query[:, heads], kv.window_keys, kv.window_values,
+                                            q_positions, kv.window_positions.to(query.device), kv.sinks, kv.recent,
+                                            attention_mask, *args, block=kv.block, **kwargs)
     return out, None
 
 
