@@ -22,6 +22,7 @@ PLANS = {
     "mixed": [[WINDOW, PRUNE], [FULL, WINDOW]],
     "emptied layer": [[PRUNE, PRUNE], [WINDOW, FULL]],
     "all windowed or pruned": [[WINDOW, WINDOW], [PRUNE, WINDOW]],
+    "head cut only": [[FULL, PRUNE], [FULL, FULL]],
 }
 
 

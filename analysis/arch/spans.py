@@ -256,18 +256,24 @@ def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV,
     (the model's own mask), windowed heads through `banded_attention` on the keys the cache kept."""
     B, H, q = query.shape[:3]
     G = H // kv.n_kv_heads
+    q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
+    full_mask = attention_mask
+    if base != "sdpa" and kv.full_heads.numel():                          # eager adds its mask: always give one
+        full_mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
+    if not kv.window_heads.numel():                                       # every head full: one call
+        return kernel(module, query, kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0], None
+    if not kv.full_heads.numel():                                         # every head windowed
+        return banded_attention(kernel, base, module, query, kv.window_keys, kv.window_values, q_positions,
+                                kv.window_positions.to(query.device), kv.sinks, kv.recent, attention_mask, *args,
+                                block=kv.block, **kwargs), None
     out = query.new_empty(B, q, H, kv.value_dim)                        # [B, q, H, d_v]
     groups = torch.arange(G, device=query.device)
     if kv.full_heads.numel():
         heads = (kv.full_heads.to(query.device)[:, None] * G + groups).flatten()   # [h_full * G]
-        mask = attention_mask
-        if base != "sdpa":                                                # eager adds its mask: always give one
-            mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
-        part, _ = kernel(module, query[:, heads], kv.full_keys, kv.full_values, mask, *args, **kwargs)
+        part, _ = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args, **kwargs)
         out[:, :, heads] = part
     if kv.window_heads.numel():
         heads = (kv.window_heads.to(query.device)[:, None] * G + groups).flatten()  # [h_win * G]
-        q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
         out[:, :, heads] = banded_attention(kernel, base, module, query[:, heads], kv.window_keys, kv.window_values,
                                             q_positions, kv.window_positions.to(query.device), kv.sinks, kv.recent,
                                             attention_mask, *args, block=kv.block, **kwargs)
