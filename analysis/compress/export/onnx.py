@@ -80,6 +80,8 @@ class OnnxFormat(PhysicalFormat):
     rank = 40
     label = "ONNX (ONNX Runtime)"
     help = "model.onnx of the pruned model, for ONNX Runtime"
+    kv_windows = ("ONNX Runtime runs every KV head of model.onnx with full attention (the graph has no windows); "
+                  "the file holds the plan's cut, kv_plan.json records its windows")
     options = {"opset": FormatOption(17, None, f"ONNX opset version ({OPSETS[0]} to {OPSETS[1]})", bounds=OPSETS)}
 
     def write_cut(self, smaller, layout, folder, *, original, opset=17, **options):

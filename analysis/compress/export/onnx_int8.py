@@ -194,6 +194,8 @@ class OnnxInt8Format(PhysicalFormat):
     label = "ONNX INT8 (self-checked)"
     help = ("model.onnx with INT8 weights for ONNX Runtime (integer kernels by default), measured against "
             "the float32 file on this CPU before it is written")
+    kv_windows = ("ONNX Runtime runs every KV head of model.onnx with full attention (the graph has no windows); "
+                  "the file holds the plan's cut, kv_plan.json records its windows")
     options = {"opset": FormatOption(17, None, "ONNX opset version"),
                "int8_method": FormatOption("dynamic", tuple(ONNX_METHODS),
                                            "dynamic: integer kernels (u8 weights, 8-bit activations per call, "

@@ -40,6 +40,12 @@ class GGUFFormat(PhysicalFormat):
     rank = 60
     label = "GGUF (llama.cpp)"
     help = "model.gguf for llama.cpp (and what is built on it), per-layer head counts included"
+    # measured (scripts/gguf_window_check.py): llama.cpp loads a llama / deci file with
+    # {arch}.attention.sliding_window (and a per-layer pattern) and computes bit-identical logits: those graphs
+    # build no sliding-window cache; llama.cpp's window (is_masked_swa) has no sink tokens either
+    kv_windows = ("llama.cpp runs every layer of model.gguf with full attention: the llama and deci graphs "
+                  "headscope writes ignore a sliding window (measured), and llama.cpp's window keeps no sink "
+                  "tokens; the file holds the plan's cut, kv_plan.json records its windows")
     options = {"gguf_type": FormatOption(DEFAULT_WEIGHT_TYPE, tuple(WEIGHT_TYPES),
                                          "GGUF weight type (k-quants and q4_0/q4_1 by llama.cpp's quantizer)"),
                "gguf_embedding_type": FormatOption(
