@@ -61,3 +61,16 @@ def test_given_plans_and_bad_input_are_one_line(tmp_path):
         measure_kv(loaded, {}, context=256)
     with pytest.raises(InputError, match="dense"):
         measure_kv(loaded, {"dense": KVPlan.full(g)}, context=16, decode_steps=1, repeats=1, warmup=0)
+
+
+def test_the_predicted_flops_count_the_keys_each_query_reads():
+    from analysis.compress.kvspeed import planned_flops, read_keys
+    from analysis.compress.speed import forward_flops
+    for tokens, context, cap in ((1, 9, 4), (9, 9, 4), (9, 9, 20), (3, 7, 1)):
+        assert read_keys(tokens, context, cap) == sum(min(p + 1, cap) for p in range(context - tokens, context))
+    model = tiny_model("llama")
+    full = [[False, False]] * 2
+    dense = planned_flops(model, full, sinks=0, recent=1, tokens=1, context=30)
+    assert dense.total == forward_flops(model, 1, 30).total             # a decode step: the same count
+    half = planned_flops(model, [[True, False]] * 2, sinks=2, recent=3, tokens=1, context=30)
+    assert half.matmul == dense.matmul and half.attention_scores == dense.attention_scores * (30 + 5) // 60

@@ -10,11 +10,12 @@ cache) are timed side by side:
   median per step (self-timed: the prefill is never inside a decode time), in the same rotating rounds;
 - **KV bytes**: the real K / V tensors of the cache after the prefill (`analysis.arch.kvcache.kv_cache_bytes`)
   next to what the plan predicts (`KVPlan.kv_bytes`); they are equal by construction and reported both.
-Ratios are dense / plan per round (above 1 = the plan is faster), min / median / max over the rounds,
-next to the predictions:
+Ratios are dense / plan per round (above 1 = the plan is faster), min / median / max over the rounds, in
+wall-clock and in this process's CPU time (`*_cpu`: the steadier one on a shared machine, with one torch
+thread), next to the predictions:
 - FLOPs (`planned_flops`): the matmuls of the model that runs (the twin has fewer projections) plus the
-  attention scores (QK^T and AV) over the tokens each KV head keeps: every key for a full head, sinks +
-  recent for a windowed one; a prefill of S tokens scores S queries against them, a decode step one;
+  attention scores (QK^T and AV) over the keys each query reads: every earlier token for a full KV head, at
+  most sinks + recent for a windowed one (a prefill of S tokens: S queries, causal; a decode step: one);
 - KV bytes read per decode step: the plan's KV bytes over dense's (a step reads the whole cache).
 
 Every plan row also has a `probes` field (None here): the long-context probe accuracies of the plan,
@@ -47,29 +48,39 @@ DENSE = "dense"
 KV_RATIO_NOTE = (
     "Ratios are dense over the plan, per round, then the median (min-max over the rounds): above 1 the plan is "
     "faster. Predicted: FLOPs of the model that runs (its projections, MLP and LM head, plus the attention "
-    "scores over the tokens each KV head keeps: every token for a full head, sinks + recent for a windowed "
-    "one); KV read: the bytes a decode step reads from the cache (all of it), plan over dense.")
+    "scores over the keys each query reads: every earlier token for a full KV head, at most sinks + recent for "
+    "a windowed one); KV read: the bytes a decode step reads from the cache (all of it), plan over dense.")
+
+
+def read_keys(tokens: int, context: int, cap: int) -> int:
+    """Score entries of `tokens` queries ending a context of `context` tokens, each reading every earlier key
+    (itself included) up to `cap` of them: the sum over positions p = context - tokens .. context - 1 of
+    min(p + 1, cap)."""
+    first, last = context - tokens + 1, context                          # keys read by the first / last query
+    top = min(last, cap)
+    growing = (first + top) * (top - first + 1) // 2 if top >= first else 0
+    return growing + max(0, last - max(first, cap + 1) + 1) * cap
 
 
 def planned_flops(model: nn.Module, window, *, sinks: int, recent: int, tokens: int, context: int,
                   layout: HeadLayout | None = None, logits: int | None = None) -> FlopCount:
-    """FLOPs of `tokens` new tokens over a context of `context` keys, each windowed KV head (window[l][j])
-    reading min(context, sinks + recent) keys and each full one `context` (`speed.forward_flops`'s
-    convention: the full score rectangle). `layout`: the twin's (model is then the twin). logits: tokens
-    the LM head runs on (a prefill keeping the last logits: 1; default every token)."""
+    """FLOPs of the last `tokens` tokens of a context of `context` (a prefill: tokens = context; a decode step:
+    tokens = 1): the matmuls of `model` (`speed.forward_flops`; `layout`: the twin's, model is then the
+    twin) plus the attention scores (QK^T and AV) over the keys each query reads: every earlier token for a
+    full KV head, at most sinks + recent for a windowed one (window[l][j]), causal (what the kernels compute:
+    SDPA's causal prefill skips the masked half). logits: tokens the LM head runs on (a prefill keeping the
+    last logits: 1; default every token)."""
     adapter = adapter_for(model)
     g = adapter.geometry(model)
     base = forward_flops(model, tokens, context, layout=layout, adapter=adapter)
     heads = ([g.n_heads] * g.n_layers if layout is None
              else [layout.layer_counts(l)[0] for l in range(layout.n_layers)])
-    kept = min(context, sinks + recent)
+    full, banded = read_keys(tokens, context, context), read_keys(tokens, context, sinks + recent)
     scores = 0
     for l, row in enumerate(window):
         row = [bool(w) for w in row]
-        if not row:
-            continue
-        group = heads[l] // len(row)
-        scores += sum(4 * tokens * (kept if w else context) * group * g.head_dim for w in row)
+        if row:
+            scores += sum(4 * (banded if w else full) * (heads[l] // len(row)) * g.head_dim for w in row)
     matmul = base.matmul
     if logits is not None:
         head = model.get_output_embeddings()
@@ -143,9 +154,10 @@ def _decode(runner: _Runner, steps: int) -> Callable[[], tuple[float, float]]:
     return run
 
 
-def _spread(times, name: str) -> dict:
-    return times.ratio_spread(DENSE, name) if name != DENSE else {"min": 1.0, "median": 1.0, "max": 1.0,
-                                                                  "rounds": len(times.wall[DENSE])}
+def _spread(times, name: str, clock: str = "wall") -> dict:
+    """dense / `name` per round: {"min", "median", "max", "rounds"}."""
+    return times.ratio_spread(DENSE, name, clock) if name != DENSE else {"min": 1.0, "median": 1.0, "max": 1.0,
+                                                                         "rounds": len(times.wall[DENSE])}
 
 
 def measure_kv(source, plans: dict[str, KVPlan], *, context: int, decode_steps: int = 8, repeats: int = 3,
@@ -207,6 +219,7 @@ def measure_kv(source, plans: dict[str, KVPlan], *, context: int, decode_steps: 
             "prefill_ms": prefill.median_ms("wall")[r.name], "prefill_cpu_ms": prefill.median_ms("cpu")[r.name],
             "decode_ms": decode.median_ms("wall")[r.name], "decode_cpu_ms": decode.median_ms("cpu")[r.name],
             "prefill_speedup": _spread(prefill, r.name), "decode_speedup": _spread(decode, r.name),
+            "prefill_speedup_cpu": _spread(prefill, r.name, "cpu"), "decode_speedup_cpu": _spread(decode, r.name, "cpu"),
             "prefill_speedup_predicted": dense_pre.total / pre.total,
             "decode_speedup_predicted": dense_dec.total / dec.total,
             "kv_read_ratio_predicted": plan.kv_ratio(context),
