@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.arch.kvcache import CompactCache, compact, kv_cache_bytes, ring_positions, ring_slots
-from analysis.arch.spans import tapped, windowed
+from analysis.arch.kvcache import CompactCache, compact, kv_cache_bytes
+from analysis.arch.spans import ring_positions, ring_slots, tapped, windowed
 from analysis.core.errors import InputError
 from analysis.score.kvplan import FULL, WINDOW, KVPlan
 from tests._tiny import tiny_input_ids, tiny_model
@@ -84,6 +84,19 @@ def test_banded_prefill_in_blocks_is_the_masked_path(family):
                      for a, b in ((0, 9), (9, 10), (10, 27), (27, 40))]  # a prompt in chunks, one a single token
     assert (one - full).abs().max().item() <= EXACT
     assert (torch.cat(parts, 1) - full).abs().max().item() <= EXACT
+
+
+def test_heads_that_are_not_consecutive_are_gathered_and_put_back_in_place():
+    m = tiny_model("llama", dtype=torch.float64, num_attention_heads=8, num_key_value_heads=4)
+    m.set_attn_implementation("sdpa")
+    window = np.array([[True, False, True, False], [False, True, True, False]])
+    x = tiny_input_ids(1, 24)
+    with torch.no_grad():
+        with windowed(m, window, sinks=1, recent=3):
+            full = m(x).logits
+        with compact(m, window, sinks=1, recent=3, block=4) as cache:
+            small, _ = _decode(m, x, 10, cache)
+    assert (small - full[:, 9:]).abs().max().item() <= float32_inside_tolerance(m, full.abs().max().item())
 
 
 def test_a_window_covering_the_sequence_keeps_everything_and_is_full_attention():

@@ -30,23 +30,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from analysis.arch.spans import CompactKV, check_band, spans
+from analysis.arch.spans import CompactKV, check_band, ring_positions, ring_slots, spans
 from analysis.core.errors import InputError
-
-
-def ring_slots(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
-    """[n] slot of each kept position in a windowed head's ring."""
-    return torch.where(positions < sinks, positions, sinks + (positions - sinks) % recent)
-
-
-def ring_positions(length: int, sinks: int, recent: int, device=None) -> torch.Tensor:
-    """[min(length, sinks + recent)] long: the position held in each ring slot after `length` tokens."""
-    size = sinks + recent
-    if length <= size:
-        return torch.arange(length, device=device)
-    slots = torch.arange(size, device=device)
-    base = length - recent                                               # the oldest recent token kept
-    return torch.where(slots < sinks, slots, base + (slots - base) % recent)
 
 
 class CompactLayer(CacheLayerMixin):
@@ -60,8 +45,8 @@ class CompactLayer(CacheLayerMixin):
         self.block = int(block)
         self.window = window.to(torch.bool)
         self.n_kv_heads = int(window.numel())
-        self.full_heads = torch.nonzero(~self.window).flatten()          # [h_full]
-        self.window_heads = torch.nonzero(self.window).flatten()         # [h_win]
+        self.full_heads = tuple(int(j) for j in torch.nonzero(~self.window).flatten())      # KV heads
+        self.window_heads = tuple(int(j) for j in torch.nonzero(self.window).flatten())
         self.sinks, self.recent = int(sinks), int(recent)
         self.length = 0                                                   # tokens seen
         self.ring_keys = self.ring_values = None                          # [B, h_win, n, d]
@@ -70,13 +55,15 @@ class CompactLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def _split(self, states: torch.Tensor, heads: torch.Tensor) -> torch.Tensor | None:
-        """states [B, Hkv, q, d] -> the given KV heads [B, h, q, d] (the tensor itself when that is all)."""
-        if not heads.numel():
+    def _split(self, states: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor | None:
+        """states [B, Hkv, q, d] -> the given KV heads [B, h, q, d] (a view when they are consecutive)."""
+        if not heads:
             return None
-        if heads.numel() == self.n_kv_heads:
+        if len(heads) == self.n_kv_heads:
             return states
-        return states.index_select(1, heads.to(states.device))
+        if heads == tuple(range(heads[0], heads[-1] + 1)):
+            return states[:, heads[0]:heads[-1] + 1]
+        return states.index_select(1, torch.tensor(heads, device=states.device))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key / value [B, Hkv, q, d] of this step's q tokens -> (CompactKV, CompactKV) for the kernel."""
@@ -90,9 +77,9 @@ class CompactLayer(CacheLayerMixin):
             raise InputError(f"The compact KV cache was made for {self.n_kv_heads} KV heads in this layer; the model "
                              f"gives {key_states.shape[1]}. Make the cache for the model that runs it.")
         full_k, full_v = self._split(key_states, self.full_heads), self._split(value_states, self.full_heads)
-        if full_k is not None:
-            self.keys = full_k if self.keys is None else torch.cat([self.keys, full_k], dim=-2)
-            self.values = full_v if self.values is None else torch.cat([self.values, full_v], dim=-2)
+        if full_k is not None:                                            # a copy: never a view of the step's keys
+            self.keys = full_k.clone() if self.keys is None else torch.cat([self.keys, full_k], dim=-2)
+            self.values = full_v.clone() if self.values is None else torch.cat([self.values, full_v], dim=-2)
         win = self._window_update(self._split(key_states, self.window_heads),
                                   self._split(value_states, self.window_heads), start)
         view = CompactKV(self.n_kv_heads, self.full_heads, self.window_heads, self.keys, self.values, *win,
@@ -101,21 +88,22 @@ class CompactLayer(CacheLayerMixin):
         return view, view
 
     def _window_update(self, k: torch.Tensor | None, v: torch.Tensor | None, start: int):
-        """Store this step's windowed keys in the ring; (keys, values, positions) this step's queries read."""
+        """Store this step's windowed keys in the ring; (keys, values, positions or None: the ring's) this step's
+        queries read."""
         if k is None:
             return None, None, None
         q, size = k.shape[-2], self.sinks + self.recent
         if self.ring_keys is None:
             self.ring_keys, self.ring_values = k[..., :0, :], v[..., :0, :]
         if q == 1 and start >= size:                                      # steady decode: overwrite in place
-            slot = int(ring_slots(torch.tensor(start), self.sinks, self.recent))
+            slot = start if start < self.sinks else self.sinks + (start - self.sinks) % self.recent
             self.ring_keys[..., slot:slot + 1, :] = k
             self.ring_values[..., slot:slot + 1, :] = v
-            return self.ring_keys, self.ring_values, ring_positions(self.length, self.sinks, self.recent)
+            return self.ring_keys, self.ring_values, None
         if start + q <= size:                                             # still filling: slot == position
             self.ring_keys = torch.cat([self.ring_keys, k], dim=-2)
             self.ring_values = torch.cat([self.ring_values, v], dim=-2)
-            return self.ring_keys, self.ring_values, torch.arange(self.length)
+            return self.ring_keys, self.ring_values, None
         # many tokens past the ring's size: the queries read the old ring and every new token; keep the band's
         keys = torch.cat([self.ring_keys, k], dim=-2)                     # [B, h_win, n_old + q, d]
         values = torch.cat([self.ring_values, v], dim=-2)
@@ -168,9 +156,9 @@ class CompactCache(Cache):
         out = []
         for layer in self.layers:
             row = [0] * layer.n_kv_heads
-            for j in layer.full_heads.tolist():
+            for j in layer.full_heads:
                 row[j] = 0 if layer.keys is None else int(layer.keys.shape[-2])
-            for j in layer.window_heads.tolist():
+            for j in layer.window_heads:
                 row[j] = 0 if layer.ring_keys is None else int(layer.ring_keys.shape[-2])
             out.append(row)
         return out

@@ -53,6 +53,7 @@ import contextvars
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -183,18 +184,34 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
 MIN_BLOCK = 64                      # queries per block of a banded prefill, at least
 
 
+def ring_slots(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """[n] the slot of each kept position in a windowed head's ring (analysis.arch.kvcache): the sinks in slots
+    0 .. sinks-1, position p >= sinks in slot sinks + (p - sinks) % recent."""
+    return torch.where(positions < sinks, positions, sinks + (positions - sinks) % recent)
+
+
+def ring_positions(length: int, sinks: int, recent: int, device=None) -> torch.Tensor:
+    """[min(length, sinks + recent)] long: the position held in each ring slot after `length` tokens."""
+    size = sinks + recent
+    if length <= size:
+        return torch.arange(length, device=device)
+    slots = torch.arange(size, device=device)
+    base = length - recent                                               # the oldest recent token kept
+    return torch.where(slots < sinks, slots, base + (slots - base) % recent)
+
+
 @dataclass(frozen=True)
 class CompactKV:
     """What a compact cache layer hands the kernel for one step (analysis.arch.kvcache). Heads are the
     layer's KV heads; the query heads of KV head j are j*G .. j*G + G - 1."""
     n_kv_heads: int
-    full_heads: torch.Tensor             # [h_full] long: KV heads that read every token
-    window_heads: torch.Tensor           # [h_win] long: KV heads that read sinks + recent
+    full_heads: tuple[int, ...]          # KV heads that read every token
+    window_heads: tuple[int, ...]        # KV heads that read sinks + recent
     full_keys: torch.Tensor | None       # [B, h_full, S, d] every token so far, this step's included
     full_values: torch.Tensor | None     # [B, h_full, S, d_v]
-    window_keys: torch.Tensor | None     # [B, h_win, n, d] the tokens the band may read, in any order
-    window_values: torch.Tensor | None   # [B, h_win, n, d_v]
-    window_positions: torch.Tensor | None    # [n] long: the absolute position of each of them
+    window_keys: torch.Tensor | None     # [B, h_win, n, d] the tokens the band may read, in any order; for a
+    window_values: torch.Tensor | None   # one-query step exactly the keys its band reads [B, h_win, n, d_v]
+    window_positions: torch.Tensor | None    # [n] long: the position of each; None: the ring's (ring_positions)
     query_start: int                     # position of this step's first query (tokens before it)
     length: int                          # S: tokens so far, this step's included
     sinks: int
@@ -206,10 +223,25 @@ class CompactKV:
         v = self.full_values if self.full_values is not None else self.window_values
         return int(v.shape[-1])
 
+    def positions(self, device) -> torch.Tensor:
+        """[n] the position of each windowed key."""
+        if self.window_positions is not None:
+            return self.window_positions.to(device)
+        return ring_positions(self.length, self.sinks, self.recent, device)
+
 
 def block_size(recent: int) -> int:
     """Queries per block of a banded prefill: about one window, so a block reads ~ sinks + 2 * recent keys."""
     return max(MIN_BLOCK, int(recent))
+
+
+@lru_cache(maxsize=4096)
+def query_heads(kv_heads: tuple[int, ...], group: int, device: str = "cpu"):
+    """The query heads of some KV heads (G = group per KV head): a slice when the KV heads are consecutive (a
+    view of the query, no gather), else an index tensor [h * G]."""
+    if kv_heads == tuple(range(kv_heads[0], kv_heads[-1] + 1)):
+        return slice(kv_heads[0] * group, (kv_heads[-1] + 1) * group)
+    return torch.tensor([h * group + g for h in kv_heads for g in range(group)], device=device)
 
 
 def _padding(attention_mask, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
@@ -244,39 +276,41 @@ def banded_attention(kernel: Callable, base: str, module, query, keys, values, q
         pad = _padding(attention_mask, slice(start, stop), kp)
         if pad is not None:
             allowed = allowed & pad                                       # [b, 1, q', m]
-        mask = None if (base == "sdpa" and stop - start == 1 and bool(allowed.all())) else \
-            _as_mask(allowed, base, query.dtype)                          # one query reading all it holds: no mask
-        part, _ = kernel(module, query[:, :, start:stop], k, v, mask, *args, **kwargs)   # [B, q', h, d_v]
+        part, _ = kernel(module, query[:, :, start:stop], k, v, _as_mask(allowed, base, query.dtype), *args,
+                         **kwargs)                                        # [B, q', h, d_v]
         out.append(part)
     return out[0] if len(out) == 1 else torch.cat(out, 1)                 # [B, q, h, d_v]
 
 
+def _windowed_part(kernel, base, module, query, kv: CompactKV, attention_mask, *args, **kwargs) -> torch.Tensor:
+    """The windowed heads of a compact layer: query [B, h, q, d] -> [B, q, h, d_v]."""
+    q = query.shape[2]
+    if q == 1 and attention_mask is None:          # a decode step: the cache holds exactly its band, read it all
+        return kernel(module, query, kv.window_keys, kv.window_values, None, *args, **kwargs)[0]
+    q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
+    return banded_attention(kernel, base, module, query, kv.window_keys, kv.window_values, q_positions,
+                            kv.positions(query.device), kv.sinks, kv.recent, attention_mask, *args, block=kv.block,
+                            **kwargs)
+
+
 def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV, attention_mask, *args, **kwargs):
     """The kernel on a compact layer: query [B, H, q, d] -> ([B, q, H, d_v], None); full heads over every key
-    (the model's own mask), windowed heads through `banded_attention` on the keys the cache kept."""
+    (the model's own mask), windowed heads on the keys the cache kept (`banded_attention`; a decode step
+    without padding reads them all, no mask)."""
     B, H, q = query.shape[:3]
     G = H // kv.n_kv_heads
-    q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
     full_mask = attention_mask
-    if base != "sdpa" and kv.full_heads.numel():                          # eager adds its mask: always give one
+    if base != "sdpa" and kv.full_heads:                                  # eager adds its mask: always give one
         full_mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
-    if not kv.window_heads.numel():                                       # every head full: one call
+    if not kv.window_heads:                                               # every head full: one call
         return kernel(module, query, kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0], None
-    if not kv.full_heads.numel():                                         # every head windowed
-        return banded_attention(kernel, base, module, query, kv.window_keys, kv.window_values, q_positions,
-                                kv.window_positions.to(query.device), kv.sinks, kv.recent, attention_mask, *args,
-                                block=kv.block, **kwargs), None
+    if not kv.full_heads:                                                 # every head windowed
+        return _windowed_part(kernel, base, module, query, kv, attention_mask, *args, **kwargs), None
     out = query.new_empty(B, q, H, kv.value_dim)                        # [B, q, H, d_v]
-    groups = torch.arange(G, device=query.device)
-    if kv.full_heads.numel():
-        heads = (kv.full_heads.to(query.device)[:, None] * G + groups).flatten()   # [h_full * G]
-        part, _ = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args, **kwargs)
-        out[:, :, heads] = part
-    if kv.window_heads.numel():
-        heads = (kv.window_heads.to(query.device)[:, None] * G + groups).flatten()  # [h_win * G]
-        out[:, :, heads] = banded_attention(kernel, base, module, query[:, heads], kv.window_keys, kv.window_values,
-                                            q_positions, kv.window_positions.to(query.device), kv.sinks, kv.recent,
-                                            attention_mask, *args, block=kv.block, **kwargs)
+    heads = query_heads(kv.full_heads, G, str(query.device))
+    out[:, :, heads] = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0]
+    heads = query_heads(kv.window_heads, G, str(query.device))
+    out[:, :, heads] = _windowed_part(kernel, base, module, query[:, heads], kv, attention_mask, *args, **kwargs)
     return out, None
 
 
