@@ -128,3 +128,13 @@ def test_cli_bad_plans_are_one_line_and_write_nothing(model_dir, tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_streamed_export_writes_the_plan_too(model_dir, tmp_path):
+    from analysis.compress.export.streamed import export_checkpoint
+    result = export_checkpoint("pruned", model_dir, None, tmp_path / "s", kv_plan=_plan())
+    data = json.loads((tmp_path / "s" / "kv_plan.json").read_text())
+    assert data["file"]["kv_heads"] == [[0], [0, 1], [1], [0, 1]] and result.layout.kv_heads == data["file"]["kv_heads"]
+    assert any("load_planned" in note for note in result.notes)
+    planned = load_planned(tmp_path / "s")
+    assert [len(r) for r in planned.window] == [1, 2, 1, 2]
