@@ -43,6 +43,7 @@ def test_a_tiny_quick_run_gives_every_row_with_its_bytes(tmp_path):
     text = bench.markdown(out)
     assert text.startswith(KV_POLICIES_MARKERS[0]) and text.rstrip().endswith(KV_POLICIES_MARKERS[1])
     assert text.count("| 40 |") == 4 and "fixed order" in text
+    assert "KV cache <= 0.5x of dense at 40 tokens: cut (0.500x)" in text
 
 
 def test_given_plans_and_bad_input_are_one_line(tmp_path):
