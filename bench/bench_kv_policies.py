@@ -170,6 +170,21 @@ def goal_line(out: dict) -> str:
             f"(probes column).")
 
 
+def command(out: dict) -> str:
+    """The command that measured `out`, with its --out path written as FILE.json."""
+    words = out["command"].split()
+    return " ".join("FILE.json" if i and words[i - 1] == "--out" else w for i, w in enumerate(words))
+
+
+def clamp_line(out: dict) -> str:
+    """Which requested contexts were measured shorter (no room for the decode steps within the model's limit)."""
+    asked = [int(c) for c in str(out["args"].get("contexts", "")).split(",") if c]
+    got = [c["context"] for c in out["contexts"]]
+    moved = [(a, g) for a, g in zip(asked, got) if a != g]
+    return "".join(f" A context of {a:,} was measured at {g:,}: the model reads at most {a:,} tokens and the decode "
+                   f"rounds add {a - g} after the prompt." for a, g in moved)
+
+
 def markdown(out: dict) -> str:
     a = out["args"]
     cpu = "CPU time" if a.get("clock") == "cpu" else "wall clock"
@@ -177,18 +192,24 @@ def markdown(out: dict) -> str:
         KV_POLICIES_MARKERS[0], "",
         "## Long context: per-head KV policies in PyTorch (bench/bench_kv_policies.py)", "",
         f"Measured {out['when'][:16].replace('T', ' ')} UTC on {out.get('machine', 'x86_64')}, {a['threads']} torch "
-        f"threads, float32, {out['model']}; per context: the dense model (transformers' DynamicCache) and each plan "
+        f"thread{'s' if a['threads'] != 1 else ''}, float32, {out['model']}; per context: the dense model (transformers' DynamicCache) and each plan "
         f"as headscope runs it (the physically pruned twin, its windowed KV heads on the compact cache), "
         f"{a['rounds']} interleaved rounds after a warm-up: a prefill of the context (random tokens, last logits "
         f"only), then {a['decode_steps']} greedy decode steps from the cache it left (median per step); {cpu}; "
-        f"load average at the end {out['load']}. Command: `{out['command']}`.", "",
+        f"load average at the end {tuple(round(x, 2) for x in out['load'])}. Command: `{command(out)}`."
+        f"{clamp_line(out)}", "",
         "Plans (" + ORDER_NOTE + "):", "", *plan_lines(out), "",
         *table(out), "", goal_line(out), "",
         "KV cache: the real bytes of the K and V tensors after the prefill (equal to the plan's prediction by "
         "construction, tested at every step); speed-ups are dense over the row per round (above 1 = faster). "
         "Predicted: FLOPs of the model that runs (projections, MLP, LM head, and the attention scores over the "
-        "tokens each KV head keeps); KV read: the bytes a decode step reads from the cache, row over dense. "
-        "probes: the long-context probe accuracies of each plan (not measured by this bench; '-').",
+        "keys each query reads: every earlier token for a full KV head, at most sinks + recent for a windowed "
+        "one); KV read: the bytes a decode step reads from the cache, row over dense. "
+        "probes: the long-context probe accuracies of each plan (not measured by this bench; '-'). A windowed "
+        "head's prefill runs in blocks of max(64, recent) queries, each reading its sinks and the recent - 1 keys "
+        "before the block as well as the block's own: about twice the keys its band needs (the prediction counts "
+        "only those), so at contexts of a few windows a windowed head's prefill costs about what the causal one "
+        "does; its decode step reads exactly sinks + recent keys.",
         "", KV_POLICIES_MARKERS[1], ""])
 
 
