@@ -53,6 +53,7 @@ CHILD = textwrap.dedent("""
     run("mask", "--sparsity", "0.5", "--policy", "nope")
     run("export", "--sparsity", "0.5", "--export-format", "onnx", "--opset", "5", "--out-dir", "x", "--name", "y")
     run("export", "--sparsity", "0.5", "--gguf-type", "q8_0", "--out-dir", "x", "--name", "y")
+    run("probes", "--top", "0")                         # the command's own check, before its imports
     run("probes", "--list")
     heavy = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
     print(json.dumps(dict(heavy=heavy, codes=codes)))
@@ -75,6 +76,7 @@ def test_the_parser_help_and_refusals_import_no_torch_or_transformers():
     assert codes["--help"][0] == 0 and codes["probes --list"] == [0, []]
     refused = {argv: lines for argv, (code, lines) in codes.items() if code != 0}
     assert set(refused) == {"mask --sparsity 2", "score --scorer nope", "probes --probe nope", "roles --detector nope",
+                            "probes --top 0",
                             "mask --sparsity 0.5 --policy nope",
                             "export --sparsity 0.5 --export-format onnx --opset 5 --out-dir x --name y",
                             "export --sparsity 0.5 --gguf-type q8_0 --out-dir x --name y"}

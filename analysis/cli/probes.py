@@ -103,11 +103,11 @@ def list_probes() -> tuple[dict, list[dict]]:
 def run_probes(ns):
     if ns.list_probes:
         return list_probes()
-    from analysis.measure.probes.breaks import build_applicable, cut_report, dense_scores
     if ns.items is not None and ns.items < 1:
         raise InputError(f"--items must be at least 1; got {ns.items}.")
     if ns.top < 1:
         raise InputError(f"--top must be at least 1; got {ns.top}.")
+    from analysis.measure.probes.breaks import build_applicable, cut_report, dense_scores
     if ns.sparsity is not None:
         plan, _, loaded, info = plan_from(ns)
         pruned, model, cut_info = plan.pruned, None, dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy,
