@@ -80,6 +80,15 @@ STANDARD_TASKS: dict[str, StandardTask] = {
 
 # -- the harness, imported on demand ----------------------------------------------------------------------
 
+def installed() -> bool:
+    """Whether lm_eval is there, without importing it (a page asks on every run; `harness_missing` imports)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("lm_eval") is not None
+    except (ImportError, ValueError):          # a broken or blocked package
+        return False
+
+
 def harness_missing() -> str:
     """"" when lm-evaluation-harness imports, else the one line that says what to install."""
     try:
@@ -618,9 +627,25 @@ def run_harness(model, tokenizer, prepared: PreparedTasks, *, gates=None, adapte
     return _parse(results, time.perf_counter() - start, batch_size, lm.max_length, keep_samples)
 
 
+WORSE_STDERRS = 2.0             # a cut is flagged worse beyond this many standard errors of the two runs combined
+
+
+def worse(change: float | None, higher: bool | None, dense_stderr: float | None, cut_stderr: float | None) -> bool | None:
+    """Whether the cut is worse than dense on a metric: a change in the wrong direction larger than WORSE_STDERRS
+    times sqrt(dense_stderr^2 + cut_stderr^2) (the same documents on both sides, so this combined error is an
+    upper bound of the change's own); any change in the wrong direction where the harness gives no stderr
+    (perplexities); None when the direction is not known."""
+    if change is None or higher is None:
+        return None
+    wrong = -change if higher else change
+    if dense_stderr is None or cut_stderr is None:
+        return wrong > 0
+    return wrong > WORSE_STDERRS * math.hypot(dense_stderr, cut_stderr)
+
+
 @dataclass(frozen=True)
 class HarnessReport:
-    """Dense vs a cut on the same tasks and documents: one row per task and metric."""
+    """Dense vs a cut on the same tasks and documents: one row per task and metric (`worse`: see `worse`)."""
     dense: HarnessRun
     cut: HarnessRun | None
     sources: dict                 # task -> TaskSource
@@ -631,11 +656,13 @@ class HarnessReport:
         for task, metrics in self.dense.metrics.items():
             for metric, (value, stderr) in metrics.items():
                 row = dict(task=task, metric=metric, n=self.dense.n_samples.get(task), dense=value, dense_stderr=stderr)
+                higher = self.dense.higher.get(task, {}).get(metric)
                 if self.cut is not None:
                     cut, cut_stderr = self.cut.metrics.get(task, {}).get(metric, (None, None))
-                    row.update(cut=cut, cut_stderr=cut_stderr,
-                               change=None if cut is None or value is None else cut - value)
-                row["higher_is_better"] = self.dense.higher.get(task, {}).get(metric)
+                    change = None if cut is None or value is None else cut - value
+                    row.update(cut=cut, cut_stderr=cut_stderr, change=change,
+                               worse=worse(change, higher, stderr, cut_stderr))
+                row["higher_is_better"] = higher
                 out.append(row)
         return out
 
@@ -662,10 +689,12 @@ def harness_report(loaded, prepared: PreparedTasks, *, pruned=None, model=None, 
                             max_length=max_length, keep_samples=keep_samples, should_stop=should_stop)
     if dense is None:
         dense = run(loaded.model, progress=scaled(progress, 0.0, 0.5 if cutting else 1.0))
+        cut_progress = scaled(progress, 0.5, 1.0)
+    else:
+        cut_progress = progress                             # the dense side was measured before
     cut = None
     if pruned is not None:
-        cut = run(loaded.model, gates=gates_from_mask(pruned), adapter=loaded.adapter,
-                  progress=scaled(progress, 0.5, 1.0))
+        cut = run(loaded.model, gates=gates_from_mask(pruned), adapter=loaded.adapter, progress=cut_progress)
     elif model is not None:
-        cut = run(model, progress=scaled(progress, 0.5, 1.0))
+        cut = run(model, progress=cut_progress)
     return HarnessReport(dense, cut, dict(prepared.sources), prepared.limit)
