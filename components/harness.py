@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import streamlit as st
 
-from components import cache, numbers, state
+from components import cache, exports, numbers, state
 from components.errors import shown_errors
 from components.state import ModelKey
 
 DEFAULT_LIMIT = 100          # documents per task by default: minutes on a CPU, not hours (0 = every document)
+TASKS_ENV = "HEADSCOPE_HARNESS_TASKS"   # a server's own task folder (a class): fixed, nothing typed
 STAMP_FILES = 2000           # files of a task folder whose size and time go into the cache keys
 
 
@@ -114,6 +115,23 @@ def csv_text(rows: list[dict]) -> str:
     return buffer.getvalue()
 
 
+def task_dir_widget(where_, key_prefix: str) -> str:
+    """The task folder: typed (exports `on`), the server's own (`HEADSCOPE_HARNESS_TASKS`), or none on a server
+    that takes no typed paths (exports `fixed` / `off`: a folder's helper files would run as Python there)."""
+    fixed = os.environ.get(TASKS_ENV, "").strip()
+    if fixed:
+        where_.caption(f"Task folder (fixed by the server, {TASKS_ENV}): **{fixed}**")
+        return fixed
+    if exports.mode() != "on":
+        where_.caption(f"Task folder: none (this server takes no typed paths, {exports.EXPORTS_ENV}={exports.mode()}; "
+                       f"its admin can set {TASKS_ENV}). The standard tasks read the HF datasets cache.")
+        return ""
+    return where_.text_input("Task folder (optional)", key=state.widget_key(f"{key_prefix}.harness.dir", value=""),
+                             help="A local folder: YAML task configs in the harness's format, and/or "
+                                  "<task>/<split>.jsonl data of the standard tasks (docs/HARNESS.md). Empty: the "
+                                  "standard tasks from the HF datasets cache.").strip()
+
+
 def panel(lm, pruned: np.ndarray, *, where: str = "export") -> None:
     """The benchmarks section for the view's mask pruned [L, H]."""
     from analysis.measure import harness
@@ -126,10 +144,7 @@ def panel(lm, pruned: np.ndarray, *, where: str = "export") -> None:
                 icon=":material/download:")
         return
     c1, c2, c3 = st.columns([3, 3, 1])
-    task_dir = c1.text_input("Task folder (optional)", key=state.widget_key(f"{where}.harness.dir", value=""),
-                             help="A local folder: YAML task configs in the harness's format, and/or "
-                                  "<task>/<split>.jsonl data of the standard tasks (docs/HARNESS.md). Empty: the "
-                                  "standard tasks from the HF datasets cache.").strip()
+    task_dir = task_dir_widget(c1, where)
     known = None
     with shown_errors("Reading the task folder"):
         known = harness.known_tasks(task_dir or None)

@@ -57,3 +57,14 @@ def test_without_the_harness_one_line_says_what_to_install(tiny_dir, monkeypatch
     no_exception(at)
     assert any("pip install lm_eval==0.4.13" in i.value for i in at.info)
     assert "hs.w.export.harness.dir" not in [t.key for t in at.text_input]
+
+
+def test_a_class_server_types_no_folder(tiny_dir, monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_EXPORTS", "fixed")
+    at = new_app(tiny_dir, page="export", policy="global")
+    assert "hs.w.export.harness.dir" not in [t.key for t in at.text_input]
+    assert "its admin can set HEADSCOPE_HARNESS_TASKS" in texts(at)
+    monkeypatch.setenv("HEADSCOPE_HARNESS_TASKS", str(TASKS))         # the server's own folder
+    at = new_app(tiny_dir, page="export", policy="global")
+    no_exception(at)
+    assert at.multiselect(key="hs.w.export.harness.tasks").options[:2] == ["tiny_mc", "tiny_ppl"]
