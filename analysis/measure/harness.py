@@ -528,24 +528,33 @@ def _make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
                            batch_size=batch_size, max_length=max_length)
 
 
-def _check_logit_memory(prepared: PreparedTasks, model, batch_size: int, max_length: int) -> None:
-    """A perplexity task runs windows of max_length tokens, batch_size at a time: refuse (one line) a batch
-    whose logits alone would not fit in the free memory, before the run starts."""
-    rolling = [n for n, t in prepared.tasks.items() if t.OUTPUT_TYPE == "loglikelihood_rolling"]
+def _check_logit_memory(prepared: PreparedTasks, lm, model, batch_size: int) -> None:
+    """A perplexity task runs windows of up to lm.max_length tokens, batch_size at a time, the longest first:
+    refuse (one line) a batch whose logits alone would not fit in the free memory, before the run starts."""
+    rolling = {n: t for n, t in prepared.tasks.items() if t.OUTPUT_TYPE == "loglikelihood_rolling"}
     if not rolling:
         return
     import psutil
     import torch
+    longest = windows = 0
+    for task in rolling.values():
+        for i, doc in enumerate(task.eval_docs):
+            if prepared.limit is not None and i >= prepared.limit:
+                break
+            n = len(lm.tok_encode(task.doc_to_target(doc)))               # the harness's own tokens
+            longest = max(longest, min(n + 1, lm.max_length))
+            windows += max(1, math.ceil(n / lm.max_length))
+    rows = min(batch_size, max(windows, 1))
     vocab = int(model.get_output_embeddings().weight.shape[0])
     itemsize = torch.finfo(next(model.parameters()).dtype).bits // 8
-    need = LOGITS_COPIES * batch_size * max_length * vocab * itemsize
+    need = LOGITS_COPIES * rows * longest * vocab * itemsize
     device = next(model.parameters()).device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if need > MEMORY_SHARE * free:
-        one = need // batch_size
-        raise InputError(f"The perplexity task(s) {', '.join(rolling)} run windows of {max_length} tokens, "
-                         f"{batch_size} at a time: their logits alone take about {need / 2**30:.1f} GiB, more than "
-                         f"the {MEMORY_SHARE * free / 2**30:.1f} GiB free to use. Give a smaller batch size "
+        one = need // rows
+        raise InputError(f"The perplexity task(s) {', '.join(rolling)} run windows of up to {longest} tokens, {rows} "
+                         f"at a time: their logits alone take about {need / 2**30:.1f} GiB, more than the "
+                         f"{MEMORY_SHARE * free / 2**30:.1f} GiB free to use. Give a smaller batch size "
                          f"(--harness-batch-size; 1 takes {one / 2**30:.1f} GiB) or a shorter window (--max-length).")
 
 
@@ -614,7 +623,7 @@ def run_harness(model, tokenizer, prepared: PreparedTasks, *, gates=None, adapte
     from lm_eval.evaluator import evaluate
     with _quiet():
         lm = _make_lm(model, tokenizer, batch_size=batch_size, max_length=max_length)
-    _check_logit_memory(prepared, model, batch_size, lm.max_length)
+    _check_logit_memory(prepared, lm, model, batch_size)
     lm.track(progress, should_stop, len(prepared.request_types()))
     masked = contextlib.nullcontext() if gates is None else head_mask(model, gates, adapter=adapter)
     start = time.perf_counter()
