@@ -213,7 +213,7 @@ def test_cli_dense_vs_cut_json_and_csv(tiny_dir, capsys, tmp_path):
                                "--sparsity", "0.25", "--physical", "--limit", "5", "--format", "csv", "--quiet")
     assert code == 0, err
     lines = csv_text.strip().splitlines()
-    assert lines[0] == "task,metric,n,dense,dense_stderr,cut,cut_stderr,change,higher_is_better"
+    assert lines[0] == "task,metric,n,dense,dense_stderr,cut,cut_stderr,change,worse,higher_is_better"
     assert [line.split(",")[:3] for line in lines[1:]] == [["tiny_mc", "acc", "5"], ["tiny_mc", "acc_norm", "5"]]
 
 

@@ -15,7 +15,8 @@ says where to put which files) is one line and exit status 2, with nothing writt
 
 JSON: {"model", "harness", "limit", "batch_size", "max_length", "tasks": {task: config, data, output_type,
 n_docs}, "cut": what was cut, "rows": [...], "seconds"}; CSV: the rows, one per task and metric: task,
-metric, n, dense, dense_stderr, cut, cut_stderr, change, higher_is_better.
+metric, n, dense, dense_stderr, cut, cut_stderr, change, worse (the cut worse than dense beyond 2 combined
+stderrs, or any worse perplexity), higher_is_better.
 """
 from __future__ import annotations
 
