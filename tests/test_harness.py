@@ -247,3 +247,37 @@ def test_smollm2_runs_a_few_items(capsys, builtin_cache_dir):
     for row in data["rows"]:
         assert 0.0 <= row["dense"] <= 1.0 and 0.0 <= row["cut"] <= 1.0 and row["dense_stderr"] is not None
     assert data["max_length"] == 8192                       # the harness reads SmolLM2's context
+
+
+# Two records per standard task in the fields docs/HARNESS.md (and STANDARD_TASKS) name, made up here: every
+# standard config must build from them and run (what a user's files are checked against).
+STANDARD_RECORDS = {
+    "piqa": [{"goal": "Dry a wet cup", "sol1": "use a towel", "sol2": "use a hose", "label": 0}] * 2,
+    "hellaswag": [{"activity_label": "Cooking", "ctx_a": "A man cuts bread.", "ctx_b": "he",
+                   "endings": ["eats it.", "flies.", "sings.", "swims."], "label": "0"}] * 2,
+    "winogrande": [{"sentence": "The jar broke because _ was thin.", "option1": "the jar", "option2": "the shelf",
+                    "answer": "1"}] * 2,
+    "arc_easy": [{"question": "What melts ice?", "choices": {"text": ["heat", "cold"], "label": ["A", "B"]},
+                  "answerKey": "A"}] * 2,
+    "arc_challenge": [{"question": "What is H2O?", "choices": {"text": ["salt", "water", "air"],
+                                                               "label": ["1", "2", "3"]}, "answerKey": "2"}] * 2,
+    "openbookqa": [{"question_stem": "Plants need", "choices": {"text": ["light", "rocks"], "label": ["A", "B"]},
+                    "answerKey": "A"}] * 2,
+    "wikitext": [{"page": " = Mill = \n The mill @-@ house stood by the river . \n"}] * 2,
+}
+
+
+def test_every_standard_task_runs_from_its_documented_fields(tiny64, tmp_path):
+    model, tok = tiny64
+    for name, records in STANDARD_RECORDS.items():
+        split = "validation" if name in ("piqa", "hellaswag", "winogrande") else "test"
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert name in H.STANDARD_TASKS
+    prepared = H.prepare_tasks(list(STANDARD_RECORDS), tmp_path)
+    assert {n: s.n_docs for n, s in prepared.sources.items()} == {n: 2 for n in STANDARD_RECORDS}
+    run = H.run_harness(model, tok, prepared, batch_size=8)
+    for name in STANDARD_RECORDS:
+        first = next(iter(run.metrics[name].values()))[0]
+        assert first is not None and math.isfinite(first), (name, run.metrics[name])
+    assert set(run.metrics["wikitext"]) == {"word_perplexity", "byte_perplexity", "bits_per_byte"}
