@@ -14,6 +14,16 @@ pytestmark = pytest.mark.usefixtures("fresh_caches")
 TASKS = Path(__file__).resolve().parent / "data" / "harness"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _datasets_cache(tmp_path_factory):
+    """The datasets library's cache (where it keeps the tasks' data as Arrow files) in a temporary folder,
+    not the user's ~/.cache (read at each load_dataset, so patching the setting suffices)."""
+    import datasets.config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+        yield
+
+
 def _pick(at, tasks, limit=5):
     at.text_input(key="hs.w.export.harness.dir").set_value(str(TASKS)).run()
     at.multiselect(key="hs.w.export.harness.tasks").set_value(tasks).run()

@@ -34,6 +34,16 @@ CONTEXT = 128            # the tiny model's context: every prompt of the test ta
 PRUNED = np.array([[True, False, False, False], [False, False, True, True]])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _datasets_cache(tmp_path_factory):
+    """The datasets library's cache (where it keeps the tasks' data as Arrow files) in a temporary folder,
+    not the user's ~/.cache (read at each load_dataset, so patching the setting suffices)."""
+    import datasets.config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+        yield
+
+
 def _run(capsys, *argv):
     code = cli.main([str(a) for a in argv])
     out = capsys.readouterr()
@@ -46,7 +56,7 @@ def tiny64():
 
 
 @pytest.fixture(scope="module")
-def prepared():
+def prepared(_datasets_cache):
     return H.prepare_tasks("tiny_mc,tiny_ppl,boolq", TASKS)
 
 
