@@ -86,7 +86,7 @@ def _direct_rolling(model, tok, text: str) -> float:
 
 def test_tasks_come_from_the_folder_and_the_standard_configs(prepared):
     src = prepared.sources
-    assert Path(src["tiny_mc"].config) == TASKS / "mc.yaml" and str(TASKS / "mc.jsonl") in src["tiny_mc"].data
+    assert Path(src["tiny_mc"].config) == TASKS / "mc.yaml" and src["tiny_mc"].data == str(TASKS / "mc.jsonl")
     assert src["boolq"].config.endswith("super_glue/boolq/default.yaml")        # the harness's own BoolQ config
     assert src["boolq"].data == str(TASKS / "boolq" / "validation.jsonl")
     assert {n: s.n_docs for n, s in src.items()} == {"tiny_mc": 12, "tiny_ppl": 6, "boolq": 8}

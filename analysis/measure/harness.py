@@ -332,9 +332,19 @@ def _folder_config(name: str, yaml_path: Path) -> tuple[dict, TaskSource]:
         raise InputError(f"Task {name!r} ({yaml_path.name}) reads {', '.join(missing)}, which "
                          f"{'is' if len(missing) == 1 else 'are'} not there: put the task's data there, or fix the "
                          f"path in {yaml_path} (a relative path is read from the config's folder; {DOCS}).")
-    data = kwargs.get("data_files") or kwargs.get("data_dir") or (
-        cfg["dataset_path"] if local.exists() else f"HF datasets cache: {_hub_words(cfg)} in {_cache_dir()}")
-    return cfg, TaskSource(name, str(yaml_path), data if isinstance(data, str) else str(data))
+    data = kwargs.get("data_files") or kwargs.get("data_dir")
+    words = (", ".join(_flat(data)) if data else cfg["dataset_path"] if local.exists()
+             else f"HF datasets cache: {_hub_words(cfg)} in {_cache_dir()}")
+    return cfg, TaskSource(name, str(yaml_path), words)
+
+
+def _flat(value) -> list[str]:
+    """The paths of a data_files value (a path, a list, or split -> either), in order."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _flat(v)]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _flat(v)]
+    return [str(value)]
 
 
 def _no_data_line(name: str, cfg: dict, source: TaskSource, folder: Path | None, err: BaseException) -> str:
