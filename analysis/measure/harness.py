@@ -231,7 +231,10 @@ def folder_tasks(task_dir) -> list[str]:
 
 
 def known_tasks(task_dir) -> list[str]:
-    """Every name a run may ask for: the folder's own tasks, then the standard tasks it does not define."""
+    """Every name a run may ask for: the folder's own tasks, then the standard tasks it does not define
+    (without a folder: the standard tasks, and lm_eval is not imported: a page asks on every run)."""
+    if task_dir is None or str(task_dir).strip() == "":
+        return list(STANDARD_TASKS)
     own = folder_tasks(task_dir)
     return own + [n for n in STANDARD_TASKS if n not in own]
 
