@@ -71,8 +71,8 @@ def test_the_parser_help_and_refusals_import_no_torch_or_transformers():
     seen = _child()
     assert seen["heavy"] == [], f"building the CLI's parser imported {seen['heavy']}"
     codes = seen["codes"]
-    assert all(codes[f"{name} --help"][0] == 0 for name in
-               ("score", "mask", "sweep", "evaluate", "ablate", "export", "pipeline", "roles", "probes", "domains"))
+    helps = {argv: code for argv, (code, _) in codes.items() if argv.endswith("--help")}
+    assert len(helps) >= 12 and set(helps.values()) == {0}, helps      # every command's help, and the top one
     assert codes["--help"][0] == 0 and codes["probes --list"] == [0, []]
     refused = {argv: lines for argv, (code, lines) in codes.items() if code != 0}
     assert set(refused) == {"mask --sparsity 2", "score --scorer nope", "probes --probe nope", "roles --detector nope",

@@ -1,4 +1,4 @@
-"""JSON schemas of the files headscope reads back (mask.json, head_layout.json) and their checker.
+"""JSON schemas of the files headscope reads back (mask.json, head_layout.json, kv_plan.json) and their checker.
 
 The schemas give exact types and ranges: an integer is a JSON integer (never "12", 1.7, 2.0 or
 true), counts are bounded (no 1e13 heads), lists of heads hold unique integers. What a schema
@@ -81,7 +81,23 @@ LAYOUT_SCHEMA = {
     },
 }
 
-_VALIDATORS = {id(schema): _Validator(schema) for schema in (MASK_SCHEMA, LAYOUT_SCHEMA)}
+KV_PLAN_SCHEMA = {
+    "type": "object",
+    "required": ["n_layers", "n_heads", "n_kv_heads", "sinks", "recent", "modes"],
+    "properties": {
+        "model": _TEXT, "tool": _TEXT, "format": {"type": "integer", "minimum": 1},
+        "n_layers": _count(MAX_LAYERS), "n_heads": _count(MAX_HEADS), "n_kv_heads": _count(MAX_HEADS),
+        "sinks": {"type": "integer", "minimum": 0, "maximum": 2**31},
+        "recent": {"type": "integer", "minimum": 0, "maximum": 2**31},   # 0: refused in words by KVPlan
+        "modes": {"type": "array", "minItems": 1, "maxItems": MAX_LAYERS,
+                  "items": {"type": "array", "minItems": 1, "maxItems": MAX_HEADS,
+                            "items": {"enum": ["full", "window", "prune"]}}},
+        "counts": {"type": "object"},
+        "notes": {"type": "array", "maxItems": 64, "items": _TEXT},
+    },
+}
+
+_VALIDATORS = {id(schema): _Validator(schema) for schema in (MASK_SCHEMA, LAYOUT_SCHEMA, KV_PLAN_SCHEMA)}
 
 
 def check(data, schema: dict, what: str, fix: str) -> None:

@@ -1,0 +1,255 @@
+"""Attention spans per key/value head, and taps on the attention inputs, for the length of a `with` block.
+
+A KV head either reads every earlier token (**full**) or only a **window**: the first `sinks` tokens
+of the sequence (attention sinks, Xiao et al. 2023, "StreamingLLM") and the `recent` latest tokens,
+the query's own included (DuoAttention's streaming heads, Xiao et al. 2024). Query i reads key j when
+
+    j <= i  and  (j < sinks  or  i - j < recent)
+
+so `recent` >= the sequence length reads everything (the window equals full attention) and a window
+of 0 reads nothing (refused: recent >= 1). The unit is the KV head: all G query heads of a GQA group
+share their keys and values, so they share the span. A pruned head is not a span: it is the mask
+(analysis.arch.head_gates), which composes with this.
+
+Mechanism: one attention function, "headscope-spans", registered in transformers' AttentionInterface
+(as arch/attention.py registers "sdpa-float32"), with the sdpa mask builder registered under the same
+name so padding masks survive. `spans(model, ...)` switches the model to it for the block (restored in
+`finally`) and puts the block's per-layer spans in a context variable keyed by the attention module;
+the function splits each layer's KV heads into full and windowed ones and runs the model's own kernel
+(sdpa or eager) on each part, the windowed part with the band above as its mask. A thread that runs
+the same model without a block (the app serialises jobs per model, so only by mistake) finds no state
+and gets the plain kernel: nothing leaks between callers, nothing is written into the model.
+
+Taps: `spans(model, tap=fn)` calls fn(layer, query [B, H, q, d], key [B, Hkv, S, d], value [B, Hkv, S,
+d]) in every layer with the post-RoPE tensors the kernel receives (after a cache update: all keys so
+far), before it runs. Measurements that need a few rows of attention at long context (retrieval and
+streaming heads: analysis.measure) read them there instead of asking the eager kernel for [B, H, T, T]
+probabilities of every layer.
+
+Positions: keys are numbered by their index in `key` (0 .. S-1, what a plain forward or transformers'
+own caches hand the kernel), queries are the last q of them. Rows must therefore start at token 0:
+right padding (what the probes and the evaluation use) is fine, left padding would make the pad tokens
+the sinks.
+
+Families: those whose attention goes through transformers' AttentionInterface with a plain sdpa or
+eager kernel (llama, mistral, qwen2, qwen3, gemma, olmo, starcoder2, phi3, ...). A model on another
+kernel (flash attention, custom code) or without `layer_idx` on its attention modules is refused with
+one line.
+"""
+from __future__ import annotations
+
+import contextvars
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from analysis.arch.adapters import adapter_for
+from analysis.arch.attention import attention_implementation, current_implementation
+from analysis.core.errors import InputError, check_whole_number
+
+SPANS = "headscope-spans"
+BASES = ("sdpa", "eager")          # kernels the spans function can split (the model's own is used)
+
+Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    """One layer inside a `spans` block: its index, which of its KV heads are windowed, the band."""
+    layer: int
+    window: torch.Tensor | None         # [Hkv_l] bool (None: every head full)
+    sinks: int
+    recent: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What the kernel reads for one attention module inside a block."""
+    base: str                          # the model's own kernel: "sdpa" | "eager"
+    span: LayerSpan
+    tap: Tap | None = None
+
+
+# id(attention module) -> _Entry, for the blocks open in this thread / task (nothing is written into the model)
+_ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("headscope_spans", default=None)
+
+
+def check_band(sinks: int, recent: int) -> tuple[int, int]:
+    """(sinks, recent) as whole numbers: sinks >= 0, recent >= 1 (a window of 0 reads nothing)."""
+    sinks = check_whole_number(sinks, "The number of sink tokens", low=0)
+    if isinstance(recent, (int, np.integer)) and not isinstance(recent, bool) and recent < 1:
+        raise InputError(f"A window of {recent} recent tokens reads nothing (not even the token itself); use at "
+                         f"least 1, or prune the head instead.")
+    recent = check_whole_number(recent, "The window (recent tokens)", low=1)
+    return sinks, recent
+
+
+def band(q_positions: torch.Tensor, k_positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """[q, S] bool: query at q_positions[i] reads key at k_positions[j] (the module docstring's rule)."""
+    qp, kp = q_positions[:, None], k_positions[None, :]                 # [q, 1], [1, S]
+    return (kp <= qp) & ((kp < sinks) | (qp - kp < recent))            # [q, S]
+
+
+def _kernel(base: str, module) -> Callable:
+    """The model's own attention kernel: transformers' sdpa, or the family's eager function."""
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise InputError(f"{type(module).__name__} has no eager attention function that per-head spans can call.")
+    return eager
+
+
+def _as_mask(allowed: torch.Tensor, base: str, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = read) in the form the kernel takes: bool for sdpa, additive for eager."""
+    if base == "sdpa":
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def _allowed(attention_mask: torch.Tensor | None, q: int, S: int, device) -> torch.Tensor:
+    """The causal (and padding) mask the model handed in, as bool [B or 1, 1, q, S] (True = read)."""
+    if attention_mask is None:
+        pos = torch.arange(S, device=device)
+        return band(pos[S - q:], pos, 0, S)[None, None]                 # [1, 1, q, S] causal
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :S]
+    return attention_mask[..., :S] == 0                                 # additive: 0 = read
+
+
+def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """The registered kernel: query [B, H, q, d], key / value [B, Hkv, S, d] -> ([B, q, H, d], None)."""
+    entry = (_ACTIVE.get() or {}).get(id(module))
+    if entry is None:                                                   # no block in this thread: plain kernel
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    span = entry.span
+    if entry.tap is not None:
+        entry.tap(span.layer, query, key, value)
+    kernel = _kernel(entry.base, module)
+    q, S = query.shape[2], key.shape[2]
+    causal = None
+    if entry.base != "sdpa":                                            # eager adds its mask: always give one
+        causal = _allowed(attention_mask, q, S, key.device)             # [b, 1, q, S]
+        attention_mask = _as_mask(causal, entry.base, query.dtype)
+    if span.window is None:
+        return kernel(module, query, key, value, attention_mask, *args, **kwargs)
+    B, H = query.shape[:2]
+    G = H // key.shape[1]
+    window = span.window.to(key.device)
+    if causal is None:
+        causal = _allowed(attention_mask, q, S, key.device)             # [b, 1, q, S]
+    pos = torch.arange(S, device=key.device)
+    banded = _as_mask(causal & band(pos[S - q:], pos, span.sinks, span.recent), entry.base, query.dtype)
+    out = query.new_empty(B, q, H, value.shape[-1])                     # [B, q, H, d_v]
+    for kv_heads, mask in ((~window, attention_mask), (window, banded)):
+        kv = torch.nonzero(kv_heads).flatten()                          # [h_kv] KV heads of this part
+        if not kv.numel():
+            continue
+        heads = (kv[:, None] * G + torch.arange(G, device=kv.device)).flatten()   # [h_kv * G] their query heads
+        part, _ = kernel(module, query[:, heads], key[:, kv], value[:, kv], mask, *args, **kwargs)  # [B, q, h, d_v]
+        out[:, :, heads] = part
+    return out, None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(SPANS, _spans_attention)
+    AttentionMaskInterface.register(SPANS, sdpa_mask)
+
+
+_register()
+
+
+def attention_layers(model) -> list:
+    """The attention module of every layer, each with the `layer_idx` transformers gives it; InputError
+    for a family whose attention modules carry none (its kernel calls cannot be told apart)."""
+    adapter = adapter_for(model)
+    modules = [adapter.attention(model, l) for l in range(len(adapter.layers(model)))]
+    if any(not isinstance(getattr(m, "layer_idx", None), int) for m in modules):
+        raise InputError(f"Per-head attention spans need transformers' attention interface with a layer index; "
+                         f"{adapter.model_type} models do not give one.")
+    return modules
+
+
+def _windows(window, modules) -> list[torch.Tensor | None]:
+    """window: [L, Hkv] array-like, or one [Hkv_l] array per layer (a pruned twin's own KV heads)."""
+    if window is None:
+        return [None] * len(modules)
+    rows = list(window) if not isinstance(window, (np.ndarray, torch.Tensor)) or np.ndim(window) == 2 else None
+    if rows is None or len(rows) != len(modules):
+        raise InputError(f"The window plan must give one row per layer ({len(modules)}); got "
+                         f"{len(rows) if rows is not None else np.shape(window)}.")
+    out = []
+    for l, (row, m) in enumerate(zip(rows, modules)):
+        r = torch.as_tensor(np.asarray(row, dtype=bool))
+        want = _kv_heads(m)
+        if r.dim() != 1 or (want is not None and r.numel() != want):
+            raise InputError(f"Layer {l} has {want} key/value heads; the window plan gives {list(r.shape)}.")
+        out.append(r if bool(r.any()) else None)
+    return out
+
+
+def _kv_heads(module) -> int | None:
+    """The KV heads a layer's attention module computes, from its K projection's width."""
+    for name in ("k_proj", "key", "k"):
+        proj = getattr(module, name, None)
+        weight = getattr(proj, "weight", None)
+        head_dim = getattr(module, "head_dim", None)
+        if weight is not None and isinstance(head_dim, int) and head_dim:
+            return int(weight.shape[0]) // head_dim
+    return None
+
+
+@contextmanager
+def spans(model, *, window=None, sinks: int = 0, recent: int | None = None, tap: Tap | None = None) -> Iterator:
+    """Inside the block, `model` runs with window[l][j] = True KV heads reading only sinks + recent tokens,
+    and `tap` (if given) sees every layer's query / key / value. window: [L, Hkv] (or per-layer rows for a
+    model whose layers differ); None = all full. Everything is restored in `finally`."""
+    base = current_implementation(model)
+    if base == SPANS:
+        raise InputError("Attention spans are already active on this model; give the window and the tap in one block.")
+    if base not in BASES:
+        raise InputError(f"Per-head attention spans split the sdpa or eager kernel; this model runs {base!r}. "
+                         f"Load it with attn_implementation='sdpa'.")
+    can_switch = getattr(model, "_can_set_attn_implementation", None)
+    if can_switch is None or not can_switch():
+        raise InputError(f"Per-head attention spans need a model whose attention goes through transformers' "
+                         f"attention interface; {type(model).__name__} computes its own.")
+    modules = attention_layers(model)
+    rows = _windows(window, modules)
+    if any(r is not None for r in rows):
+        if recent is None:
+            raise InputError("A windowed head needs its window: give recent (and sinks).")
+        sinks, recent = check_band(sinks, recent)
+    active = dict(_ACTIVE.get() or {})
+    for l, (m, r) in enumerate(zip(modules, rows)):
+        active[id(m)] = _Entry(base, LayerSpan(l, r, int(sinks), int(recent or 0)), tap)
+    token = _ACTIVE.set(active)
+    try:
+        with attention_implementation(model, SPANS):
+            yield model
+    finally:
+        _ACTIVE.reset(token)
+
+
+def windowed(model, window, *, sinks: int, recent: int):
+    """`spans` with a window plan only."""
+    return spans(model, window=window, sinks=sinks, recent=recent)
+
+
+def tapped(model, tap: Tap):
+    """`spans` with a tap only (every head full): tap(layer, query, key, value) in every layer."""
+    return spans(model, tap=tap)
+
+
+def kv_rows(window: Sequence) -> int:
+    """How many KV heads a window plan windows (for messages and summaries)."""
+    return int(sum(int(np.asarray(r, dtype=bool).sum()) for r in window))
