@@ -20,6 +20,9 @@ head slots, the threshold above which a head has the role, and extras. `ids` is 
 - successor (analysis.measure.circuits): the OV circuit maps ordinal tokens (1, Monday, January, ...)
   to their successors (Gould et al. 2023), weights only, decoders only, needs the tokenizer.
 - dla (analysis.measure.dla): direct logit attribution on the text, decoders only.
+- retrieval, streaming (analysis.measure.longheads): long-context heads, decoders only, registered with
+  `long=True`: they read thousands of tokens per pass (minutes on a CPU), so they are not in the default
+  set (`default_detectors`) and run only when named (the CLI's --detector, the Heads page's own buttons).
 
 Encoders: previous-token, induction and duplicate-token run on encoders too (the definitions
 only read attention probabilities; a bidirectional head may also look ahead, which simply does
@@ -47,6 +50,7 @@ from analysis.core.registry import Registry
 from analysis.measure.circuits import CopyingDetector, SuccessorDetector
 from analysis.measure.dla import DirectLogitDetector
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place, zero_pruned
+from analysis.measure.longheads import RetrievalDetector, StreamingDetector
 from analysis.measure.roles import DEFAULT_THRESHOLDS, attention_forward, previous_token_mass
 
 MIN_REPEAT = 4          # random tokens per copy, at least
@@ -227,6 +231,9 @@ class DetectorSpec:
     needs_text: bool = False                           # reads the user's text (else builds its input or reads weights)
     decoder_only: bool = False                         # needs an unembedding: refuses encoders with one line
     signed: bool = False                               # an effect with a sign (DLA), not a role tag
+    long: bool = False                                 # reads long contexts (minutes on a CPU): never in the
+                                                       # default set; run when named, on a button in the app
+    context: int = 0                                   # a long detector's default context (tokens) in the app
 
     def applies_to(self, kind: str) -> bool:
         """Whether it runs on a model of `kind` ("causal-lm" | "masked-lm" | "encoder")."""
@@ -234,6 +241,12 @@ class DetectorSpec:
 
 
 DETECTORS: Registry = Registry("detector")
+
+
+def default_detectors(kind: str | None = None) -> list[str]:
+    """The quick detectors (not `long`), in registration order; those that apply to `kind` if given: what
+    `detect_heads`, `roles` and the Heads page run when no detector is named."""
+    return [n for n, spec in DETECTORS.items() if not spec.long and (kind is None or spec.applies_to(kind))]
 
 
 def register_detector(spec: DetectorSpec) -> DetectorSpec:
@@ -319,6 +332,34 @@ hurts. The heads plus the embeddings, the MLPs and the biases add up to the logi
 Indirect effects (a head that helps through later layers) are not counted. Decoders only.""",
                  build=_taking(DirectLogitDetector, "batch_size"), needs_text=True, decoder_only=True,
                  signed=True),
+    DetectorSpec("retrieval", "Retrieval score (share of needle tokens the head copies, top-1 attention)",
+                 "copies the needle from far back: top-1 attention on the needle token being written (long "
+                 "contexts; decoders)",
+                 about="""\
+After Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context Factuality"). The model
+reads long real text with a needle hidden at several depths ("The secret words are: ..." or a
+number), then a question, then the needle's content as its answer (teacher-forced). At each answer
+token, a head **copies** when its strongest attention (top-1) lands on the needle token being
+written. Score = copies / answer tokens, averaged over lengths, depths and needles; a head at
+>= 0.1 (Wu et al.'s cut) is a **retrieval head**: few heads are, and they are the ones that must
+keep their whole KV cache. The answer accuracy says whether the model finds the needle at all.""",
+                 build=lambda tokenizer, options: RetrievalDetector(tokenizer=tokenizer, **{
+                     k: v for k, v in options.items() if k in ("lengths", "depths", "needles", "seed")}),
+                 decoder_only=True, long=True, context=2048),
+    DetectorSpec("streaming", "Streaming score (output change when the KV head reads only sinks + a window)",
+                 "how much a KV head's output changes when it reads only sink tokens + a recent window (long "
+                 "contexts; decoders)",
+                 about="""\
+DuoAttention's question (Xiao et al. 2024), measured cheaply: on long real text, each KV head's
+attention output is computed twice for sampled queries beyond the window, once over every earlier
+token and once over only the first *sinks* tokens + the *recent* latest ones (the KV plan's window).
+Score = relative change of the output, ||full - windowed|| / ||full||, per KV head (its query heads
+show the same value). Near 0: a **streaming head**, it can be windowed and its KV cache stops growing;
+>= 0.5: at least half its output comes from far back, keep it full. `headscope kv-plan` windows the
+lowest-scoring KV heads.""",
+                 build=lambda tokenizer, options: StreamingDetector(tokenizer=tokenizer, **{
+                     k: v for k, v in options.items() if k in ("lengths", "sinks", "recent", "queries", "seed")}),
+                 decoder_only=True, long=True, context=2048),
 ):
     register_detector(_spec)
 del _spec
@@ -335,10 +376,11 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
                  progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict[str, Detection]:
     """Run the named detectors (default: all) on `loaded` (a LoadedModel-like with model/tokenizer).
 
-    text: for the detectors that need one (None = the built-in evaluation text)."""
+    text: for the detectors that need one (None = the built-in evaluation text). names=None runs the quick
+    ones (`default_detectors`); the long-context ones (retrieval, streaming) run when named."""
     from analysis.core.progress import scaled
     from analysis.core.text import check_max_tokens
-    names = list(DETECTORS) if names is None else list(names)
+    names = default_detectors() if names is None else list(names)
     specs = [detector_spec(name) for name in names]
     check_max_tokens(max_tokens, "max_tokens")
     check_whole_number(seq_len, "The sequence length (seq_len)", low=2, high=MAX_PATTERN_TOKENS)
@@ -353,4 +395,4 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
     return out
 
 
-__all__ = ["DETECTORS", "DetectorSpec", "register_detector", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]
+__all__ = ["DETECTORS", "DetectorSpec", "register_detector", "default_detectors", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]
