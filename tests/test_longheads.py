@@ -251,3 +251,14 @@ def test_streaming_refusals_and_masks():
     gates[1, 2:] = 0.0                                                     # KV head 1 of layer 1 emptied
     masked = det.detect(m, gates=gates)
     assert masked.extras["kv_scores"][1, 1] == 0.0 and (masked.scores[1, 2:] == 0).all()
+
+
+@pytest.mark.slow
+def test_smollm2_has_retrieval_heads(smollm2):
+    """Wu et al. 2024 find retrieval heads in every model they test, and a model that finds the needle must
+    copy it from somewhere: at 384 tokens SmolLM2 writes most of the needle right, and some head copies at
+    least 10 % of it."""
+    det = RetrievalDetector((384,), (0.5,), needles=2, tokenizer=smollm2.tokenizer).detect(smollm2.model)
+    assert det.scores.shape == (30, 9) and det.extras["kv_scores"].shape == (30, 3)
+    assert det.extras["answer_accuracy"] > 0.5
+    assert det.scores.max() >= det.threshold and det.tagged()
