@@ -262,3 +262,19 @@ def test_smollm2_has_retrieval_heads(smollm2):
     assert det.scores.shape == (30, 9) and det.extras["kv_scores"].shape == (30, 3)
     assert det.extras["answer_accuracy"] > 0.5
     assert det.scores.max() >= det.threshold and det.tagged()
+
+
+def test_a_stop_lands_inside_a_pass_and_leaves_the_model_as_it_was():
+    from analysis.arch.attention import current_implementation
+    from analysis.core.errors import CancelledError
+    m = _streaming_model()
+    calls = []
+
+    def should_stop():
+        calls.append(1)
+        return len(calls) > 1                                              # after the first layer's tap
+    with pytest.raises(CancelledError):
+        streaming_scores(m, list(_streaming_ids()), sinks=SINKS, recent=RECENT, should_stop=should_stop)
+    assert current_implementation(m) == "sdpa"
+    kv, _ = streaming_scores(m, list(_streaming_ids()), sinks=SINKS, recent=RECENT)
+    assert int(kv.argmax()) == 7

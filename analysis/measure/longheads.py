@@ -139,6 +139,17 @@ def _own_window(module) -> int | None:
     return int(w) if isinstance(w, int) and w > 0 else None
 
 
+def _paced(tap, n_layers: int, what: str, progress: Progress | None, done: float, share: float,
+           should_stop: ShouldStop | None):
+    """`tap` that first checks for a stop and reports progress layer by layer (one pass of a 4k context
+    takes minutes on a busy CPU: Stop must not wait for the pass to end)."""
+    def paced(layer: int, query, key, value) -> None:
+        check_stop(should_stop, what)
+        report(progress, done + share * layer / n_layers, f"{what.lower()}: layer {layer + 1}/{n_layers}")
+        tap(layer, query, key, value)
+    return paced
+
+
 def _readable(rows: torch.Tensor, T: int, own: int | None) -> torch.Tensor:
     """[n, T] bool: key j is readable by query row i in the model's own attention (causal, its own window)."""
     pos = torch.arange(T, device=rows.device)
@@ -260,7 +271,9 @@ def retrieval_scores(model, items: list[NeedleItem], *, gates=None, layout=None,
         hits: dict = {}
         k = item.targets.numel()
         x = item.ids[None].to(device)                                   # [1, T]
-        with torch.no_grad(), masked(model, g), tapped(model, _copy_tap(item, device, hits, own)):
+        tap = _paced(_copy_tap(item, device, hits, own), geo.n_layers, "Retrieval scores", progress, i / len(items),
+                     1 / len(items), should_stop)
+        with torch.no_grad(), masked(model, g), tapped(model, tap):
             out = model(x, **_logits_kwargs(model, k + 1))
         logits = out.logits[0, -(k + 1):-1].float()                     # [k, V] rows predicting the answer
         accuracy.append(float((logits.argmax(-1).cpu() == item.targets).double().mean()))
@@ -406,7 +419,9 @@ def streaming_scores(model, sequences, *, sinks: int = DEFAULT_SINKS, recent: in
         check_stop(should_stop, "Streaming scores")
         rows = query_rows(int(ids.numel()), sinks, recent, queries)    # [n]
         out: dict = {}
-        with torch.no_grad(), masked(model, g), tapped(model, _window_tap(rows, sinks, recent, modules, kept, out)):
+        tap = _paced(_window_tap(rows, sinks, recent, modules, kept, out), geo.n_layers, "Streaming scores", progress,
+                     i / len(seqs), 1 / len(seqs), should_stop)
+        with torch.no_grad(), masked(model, g), tapped(model, tap):
             model(ids.reshape(1, -1).to(device), **_logits_kwargs(model, 1))
         for layer, (diff, norm) in out.items():
             head_sum[layer] += _relative(diff, norm).mean(-1).cpu().numpy()                       # [H]
