@@ -12,7 +12,10 @@ What it copies from the frontend (checked against the frames Chromium sends, ben
   widget's delta) with the page's script hash and the query string the server last sent;
 - cacheable messages (large elements) are remembered by hash and reported back
   (cached_message_hashes), so the server sends a reference for an unchanged one, as to a browser;
-- permessage-deflate is offered, as every browser does (Streamlit's server declines it).
+- permessage-deflate is offered, as every browser does (Streamlit's server declines it);
+- the HTTP requests Chromium makes for a run (seen at bench_class's relay): the page icon's file on
+  every run (the frontend sets the icon anew), and a download button's file whenever its URL changed
+  (a new mask gives a new CSV); one keep-alive connection, as a browser reuses one.
 
 Times are taken when a frame arrives (time.perf_counter, before parsing).
 """
@@ -38,6 +41,9 @@ FLOAT_INPUT = 1                                          # NumberInput.DataType.
 # cacheable messages are forgotten after this many script runs without being used (Streamlit's
 # global.maxCachedMessageAge default, which the frontend's cache follows)
 CACHE_AGE = 2
+# what Chromium's fetch of a media file says about itself that changes the server's work (it compresses
+# for a client that accepts it: starlette's gzip middleware)
+HEADERS = "Accept: */*\r\nAccept-Encoding: gzip, deflate, br, zstd\r\nAccept-Language: en-US,en;q=0.9\r\n"
 CONTEXT = dict(timezone="UTC", timezone_offset=0, locale="en-US", is_embedded=False, color_scheme="light")
 
 
@@ -49,6 +55,7 @@ class Run:
     bytes: int = 0
     deltas: int = 0
     refs: int = 0                                  # ref_hash messages (elements the client had cached)
+    fetches: int = 0                               # HTTP requests the run's messages led to
     marks: dict = field(default_factory=dict)      # text -> arrival of the first delta that shows it
     finished: float | None = None
     status: str = ""
@@ -62,6 +69,57 @@ class ProtocolError(RuntimeError):
     """The server answered in a way this client does not follow (a run that failed, a missing widget)."""
 
 
+class Http:
+    """GET requests over one keep-alive HTTP/1.1 connection, one at a time (the page's media files)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.lock = asyncio.Lock()
+        self.done = 0
+        self.failed: list[tuple[str, int]] = []          # (path, status) of answers other than 200
+        self._conn = None
+
+    async def get(self, path: str) -> int:
+        """Status code of GET `path`; the body is read and dropped."""
+        async with self.lock:
+            for attempt in (0, 1):                       # a connection the server closed: once more, anew
+                if self._conn is None:
+                    self._conn = await asyncio.open_connection(self.host, self.port)
+                reader, writer = self._conn
+                try:
+                    writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{HEADERS}\r\n".encode())
+                    status, close = await self._response(reader)
+                    break
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    self._conn = None
+                    if attempt:
+                        raise
+            if close:
+                writer.close()
+                self._conn = None
+            self.done += 1
+            if status != 200:
+                self.failed.append((path, status))
+            return status
+
+    @staticmethod
+    async def _response(reader) -> tuple[int, bool]:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                await reader.readexactly(size + 2)
+            await reader.readuntil(b"\r\n")
+        else:
+            await reader.readexactly(int(headers.get("content-length", 0)))
+        return int(head[0].split()[1]), headers.get("connection", "").lower() == "close"
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn[1].close()
+            self._conn = None
+
+
 class Session:
     """One browser tab's worth of Streamlit session, over one websocket.
 
@@ -72,6 +130,10 @@ class Session:
         parts = urlsplit(base_url)
         self.origin = f"{parts.scheme}://{parts.netloc}"
         self.ws_url = f"ws://{parts.netloc}/_stcore/stream"
+        self.http = Http(parts.hostname, parts.port)
+        self.icon = ""                                     # the page icon's URL path (a file the server serves)
+        self.downloads: dict[str, str] = {}                # download button id -> the URL of its file
+        self._fetching: set = set()
         self.page_name = path.strip("/")
         self.url = f"{self.origin}/{self.page_name}"
         self.query = query
@@ -99,6 +161,9 @@ class Session:
         return await self._rerun(dict(page_name=self.page_name), watch, timeout, fragment=False)
 
     async def close(self) -> None:
+        if self._fetching:
+            await asyncio.gather(*self._fetching, return_exceptions=True)
+        self.http.close()
         if self._ws is not None:
             await self._ws.close()
         if self._reader is not None:
@@ -206,6 +271,13 @@ class Session:
             self.cache[msg.hash] = (msg, self.runs_done)
         if kind == "new_session":
             self.page_hash = msg.new_session.page_script_hash
+            if self.icon:
+                self._fetch(self.icon)
+        elif kind == "page_config_changed":
+            icon = msg.page_config_changed.favicon
+            if icon.startswith("/") and icon != self.icon:
+                self.icon = icon
+                self._fetch(icon)
         elif kind == "page_info_changed":
             self.query = msg.page_info_changed.query_string
         elif kind == "delta":
@@ -229,6 +301,9 @@ class Session:
         wid = getattr(body, "id", "") if etype not in ("html", "markdown") else ""
         if not wid:
             return
+        if etype == "download_button" and body.url and self.downloads.get(wid) != body.url:
+            self.downloads[wid] = body.url
+            self._fetch(body.url)
         if delta.fragment_id:
             self.fragment_of[wid] = delta.fragment_id
         if etype not in WIDGET_STATES:                    # buttons and the like: no value kept
@@ -240,6 +315,14 @@ class Session:
         self.field_of[wid] = state_field
         if body.set_value:
             self.widgets[wid] = (state_field, value)
+
+    def _fetch(self, path: str) -> None:
+        """GET `path` beside the run (the browser does not wait for it to go on)."""
+        if self._run is not None and self._run.finished is None:
+            self._run.fetches += 1
+        task = asyncio.get_running_loop().create_task(self.http.get(path))
+        self._fetching.add(task)
+        task.add_done_callback(self._fetching.discard)
 
     def _finished(self, msg, arrived: float) -> None:
         status = type(msg).ScriptFinishedStatus.Name(msg.script_finished)

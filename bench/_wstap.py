@@ -10,11 +10,13 @@ Frames of the /_stcore/stream connections only (after the HTTP upgrade); uncompr
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 from bench._stclient import ProtocolError
 
 STREAM = b"GET /_stcore/stream"
+REQUEST = re.compile(rb"(?:GET|POST|PUT|HEAD|DELETE|OPTIONS) /\S*")
 
 
 class FrameReader:
@@ -73,6 +75,7 @@ class Tap:
     def __init__(self, server_port: int):
         self.server_port = server_port
         self.frames: list[tuple[float, str, bytes]] = []
+        self.requests: list[tuple[float, str]] = []     # (seconds, "GET /path") of the other connections
         self._server = None
 
     async def start(self) -> int:
@@ -88,6 +91,8 @@ class Tap:
         first = await browser_r.read(65536)
         stream = first.startswith(STREAM)
         server_w.write(first)
+        if not stream:
+            self._requests(first, time.perf_counter())
         try:
             await asyncio.gather(self._pump(browser_r, server_w, "up", stream, first),
                                  self._pump(server_r, browser_w, "down", stream, b""))
@@ -113,6 +118,8 @@ class Tap:
                 return
             writer.write(data)
             if not stream:
+                if side == "up":
+                    self._requests(data, now)
                 continue
             if not upgraded:
                 head += data
@@ -120,6 +127,10 @@ class Tap:
                     continue
                 upgraded, data = True, head.split(b"\r\n\r\n", 1)[1]
             self._note(frames, data, now, side)
+
+    def _requests(self, data: bytes, now: float) -> None:
+        """Note the request lines in a chunk of a plain HTTP connection (keep-alive: several per connection)."""
+        self.requests += [(now, m.group(0).decode(errors="replace")) for m in REQUEST.finditer(data)]
 
     def _note(self, frames: FrameReader, data: bytes, now: float, side: str) -> None:
         for opcode, payload in frames.feed(data):

@@ -18,7 +18,7 @@ student's browser runs on the student's laptop; the server only answers the webs
    drawing included). The browser is then closed.
 2. Class rounds, N = 1, 4, 12 (--sessions), one after another in the same run: N clients open the
    Prune page (SmolLM2, MP-G, z = 2, sparsity 0.3, policy global), then all start at once and each
-   presses the sparsity slider --presses times (5 steps right, 5 left, ...) at a person's pace: a press,
+   presses the sparsity slider (--slider z: the z slider) --presses times (5 steps right, 5 left, ...) at a person's pace: a press,
    its redraw, then --think seconds. Per N: p50 / p95 seconds from a press to the delta that redraws
    the mask and to the run's script_finished (the key press's figure: a browser shows the page as
    settled only then), the server's CPU seconds per press (its user + system time over the pressing
@@ -28,7 +28,8 @@ student's browser runs on the student's laptop; the server only answers the webs
 All sessions start pressing together and stay nearly in step, so a press often waits for the other
 students' runs: a class's presses come less bunched, so this is the harder case.
 
-    .venv/bin/python -m bench.bench_class [--sessions 1,4,12] [--presses 20] [--think 0.5] [--pairs 10] [--max-pairs 21]
+    .venv/bin/python -m bench.bench_class [--sessions 1,4,12] [--presses 20] [--think 0.5] [--slider sparsity|z]
+                                          [--pairs 10] [--max-pairs 21] [--no-browser]
     (self-contained: starts `streamlit run app.py` on a free local port and stops it; 2-4 minutes)
 --no-browser skips the calibration (no Chromium on the machine). Target: p50 key press <= 1 s for 12
 sessions on 2 cores (issue 42).
@@ -58,6 +59,9 @@ TARGET_S = 1.0
 SLIDER_KEY = "hs.w.prune.sparsity"
 START = 0.3
 STEP = 0.01
+# the class rounds' slider (--slider): widget key, start value (the URL's), one key press's step
+SLIDERS = {"sparsity": (SLIDER_KEY, START, STEP), "z": ("hs.w.prune.z", 2.0, 0.05)}
+GRID_OPEN = 'class="hsm-t">'         # in every mask grid the page draws
 SETTLE_S = 0.3                       # after a calibration press: the server's last sends and their CPU
 PATH, QUERY = PRUNE_URL.split("?")
 
@@ -77,9 +81,9 @@ def user_key(widget_id: str) -> str:
     return widget_id.split("-", 2)[-1]
 
 
-def move(i: int, value: float) -> float:
+def move(i: int, value: float, step: float = STEP) -> float:
     """The slider's value after press i from `value`: 5 steps right, 5 left, and so on."""
-    return round(value + (STEP if (i // 5) % 2 == 0 else -STEP), 4)
+    return round(value + (step if (i // 5) % 2 == 0 else -step), 4)
 
 
 class Loop:
@@ -119,7 +123,7 @@ class ClientPresses:
         run = self.loop.call(self.session.set_widget(SLIDER_KEY, self.value, watch=(grid_mark(self.value),)))
         time.sleep(SETTLE_S)
         self.cpu.append(server_cpu_seconds(self.base.pid) - cpu0)
-        self.traffic.append((run.msgs, run.bytes))
+        self.traffic.append((run.msgs, run.bytes, run.fetches))
         self.sent_widgets = {user_key(wid) for wid in self.session.widgets}
         return run.seconds()
 
@@ -171,7 +175,7 @@ class BrowserPresses:
         self.value = move(self.presses, self.value)
         self.presses += 1
         self.slider.focus()
-        first, first_logged = len(self.tap.frames), len(self.logged)
+        first, first_logged, first_request = len(self.tap.frames), len(self.logged), len(self.tap.requests)
         cpu0 = server_cpu_seconds(self.base.pid)
         t0 = self.page.evaluate("() => performance.now()")
         self.page.keyboard.press("ArrowRight" if (self.presses - 1) // 5 % 2 == 0 else "ArrowLeft")
@@ -185,7 +189,7 @@ class BrowserPresses:
         self.page.wait_for_timeout(SETTLE_S * 1e3)
         self.cpu.append(server_cpu_seconds(self.base.pid) - cpu0)
         down = [len(payload) for _, side, payload in self.tap.frames[sent:done + 1] if side == "down"]
-        self.traffic.append((len(down), sum(down)))
+        self.traffic.append((len(down), sum(down), len(self.tap.requests) - first_request))
         self.network.append(self.logged[logged_done][0] - self.logged[logged_sent][0])
         from streamlit.proto.BackMsg_pb2 import BackMsg
         self.last_rerun = BackMsg.FromString(self.tap.frames[sent][2])
@@ -218,6 +222,8 @@ def calibration(loop: Loop, base, pairs: int, max_pairs: int) -> dict:
                 browser.close()
     finally:
         loop.call(client.session.close())
+    if client.session.http.failed:
+        raise RuntimeError(f"the client's HTTP requests failed: {client.session.http.failed[:3]}")
     keys = (client.sent_widgets, chromium.sent_widgets())
     return dict(cmp=cmp, client=client, chromium=chromium, same_widgets=keys[0] == keys[1], widgets=keys)
 
@@ -229,10 +235,9 @@ def print_calibration(cal: dict) -> None:
                caches="warm (the page and its model loaded, one untimed press of each side first)")
     for name, side in (("protocol client", client), ("Chromium", chromium)):
         cpu = side.cpu[1:]                                         # [0]: the untimed warm-up press
-        msgs = statistics.median(m for m, _ in side.traffic[1:])
-        kb = statistics.median(b for _, b in side.traffic[1:]) / 1e3
-        print(f"    {name:>20}: server CPU {sum(cpu) / len(cpu) * 1e3:.1f} ms per press (press + {SETTLE_S:g} s), "
-              f"{msgs:.0f} messages {kb:.1f} kB per press (median)")
+        msgs, kb, fetches = (statistics.median(t[i] for t in side.traffic[1:]) for i in range(3))
+        print(f"    {name:>20}: server CPU {sum(cpu) / len(cpu) * 1e3:.1f} ms per press (press + {SETTLE_S:g} s); "
+              f"per press (median): {msgs:.0f} messages, {kb / 1e3:.1f} kB, {fetches:.0f} HTTP requests")
     for what, values in (("its network stack logs script_finished", chromium.network[1:]),
                          ("whole key press -> redrawn grid", chromium.redrawn[1:])):
         print(f"    {'Chromium':>20}: {what}: min {min(values) * 1e3:.4g} / median {statistics.median(values) * 1e3:.4g}"
@@ -243,24 +248,28 @@ def print_calibration(cal: dict) -> None:
 
 # -- 2. class rounds: N clients at a person's pace -------------------------------------------------
 
-async def _student(session: Session, go: asyncio.Event, presses: int, think_s: float, runs: list) -> None:
+async def _student(session: Session, slider: str, go: asyncio.Event, presses: int, think_s: float,
+                   runs: list) -> None:
+    """One student: `presses` key presses on `slider`, each waited for (its mask delta: the grid with
+    the new count for the sparsity, any redrawn grid for z), then `think_s` seconds."""
+    key, value, step = SLIDERS[slider]
     await go.wait()
-    value = START
     for i in range(presses):
-        value = move(i, value)
-        run = await session.set_widget(SLIDER_KEY, value, watch=(grid_mark(value),))
-        runs.append((run.seconds(grid_mark(value)), run.seconds()))
+        value = move(i, value, step)
+        mark = grid_mark(value) if slider == "sparsity" else GRID_OPEN
+        run = await session.set_widget(key, value, watch=(mark,))
+        runs.append((run.seconds(mark), run.seconds()))
         await asyncio.sleep(think_s)
 
 
-async def class_round(base, n: int, presses: int, think_s: float) -> dict:
+async def class_round(base, n: int, presses: int, think_s: float, slider: str = "sparsity") -> dict:
     sessions = [Session(base, PATH, QUERY) for _ in range(n)]
     try:
         for s in sessions:
             await s.open(watch=(grid_mark(START),))
         await asyncio.sleep(2.0)
         go, runs = asyncio.Event(), []
-        tasks = [asyncio.create_task(_student(s, go, presses, think_s, runs)) for s in sessions]
+        tasks = [asyncio.create_task(_student(s, slider, go, presses, think_s, runs)) for s in sessions]
         load0, cpu0, own0, t0 = load_average(), server_cpu_seconds(base.pid), time.process_time(), time.perf_counter()
         go.set()
         await asyncio.gather(*tasks)
@@ -268,14 +277,17 @@ async def class_round(base, n: int, presses: int, think_s: float) -> dict:
     finally:
         for s in sessions:
             await s.close()
+    failed = [f for s in sessions for f in s.http.failed]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of the clients' HTTP requests failed, e.g. {failed[:3]}")
     mask, done = [m for m, _ in runs], [d for _, d in runs]
     return dict(sessions=n, presses=len(runs), mask_p50=statistics.median(mask), mask_p95=percentile(mask, 0.95),
                 p50=statistics.median(done), p95=percentile(done, 0.95), cpu=cpu / len(runs), own=own / len(runs),
                 busy=cpu / wall, wall=wall, load=(load0, load_average()))
 
 
-def print_rounds(rows: list[dict], presses: int, think_s: float) -> None:
-    print(f"Class rounds: Prune page, SmolLM2, MP-G; every session a protocol client pressing the sparsity slider "
+def print_rounds(rows: list[dict], presses: int, think_s: float, slider: str) -> None:
+    print(f"Class rounds: Prune page, SmolLM2, MP-G; every session a protocol client pressing the {slider} slider "
           f"{presses} times, {think_s:g} s after each redraw, all starting together; {os.cpu_count()} CPUs "
           f"(shared: other work may run, see the load)")
     print(f"  {'sessions':>8} {'presses':>7} | {'-> mask delta p50 / p95 s':>25} | {'-> script_finished p50 / p95 s':>30} | "
@@ -293,6 +305,8 @@ def main() -> int:
     parser.add_argument("--sessions", default="1,4,12", help="the session counts, one round each, in one run")
     parser.add_argument("--presses", type=int, default=20, help="key presses per session and round")
     parser.add_argument("--think", type=float, default=0.5, help="seconds between a redraw and the next press")
+    parser.add_argument("--slider", choices=sorted(SLIDERS), default="sparsity",
+                        help="the slider the class rounds press (the calibration presses the sparsity slider)")
     parser.add_argument("--pairs", type=int, default=10, help="calibration: least number of interleaved pairs")
     parser.add_argument("--max-pairs", type=int, default=21, help="calibration: most interleaved pairs")
     parser.add_argument("--no-browser", action="store_true", help="skip the Chromium calibration")
@@ -309,7 +323,7 @@ def main() -> int:
             cal = None
             if not args.no_browser and CHROMIUM.exists():
                 cal = calibration(loop, base, args.pairs, args.max_pairs)
-            rows = [loop.call(class_round(base, n, args.presses, args.think)) for n in sizes]
+            rows = [loop.call(class_round(base, n, args.presses, args.think, args.slider)) for n in sizes]
     finally:
         loop.stop()
     print(f"bench_class: streamlit 1 server, load average {load_text(started)} at the start")
@@ -317,7 +331,7 @@ def main() -> int:
         print_calibration(cal)
     else:
         print("Calibration skipped (--no-browser, or no Chromium at " + str(CHROMIUM) + ")")
-    print_rounds(rows, args.presses, args.think)
+    print_rounds(rows, args.presses, args.think, args.slider)
     biggest = rows[-1]
     ok = biggest["p50"] <= TARGET_S
     print(f"{biggest['sessions']} sessions: p50 key press -> script_finished {biggest['p50']:.3f} s, p95 "
