@@ -9,13 +9,15 @@ What it copies from the frontend (checked against the frames Chromium sends, ben
   widget_key values) or the user changes it, and every kept value goes with each rerun, as the
   frontend's widget state manager sends them;
 - a key press on a slider inside a fragment reruns that fragment (ClientState.fragment_id, from the
-  widget's delta) with the page's script hash and the query string the server last sent;
+  widget's delta) with the shown page's script hash (st.navigation's message; new_session's names the
+  main script) and the query string the server last sent;
 - cacheable messages (large elements) are remembered by hash and reported back
   (cached_message_hashes), so the server sends a reference for an unchanged one, as to a browser;
 - permessage-deflate is offered, as every browser does (Streamlit's server declines it);
 - the HTTP requests Chromium makes for a run (seen at bench_class's relay): the page icon's file on
   every run (the frontend sets the icon anew), and a download button's file whenever its URL changed
-  (a new mask gives a new CSV); one keep-alive connection, as a browser reuses one.
+  (a new mask gives a new CSV), sent once the run's messages are in (the page fetches as it draws);
+  one keep-alive connection, as a browser reuses one.
 
 Times are taken when a frame arrives (time.perf_counter, before parsing).
 """
@@ -133,7 +135,8 @@ class Session:
         self.http = Http(parts.hostname, parts.port)
         self.icon = ""                                     # the page icon's URL path (a file the server serves)
         self.downloads: dict[str, str] = {}                # download button id -> the URL of its file
-        self._fetching: set = set()
+        self._fetching: set = set()                        # GETs under way
+        self._later: list[str] = []                        # GETs asked for by the run under way
         self.page_name = path.strip("/")
         self.url = f"{self.origin}/{self.page_name}"
         self.query = query
@@ -150,6 +153,7 @@ class Session:
         self._done = asyncio.Event()
         self._watch: tuple[str, ...] = ()
         self._error: BaseException | None = None             # why the reader stopped, if it did
+        self.last_request = None                             # the last BackMsg sent
 
     # -- connection ---------------------------------------------------------------------------------
     async def open(self, watch: tuple[str, ...] = (), timeout: float = 600.0) -> Run:
@@ -215,6 +219,7 @@ class Session:
         for name, value in CONTEXT.items():
             setattr(state.context_info, name, value)
         state.context_info.url = self.url
+        self.last_request = msg
         return msg.SerializeToString()
 
     async def _rerun(self, extra: dict, watch, timeout: float, *, fragment: bool) -> Run:
@@ -273,6 +278,8 @@ class Session:
             self.page_hash = msg.new_session.page_script_hash
             if self.icon:
                 self._fetch(self.icon)
+        elif kind == "navigation":                      # st.navigation: the page shown (new_session names app.py)
+            self.page_hash = msg.navigation.page_script_hash or self.page_hash
         elif kind == "page_config_changed":
             icon = msg.page_config_changed.favicon
             if icon.startswith("/") and icon != self.icon:
@@ -317,9 +324,12 @@ class Session:
             self.widgets[wid] = (state_field, value)
 
     def _fetch(self, path: str) -> None:
-        """GET `path` beside the run (the browser does not wait for it to go on)."""
+        """GET `path` once the run has ended: Chromium's page fetches a file as it draws the element,
+        after the run's messages came in (seen at bench_class's relay); nothing waits for it."""
         if self._run is not None and self._run.finished is None:
             self._run.fetches += 1
+            self._later.append(path)
+            return
         task = asyncio.get_running_loop().create_task(self.http.get(path))
         self._fetching.add(task)
         task.add_done_callback(self._fetching.discard)
@@ -334,3 +344,6 @@ class Session:
         if run is not None and run.finished is None:
             run.finished, run.status = arrived, status
             self._done.set()
+        later, self._later = self._later, []
+        for path in later:
+            self._fetch(path)

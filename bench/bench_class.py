@@ -12,8 +12,9 @@ student's browser runs on the student's laptop; the server only answers the webs
    from its rerun frame reaching the relay to that run's script_finished frame reaching it -- the
    server's part of a browser's key press -- and the client's from its send to the same message's
    arrival. Per side: min / median / max and the per-pair ratio, the server's CPU per press (/proc,
-   the press and 0.3 s after it), messages and kB per press, and whether the client sent the same
-   widget states as the browser. Beside them, the browser's own parts: when Chromium's network stack
+   the press and 0.3 s after it), messages, kB and HTTP requests per press, the side's own CPU per
+   press (this process for the client; Chromium's processes and Playwright's driver for the browser),
+   and whether the client sent the same widget states as the browser. Beside them, the browser's own parts: when Chromium's network stack
    logged the script_finished frame (DevTools) and the whole key press -> redrawn grid (its page's
    drawing included). The browser is then closed.
 2. Class rounds, N = 1, 4, 12 (--sessions), one after another in the same run: N clients open the
@@ -52,7 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench._stclient import Session  # noqa: E402
 from bench._timing import compare, load_average, load_text  # noqa: E402
-from bench.bench_browser import DONE_JS, GRID_TITLE, N_HEADS, PRUNE_URL, percentile, server_cpu_seconds  # noqa: E402
+from bench.bench_browser import (DONE_JS, GRID_TITLE, N_HEADS, PRUNE_URL, browser_cpu_seconds, percentile,  # noqa: E402
+                                 server_cpu_seconds)
 from tests.e2e.serving import CHROMIUM, served_app  # noqa: E402
 
 TARGET_S = 1.0
@@ -73,12 +75,25 @@ def heads_pruned(sparsity: float) -> str:
 
 def grid_mark(sparsity: float) -> str:
     """The HTML that only the grid drawn at `sparsity` holds (its title element)."""
-    return f'class="hsm-t">{heads_pruned(sparsity)}<'
+    return f"{GRID_OPEN}{heads_pruned(sparsity)}<"
 
 
 def user_key(widget_id: str) -> str:
     """'hs.w.prune.sparsity' of the widget id '$$ID-<hash>-hs.w.prune.sparsity'."""
     return widget_id.split("-", 2)[-1]
+
+
+def request_fields(back_msg) -> dict:
+    """What a rerun request tells the server, by field, for comparing two senders' (the context's URL,
+    whose port differs, and the order of the widgets left out): {name: value}, one per widget state."""
+    state = back_msg.rerun_script
+    fields = {name: getattr(state, name) for name in ("query_string", "page_name", "page_script_hash", "fragment_id")}
+    fields["cached message hashes"] = len(state.cached_message_hashes)
+    for w in state.widget_states.widgets:
+        kind = w.WhichOneof("value")
+        value = getattr(w, kind)
+        fields[user_key(w.id)] = (kind, list(value.data) if kind.endswith("array_value") else value)
+    return fields
 
 
 def move(i: int, value: float, step: float = STEP) -> float:
@@ -114,17 +129,17 @@ class ClientPresses:
         self.session = Session(base, PATH, QUERY)
         loop.call(self.session.open(watch=(grid_mark(START),)))
         self.value, self.presses = START, 0
-        self.cpu, self.traffic, self.sent_widgets = [], [], set()
+        self.cpu, self.own, self.traffic = [], [], []
 
     def press(self) -> float:
         self.value = move(self.presses, self.value)
         self.presses += 1
-        cpu0 = server_cpu_seconds(self.base.pid)
+        cpu0, own0 = server_cpu_seconds(self.base.pid), time.process_time()
         run = self.loop.call(self.session.set_widget(SLIDER_KEY, self.value, watch=(grid_mark(self.value),)))
         time.sleep(SETTLE_S)
         self.cpu.append(server_cpu_seconds(self.base.pid) - cpu0)
+        self.own.append(time.process_time() - own0)
         self.traffic.append((run.msgs, run.bytes, run.fetches))
-        self.sent_widgets = {user_key(wid) for wid in self.session.widgets}
         return run.seconds()
 
 
@@ -152,7 +167,7 @@ class BrowserPresses:
         self.page.wait_for_timeout(2000)
         self.slider = self.page.get_by_test_id("stSlider").filter(has_text="Sparsity").first.get_by_role("slider")
         self.value, self.presses, self.last_rerun = START, 0, None
-        self.cpu, self.traffic, self.network, self.redrawn = [], [], [], []
+        self.cpu, self.own, self.traffic, self.network, self.redrawn = [], [], [], [], []
 
     def _logged(self, event, side: str) -> None:
         frame = event["response"]
@@ -172,13 +187,13 @@ class BrowserPresses:
         raise TimeoutError(f"no {kind} frame in 60 s")
 
     def press(self) -> float:
-        self.value = move(self.presses, self.value)
+        before, self.value = self.value, move(self.presses, self.value)
         self.presses += 1
         self.slider.focus()
         first, first_logged, first_request = len(self.tap.frames), len(self.logged), len(self.tap.requests)
-        cpu0 = server_cpu_seconds(self.base.pid)
+        cpu0, own0 = server_cpu_seconds(self.base.pid), browser_cpu_seconds(self.base.pid)
         t0 = self.page.evaluate("() => performance.now()")
-        self.page.keyboard.press("ArrowRight" if (self.presses - 1) // 5 % 2 == 0 else "ArrowLeft")
+        self.page.keyboard.press("ArrowRight" if self.value > before else "ArrowLeft")
         self.page.wait_for_function(DONE_JS, arg=[GRID_TITLE, heads_pruned(self.value)], polling="raf",
                                     timeout=120_000)
         self.redrawn.append((self.page.evaluate("() => performance.now()") - t0) / 1e3)
@@ -188,16 +203,13 @@ class BrowserPresses:
         logged_done = self._wait_for(self.logged, logged_sent, "down", "script_finished")
         self.page.wait_for_timeout(SETTLE_S * 1e3)
         self.cpu.append(server_cpu_seconds(self.base.pid) - cpu0)
+        self.own.append(browser_cpu_seconds(self.base.pid) - own0)
         down = [len(payload) for _, side, payload in self.tap.frames[sent:done + 1] if side == "down"]
         self.traffic.append((len(down), sum(down), len(self.tap.requests) - first_request))
         self.network.append(self.logged[logged_done][0] - self.logged[logged_sent][0])
         from streamlit.proto.BackMsg_pb2 import BackMsg
         self.last_rerun = BackMsg.FromString(self.tap.frames[sent][2])
         return self.tap.frames[done][0] - self.tap.frames[sent][0]
-
-    def sent_widgets(self) -> set[str]:
-        """The user keys of the widget states in the last rerun the page sent."""
-        return {user_key(w.id) for w in self.last_rerun.rerun_script.widget_states.widgets}
 
     def close(self) -> None:
         self.loop.call(self.tap.stop())
@@ -224,8 +236,8 @@ def calibration(loop: Loop, base, pairs: int, max_pairs: int) -> dict:
         loop.call(client.session.close())
     if client.session.http.failed:
         raise RuntimeError(f"the client's HTTP requests failed: {client.session.http.failed[:3]}")
-    keys = (client.sent_widgets, chromium.sent_widgets())
-    return dict(cmp=cmp, client=client, chromium=chromium, same_widgets=keys[0] == keys[1], widgets=keys)
+    return dict(cmp=cmp, client=client, chromium=chromium,
+                requests=(request_fields(client.session.last_request), request_fields(chromium.last_rerun)))
 
 
 def print_calibration(cal: dict) -> None:
@@ -236,14 +248,20 @@ def print_calibration(cal: dict) -> None:
     for name, side in (("protocol client", client), ("Chromium", chromium)):
         cpu = side.cpu[1:]                                         # [0]: the untimed warm-up press
         msgs, kb, fetches = (statistics.median(t[i] for t in side.traffic[1:]) for i in range(3))
+        own = side.own[1:]
         print(f"    {name:>20}: server CPU {sum(cpu) / len(cpu) * 1e3:.1f} ms per press (press + {SETTLE_S:g} s); "
-              f"per press (median): {msgs:.0f} messages, {kb / 1e3:.1f} kB, {fetches:.0f} HTTP requests")
+              f"per press (median): {msgs:.0f} messages, {kb / 1e3:.1f} kB, {fetches:.0f} HTTP requests; "
+              f"its own CPU {sum(own) / len(own) * 1e3:.1f} ms per press")
     for what, values in (("its network stack logs script_finished", chromium.network[1:]),
                          ("whole key press -> redrawn grid", chromium.redrawn[1:])):
         print(f"    {'Chromium':>20}: {what}: min {min(values) * 1e3:.4g} / median {statistics.median(values) * 1e3:.4g}"
               f" / max {max(values) * 1e3:.4g} ms")
-    client_keys, browser_keys = cal["widgets"]
-    print(f"    widget states sent with a press: {'the same ' + str(len(client_keys)) + ' widgets' if cal['same_widgets'] else 'DIFFER: client only ' + str(sorted(client_keys - browser_keys)) + ', Chromium only ' + str(sorted(browser_keys - client_keys))}")
+    ours, theirs = cal["requests"]
+    differ = {k: (ours.get(k), theirs.get(k)) for k in {*ours, *theirs} if ours.get(k) != theirs.get(k)}
+    n = sum(isinstance(v, tuple) for v in ours.values())               # the widget states
+    print(f"    the last rerun request of each: "
+          + (f"the same ({n} widget states, query string, page hash, fragment id, cached hashes)" if not differ
+             else f"DIFFER (client, Chromium): {differ}"))
 
 
 # -- 2. class rounds: N clients at a person's pace -------------------------------------------------

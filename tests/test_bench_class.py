@@ -1,8 +1,9 @@
 """bench/_stclient.py, the protocol-level client of bench/bench_class.py, against a real `streamlit run
 app.py` (no browser): it opens the Prune page of a tiny model, moves the sparsity slider with one
 rerun of the slider's fragment (as a browser's key press does) and sees the redrawn mask delta, then the
-fragment run's script_finished; the widget states it sends are the page's; the relay (bench/_wstap.py)
-reads back the frames it passes. One server for the module (about 15 s)."""
+fragment run's script_finished; the widget states it sends are the page's, and it fetches the files a
+browser fetches for the run (the page icon, the changed downloads); the relay (bench/_wstap.py) reads
+back the frames it passes. One server for the module (about 15 s)."""
 import asyncio
 import math
 
@@ -50,6 +51,7 @@ def test_one_key_press_reruns_the_fragment_and_redraws_the_mask(base, tiny_dir):
     sent = {wid.split("-", 2)[-1]: value for wid, (_, value) in session.widgets.items()}
     assert sent["hs.w.prune.sparsity"] == [0.75] and sent["hs.w.prune.z"] == [2.0]
     assert not session.unknown_widgets
+    assert press.fetches >= 2 and session.http.done >= load.fetches + press.fetches and not session.http.failed
 
 
 def test_relay_reads_back_the_frames_it_passes(base, tiny_dir):  # noqa: F811
