@@ -344,7 +344,8 @@ def main() -> int:
             rows = [loop.call(class_round(base, n, args.presses, args.think, args.slider)) for n in sizes]
     finally:
         loop.stop()
-    print(f"bench_class: streamlit 1 server, load average {load_text(started)} at the start")
+    print(f"bench_class: one `streamlit run app.py` of its own (a free local port); load average {load_text(started)} "
+          f"at the start")
     if cal is not None:
         print_calibration(cal)
     else:
