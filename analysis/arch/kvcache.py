@@ -13,7 +13,8 @@ Pruned heads are not in the cache at all: the model that runs it is the physical
 
 So the bytes of the K and V tensors it holds after S tokens are exactly
 `analysis.score.kvplan.KVPlan.kv_bytes(S, ...)` of the plan it runs: `CompactCache.kv_bytes()` counts the
-real tensors. The positions of a ring's slots are not stored: they follow from S (`ring_positions`).
+real tensors. The positions of a ring's slots are not stored: they follow from S
+(`analysis.arch.spans.ring_positions`).
 
 Each layer's `update` returns a `analysis.arch.spans.CompactKV` instead of key / value tensors; only the
 "headscope-spans" kernel reads it, so a model runs this cache inside `analysis.arch.spans.spans(...)`
