@@ -6,6 +6,7 @@ browser fetches for the run (the page icon, the changed downloads); the relay (b
 back the frames it passes. One server for the module (about 15 s)."""
 import asyncio
 import math
+import threading
 
 import pytest
 
@@ -19,6 +20,25 @@ N_HEADS = 4 * 4                       # the tiny Llama: 4 layers x 4 query heads
 
 def _mark(sparsity: float) -> str:
     return f'class="hsm-t">{math.floor(sparsity * N_HEADS + 1e-9)} of {N_HEADS} heads pruned<'
+
+
+def _run(coro):
+    """asyncio.run on a thread of its own: a module before this one in the same pytest worker may have
+    left sync Playwright's event loop running on the main thread, where asyncio.run refuses to start."""
+    out = {}
+
+    def target():
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, name="stclient")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +62,7 @@ def test_one_key_press_reruns_the_fragment_and_redraws_the_mask(base, tiny_dir):
         finally:
             await session.close()
 
-    session, load, press = asyncio.run(drive())
+    session, load, press = _run(drive())
     assert load.status == "FINISHED_SUCCESSFULLY" and _mark(0.5) in load.marks
     assert press.status == "FINISHED_FRAGMENT_RUN_SUCCESSFULLY"
     assert press.sent <= press.marks[_mark(0.75)] <= press.finished          # the mask, then the run's end
@@ -73,7 +93,7 @@ def test_relay_reads_back_the_frames_it_passes(base, tiny_dir):  # noqa: F811
             await tap.stop()
         return tap, load, press
 
-    tap, load, press = asyncio.run(drive())
+    tap, load, press = _run(drive())
     up = [BackMsg.FromString(p).rerun_script for _, side, p in tap.frames if side == "up"]
     down = [ForwardMsg.FromString(p).WhichOneof("type") for _, side, p in tap.frames if side == "down"]
     assert [(m.page_name, m.fragment_id != "") for m in up] == [("prune", False), ("", True)]
