@@ -66,7 +66,8 @@ def layout(lengths, n_masks: int = 1, batch_tokens: int = BATCH_TOKENS,
     padded tokens + pass_tokens per pass."""
     lengths = [int(v) for v in lengths]
     distinct = sorted(set(lengths))                                     # [G] ascending
-    count = np.bincount([distinct.index(v) for v in lengths], minlength=len(distinct)) if lengths else []
+    rank = {v: g for g, v in enumerate(distinct)}
+    count = np.bincount([rank[v] for v in lengths], minlength=len(distinct))   # [G] rows of each length
 
     def passes(rows: int, width: int) -> int:                          # passes a run of rows x width needs
         return -(-rows // max(1, batch_tokens // max(1, width * n_masks)))
@@ -79,16 +80,13 @@ def layout(lengths, n_masks: int = 1, batch_tokens: int = BATCH_TOKENS,
             cost = best[i] + passes(rows, distinct[j - 1]) * pass_tokens + rows * distinct[j - 1] * n_masks
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    runs, j = [], len(distinct)
-    while j > 0:
-        runs.append((distinct[cut[j]], distinct[j - 1]))
-        j = cut[j]
-    order = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))
-    out = []
-    for low, high in runs:                                              # longest run first
-        rows = [s for s in order if low <= lengths[s] <= high]
-        per = max(1, batch_tokens // max(1, high * n_masks))
+    order = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))   # longest first
+    out, start, j = [], 0, len(distinct)
+    while j > 0:                                                        # the runs, longest first
+        rows = order[start:start + int(count[cut[j]:j].sum())]
+        per = max(1, batch_tokens // max(1, distinct[j - 1] * n_masks))
         out += [rows[k:k + per] for k in range(0, len(rows), per)]
+        start, j = start + len(rows), cut[j]
     return out
 
 
