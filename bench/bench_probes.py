@@ -17,8 +17,14 @@
    layers and the LM head, from the items' shapes), whose ratio is what an exact sweep can gain at this
    depth whatever its overheads.
 
+--clock cpu times each call by the process's CPU time (all its threads) instead of the wall clock: on a
+machine shared with other work (load average above the cores) wall times swing several-fold and only the
+ratios of interleaved rounds mean anything; CPU time at --threads 1 moves far less. The 3 s target is a
+wall-clock target and is judged only with --clock wall.
+
     nice -n 5 .venv/bin/python -m bench.bench_probes [--cache-dir DIR] [--threads 2] [--sparsity 0.25]
                                                       [--map-probe ioi[,code]] [--map-items 16] [--layer-step 6]
+                                                      [--clock wall|cpu]
 """
 import argparse
 import os
@@ -29,6 +35,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROBES_TARGET_S = 3.0
 MAP_TARGET = 5.0
 BEFORE_PASS_TOKENS = 2**40        # the layout before issue 42: as few passes as fit, per probe
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def clocked(fn, clock: str):
+    """fn as a self-timed callable (bench/_timing.compare_rounds(self_timed=True)): its seconds on `clock`."""
+    now = CLOCKS[clock]
+
+    def run() -> float:
+        start = now()
+        fn()
+        return now() - start
+    return run
 
 
 def one_pass_per_probe(model, built, gates):
@@ -99,6 +117,7 @@ def main(argv=None) -> bool:
     parser.add_argument("--pairs", type=int, default=5, help="least number of interleaved pairs / rounds")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="per comparison, after the least pairs")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: probes, map")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="wall clock or process CPU time")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -149,17 +168,19 @@ def main(argv=None) -> bool:
         fns = {"probes (one mask)": lambda: measure_probes(lm.model, built, pruned=plan.pruned),
                "one pass per probe (before)": lambda: one_pass_per_probe(lm.model, built, gates),
                "perplexity (same tokens)": lambda: evaluate(lm, max_tokens=n_tokens)}
-        cmps = compare_rounds(fns, [("probes (one mask)", "one pass per probe (before)"),
-                                    ("probes (one mask)", "perplexity (same tokens)")],
-                              min_rounds=args.pairs, max_seconds=args.max_seconds)
+        cmps = compare_rounds({k: clocked(fn, args.clock) for k, fn in fns.items()},
+                              [("probes (one mask)", "one pass per probe (before)"),
+                               ("probes (one mask)", "perplexity (same tokens)")],
+                              min_rounds=args.pairs, max_seconds=args.max_seconds, self_timed=True)
         for (a, b), cmp in cmps.items():
             cmp.report(f"all probes for the MP-G {args.sparsity:.0%} mask: {a} vs {b} ({n_tokens} tokens)",
-                       unit=1.0, unit_name="s")
+                       unit=1.0, unit_name=f"s ({args.clock})")
         probes_s = float(np.median(cmps[("probes (one mask)", "perplexity (same tokens)")].times["probes (one mask)"]))
         passed = probes_s <= PROBES_TARGET_S
-        ok &= passed
-        print(f"probes for one mask: median {probes_s:.2f} s (target <= {PROBES_TARGET_S} s) -> "
-              f"{'PASS' if passed else 'FAIL'}; {cmps[('probes (one mask)', 'one pass per probe (before)')].ratio:.2f}x "
+        ok &= passed or args.clock != "wall"
+        verdict = ("PASS" if passed else "FAIL") if args.clock == "wall" else "not judged on CPU time"
+        print(f"probes for one mask: median {probes_s:.2f} s {args.clock} (target <= {PROBES_TARGET_S} s wall) -> "
+              f"{verdict}; {cmps[('probes (one mask)', 'one pass per probe (before)')].ratio:.2f}x "
               f"the layout before, {cmps[('probes (one mask)', 'perplexity (same tokens)')].ratio:.2f}x a perplexity "
               f"check of the same tokens", flush=True)
         values = pooled_values(lm.model, items_list, gates)
@@ -193,9 +214,10 @@ def _map(lm, name, args, build_items, probe_map, length_buckets, ablation_gates,
           f"{int(items.lengths.max())}), layers {layers} ({len(layers) * R} ablations); fast: {len(buckets)} "
           f"length buckets; multiply-adds naive {naive_work / 1e12:.2f} T, fast {fast_work / 1e12:.2f} T: "
           f"{naive_work / fast_work:.2f}x (the most an exact sweep gains here, overheads aside)", flush=True)
-    cmp = compare({"naive": run("naive"), "fast": run("fast")}, min_pairs=args.pairs, max_seconds=args.max_seconds)
+    cmp = compare({"naive": clocked(run("naive"), args.clock), "fast": clocked(run("fast"), args.clock)},
+                  min_pairs=args.pairs, max_seconds=args.max_seconds, self_timed=True)
     cmp.report(f"per-head map of {name}: naive loop vs fast sweep (whole maps)", unit=1.0,
-               unit_name="s", target=f">= {MAP_TARGET}x")
+               unit_name=f"s ({args.clock})", target=f">= {MAP_TARGET}x")
     a, b = maps["naive"].drop[layers], maps["fast"].drop[layers]
     err = float(np.abs(a - b).max() / np.abs(a).max())
     passed = cmp.ratio >= MAP_TARGET and err <= 1e-4
