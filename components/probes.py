@@ -52,9 +52,12 @@ def dense_probes(key: ModelKey, seed: int = SEED, _progress=None, _should_stop=N
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def cut_probes(key: ModelKey, pruned, seed: int = SEED, _progress=None, _should_stop=None):
-    """analysis.measure.probes.breaks.cut_report of the mask pruned [L, H] (dense side cached once)."""
+    """analysis.measure.probes.breaks.cut_report of the mask pruned [L, H] (dense side cached once per model:
+    the first check measures it first, stoppable and with its own progress; every later mask reuses it)."""
     from analysis.measure.probes.breaks import cut_report
-    built, skipped, dense = dense_probes(key, seed)              # before taking the lock (cache.exclusive)
+    dense_progress = None if _progress is None else (lambda f, m: _progress(f, f"the dense model (once per model): {m}"))
+    built, skipped, dense = dense_probes(key, seed, _progress=dense_progress,   # before taking the lock
+                                         _should_stop=_should_stop)             # (cache.exclusive)
     with cache.exclusive(key, _progress, _should_stop) as lm:
         return cut_report(lm, pruned=pruned, built=built, skipped=skipped, dense=dense, seed=seed,
                           progress=_progress, should_stop=_should_stop)

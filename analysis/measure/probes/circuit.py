@@ -5,8 +5,10 @@ Causal LMs use analysis.measure.ablation.FastAblation with `ProbeReadout`: one d
 every layer's input, then each layer's ablations replay only the layers from there on, all of a
 layer's ablations batched in one pass (gates [R, L, H]), and only the read positions go through the
 LM head. The sweep splits its layers over the processes of a launch as the loss sweep does. The
-rows are first cut into a few buckets of similar length (each bucket one sweep, its padding small);
-the buckets' per-unit changes add up to the whole probe's. `method="naive"` is the reference: one
+rows are first cut into buckets of similar length (each bucket one sweep), laid out as the probes'
+passes are (`measure.layout`: the padded tokens x ablations plus `MAP_PASS_TOKENS` per bucket, what a
+bucket's own dense pass and layer calls cost, are the fewest); the buckets' per-unit changes add up to
+the whole probe's. `method="naive"` is the reference: one
 full masked forward per ablation over all the probe's rows at once (right-padded: padding after the
 last read position changes nothing in a causal model; analysis.measure.ablation.naive_sweep, same
 readout); the two agree to rounding (tests in float64). Masked LMs evaluate every ablation's gates in batched
@@ -29,10 +31,10 @@ from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.ablation import FastAblation, ablation_gates, apply_chain, naive_sweep
 from analysis.measure.probes.items import ProbeItems
-from analysis.measure.probes.measure import LEVEL, N_BOOT, item_values
+from analysis.measure.probes.measure import LEVEL, N_BOOT, item_values, layout
 
-N_BUCKETS = 4
 MAP_BATCH_TOKENS = 8192      # tokens per replayed pass (ablation rows x sequences x length)
+MAP_PASS_TOKENS = 48         # what one more bucket costs, in padded tokens x ablations (bench/bench_probes.py)
 
 
 class ProbeReadout:
@@ -71,11 +73,12 @@ class ProbeReadout:
         return self._unit_sums(apply_chain(chain, picked), r)             # [r, S]
 
 
-def length_buckets(items: ProbeItems, n_buckets: int = N_BUCKETS) -> list[list[int]]:
-    """The rows that hold scored items, cut into at most n_buckets groups of similar length."""
-    rows = sorted(set(items.row[items.scored].tolist()), key=lambda s: (int(items.lengths[s]), s))
-    cuts = np.array_split(np.array(rows), min(n_buckets, len(rows)))
-    return [c.tolist() for c in cuts if len(c)]
+def length_buckets(items: ProbeItems, n_ablations: int = 1, pass_tokens: int = MAP_PASS_TOKENS) -> list[list[int]]:
+    """The rows that hold scored items, cut into buckets of similar length (`measure.layout` for
+    n_ablations masks, no limit on a bucket's size: the sweep splits its passes itself), shortest first."""
+    rows = sorted(set(items.row[items.scored].tolist()))
+    buckets = layout(items.lengths[rows].tolist(), n_ablations, 2**62, pass_tokens)
+    return [sorted((rows[i] for i in b), key=lambda s: (int(items.lengths[s]), s)) for b in reversed(buckets)]
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,11 @@ def _unit_ci(unit_delta: np.ndarray, weight: np.ndarray, *, seed: int, n_boot: i
 
 
 def probe_map(model, spec, items: ProbeItems, *, method: str = "fast", groups: bool = True, layers=None,
-              seed: int = 0, batch_tokens: int = MAP_BATCH_TOKENS, progress: Progress | None = None,
-              should_stop: ShouldStop | None = None, team: Team | None = None) -> ProbeMap:
-    """The per-head map of one probe's items on `model` (method "fast" or "naive"; masked LMs: batched)."""
+              seed: int = 0, batch_tokens: int = MAP_BATCH_TOKENS, pass_tokens: int = MAP_PASS_TOKENS,
+              progress: Progress | None = None, should_stop: ShouldStop | None = None,
+              team: Team | None = None) -> ProbeMap:
+    """The per-head map of one probe's items on `model` (method "fast" or "naive"; masked LMs: batched);
+    pass_tokens: the fast sweep's cost of one more length bucket (`length_buckets`)."""
     if method not in ("fast", "naive"):
         raise InputError(f"Unknown map method {method!r}; use 'fast' or 'naive'.")
     t0 = time.perf_counter()
@@ -130,9 +135,9 @@ def probe_map(model, spec, items: ProbeItems, *, method: str = "fast", groups: b
         base = float(item_values(model, items)[0][0, items.scored.numpy()].mean())
         return ProbeMap(spec.name, spec.label, base, drop, group, None, items.n_items, "batched masks",
                         time.perf_counter() - t0)
-    buckets = length_buckets(items) if method == "fast" else [sorted(set(items.row[items.scored].tolist()))]
-    n = items.n_items
     R = ablation_gates(geo, 0, groups=groups).shape[0]
+    buckets = length_buckets(items, R, pass_tokens) if method == "fast" else [sorted(set(items.row[items.scored].tolist()))]
+    n = items.n_items
     delta, base, units, weights = np.zeros((geo.n_layers, R)), 0.0, [], []
     for i, rows in enumerate(buckets):
         T = int(items.lengths[rows].max())

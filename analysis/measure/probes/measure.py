@@ -5,9 +5,17 @@ For item i read at position p with correct token c and contrast k:
     correct_i = diff_i > 0                   (accuracy = their share; 0.5 = chance)
     nll_i = -log softmax(logit_p)[c]         (what a probe's extras read, e.g. the ICL score)
 Logits are computed at the read positions only (a forward hook on the base model keeps just those
-hidden states before the LM head), rows are batched by length (each batch trimmed to its longest
-row, so short prompts pay for no padding), and B masks (gates [B, L, H] through
+hidden states before the LM head), and B masks (gates [B, L, H] through
 analysis.arch.head_gates.head_mask) share the passes, mask-major as the masking contract says.
+
+Passes (`layout`): the rows of every probe measured together are pooled (`pooled_values`; a row is
+one prompt, and rows of different probes share passes), sorted by length and cut into passes, each
+trimmed to its longest row, so that the padded tokens plus `pass_tokens` per pass (what one more
+forward pass costs, in tokens) are the fewest (dynamic programming over the distinct lengths); no
+pass holds more than `batch_tokens` tokens (rows x length x masks). A row's numbers do not depend on
+the other rows of its pass (causal rows are right-padded and read before the padding; masked-LM rows
+carry an attention mask), so pooled, batched and one-row-at-a-time give the same values (tests in
+float64).
 
 CIs: a percentile bootstrap (`N_BOOT` resamples, seeded) over units (the sequences items come from;
 analysis.measure.probes.items), the same resamples for every mask, so two calls with the same items
@@ -17,7 +25,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -25,7 +33,7 @@ import torch
 from analysis.arch.adapters import input_device
 from analysis.core.distributed import SOLO, Team
 from analysis.core.errors import InputError
-from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
+from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.loss import token_nll
 from analysis.measure.probes.items import ProbeItems
@@ -33,15 +41,17 @@ from analysis.measure.probes.registry import chosen
 
 N_BOOT = 1000
 LEVEL = 0.95
-BATCH_TOKENS = 4096          # tokens per forward pass (rows x length x masks)
+BATCH_TOKENS = 4096          # tokens per forward pass at most (rows x length x masks)
+PASS_TOKENS = 48             # what one more forward pass costs, in padded tokens (bench/bench_probes.py)
+LAYOUT_WINDOW = 64           # distinct lengths one pass may span (bounds the layout's search)
 
 
-def _keep_positions(positions: torch.Tensor):
-    """Forward hook for the base model: keep each row's hidden states at positions [R, K] only."""
+def _keep_positions(rows: torch.Tensor, positions: torch.Tensor):
+    """Forward hook for the base model: keep the hidden states at (rows [m], positions [m]) only, as one
+    sequence [1, m, D] (the LM head then runs on the m read positions and nothing else)."""
     def hook(module, args, output):
         hidden = output[0]                                              # [R, T, D]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]   # [R, 1]
-        picked = hidden[rows, positions.to(hidden.device)]              # [R, K, D]
+        picked = hidden[rows.to(hidden.device), positions.to(hidden.device)][None]   # [1, m, D]
         if isinstance(output, tuple):
             return (picked, *output[1:])
         output[next(iter(output.keys()))] = picked
@@ -49,25 +59,66 @@ def _keep_positions(positions: torch.Tensor):
     return hook
 
 
-def _batches(items: ProbeItems, n_masks: int, batch_tokens: int) -> list[list[int]]:
-    """Rows grouped by length (longest first), each group within batch_tokens for all masks."""
-    order = sorted(range(items.ids.shape[0]), key=lambda s: (-int(items.lengths[s]), s))
-    out, current = [], []
-    for s in order:
-        longest = int(items.lengths[current[0]]) if current else int(items.lengths[s])
-        if current and (len(current) + 1) * longest * n_masks > batch_tokens:
-            out.append(current)
-            current = []
-        current.append(s)
-    return out + ([current] if current else [])
+def layout(lengths, n_masks: int = 1, batch_tokens: int = BATCH_TOKENS,
+           pass_tokens: int = PASS_TOKENS) -> list[list[int]]:
+    """Rows (indices of lengths [S]) cut into passes, longest first (module docstring): each pass a run
+    of rows of similar length within batch_tokens for n_masks masks, the runs chosen to minimise the
+    padded tokens + pass_tokens per pass."""
+    lengths = [int(v) for v in lengths]
+    distinct = sorted(set(lengths))                                     # [G] ascending
+    rank = {v: g for g, v in enumerate(distinct)}
+    count = np.bincount([rank[v] for v in lengths], minlength=len(distinct))   # [G] rows of each length
+
+    def passes(rows: int, width: int) -> int:                          # passes a run of rows x width needs
+        return -(-rows // max(1, batch_tokens // max(1, width * n_masks)))
+
+    best, cut = [0.0] + [np.inf] * len(distinct), [0] * (len(distinct) + 1)
+    for j in range(1, len(distinct) + 1):                               # best[j]: lengths 0..j-1 laid out
+        rows = 0
+        for i in range(j - 1, max(-1, j - 1 - LAYOUT_WINDOW), -1):        # lengths i..j-1 in one run
+            rows += int(count[i])
+            cost = best[i] + passes(rows, distinct[j - 1]) * pass_tokens + rows * distinct[j - 1] * n_masks
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    order = sorted(range(len(lengths)), key=lambda s: (-lengths[s], s))   # longest first
+    out, start, j = [], 0, len(distinct)
+    while j > 0:                                                        # the runs, longest first
+        rows = order[start:start + int(count[cut[j]:j].sum())]
+        per = max(1, batch_tokens // max(1, distinct[j - 1] * n_masks))
+        out += [rows[k:k + per] for k in range(0, len(rows), per)]
+        start, j = start + len(rows), cut[j]
+    return out
+
+
+def pool(items_list: list[ProbeItems]) -> tuple[ProbeItems, list[int]]:
+    """Several probes' items as one ProbeItems (rows and items concatenated, in order) and the offset of
+    each probe's first item (its items are pool items offset .. offset + n - 1)."""
+    if len(items_list) == 1:
+        return items_list[0], [0]
+    kinds = {it.kind for it in items_list}
+    if len(kinds) != 1:
+        raise InputError(f"Probes of one measurement read one kind of model; got {sorted(kinds)}.")
+    T = max(it.ids.shape[1] for it in items_list)
+    ids = torch.cat([torch.nn.functional.pad(it.ids, (0, T - it.ids.shape[1]), value=0)
+                     for it in items_list])                             # [S, T] (padding is never read)
+    row_offsets = np.cumsum([0] + [it.ids.shape[0] for it in items_list])[:-1]
+    offsets = np.cumsum([0] + [it.correct.numel() for it in items_list])[:-1].tolist()
+    cat = lambda name: torch.cat([getattr(it, name) for it in items_list])      # noqa: E731
+    return replace(items_list[0], name="the probes", ids=ids, lengths=cat("lengths"),
+                   row=torch.cat([it.row + int(o) for it, o in zip(items_list, row_offsets)]),
+                   position=cat("position"), correct=cat("correct"), contrast=cat("contrast"),
+                   unit=torch.cat([it.unit + int(o) for it, o in zip(items_list, row_offsets)]),
+                   reference=cat("reference"), conditions=sum((it.conditions for it in items_list), ()),
+                   rejected={}, notes=()), offsets
 
 
 @torch.no_grad()
 def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, batch_tokens: int = BATCH_TOKENS,
-                progress: Progress | None = None, should_stop: ShouldStop | None = None,
-                team: Team | None = None) -> tuple[np.ndarray, np.ndarray]:
+                pass_tokens: int = PASS_TOKENS, progress: Progress | None = None,
+                should_stop: ShouldStop | None = None, team: Team | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(diff [B, n], nll [B, n]) float64 of every item under every gate row (gates [B, L, H]; None = dense,
-    B = 1). `team`: the processes of a launch that split the batches (single-process numbers)."""
+    B = 1); passes laid out by `layout`. `team`: the processes of a launch that split the passes
+    (single-process numbers)."""
     from analysis.arch.head_gates import head_mask
     B = 1 if gates is None else gates.shape[0]
     n = items.correct.numel()
@@ -79,7 +130,7 @@ def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, 
         raise InputError(f"The {items.name} probe's prompts take up to {longest} tokens; this model reads at most "
                          f"{context}. Use fewer or shorter items (e.g. the code probe's max_chars).")
     mask_chunk = max(1, min(B, batch_tokens // max(1, int(items.lengths.max()))))
-    jobs = [(rows, m) for rows in _batches(items, min(B, mask_chunk), batch_tokens)
+    jobs = [(rows, m) for rows in layout(items.lengths.tolist(), min(B, mask_chunk), batch_tokens, pass_tokens)
             for m in range(0, B, mask_chunk)]
     by_row: dict[int, list[int]] = {}
     for i, s in enumerate(items.row.tolist()):
@@ -94,24 +145,21 @@ def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, 
         b = 1 if g is None else g.shape[0]
         T = int(items.lengths[rows].max())
         x = items.ids[rows, :T]                                         # [r, T]
-        K = max(len(by_row[s]) for s in rows)
-        idx = [by_row[s] + [by_row[s][0]] * (K - len(by_row[s])) for s in rows]   # [r][K] item per slot
-        pos = items.position[torch.tensor(idx)]                         # [r, K]
-        handle = base.register_forward_hook(_keep_positions(pos.repeat(b, 1)))
+        ri, ii = (torch.tensor(v) for v in zip(*[(r, i) for r, s in enumerate(rows) for i in by_row[s]]))   # [m]
+        keep = (torch.arange(b)[:, None] * len(rows) + ri[None]).reshape(-1)   # [b*m] rows of x.repeat(b, 1)
+        handle = base.register_forward_hook(_keep_positions(keep, items.position[ii].repeat(b)))
         try:
             kwargs = {} if attention is None else {"attention_mask": attention[rows, :T].repeat(b, 1).to(device)}
             with head_mask(model, g) if g is not None else nullcontext():
-                logits = model(input_ids=x.repeat(b, 1).to(device), use_cache=False, **kwargs).logits  # [b*r, K, V]
+                logits = model(input_ids=x.repeat(b, 1).to(device), use_cache=False, **kwargs).logits  # [1, b*m, V]
         finally:
             handle.remove()
-        logits = logits.reshape(b, len(rows), K, -1)                    # [b, r, K, V]
-        flat = [(ri, k, i) for ri, s in enumerate(rows) for k, i in enumerate(by_row[s])]
-        ri, ki, ii = (torch.tensor(v) for v in zip(*flat))
-        picked = logits[:, ri, ki].float() if logits.dtype not in (torch.float32, torch.float64) else logits[:, ri, ki]
+        picked = logits.reshape(b, ii.numel(), -1)                      # [b, m, V]
+        picked = picked.float() if picked.dtype not in (torch.float32, torch.float64) else picked
         c, k = items.correct[ii].to(picked.device), items.contrast[ii].to(picked.device)  # [m]
         diff = (picked.gather(-1, c.expand(b, -1)[..., None]) - picked.gather(-1, k.expand(b, -1)[..., None]))[..., 0]
         nll = token_nll(picked, c.expand(b, -1))                         # [b, m]
-        report(progress, (j + 1) / len(jobs), f"{items.name}: batch {j + 1}/{len(jobs)}")
+        report(progress, (j + 1) / len(jobs), f"{items.name}: pass {j + 1}/{len(jobs)}")
         return diff.double().cpu().numpy(), nll.double().cpu().numpy(), ii.tolist()
 
     diff, nll = np.zeros((B, n)), np.zeros((B, n))
@@ -196,18 +244,38 @@ def build_items(names, tokenizer, kind: str, *, options: dict | None = None) -> 
     return out
 
 
+def pooled_values(model, items_list: list[ProbeItems], gates: torch.Tensor | None = None, *,
+                  batch_tokens: int = BATCH_TOKENS, pass_tokens: int = PASS_TOKENS, progress: Progress | None = None,
+                  should_stop: ShouldStop | None = None, team: Team | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """item_values of several probes' items in shared passes (`pool`, `layout`): [(diff [B, n_k], nll [B, n_k])]."""
+    context = context_length(model, default=2**31)
+    for items in items_list:                                            # each probe's own message first
+        if int(items.lengths.max()) > context:
+            raise InputError(f"The {items.name} probe's prompts take up to {int(items.lengths.max())} tokens; this "
+                             f"model reads at most {context}. Use fewer or shorter items (e.g. the code probe's "
+                             f"max_chars).")
+    pooled, offsets = pool(items_list)
+    diff, nll = item_values(model, pooled, gates, batch_tokens=batch_tokens, pass_tokens=pass_tokens,
+                            progress=progress, should_stop=should_stop, team=team)
+    ends = offsets[1:] + [diff.shape[1]]
+    return [(diff[:, a:b], nll[:, a:b]) for a, b in zip(offsets, ends)]
+
+
 def measure_probes(model, built: dict, *, gates=None, pruned=None, seed: int = 0, n_boot: int = N_BOOT,
-                   batch_tokens: int = BATCH_TOKENS, progress: Progress | None = None,
+                   batch_tokens: int = BATCH_TOKENS, pass_tokens: int = PASS_TOKENS, progress: Progress | None = None,
                    should_stop: ShouldStop | None = None, team: Team | None = None) -> dict[str, ProbeScore]:
-    """Every probe of `built` (build_items) on `model` under the masks gates [B, L, H] / pruned (None: dense)."""
+    """Every probe of `built` (build_items) on `model` under the masks gates [B, L, H] / pruned (None: dense),
+    all probes' rows in shared passes (`pooled_values`); a probe's `seconds` is its share of the passes'
+    time by its tokens."""
     g = gate_batch(model, gates, pruned)                                # [B, L, H] | None
-    out = {}
-    for i, (name, (spec, probe, items)) in enumerate(built.items()):
-        t0 = time.perf_counter()
-        diff, nll = item_values(model, items, g, batch_tokens=batch_tokens, should_stop=should_stop, team=team,
-                                progress=scaled(progress, i / len(built), (i + 1) / len(built)))
-        out[name] = score_items(spec, probe, items, diff, nll, seed=seed, n_boot=n_boot, seconds=time.perf_counter() - t0)
-    return out
+    t0 = time.perf_counter()
+    values = pooled_values(model, [items for _, _, items in built.values()], g, batch_tokens=batch_tokens,
+                           pass_tokens=pass_tokens, progress=progress, should_stop=should_stop, team=team)
+    seconds = time.perf_counter() - t0
+    total = sum(items.n_tokens for _, _, items in built.values())
+    return {name: score_items(spec, probe, items, diff, nll, seed=seed, n_boot=n_boot,
+                              seconds=seconds * items.n_tokens / total)
+            for (name, (spec, probe, items)), (diff, nll) in zip(built.items(), values)}
 
 
 def run_probes(loaded, names=None, *, gates=None, pruned=None, options: dict | None = None, seed: int = 0,
