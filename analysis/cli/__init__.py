@@ -11,6 +11,8 @@ the shared options and the registry common.py):
     pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/compress/recover/pipeline.py)
     roles   what heads do: induction, duplicate-token, previous-token, copying, successor, DLA scores (roles.py)
     probes  capability probes dense vs a cut, per-head maps; domains: heads per text set (probes.py)
+    longctx  long-context probes (passkey, needle, long-range copying) at lengths x depths, dense vs a mask,
+            a KV plan or an export (longctx.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
@@ -37,7 +39,7 @@ single-process numbers; the other commands run on rank 0 alone. Only rank 0 draw
 writes the result; a lost process ends the run with one error line.
 """
 from analysis.cli.common import COMMANDS, register
-from analysis.cli import commands, export, pipeline, probes, roles  # noqa: F401  (each registers its commands)
+from analysis.cli import commands, export, pipeline, probes, longctx, roles  # noqa: F401  (each registers its commands)
 from analysis.cli.main import build_parser, main
 
 __all__ = ["COMMANDS", "register", "build_parser", "main"]

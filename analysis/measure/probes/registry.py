@@ -29,6 +29,7 @@ class ProbeSpec:
     cls: type                      # the Probe subclass (analysis.measure.probes.items.Probe); verb: build
     kinds: tuple[str, ...] = LM_KINDS
     chance: float = 0.5            # accuracy of a model that cannot tell the answer from the contrast
+    long: bool = False             # a long-context probe: never in the default set (module docstring)
 
     def make(self, **options):
         """The probe object with `options` (the ones its constructor takes; others ignored), named by
@@ -55,9 +56,10 @@ def probe_spec(name: str) -> ProbeSpec:
     return PROBES.of(name)
 
 
-def applicable(kind: str) -> list[str]:
-    """The registered probes that apply to a model of this kind (possibly none)."""
-    return [name for name, spec in PROBES.items() if kind in spec.kinds]
+def applicable(kind: str, *, long: bool | None = False) -> list[str]:
+    """The registered probes that apply to a model of this kind (possibly none): the short ones (long=False,
+    the default set), the long-context ones (long=True) or both (long=None)."""
+    return [name for name, spec in PROBES.items() if kind in spec.kinds and long in (None, spec.long)]
 
 
 def check_applies(name: str, kind: str) -> ProbeSpec:
@@ -71,7 +73,8 @@ def check_applies(name: str, kind: str) -> ProbeSpec:
 
 
 def chosen(names, kind: str) -> list[str]:
-    """`names` (None or "all": every probe that applies) checked against the model kind."""
+    """`names` (None or "all": every short probe that applies; long-context probes only by name) checked
+    against the model kind."""
     if names is None or "all" in names:
         picked = applicable(kind)
         if not picked:
