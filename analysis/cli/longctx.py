@@ -88,7 +88,8 @@ def run_longctx(ns):
     from analysis.core.errors import check_whole_number
     from analysis.core.progress import with_estimate
     from analysis.measure.evaluation import context_length
-    from analysis.measure.probes.longcontext import MAX_SEQUENCES, build_long, check_depths, long_names, row_seconds
+    from analysis.measure.probes.longcontext import (MAX_SEQUENCES, MIN_SEQUENCES, build_long, check_depths, long_names,
+                                                     row_seconds)
     from analysis.score.longcontext import long_context_report, report_work
     given = [o for o in ("sparsity", "mask_file", "kv_plan", "export_dir") if getattr(ns, o) is not None]
     if len(given) > 1:
@@ -98,7 +99,7 @@ def run_longctx(ns):
     for n in lengths:
         check_whole_number(n, "--lengths", low=1)
     depths = check_depths(_numbers(ns.depths, "--depths", float))
-    check_whole_number(ns.items, "--items", low=1, high=MAX_SEQUENCES)   # bad options fail before the model loads
+    check_whole_number(ns.items, "--items", low=MIN_SEQUENCES, high=MAX_SEQUENCES)   # before the model loads
     long_names(ns.probe)
     if ns.sparsity is not None:
         plan, _, loaded, info = plan_from(ns)

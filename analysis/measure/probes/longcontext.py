@@ -53,6 +53,7 @@ from analysis.measure.probes.registry import ProbeSpec, applicable, check_applie
 DEFAULT_LENGTH = 1024            # tokens per row when a long probe is run without a length
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_SEQUENCES = 16           # sequences (keys, haystacks) per depth
+MIN_SEQUENCES = 2                # two keys give 10 items, above the 8 a probe needs to report a CI
 MAX_SEQUENCES = 1024
 KEY_DIGITS = 5
 COPY_SPAN = 16                   # tokens of the long-copying probe's random sequence
@@ -166,8 +167,9 @@ class LongProbe(Probe):
 
     def __init__(self, n_items: int = DEFAULT_SEQUENCES, seed: int = 0, bos: str = "auto",
                  length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS):
-        super().__init__(8, seed, bos)
-        self.n_items = check_whole_number(n_items, "The number of sequences per depth", low=1, high=MAX_SEQUENCES)
+        super().__init__(MIN_SEQUENCES * 4, seed, bos)                    # checks seed and bos; n_items is ours
+        self.n_items = check_whole_number(n_items, "The number of sequences per depth", low=MIN_SEQUENCES,
+                                          high=MAX_SEQUENCES)
         self.length = check_whole_number(length, "The context length (tokens)", low=1)
         self.depths = check_depths(depths)
 
@@ -414,6 +416,8 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
         for _ in range(2):
             t0 = time.perf_counter()
             fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
         return best
 
@@ -463,7 +467,8 @@ def measure_long(model, built: dict, *, gates=None, seed: int = 0, progress=None
             check_stop(should_stop, "The long-context probes")
             t0 = time.perf_counter()
             part = scaled(progress, edges[i], edges[i + 1])
-            named = None if part is None else (lambda f, m, part=part, key=key: part(f, f"{key[0]} at {key[1]} tokens: {m}"))
+            named = None if part is None else (lambda f, m, part=part, key=key:
+                                               part(f, f"{key[0]} at {key[1]:,} tokens ({m.split(': ')[-1]})"))
             diff, nll = item_values(model, items, gates, progress=named, should_stop=should_stop)
             out[key] = depth_scores(spec, probe, items, diff, nll, seed=seed, seconds=time.perf_counter() - t0)
     report(progress, 1.0, "long-context probes done")
