@@ -304,6 +304,21 @@ def test_cli_longctx_json_csv_and_cuts(tiny_dir, capsys, tmp_path):
     cells = json.loads(stdout)["report"]["cells"]
     bound = forward_tolerance(torch.float32, width=64, depth=2, scale=10.0)   # float32: another kernel call
     assert code == 0 and all(abs(c["cut_logit_diff"] - c["dense_logit_diff"]) <= bound for c in cells)
+    # the same mask as a mask.json on --model and as the pruned export's own weights: the same numbers
+    from analysis.compress.export import export, mask_record
+    lm = load_model(str(tiny_dir))
+    pruned = np.zeros((g.n_layers, g.n_heads), bool)
+    pruned[0, :2] = pruned[1, 2:] = True                                 # whole KV groups: no K/V copies
+    record = mask_record(pruned, geometry=g, model=lm.name, model_type=lm.adapter.model_type)
+    res = export("pruned", lm.model, pruned, tmp_path, "cut", record=record, tokenizer=lm.tokenizer)
+    cuts = {}
+    for flag, value in (("--mask-file", res.path / "mask.json"), ("--export", res.path)):
+        code, stdout, _ = _run(capsys, *base, "--probe", "needle", flag, value)
+        assert code == 0
+        cuts[flag] = json.loads(stdout)["report"]["cells"]
+    for a, b in zip(cuts["--mask-file"], cuts["--export"]):
+        assert (a["length"], a["depth"]) == (b["length"], b["depth"])
+        assert abs(a["cut_logit_diff"] - b["cut_logit_diff"]) <= bound
 
 
 @pytest.mark.parametrize("args,words", [
