@@ -21,7 +21,7 @@ from analysis.measure.probes.items import Vocabulary
 from analysis.measure.probes.longcontext import (ALL, NEEDLE_FACT, PASSKEY_INSTRUCTION, PASSKEY_NEEDLE,
                                                  PASSKEY_QUESTION, build_long, digit_answer, measure_long,
                                                  row_seconds)
-from analysis.measure.probes.measure import run_probes
+from analysis.measure.probes.measure import item_values, run_probes
 from analysis.score.kvplan import PRUNE, WINDOW, KVPlan
 from analysis.score.longcontext import long_context_report, report_work
 from tests._evalkit import tiny_loaded
@@ -83,7 +83,8 @@ def test_items_are_seeded_and_every_row_is_the_length_asked(smollm2):
         assert (items.lengths == key[1]).all() and items.ids.shape[1] == key[1]   # the whole row, no padding
         for r in range(items.ids.shape[0]):                               # a row ends at its last read
             assert int(items.position[items.row == r].max()) == key[1] - 1
-        assert items.n_units == items.ids.shape[0] and spec.long
+        assert items.n_units == 3 and items.ids.shape[0] == 9 and spec.long   # 3 sequences, each at 3 depths
+        assert all(len(set(items.row[items.unit == u].tolist())) == 3 for u in range(3))   # a unit: its 3 rows
         assert sorted(set(items.conditions)) == ["depth 0.1", "depth 0.5", "depth 0.9"]
         assert (items.correct != items.contrast).all()
 
@@ -189,8 +190,13 @@ def test_long_probes_stay_out_of_the_default_set(tiny64):
     built, _ = build_applicable(tiny64, None)
     assert not set(LONG) & set(built)
     # asked for by name, a long probe runs through the short probes' path too (at its chosen length)
-    scores = run_probes(tiny64, ["passkey"], options=dict(n_items=2, length=256, depths=(0.5,)))
-    assert scores["passkey"].n_units == 2 and "exact_match" in scores["passkey"].extras
+    scores = run_probes(tiny64, ["passkey"], options=dict(n_items=2, length=256, depths=(0.3, 0.7)))
+    assert scores["passkey"].n_units == 2 and scores["passkey"].n_items == 20
+    # exact match = the share of (key, depth) rows whose every digit is right
+    (_, _, items), = build_long(["passkey"], tiny64.tokenizer, "causal-lm", [256], n_items=2, depths=(0.3, 0.7)).values()
+    diff, _ = item_values(tiny64.model, items)
+    by_row = [(diff[0, (items.row == r).numpy()] > 0).all() for r in range(items.ids.shape[0])]
+    assert scores["passkey"].extras["exact_match"][0] == np.mean(by_row)
     assert all(PROBES[n].kinds == ("causal-lm",) for n in LONG)
 
 

@@ -19,8 +19,9 @@ Wikipedia text (analysis.measure.haystack: seeded, a needle after the sentence e
   depth, text, then the same ids again at the end; items are the second copy's positions 1 .. span-1
   (the next token of the first copy, against another token of the sequence): induction at distance.
 
-Units: one sequence (one key, one haystack) per unit and per depth; the same key and the same text are
-read at every depth (only the needle moves), so depths are compared on the same material. Conditions are
+Units: one sequence (one key, one haystack) is one bootstrap unit: the same key and the same text are read
+at every depth (only the needle moves), so depths are compared on the same material, and a sequence's rows
+are resampled together. Conditions are
 "depth 0.5" etc.; `depth_scores` gives accuracy, logit difference and exact match with bootstrap CIs
 per depth and over all depths.
 
@@ -184,6 +185,7 @@ class LongProbe(Probe):
             raise InputError(f"The {self.label} probe reads a causal language model's next tokens.")
         bos = self.bos_ids(vocab.tokenizer)
         rng, out, made = self.rng(), [], 0
+        self._row_sequence, seen = [], set()                         # the sequence of each row, in layout order
         for _ in range(4 * self.n_items):
             if made >= self.n_items:
                 break
@@ -202,26 +204,38 @@ class LongProbe(Probe):
                 needles = [(ids, depth if not s else (depth + s) % 1.0) for ids, s in p.needles]
                 body, _ = insert(filler, needles, ends)
                 tokens = tuple(p.head) + tuple(body.tolist()) + tuple(p.tail)
+                if tokens not in seen:                                # depths that land on one spot share a row
+                    seen.add(tokens)
+                    self._row_sequence.append(made)
                 start = len(p.head) + body.numel()
                 out += [Draft(tokens, start + at, contrast, depth_label(depth)) for at, contrast in p.reads]
             made += 1
         return out
 
-    def unit_exact(self, items: ProbeItems, diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(per unit: every scored item right [B, U] as float, unit ids [U]) of diff [B, n]."""
+    def build(self, tokenizer, kind: str) -> ProbeItems:
+        """The items with one bootstrap unit per sequence (its rows at every depth share the key and the text,
+        so they are resampled together), not per row."""
+        items = super().build(tokenizer, kind)
+        sequence = torch.tensor(self._row_sequence, dtype=torch.long)      # [S] row -> sequence
+        items = replace(items, unit=sequence[items.row])
+        return replace(items, notes=self.notes(items))
+
+    def row_exact(self, items: ProbeItems, diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(per row, i.e. a key at one depth: every scored item right [B, R] as float, the unit of each row [R])."""
         s = items.scored.numpy()
-        units = items.unit.numpy()[s]
-        ids, inverse = np.unique(units, return_inverse=True)
+        rows, units = items.row.numpy()[s], items.unit.numpy()[s]
+        ids, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
         wrong = np.zeros((diff.shape[0], ids.size))
         np.add.at(wrong.T, inverse, (diff[:, s] <= 0).T)
-        return (wrong == 0).astype(np.float64), ids
+        return (wrong == 0).astype(np.float64), units[first]
 
     def extras(self, items: ProbeItems, diff, nll) -> dict:
-        """exact_match (every digit of a key right) and its bootstrap CI over keys, per mask [B]."""
+        """exact_match (every digit of a key right, per key and depth) and its bootstrap CI over sequences,
+        per mask [B]."""
         if not self.digit_answers:
             return {}
-        exact, ids = self.unit_exact(items, diff)                        # [B, U]
-        mean, ci = bootstrap(exact, ids, seed=self.seed)
+        exact, units = self.row_exact(items, diff)                       # [B, R]
+        mean, ci = bootstrap(exact, units, seed=self.seed)
         return {"exact_match": mean, "exact_match_low": ci[:, 0], "exact_match_high": ci[:, 1]}
 
     digit_answers = True
