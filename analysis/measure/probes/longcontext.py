@@ -165,6 +165,7 @@ def depth_label(depth: float) -> str:
 class LongProbe(Probe):
     """Base of the long-context probes: `parts` (one sequence's pieces) laid out at every depth, the haystack
     sized so each row is exactly `length` tokens. n_items = sequences per depth (each a bootstrap unit)."""
+    digit_answers = True             # items are a number's digits: exact match per key is reported
 
     def __init__(self, n_items: int = DEFAULT_SEQUENCES, seed: int = 0, bos: str = "auto",
                  length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS):
@@ -237,8 +238,6 @@ class LongProbe(Probe):
         exact, units = self.row_exact(items, diff)                       # [B, R]
         mean, ci = bootstrap(exact, units, seed=self.seed)
         return {"exact_match": mean, "exact_match_low": ci[:, 0], "exact_match_high": ci[:, 1]}
-
-    digit_answers = True
 
     def notes(self, items: ProbeItems) -> tuple[str, ...]:
         return (f"{self.length} tokens per row at depths {', '.join(f'{d:g}' for d in self.depths)}; "
