@@ -92,7 +92,8 @@ def main(argv=None) -> int:
             exact = f", exact {r['dense_exact']:.2f}" if "dense_exact" in r else ""
             print(f"    {r['probe']:>12} {r['depth']:>9}: accuracy {r['dense_accuracy']:.3f} [{r['dense_low']:.3f}, "
                   f"{r['dense_high']:.3f}]{exact}", flush=True)
-        out["lengths"][str(length)] = dict(rows=rows, tokens=work.total_tokens, seconds=seconds, estimate_s=estimate,
+        out["lengths"][str(length)] = dict(items=args.items, rows=rows, tokens=work.total_tokens, seconds=seconds,
+                                           estimate_s=estimate,
                                            per_row_estimate_s=per_row[length], per_probe_s=per_probe,
                                            load=load_average(), cells=rep.rows(),
                                            rejected={k[0]: it.rejected_counts() for k, (_, _, it) in built.items()})
@@ -109,13 +110,14 @@ def _ci(r: dict, key: str, low: str, high: str) -> str:
 
 def tables(out: dict) -> list[str]:
     by = {n: v for n, v in sorted(out["lengths"].items(), key=lambda kv: int(kv[0]))}
-    lines = ["| tokens | rows | estimate | measured | a row | passkey | needle | long-copying |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| tokens | rows | estimate | measured | a row | passkey | needle | long-copying | load (1 min) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, v in by.items():
         p = v["per_probe_s"]
         lines.append(f"| {int(n):,} | {v['rows']} | {v['estimate_s']:.0f} s | {v['seconds']:.0f} s | "
                      f"{v['seconds'] / v['rows']:.2f} s | " + " | ".join(f"{p.get(k, 0):.0f} s" for k in
-                                                                      ("passkey", "needle", "long-copying")) + " |")
+                                                                      ("passkey", "needle", "long-copying"))
+                     + f" | {v['load'][0]:.1f} |")
     lines += ["", "| probe | tokens | depth | sequences | accuracy [95 % CI] | exact match [95 % CI] |",
               "|---|---:|---|---:|---:|---:|"]
     for n, v in by.items():
@@ -126,15 +128,30 @@ def tables(out: dict) -> list[str]:
     return lines
 
 
+def _span(out: dict) -> str:
+    lengths = sorted(int(n) for n in out["lengths"])
+    return f"{lengths[0]:,}" if len(lengths) == 1 else f"{lengths[0]:,}-{lengths[-1]:,}"
+
+
+def _items_words(out: dict) -> str:
+    """'8', or '8 (4 at 8,192 tokens)' when a resumed run measured some lengths with other counts."""
+    counts = {int(n): v.get("items", out["args"]["items"]) for n, v in out["lengths"].items()}
+    common = max(set(counts.values()), key=list(counts.values()).count)
+    other = [f"{c} at {n:,} tokens" for n, c in sorted(counts.items()) if c != common]
+    return f"{common}" + (f" ({', '.join(other)})" if other else "")
+
+
 def markdown(out: dict, verdict: str = "") -> str:
     from analysis.score.longcontext import LONG_PROBES_MARKERS
     a = out["args"]
     return "\n".join([
         LONG_PROBES_MARKERS[0], "",
-        "## Long-context probes: what the dense SmolLM2-135M retrieves at 1k-4k tokens (bench/bench_long_probes.py)", "",
+        f"## Long-context probes: what the dense SmolLM2-135M retrieves at {_span(out)} tokens "
+        "(bench/bench_long_probes.py)", "",
         f"Measured {out['when'][:16].replace('T', ' ')} UTC on {out.get('machine', 'x86_64')}, {out['threads']} torch "
         f"threads (the machine shared with other jobs: load average at the end {out.get('load_end')}); "
-        f"{a['items']} sequences per length and depth (a key and its text, read at every depth), seed {a['seed']}; "
+        f"{_items_words(out)} sequences per length and depth (a key and its text, read at every depth), seed "
+        f"{a['seed']}; "
         f"rows of exactly the length given (instruction, real Wikipedia text, the needle, the question). Accuracy = "
         f"share of items (a key's digits read one by one; a copied token) whose correct token out-scores its "
         f"contrast (chance 0.5): another digit for the pass key, the distractor city's digit for the needle, another "
