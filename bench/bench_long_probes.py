@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     out = {"args": vars(args), "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
            "when": datetime.now(timezone.utc).isoformat(), "lengths": {}}
     if args.resume and args.out and Path(args.out).exists():
-        out["lengths"] = json.loads(Path(args.out).read_text())["lengths"]
+        before = json.loads(Path(args.out).read_text())
+        out["lengths"] = {n: {"items": before["args"]["items"], **v} for n, v in before["lengths"].items()}
+        out["when"] = before.get("when", out["when"])
     print(f"{lm.name}, long-context probes {', '.join(probes)} at {lengths} tokens, depths {depths}, {args.items} "
           f"sequences per depth, torch threads {torch.get_num_threads()}, load {load_text(load_average())}", flush=True)
     for length in lengths:
