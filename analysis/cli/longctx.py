@@ -25,9 +25,8 @@ from analysis.core.errors import InputError
 
 
 def _arguments(parser):
-    from analysis.measure.probes import PROBES
-    from analysis.measure.probes.items import BOS_CHOICES
-    from analysis.measure.probes.longcontext import DEFAULT_DEPTHS, DEFAULT_LENGTH, DEFAULT_SEQUENCES
+    from analysis.measure.long_options import DEFAULT_DEPTHS, PROBE_LENGTH as DEFAULT_LENGTH, PROBE_SEQUENCES
+    from analysis.measure.probes.registry import BOS_CHOICES, PROBES
     long = [n for n, s in PROBES.items() if s.long]
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--probe", action="append", default=None,
@@ -38,8 +37,8 @@ def _arguments(parser):
                              f"at most the model's own context)")
     parser.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                         help="where the needle goes, as fractions of the text (0 = first, 1 = last), comma-separated")
-    parser.add_argument("--items", type=int, default=DEFAULT_SEQUENCES,
-                        help=f"sequences (keys, texts) per length and depth (default {DEFAULT_SEQUENCES})")
+    parser.add_argument("--items", type=int, default=PROBE_SEQUENCES,
+                        help=f"sequences (keys, texts) per length and depth (default {PROBE_SEQUENCES})")
     parser.add_argument("--probe-seed", dest="probe_seed", type=int, default=0,
                         help="which keys and texts (and the bootstrap's resamples); --seed is the random scorer's")
     parser.add_argument("--bos", choices=BOS_CHOICES, default="auto",
@@ -86,11 +85,8 @@ def _cut(ns, loaded):
 
 def run_longctx(ns):
     from analysis.core.errors import check_whole_number
-    from analysis.core.progress import with_estimate
-    from analysis.measure.evaluation import context_length
-    from analysis.measure.probes.longcontext import (MAX_SEQUENCES, MIN_SEQUENCES, build_long, check_depths, long_names,
-                                                     row_seconds)
-    from analysis.score.longcontext import long_context_report, report_work
+    from analysis.measure.long_options import MAX_PROBE_SEQUENCES, MIN_PROBE_SEQUENCES
+    from analysis.measure.probes.registry import long_chosen
     given = [o for o in ("sparsity", "mask_file", "kv_plan", "export_dir") if getattr(ns, o) is not None]
     if len(given) > 1:
         raise InputError("Give one cut: --sparsity, --mask-file, --kv-plan or --export (not " + " and ".join(
@@ -98,9 +94,16 @@ def run_longctx(ns):
     lengths = _numbers(ns.lengths, "--lengths", int)
     for n in lengths:
         check_whole_number(n, "--lengths", low=1)
-    depths = check_depths(_numbers(ns.depths, "--depths", float))
-    check_whole_number(ns.items, "--items", low=MIN_SEQUENCES, high=MAX_SEQUENCES)   # before the model loads
-    long_names(ns.probe)
+    depths = _numbers(ns.depths, "--depths", float)
+    bad = [d for d in depths if not 0.0 <= d <= 1.0]
+    if bad:
+        raise InputError(f"--depths are fractions of the text, 0 to 1; got {bad[0]:g}.")
+    check_whole_number(ns.items, "--items", low=MIN_PROBE_SEQUENCES, high=MAX_PROBE_SEQUENCES)
+    long_chosen(ns.probe)                                                # bad options fail before the model loads
+    from analysis.core.progress import with_estimate
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.probes.longcontext import build_long, row_seconds
+    from analysis.score.longcontext import long_context_report, report_work
     if ns.sparsity is not None:
         plan, _, loaded, info = plan_from(ns)
         pruned, kv, model, cut_info = plan.pruned, None, None, dict(sparsity=ns.sparsity, scorer=ns.scorer,

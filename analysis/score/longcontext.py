@@ -25,8 +25,9 @@ from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.probes.breaks import compare
+from analysis.measure.longheads import check_lengths
 from analysis.measure.probes.longcontext import (ALL, DEFAULT_DEPTHS, DEFAULT_LENGTH, DEFAULT_SEQUENCES, LongWork,
-                                                 build_long, check_lengths, measure_long)
+                                                 build_long, measure_long)
 
 # docs/results.md section written by bench/bench_long_probes.py --write-docs
 LONG_PROBES_MARKERS = ("<!-- long-probes:begin -->", "<!-- long-probes:end -->")

@@ -25,7 +25,7 @@ are resampled together. Conditions are
 "depth 0.5" etc.; `depth_scores` gives accuracy, logit difference and exact match with bootstrap CIs
 per depth and over all depths.
 
-The probes are registered with `long=True` (analysis.measure.probes.registry): never in the default set
+The probes are declared with `long=True` (analysis.measure.probes.registry): never in the default set
 of the short probes, run when asked for by name (at their default length through `headscope probes`,
 at chosen lengths through `headscope longctx` / analysis.score.longcontext).
 
@@ -49,13 +49,13 @@ from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
 from analysis.measure.probes.measure import _keep_positions, bootstrap, item_values, score_items
-from analysis.measure.probes.registry import ProbeSpec, applicable, check_applies, register_probe
+from analysis.measure.long_options import (DEFAULT_DEPTHS, MAX_PROBE_SEQUENCES, MIN_PROBE_SEQUENCES,  # noqa: F401
+                                           PROBE_LENGTH, PROBE_SEQUENCES)
+from analysis.measure.longheads import check_depths, check_lengths
+from analysis.measure.probes.registry import long_chosen
 
-DEFAULT_LENGTH = 1024            # tokens per row when a long probe is run without a length
-DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
-DEFAULT_SEQUENCES = 16           # sequences (keys, haystacks) per depth
-MIN_SEQUENCES = 2                # two keys give 10 items, above the 8 a probe needs to report a CI
-MAX_SEQUENCES = 1024
+DEFAULT_LENGTH, DEFAULT_SEQUENCES = PROBE_LENGTH, PROBE_SEQUENCES     # declared in long_options (light)
+MIN_SEQUENCES, MAX_SEQUENCES = MIN_PROBE_SEQUENCES, MAX_PROBE_SEQUENCES
 KEY_DIGITS = 5
 COPY_SPAN = 16                   # tokens of the long-copying probe's random sequence
 MIN_HAYSTACK = 32                # tokens of real text a row must hold at least
@@ -142,22 +142,6 @@ def insert(filler: torch.Tensor, needles, ends: torch.Tensor) -> tuple[torch.Ten
     return torch.cat(pieces), starts                                     # [N + sum k]
 
 
-def check_depths(depths) -> tuple[float, ...]:
-    """Depths as floats in [0, 1], duplicates dropped (InputError in one line otherwise)."""
-    if isinstance(depths, (int, float)) and not isinstance(depths, bool):
-        depths = (depths,)
-    try:
-        values = tuple(float(d) for d in depths)
-    except (TypeError, ValueError):
-        raise InputError(f"Depths are fractions of the context, 0 to 1; got {depths!r}.") from None
-    if not values:
-        raise InputError("Give at least one depth (a fraction of the context, 0 to 1).")
-    bad = [d for d in values if not 0.0 <= d <= 1.0]
-    if bad:
-        raise InputError(f"A depth is a fraction of the context, 0 to 1; got {bad[0]:g}.")
-    return tuple(dict.fromkeys(values))
-
-
 def depth_label(depth: float) -> str:
     return f"depth {depth:g}"
 
@@ -165,6 +149,7 @@ def depth_label(depth: float) -> str:
 class LongProbe(Probe):
     """Base of the long-context probes: `parts` (one sequence's pieces) laid out at every depth, the haystack
     sized so each row is exactly `length` tokens. n_items = sequences per depth (each a bootstrap unit)."""
+    abstract = True                  # a base, not a probe: no registry record names it (tests/test_cli_fast.py)
     digit_answers = True             # items are a number's digits: exact match per key is reported
 
     def __init__(self, n_items: int = DEFAULT_SEQUENCES, seed: int = 0, bos: str = "auto",
@@ -288,59 +273,7 @@ class LongCopyingProbe(LongProbe):
         return Parts((), ((r, 0.0),), r, reads)
 
 
-register_probe(ProbeSpec(
-    "passkey", "Pass key retrieval",
-    "find a 5-digit pass key hidden in long text and repeat it digit by digit (long context)",
-    "Mohtashami & Jaggi 2023, 'Landmark Attention' (the pass key retrieval task); digits read one by one",
-    PasskeyProbe, kinds=("causal-lm",), long=True))
-register_probe(ProbeSpec(
-    "needle", "Needle with a distractor",
-    "give the magic number of the city asked for when another city's number is also in the long text",
-    "Kamradt 2023, 'Needle in a Haystack'; Hsieh et al. 2024, 'RULER' (multi-key needles)",
-    NeedleProbe, kinds=("causal-lm",), long=True))
-register_probe(ProbeSpec(
-    "long-copying", "Long-range copying",
-    "continue a random token sequence seen thousands of tokens earlier (induction at distance)",
-    "Olsson et al. 2022 (repeated random tokens), the first copy placed at a depth of a long text",
-    LongCopyingProbe, kinds=("causal-lm",), long=True))
-
-
 # -- building at chosen lengths ---------------------------------------------------------------------------
-
-def check_lengths(lengths, limit: int | None = None, *, what: str = "this model") -> tuple[int, ...]:
-    """Context lengths as whole numbers >= 1, duplicates dropped, none above `limit` (the model's own)."""
-    if isinstance(lengths, int) and not isinstance(lengths, bool):
-        lengths = (lengths,)
-    values = tuple(dict.fromkeys(check_whole_number(n, "A context length (tokens)", low=1) for n in lengths))
-    if not values:
-        raise InputError("Give at least one context length (tokens).")
-    over = [n for n in values if limit is not None and n > limit]
-    if over:
-        raise InputError(f"A context of {over[0]} tokens is longer than {what} reads ({limit} tokens); use at most "
-                         f"{limit}.")
-    return values
-
-
-def long_names(names, kind: str | None = None) -> list[str]:
-    """`names` (None or "all": every long-context probe) checked: each must be a registered long-context probe
-    (and, given the model's kind, apply to it); InputError in one line otherwise."""
-    from analysis.measure.probes.registry import PROBES, probe_spec
-    every = [n for n, s in PROBES.items() if s.long]
-    if names is None or "all" in names:
-        picked = every if kind is None else applicable(kind, long=True)
-        if not picked:
-            raise InputError("No long-context probe applies to this model: they read a causal language model's "
-                             "next tokens.")
-        return picked
-    out = []
-    for n in dict.fromkeys(names):
-        spec = probe_spec(n)
-        if not spec.long:
-            raise InputError(f"{spec.label} ({n}) is a short probe; run it with `headscope probes`. Long-context "
-                             f"probes: {', '.join(every)}.")
-        out.append(n if kind is None else check_applies(n, kind).name)
-    return out
-
 
 def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n_items: int = DEFAULT_SEQUENCES,
                seed: int = 0, bos: str = "auto", limit: int | None = None,
@@ -348,7 +281,7 @@ def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n
     """(name, length) -> (spec, probe, items) for every long probe in `names` (None: all) at every length:
     rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length."""
     from analysis.measure.probes.registry import probe_spec
-    picked = long_names(names, kind)
+    picked = long_chosen(names, kind)
     lengths, depths = check_lengths(lengths, limit), check_depths(depths)
     out = {}
     for name in picked:
