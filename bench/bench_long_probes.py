@@ -136,11 +136,17 @@ def _span(out: dict) -> str:
 
 
 def _items_words(out: dict) -> str:
-    """'8', or '8 (4 at 8,192 tokens)' when a resumed run measured some lengths with other counts."""
+    """'8 sequences per length and depth', '... (4 at 8,192 tokens)' when a resumed run measured some lengths
+    with another count."""
     counts = {int(n): v.get("items", out["args"]["items"]) for n, v in out["lengths"].items()}
     common = max(set(counts.values()), key=list(counts.values()).count)
     other = [f"{c} at {n:,} tokens" for n, c in sorted(counts.items()) if c != common]
-    return f"{common}" + (f" ({', '.join(other)})" if other else "")
+    return (f"{common} sequences per length and depth (a key and its text, read at every depth)"
+            + (f"; {', '.join(other)}" if other else ""))
+
+
+def _load(avg) -> str:
+    return "not recorded" if not avg else " / ".join(f"{x:.2f}" for x in avg)
 
 
 def markdown(out: dict, verdict: str = "") -> str:
@@ -150,16 +156,15 @@ def markdown(out: dict, verdict: str = "") -> str:
         LONG_PROBES_MARKERS[0], "",
         f"## Long-context probes: what the dense SmolLM2-135M retrieves at {_span(out)} tokens "
         "(bench/bench_long_probes.py)", "",
-        f"Measured {out['when'][:16].replace('T', ' ')} UTC on {out.get('machine', 'x86_64')}, {out['threads']} torch "
-        f"threads (the machine shared with other jobs: load average at the end {out.get('load_end')}); "
-        f"{_items_words(out)} sequences per length and depth (a key and its text, read at every depth), seed "
-        f"{a['seed']}; "
+        f"Measured from {out['when'][:16].replace('T', ' ')} UTC on {out.get('machine', 'x86_64')}, {out['threads']} "
+        f"torch threads, the machine shared with other jobs (the load average beside each length's time; at the "
+        f"end {_load(out.get('load_end'))}); {_items_words(out)}, seed {a['seed']}; "
         f"rows of exactly the length given (instruction, real Wikipedia text, the needle, the question). Accuracy = "
         f"share of items (a key's digits read one by one; a copied token) whose correct token out-scores its "
         f"contrast (chance 0.5): another digit for the pass key, the distractor city's digit for the needle, another "
         f"token of the sequence for copying; exact match = share of keys with every digit right; CIs are 95 % "
-        f"percentile bootstraps over sequences. Estimate: `row_seconds` (a timed forward at 256 tokens plus the "
-        f"attention kernel at the length) x rows, printed before the run. "
+        f"percentile bootstraps over sequences. Estimate: `row_seconds` (a timed forward of 8 x 256 tokens plus the "
+        f"attention kernel at the length) x rows, printed before each length ran. "
         f"Command: `python -m bench.bench_long_probes --out FILE --write-docs`.", "",
         *tables(out), "", verdict, "", LONG_PROBES_MARKERS[1], ""])
 
