@@ -29,9 +29,9 @@ The probes are declared with `long=True` (analysis.measure.probes.registry): nev
 of the short probes, run when asked for by name (at their default length through `headscope probes`,
 at chosen lengths through `headscope longctx` / analysis.score.longcontext).
 
-Cost: a row is one forward pass of `length` tokens; on a CPU the attention kernel dominates beyond
-~1k tokens. `long_work` counts the rows and tokens per length, `row_seconds` estimates one row's
-seconds at each length on this machine from two cheap timings.
+Cost: a row is one forward pass of `length` tokens, whose attention grows with the square of the length
+(a row of 8,192 tokens cost 2.5x a row of 4,096 on 2 CPU cores). `long_work` counts the rows and tokens per
+length, `row_seconds` estimates one row's seconds at each length on this machine from two cheap timings.
 """
 from __future__ import annotations
 
@@ -349,8 +349,8 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
     """length -> seconds of one forward pass of one row on this machine, estimated from two cheap timings: a
     forward of `rows` x `short` tokens (what everything but attention costs per token: about the same at any
     length, once the matrices are that large) and the attention kernel alone (sdpa, causal, [1, H, T, d]) at
-    each length, times the number of layers; each timing the faster of two. On 2 CPU cores the kernel is most
-    of a row beyond ~2k tokens. An estimate: windowed heads (a KV plan) run a masked kernel, slower than the
+    each length, times the number of layers; each timing the faster of two (the kernel's share grows with the
+    length: on 2 CPU cores, 6 of 17 s a row at 4,096 tokens, docs/results.md). An estimate: windowed heads (a KV plan) run a masked kernel, slower than the
     causal one timed here, and a busy machine is slower than it was while timing."""
     from analysis.arch.adapters import adapter_for, input_device
     g = geometry or adapter_for(model).geometry(model)
