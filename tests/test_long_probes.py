@@ -22,7 +22,7 @@ from analysis.measure.probes.longcontext import (ALL, NEEDLE_FACT, PASSKEY_INSTR
                                                  PASSKEY_QUESTION, build_long, digit_answer, measure_long,
                                                  row_seconds)
 from analysis.measure.probes.measure import item_values, run_probes
-from analysis.score.kvplan import PRUNE, WINDOW, KVPlan
+from analysis.score.kvplan import FULL, PRUNE, WINDOW, KVPlan
 from analysis.score.longcontext import long_context_report, report_work
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
@@ -325,6 +325,21 @@ def test_cli_longctx_json_csv_and_cuts(tiny_dir, capsys, tmp_path):
     for a, b in zip(cuts["--mask-file"], cuts["--export"]):
         assert (a["length"], a["depth"]) == (b["length"], b["depth"])
         assert abs(a["cut_logit_diff"] - b["cut_logit_diff"]) <= bound
+    # an export written with a KV plan runs under it: the same numbers as the plan on --model
+    from analysis.compress.export import export_to
+    mixed = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), sinks=2, recent=64, n_heads=g.n_heads)
+    (tmp_path / "mixed.json").write_text(mixed.to_json())
+    export_to("pruned", lm.model, None, tmp_path / "planned", kv_plan=mixed, tokenizer=lm.tokenizer)
+    runs = {}
+    for flag, value in (("--kv-plan", tmp_path / "mixed.json"), ("--export", tmp_path / "planned")):
+        code, stdout, _ = _run(capsys, *base, "--probe", "passkey", flag, value)
+        assert code == 0
+        runs[flag] = json.loads(stdout)["report"]
+    assert "windowed" in runs["--export"]["cut"]["kv_plan"]
+    diffs = [abs(a["cut_logit_diff"] - b["cut_logit_diff"]) for a, b in zip(runs["--kv-plan"]["cells"],
+                                                                              runs["--export"]["cells"])]
+    assert max(diffs) <= bound
+    assert any(abs(c["cut_logit_diff"] - c["dense_logit_diff"]) > 10 * bound for c in runs["--export"]["cells"])
 
 
 @pytest.mark.parametrize("args,words", [

@@ -8,7 +8,8 @@ context lengths and depths, dense and under a cut, with CIs.
 
 A cut is a mask (scored here with --sparsity, or a mask.json / an export folder's mask.json with --mask-file)
 applied to --model, a KV plan (kv_plan.json, or a folder holding one: per KV head full / window / prune) run
-on --model, or an export folder's own weights (--export) measured on the same items. Before the passes the
+on --model, or an export folder's own weights (--export) measured on the same items (under the folder's
+kv_plan.json when it has one: its windows on its own KV heads, analysis.compress.export.kvfile.load_planned). Before the passes the
 command prints an estimate of the time (stderr; this machine's pace from a short timed forward and the
 attention kernel at each length: analysis.measure.probes.longcontext.row_seconds).
 JSON: {"model", "seed", "items": per probe and length (rows, items, sequences, rejected), "estimate_s",
@@ -69,18 +70,25 @@ def _numbers(text: str, flag: str, kind):
 
 
 def _cut(ns, loaded):
-    """(pruned [L, H] | None, KVPlan | None, model | None, description | None) from the cut options."""
+    """(pruned [L, H] | None, KVPlan | None, model | None, running | None, description | None) from the cut
+    options. An export folder with a kv_plan.json runs under its plan (its windows on its own KV heads)."""
     from analysis.cli.probes import _export_model
     if ns.mask_file is not None:
         from analysis.compress.export import read_mask_json
         record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
-        return record.pruned(), None, None, dict(mask_file=str(ns.mask_file))
+        return record.pruned(), None, None, None, dict(mask_file=str(ns.mask_file))
     if ns.kv_plan is not None:
         from analysis.score.kvplan import read_kv_plan
-        return None, read_kv_plan(ns.kv_plan, geometry=loaded.geometry), None, dict(kv_plan=str(ns.kv_plan))
+        return None, read_kv_plan(ns.kv_plan, geometry=loaded.geometry), None, None, dict(kv_plan=str(ns.kv_plan))
     if ns.export_dir is not None:
-        return None, None, _export_model(ns, loaded), dict(export=str(ns.export_dir))
-    return None, None, None, None
+        from analysis.compress.export.kvfile import has_kv_plan, load_planned
+        if not has_kv_plan(ns.export_dir):
+            return None, None, _export_model(ns, loaded), None, dict(export=str(ns.export_dir))
+        planned = load_planned(ns.export_dir, trust_remote_code=ns.trust_remote_code)
+        _export_model(ns, loaded, model=planned.model)                   # the same checks (vocabulary) and dtype
+        return None, None, planned.model, planned.running, dict(export=str(ns.export_dir),
+                                                                 kv_plan=planned.plan.describe())
+    return None, None, None, None, None
 
 
 def run_longctx(ns):
@@ -106,12 +114,12 @@ def run_longctx(ns):
     from analysis.score.longcontext import long_context_report, report_work
     if ns.sparsity is not None:
         plan, _, loaded, info = plan_from(ns)
-        pruned, kv, model, cut_info = plan.pruned, None, None, dict(sparsity=ns.sparsity, scorer=ns.scorer,
-                                                                     policy=ns.policy, n_pruned=plan.n_pruned)
+        pruned, kv, model, running = plan.pruned, None, None, None
+        cut_info = dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy, n_pruned=plan.n_pruned)
     else:
         with progress_bar("loading", not ns.quiet) as report:
             _, loaded, info = load_source(ns, report)
-        pruned, kv, model, cut_info = _cut(ns, loaded)
+        pruned, kv, model, running, cut_info = _cut(ns, loaded)
     limit = context_length(loaded.model, default=2**31)
     if model is not None:
         limit = min(limit, context_length(model, default=2**31))
@@ -129,8 +137,9 @@ def run_longctx(ns):
         import sys
         sys.stderr.write(warn_line + "\n")
     with progress_bar("long-context probes", not ns.quiet) as report:
-        rep = long_context_report(loaded, built=built, pruned=pruned, plan=kv, model=model, seed=ns.probe_seed,
-                                  cut_info=cut_info, per_row=per_row, progress=with_estimate(report))
+        rep = long_context_report(loaded, built=built, pruned=pruned, plan=kv, model=model, running=running,
+                                  seed=ns.probe_seed, cut_info=cut_info, per_row=per_row,
+                                  progress=with_estimate(report))
     warn(rep.warnings())
     payload = dict(model=info, seed=ns.probe_seed, context_limit=limit,
                    items={f"{name}@{length}": dict(rows=int(items.ids.shape[0]), n_items=items.n_items,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,13 +153,14 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
                         n_items: int = DEFAULT_SEQUENCES, pruned=None, plan=None, model=None, dense: dict | None = None,
                         built: dict | None = None, seed: int = 0, bos: str = "auto", cut_info: dict | None = None,
                         progress: Progress | None = None, should_stop: ShouldStop | None = None,
-                        per_row: dict | None = None) -> LongContextReport:
+                        per_row: dict | None = None, running=None) -> LongContextReport:
     """The long-context probes `probes` (None: all) at `lengths` x `depths` on the dense `loaded.model`, and
     (given one) on a cut: `pruned` [L, H] mask, a KVPlan `plan`, or a `model` of its own. dense: scores from an
     earlier report (`LongContextReport.dense`), reused where the items are the same. built: items from
     analysis.measure.probes.longcontext.build_long (else built here). per_row: length -> seconds of one row
-    (`row_seconds`), so progress fractions follow the time. InputError before any pass for a length above the
-    model's limit (or the cut model's), a bad depth, a plan of another model."""
+    (`row_seconds`), so progress fractions follow the time. running: with `model`, a context the model's passes
+    run inside (an export read back with its KV plan: analysis.compress.kvruntime.KVPlanModel.running). InputError
+    before any pass for a length above the model's limit (or the cut model's), a bad depth, a plan of another model."""
     what, info = _cut_of(loaded, pruned, plan, model)
     limit = context_length(loaded.model, default=2**31)
     if what == "model":
@@ -192,7 +194,8 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
                 cut = measure_long(loaded.model, built, seed=seed, progress=part, should_stop=should_stop,
                                    weights=weight)
         else:
-            cut = measure_long(model, built, seed=seed, progress=part, should_stop=should_stop, weights=weight)
+            with running() if running is not None else nullcontext():
+                cut = measure_long(model, built, seed=seed, progress=part, should_stop=should_stop, weights=weight)
     changes = []
     for k in built:
         d = dense[keys[k]]
