@@ -40,7 +40,8 @@ API: dict[str, str] = {
     "PROBES": "analysis.measure.probes", "register_probe": "analysis.measure.probes",
     "ProbeSpec": "analysis.measure.probes", "run_probes": "analysis.measure.probes.measure",
     "cut_report": "analysis.measure.probes.breaks", "probe_map": "analysis.measure.probes.circuit",
-    "compare_domains": "analysis.score.domains",
+    "compare_domains": "analysis.score.domains", "long_context_report": "analysis.score.longcontext",
+    "build_long": "analysis.measure.probes.longcontext",
     # scoring and masks
     "get_scorer": "analysis.score.scorer_registry", "register_scorer": "analysis.score.scorer_registry",
     "SCORERS": "analysis.score.scorer_registry",

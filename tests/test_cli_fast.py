@@ -55,6 +55,8 @@ CHILD = textwrap.dedent("""
     run("export", "--sparsity", "0.5", "--gguf-type", "q8_0", "--out-dir", "x", "--name", "y")
     run("probes", "--top", "0")                         # the command's own check, before its imports
     run("probes", "--list")
+    run("longctx", "--probe", "ioi")                    # a short probe's name: read from the declarations
+    run("longctx", "--depths", "0.5,1.5")
     heavy = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
     print(json.dumps(dict(heavy=heavy, codes=codes)))
 """)
@@ -76,7 +78,7 @@ def test_the_parser_help_and_refusals_import_no_torch_or_transformers():
     assert codes["--help"][0] == 0 and codes["probes --list"] == [0, []]
     refused = {argv: lines for argv, (code, lines) in codes.items() if code != 0}
     assert set(refused) == {"mask --sparsity 2", "score --scorer nope", "probes --probe nope", "roles --detector nope",
-                            "probes --top 0",
+                            "probes --top 0", "longctx --probe ioi", "longctx --depths 0.5,1.5",
                             "mask --sparsity 0.5 --policy nope",
                             "export --sparsity 0.5 --export-format onnx --opset 5 --out-dir x --name y",
                             "export --sparsity 0.5 --gguf-type q8_0 --out-dir x --name y"}
@@ -107,13 +109,14 @@ def test_probes_list_is_the_registry_in_json_and_csv(capsys):
     assert [p["name"] for p in listed] == list(PROBES) and len(listed) >= 6
     for p in listed:
         spec = PROBES.declaration(p["name"])
-        assert p == dict(name=spec.name, label=spec.label, kinds=list(spec.kinds), help=spec.help, source=spec.source)
+        assert p == dict(name=spec.name, label=spec.label, kinds=list(spec.kinds), long=spec.long, help=spec.help,
+                         source=spec.source)
     assert {"name": "ioi", "kinds": ["causal-lm", "masked-lm"]}.items() <= listed[0].items()
 
     assert cli.main(["probes", "--list", "--format", "csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [r["name"] for r in rows] == list(PROBES)
-    assert list(rows[0]) == ["name", "label", "kinds", "help", "source"]
+    assert list(rows[0]) == ["name", "label", "kinds", "long", "help", "source"]
     assert all(r["kinds"].split() == list(PROBES[r["name"]].kinds) for r in rows)
 
 
@@ -251,7 +254,7 @@ IMPLEMENTATIONS = textwrap.dedent("""
     named = {spec.cls if isinstance(spec.cls, str) else ref_of(spec.cls) for spec in PROBES.declared().values()}
     classes = {ref_of(c) for m in modules if m.startswith("analysis.measure.probes.")
                for _, c in inspect.getmembers(importlib.import_module(m), inspect.isclass)
-               if issubclass(c, Probe) and c is not Probe and c.__module__ == m}
+               if issubclass(c, Probe) and c is not Probe and c.__module__ == m and not c.__dict__.get("abstract")}
     print(json.dumps(dict(before=before, after=after, undeclared=sorted(classes - named))))
 """)
 

@@ -191,7 +191,8 @@ def test_probes_are_deterministic(smollm2):
     first = build_items(None, smollm2.tokenizer, "causal-lm")
     again = build_items(None, smollm2.tokenizer, "causal-lm")
     other = build_items(None, smollm2.tokenizer, "causal-lm", options=dict(seed=1))
-    assert list(first) == list(PROBES)                                 # every built-in probe applies
+    assert list(first) == applicable("causal-lm")                      # every built-in short probe applies
+    assert not {"passkey", "needle", "long-copying"} & set(first)      # the long-context ones only by name
     for name in first:
         a, b, c = first[name][2], again[name][2], other[name][2]
         assert torch.equal(a.ids, b.ids) and torch.equal(a.correct, b.correct) and a.conditions == b.conditions
@@ -288,7 +289,7 @@ def test_masked_lm_versions(minilm):
     lm = tiny_loaded("bert", minilm.tokenizer, "masked-lm")
     lm.model.double()
     built = build_items(None, minilm.tokenizer, "masked-lm", options=dict(n_items=8))
-    assert list(built) == list(PROBES)
+    assert list(built) == applicable("masked-lm") == [n for n, s in PROBES.items() if not s.long]
     mask_id = minilm.tokenizer.mask_token_id
     for spec, _, items in built.values():
         assert (items.ids[items.row, items.position] == mask_id).all()
@@ -362,7 +363,7 @@ def test_pipeline_report_has_each_rounds_capabilities(smollm2):
     cfg = PipelineConfig(target_sparsity=0.5, step=0.25, recovery_steps=0, eval_tokens=32)
     rep, _ = compression_report(lm, cfg, int8=False, repeats=1, seq_len=8)
     assert [s["stage"] for s in rep.capabilities] == ["round 1", "round 2"]
-    assert [p["probe"] for p in rep.capabilities[0]["probes"]] == list(PROBES)
+    assert [p["probe"] for p in rep.capabilities[0]["probes"]] == applicable("causal-lm")   # no 8k-token probe
     md = rep.to_markdown()
     assert "What each stage breaks (capability probes)" in md and "| round 2 |" in md
     assert json.loads(rep.to_json())["capabilities"][1]["sparsity"] == 0.5

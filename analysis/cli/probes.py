@@ -76,13 +76,17 @@ def _cut(ns, loaded):
     return None, None, None
 
 
-def _export_model(ns, loaded):
+def _export_model(ns, loaded, model=None):
+    """The --export folder's model (or `model`, read from it already), checked against --model's vocabulary and
+    cast to its dtype."""
     from analysis.arch.models import load_model
     from analysis.compress.export import LAYOUT_FILE, load_pruned
     folder = Path(ns.export_dir)
     if not folder.is_dir():
         raise InputError(f"--export {folder} is not a folder; give an export folder (pruned, zeroed or stock).")
-    if (folder / LAYOUT_FILE).is_file():
+    if model is not None:
+        pass
+    elif (folder / LAYOUT_FILE).is_file():
         model = load_pruned(folder, trust_remote_code=ns.trust_remote_code)
     else:
         model = load_model(str(folder), trust_remote_code=ns.trust_remote_code).model
@@ -95,8 +99,8 @@ def _export_model(ns, loaded):
 def list_probes() -> tuple[dict, list[dict]]:
     """`probes --list`: the registered probes, from their records (nothing imported, no model)."""
     from analysis.measure.probes.registry import PROBES
-    probes = [dict(name=name, label=spec.label, kinds=list(spec.kinds), help=spec.help, source=spec.source)
-              for name, spec in PROBES.items()]
+    probes = [dict(name=name, label=spec.label, kinds=list(spec.kinds), long=spec.long, help=spec.help,
+                   source=spec.source) for name, spec in PROBES.items()]
     return dict(probes=probes), [dict(p, kinds=" ".join(p["kinds"])) for p in probes]
 
 

@@ -1,5 +1,5 @@
 """The long-context measurements' declared defaults and bounds, light (no torch): what the CLI's parser
-(`roles`, `kv-plan`) and the app's inputs read without importing the measurements themselves
+(`roles`, `kv-plan`, `longctx`) and the app's inputs read without importing the measurements themselves
 (analysis/measure/longheads.py, analysis/score/kvscores.py, analysis/score/kvplan.py import them from here).
 
 The window band (sinks + recent, analysis.arch.spans's rule) has one default for every measurement and plan.
@@ -18,3 +18,9 @@ MAX_SEQUENCES = 64
 RETRIEVAL_THRESHOLD = 0.1            # Wu et al. 2024: a retrieval head copies >= 10 % of the needle
 STREAMING_THRESHOLD = 0.5            # at least half the output (relative L2) comes from outside the window
 DEFAULT_PRUNE_TOKENS = 256           # tokens of built-in text for the KV-group ablation a plan prunes by
+
+# the long-context probes (analysis.measure.probes.longcontext; `headscope longctx`)
+PROBE_LENGTH = 1024                  # tokens per row when a long probe is run without a length
+PROBE_SEQUENCES = 16                 # sequences (a key and its text) per length and depth
+MIN_PROBE_SEQUENCES = 2              # two keys give 10 items, above the 8 a probe needs to report a CI
+MAX_PROBE_SEQUENCES = 1024

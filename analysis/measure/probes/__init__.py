@@ -7,6 +7,8 @@
   checked against the tokenizer.
 - language.py (IOI, agreement, anaphor), copying.py, code.py, successor.py: the built-in probes' classes
   (imported the first time a probe is built).
+- longcontext.py: the long-context probes' classes (passkey, needle, long-copying; rows of 1k-8k tokens at
+  chosen depths); their records say long=True: kept out of the default set, run by name.
 - measure.py: logit difference and accuracy under any mask, with bootstrap CIs.
 - circuit.py: a probe's per-head map through the fast ablation sweep (analysis.measure.ablation).
 - breaks.py: "what this cut breaks" (dense vs cut, per probe, the lost capabilities flagged).

@@ -42,6 +42,7 @@ class ProbeSpec:
                                    # its reference "package.module:Class", imported on first use
     kinds: tuple[str, ...] = LM_KINDS
     chance: float = 0.5            # accuracy of a model that cannot tell the answer from the contrast
+    long: bool = False             # a long-context probe: never in the default set (module docstring)
 
     @property
     def probe_class(self) -> type:
@@ -73,9 +74,10 @@ def probe_spec(name: str) -> ProbeSpec:
     return PROBES.of(name)
 
 
-def applicable(kind: str) -> list[str]:
-    """The registered probes that apply to a model of this kind (possibly none)."""
-    return [name for name, spec in PROBES.items() if kind in spec.kinds]
+def applicable(kind: str, *, long: bool | None = False) -> list[str]:
+    """The registered probes that apply to a model of this kind (possibly none): the short ones (long=False,
+    the default set), the long-context ones (long=True) or both (long=None)."""
+    return [name for name, spec in PROBES.items() if kind in spec.kinds and long in (None, spec.long)]
 
 
 def check_applies(name: str, kind: str) -> ProbeSpec:
@@ -89,7 +91,8 @@ def check_applies(name: str, kind: str) -> ProbeSpec:
 
 
 def chosen(names, kind: str) -> list[str]:
-    """`names` (None or "all": every probe that applies) checked against the model kind."""
+    """`names` (None or "all": every short probe that applies; long-context probes only by name) checked
+    against the model kind."""
     if names is None or "all" in names:
         picked = applicable(kind)
         if not picked:
@@ -97,6 +100,27 @@ def chosen(names, kind: str) -> list[str]:
                              f"tokens, and this model has no language-model head.")
         return picked
     return [check_applies(n, kind).name for n in dict.fromkeys(names)]
+
+
+def long_chosen(names, kind: str | None = None) -> list[str]:
+    """`names` (None or "all": every long-context probe) checked: each must be a long-context probe (and,
+    given the model's kind, apply to it); InputError in one line otherwise (a short probe's name says where
+    it runs)."""
+    every = [n for n, s in PROBES.items() if s.long]
+    if names is None or "all" in names:
+        picked = every if kind is None else applicable(kind, long=True)
+        if not picked:
+            raise InputError("No long-context probe applies to this model: they read a causal language model's "
+                             "next tokens.")
+        return picked
+    out = []
+    for n in dict.fromkeys(names):
+        spec = probe_spec(n)
+        if not spec.long:
+            raise InputError(f"{spec.label} ({n}) is a short probe; run it with `headscope probes`. Long-context "
+                             f"probes: {', '.join(every)}.")
+        out.append(n if kind is None else check_applies(n, kind).name)
+    return out
 
 
 # The built-in probes: one record each; the class is named, not imported (a new probe: its class in a
@@ -133,6 +157,19 @@ for _spec in (
               "continue an ordered list: 'Monday, Tuesday, Wednesday,' -> Thursday, not another weekday",
               "Gould et al. 2023, 'Successor Heads' (ordinal sequences; lists written for headscope)",
               f"{_HERE}.successor:SuccessorProbe"),
+    # long-context probes (rows of 1k-8k tokens): out of the default set, run by name (module docstring)
+    ProbeSpec("passkey", "Pass key retrieval",
+              "find a 5-digit pass key hidden in long text and repeat it digit by digit (long context)",
+              "Mohtashami & Jaggi 2023, 'Landmark Attention' (the pass key retrieval task); digits read one by one",
+              f"{_HERE}.longcontext:PasskeyProbe", kinds=("causal-lm",), long=True),
+    ProbeSpec("needle", "Needle with a distractor",
+              "give the magic number of the city asked for when another city's number is also in the long text",
+              "Kamradt 2023, 'Needle in a Haystack'; Hsieh et al. 2024, 'RULER' (multi-key needles)",
+              f"{_HERE}.longcontext:NeedleProbe", kinds=("causal-lm",), long=True),
+    ProbeSpec("long-copying", "Long-range copying",
+              "continue a random token sequence seen thousands of tokens earlier (induction at distance)",
+              "Olsson et al. 2022 (repeated random tokens), the first copy placed at a depth of a long text",
+              f"{_HERE}.longcontext:LongCopyingProbe", kinds=("causal-lm",), long=True),
 ):
     register_probe(_spec)
 del _spec
