@@ -373,7 +373,7 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
 
     n = min(short, context_length(model, default=short))
     x = torch.randint(0, model.get_input_embeddings().weight.shape[0], (rows, n), device=device)   # [rows, n]
-    handle = model.base_model.register_forward_hook(_keep_positions(torch.full((rows, 1), n - 1)))  # one logit a row
+    handle = model.base_model.register_forward_hook(_keep_positions(torch.arange(rows), torch.full((rows,), n - 1)))  # one logit a row
     try:
         whole = timed(lambda: model(input_ids=x, use_cache=False))
     finally:
