@@ -1,0 +1,108 @@
+"""The predicted cost of a KV plan at a context: FLOPs of prefill and of one decode step, and the bytes a
+decode step reads (weights + KV cache), dense vs the plan. A prediction from counts, nothing is timed.
+
+Counts follow analysis.compress.speed's conventions (`forward_flops`: a matmul of an [n, k] input with a
+[k, m] weight is 2*n*k*m FLOPs; the attention scores QK^T and AV cost 4*d FLOPs per (query, key) pair,
+over the full score matrix as eager and SDPA's math kernel compute it). Under a plan (analysis.score.kvplan):
+- a **pruned** KV head removes its K and V rows and its G query heads' Q rows and O columns from the
+  matmuls (what surgery removes: `forward_flops` of the physically pruned twin gives the same count), and
+  all their attention scores;
+- a **windowed** KV head's G query heads read `kept_tokens` keys (sinks + recent, at most the context)
+  instead of the whole context, per query token, in prefill and in decode;
+- a decode step reads every matmul weight once and the whole KV cache once (`KVPlan.kv_bytes`): on most
+  hardware a decode step is bound by these reads, so the bytes ratio is the closer prediction of decode
+  speed, the FLOP ratio of prefill speed.
+
+What it assumes: a kernel that skips the keys outside a window (llama.cpp's sliding-window layers, a compact
+KV cache). headscope's own PyTorch windowed attention (analysis.arch.spans) masks those keys and computes
+the full matrix, so the app's probes under a plan are not faster; the measured numbers are the benchmark's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from analysis.arch.adapters import adapter_for
+from analysis.core.errors import check_whole_number
+from analysis.compress.speed import forward_flops
+
+SIDES = ("dense", "plan")
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """One side (dense or the plan) at one context: FLOPs and bytes."""
+    prefill_flops: int          # a forward of `context` tokens
+    decode_flops: int           # one new token at `context` tokens of cache
+    weight_bytes: int           # matmul weights read per decode step
+    kv_bytes: int               # the KV cache at `context` (read once per decode step)
+
+    @property
+    def decode_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class PlanPrediction:
+    """Dense and the plan at `context` tokens, `dtype_bytes` per value; ratios are dense / plan (above 1 = the
+    plan is cheaper)."""
+    context: int
+    dtype_bytes: int
+    dense: PlanCost
+    plan: PlanCost
+
+    def ratio(self, what: str) -> float:
+        """dense / plan of a PlanCost field ("prefill_flops", "decode_flops", "decode_bytes", "kv_bytes")."""
+        a, b = getattr(self.dense, what), getattr(self.plan, what)
+        return float("inf") if b == 0 else float(a / b)
+
+    def rows(self) -> list[dict]:
+        """The table the app shows (and a JSON report can keep)."""
+        mib = 2 ** 20
+        out = []
+        for what, name, scale, unit in (("prefill_flops", f"prefill of {self.context:,} tokens", 1e9, "GFLOP"),
+                                        ("decode_flops", "one decode step", 1e9, "GFLOP"),
+                                        ("decode_bytes", "bytes read per decode step (weights + KV)", mib, "MiB"),
+                                        ("kv_bytes", "KV cache", mib, "MiB")):
+            out.append({"what": name, "unit": unit, "dense": getattr(self.dense, what) / scale,
+                        "plan": getattr(self.plan, what) / scale, "dense / plan": self.ratio(what)})
+        return out
+
+
+def _attention_keys(plan, context: int) -> int:
+    """Sum over query heads of the keys each reads per query token at `context` (the plan's kept tokens)."""
+    return int(plan.kept_tokens(context).sum()) * plan.group_size
+
+
+def predict(model, plan, context: int, *, dtype_bytes: int | None = None, adapter=None) -> PlanPrediction:
+    """Dense vs `plan` (a KVPlan of the model's geometry) at `context` tokens. `dtype_bytes`: bytes per
+    weight and cached value (default: the model's parameters')."""
+    context = check_whole_number(context, "The context length", low=1)
+    adapter = adapter or adapter_for(model)
+    g = adapter.geometry(model)
+    plan.check_geometry(g)
+    if dtype_bytes is None:
+        dtype_bytes = next(model.parameters()).element_size()
+    d, D, G = g.head_dim, g.hidden, g.group_size
+    matmul_weights = forward_flops(model, 1, 1, adapter=adapter).matmul // 2        # weights of every matmul
+    pruned_kv = int(plan.pruned_kv.sum())
+    removed = pruned_kv * (G * 2 * d * D + 2 * d * D)                               # Q rows + O columns, K + V rows
+    full_keys = g.n_layers * g.n_heads * context                                   # per query token, dense
+
+    def cost(weights: int, keys: int, kv_bytes: int) -> PlanCost:
+        # forward_flops' terms: 2 * tokens * weights (matmuls) + 4 * tokens * keys * d (scores)
+        return PlanCost(prefill_flops=2 * context * weights + 4 * context * keys * d,
+                        decode_flops=2 * weights + 4 * keys * d, weight_bytes=weights * dtype_bytes,
+                        kv_bytes=kv_bytes)
+
+    dense_kv = 2 * d * dtype_bytes * context * g.n_layers * g.n_kv_heads
+    return PlanPrediction(context, int(dtype_bytes),
+                          cost(matmul_weights, full_keys, dense_kv),
+                          cost(matmul_weights - removed, _attention_keys(plan, context),
+                               plan.kv_bytes(context, head_dim=d, dtype_bytes=dtype_bytes)))
+
+
+def kv_curve(plan, contexts, *, head_dim: int, dtype_bytes: int) -> np.ndarray:
+    """[n] KV-cache bytes of `plan` at each of `contexts`."""
+    return np.array([plan.kv_bytes(int(c), head_dim=head_dim, dtype_bytes=dtype_bytes) for c in contexts])
