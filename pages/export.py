@@ -10,7 +10,7 @@ import streamlit as st
 from analysis.compress import export as export_mod
 from analysis.compress import speed
 from analysis.compress.export.gguf import deploy
-from components import cache, charts, controls, explain, exports, figures, numbers, shell, state, tools, views, weights
+from components import cache, charts, controls, explain, exports, figures, longctx, numbers, shell, state, tools, views, weights
 from components import probes as probes_ui
 from components.errors import shown_errors
 
@@ -201,6 +201,7 @@ def deployment_report(last: dict) -> None:
                        file_name="deployment_report.json", mime="application/json", key="export.deploy.json")
 
 
+longctx.export_section(lm)                  # the Long context page's KV plan (kv_plan.json), when one is set
 if exports.mode() == "off":
     st.info(exports.OFF_NOTE, icon=":material/block:")
 else:
