@@ -510,11 +510,14 @@ def kv_plan_heatmap(modes: np.ndarray, *, group_size: int, sinks: int, recent: i
         scale += [[i / 3, color], [(i + 1) / 3, color]]
     fig = go.Figure(go.Heatmap(
         z=modes, x=np.arange(Hkv), y=np.arange(L), zmin=-0.5, zmax=2.5, colorscale=scale, xgap=2, ygap=1,
-        text=text, hovertemplate="layer %{y}, KV head %{x}: %{text}<extra></extra>",
-        colorbar=dict(tickvals=[0, 1, 2], ticktext=list(KV_MODE_NAMES), thickness=12, len=0.5, y=1.0,
-                      yanchor="top")))
-    fig.update_layout(title=title)
-    return _axes(fig, L, Hkv, x_title="KV head")
+        text=text, hovertemplate="layer %{y}, KV head %{x}: %{text}<extra></extra>", showscale=False))
+    for name, color in zip(KV_MODE_NAMES, KV_MODE_COLORS):          # the key, as legend entries
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, showlegend=True,
+                                 marker=dict(symbol="square", size=12, color=color)))
+    fig.update_layout(title=title, legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", xanchor="left"),
+                      plot_bgcolor="white")
+    _axes(fig, L, Hkv, x_title="KV head")
+    return fig.update_layout(margin=dict(l=50, r=20, t=80, b=40))
 
 
 def attention_over_keys(mass: np.ndarray, *, title: str, regions: dict[str, tuple[int, int]],

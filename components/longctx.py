@@ -21,6 +21,7 @@ from .errors import show_exception, shown_errors
 from .state import ModelKey
 
 MIB = 2 ** 20
+PLAN_MAP_TITLE = "The plan, layer by layer"
 CURVE_CONTEXTS = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GRID_ROW_PX, GRID_MAX_PX = 35, 460
 _NOTE = "long.note"                # a fill's or an upload's refusal, shown once under the grid
@@ -291,6 +292,19 @@ def mask_kv_bytes(lm, context: int) -> tuple[int, str] | None:
     return counts.kv_cache_bytes_per_token_after * context, f"the Prune page's mask ({int(view[1].pruned.sum())} heads)"
 
 
+def _speed_metric(where, label: str, speedup: float, help: str) -> None:
+    """A predicted speed-up (dense time / the plan's) as "1.96x" with "faster" or "slower" under it (the
+    slower side as its own factor: "2.86x" slower, never "0.35x faster")."""
+    from analysis.compress.verdict import speed_words
+    words = speed_words(speedup)
+    if words.startswith("same"):
+        where.metric(label, "1.00x", "same as dense", delta_color="off", delta_arrow="off", help=help)
+        return
+    factor, side = words.split(" ", 1)
+    where.metric(label, factor, f"{side} than dense", delta_color="normal" if side == "faster" else "inverse",
+                 delta_arrow="up" if side == "faster" else "down", help=help)
+
+
 def plan_view(lm, plan: KVPlan, context: int) -> None:
     """Beside the grid: the KV memory at the context (MiB and x dense), the predicted speed, the counts and
     the plan as a three-colour heatmap."""
@@ -303,23 +317,27 @@ def plan_view(lm, plan: KVPlan, context: int) -> None:
         m1, m2 = st.columns(2)
         m1.metric(f"KV cache at {context:,} tokens", size_words(p.plan.kv_bytes),
                   f"{plan.kv_ratio(context):.2f}x dense ({size_words(p.dense.kv_bytes)})", delta_color="off",
+                  delta_arrow="off",
                   help=f"Keys and values of every kept token of every KV head, {p.dtype_bytes} bytes a value "
                        "(the model's dtype), batch 1: KVPlan.kv_bytes.")
-        m2.metric("KV heads: full / window / prune", f"{c['full']} / {c['window']} / {c['prune']}",
-                  help=f"Of {plan.modes.size} KV heads ({g.n_layers} layers x {g.n_kv_heads}); a pruned KV head takes "
+        m2.metric("Full / window / prune", f"{c['full']} / {c['window']} / {c['prune']}",
+                  help=f"KV heads, of {plan.modes.size} ({g.n_layers} layers x {g.n_kv_heads}); a pruned KV head takes "
                        f"its {g.group_size} query head(s) with it.")
         m3, m4 = st.columns(2)
-        m3.metric("Prefill (predicted)", speed_words(p.ratio("prefill_flops")),
-                  help=f"Dense FLOPs / the plan's FLOPs for a forward of {context:,} tokens.")
-        m4.metric("Decode (predicted)", speed_words(p.ratio("decode_bytes")),
-                  help="Bytes a decode step reads (every weight once, the whole KV cache once), dense / the plan; "
-                       f"by FLOPs it would be {speed_words(p.ratio('decode_flops'))}.")
-        st.caption(f"Source: {_source_words()}. Predicted from counts, not measured: it assumes kernels that skip the "
-                   "keys outside a window (headscope's PyTorch windowed attention masks them, so the probes below "
-                   "run at dense speed).")
+        _speed_metric(m3, "Prefill (predicted)", p.ratio("prefill_flops"),
+                      f"Dense FLOPs / the plan's FLOPs for a forward of {context:,} tokens: "
+                      f"{speed_words(p.ratio('prefill_flops'))}.")
+        _speed_metric(m4, "Decode (predicted)", p.ratio("decode_bytes"),
+                      "Bytes a decode step reads (every weight once, the whole KV cache once), dense / the plan: "
+                      f"{speed_words(p.ratio('decode_bytes'))}; by FLOPs it would be "
+                      f"{speed_words(p.ratio('decode_flops'))}.")
+        st.caption(plan.describe() + ".")
         figures.chart(charts.kv_plan_heatmap(plan.modes, group_size=g.group_size, sinks=plan.sinks,
-                                             recent=plan.recent, title=plan.describe()), "long.plan_map",
-                      name="kv_plan")
+                                             recent=plan.recent, title=PLAN_MAP_TITLE), "long.plan_map",
+                      name="kv_plan", title=f"The KV plan: {plan.describe()}")
+        st.caption(f"Source: {_source_words()}. The speeds are predicted from counts, not measured: they assume "
+                   "kernels that skip the keys outside a window (headscope's own PyTorch windowed attention masks "
+                   "them and runs at dense speed).")
 
 
 def prediction_table(lm, plan: KVPlan, context: int) -> None:

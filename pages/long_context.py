@@ -16,12 +16,13 @@ if lm.kind != "causal-lm":
             icon=":material/info:")
     shell.end_run()
 st.caption("For every KV head of every layer: keep its whole cache (full), only the first sink tokens and a "
-           "recent window (window), or prune it. Edit a cell with the keyboard (Enter, then pick) or fill "
-           "the grid with the buttons.")
+           "recent window (window), or prune it; see what that saves at the context you choose.")
 context, sinks, recent = longctx.band_inputs(lm)
 longctx.current_modes(lm)                           # a plan that does not fit this model: dropped, one line
 left, right = st.columns([1, 1], gap="medium")
 with left:
+    st.caption("One row per layer, one column per KV head. Keyboard: arrows to a cell, Enter, type or pick "
+               "full / window / prune, Enter.")
     modes = longctx.plan_grid(lm)
     longctx.show_note()
     longctx.fill_buttons(lm)
