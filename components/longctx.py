@@ -521,13 +521,13 @@ the **needle**, and everything else.""")
                                          ("In the recent window", parts["recent"][layer, head]),
                                          ("Everything else", max(float(parts["far"][layer, head]) - needle, 0.0)))):
         col.metric(name, f"{100 * float(value):.1f} %")
-    cols[4].metric("Output change if windowed", f"{100 * change:.1f} %",
+    cols[4].metric("Change if windowed", f"{100 * change:.1f} %",
                    help="||o - o_window|| / ||o|| of this head's output (before W_O) at the last positions, with "
                         f"only the {sinks} sinks and the {recent} recent tokens kept.")
     words = _head_words(parts, layer, head, needle, hits, change)
     st.markdown(words)
-    figures.chart(charts.layer_head_heatmap(rows.window_change, "How much each head's output changes when it keeps "
-                                            f"only {sinks} sinks + {recent} recent tokens",
+    figures.chart(charts.layer_head_heatmap(rows.window_change, f"Each head's output change under a window ({sinks} "
+                                            f"sinks + {recent} recent)",
                                             colorbar="change", group_size=g.group_size, colorscale="Oranges"),
                   "walk.long.change")
     st.caption("Small (pale) cells are heads a window would barely change: streaming heads. The dark ones read "
@@ -563,8 +563,8 @@ WALK_HOW_TO_READ = """
   attention somewhere; many heads put it on the very first tokens. Those tokens must stay in the cache, or
   the head's arithmetic changes (Xiao et al. 2023, StreamingLLM).
 - **Window**: a head that looks only at the sinks and the recent tokens can drop everything else from its
-  cache: its memory stops growing with the context. **Output change if windowed** measures what that costs
-  this head on this text: 0 % = it reads nothing else anyway.
+  cache: its memory stops growing with the context. **Change if windowed** compares its output with and
+  without the window on this text: 0 % = it reads nothing else anyway (a streaming head).
 - **Retrieval heads** (Wu et al. 2024): a few heads whose strongest attention lands on the token they copy
   from far back; masking them breaks finding a fact in a long text. They must stay full.
 - The Long context page sets, head by head, full, window or prune, and shows what the choice saves.

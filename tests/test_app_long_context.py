@@ -238,9 +238,9 @@ def test_walkthrough_head_is_analysis_numbers(tiny_long):
     layer, head = np.unravel_index(int(np.argmax(needle)), needle.shape)     # the sliders start there
     assert at.slider(key="hs.w.walk.long.layer").value == layer
     assert metric(at, "On the needle") == f"{100 * needle[layer, head]:.1f} %"
-    assert metric(at, "Output change if windowed") == f"{100 * rows.window_change[layer, head]:.1f} %"
+    assert metric(at, "Change if windowed") == f"{100 * rows.window_change[layer, head]:.1f} %"
     assert metric(at, "On the sinks") == f"{100 * rows.regions()['sinks'][layer, head]:.1f} %"
     at.slider(key="hs.w.walk.long.head").set_value(1).run()
-    assert metric(at, "Output change if windowed") == f"{100 * rows.window_change[layer, 1]:.1f} %"
-    np.testing.assert_allclose(heatmap_z(figure_titled(at, "How much each head's output changes")),
+    assert metric(at, "Change if windowed") == f"{100 * rows.window_change[layer, 1]:.1f} %"
+    np.testing.assert_allclose(heatmap_z(figure_titled(at, "Each head's output change under a window")),
                                rows.window_change, rtol=1e-6)
