@@ -50,6 +50,7 @@ FORWARD_TOKENS = {
     "speed": 4.0,           # timed forward tokens (dense, masked and pruned, repeats)
     "deploy": 40.0,         # tokens: two GGUF files written and run in llama.cpp, two PyTorch perplexities
     "export": 200.0,        # the model's parameters in millions: a copy, the cut and the files written
+    "harness": 1.0,         # the harness's request tokens (dense and cut), each through the whole model once
     # the pipeline's phases count forward-token units themselves (pipeline_units)
     **{f"pipeline.{phase}": 1.0 for phase in ("dense", "rounds", "int8", "curves", "roles")},
 }

@@ -1,6 +1,7 @@
 """Export page: download the current mask as JSON; export the pruned model (zeroed, physically
 pruned, stock-loadable, ONNX, GGUF) into a folder under the output root. Exports work on a copy. A GGUF
-export can be measured in llama.cpp next to the dense model (the deployment report)."""
+export can be measured in llama.cpp next to the dense model (the deployment report); the mask can be
+measured with EleutherAI's lm-evaluation-harness (components/harness.py)."""
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,9 @@ import streamlit as st
 from analysis.compress import export as export_mod
 from analysis.compress import speed
 from analysis.compress.export.gguf import deploy
-from components import cache, charts, controls, explain, exports, figures, longctx, numbers, shell, state, tools, views, weights
+from components import cache, charts, controls, explain, exports, figures, numbers, shell, state, tools, views, weights
+from components import harness as harness_ui
+from components import longctx
 from components import probes as probes_ui
 from components.errors import shown_errors
 
@@ -261,3 +264,4 @@ with shown_errors("Measuring"):
             st.caption("Skipped: " + "; ".join(report.skipped))
 
 probes_ui.cut_panel(lm, plan.pruned, where="export")     # the report's capability check of this mask
+harness_ui.panel(lm, plan.pruned, where="export")        # the field's zero-shot benchmarks, dense vs this mask

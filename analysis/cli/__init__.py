@@ -11,6 +11,7 @@ the shared options and the registry common.py):
     pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/compress/recover/pipeline.py)
     roles   what heads do: induction, duplicate-token, previous-token, copying, successor, DLA scores (roles.py)
     probes  capability probes dense vs a cut, per-head maps; domains: heads per text set (probes.py)
+    harness  EleutherAI's lm-evaluation-harness offline (BoolQ, PIQA, ..., WikiText; a local task folder) dense vs a cut (harness.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
@@ -37,7 +38,7 @@ single-process numbers; the other commands run on rank 0 alone. Only rank 0 draw
 writes the result; a lost process ends the run with one error line.
 """
 from analysis.cli.common import COMMANDS, register
-from analysis.cli import commands, export, pipeline, probes, roles  # noqa: F401  (each registers its commands)
+from analysis.cli import commands, export, harness, pipeline, probes, roles  # noqa: F401  (each registers its commands)
 from analysis.cli.main import build_parser, main
 
 __all__ = ["COMMANDS", "register", "build_parser", "main"]

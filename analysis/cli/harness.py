@@ -1,0 +1,95 @@
+"""`python -m analysis harness`: EleutherAI's lm-evaluation-harness (zero-shot BoolQ, PIQA, HellaSwag,
+WinoGrande, ARC-e, ARC-c, OpenBookQA, WikiText-2 perplexity, or a local task folder's tasks) on the dense
+model and on a cut, offline, with the harness's stderr for each metric (analysis.measure.harness).
+
+    python -m analysis harness --tasks boolq,piqa [--task-dir DIR] [--limit N] [--harness-batch-size B] [--max-length T]
+                               [--model M] [--sparsity S (+ scorer / policy options) | --mask-file mask.json|DIR
+                               | --export DIR] [--physical [--kv-policy P]] [--format json|csv] [--out F]
+
+A cut is a mask (scored here with --sparsity, or a mask.json / an export folder's mask.json with
+--mask-file) applied to --model as head gates (the one masking mechanism; it computes what surgery
+computes), or with --physical surgery's physically pruned twin of it; or an export folder's own weights
+(--export). Without a cut, the dense model alone. The tasks and their data are checked before the model
+loads: a missing harness, an unknown task (the line names the folder's tasks) or missing data (the line
+says where to put which files) is one line and exit status 2, with nothing written.
+
+JSON: {"model", "harness", "limit", "batch_size", "max_length", "tasks": {task: config, data, output_type,
+n_docs}, "cut": what was cut, "rows": [...], "seconds"}; CSV: the rows, one per task and metric: task,
+metric, n, dense, dense_stderr, cut, cut_stderr, change, worse (the cut worse than dense beyond 2 combined
+stderrs, or any worse perplexity), higher_is_better.
+"""
+from __future__ import annotations
+
+from analysis.cli.common import (add_kv_policy_argument, add_output_arguments, add_policy_arguments,
+                                 add_scorer_arguments, add_source_arguments, check_counts, load_source, plan_from,
+                                 progress_bar, register)
+from analysis.core.errors import InputError
+
+
+def _arguments(parser):
+    from analysis.measure.harness import DEFAULT_BATCH_SIZE, STANDARD_TASKS
+    add_source_arguments(parser, streaming=False)
+    parser.add_argument("--tasks", required=True,
+                        help="comma-separated task names: the task folder's own, or the standard ones "
+                             f"({', '.join(STANDARD_TASKS)}: the harness's configs with your data)")
+    parser.add_argument("--task-dir", dest="task_dir", default=None,
+                        help="a local task folder: YAML task configs in the harness's format, and/or "
+                             "<task>/<split>.jsonl data of the standard tasks (docs/HARNESS.md)")
+    parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
+    parser.add_argument("--harness-batch-size", dest="harness_batch_size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help=f"sequences per forward pass of the harness (default {DEFAULT_BATCH_SIZE}; --batch-size "
+                             "is a calibration scorer's)")
+    parser.add_argument("--max-length", dest="max_length", type=int, default=None,
+                        help="tokens per window (default: the model's context, as the harness reads it)")
+    add_scorer_arguments(parser)
+    parser.add_argument("--sparsity", type=float, default=None, help="cut: the mask at this sparsity (scored here)")
+    add_policy_arguments(parser)
+    parser.add_argument("--mask-file", dest="mask_file", default=None,
+                        help="cut: a mask.json, or an export folder holding one, applied to --model")
+    parser.add_argument("--export", dest="export_dir", default=None,
+                        help="cut: an export folder's own weights (pruned, zeroed or stock) against --model as dense")
+    parser.add_argument("--physical", action="store_true",
+                        help="with --sparsity / --mask-file: run surgery's physically pruned copy instead of gates "
+                             "(the same function)")
+    add_kv_policy_argument(parser)
+    add_output_arguments(parser)
+
+
+def run_harness(ns):
+    from analysis.cli.probes import _cut
+    from analysis.measure.harness import harness_report, prepare_tasks, require_harness
+    require_harness()                                              # before anything else: what to install
+    check_counts(ns, {"limit": (1, 2**31), "harness_batch_size": (1, 2**16), "max_length": (2, 2**24)})
+    given = ["--" + o.replace("_dir", "").replace("_", "-") for o in ("sparsity", "mask_file", "export_dir")
+             if getattr(ns, o) is not None]
+    if len(given) > 1:
+        raise InputError(f"Give one cut: --sparsity, --mask-file or --export (not {' and '.join(given)}).")
+    if ns.physical and ns.sparsity is None and ns.mask_file is None:
+        raise InputError("--physical cuts a mask: give --sparsity or --mask-file with it.")
+    with progress_bar("reading the tasks", not ns.quiet) as report:
+        report(0.0, ns.tasks)
+        prepared = prepare_tasks(ns.tasks, ns.task_dir, limit=ns.limit)   # bad tasks or data fail before the model loads
+    if ns.sparsity is not None:
+        plan, _, loaded, info = plan_from(ns)
+        pruned, model = plan.pruned, None
+        cut = dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy, n_pruned=plan.n_pruned)
+    else:
+        with progress_bar("loading", not ns.quiet) as report:
+            _, loaded, info = load_source(ns, report)
+        pruned, model, cut = _cut(ns, loaded)
+    if ns.physical:
+        from analysis.compress.surgery import prune_heads
+        model, _ = prune_heads(loaded.model, pruned, kv_policy=ns.kv_policy)
+        pruned = None
+        cut = dict(cut, physical=True, kv_policy=ns.kv_policy)
+    with progress_bar("harness", not ns.quiet) as report:
+        rep = harness_report(loaded, prepared, pruned=pruned, model=model, batch_size=ns.harness_batch_size,
+                             max_length=ns.max_length, progress=report)
+    payload = dict(model=info, **rep.as_dict())
+    if cut is not None:
+        payload["cut"] = cut
+    return payload, rep.rows()
+
+
+register("harness", "EleutherAI's lm-evaluation-harness offline (BoolQ, PIQA, HellaSwag, WinoGrande, ARC, OpenBookQA, "
+         "WikiText or a local task folder): dense vs a cut, with the harness's stderr", _arguments, run_harness)

@@ -1,0 +1,722 @@
+"""EleutherAI's lm-evaluation-harness on a model in memory: the field's zero-shot benchmarks (BoolQ, PIQA,
+HellaSwag, WinoGrande, ARC-Easy, ARC-Challenge, OpenBookQA, WikiText-2 perplexity, or any log-likelihood
+task of a local task folder), dense vs a cut, with the harness's own standard errors.
+
+Nothing is downloaded: the datasets library runs offline for the whole run. A task comes from
+- **a task folder** (`task_dir`): YAML task configs in the harness's own format (the harness indexes the
+  folder). headscope reads a relative `dataset_kwargs.data_files` / `data_dir` path, or a `dataset_path`
+  that names a folder, relative to the config's own folder (the harness alone would read it relative to
+  the working directory), and refuses a config whose files are not there;
+- **the standard tasks** (`STANDARD_TASKS`, by the harness's names): the harness's own config of the task
+  (prompts, choices, metrics, helpers: exactly what the field reports), its data from
+  `task_dir/<task>/<split>.jsonl` (or `.json`, `.parquet`, `.csv`; `<split>-*.parquet` shards too) when
+  that file is there, else from the HF datasets cache (a cache filled on a machine that has the hub).
+  A folder's own config of the same name wins.
+
+The model is any causal LM in memory behind the harness's `HFLM` (it takes a model object; with
+transformers 5.23 it works as it is), subclassed only to report progress and check Stop at every forward
+batch: batching, tokenization and log-likelihoods are the harness's. A cut is gates through
+`analysis.arch.head_gates.head_mask` on the dense model (the one masking mechanism; it computes what
+surgery computes), or a model of its own (surgery's twin, an export folder's weights) that the caller
+built. The dense model is never changed: the harness gets a copy of the tokenizer (it may add a pad token)
+and its `tie_weights` call is skipped for the run (it could re-tie an untied head).
+
+`lm_eval` is imported only here and only when a run needs it: `harness_missing()` is the one line that says
+what to install. Only log-likelihood tasks run (multiple_choice, loglikelihood, loglikelihood_rolling); a
+generative task is refused with one line.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from analysis.arch.head_gates import gates_from_mask, head_mask
+from analysis.core.errors import InputError, check_whole_number, first_line
+from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
+
+HARNESS_VERSION = "0.4.13"
+HARNESS_REQUIREMENT = f"lm_eval=={HARNESS_VERSION}"
+DOCS = "docs/HARNESS.md"
+DEFAULT_BATCH_SIZE = 8
+BOOTSTRAP_ITERS = 1000          # the harness's resampled stderrs (median, F1, ...); acc's is in closed form
+FEWSHOT_SEED = 1234             # the harness's default (simple_evaluate's fewshot_random_seed)
+LOGLIKELIHOOD_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
+DATA_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}   # suffix -> datasets builder
+LOGITS_COPIES = 2               # a forward batch holds its logits and their log-softmax at once
+MEMORY_SHARE = 0.8              # of the free memory, what a perplexity batch's logits may take
+
+
+@dataclass(frozen=True)
+class StandardTask:
+    """A task the field reports, run from the harness's own config with the user's data."""
+    label: str
+    config: str                 # the harness's config, relative to lm_eval/tasks/
+    fields: str                 # what each record of the data file holds
+
+
+STANDARD_TASKS: dict[str, StandardTask] = {
+    "boolq": StandardTask("BoolQ", "super_glue/boolq/default.yaml", "passage, question, label (0 = no, 1 = yes)"),
+    "piqa": StandardTask("PIQA", "piqa/piqa.yaml", "goal, sol1, sol2, label (0 or 1)"),
+    "hellaswag": StandardTask("HellaSwag", "hellaswag/hellaswag.yaml",
+                              "activity_label, ctx_a, ctx_b, endings (4 strings), label (\"0\" .. \"3\")"),
+    "winogrande": StandardTask("WinoGrande", "winogrande/default.yaml",
+                               "sentence (one _ where the option goes), option1, option2, answer (\"1\" or \"2\")"),
+    "arc_easy": StandardTask("ARC-Easy", "arc/arc_easy.yaml",
+                             "question, choices {text: [...], label: [...]}, answerKey"),
+    "arc_challenge": StandardTask("ARC-Challenge", "arc/arc_challenge.yaml",
+                                  "question, choices {text: [...], label: [...]}, answerKey"),
+    "openbookqa": StandardTask("OpenBookQA", "openbookqa/openbookqa.yaml",
+                               "question_stem, choices {text: [...], label: [...]}, answerKey"),
+    "wikitext": StandardTask("WikiText-2", "wikitext/wikitext.yaml", "page (one whole article per record)"),
+}
+
+
+# -- the harness, imported on demand ----------------------------------------------------------------------
+
+def installed() -> bool:
+    """Whether lm_eval is there, without importing it (a page asks on every run; `harness_missing` imports)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("lm_eval") is not None
+    except (ImportError, ValueError):          # a broken or blocked package
+        return False
+
+
+def harness_missing() -> str:
+    """"" when lm-evaluation-harness imports, else the one line that says what to install."""
+    try:
+        import lm_eval  # noqa: F401
+        from lm_eval.models.huggingface import HFLM  # noqa: F401
+    except ImportError as err:
+        return (f"lm-evaluation-harness is not installed ({first_line(err)}): install it with "
+                f"`pip install {HARNESS_REQUIREMENT}` in this environment (.venv/bin/python -m pip install "
+                f"{HARNESS_REQUIREMENT}).")
+    return ""
+
+
+def require_harness() -> None:
+    """InputError with `harness_missing()`'s line when the harness is not installed."""
+    missing = harness_missing()
+    if missing:
+        raise InputError(missing)
+
+
+def _tasks_folder() -> Path:
+    import lm_eval.tasks
+    return Path(lm_eval.tasks.__file__).parent
+
+
+_QUIET_LOCK = threading.Lock()
+_quiet_depth = 0
+_saved: dict = {}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The harness's and datasets' own logging and progress bars off for a run (headscope reports progress
+    itself); restored when the last run in this process ends."""
+    global _quiet_depth
+    import logging
+
+    import datasets
+    import lm_eval.api.task as task_module
+    from tqdm import tqdm
+    with _QUIET_LOCK:
+        if _quiet_depth == 0:
+            _saved.update(level=logging.getLogger("lm_eval").level, tqdm=task_module.tqdm,
+                          bars=datasets.is_progress_bar_enabled())
+            logging.getLogger("lm_eval").setLevel(logging.ERROR)
+            task_module.tqdm = functools.partial(tqdm, disable=True)       # build_all_requests' bar
+            datasets.disable_progress_bars()
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                logging.getLogger("lm_eval").setLevel(_saved["level"])
+                task_module.tqdm = _saved["tqdm"]
+                if _saved["bars"]:
+                    datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def _offline():
+    """The datasets library offline for the block (nothing from a hub: a hub dataset must be in the cache)."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+    before = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = before
+
+
+# -- tasks -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TaskSource:
+    """Where a task's config and data come from (what the report says about it)."""
+    name: str
+    config: str                 # the YAML file (the harness's own for a standard task)
+    data: str                   # the data files, or "HF datasets cache: <path> (<name>)"
+    output_type: str = ""
+    n_docs: int = 0             # documents measured (after the limit)
+
+    def as_dict(self) -> dict:
+        return dict(config=self.config, data=self.data, output_type=self.output_type, n_docs=self.n_docs)
+
+
+@dataclass
+class PreparedTasks:
+    """The harness's Task objects of the requested names, built once (dense and cut read the same ones: the
+    harness rebuilds each run's requests), and where each came from."""
+    names: tuple
+    loaded: dict                # the harness's TaskDict: {"tasks": {...}, "groups": {...}, "group_map": {...}}
+    sources: dict               # name -> TaskSource
+    task_dir: str | None
+    limit: int | None
+
+    @property
+    def tasks(self) -> dict:
+        return self.loaded["tasks"]
+
+    def n_docs(self, task_name: str) -> int:
+        n = len(self.tasks[task_name].eval_docs)
+        return n if self.limit is None else min(n, self.limit)
+
+    def request_types(self) -> list[str]:
+        """The harness's request calls of a run, in its order: log-likelihoods, rolling log-likelihoods."""
+        kinds = []
+        for task in self.tasks.values():
+            kind = "loglikelihood" if task.OUTPUT_TYPE != "loglikelihood_rolling" else "loglikelihood_rolling"
+            if kind not in kinds:
+                kinds.append(kind)
+        return kinds
+
+
+def _check_folder(task_dir) -> Path | None:
+    if task_dir is None or str(task_dir).strip() == "":
+        return None
+    folder = Path(str(task_dir)).expanduser()
+    if not folder.is_dir():
+        raise InputError(f"The task folder {folder} is not a folder: give a folder of task configs "
+                         f"and/or <task>/<split>.jsonl data files ({DOCS}).")
+    return folder.resolve()
+
+
+def _folder_manager(folder: Path | None):
+    """The harness's TaskManager over the folder's configs only (not its 14,000 built-in ones)."""
+    from lm_eval.tasks import TaskManager
+    try:
+        return TaskManager(include_path=str(folder) if folder else None, include_defaults=False)
+    except Exception as err:  # noqa: BLE001 - a broken config in the user's folder: one line naming it
+        raise InputError(f"The harness could not read the task configs in {folder}: {first_line(err)}") from None
+
+
+def folder_tasks(task_dir) -> list[str]:
+    """The task, group and tag names the folder's configs define (sorted; [] without a folder)."""
+    require_harness()
+    folder = _check_folder(task_dir)
+    return [] if folder is None else list(_folder_manager(folder).all_tasks)
+
+
+def known_tasks(task_dir) -> list[str]:
+    """Every name a run may ask for: the folder's own tasks, then the standard tasks it does not define
+    (without a folder: the standard tasks, and lm_eval is not imported: a page asks on every run)."""
+    if task_dir is None or str(task_dir).strip() == "":
+        return list(STANDARD_TASKS)
+    own = folder_tasks(task_dir)
+    return own + [n for n in STANDARD_TASKS if n not in own]
+
+
+def _split_of(cfg: dict) -> str:
+    """The split the harness evaluates: the test split when the config has one, else the validation split."""
+    split = cfg.get("test_split") or cfg.get("validation_split")
+    if not split:
+        raise InputError(f"Task {cfg.get('task')!r} names neither a test_split nor a validation_split: the harness "
+                         f"has nothing to evaluate.")
+    return str(split)
+
+
+def _local_files(folder: Path | None, name: str, split: str) -> list[Path]:
+    """DIR/<task>/<split>.<ext> (or <split>-*.<ext> shards) for a standard task, in one format."""
+    if folder is None or not (folder / name).is_dir():
+        return []
+    for suffix in DATA_LOADERS:
+        one = folder / name / f"{split}{suffix}"
+        if one.is_file():
+            return [one]
+        shards = sorted(p for p in (folder / name).glob(f"{split}-*{suffix}") if p.is_file())
+        if shards:
+            return shards
+    return []
+
+
+def _hub_words(cfg: dict) -> str:
+    path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
+    return f"{path}" + (f" ({name})" if name else "")
+
+
+def _cache_dir() -> str:
+    import datasets.config
+    return str(datasets.config.HF_DATASETS_CACHE)
+
+
+def _standard_config(name: str, folder: Path | None) -> tuple[dict, TaskSource]:
+    """The harness's own config of a standard task, its data pointed at the folder's file when there is one."""
+    from lm_eval.tasks._yaml_loader import load_yaml       # the harness's own reader (!function, include:)
+    spec = STANDARD_TASKS[name]
+    path = _tasks_folder() / spec.config
+    cfg = dict(load_yaml(path, resolve_func=True))
+    split = _split_of(cfg)
+    files = _local_files(folder, name, split)
+    if not files:
+        return cfg, TaskSource(name, str(path), f"HF datasets cache: {_hub_words(cfg)} in {_cache_dir()}")
+    loader = DATA_LOADERS[files[0].suffix]
+    cfg.update(dataset_path=loader, dataset_name=None, dataset_kwargs={"data_files": {split: [str(p) for p in files]}},
+               training_split=None, validation_split=split if split == cfg.get("validation_split") else None,
+               test_split=split if split == cfg.get("test_split") else None, fewshot_split=None)
+    return cfg, TaskSource(name, str(path), ", ".join(str(p) for p in files))
+
+
+def _is_pattern(p: str) -> bool:
+    return any(c in p for c in "*?[") or "://" in p
+
+
+def _resolved(value, base: Path, missing: list):
+    """data_files (a path, a list of them, or split -> either) with relative paths made absolute under base;
+    plain paths that are not files are added to `missing`."""
+    if isinstance(value, dict):
+        return {k: _resolved(v, base, missing) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_resolved(v, base, missing) for v in value]
+    p = str(value)
+    if _is_pattern(p):
+        return p if Path(p).is_absolute() or "://" in p else str(base / p)
+    full = Path(p).expanduser()
+    full = full if full.is_absolute() else base / full
+    if not full.exists():
+        missing.append(str(full))
+    return str(full)
+
+
+def _folder_config(name: str, yaml_path: Path) -> tuple[dict, TaskSource]:
+    """A folder task's config with its local paths read relative to the config's folder."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+    try:
+        cfg = dict(load_yaml(yaml_path, resolve_func=True))
+    except Exception as err:  # noqa: BLE001 - the user's YAML or its helper file: one line
+        raise InputError(f"Task {name!r} ({yaml_path}) could not be read: {first_line(err)}") from None
+    base, missing = yaml_path.parent, []
+    kwargs = dict(cfg.get("dataset_kwargs") or {})
+    for key in ("data_files", "data_dir"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = _resolved(kwargs[key], base, missing)
+    if kwargs:
+        cfg["dataset_kwargs"] = kwargs
+    dataset_path = str(cfg.get("dataset_path") or "")
+    local = Path(dataset_path).expanduser()
+    local = local if local.is_absolute() else base / local
+    if dataset_path and (local.exists() or dataset_path.startswith((".", "/", "~"))):
+        if not local.exists():
+            missing.append(str(local))
+        cfg["dataset_path"] = str(local)
+    if missing:
+        raise InputError(f"Task {name!r} ({yaml_path.name}) reads {', '.join(missing)}, which "
+                         f"{'is' if len(missing) == 1 else 'are'} not there: put the task's data there, or fix the "
+                         f"path in {yaml_path} (a relative path is read from the config's folder; {DOCS}).")
+    data = kwargs.get("data_files") or kwargs.get("data_dir")
+    words = (", ".join(_flat(data)) if data else cfg["dataset_path"] if local.exists()
+             else f"HF datasets cache: {_hub_words(cfg)} in {_cache_dir()}")
+    return cfg, TaskSource(name, str(yaml_path), words)
+
+
+def _flat(value) -> list[str]:
+    """The paths of a data_files value (a path, a list, or split -> either), in order."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _flat(v)]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _flat(v)]
+    return [str(value)]
+
+
+def _no_data_line(name: str, cfg: dict, source: TaskSource, folder: Path | None, err: BaseException) -> str:
+    """The one line for a task whose data is not here: where to put which files."""
+    split = cfg.get("test_split") or cfg.get("validation_split") or "validation"
+    if name in STANDARD_TASKS and source.config.startswith(str(_tasks_folder())):
+        spec = STANDARD_TASKS[name]
+        where = (f"at {folder / name / (split + '.jsonl')} (or .parquet)" if folder is not None
+                 else f"at DIR/{name}/{split}.jsonl (or .parquet) and give the task folder DIR (--task-dir)")
+        return (f"{name} ({spec.label}) has no data here: put its {split} split, one JSON record per line with the "
+                f"fields {spec.fields}, {where}, or fill the HF datasets cache ({_cache_dir()}) with "
+                f"{_hub_words(cfg)} on a machine that has the hub; nothing is downloaded here ({DOCS}).")
+    return (f"Task {name!r} ({source.config}) reads {source.data}, which is not available offline "
+            f"({first_line(err)}): point its dataset_path / data_files at local files, or fill the HF datasets "
+            f"cache on a machine that has the hub ({DOCS}).")
+
+
+def _build(manager, spec, name: str, cfg: dict | None, source: TaskSource, folder: Path | None) -> dict:
+    """The harness's TaskDict of one spec (a full config dict or a registered name); data problems in one line."""
+    try:
+        return manager.load([spec])
+    except (ConnectionError, FileNotFoundError) as err:
+        raise InputError(_no_data_line(name, cfg or {}, source, folder, err)) from None
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a config or data the harness cannot use: one line naming the task
+        if type(err).__name__ in ("DatasetNotFoundError", "EmptyDatasetError", "DataFilesNotFoundError"):
+            raise InputError(_no_data_line(name, cfg or {}, source, folder, err)) from None
+        raise InputError(f"Task {name!r} ({source.config}) could not be built from its data: "
+                         f"{first_line(err)}") from None
+
+
+def _unknown_line(name: str, folder: Path | None, own: list[str]) -> str:
+    standard = ", ".join(STANDARD_TASKS)
+    if folder is None:
+        return (f"No task {name!r}: without a task folder only the standard tasks ({standard}) are known, their "
+                f"data from the HF datasets cache; give a task folder (--task-dir) for other tasks ({DOCS}).")
+    there = ", ".join(own) if own else "none"
+    return (f"No task {name!r} in {folder}: its configs define {there}; the standard tasks ({standard}) read "
+            f"{folder}/<task>/<split>.jsonl ({DOCS}).")
+
+
+def check_task_names(names) -> tuple[str, ...]:
+    """The requested names, stripped, in order, once each (InputError for none)."""
+    if isinstance(names, str):
+        names = names.split(",")
+    out = tuple(dict.fromkeys(n.strip() for n in names if n and n.strip()))
+    if not out:
+        raise InputError(f"Name at least one task, e.g. boolq,piqa (the standard tasks: {', '.join(STANDARD_TASKS)}; "
+                         f"or the tasks of your task folder).")
+    return out
+
+
+def prepare_tasks(names, task_dir=None, *, limit: int | None = None) -> PreparedTasks:
+    """The harness's tasks of `names` (a list or "a,b"), from the task folder or the standard configs, with
+    their data checked and loaded (offline). InputError, one line, for: the harness missing, a name the
+    folder does not define (naming those it does), data that is not here (where to put which files), a
+    generative task."""
+    require_harness()
+    names = check_task_names(names)
+    if limit is not None:
+        check_whole_number(limit, "--limit (documents per task)", low=1)
+    folder = _check_folder(task_dir)
+    manager = _folder_manager(folder)
+    own = list(manager.all_tasks)
+    merged = {"tasks": {}, "groups": {}, "group_map": {}}
+    sources = {}
+    with _quiet(), _offline():
+        for name in names:
+            entry = manager.task_index.get(name)
+            if entry is not None and entry.yaml_path is not None and entry.kind.name == "TASK":
+                cfg, source = _folder_config(name, Path(entry.yaml_path))
+                spec = cfg
+            elif entry is not None:                        # a group, tag or Python task: as the harness builds it
+                cfg, source = None, TaskSource(name, str(entry.yaml_path or "(Python task)"), "(as its configs say)")
+                spec = name
+            elif name in STANDARD_TASKS:
+                cfg, source = _standard_config(name, folder)
+                spec = cfg
+            else:
+                raise InputError(_unknown_line(name, folder, own))
+            built = _build(manager, spec, name, cfg, source, folder)
+            for key in merged:
+                merged[key].update(built.get(key, {}))
+            sources[name] = source
+    for task_name, task in merged["tasks"].items():
+        if task.OUTPUT_TYPE not in LOGLIKELIHOOD_TYPES:
+            raise InputError(f"Task {task_name!r} generates text (output_type {task.OUTPUT_TYPE}); headscope runs the "
+                             f"harness's log-likelihood tasks ({', '.join(LOGLIKELIHOOD_TYPES)}): BoolQ, PIQA, "
+                             f"HellaSwag, WinoGrande, ARC, OpenBookQA, WikiText and the like.")
+        if task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)    # zero-shot unless the config says otherwise
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    prepared = PreparedTasks(names, merged, sources, None if folder is None else str(folder), limit)
+    for name, source in sources.items():
+        leaves = [t for t in merged["tasks"] if t == name] or list(merged["group_map"].get(name, []))
+        sources[name] = TaskSource(source.name, source.config, source.data,
+                                   output_type=", ".join(sorted({merged["tasks"][t].OUTPUT_TYPE for t in leaves
+                                                                 if t in merged["tasks"]})),
+                                   n_docs=sum(prepared.n_docs(t) for t in leaves if t in merged["tasks"]))
+    return prepared
+
+
+def request_tokens(prepared: PreparedTasks, tokenizer, *, sample: int = 32) -> int:
+    """About how many tokens one run puts through the model (the work a time estimate scales): each task's
+    requests of its first `sample` documents tokenized, scaled to its documents (the limit applied)."""
+    total = 0.0
+    with _quiet():
+        for name, task in prepared.tasks.items():
+            n = prepared.n_docs(name)
+            k = min(n, sample)
+            if k == 0:
+                continue
+            task.build_all_requests(limit=k, rank=0, world_size=1)
+            tokens = sum(len(tokenizer("".join(str(a) for a in inst.args if isinstance(a, str))).input_ids)
+                         for inst in task.instances)
+            total += tokens * n / k
+    return int(math.ceil(total))
+
+
+# -- the model behind the harness --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _lm_class():
+    """HFLM with progress and Stop at each forward batch (defined on first use: lm_eval loads lazily)."""
+    from lm_eval import utils as lm_utils
+    from lm_eval.models.huggingface import HFLM
+
+    class HeadscopeLM(HFLM):
+        """The harness's HF model class over a model in memory. Only additions: `track` sets a progress
+        callback and a stop check; each request call (log-likelihoods, rolling log-likelihoods) is a phase
+        whose rows (forward sequences) are counted at each `_model_call`."""
+
+        def track(self, progress: Progress | None, should_stop: ShouldStop | None, phases: int) -> None:
+            self._progress, self._should_stop = progress, should_stop
+            self._phases, self._phase, self._rows, self._done = max(phases, 1), -1, 1, 0
+            self._what, self._pending = "", None
+
+        def _begin(self, rows: int, what: str) -> None:
+            self._phase, self._rows, self._done, self._what = self._phase + 1, max(int(rows), 1), 0, what
+            self._tell()
+
+        def _tell(self) -> None:
+            fraction = (self._phase + min(self._done / self._rows, 1.0)) / self._phases
+            report(self._progress, fraction, f"{self._what}: {min(self._done, self._rows)} of {self._rows} sequences")
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            self._pending = "multiple choice"
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            windows = sum(len(list(lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(r.args[0]), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1))) for r in requests)
+            self._pending = None
+            self._begin(windows, "perplexity windows")
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            if self._pending is not None:             # a log-likelihood phase: one row per context group
+                grouped = self.backend == "causal" and self.logits_cache
+                rows = len({tuple(c) + tuple(k[:-1]) for _, c, k in requests}) if grouped else len(requests)
+                self._begin(rows, self._pending)
+                self._pending = None
+            return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            check_stop(self._should_stop, "The harness run")
+            logits = super()._model_call(inps, attn_mask=attn_mask, labels=labels)   # [B, T, V]
+            self._done += int(inps.shape[0])
+            self._tell()
+            return logits
+
+    return HeadscopeLM
+
+
+@contextlib.contextmanager
+def _untied(model):
+    """HFLM's constructor calls model.tie_weights(), which may re-tie what a loaded model keeps apart:
+    skipped for the construction (an attribute on this instance, removed in finally)."""
+    model.tie_weights = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del model.tie_weights
+
+
+def _make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
+    with _untied(model):
+        return _lm_class()(pretrained=model, tokenizer=copy.deepcopy(tokenizer), backend="causal",
+                           batch_size=batch_size, max_length=max_length)
+
+
+def _check_logit_memory(prepared: PreparedTasks, lm, model, batch_size: int) -> None:
+    """A perplexity task runs windows of up to lm.max_length tokens, batch_size at a time, the longest first:
+    refuse (one line) a batch whose logits alone would not fit in the free memory, before the run starts."""
+    rolling = {n: t for n, t in prepared.tasks.items() if t.OUTPUT_TYPE == "loglikelihood_rolling"}
+    if not rolling:
+        return
+    import psutil
+    import torch
+    longest = windows = 0
+    for task in rolling.values():
+        for i, doc in enumerate(task.eval_docs):
+            if prepared.limit is not None and i >= prepared.limit:
+                break
+            n = len(lm.tok_encode(task.doc_to_target(doc)))               # the harness's own tokens
+            longest = max(longest, min(n + 1, lm.max_length))
+            windows += max(1, math.ceil(n / lm.max_length))
+    rows = min(batch_size, max(windows, 1))
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    itemsize = torch.finfo(next(model.parameters()).dtype).bits // 8
+    need = LOGITS_COPIES * rows * longest * vocab * itemsize
+    device = next(model.parameters()).device
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if need > MEMORY_SHARE * free:
+        one = need // rows
+        raise InputError(f"The perplexity task(s) {', '.join(rolling)} run windows of up to {longest} tokens, {rows} "
+                         f"at a time: their logits alone take about {need / 2**30:.1f} GiB, more than the "
+                         f"{MEMORY_SHARE * free / 2**30:.1f} GiB free to use. Give a smaller batch size "
+                         f"(--harness-batch-size; 1 takes {one / 2**30:.1f} GiB) or a shorter window (--max-length).")
+
+
+# -- runs ----------------------------------------------------------------------------------------------
+
+def _number(value) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None                                         # the harness writes "N/A" where it has no stderr
+    return x if math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    """One model's results: per task, each metric's value and the harness's stderr (None where it gives none)."""
+    metrics: dict                 # task -> {metric: (value, stderr | None)}
+    higher: dict                  # task -> {metric: higher is better (bool | None)}
+    n_samples: dict               # task -> documents measured
+    seconds: float
+    batch_size: int
+    max_length: int
+    samples: dict = field(default_factory=dict)   # task -> [{doc_id, arguments, loglikelihoods}] (keep_samples)
+
+    def as_dict(self) -> dict:
+        return dict(metrics={t: {m: dict(value=v, stderr=s) for m, (v, s) in ms.items()}
+                             for t, ms in self.metrics.items()},
+                    n_samples=self.n_samples, seconds=self.seconds, batch_size=self.batch_size,
+                    max_length=self.max_length)
+
+
+def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep_samples: bool) -> HarnessRun:
+    metrics, higher, n_samples, samples = {}, {}, {}, {}
+    for task, values in results["results"].items():
+        ms = {}
+        for key, value in values.items():
+            if "," not in key:
+                continue                                    # alias, name, sample_len
+            metric, filt = key.split(",", 1)
+            if metric.endswith("_stderr"):
+                continue
+            name = metric if filt == "none" else f"{metric} ({filt})"
+            ms[name] = (_number(value), _number(values.get(f"{metric}_stderr,{filt}")))
+        metrics[task] = ms
+        hib = results.get("higher_is_better", {}).get(task, {})
+        higher[task] = {m: hib.get(m.split(" (")[0]) for m in ms}
+        n = results.get("n-samples", {}).get(task, {})
+        n_samples[task] = int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else 0
+    if keep_samples:
+        for task, docs in (results.get("samples") or {}).items():
+            samples[task] = [dict(doc_id=int(d["doc_id"]), arguments=[tuple(a) for a in d["arguments"]],
+                                  loglikelihoods=[float(r[0][0] if isinstance(r[0], (tuple, list)) else r[0])
+                                                  for r in d["resps"]]) for d in docs]
+    return HarnessRun(metrics, higher, n_samples, seconds, batch_size, max_length, samples)
+
+
+def run_harness(model, tokenizer, prepared: PreparedTasks, *, gates=None, adapter=None,
+                batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
+                progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessRun:
+    """The prepared tasks on one causal LM in memory (gates [L, H]: under head_mask; None: the model as it
+    is). max_length None: the harness's own (the model's context). keep_samples: every request's
+    log-likelihood too (HarnessRun.samples)."""
+    require_harness()
+    check_whole_number(batch_size, "the harness batch size", low=1, high=2**16)
+    check_whole_number(max_length, "the harness max length", low=2, high=2**24, none_ok=True)
+    from lm_eval.evaluator import evaluate
+    with _quiet():
+        lm = _make_lm(model, tokenizer, batch_size=batch_size, max_length=max_length)
+    _check_logit_memory(prepared, lm, model, batch_size)
+    lm.track(progress, should_stop, len(prepared.request_types()))
+    masked = contextlib.nullcontext() if gates is None else head_mask(model, gates, adapter=adapter)
+    start = time.perf_counter()
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")       # the harness's bootstrap: no process pool in our process
+    with _quiet(), _offline(), masked:
+        check_stop(should_stop, "The harness run")
+        results = evaluate(lm=lm, task_dict=prepared.loaded, limit=prepared.limit, bootstrap_iters=BOOTSTRAP_ITERS,
+                           log_samples=keep_samples)
+    report(progress, 1.0, "done")
+    return _parse(results, time.perf_counter() - start, batch_size, lm.max_length, keep_samples)
+
+
+WORSE_STDERRS = 2.0             # a cut is flagged worse beyond this many standard errors of the two runs combined
+
+
+def worse(change: float | None, higher: bool | None, dense_stderr: float | None, cut_stderr: float | None) -> bool | None:
+    """Whether the cut is worse than dense on a metric: a change in the wrong direction larger than WORSE_STDERRS
+    times sqrt(dense_stderr^2 + cut_stderr^2) (the same documents on both sides, so this combined error is an
+    upper bound of the change's own); any change in the wrong direction where the harness gives no stderr
+    (perplexities); None when the direction is not known."""
+    if change is None or higher is None:
+        return None
+    wrong = -change if higher else change
+    if dense_stderr is None or cut_stderr is None:
+        return wrong > 0
+    return wrong > WORSE_STDERRS * math.hypot(dense_stderr, cut_stderr)
+
+
+@dataclass(frozen=True)
+class HarnessReport:
+    """Dense vs a cut on the same tasks and documents: one row per task and metric (`worse`: see `worse`)."""
+    dense: HarnessRun
+    cut: HarnessRun | None
+    sources: dict                 # task -> TaskSource
+    limit: int | None
+
+    def rows(self) -> list[dict]:
+        out = []
+        for task, metrics in self.dense.metrics.items():
+            for metric, (value, stderr) in metrics.items():
+                row = dict(task=task, metric=metric, n=self.dense.n_samples.get(task), dense=value, dense_stderr=stderr)
+                higher = self.dense.higher.get(task, {}).get(metric)
+                if self.cut is not None:
+                    cut, cut_stderr = self.cut.metrics.get(task, {}).get(metric, (None, None))
+                    change = None if cut is None or value is None else cut - value
+                    row.update(cut=cut, cut_stderr=cut_stderr, change=change,
+                               worse=worse(change, higher, stderr, cut_stderr))
+                row["higher_is_better"] = higher
+                out.append(row)
+        return out
+
+    def as_dict(self) -> dict:
+        return dict(harness=HARNESS_VERSION, limit=self.limit, batch_size=self.dense.batch_size,
+                    max_length=self.dense.max_length, tasks={n: s.as_dict() for n, s in self.sources.items()},
+                    rows=self.rows(), seconds=dict(dense=self.dense.seconds,
+                                                   cut=None if self.cut is None else self.cut.seconds))
+
+
+def harness_report(loaded, prepared: PreparedTasks, *, pruned=None, model=None, dense: HarnessRun | None = None,
+                   batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
+                   progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessReport:
+    """The prepared tasks on `loaded` (dense; reused when `dense` is given) and on a cut: the mask pruned
+    [L, H] as gates on loaded.model, or `model` (a cut of its own: surgery's twin, an export's weights); no
+    cut: the dense side only."""
+    if loaded.kind != "causal-lm":
+        raise InputError(f"The harness's tasks score a causal language model's next tokens; {loaded.name} is a "
+                         f"{loaded.kind} model.")
+    if pruned is not None and model is not None:
+        raise InputError("Give one cut: a mask (pruned) or a model, not both.")
+    cutting = pruned is not None or model is not None
+    run = functools.partial(run_harness, tokenizer=loaded.tokenizer, prepared=prepared, batch_size=batch_size,
+                            max_length=max_length, keep_samples=keep_samples, should_stop=should_stop)
+    if dense is None:
+        dense = run(loaded.model, progress=scaled(progress, 0.0, 0.5 if cutting else 1.0))
+        cut_progress = scaled(progress, 0.5, 1.0)
+    else:
+        cut_progress = progress                             # the dense side was measured before
+    cut = None
+    if pruned is not None:
+        cut = run(loaded.model, gates=gates_from_mask(pruned), adapter=loaded.adapter, progress=cut_progress)
+    elif model is not None:
+        cut = run(model, progress=cut_progress)
+    return HarnessReport(dense, cut, dict(prepared.sources), prepared.limit)
