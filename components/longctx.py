@@ -332,12 +332,14 @@ def plan_view(lm, plan: KVPlan, context: int) -> None:
                       f"{speed_words(p.ratio('decode_bytes'))}; by FLOPs it would be "
                       f"{speed_words(p.ratio('decode_flops'))}.")
         st.caption(plan.describe() + ".")
+        if c["window"] and plan.sinks + plan.recent >= context:
+            st.caption(f"At {context:,} tokens the window ({plan.sinks} + {plan.recent} tokens) holds the whole context: "
+                       "a windowed head keeps every token there and saves nothing.")
         figures.chart(charts.kv_plan_heatmap(plan.modes, group_size=g.group_size, sinks=plan.sinks,
                                              recent=plan.recent, title=PLAN_MAP_TITLE), "long.plan_map",
                       name="kv_plan", title=f"The KV plan: {plan.describe()}")
         st.caption(f"Source: {_source_words()}. The speeds are predicted from counts, not measured: they assume "
-                   "kernels that skip the keys outside a window (headscope's own PyTorch windowed attention masks "
-                   "them and runs at dense speed).")
+                   "kernels that skip the keys outside a window and a cache that holds only the kept tokens.")
 
 
 def prediction_table(lm, plan: KVPlan, context: int) -> None:

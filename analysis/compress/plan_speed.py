@@ -13,9 +13,8 @@ over the full score matrix as eager and SDPA's math kernel compute it). Under a 
   hardware a decode step is bound by these reads, so the bytes ratio is the closer prediction of decode
   speed, the FLOP ratio of prefill speed.
 
-What it assumes: a kernel that skips the keys outside a window (llama.cpp's sliding-window layers, a compact
-KV cache). headscope's own PyTorch windowed attention (analysis.arch.spans) masks those keys and computes
-the full matrix, so the app's probes under a plan are not faster; the measured numbers are the benchmark's.
+What it assumes: a kernel that skips the keys outside a window and a cache that holds only the kept tokens
+(llama.cpp's sliding-window layers, a compact KV cache). Measured speeds are the benchmarks' (bench/).
 """
 from __future__ import annotations
 
