@@ -1,8 +1,9 @@
 """`python -m analysis ...` and the `headscope` command (`run`): the headless CLI (see analysis/cli/).
 
-The CLI's own Ctrl-C and SIGTERM handling starts inside `analysis.cli.main`; the imports before it take
-seconds (torch, transformers), so a Ctrl-C there is caught here: one line and exit status 130, never a
-KeyboardInterrupt traceback. Nothing has been written yet at that point.
+The CLI's own Ctrl-C and SIGTERM handling starts inside `analysis.cli.main`; the imports before it (the
+parser's: light, no torch or transformers; a fraction of a second) can still meet a Ctrl-C, which is
+caught here: one line and exit status 130, never a KeyboardInterrupt traceback. Nothing has been
+written yet at that point.
 """
 
 import sys

@@ -2,9 +2,12 @@
 
 The contract's symbols (docs/DEFINITIONS.md): L layers, H query heads, H_kv key/value heads,
 G = H / H_kv query heads per KV group, d = head_dim, D = hidden size. Query head h belongs to
-KV group h // G.
+KV group h // G. `kv_groups_emptied` says which KV groups a mask [L, H] empties (numpy; the mask planner
+in analysis.score.masks and the head gates both read it).
 """
 from dataclasses import dataclass
+
+import numpy as np
 
 from analysis.core.errors import UnsupportedModelError
 
@@ -47,3 +50,9 @@ class HeadGeometry:
     def as_dict(self) -> dict:
         return dict(n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                     head_dim=self.head_dim, hidden=self.hidden, group_size=self.group_size)
+
+
+def kv_groups_emptied(pruned: np.ndarray, group_size: int) -> np.ndarray:
+    """[L, H] pruned query heads -> [L, H_kv] True where every query head of the group is pruned."""
+    p = np.asarray(pruned, dtype=bool)
+    return p.reshape(p.shape[0], -1, group_size).all(axis=-1)

@@ -25,6 +25,7 @@ import torch
 
 from analysis.arch.hooks import attached
 from analysis.arch.adapters import Adapter, adapter_for
+from analysis.arch.geometry import kv_groups_emptied  # noqa: F401  (numpy only: the mask planner's too)
 from analysis.core.errors import InputError
 
 
@@ -105,12 +106,6 @@ def head_mask(model, gates, *, adapter: Adapter | None = None):
                 continue
             hooks.before(adapter.o_proj(model, layer), make_hook(layer_gate))
         yield model
-
-
-def kv_groups_emptied(pruned: np.ndarray, group_size: int) -> np.ndarray:
-    """[L, H] pruned query heads -> [L, H_kv] True where every query head of the group is pruned."""
-    p = np.asarray(pruned, dtype=bool)
-    return p.reshape(p.shape[0], -1, group_size).all(axis=-1)
 
 
 def zero_heads(model, pruned, *, adapter: Adapter | None = None):

@@ -10,17 +10,24 @@ the shared options and the registry common.py):
     export  the pruned model in one of four formats, plus mask.json
     pipeline  iterative prune -> distill -> INT8 with a compression report (analysis/compress/recover/pipeline.py)
     roles   what heads do: induction, duplicate-token, previous-token, copying, successor, DLA scores (roles.py)
-    probes  capability probes dense vs a cut, per-head maps; domains: heads per text set (probes.py)
+    probes  capability probes dense vs a cut, per-head maps; --list: the registered probes; domains: heads per
+            text set (probes.py)
     harness  EleutherAI's lm-evaluation-harness offline (BoolQ, PIQA, ..., WikiText; a local task folder) dense vs a cut (harness.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
 model; `--checkpoint DIR` profiles a safetensors checkpoint by streaming, without building
 the model (weight-only scorers only: those registered with needs_calibration = False).
 
-Scorers come from `analysis.score.scoring.SCORERS`: --scorer's choices, and one option per
-parameter of any registered scorer, derived from its declaration (`Scorer.parameters`: `--its-name`
-typed from its default, with its choices and help; an undeclared constructor keyword gets an
-option typed from its default).
+Scorers come from `analysis.score.scorer_registry.SCORERS`: --scorer's choices, and one option per
+parameter of any registered scorer, derived from its declaration (`ScorerSpec.parameters` /
+`Scorer.parameters`: `--its-name` typed from its default, with its choices and help; an undeclared
+constructor keyword gets an option typed from its default).
+
+Fast start: the parser and everything it reads (this package, the command registry, the scorer,
+policy, probe, detector and format declarations) import neither torch nor transformers; each command
+imports the library inside its run. `--help`, `probes --list` and the refusals the parser or the
+declarations can judge answer in a fraction of a second (bench/bench_cli.py; tests/test_cli_fast.py
+fails if the parser imports torch or transformers).
 
 Commands: `register(name, help, add_arguments, run)`; `run(namespace) -> (payload, rows)` where
 payload is JSON-able and rows (a list of dicts, or None) is what --format csv prints.

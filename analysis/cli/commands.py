@@ -111,8 +111,8 @@ def _sweep_arguments(parser):
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--scorer", choices=("mp", "mp-g"), default=None,
                         help="default: mp-g on GQA/MQA models, mp on MHA models")
-    from analysis.score.scoring import MPGScorer
-    for name, param in MPGScorer.parameters.items():       # the threshold scorers' own, at their defaults
+    from analysis.score.scorer_registry import scorer_declarations
+    for name, param in scorer_declarations("mp-g").items():   # the threshold scorers' own, at their defaults
         if name != "z":
             add_param_option(parser, name, param, default=param.default)
     parser.add_argument("--sparsity", type=float, required=True)

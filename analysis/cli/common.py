@@ -2,6 +2,11 @@
 JSON / CSV rendering, the source / placement / scorer / policy / output options and reading them back
 (`load_source`, `compute_scores`, `plan_from`), and `warn`. Command modules import from here; nothing
 under analysis/ outside the cli package imports it.
+
+Light on purpose: building any command's options reads only declarations (the scorer, policy, probe,
+detector and format registries), never torch or transformers; a command imports the library it runs
+inside its `run`, so `--help`, `probes --list` and a refused option answer at once
+(tests/test_cli_fast.py, bench/bench_cli.py).
 """
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
-from tqdm import tqdm
 
 from analysis.core import distributed
 from analysis.core.errors import InputError, first_line
@@ -56,6 +60,8 @@ def team_of(ns: argparse.Namespace) -> distributed.Team:
 @contextmanager
 def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[float, str], None]]:
     """A progress(fraction, message) callback drawing a tqdm bar on stderr; closed in finally."""
+    from tqdm import tqdm
+
     bar = tqdm(total=1000, desc=description, file=sys.stderr, disable=not enabled, leave=False,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
 
@@ -147,10 +153,10 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def scorer_options() -> dict[str, Param]:
-    """{parameter: declaration} over every registered scorer (analysis.score.scoring.scorer_declarations):
-    the CLI's scorer options. Parameters with a None default (array inputs such as the oracle's
-    loss_increase) have no option."""
-    from analysis.score.scoring import SCORERS, scorer_declarations
+    """{parameter: declaration} over every registered scorer (analysis.score.scorer_registry.scorer_declarations:
+    nothing imported): the CLI's scorer options. Parameters with a None default (array inputs such as the
+    oracle's loss_increase) have no option."""
+    from analysis.score.scorer_registry import SCORERS, scorer_declarations
 
     out = {}
     for name in SCORERS:
@@ -168,7 +174,7 @@ def add_param_option(parser: argparse.ArgumentParser, name: str, param: Param, d
 
 
 def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default: str | None = None) -> None:
-    from analysis.score.scoring import SCORERS
+    from analysis.score.scorer_registry import SCORERS
 
     parser.add_argument("--scorer", choices=choices or tuple(SCORERS), default=default,
                         help="default: mp-g on GQA/MQA models, mp on MHA models (equal there)")
@@ -180,7 +186,7 @@ def add_scorer_arguments(parser: argparse.ArgumentParser, choices=None, default:
 
 def scorer_from(ns: argparse.Namespace):
     """Build the chosen scorer from the options its constructor accepts."""
-    from analysis.score.scoring import get_scorer, scorer_parameters
+    from analysis.score.scorer_registry import get_scorer, scorer_parameters
 
     kwargs = {param: getattr(ns, param) for param in scorer_parameters(ns.scorer)
               if getattr(ns, param, None) is not None}
@@ -253,7 +259,7 @@ def load_source(ns: argparse.Namespace, report):
 
 def resolve_scorer(ns: argparse.Namespace, group_size: int) -> str:
     """--scorer, or the model's default (analysis.score.scoring.default_scorer) when it was not given."""
-    from analysis.score.scoring import default_scorer
+    from analysis.score.scorer_registry import default_scorer
 
     if ns.scorer is None:
         ns.scorer = default_scorer(group_size)
@@ -262,7 +268,7 @@ def resolve_scorer(ns: argparse.Namespace, group_size: int) -> str:
 
 def compute_scores(ns: argparse.Namespace):
     """(HeadScores, LoadedModel | None, info) for the score / mask commands."""
-    from analysis.score.scoring import weight_only_scorers
+    from analysis.score.scorer_registry import weight_only_scorers
 
     weight_only = weight_only_scorers()
     if getattr(ns, "checkpoint", None) and ns.scorer is not None and ns.scorer not in weight_only:
@@ -293,8 +299,8 @@ def add_kv_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 def plan_from(ns):
     """(MaskPlan, HeadScores, LoadedModel | None, info) for the mask / evaluate / export commands."""
+    check_sparsity(ns.sparsity)                  # a bad sparsity fails before the model loads (and before jsonschema)
     from analysis.core.schemas import MAX_HEADS
-    check_sparsity(ns.sparsity)                  # a bad sparsity fails before the model loads
     check_counts(ns, {"min_per_layer": (0, MAX_HEADS)})
     scores, loaded, info = compute_scores(ns)
     ns.policy = resolve_policy(ns, info["group_size"])

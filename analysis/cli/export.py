@@ -1,5 +1,7 @@
 """The export command: the pruned model in any registered format (analysis.compress.export.FORMATS, with
-each format's own options as --option-name) plus mask.json, written atomically under --out-dir."""
+each format's own options as --option-name) plus mask.json, written atomically under --out-dir. The
+options are built from the formats' declarations (analysis.compress.export.format_registry), and the
+format options are checked before the export machinery is imported."""
 from __future__ import annotations
 
 import sys
@@ -15,15 +17,16 @@ def _option_flag(name: str) -> str:
 
 
 def _export_arguments(parser):
-    from analysis.compress.export import EXPORT_DTYPES, FORMATS
+    from analysis.compress.export.format_registry import EXPORT_DTYPES, FORMATS
 
+    declared = FORMATS.declared()                  # nothing imported: the formats' declarations
     add_model_mask_arguments(parser, streaming=True, mask_file=True)
-    parser.add_argument("--export-format", dest="export_format", choices=FORMATS, default="pruned",
-                        help="; ".join(f"{name}: {form.help}" for name, form in FORMATS.items())
+    parser.add_argument("--export-format", dest="export_format", choices=tuple(FORMATS), default="pruned",
+                        help="; ".join(f"{name}: {form.help}" for name, form in declared.items())
                         + "; with --checkpoint (streamed, the model is never built): the formats that can be "
                           "streamed")
     seen = set()
-    for name, form in FORMATS.items():          # each format's own options, e.g. --opset (onnx)
+    for name, form in declared.items():         # each format's own options, e.g. --opset (onnx)
         for option, spec in form.options.items():
             if option in seen:
                 continue
@@ -43,17 +46,20 @@ def _export_arguments(parser):
 
 def run_export(ns):
     """Write the pruned model (atomically) and print what was written."""
-    from analysis.compress.export import (FORMATS, check_export_name, export, export_dtype, format_options,
-                                          mask_record, read_mask_json, resolve_under)
+    from analysis.compress.export.format_registry import FORMATS, format_options
 
-    form = FORMATS[ns.export_format]
+    declared = FORMATS.declared()
     given = {option: getattr(ns, f"format_{option}") for option in
-             {o for f in FORMATS.values() for o in f.options} if getattr(ns, f"format_{option}", None) is not None}
-    foreign = sorted(set(given) - set(form.options))
+             {o for f in declared.values() for o in f.options} if getattr(ns, f"format_{option}", None) is not None}
+    foreign = sorted(set(given) - set(declared[ns.export_format].options))
     if foreign:
         raise InputError(f"{_option_flag(foreign[0])} is an option of another export format, not of "
                          f"{ns.export_format}; leave it out or choose that format.")
-    format_options(ns.export_format, given)        # values and ranges (--opset 5), before any work
+    format_options(ns.export_format, given)        # values and ranges (--opset 5), before anything is imported
+    from analysis.compress.export import (check_export_name, export, export_dtype, mask_record, read_mask_json,
+                                          resolve_under)
+
+    form = FORMATS[ns.export_format]
     target = resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
     check_export_name(ns.name)
     if ns.mask_file is None and ns.sparsity is None:

@@ -1,5 +1,7 @@
 """The entry point: the parser built from the registered commands, SIGTERM as Ctrl-C, and `main`
-(one error line and exit 2 for a user error, 130 for an interrupt; rank 0 alone writes)."""
+(one error line and exit 2 for a user error, a refused option included; 130 for an interrupt; rank 0
+alone writes). Building the parser imports neither torch nor transformers (the options come from the
+registries' declarations), so `--help` and the parser's refusals answer at once."""
 from __future__ import annotations
 
 import argparse
@@ -20,13 +22,21 @@ from analysis.core.errors import INTERRUPTED_AT_START, HeadscopeError
 from analysis.core.placement import Placement
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a refusal in one line (exit 2), like every other user error of the CLI: the usage
+    block is what `--help` shows, not what a mistyped option prints."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser of every registered command. With `argv`, only the command it names gets its options
-    built (the others stay in the listing with their help): a command's options may import heavy parts
-    of the library (the export formats, the pipeline), which the other commands never pay for."""
+    built (the others stay in the listing with their help). Options are built from declarations only
+    (scorers, policies, probes, detectors, formats): no command's options import torch or transformers."""
     prog = "headscope" if Path(sys.argv[0]).name == "headscope" else "python -m analysis"
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="headscope: score, mask, sweep, evaluate and export attention heads headlessly.")
+    parser = Parser(prog=prog,
+                    description="headscope: score, mask, sweep, evaluate and export attention heads headlessly.")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if a in COMMANDS), None) if argv is not None else None
     for command in COMMANDS.values():
@@ -106,7 +116,7 @@ def held_warnings() -> Iterator[_Held]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:                                                 # building the parser imports the command's modules
+    try:                                                 # a refused option: one line, exit 2 (Parser.error)
         ns = build_parser(argv).parse_args(argv)
     except KeyboardInterrupt:                            # before the handler below is in place
         print(INTERRUPTED_AT_START, file=sys.stderr)

@@ -15,15 +15,14 @@ from analysis.core.text import clean_user_text
 from analysis.core.threads import check_threads
 from analysis.score.masks import POLICIES
 
-# The compress package (distillation, peft, ONNX, the report) is imported when this command runs or
-# builds its options, not when the CLI starts: `python -m analysis mask ...` never pays for it.
+# The compress package (distillation, peft, ONNX, the report) is imported when this command runs, not
+# when the CLI starts or builds this command's options (they read the format declarations only).
 
 
 def _pipeline_arguments(parser) -> None:
-    from analysis.compress.export import EXPORT_DTYPES, FORMATS
-    from analysis.compress.recover.pipeline import DEFAULT_SCORER
+    from analysis.compress.export.format_registry import EXPORT_DTYPES, FORMATS
     add_source_arguments(parser, streaming=False)
-    add_scorer_arguments(parser, default=DEFAULT_SCORER)
+    add_scorer_arguments(parser)               # None: the pipeline's DEFAULT_SCORER (config_from)
     parser.add_argument("--target", type=float, default=0.25, help="target head sparsity (fraction of all heads)")
     parser.add_argument("--step", type=float, default=0.10, help="fraction of all heads pruned per round")
     parser.add_argument("--one-shot", dest="one_shot", action="store_true", help="one round, no recovery")
@@ -89,7 +88,9 @@ def _read_text(path: str | None, option: str) -> str | None:
 def config_from(ns):
     """A PipelineConfig from the `pipeline` command's options."""
     from analysis.compress.recover.distill import DistillConfig
-    from analysis.compress.recover.pipeline import PipelineConfig
+    from analysis.compress.recover.pipeline import DEFAULT_SCORER, PipelineConfig
+    if ns.scorer is None:
+        ns.scorer = DEFAULT_SCORER
     scorer = scorer_from(ns)
     cfg = PipelineConfig(
         target_sparsity=ns.target, step=ns.step, recovery_steps=ns.recovery_steps, ppl_budget=ns.budget,

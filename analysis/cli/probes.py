@@ -4,6 +4,7 @@ which heads carry each probe, and which heads matter more for one text than anot
     python -m analysis probes [--model M] [--probe NAME ...] [--items N] [--probe-seed S] [--bos auto|none|bos|eos]
                               [--sparsity S (+ scorer / policy options) | --mask-file mask.json|DIR | --export DIR]
                               [--map [--map-method fast|naive] [--top K] [--roles]] [--format json|csv] [--out F]
+    python -m analysis probes --list [--format json|csv] [--out F]
     python -m analysis domains [--model M] [--a wikipedia|python|FILE] [--b ...] [--sparsity S] [--tokens N] ...
 
 probes JSON: {"model", "probes": {name: dense numbers}, "cut": dense vs cut (analysis.measure.probes.breaks)
@@ -13,6 +14,9 @@ CSV: one row per probe (dense, or dense vs cut), or with --map one row per probe
 (scored here with --sparsity, or a mask.json / an export folder's mask.json with --mask-file) applied to
 --model, or an export folder's own weights (--export: a pruned / zeroed / stock export, e.g. a recovered
 pipeline model) measured on the same items. A lost capability is also a warning on stderr.
+probes --list: the registered probes (analysis.measure.probes.PROBES: name, label, the model kinds each
+applies to, its help line and source), read from their declarations: no model is loaded and nothing heavy is
+imported. JSON {"probes": [...]}; CSV one row per probe (kinds separated by spaces).
 domains JSON: importance per head on both sets with CIs, their difference, the domain-specific heads, and
 the cuts scored on each set evaluated on both (analysis.score.domains); CSV: one row per head.
 """
@@ -26,8 +30,10 @@ from analysis.core.errors import InputError
 
 
 def _probe_arguments(parser):
-    from analysis.measure.probes import PROBES
-    from analysis.measure.probes.items import BOS_CHOICES, DEFAULT_ITEMS
+    from analysis.measure.probes.registry import BOS_CHOICES, DEFAULT_ITEMS, PROBES
+    parser.add_argument("--list", dest="list_probes", action="store_true",
+                        help="list the registered probes (name, label, the model kinds they apply to, what each "
+                             "tests) and exit: no model is loaded; with --format csv one row per probe")
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--probe", action="append", choices=tuple(PROBES) + ("all",), default=None,
                         help="probe to run (repeat for several; default: every probe that applies): "
@@ -86,12 +92,22 @@ def _export_model(ns, loaded):
     return model.to(loaded.placement.dtype if loaded.placement else next(loaded.model.parameters()).dtype).eval()
 
 
+def list_probes() -> tuple[dict, list[dict]]:
+    """`probes --list`: the registered probes, from their records (nothing imported, no model)."""
+    from analysis.measure.probes.registry import PROBES
+    probes = [dict(name=name, label=spec.label, kinds=list(spec.kinds), help=spec.help, source=spec.source)
+              for name, spec in PROBES.items()]
+    return dict(probes=probes), [dict(p, kinds=" ".join(p["kinds"])) for p in probes]
+
+
 def run_probes(ns):
-    from analysis.measure.probes.breaks import build_applicable, cut_report, dense_scores
+    if ns.list_probes:
+        return list_probes()
     if ns.items is not None and ns.items < 1:
         raise InputError(f"--items must be at least 1; got {ns.items}.")
     if ns.top < 1:
         raise InputError(f"--top must be at least 1; got {ns.top}.")
+    from analysis.measure.probes.breaks import build_applicable, cut_report, dense_scores
     if ns.sparsity is not None:
         plan, _, loaded, info = plan_from(ns)
         pruned, model, cut_info = plan.pruned, None, dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy,

@@ -25,7 +25,7 @@ from analysis.score.masks import check_sparsity
 
 
 def _arguments(parser):
-    from analysis.measure.detectors import DETECTORS
+    from analysis.measure.detector_registry import DETECTORS
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--detector", action="append", choices=tuple(DETECTORS) + ("all",), default=None,
                         help="detector to run (repeat for several; default: all): " + "; ".join(

@@ -24,6 +24,9 @@ TIMEOUT + 10 s later. The launcher then stops the remaining processes.
 Test hook: HEADSCOPE_DIST_FAULT="kill:R" makes rank R SIGKILL itself at its first gather,
 "hang:R" makes it stop answering there, waiting at a cancel point, so the launcher's SIGTERM ends it
 as it ends a busy worker (tests/test_distributed.py uses both).
+
+torch is imported where a launch needs it: a single process (SOLO) never imports it here, so the CLI's
+start and its refusals stay fast.
 """
 from __future__ import annotations
 
@@ -37,8 +40,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
-
-import torch
 
 from analysis.core.errors import DistributedError, InputError, first_line
 from analysis.core.progress import raise_if_signalled
@@ -197,6 +198,8 @@ def backend_reason(err: BaseException) -> str:
 
 def on_cpu(obj):
     """obj with every tensor inside nested dicts / lists / tuples moved to the CPU (what a gather sends)."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, dict):
@@ -216,6 +219,8 @@ def launched(environ=os.environ) -> bool:
 
 def _backend(environ=os.environ) -> str:
     """NCCL when this process has a GPU to itself and accelerate did not ask for the CPU, else gloo."""
+    import torch
+
     use_cpu = environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     return "nccl" if torch.cuda.is_available() and not use_cpu else "gloo"
 
@@ -226,6 +231,7 @@ def team(environ=os.environ) -> Team:
     On NCCL, process LOCAL_RANK uses GPU cuda:LOCAL_RANK ("cuda" means that GPU from here on)."""
     if not launched(environ):
         return SOLO
+    import torch
     import torch.distributed as dist
 
     timeout = timeout_seconds(environ)

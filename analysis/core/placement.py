@@ -20,6 +20,9 @@ a dtype whose kernels are missing there, or a placement the model cannot fit in 
 
 `input_device(model)` (the device token ids go to) and the offload helpers live in
 analysis/arch/adapters.py, the layer that knows module internals.
+
+torch is imported by what asks this machine (`resolve()`, the memory guard) and by `DTYPES`' values,
+not by `Placement.of`: the CLI checks the options of every command before any heavy import.
 """
 from __future__ import annotations
 
@@ -27,21 +30,50 @@ import functools
 import os
 import re
 import shutil
+import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from analysis.core.atomic import os_problem
 from analysis.core.errors import InputError, ModelLoadError, OutputError
 
+if TYPE_CHECKING:
+    import torch
+
+
+class _TorchDtypes(Mapping):
+    """name -> torch.dtype for the supported dtypes: the names are known without torch, a value imports it."""
+
+    NAMES = ("float32", "bfloat16", "float16")
+
+    def __getitem__(self, name: str) -> "torch.dtype":
+        if name not in self.NAMES:
+            raise KeyError(name)
+        import torch
+        return getattr(torch, name)
+
+    def __iter__(self):
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)
+
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")  # plus "cuda:N"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: Mapping[str, "torch.dtype"] = _TorchDtypes()
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICE_MAP_CHOICES = ("auto",)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+HALF_DTYPE_NAMES = ("bfloat16", "float16")
+
+
+def _torch_object(value, kind: str) -> bool:
+    """Whether `value` is a torch.<kind> (a torch.device / torch.dtype); without torch imported, it cannot be."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, getattr(torch, kind))
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda)(?::(\d+))?$")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?$", re.IGNORECASE)
@@ -57,7 +89,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def parse_device(device) -> str:
     """Normalize a device option: "auto" | "cpu" | "mps" | "cuda" | "cuda:N" (InputError otherwise)."""
-    if isinstance(device, torch.device):
+    if _torch_object(device, "device"):
         device = str(device)
     text = str(device if device is not None else "auto").strip().lower()
     if text == "auto" or _DEVICE.match(text):
@@ -70,7 +102,7 @@ def parse_device(device) -> str:
 
 def parse_dtype(dtype) -> str:
     """Normalize a dtype option (a name, an alias or a torch.dtype) to "auto" or a DTYPES name."""
-    if isinstance(dtype, torch.dtype):
+    if _torch_object(dtype, "dtype"):
         for name, value in DTYPES.items():
             if value == dtype:
                 return name
@@ -130,21 +162,25 @@ def format_bytes(n: float) -> str:
 # -- what this machine has -------------------------------------------------------------------
 
 def cuda_count() -> int:
+    import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def mps_available() -> bool:
+    import torch
     return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
 
 
 def _current_cuda() -> int:
     """The GPU a bare "cuda" means: torch's current device. Under a launch each process has set it
     to its local rank (analysis.core.distributed.team), so 8 processes load onto 8 GPUs, not all on 0."""
+    import torch
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def resolve_device(device) -> torch.device:
     """The torch.device for a device option; ModelLoadError when this machine lacks it."""
+    import torch
     text = parse_device(device)
     if text == "auto":
         return torch.device("cuda", _current_cuda()) if cuda_count() else torch.device("cpu")
@@ -165,6 +201,7 @@ def resolve_device(device) -> torch.device:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """The dtype "auto" picks: float32 on the CPU, bfloat16 on CUDA where supported (else float16), float16 on mps."""
+    import torch
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float16 if device.type == "mps" else torch.float32
@@ -173,6 +210,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 @functools.lru_cache(maxsize=16)
 def _kernels_work(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
     """None when a matmul, softmax and layer norm run in `dtype` on the device, else the error."""
+    import torch
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     try:
         x = torch.ones(2, 4, 8, device=device, dtype=dtype)  # [B, T, D]
@@ -185,6 +223,7 @@ def _kernels_work(device_type: str, index: int | None, dtype: torch.dtype) -> st
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     """The torch.dtype for a dtype option on `device`; ModelLoadError when its kernels are missing there."""
+    import torch
     name = parse_dtype(dtype)
     value = default_dtype(device) if name == "auto" else DTYPES[name]
     if value != torch.float32:
@@ -294,6 +333,7 @@ def check_fit(resolved: ResolvedPlacement, need: int, name: str, *, available_by
     model must fit its free memory. Dispatched: the devices' budgets (max_memory, capped by what is
     free) plus the offload folder's free disk must hold it; the refusal names the option that
     would make it fit (--dtype, --offload-folder, --max-memory)."""
+    import torch
     import psutil
     free_ram = psutil.virtual_memory().available if available_bytes is None else int(available_bytes)
     asked = resolved.max_memory or {}
@@ -309,7 +349,7 @@ def check_fit(resolved: ResolvedPlacement, need: int, name: str, *, available_by
     def fits_in(dtype_: torch.dtype, capacity: int) -> bool:
         return estimate is not None and estimate(dtype_) <= capacity
 
-    smaller = [d for d in HALF_DTYPES if d.itemsize < resolved.dtype.itemsize]
+    smaller = [DTYPES[n] for n in HALF_DTYPE_NAMES if DTYPES[n].itemsize < resolved.dtype.itemsize]
     if not resolved.dispatched:
         where = resolved.device
         free = gpu_free(where.index or 0) if where.type == "cuda" else free_ram

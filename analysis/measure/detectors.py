@@ -30,12 +30,11 @@ given with its HeadLayout (`layout`) and its kept heads land in their original s
 Each detector is one `DetectorSpec` record in the registry `DETECTORS` (name, the title of its map, a
 help line, how to read its map, where it applies, whether it needs text, and how to build it),
 registered once with `register_detector`; the CLI's `roles --detector`, the app's Heads page and
-`detect_heads` read the registry.
+`detect_heads` read the registry. The records live in analysis.measure.detector_registry (light: the
+CLI's parser reads them without torch), re-exported here; each names its detector lazily
+("analysis.measure.detectors:PreviousTokenDetector"), imported the first time it is built.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -43,9 +42,7 @@ from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.core.registry import Registry
-from analysis.measure.circuits import CopyingDetector, SuccessorDetector
-from analysis.measure.dla import DirectLogitDetector
+from analysis.measure.detector_registry import DETECTORS, DetectorSpec, detector_spec, register_detector  # noqa: F401
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place, zero_pruned
 from analysis.measure.roles import DEFAULT_THRESHOLDS, attention_forward, previous_token_mass
 
@@ -104,6 +101,19 @@ class _RepeatedTokens:
         self.n_sequences = check_whole_number(n_sequences, "The number of repeated sequences", high=MAX_SEQUENCES)
         self.batch_size = check_whole_number(batch_size, "The batch size", high=MAX_SEQUENCES)
         self.seed, self.bos_id, self.exclude = check_seed(seed), bos_id, tuple(exclude)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, options: dict) -> "_RepeatedTokens":
+        """The detector's builder (its record's `build`): the shared options it takes, with the tokenizer's
+        BOS (or CLS) starting each sequence and its special ids left out of the random tokens, unless the
+        options say otherwise."""
+        options = dict(options)
+        if tokenizer is not None:
+            bos = getattr(tokenizer, "bos_token_id", None)
+            options.setdefault("bos_id", bos if bos is not None else getattr(tokenizer, "cls_token_id", None))
+            options.setdefault("exclude", tuple(getattr(tokenizer, "all_special_ids", ()) or ()))
+        keys = ("length", "n_sequences", "batch_size", "seed", "bos_id", "exclude")
+        return cls(**{k: v for k, v in options.items() if k in keys})
 
     def inputs(self, model) -> torch.Tensor:
         """The repeated random sequences [n, (1) + 2N] this detector reads (seeded: the same every call)."""
@@ -216,118 +226,10 @@ def model_is_causal(model) -> bool:
     return model_kind(model.config) == "causal-lm"
 
 
-@dataclass(frozen=True)
-class DetectorSpec:
-    """One detector, registered once (`register_detector`): what the CLI, the app and `detect_heads` read."""
-    name: str                                          # the CLI's --detector choice, the key of the results
-    title: str                                         # the title of its [L, H] map: what the score measures
-    help: str                                          # one line: the CLI's help, the app's caption
-    about: str                                         # how to read the map (the app's folded text)
-    build: Callable[[object, dict], object]            # (tokenizer or None, options) -> a detector (verb: detect)
-    needs_text: bool = False                           # reads the user's text (else builds its input or reads weights)
-    decoder_only: bool = False                         # needs an unembedding: refuses encoders with one line
-    signed: bool = False                               # an effect with a sign (DLA), not a role tag
-
-    def applies_to(self, kind: str) -> bool:
-        """Whether it runs on a model of `kind` ("causal-lm" | "masked-lm" | "encoder")."""
-        return not self.decoder_only or kind == "causal-lm"
-
-
-DETECTORS: Registry = Registry("detector")
-
-
-def register_detector(spec: DetectorSpec) -> DetectorSpec:
-    """Add a detector to the registry; InputError for a taken name (the same record again is a no-op)."""
-    return DETECTORS.add(spec.name, spec)
-
-
-def detector_spec(name: str) -> DetectorSpec:
-    """The registered detector; InputError naming the choices otherwise."""
-    return DETECTORS.of(name)
-
-
-def _taking(cls, *keys: str) -> Callable[[object, dict], object]:
-    """A builder passing the options named `keys` (the others are for other detectors)."""
-    return lambda tokenizer, options: cls(**{k: v for k, v in options.items() if k in keys})
-
-
-def _on_repeated_tokens(cls) -> Callable[[object, dict], object]:
-    """A builder for a repeated-token detector: the tokenizer's BOS (or CLS) starts each sequence and its
-    special ids are left out of the random tokens, unless the options say otherwise."""
-    def build(tokenizer, options):
-        options = dict(options)
-        if tokenizer is not None:
-            bos = getattr(tokenizer, "bos_token_id", None)
-            options.setdefault("bos_id", bos if bos is not None else getattr(tokenizer, "cls_token_id", None))
-            options.setdefault("exclude", tuple(getattr(tokenizer, "all_special_ids", ()) or ()))
-        return _taking(cls, "length", "n_sequences", "batch_size", "seed", "bos_id", "exclude")(tokenizer, options)
-    return build
-
-
-for _spec in (
-    DetectorSpec("previous-token", "Previous-token score (attention on token i-1)",
-                 "mean attention on the previous token (text)",
-                 about="""\
-Mean attention that each query puts on the token just before it, over the text. 1 = the head
-always looks one token back. This is the same statistic as the *previous-token* role tag above
-(one definition). Previous-token heads feed induction heads: they write "the token before me was
-X" into the residual stream.""",
-                 build=_taking(PreviousTokenDetector, "batch_size"), needs_text=True),
-    DetectorSpec("induction", "Induction score (attention to the token after the earlier copy)",
-                 "attention to the token after the earlier copy (repeated random tokens)",
-                 about="""\
-The model reads sequences of random tokens repeated twice ([BOS] r r). For each token of the
-second copy, an induction head attends to the token that came *after* the same token in the
-first copy (Olsson et al. 2022), so it can predict the repeat. Score = mean attention on exactly
-that key; 1 = perfect. The **in-context-learning score** is the whole model's loss on the first
-copy minus the loss on the second: how much the repeat helps.""",
-                 build=_on_repeated_tokens(InductionDetector)),
-    DetectorSpec("duplicate-token", "Duplicate-token score (attention to earlier copies of the token)",
-                 "attention to earlier occurrences of the same token (repeated random tokens)",
-                 about="""\
-On the same repeated random sequences: how much attention a token puts on earlier occurrences
-of itself. Duplicate-token heads tell later heads "this token appeared before".""",
-                 build=_on_repeated_tokens(DuplicateTokenDetector)),
-    DetectorSpec("copying", "Copying score (OV circuit eigenvalue share)",
-                 "OV circuit eigenvalue share: maps tokens to themselves (weights; decoders)",
-                 about="""\
-From weights only: the head's OV circuit maps an input token to output logits
-(unembedding x final-norm scale x W_O x W_V x input-norm scale x embedding). A copying head
-raises the logit of the token it attends to: the circuit's eigenvalues are mostly positive.
-Score = sum of the eigenvalues' real parts / sum of their magnitudes (Elhage et al. 2021), from
--1 to 1. Computed exactly over the whole vocabulary through a d x d factor of the circuit.
-Decoders only (it needs an unembedding).""",
-                 build=_taking(CopyingDetector), decoder_only=True),
-    DetectorSpec("successor", "Successor score (OV circuit maps ordinals to the next one)",
-                 "OV circuit maps ordinals to the next one: 1->2, Monday->Tuesday (weights; decoders)",
-                 about="""\
-From weights only: does the head's OV circuit send an ordinal token to the next one (1 -> 2,
-Monday -> Tuesday, January -> February, A -> B)? Score = the share of ordinal tokens whose
-highest circuit logit, among the tokens of the same list, is their successor (Gould et al. 2023;
-chance is about one over the list's length). This reads the raw token embeddings; the paper reads
-them after the first MLP, so a head can be a successor head there and score lower here.""",
-                 build=lambda tokenizer, options: SuccessorDetector(categories=options.get("categories"),
-                                                                    tokenizer=tokenizer),
-                 decoder_only=True),
-    DetectorSpec("dla", "Direct logit attribution (mean logit added to the correct next token)",
-                 "direct logit attribution to the correct next token (text; decoders)",
-                 about="""\
-Each head's output, pushed through the final norm (its scale frozen at the value it has on the
-full residual) and the unembedding, dotted with the correct next token's direction: how many
-logits the head adds to the right answer directly, averaged over the text. Red = helps, blue =
-hurts. The heads plus the embeddings, the MLPs and the biases add up to the logit exactly.
-Indirect effects (a head that helps through later layers) are not counted. Decoders only.""",
-                 build=_taking(DirectLogitDetector, "batch_size"), needs_text=True, decoder_only=True,
-                 signed=True),
-):
-    register_detector(_spec)
-del _spec
-
-
 def get_detector(name: str, tokenizer=None, **options):
     """A detector by name, built by its record (repeated-token detectors get the tokenizer's BOS and
     special ids); options another detector takes are ignored."""
-    return detector_spec(name).build(tokenizer, options)
+    return detector_spec(name).builder(tokenizer, options)
 
 
 def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tokens: int = 256,

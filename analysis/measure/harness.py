@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.core.errors import InputError, check_whole_number, first_line
 from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
 
@@ -634,6 +633,8 @@ def run_harness(model, tokenizer, prepared: PreparedTasks, *, gates=None, adapte
     check_whole_number(batch_size, "the harness batch size", low=1, high=2**16)
     check_whole_number(max_length, "the harness max length", low=2, high=2**24, none_ok=True)
     from lm_eval.evaluator import evaluate
+
+    from analysis.arch.head_gates import head_mask      # torch: imported on use (the CLI's parser reads this module)
     with _quiet():
         lm = _make_lm(model, tokenizer, batch_size=batch_size, max_length=max_length)
     _check_logit_memory(prepared, lm, model, batch_size)
@@ -716,6 +717,7 @@ def harness_report(loaded, prepared: PreparedTasks, *, pruned=None, model=None, 
         cut_progress = progress                             # the dense side was measured before
     cut = None
     if pruned is not None:
+        from analysis.arch.head_gates import gates_from_mask
         cut = run(loaded.model, gates=gates_from_mask(pruned), adapter=loaded.adapter, progress=cut_progress)
     elif model is not None:
         cut = run(model, progress=cut_progress)

@@ -48,7 +48,7 @@ import numpy as np
 
 from analysis.core.errors import InputError
 from analysis.core.registry import Registry
-from analysis.arch.head_gates import kv_groups_emptied
+from analysis.arch.geometry import kv_groups_emptied
 
 KV_POLICIES = ("auto", "expand", "strict")
 DEFAULT_GQA_POLICY = "groups"   # never grows the model; on SmolLM2 it beats balanced at 25 % and 50 % (docs/results.md)

@@ -26,8 +26,10 @@ gate gradients, attributions) are computed on one process exactly as in a single
 and summed in batch order, so the scores are the single-process ones. (SparseGPT's X^T X and
 Gradient-Head's weight gradients are weight-sized per batch: the gather moves one such set per batch.)
 
-The registry at the bottom (`SCORERS`, filled by `register_scorer`) is what the CLI, the app and
-scripts/results.py read: a scorer's name, label, constructor parameters and needs_calibration.
+The registry (`SCORERS`, filled by `register_scorer`; analysis.score.scorer_registry, re-exported here)
+is what the CLI, the app and scripts/results.py read: a scorer's name, label, constructor parameters
+and needs_calibration, declared there without importing this module (torch); each class here sets only
+its `name` and takes the rest from its declaration.
 
 Device and precision: calibration batches go to the model's input device and run in its dtype;
 input statistics (sums of squares, X^T X) are formed in float32 and accumulated in float64 on the
@@ -39,7 +41,6 @@ reloaded on every pass, so they have no gradient to read).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,28 +56,19 @@ from analysis.arch.adapters import Adapter, HeadWeights, adapter_for, input_devi
 from analysis.measure.attribution import gate_loss_fn, integrated_gate_gradients
 from analysis.core.distributed import SOLO, Team
 from analysis.core.errors import SEED_MAX, InputError, UnsupportedModelError, check_seed, check_whole_number  # noqa: F401 (SEED_MAX, check_seed: re-exported)
-from analysis.core.params import Param, bind
-from analysis.core.registry import Registry
+from analysis.core.params import Param, bind  # noqa: F401 (Param: re-exported)
+from analysis.core.registry import take_declared
+from analysis.score.scorer_registry import (  # noqa: F401 (the registry and the declarations: re-exported)
+    A_KV, A_Q, BATCH_SIZE, CALIBRATION, DAMPING, DECLARED_FIELDS, N_SEQUENCES, N_STEPS, NORMALIZATIONS, NORMALIZE, NORMALIZED, ORD,
+    SCOPE, SCORERS, SEED, SEQ_LEN, STD, Z, ScorerSpec, check_normalize, default_scorer, get_scorer, register_scorer,
+    scorer_class, scorer_declarations, scorer_label, scorer_parameters, weight_only_scorers)
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import LM_KINDS, lm_sequence_losses
 from analysis.measure.tokens import calibration_ids
 from analysis.score.masks import tie_order_of
 from analysis.arch.models import model_kind
-from analysis.measure.profiles import (
-    DEFAULT_STD,
-    DEFAULT_Z,
-    STD_DDOF,
-    SCOPES,
-    Z_MAX,
-    NormProfile,
-    check_ord,
-    check_scope,
-    check_std,
-    check_z,
-    head_and_group_sums,
-    profile_model,
-)
+from analysis.measure.profiles import NormProfile, head_and_group_sums, profile_model
 from analysis.core.progress import Progress, ShouldStop, tick
 from analysis.core.text import calibration_text
 
@@ -242,88 +234,29 @@ def batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters: each declared once (analysis.core.params.Param). A scorer's constructor and params()
-# are built from its `parameters`; the CLI's options (cli.common), the URL's fields
-# (components/state.py) and the app's widgets (components/controls.py) are derived from them.
+# Parameters: each declared once (analysis.core.params.Param), in analysis.score.scorer_registry with
+# every scorer's declaration (Z, SCOPE, ..., CALIBRATION are imported from there).
 # ---------------------------------------------------------------------------------------------
-
-
-def _check_weight(name: str, value: float) -> float:
-    value = float(value)
-    if not np.isfinite(value) or value < 0:
-        raise InputError(f"{name} must be a finite weight >= 0; got {value}.")
-    return value
-
-
-def _check_steps(n_steps) -> int:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or int(n_steps) < 1:
-        raise InputError(f"Integrated gradients need n_steps >= 1; got {n_steps!r}.")
-    return int(n_steps)
-
-
-def _layer_mean_normalized(scores: np.ndarray) -> np.ndarray:
-    """scores [L, H] / each layer's mean score (a layer whose scores are all 0 stays 0): every
-    layer's mean becomes 1, so a layer's activation scale no longer decides a global ranking."""
-    mean = scores.mean(axis=1, keepdims=True)  # [L, 1]
-    return np.divide(scores, mean, out=np.zeros_like(scores), where=mean > 0)  # [L, H]
-
-
-# normalize option -> [L, H] transform of the raw scores (Wanda-Head, SparseGPT-Head)
-NORMALIZATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "none": lambda scores: scores,
-    "layer": _layer_mean_normalized,
-}
-
-
-def check_normalize(normalize: str) -> str:
-    if normalize not in NORMALIZATIONS:
-        raise InputError(f"normalize must be one of {', '.join(NORMALIZATIONS)}; got {normalize!r}.")
-    return normalize
-
-
-Z = Param(DEFAULT_Z, "Threshold z", "MP threshold: tau = mean + z * std of each population of row norms",
-          lo=0.0, hi=Z_MAX, step=0.05, check=check_z)
-SCOPE = Param("layer", "Population", "threshold population: each projection of each layer (layer), or one "
-              "projection across all layers (model)", choices=SCOPES, check=check_scope)
-ORD = Param(2, "Norm", "row norm: 2 (L2) or 1 (L1)", choices=(2, 1), names={2: "L2", 1: "L1"}, check=check_ord)
-STD = Param(DEFAULT_STD, "Std in the threshold",
-            "std in tau = mean + z * std: population (divide by n, ddof 0, the default) or sample (by n - 1, "
-            "ddof 1, PyTorch's Tensor.std); at the boundary they move a few heads in or out of the bulk",
-            choices=tuple(STD_DDOF),
-            names={"population": "population (ddof = 0)", "sample": "sample (ddof = 1, torch.std)"}, check=check_std)
-A_Q = Param(1.0, "a_q (own Q/O weight)", "MP-G weight of the Q/O excess", lo=0.0, hi=10.0, step=0.1,
-            check=lambda v: _check_weight("a_q", v))
-A_KV = Param(1.0, "a_kv (shared K/V weight)", "MP-G weight of the K/V excess", lo=0.0, hi=10.0, step=0.1,
-             check=lambda v: _check_weight("a_kv", v))
-SEED = Param(0, "Seed", "random scorer seed", lo=0, hi=2**31 - 1, step=1, check=check_seed)
-N_SEQUENCES = Param(8, "Calibration sequences", "calibration sequences (calibration scorers)", lo=1, hi=64, step=1,
-                    check=lambda v: check_whole_number(v, "n_sequences (calibration sequences)"))
-SEQ_LEN = Param(128, "Tokens per sequence", "calibration sequence length", lo=8, hi=1024, step=8,
-                check=lambda v: check_whole_number(v, "seq_len (tokens per calibration sequence)", low=2))
-BATCH_SIZE = Param(4, help="calibration sequences per forward pass (never changes the scores)", recorded=False,
-                   check=lambda v: check_whole_number(v, "batch_size"))
-NORMALIZE = Param("none", "Per-layer normalization",
-                  "wanda / sparsegpt: 'layer' divides every layer's scores by that layer's mean score (each layer's "
-                  "mean becomes 1), so a layer's activation scale no longer decides the global ranking",
-                  choices=tuple(NORMALIZATIONS), names={"none": "none (as defined)", "layer": "divide by the layer's mean"},
-                  check=check_normalize)
-DAMPING = Param(0.01, "Damping", "SparseGPT damping fraction", lo=1e-6, hi=1.0, number_format="%.4f",
-                check=lambda v: _check_weight("damping", v))
-N_STEPS = Param(4, "Integration steps", "integrated-gradient steps", lo=1, hi=64, step=1, check=_check_steps)
-CALIBRATION = {"n_sequences": N_SEQUENCES, "seq_len": SEQ_LEN, "batch_size": BATCH_SIZE}
 
 
 class Scorer:
     """Base class. Subclasses set `name`, `label` and `parameters` (name -> Param), implement `_compute`.
 
-    The constructor takes the declared parameters as keywords (each checked by its declaration) and
-    keeps them as attributes; `params()` returns the recorded ones."""
+    A scorer declared in analysis.score.scorer_registry (a `ScorerSpec` naming this class) sets only
+    `name`: its label, parameters and needs_calibration are copied from the declaration when the class
+    is defined (`__init_subclass__`), so each is written once. The constructor takes the declared
+    parameters as keywords (each checked by its declaration) and keeps them as attributes; `params()`
+    returns the recorded ones."""
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""            # what the app and reports call it
     needs_calibration: ClassVar[bool] = False
     needs_gradients: ClassVar[bool] = False
     parameters: ClassVar[dict[str, Param]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        take_declared(cls, SCORERS, DECLARED_FIELDS)
 
     def __init__(self, **params):
         for name, value in bind(self.parameters, params, f"The {self.name!r} scorer").items():
@@ -392,9 +325,7 @@ def magnitude_tiebreak(subject: Subject) -> np.ndarray:
 class MPScorer(Scorer):
     """Magnitude Profile: sum of row-norm excesses over the head's Q/O and its group's K/V rows."""
 
-    name = "mp"
-    label = "MP (Magnitude Profile)"
-    parameters = {"z": Z, "scope": SCOPE, "ord": ORD, "std": STD}
+    name = "mp"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def combine(self, own: np.ndarray, group: np.ndarray) -> np.ndarray:
         return mp_combine(own, group)
@@ -421,9 +352,7 @@ class MPScorer(Scorer):
 class MPGScorer(MPScorer):
     """MP-G (GQA-aware): a_q * own excess + a_kv * group excess / G."""
 
-    name = "mp-g"
-    label = "MP-G (GQA-aware MP)"
-    parameters = {**MPScorer.parameters, "a_q": A_Q, "a_kv": A_KV}
+    name = "mp-g"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def combine(self, own, group):
         return mpg_combine(own, group, self.a_q, self.a_kv)
@@ -432,9 +361,7 @@ class MPGScorer(MPScorer):
 class MagnitudeScorer(Scorer):
     """Sum of the L2 (or L1) norms of the head's Q rows, O columns and its group's K/V rows."""
 
-    name = "magnitude"
-    label = "Magnitude"
-    parameters = {"ord": ORD}
+    name = "magnitude"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         profile = as_profile(target)
@@ -445,9 +372,7 @@ class MagnitudeScorer(Scorer):
 class RandomScorer(Scorer):
     """A seeded random permutation of 0 .. L*H-1: the floor every scorer must beat."""
 
-    name = "random"
-    label = "Random (floor)"
-    parameters = {"seed": SEED}
+    name = "random"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         L, H = _grid(target)
@@ -474,10 +399,7 @@ class AblationOracle(Scorer):
     and does less work than that).
     """
 
-    name = "ablation"
-    label = "Ablation oracle (real loss increase)"
-    needs_calibration = True
-    parameters = {**CALIBRATION, "batch_size": dataclasses.replace(BATCH_SIZE, default=16)}
+    name = "ablation"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def __init__(self, loss_increase=None, **params):
         super().__init__(**params)
@@ -601,7 +523,7 @@ def _add_input_stats(acc: tuple | None, part: tuple) -> tuple:
 class NormalizedCalibrationScorer(CalibrationScorer):
     """A calibration scorer whose [L, H] scores can be divided by each layer's mean (normalize="layer")."""
 
-    parameters = {**CALIBRATION, "normalize": NORMALIZE}
+    parameters = NORMALIZED
 
     def _compute(self, target, calibration, cost, progress, should_stop):
         scores, tiebreak = super()._compute(target, calibration, cost, progress, should_stop)
@@ -612,8 +534,7 @@ class WandaHeadScorer(NormalizedCalibrationScorer):
     """sum |W_ij| * ||X_j||_2 over the head's Q/K/V rows (X = attention input) and O columns
     (X = O's input, the per-head attention output); normalize="layer" divides by the layer's mean."""
 
-    name = "wanda"
-    label = "Wanda-Head"
+    name = "wanda"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=False)
@@ -638,9 +559,7 @@ class SparseGPTHeadScorer(NormalizedCalibrationScorer):
     """OBS saliency w_ij^2 / [H^-1]_jj^2, H = X^T X / tokens + damping * mean(diag) * I, per head;
     normalize="layer" divides by the layer's mean."""
 
-    name = "sparsegpt"
-    label = "SparseGPT-Head"
-    parameters = {**NormalizedCalibrationScorer.parameters, "damping": DAMPING}
+    name = "sparsegpt"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         stats = run_forward(subject, ids, self.batch_size, cost, progress, should_stop, full=True)
@@ -693,8 +612,7 @@ def weights_requiring_grad(params: list[nn.Parameter]) -> Iterator[None]:
 class GradientHeadScorer(CalibrationScorer):
     """sum |w_ij * g_ij| over the head's Q/K/V rows and O columns, g = d(mean LM loss)/dw."""
 
-    name = "gradient"
-    label = "Gradient-Head"
+    name = "gradient"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
@@ -736,8 +654,7 @@ class GradientHeadScorer(CalibrationScorer):
 class HeadGateScorer(CalibrationScorer):
     """Michel et al. (2019): sum over calibration sequences of |dL/d gate_h| at gates = 1."""
 
-    name = "gate"
-    label = "Head-gate importance"
+    name = "gate"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
     needs_gradients = True
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
@@ -777,10 +694,8 @@ class IntegratedGateScorer(CalibrationScorer):
     loss drop from "every head off" to "every head on". Heads that raise the loss score < 0.
     """
 
-    name = "gate-ig"
-    label = "Head-gate, integrated gradients"
+    name = "gate-ig"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
     needs_gradients = True
-    parameters = {**CALIBRATION, "n_steps": N_STEPS}
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         require_lm(subject)
@@ -806,9 +721,7 @@ class IntegratedGateScorer(CalibrationScorer):
 class HybridScorer(CalibrationScorer):
     """min-max(Magnitude) + min-max(MP at z) + min-max(Wanda-Head), weights 1.0 each."""
 
-    name = "hybrid"
-    label = "Hybrid (Magnitude + MP + Wanda)"
-    parameters = {**CALIBRATION, "z": Z, "scope": SCOPE, "std": STD}
+    name = "hybrid"   # label, parameters, needs_calibration: its declaration (score/scorer_registry.py)
 
     def _calibrate(self, subject, ids, cost, progress, should_stop):
         profile = profile_model(subject.model, adapter=subject.adapter)
@@ -817,63 +730,3 @@ class HybridScorer(CalibrationScorer):
         wanda = WandaHeadScorer(n_sequences=self.n_sequences, seq_len=self.seq_len, batch_size=self.batch_size)
         wanda_scores = wanda._calibrate(subject, ids, cost, progress, should_stop)  # [L, H]
         return min_max(magnitude) + min_max(mp) + min_max(wanda_scores)
-
-
-# ---------------------------------------------------------------------------------------------
-# The registry: what the CLI (--scorer choices, options, weight-only set), the app (scorer list,
-# labels, parameter widgets) and scripts/results.py read. A scorer is one registration.
-# ---------------------------------------------------------------------------------------------
-
-SCORERS: Registry = Registry("scorer")
-
-
-def register_scorer(cls: type[Scorer]) -> type[Scorer]:
-    """Register a Scorer subclass under `cls.name` (its `label`, constructor parameters and
-    `needs_calibration` come with it). InputError for a missing name/label or a taken name."""
-    if not cls.name or not cls.label:
-        raise InputError(f"{cls.__name__} needs a `name` and a `label` to be registered as a scorer.")
-    return SCORERS.add(cls.name, cls)
-
-
-for _cls in (MPScorer, MPGScorer, MagnitudeScorer, RandomScorer, WandaHeadScorer, SparseGPTHeadScorer,
-             GradientHeadScorer, HeadGateScorer, IntegratedGateScorer, HybridScorer, AblationOracle):
-    register_scorer(_cls)
-del _cls
-
-
-def scorer_declarations(name: str) -> dict[str, Param]:
-    """{parameter: Param} of a registered scorer: its declared `parameters`, then any other constructor
-    keyword with a default (a scorer that declares nothing, e.g. a quick experiment, still gets a CLI
-    option typed from the default; it has no label, so the app uses its default)."""
-    cls = scorer_class(name)
-    out = dict(cls.parameters)
-    for n, p in inspect.signature(cls.__init__).parameters.items():
-        if n != "self" and n not in out and p.default is not inspect.Parameter.empty:
-            out[n] = Param(p.default)
-    return out
-
-
-def scorer_parameters(name: str) -> dict[str, object]:
-    """{constructor parameter: default} of a registered scorer (parameters without a default left out)."""
-    return {n: p.default for n, p in scorer_declarations(name).items()}
-
-
-def weight_only_scorers() -> tuple[str, ...]:
-    """Names of the registered scorers that need no calibration text (they score a NormProfile)."""
-    return tuple(name for name, cls in SCORERS.items() if not cls.needs_calibration)
-
-
-def scorer_class(name: str) -> type[Scorer]:
-    """The registered scorer class; InputError naming the choices otherwise."""
-    return SCORERS.of(name)
-
-
-def get_scorer(name: str, **params) -> Scorer:
-    """Instantiate a registered scorer by name; InputError naming the choices otherwise."""
-    return scorer_class(name)(**params)
-
-
-def default_scorer(group_size: int) -> str:
-    """The scorer a fresh session or a command without --scorer uses, by G = H / Hkv: MP-G on GQA/MQA
-    models (G > 1: it does not count a shared KV group's excess G times), MP on MHA (equal there)."""
-    return "mp-g" if int(group_size) > 1 else "mp"

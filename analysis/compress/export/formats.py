@@ -2,9 +2,11 @@
 
 A format is a small class (`ExportFormat`) with a name (the CLI's `--export-format` choice and the app's
 name), a label, its own options (`FormatOption`: the CLI adds `--option-name`, the Export page a widget)
-and one verb, `write`, that fills a fresh folder. `register_format` adds it to `FORMATS`; the CLI, the
-Export page and the pipeline read their choices from there, so a new format is one module and one
-registration (docs/ARCHITECTURE.md, "How to add an export format").
+and one verb, `write`, that fills a fresh folder. The registry `FORMATS` (`register_format`,
+`format_options`: analysis.compress.export.format_registry, re-exported here) holds each format's
+declaration and names its class lazily; the CLI, the Export page and the pipeline read their choices
+from there, so a new format is one module and one declaration (docs/ARCHITECTURE.md, "How to add an
+export format").
 
 `export_to(fmt, model, pruned, target, ...)` does what every format shares: an in-memory copy of a
 dispatched model, the mask record, the atomic folder (`analysis.compress.export.folder`), mask.json,
@@ -16,32 +18,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from torch import nn
 
 from analysis.arch.adapters import in_memory_copy, is_dispatched
 from analysis.arch.checkpoint import check_finite_tensor
+from analysis.compress.export.format_registry import (  # noqa: F401 (the registry: re-exported)
+    DECLARED_FIELDS, EXPORT_DTYPES, FORMATS, FormatOption, FormatSpec, format_options, get_format, register_format)
 from analysis.compress.export.folder import (atomic_folder, check_export_name, clean_leftovers, listing,
                                              resolve_under)
 from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
 from analysis.compress.export.selfcheck import read_self_checks
 from analysis.compress.surgery import HeadLayout, prune_heads
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError
+from analysis.core.registry import take_declared
 from analysis.core.progress import Progress, check_stop, no_progress
 
 LAYOUT_FILE = "head_layout.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-@dataclass(frozen=True)
-class FormatOption:
-    """One option of a format: its default, the allowed values (None: any value of the default's type),
-    a help line, and for a whole number its (lowest, highest) allowed value."""
-    default: Any
-    choices: tuple | None = None
-    help: str = ""
-    bounds: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +54,10 @@ class StreamSpec:
 
 
 class ExportFormat:
-    """One export format. Subclasses set the class attributes and implement `write`."""
+    """One export format. Subclasses set the class attributes and implement `write`; a format declared
+    in analysis.compress.export.format_registry (a `FormatSpec` naming the class) sets only `name` (and
+    physical / keeps_dtype / streamed) and takes its label, help, rank and options from the declaration
+    when the class is defined."""
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""                  # what the app shows
     help: ClassVar[str] = ""                   # one line: what the folder holds and what loads it
@@ -70,6 +68,10 @@ class ExportFormat:
     # writes the weights in the export's dtype (`export_to(dtype=...)`: the source checkpoint's by default);
     # False: the format has its own precision (ONNX float32, a GGUF type)
     keeps_dtype: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        take_declared(cls, FORMATS, DECLARED_FIELDS)
 
     def write(self, model: nn.Module, pruned, folder: Path, *, kv_policy: str = "auto", rounds=None,
               **options) -> HeadLayout | None:
@@ -98,46 +100,6 @@ class PhysicalFormat(ExportFormat):
         raise NotImplementedError
 
 
-FORMATS: dict[str, ExportFormat] = {}
-
-
-def register_format(cls: type[ExportFormat]) -> type[ExportFormat]:
-    """Add a format to the registry (usable as a class decorator); its name must be new. The registry
-    stays ordered by `rank` (then by registration)."""
-    if not cls.name or cls.name in FORMATS:
-        raise ValueError(f"export format name {cls.name!r} is empty or taken")
-    FORMATS[cls.name] = cls()
-    ordered = sorted(FORMATS.items(), key=lambda item: item[1].rank)     # stable: equal ranks keep their order
-    FORMATS.clear()
-    FORMATS.update(ordered)
-    return cls
-
-
-def get_format(fmt: str) -> ExportFormat:
-    if fmt not in FORMATS:
-        raise InputError(f"Unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
-    return FORMATS[fmt]
-
-
-def format_options(fmt: str, given: dict) -> dict:
-    """The options of `fmt`: its defaults overridden by `given` (unknown names and values refused)."""
-    spec = get_format(fmt).options
-    unknown = sorted(set(given) - set(spec))
-    if unknown:
-        raise InputError(f"The {fmt} export has no option {unknown[0]!r}; its options are "
-                         f"{', '.join(spec) or 'none'}.")
-    out = {name: opt.default for name, opt in spec.items()}
-    for name, value in given.items():
-        if spec[name].choices is not None and value not in spec[name].choices:
-            raise InputError(f"The {fmt} export's {name} must be one of {', '.join(map(str, spec[name].choices))}; "
-                             f"got {value!r}.")
-        if spec[name].bounds is not None:
-            low, high = spec[name].bounds
-            value = check_whole_number(value, f"The {fmt} export's {name}", low=low, high=high)
-        out[name] = value
-    return out
-
-
 @dataclass
 class ExportResult:
     """What an export wrote: its format, final folder, file name -> size in bytes."""
@@ -151,10 +113,6 @@ class ExportResult:
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
-
-
-# what an export's weights are stored in: the source checkpoint's dtype (the default), or one named
-EXPORT_DTYPES = ("source", "float32", "bfloat16", "float16")
 
 
 def export_dtype(choice: str, source_dtype=None):

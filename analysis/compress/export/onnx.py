@@ -13,12 +13,10 @@ from torch import nn
 from analysis.arch.adapters import input_device
 from analysis.compress.export.folder import ExportError
 from analysis.core.errors import InputError
-from analysis.compress.export.formats import FormatOption, PhysicalFormat, register_format
+from analysis.compress.export.format_registry import OPSETS  # noqa: F401 (the onnx format's declared opsets)
+from analysis.compress.export.formats import PhysicalFormat
 
 ONNX_FILE = "model.onnx"
-# the opsets written as asked: 9 is the lowest torch's TorchScript exporter writes for these models (7 and 8
-# fail), 20 its highest (torch.onnx._constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET)
-OPSETS = (9, 20)
 
 
 class _FirstOutput(nn.Module):
@@ -74,13 +72,8 @@ def write_onnx(model: nn.Module, path: Path, *, opset: int = 17) -> str:
     return name
 
 
-@register_format
 class OnnxFormat(PhysicalFormat):
-    name = "onnx"
-    rank = 40
-    label = "ONNX (ONNX Runtime)"
-    help = "model.onnx of the pruned model, for ONNX Runtime"
-    options = {"opset": FormatOption(17, None, f"ONNX opset version ({OPSETS[0]} to {OPSETS[1]})", bounds=OPSETS)}
+    name = "onnx"   # label, help, rank, options: its declaration (export/format_registry.py)
 
     def write_cut(self, smaller, layout, folder, *, original, opset=17, **options):
         write_onnx(smaller, folder / ONNX_FILE, opset=int(opset))

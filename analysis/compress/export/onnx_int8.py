@@ -37,7 +37,7 @@ import numpy as np
 from torch import nn
 
 from analysis.compress.export.folder import ExportError, atomic_folder
-from analysis.compress.export.formats import FormatOption, PhysicalFormat, register_format
+from analysis.compress.export.formats import PhysicalFormat
 from analysis.compress.export.onnx import ONNX_FILE, OnnxLM, onnx_file, write_onnx
 from analysis.compress.export.selfcheck import (SelfCheck, check_causal, check_outputs, held_back_windows, refuse,
                                                 write_self_checks)
@@ -89,7 +89,7 @@ def _dynamic(src: Path, dst: Path, block_size: int, keep_float: Sequence[str] = 
     quantize_dynamic(str(src), str(dst), weight_type=QuantType.QUInt8, nodes_to_quantize=nodes, per_channel=True)
 
 
-ONNX_METHODS = {"dynamic": _dynamic, "weight-only": _weight_only}
+ONNX_METHODS = {"dynamic": _dynamic, "weight-only": _weight_only}   # keys: format_registry.ONNX_INT8_METHODS
 FALLBACK = {"dynamic": "weight-only"}          # the variant a failed self-check falls back to
 
 
@@ -187,17 +187,8 @@ def self_check_onnx(fp32: Path, int8: Path, config, tokenizer, *, causal: bool, 
                  artifact_name=f"INT8 ONNX ({method})", reference_name="the float32 ONNX file")
 
 
-@register_format
 class OnnxInt8Format(PhysicalFormat):
-    name = "onnx-int8"
-    rank = 50
-    label = "ONNX INT8 (self-checked)"
-    help = ("model.onnx with INT8 weights for ONNX Runtime (integer kernels by default), measured against "
-            "the float32 file on this CPU before it is written")
-    options = {"opset": FormatOption(17, None, "ONNX opset version"),
-               "int8_method": FormatOption("dynamic", tuple(ONNX_METHODS),
-                                           "dynamic: integer kernels (u8 weights, 8-bit activations per call, "
-                                           "outlier layers float); weight-only: 8-bit weights, float activations")}
+    name = "onnx-int8"   # label, help, rank, options: its declaration (export/format_registry.py)
 
     def write_cut(self, smaller: nn.Module, layout, folder: Path, *, original, tokenizer=None, opset=17,
                   int8_method="dynamic", **options) -> None:

@@ -16,8 +16,7 @@ from torch import nn
 
 from analysis.arch.adapters import adapter_for
 from analysis.arch.models import quiet_load_report, quiet_progress_bars
-from analysis.compress.export.formats import (LAYOUT_FILE, WEIGHTS_FILE, PhysicalFormat, StreamSpec,
-                                              register_format)
+from analysis.compress.export.formats import LAYOUT_FILE, WEIGHTS_FILE, PhysicalFormat, StreamSpec
 from analysis.compress.export.records import TOOL
 from analysis.compress.surgery import HeadLayout, apply_layout
 from analysis.core import schemas
@@ -34,13 +33,9 @@ def save_pruned(model: nn.Module, folder: Path) -> None:
     model.config.save_pretrained(folder)
 
 
-@register_format
 class PrunedFormat(PhysicalFormat):
-    name = "pruned"
-    rank = 20
-    label = "pruned checkpoint (head layout)"
+    name = "pruned"   # label, help, rank, options: its declaration (export/format_registry.py)
     keeps_dtype = True
-    help = "physically smaller, any per-layer head counts: load_pruned loads it"
 
     # streamed (analysis.compress.export.streamed): state-dict names, a tie stored once, the original config
     streamed = StreamSpec(names="state_dict", producer=True, config="original")

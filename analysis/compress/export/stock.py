@@ -10,7 +10,7 @@ import numpy as np
 
 from analysis.arch import resize
 from analysis.arch.adapters import adapter_for
-from analysis.compress.export.formats import PhysicalFormat, StreamSpec, register_format
+from analysis.compress.export.formats import PhysicalFormat, StreamSpec
 from analysis.compress.export.zeroed import save_hf
 from analysis.compress.surgery import HeadLayout
 from analysis.core.errors import HeadscopeError, InputError
@@ -107,13 +107,9 @@ def stock_check(model_or_config, pruned, *, kv_policy: str = "auto", sparsity: f
     return StockCheck(not why, why, (h, kv), nearest)
 
 
-@register_format
 class StockFormat(PhysicalFormat):
-    name = "stock"
-    rank = 30
-    label = "stock checkpoint (from_pretrained)"
+    name = "stock"   # label, help, rank, options: its declaration (export/format_registry.py)
     keeps_dtype = True
-    help = "uniform head counts: plain from_pretrained loads it"
     # streamed (analysis.compress.export.streamed): the checkpoint's names, config.json with the pruned counts
     streamed = StreamSpec(names="checkpoint", producer=False, config="stock")
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from analysis.arch.head_gates import zero_heads
 from analysis.arch.models import quiet_progress_bars
-from analysis.compress.export.formats import ExportFormat, register_format
+from analysis.compress.export.formats import ExportFormat
 
 
 def save_hf(model: nn.Module, folder: Path, config=None) -> None:
@@ -22,12 +22,8 @@ def save_hf(model: nn.Module, folder: Path, config=None) -> None:
         config.save_pretrained(folder)
 
 
-@register_format
 class ZeroedFormat(ExportFormat):
-    name = "zeroed"
-    rank = 10
-    label = "zeroed weights (original shapes)"
-    help = "original shapes, pruned heads zeroed: loads anywhere, no smaller"
+    name = "zeroed"   # label, help, rank, options: its declaration (export/format_registry.py)
     physical = False
     keeps_dtype = True
 

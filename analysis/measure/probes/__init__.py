@@ -1,18 +1,20 @@
 """Capability probes: what a model can do, what a cut breaks, which heads carry each behaviour.
 
-- registry.py: one record per probe (`ProbeSpec`), registered once; `PROBES`.
+- registry.py: one record per probe (`ProbeSpec`), registered once; `PROBES`; the built-in records,
+  each naming its class lazily ("module:Class"), and the probes' shared options. Light: importing this
+  package imports neither torch nor transformers (the CLI's parser and `probes --list` read it).
 - items.py: items (prompt, read-out position, correct token, contrast), built offline and seeded,
   checked against the tokenizer.
-- language.py (IOI, agreement, anaphor), copying.py, code.py, successor.py: the built-in probes.
+- language.py (IOI, agreement, anaphor), copying.py, code.py, successor.py: the built-in probes' classes
+  (imported the first time a probe is built).
 - measure.py: logit difference and accuracy under any mask, with bootstrap CIs.
 - circuit.py: a probe's per-head map through the fast ablation sweep (analysis.measure.ablation).
 - breaks.py: "what this cut breaks" (dense vs cut, per probe, the lost capabilities flagged).
-- domains.py: per-head importance on two text sets, and a cut scored on one evaluated on both.
 
-Adding a probe: a `Probe` subclass with `drafts` and one `register_probe(ProbeSpec(...))` beside it,
-in a module imported below (docs/DEFINITIONS.md, "What a cut breaks").
+Adding a probe: a `Probe` subclass with `drafts` in a module of this package, and one record in
+registry.py's built-in list, `ProbeSpec(name, label, help, source, "analysis.measure.probes.<module>:<Class>")`
+(docs/ARCHITECTURE.md, "How to add a capability probe").
 """
 from analysis.measure.probes.registry import PROBES, ProbeSpec, applicable, check_applies, chosen, probe_spec, register_probe
-from analysis.measure.probes import language, copying, code, successor  # noqa: F401,E402  (each registers its probes)
 
 __all__ = ["PROBES", "ProbeSpec", "applicable", "check_applies", "chosen", "probe_spec", "register_probe"]

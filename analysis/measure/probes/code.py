@@ -19,7 +19,6 @@ from functools import lru_cache
 
 from analysis.core.pysource import PYTHON_ATTRIBUTION, stdlib_sources
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
-from analysis.measure.probes.registry import ProbeSpec, register_probe
 
 OPENERS = {"(": ")", "[": "]", "{": "}"}
 WRONG = {")": "]", "]": ")", "}": ")", "'": '"', '"': "'"}
@@ -118,10 +117,3 @@ class CodeProbe(Probe):
 
     def notes(self, items: ProbeItems) -> tuple[str, ...]:
         return (PYTHON_ATTRIBUTION,)
-
-
-register_probe(ProbeSpec(
-    "code", "Code: closing brackets and quotes",
-    "close the open bracket or quote in real Python source (the interpreter's standard library, PSF License)",
-    "bracket matching as a code-model capability; the source is Python's own standard library (PSF License v2)",
-    CodeProbe))

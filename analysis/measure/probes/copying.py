@@ -17,7 +17,6 @@ import numpy as np
 
 from analysis.measure.detectors import repeated_random_tokens
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
-from analysis.measure.probes.registry import ProbeSpec, register_probe
 
 
 def icl_score(nll_first: np.ndarray, nll_second: np.ndarray) -> np.ndarray:
@@ -55,11 +54,3 @@ class CopyingProbe(Probe):
             return {}
         ref = items.reference.numpy()
         return {"icl_score": icl_score(nll[:, ref], nll[:, ~ref])}
-
-
-register_probe(ProbeSpec(
-    "copying", "In-context copying",
-    "continue a repeated random sequence from its first copy (induction; with the in-context-learning score)",
-    "Olsson et al. 2022, 'In-context Learning and Induction Heads' (repeated random tokens, as the induction "
-    "detector reads them)",
-    CopyingProbe))

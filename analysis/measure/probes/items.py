@@ -26,10 +26,7 @@ from typing import Callable
 import torch
 
 from analysis.core.errors import InputError
-
-MIN_ITEMS = 8            # a probe with fewer scored items says so instead of reporting a CI
-DEFAULT_ITEMS = 48
-MAX_ITEMS = 4096
+from analysis.measure.probes.registry import BOS_CHOICES, DEFAULT_ITEMS, MAX_ITEMS, MIN_ITEMS  # noqa: F401 (the options)
 
 
 @dataclass(frozen=True)
@@ -192,9 +189,6 @@ def special_ids(tokenizer) -> tuple[list[int], list[int]]:
     """The special ids the tokenizer puts before and after one sequence (e.g. [CLS] / [SEP]; none for SmolLM2)."""
     from analysis.measure.evaluation import special_template
     return special_template(tokenizer)
-
-
-BOS_CHOICES = ("auto", "none", "bos", "eos")
 
 
 class Probe:

@@ -8,7 +8,6 @@ Masked LMs read the same sentences with the answer masked and the sentence close
 from __future__ import annotations
 
 from analysis.measure.probes.items import Draft, Probe, Vocabulary
-from analysis.measure.probes.registry import ProbeSpec, register_probe
 
 NAMES = ("Mary", "John", "Anna", "James", "Sarah", "David", "Laura", "Michael", "Emma", "Robert", "Lisa",
          "Daniel", "Kate", "Paul", "Alice", "Mark", "Susan", "Peter", "Julia", "Thomas", "Rachel", "Steven",
@@ -132,22 +131,3 @@ class AnaphorProbe(Probe):
             prompt = f"{lead}{subject if lead else subject[0].upper() + subject[1:]} {rng.choice(verbs)}"
             return vocab.complete(prompt, REFLEXIVES[condition], wrong, condition=condition)
         return self.collect(make)
-
-
-register_probe(ProbeSpec(
-    "ioi", "Indirect object (IOI)",
-    "who receives: 'When Mary and John went to the store, John gave a drink to' -> Mary, not John",
-    "Wang et al. 2022, 'Interpretability in the Wild' (the task; templates and names written for headscope)",
-    IOIProbe))
-register_probe(ProbeSpec(
-    "agreement", "Subject-verb agreement",
-    "the verb agrees with the subject across an attractor: 'The keys to the cabinet' -> are, not is",
-    "Linzen, Dupoux and Goldberg 2016, 'Assessing the Ability of LSTMs to Learn Syntax-Sensitive Dependencies' "
-    "(the task; nouns and prepositions written for headscope)",
-    AgreementProbe))
-register_probe(ProbeSpec(
-    "anaphor", "Anaphor agreement",
-    "a reflexive agrees with its subject: 'Yesterday, the queen hurt' -> herself, not himself",
-    "Warstadt et al. 2020, 'BLiMP' (its anaphor gender / number agreement paradigms, as minimal pairs written "
-    "for headscope)",
-    AnaphorProbe))

@@ -1,6 +1,13 @@
 """The probe registry: one record per probe (name, label, help, source, the model kinds it applies to,
-its class), registered once with `register_probe`; everything that lists probes (the CLI's choices,
-the app's panels, the reports, docs) reads `PROBES`, so a new probe is one class and one record.
+its class), registered once with `register_probe`; everything that lists probes (the CLI's choices and
+`probes --list`, the app's panels, the reports, docs) reads `PROBES`, so a new probe is one class and
+one record.
+
+Declarations apart from implementations: this module imports neither torch nor transformers, so the
+CLI's parser reads it for free. The built-in records at the bottom name their class lazily,
+"analysis.measure.probes.<module>:<Class>" (`analysis.core.registry.load`), imported the first time a
+probe is built (`ProbeSpec.probe_class`); a record registered at run time may hold the class itself.
+The probes' shared options (items per probe, what a causal prompt starts with) are declared here too.
 
 Applicability: every probe reads a language model's predictions over its vocabulary, so it needs an
 LM head: causal LMs get the next-token version, masked LMs the masked-token version (each built-in
@@ -12,7 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from analysis.core.errors import InputError
-from analysis.core.registry import Registry
+from analysis.core.registry import Registry, resolved, taken_keywords
+
+MIN_ITEMS = 8            # a probe with fewer scored items says so instead of reporting a CI
+DEFAULT_ITEMS = 48
+MAX_ITEMS = 4096
+BOS_CHOICES = ("auto", "none", "bos", "eos")    # what a causal prompt starts with (items.Probe's `bos`)
 
 LM_KINDS = ("causal-lm", "masked-lm")
 KIND_WORDS = {"causal-lm": "a causal language model", "masked-lm": "a masked language model",
@@ -26,16 +38,22 @@ class ProbeSpec:
     label: str                     # shown in tables and panels
     help: str                      # one line: what it tests
     source: str                    # where the task comes from
-    cls: type                      # the Probe subclass (analysis.measure.probes.items.Probe); verb: build
+    cls: type | str                # the Probe subclass (analysis.measure.probes.items.Probe; verb: build), or
+                                   # its reference "package.module:Class", imported on first use
     kinds: tuple[str, ...] = LM_KINDS
     chance: float = 0.5            # accuracy of a model that cannot tell the answer from the contrast
+
+    @property
+    def probe_class(self) -> type:
+        """The Probe subclass (imported now when `cls` is its reference)."""
+        return resolved(self.cls)
 
     def make(self, **options):
         """The probe object with `options` (the ones its constructor takes; others ignored), named by
         this record (the seed's stream and every message use its name and label)."""
-        import inspect
-        accepted = set(inspect.signature(self.cls.__init__).parameters) - {"self"}
-        probe = self.cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
+        cls = self.probe_class
+        accepted = taken_keywords(cls)
+        probe = cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
         probe.name, probe.label = self.name, self.label
         return probe
 
@@ -79,3 +97,42 @@ def chosen(names, kind: str) -> list[str]:
                              f"tokens, and this model has no language-model head.")
         return picked
     return [check_applies(n, kind).name for n in dict.fromkeys(names)]
+
+
+# The built-in probes: one record each; the class is named, not imported (a new probe: its class in a
+# module of this package, and one record here; docs/ARCHITECTURE.md, "How to add a capability probe").
+_HERE = "analysis.measure.probes"
+for _spec in (
+    ProbeSpec("ioi", "Indirect object (IOI)",
+              "who receives: 'When Mary and John went to the store, John gave a drink to' -> Mary, not John",
+              "Wang et al. 2022, 'Interpretability in the Wild' (the task; templates and names written for headscope)",
+              f"{_HERE}.language:IOIProbe"),
+    ProbeSpec("agreement", "Subject-verb agreement",
+              "the verb agrees with the subject across an attractor: 'The keys to the cabinet' -> are, not is",
+              "Linzen, Dupoux and Goldberg 2016, 'Assessing the Ability of LSTMs to Learn Syntax-Sensitive "
+              "Dependencies' (the task; nouns and prepositions written for headscope)",
+              f"{_HERE}.language:AgreementProbe"),
+    ProbeSpec("anaphor", "Anaphor agreement",
+              "a reflexive agrees with its subject: 'Yesterday, the queen hurt' -> herself, not himself",
+              "Warstadt et al. 2020, 'BLiMP' (its anaphor gender / number agreement paradigms, as minimal pairs "
+              "written for headscope)",
+              f"{_HERE}.language:AnaphorProbe"),
+    ProbeSpec("copying", "In-context copying",
+              "continue a repeated random sequence from its first copy (induction; with the in-context-learning "
+              "score)",
+              "Olsson et al. 2022, 'In-context Learning and Induction Heads' (repeated random tokens, as the "
+              "induction detector reads them)",
+              f"{_HERE}.copying:CopyingProbe"),
+    ProbeSpec("code", "Code: closing brackets and quotes",
+              "close the open bracket or quote in real Python source (the interpreter's standard library, PSF "
+              "License)",
+              "bracket matching as a code-model capability; the source is Python's own standard library (PSF "
+              "License v2)",
+              f"{_HERE}.code:CodeProbe"),
+    ProbeSpec("successor", "Successor sequences",
+              "continue an ordered list: 'Monday, Tuesday, Wednesday,' -> Thursday, not another weekday",
+              "Gould et al. 2023, 'Successor Heads' (ordinal sequences; lists written for headscope)",
+              f"{_HERE}.successor:SuccessorProbe"),
+):
+    register_probe(_spec)
+del _spec

@@ -9,7 +9,6 @@ successor heads of Gould et al. 2023 (analysis.measure.circuits reads the same i
 from __future__ import annotations
 
 from analysis.measure.probes.items import Draft, Probe, Vocabulary
-from analysis.measure.probes.registry import ProbeSpec, register_probe
 
 SEQUENCES = {
     "weekdays": (("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"), True),
@@ -55,10 +54,3 @@ class SuccessorProbe(Probe):
                     out.append(d)
             cursor += 1
         return out
-
-
-register_probe(ProbeSpec(
-    "successor", "Successor sequences",
-    "continue an ordered list: 'Monday, Tuesday, Wednesday,' -> Thursday, not another weekday",
-    "Gould et al. 2023, 'Successor Heads' (ordinal sequences; lists written for headscope)",
-    SuccessorProbe))

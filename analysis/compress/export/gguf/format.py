@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.arch.adapters import input_device
-from analysis.compress.export.formats import FormatOption, PhysicalFormat, StreamSpec, register_format
+from analysis.compress.export.formats import PhysicalFormat, StreamSpec
 from analysis.compress.export.selfcheck import (CheckText, LogitsFn, SelfCheck, check_causal, held_back_windows,
                                                 refuse, write_self_checks)
 from analysis.compress.export.gguf.writer import (DEFAULT_EMBEDDING_TYPE, DEFAULT_WEIGHT_TYPE, EMBEDDING_TYPES, GGUF_FILE,
@@ -34,19 +34,8 @@ def tokenizer_source(model) -> Path | None:
     return source_gguf(marker["name"])
 
 
-@register_format
 class GGUFFormat(PhysicalFormat):
-    name = "gguf"
-    rank = 60
-    label = "GGUF (llama.cpp)"
-    help = "model.gguf for llama.cpp (and what is built on it), per-layer head counts included"
-    options = {"gguf_type": FormatOption(DEFAULT_WEIGHT_TYPE, tuple(WEIGHT_TYPES),
-                                         "GGUF weight type (k-quants and q4_0/q4_1 by llama.cpp's quantizer)"),
-               "gguf_embedding_type": FormatOption(
-                   DEFAULT_EMBEDDING_TYPE, tuple(EMBEDDING_TYPES),
-                   "type of the token embedding (and output) tensor that llama.cpp's quantizer is told to use "
-                   "(its token_embedding_type / output_tensor_type; auto: its own choice, Q8_0 on SmolLM2); "
-                   "the file keeps its weight type's name, the deployment report lists every tensor's type")}
+    name = "gguf"   # label, help, rank, options: its declaration (export/format_registry.py)
     # streamed (analysis.compress.export.streamed): the plan from names and shapes, the tensors fed one at a time
     streamed = StreamSpec(names="state_dict", producer=False, config=None, writer="gguf")
 
