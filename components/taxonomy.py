@@ -1,6 +1,7 @@
 """Heads page, "What heads do": the field's head taxonomy (analysis.measure.detectors), direct logit
 attribution per token, and the "Does MP find the specialized heads?" panel
-(analysis.score.specialization). Kept in one module beside the page's other sections: its cached
+(analysis.score.specialization); then "Heads for long contexts": the detectors registered with long=True
+(retrieval, streaming), each on its own button with its expected time and a Stop, its map and its MP-G AUC. Kept in one module beside the page's other sections: its cached
 calls and its figures. Each detector's map title, help line and folded "how to read this" text come
 from its record (analysis.measure.detectors.DETECTORS), so a registered detector gets its tab.
 """
@@ -28,6 +29,14 @@ def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=N
     with cache.exclusive(key, _progress, _should_stop) as lm:
         return detect_heads(lm, list(names), text, max_tokens=max_tokens, progress=_progress,
                             should_stop=_should_stop)
+
+
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def long_detection(key, name: str, options: tuple, _progress=None, _should_stop=None):
+    """One long-context detector (retrieval, streaming) on the dense model; options: sorted (name, value)."""
+    from analysis.measure.detectors import detect_heads
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        return detect_heads(lm, [name], options=dict(options), progress=_progress, should_stop=_should_stop)[name]
 
 
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
@@ -107,12 +116,12 @@ def primary_detector(results: dict) -> tuple[np.ndarray, np.ndarray]:
 
 def section(lm) -> None:
     """The "What heads do" section: detector heatmaps, role tags, DLA per token, MP-G panel."""
-    from analysis.measure.detectors import DETECTORS
+    from analysis.measure.detectors import DETECTORS, default_detectors
     g = lm.geometry
     st.subheader("What heads do: induction, duplicate-token, copying, direct logit attribution")
     decoder = lm.kind == "causal-lm"
-    names = tuple(n for n, spec in DETECTORS.items() if spec.applies_to(lm.kind))
-    skipped = [n for n in DETECTORS if n not in names]
+    names = tuple(default_detectors(lm.kind))
+    skipped = [n for n, spec in DETECTORS.items() if not spec.long and n not in names]
     if skipped:
         st.info(f"This model is a {lm.kind}: it has no unembedding, so {', '.join(skipped)} do not apply. "
                 "The attention-pattern detectors run.")
@@ -210,3 +219,88 @@ is used as a classifier of each role: the ROC AUC is the chance that a head with
 higher than one without it. 0.5 means the weights say nothing about the role. The p-value says how
 often shuffled role labels give an AUC at least as far from 0.5. The scatter shows each head's MP-G
 score against its role strength; the table below it, which roles the current mask removes.""")
+
+
+# -- heads for long contexts ----------------------------------------------------------------------------
+
+def long_work(passes: list[int]) -> float:
+    """Forward-token units of a long detector's passes: attention grows with the context, so a token of a
+    4k pass costs about twice one of a 1k pass here (n * (1 + n / 2048) per pass; components/jobs.py)."""
+    return float(sum(n * (1 + n / 2048) for n in passes))
+
+
+def _long_options(lm, name: str, spec) -> dict:
+    """The widgets of one long detector -> its options (the context clamped to the model's)."""
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.long_options import DEFAULT_RECENT, DEFAULT_SINKS
+    limit = context_length(lm.model)
+    cols = st.columns(3)
+    context = int(cols[0].number_input(f"Context (tokens, at most {limit:,})", 64, max(64, limit), step=256,
+                                       key=state.widget_key(f"heads.long.{name}.context",
+                                                            value=min(spec.context or 2048, max(64, limit)))))
+    options = dict(lengths=(min(context, limit),))
+    if name == "retrieval":
+        options["needles"] = int(cols[1].number_input("Needles per depth (depths 0.1, 0.5, 0.9)", 1, 16,
+                                                      key=state.widget_key("heads.long.retrieval.needles", value=2)))
+    elif name == "streaming":
+        options["sinks"] = int(cols[1].number_input("Sink tokens", 0, 1024, key=state.widget_key(
+            "heads.long.streaming.sinks", value=DEFAULT_SINKS)))
+        options["recent"] = int(cols[2].number_input("Recent tokens (window)", 1, max(1, limit), key=state.widget_key(
+            "heads.long.streaming.recent", value=DEFAULT_RECENT)))
+    return options
+
+
+def _long_summary(name: str, r) -> str:
+    n = int(r.has_role.sum())
+    if name == "retrieval":
+        e = r.extras
+        return (f"{n} of {r.scores.size} heads copy at least {r.threshold:g} of the needle (retrieval heads); the model "
+                f"writes {e['answer_accuracy']:.0%} of the needle's tokens right itself (teacher-forced top-1) over "
+                f"{e['n_items']} items at {', '.join(map(str, e['lengths']))} tokens.")
+    kv = r.extras["kv_scores"]
+    return (f"{int((kv >= r.threshold).sum())} of {kv.size} KV heads change their output by >= {r.threshold:g} under "
+            f"{r.extras['sinks']} sink + {r.extras['recent']} recent tokens (median {float(np.median(kv)):.2f}); the "
+            f"lowest are the streaming heads a KV plan windows (`headscope kv-plan`).")
+
+
+def long_section(lm) -> None:
+    """The detectors registered with long=True: a button each (expected time, Stop), the map, how to read it,
+    and the MP-G AUC of the role."""
+    from analysis.measure.detectors import DETECTORS
+    from analysis.measure.headmaps import Detection
+    from analysis.score.specialization import role_tests
+    specs = {n: spec for n, spec in DETECTORS.items() if spec.long}
+    if not specs:
+        return
+    st.subheader("Heads for long contexts: retrieval and streaming")
+    st.caption("These read thousands of tokens per forward pass (minutes on a CPU), so they run only on their own "
+               "button. Text: the built-in Wikipedia paragraphs (CC BY-SA 4.0).")
+    for name, spec in specs.items():
+        st.markdown(f"**{spec.title}**")
+        if not spec.applies_to(lm.kind):
+            st.caption(f"Not for this model: {name} reads a causal language model's attention ({lm.kind}).")
+            continue
+        with shown_errors(spec.title):
+            from analysis.measure.detectors import get_detector
+            options = _long_options(lm, name, spec)
+            passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
+            result = cache.run_button(f"Run the {name} detector ({len(passes)} passes of {passes[0]:,} tokens)",
+                                      button_key=f"heads.long.{name}", slot=f"heads.long.{name}",
+                                      run_key=(lm.name, name, tuple(sorted(options.items()))), fn=long_detection,
+                                      args=(state.model_key(), name, tuple(sorted(options.items()))),
+                                      label=f"Running the {name} detector", kind="long-detectors",
+                                      work=long_work(passes),
+                                      stale_note="The settings changed since the last run; press the button again.")
+            if result is None:
+                continue
+            r: Detection = result
+            figures.chart(charts.layer_head_heatmap(r.scores, spec.title, colorbar=r.unit,
+                                                    group_size=lm.geometry.group_size), f"heads.long.{name}.map")
+            st.caption(spec.help)
+            st.markdown(_long_summary(name, r))
+            test = role_tests(mpg(state.model_key(), 2.0).scores, {name: (r.scores, r.threshold)},
+                              n_permutations=10_000, seed=0)[0]
+            st.markdown(f"Does MP find them? MP-G (z = 2) ROC AUC for '{name}' heads: "
+                        + ("n/a (no head has the role, or every head has it)" if not np.isfinite(test.auc) else
+                           f"{test.auc:.3f} (p {test.p_value:.4f}, {test.n_with_role} heads with the role)") + ".")
+            _fold(name, spec.about)

@@ -148,6 +148,7 @@ with shown_errors("Head roles"):
         st.dataframe(rows, hide_index=True, height=240)
 
 taxonomy.section(lm)   # what heads do: induction, duplicate-token, copying, DLA; does MP find them?
+taxonomy.long_section(lm)   # retrieval and streaming heads: long contexts, each on its own button
 probes_ui.heads_section(lm)   # the heads behind each capability probe; domains
 
 st.subheader("Redundant heads")

@@ -53,6 +53,7 @@ from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.measure.profiles import profile_model  # noqa: E402
 from analysis.compress.recover.report import (EDGE_MARKERS, FRONTIER_MARKERS, LONG_CONTEXT_MARKERS,  # noqa: E402
                                               RECOVERY_MARKERS)
+from analysis.score.kvscores import KV_HEADS_MARKERS  # noqa: E402
 from analysis.score.specialization import ROLES_MARKERS  # noqa: E402
 from analysis.measure.probes.breaks import PROBES_MARKERS  # noqa: E402
 from analysis.score.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
@@ -419,9 +420,10 @@ def main(argv: list[str] | None = None) -> None:
             # the recovery section belongs to bench/bench_recovery.py --write-docs, the roles section to
             # scripts/roles_results.py, the probes section to scripts/probes_results.py, the edge section to
             # bench/bench_gguf.py --write-docs, the frontier and long-context sections to bench_frontier.py and
-            # bench_long_context.py --write-docs: keep them as they are
+            # bench_long_context.py --write-docs, the kv-heads section to scripts/kv_heads_results.py: keep them as
+            # they are
             kept = "\n\n".join(part for markers in (RECOVERY_MARKERS, ROLES_MARKERS, PROBES_MARKERS, EDGE_MARKERS,
-                                                      FRONTIER_MARKERS, LONG_CONTEXT_MARKERS)
+                                                      FRONTIER_MARKERS, LONG_CONTEXT_MARKERS, KV_HEADS_MARKERS)
                                 if (part := marked_section(args.out, *markers)))
             atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
                          what="The results file")

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from analysis.arch.models import load_model  # noqa: E402
 from analysis.core.atomic import write_section  # noqa: E402
 from analysis.measure.attribution import rank_correlation  # noqa: E402
-from analysis.measure.detectors import DETECTORS, detect_heads  # noqa: E402
+from analysis.measure.detectors import default_detectors, detect_heads  # noqa: E402
 from analysis.measure.roles import ROLES, head_roles  # noqa: E402
 from analysis.score.masks import plan_mask  # noqa: E402
 from analysis.score.specialization import (ROLES_MARKERS, mpg_scores, pruned_roles, role_tests,  # noqa: E402
@@ -42,7 +42,7 @@ def model_section(name: str, cache_dir, *, max_tokens: int, permutations: int, s
     start = time.perf_counter()
     loaded = load_model(name, cache_dir=cache_dir)
     decoder = loaded.kind == "causal-lm"
-    names = [n for n, spec in DETECTORS.items() if spec.applies_to(loaded.kind)]
+    names = default_detectors(loaded.kind)            # the long-context ones: scripts/kv_heads_results.py
     det = detect_heads(loaded, names, max_tokens=max_tokens, options=dict(seed=seed))
     strengths = strengths_of(det)
     pattern = head_roles(loaded, max_tokens=max_tokens)

@@ -13,8 +13,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import CancelledError, InputError
-from analysis.measure.detectors import (DETECTORS, DuplicateTokenDetector, InductionDetector, detect_heads,
-                                        duplicate_mass, get_detector, repeated_random_tokens)
+from analysis.measure.detectors import (DETECTORS, DuplicateTokenDetector, InductionDetector, default_detectors,
+                                        detect_heads, duplicate_mass, get_detector, repeated_random_tokens)
 from analysis.measure.dla import DirectLogitDetector, logit_parts
 from analysis.measure.circuits import CopyingDetector, copying_score
 from tests._tiny import tiny_input_ids, tiny_model
@@ -127,7 +127,7 @@ def test_physically_pruned_model_lines_up_with_the_masked_one():
     small, layout = prune_heads(model, pruned)
     gates = torch.as_tensor(~pruned, dtype=torch.float32)
     ids = _random_text()
-    for name in DETECTORS:
+    for name in default_detectors():                    # the long-context ones: tests/test_longheads.py
         masked_det = _detect(model, name, ids, gates=gates)
         pruned_det = _detect(small, name, ids, layout=layout)
         np.testing.assert_allclose(pruned_det.scores, masked_det.scores, atol=1e-5, err_msg=name)
@@ -309,7 +309,10 @@ def test_smollm2_has_induction_heads(smollm2):
 
 
 def test_registry_lists_every_detector():
-    assert set(DETECTORS) == {"previous-token", "induction", "duplicate-token", "copying", "successor", "dla"}
+    assert set(DETECTORS) == {"previous-token", "induction", "duplicate-token", "copying", "successor", "dla",
+                              "retrieval", "streaming"}
+    assert default_detectors() == ["previous-token", "induction", "duplicate-token", "copying", "successor", "dla"]
+    assert {n for n, spec in DETECTORS.items() if spec.long} == {"retrieval", "streaming"}
     assert isinstance(get_detector("duplicate-token", length=5), DuplicateTokenDetector)
 
 

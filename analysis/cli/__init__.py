@@ -12,6 +12,7 @@ the shared options and the registry common.py):
     roles   what heads do: induction, duplicate-token, previous-token, copying, successor, DLA scores (roles.py)
     probes  capability probes dense vs a cut, per-head maps; --list: the registered probes; domains: heads per
             text set (probes.py)
+    kv-plan  streaming / retrieval heads measured on long text -> kv_plan.json (full / window / prune per KV head)
     harness  EleutherAI's lm-evaluation-harness offline (BoolQ, PIQA, ..., WikiText; a local task folder) dense vs a cut (harness.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
@@ -45,7 +46,7 @@ single-process numbers; the other commands run on rank 0 alone. Only rank 0 draw
 writes the result; a lost process ends the run with one error line.
 """
 from analysis.cli.common import COMMANDS, register
-from analysis.cli import commands, export, harness, pipeline, probes, roles  # noqa: F401  (each registers its commands)
+from analysis.cli import commands, export, harness, kvplan, pipeline, probes, roles  # noqa: F401  (each registers its commands)
 from analysis.cli.main import build_parser, main
 
 __all__ = ["COMMANDS", "register", "build_parser", "main"]

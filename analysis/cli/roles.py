@@ -1,7 +1,11 @@
 """`python -m analysis roles`: what heads do (analysis.measure.detectors), and whether MP-G finds them.
 
     python -m analysis roles [--model M] [--detector NAME ...] [--format json|csv] [--text-file F]
+                             [--lengths 1024,2048 --depths 0.1,0.5,0.9 --needles 2 --sinks 4 --recent 256]
                              [--versus-mpg [--sparsity S] [--permutations N]]
+
+Without --detector the quick detectors run; the long-context ones (retrieval, streaming: minutes on a CPU)
+run when named (or with --detector all).
 
 JSON: {"model": ..., "detectors": {NAME: {"scores": [L][H], "threshold", "unit", "tagged", extras}}}
 (+ "versus_mpg": per role the ROC AUC of the MP-G score (z) and its permutation p-value, and
@@ -28,7 +32,8 @@ def _arguments(parser):
     from analysis.measure.detector_registry import DETECTORS
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--detector", action="append", choices=tuple(DETECTORS) + ("all",), default=None,
-                        help="detector to run (repeat for several; default: all): " + "; ".join(
+                        help="detector to run (repeat for several; default: every quick one; all: the long-context "
+                             "ones too): " + "; ".join(
                             f"{name}: {spec.help}" for name, spec in DETECTORS.items()).replace("%", "%%"))
     parser.add_argument("--text-file", dest="text_file", default=None,
                         help="UTF-8 text for the text detectors (previous-token, dla); default: the built-in "
@@ -38,6 +43,17 @@ def _arguments(parser):
     parser.add_argument("--length", type=int, default=50, help="random tokens per copy (induction, duplicate)")
     parser.add_argument("--n-sequences", dest="n_sequences", type=int, default=8,
                         help="repeated random sequences (induction, duplicate)")
+    parser.add_argument("--lengths", default=None,
+                        help="long-context detectors: context lengths in tokens, comma-separated (default: retrieval "
+                             "1024,2048, streaming 2048; at most the model's context)")
+    parser.add_argument("--depths", default=None,
+                        help="retrieval: needle depths, fractions of the context, comma-separated (default 0.1,0.5,0.9)")
+    parser.add_argument("--needles", type=int, default=None, help="retrieval: needles per length and depth (default 2)")
+    parser.add_argument("--sinks", type=int, default=None, help="streaming: sink tokens the window keeps (default 4)")
+    parser.add_argument("--recent", type=int, default=None,
+                        help="streaming: recent tokens the window keeps, the query's own included (default 256)")
+    parser.add_argument("--queries", type=int, default=None,
+                        help="streaming: query rows sampled beyond the window per sequence (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random sequences and permutations")
     parser.add_argument("--versus-mpg", dest="versus_mpg", action="store_true",
                         help="ROC AUC + permutation p-value of the MP-G score for every role")
@@ -84,7 +100,12 @@ def run(ns):
     check_z(ns.z)
     if ns.sparsity is not None:
         check_sparsity(ns.sparsity)
-    names = list(DETECTORS) if not ns.detector or "all" in ns.detector else list(dict.fromkeys(ns.detector))
+    from analysis.measure.detector_registry import default_detectors
+    from analysis.measure.long_options import MAX_NEEDLES, MAX_QUERIES
+    check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES)})
+    long_options = long_detector_options(ns)
+    names = (default_detectors() if not ns.detector else list(DETECTORS) if "all" in ns.detector
+             else list(dict.fromkeys(ns.detector)))
     text = None
     if ns.text_file is not None:
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
@@ -97,7 +118,8 @@ def run(ns):
                          f"induction/duplicate-token/copying, or export with the tokenizer.")
     with progress_bar("head detectors", not ns.quiet) as report:
         results = detect_heads(loaded, names, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len, layout=layout,
-                               options=dict(length=ns.length, n_sequences=ns.n_sequences, seed=ns.seed),
+                               options=dict(length=ns.length, n_sequences=ns.n_sequences, seed=ns.seed,
+                                            **long_options),
                                progress=report)
     payload = dict(model=info, detectors={
         name: dict(scores=d.scores, threshold=d.threshold, unit=d.unit,
@@ -111,6 +133,35 @@ def run(ns):
     rows = [dict(layer=l, head=h, **{name: float(d.scores[l, h]) for name, d in results.items()})
             for l in range(L) for h in range(H)]
     return payload, rows
+
+
+def number_list(text: str | None, what: str, cast=int) -> tuple | None:
+    """"1024,2048" -> (1024, 2048); None stays None; anything else is one line naming the option."""
+    if text is None:
+        return None
+    try:
+        values = tuple(cast(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise InputError(f"{what} takes comma-separated numbers, e.g. {'1024,2048' if cast is int else '0.1,0.5,0.9'}; "
+                         f"got {text!r}.") from None
+    if not values:
+        raise InputError(f"{what} is empty; give at least one number.")
+    return values
+
+
+def long_detector_options(ns) -> dict:
+    """The long-context detectors' options that were given (the others keep their defaults), checked."""
+    from analysis.arch.spans import check_band
+    from analysis.measure.longheads import check_depths, check_lengths
+    out = dict(lengths=number_list(ns.lengths, "--lengths"), depths=number_list(ns.depths, "--depths", float),
+               needles=ns.needles, sinks=ns.sinks, recent=ns.recent, queries=ns.queries)
+    if out["lengths"] is not None:
+        check_lengths(out["lengths"])
+    if out["depths"] is not None:
+        check_depths(out["depths"])
+    if ns.recent is not None or ns.sinks is not None:
+        check_band(0 if ns.sinks is None else ns.sinks, 1 if ns.recent is None else ns.recent)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def versus_mpg(loaded, results, *, z: float = 2.0, sparsity: float | None = None,
@@ -132,5 +183,5 @@ def versus_mpg(loaded, results, *, z: float = 2.0, sparsity: float | None = None
     return out
 
 
-register("roles", "what heads do: induction, duplicate-token, previous-token, copying and DLA scores "
-         "(and --versus-mpg: does MP-G find them?)", _arguments, run)
+register("roles", "what heads do: induction, duplicate-token, previous-token, copying, successor and DLA scores, "
+         "retrieval and streaming heads on long contexts (and --versus-mpg: does MP-G find them?)", _arguments, run)

@@ -33,6 +33,9 @@ class DetectorSpec:
     needs_text: bool = False                           # reads the user's text (else builds its input or reads weights)
     decoder_only: bool = False                         # needs an unembedding: refuses encoders with one line
     signed: bool = False                               # an effect with a sign (DLA), not a role tag
+    long: bool = False                                 # reads long contexts (minutes on a CPU): never in the
+                                                       # default set; run when named, on a button in the app
+    context: int = 0                                   # a long detector's default context (tokens) in the app
 
     @property
     def builder(self) -> Builder:
@@ -51,6 +54,12 @@ DETECTORS: Registry = Registry("detector")
 def register_detector(spec: DetectorSpec) -> DetectorSpec:
     """Add a detector to the registry; InputError for a taken name (the same record again is a no-op)."""
     return DETECTORS.add(spec.name, spec)
+
+
+def default_detectors(kind: str | None = None) -> list[str]:
+    """The quick detectors (not `long`), in registration order; those that apply to `kind` if given: what
+    `detect_heads`, `roles` and the Heads page run when no detector is named."""
+    return [n for n, spec in DETECTORS.items() if not spec.long and (kind is None or spec.applies_to(kind))]
 
 
 def detector_spec(name: str) -> DetectorSpec:
@@ -127,6 +136,32 @@ hurts. The heads plus the embeddings, the MLPs and the biases add up to the logi
 Indirect effects (a head that helps through later layers) are not counted. Decoders only.""",
                  build="analysis.measure.dla:DirectLogitDetector", needs_text=True, decoder_only=True,
                  signed=True),
+    DetectorSpec("retrieval", "Retrieval score (share of needle tokens the head copies, top-1 attention)",
+                 "copies the needle from far back: top-1 attention on the needle token being written (long "
+                 "contexts; decoders)",
+                 about="""\
+After Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context Factuality"). The model
+reads long real text with a needle hidden at several depths ("The secret words are: ..." or a
+number), then a question, then the needle's content as its answer (teacher-forced). At each answer
+token, a head **copies** when its strongest attention (top-1) lands on the needle token being
+written. Score = copies / answer tokens, averaged over lengths, depths and needles; a head at
+>= 0.1 (Wu et al.'s cut) is a **retrieval head**: few heads are, and they are the ones that must
+keep their whole KV cache. The answer accuracy says whether the model finds the needle at all.""",
+                 build="analysis.measure.longheads:RetrievalDetector.for_options", decoder_only=True, long=True,
+                 context=2048),
+    DetectorSpec("streaming", "Streaming score (output change when the KV head reads only sinks + a window)",
+                 "how much a KV head's output changes when it reads only sink tokens + a recent window (long "
+                 "contexts; decoders)",
+                 about="""\
+DuoAttention's question (Xiao et al. 2024), measured cheaply: on long real text, each KV head's
+attention output is computed twice for sampled queries beyond the window, once over every earlier
+token and once over only the first *sinks* tokens + the *recent* latest ones (the KV plan's window).
+Score = relative change of the output, ||full - windowed|| / ||full||, per KV head (its query heads
+show the same value). Near 0: a **streaming head**, it can be windowed and its KV cache stops growing;
+>= 0.5: at least half its output comes from far back, keep it full. `headscope kv-plan` windows the
+lowest-scoring KV heads.""",
+                 build="analysis.measure.longheads:StreamingDetector.for_options", decoder_only=True, long=True,
+                 context=2048),
 ):
     register_detector(_spec)
 del _spec

@@ -20,6 +20,9 @@ head slots, the threshold above which a head has the role, and extras. `ids` is 
 - successor (analysis.measure.circuits): the OV circuit maps ordinal tokens (1, Monday, January, ...)
   to their successors (Gould et al. 2023), weights only, decoders only, needs the tokenizer.
 - dla (analysis.measure.dla): direct logit attribution on the text, decoders only.
+- retrieval, streaming (analysis.measure.longheads): long-context heads, decoders only, registered with
+  `long=True`: they read thousands of tokens per pass (minutes on a CPU), so they are not in the default
+  set (`default_detectors`) and run only when named (the CLI's --detector, the Heads page's own buttons).
 
 Encoders: previous-token, induction and duplicate-token run on encoders too (the definitions
 only read attention probabilities; a bidirectional head may also look ahead, which simply does
@@ -42,7 +45,8 @@ from analysis.measure.tokens import as_sequences, text_sequences
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.measure.detector_registry import DETECTORS, DetectorSpec, detector_spec, register_detector  # noqa: F401
+from analysis.measure.detector_registry import (DETECTORS, DetectorSpec, default_detectors, detector_spec,  # noqa: F401
+                                                register_detector)
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place, zero_pruned
 from analysis.measure.roles import DEFAULT_THRESHOLDS, attention_forward, previous_token_mass
 
@@ -237,10 +241,11 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
                  progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict[str, Detection]:
     """Run the named detectors (default: all) on `loaded` (a LoadedModel-like with model/tokenizer).
 
-    text: for the detectors that need one (None = the built-in evaluation text)."""
+    text: for the detectors that need one (None = the built-in evaluation text). names=None runs the quick
+    ones (`default_detectors`); the long-context ones (retrieval, streaming) run when named."""
     from analysis.core.progress import scaled
     from analysis.core.text import check_max_tokens
-    names = list(DETECTORS) if names is None else list(names)
+    names = default_detectors() if names is None else list(names)
     specs = [detector_spec(name) for name in names]
     check_max_tokens(max_tokens, "max_tokens")
     check_whole_number(seq_len, "The sequence length (seq_len)", low=2, high=MAX_PATTERN_TOKENS)
@@ -255,4 +260,4 @@ def detect_heads(loaded, names=None, text: str | bytes | None = None, *, max_tok
     return out
 
 
-__all__ = ["DETECTORS", "DetectorSpec", "register_detector", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]
+__all__ = ["DETECTORS", "DetectorSpec", "register_detector", "default_detectors", "Detection", "detect_heads", "get_detector", "repeated_random_tokens", "duplicate_mass"]

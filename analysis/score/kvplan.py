@@ -32,11 +32,10 @@ import numpy as np
 from analysis.arch.geometry import HeadGeometry
 from analysis.core import schemas
 from analysis.core.errors import InputError
+from analysis.measure.long_options import DEFAULT_RECENT, DEFAULT_SINKS
 
 MODES = ("full", "window", "prune")
 FULL, WINDOW, PRUNE = 0, 1, 2
-DEFAULT_SINKS = 4
-DEFAULT_RECENT = 256
 KV_PLAN_FILE = "kv_plan.json"
 KV_PLAN_FORMAT = 1
 

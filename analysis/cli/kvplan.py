@@ -1,0 +1,107 @@
+"""`python -m analysis kv-plan`: measure the streaming (and retrieval) scores, write a per-KV-head plan.
+
+    python -m analysis kv-plan [--model M] --window-share 0.5 [--prune-share 0.25] [--no-keep-retrieval]
+                               [--sinks 4] [--recent 256] [--lengths 2048] [--depths 0.1,0.5,0.9]
+                               [--prune-tokens 256] --out kv_plan.json
+
+The plan (analysis.score.kvscores.plan_from_scores -> analysis.score.kvplan.plan_kv): the `--prune-share`
+of KV heads with the lowest KV-group ablation loss (on --prune-tokens tokens of the built-in text) are
+pruned, then the `--window-share` with the lowest streaming score are windowed (sinks + recent tokens),
+KV heads holding a retrieval head stay full (unless --no-keep-retrieval, which also skips measuring it).
+`--out` gets kv_plan.json (atomic; checked before any work); stdout gets a JSON summary: the plan's
+counts, its KV cache against dense at the measured lengths and the model's context, the scores per KV
+head and the seconds spent.
+"""
+from __future__ import annotations
+
+import argparse
+
+from analysis.cli.common import add_source_arguments, check_counts, load_source, progress_bar, register
+from analysis.cli.roles import number_list
+
+
+def _arguments(parser):
+    from analysis.measure.long_options import (DEFAULT_NEEDLES, DEFAULT_PRUNE_TOKENS, DEFAULT_QUERIES, DEFAULT_RECENT,
+                                               DEFAULT_SINKS, RETRIEVAL_THRESHOLD)
+    add_source_arguments(parser, streaming=False)
+    parser.add_argument("--window-share", dest="window_share", type=float, default=0.5,
+                        help="share of the KV heads to window, lowest streaming score first (0 to 1; default 0.5)")
+    parser.add_argument("--prune-share", dest="prune_share", type=float, default=0.0,
+                        help="share of the KV heads to prune, lowest KV-group ablation loss first (default 0)")
+    parser.add_argument("--keep-retrieval", dest="keep_retrieval", action=argparse.BooleanOptionalAction,
+                        default=True, help="measure the retrieval score and keep KV heads with a retrieval head full "
+                                           "(default: on)")
+    parser.add_argument("--retrieval-threshold", dest="retrieval_threshold", type=float, default=RETRIEVAL_THRESHOLD,
+                        help=f"a retrieval head copies at least this share of the needle (default {RETRIEVAL_THRESHOLD})")
+    parser.add_argument("--sinks", type=int, default=DEFAULT_SINKS, help=f"sink tokens a window keeps (default "
+                                                                        f"{DEFAULT_SINKS})")
+    parser.add_argument("--recent", type=int, default=DEFAULT_RECENT,
+                        help=f"recent tokens a window keeps, the query's own included (default {DEFAULT_RECENT})")
+    parser.add_argument("--lengths", default=None,
+                        help="context lengths (tokens, comma-separated) the scores are measured at (default 2048 for "
+                             "the streaming score, 1024,2048 for retrieval; at most the model's context)")
+    parser.add_argument("--depths", default=None, help="retrieval needle depths, comma-separated (default 0.1,0.5,0.9)")
+    parser.add_argument("--needles", type=int, default=DEFAULT_NEEDLES, help="retrieval needles per length and depth")
+    parser.add_argument("--queries", type=int, default=DEFAULT_QUERIES,
+                        help="query rows sampled beyond the window per sequence (streaming score)")
+    parser.add_argument("--prune-tokens", dest="prune_tokens", type=int, default=DEFAULT_PRUNE_TOKENS,
+                        help="tokens of built-in text for the KV-group ablation (with --prune-share)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the texts and needles")
+    parser.add_argument("--out", dest="plan_out", default=None, help="write kv_plan.json here (atomic)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(ns):
+    from analysis.arch.spans import check_band
+    from analysis.core import progress as cancel
+    from analysis.core.atomic import atomic_write, check_output_file
+    from analysis.core.errors import SEED_MAX, InputError
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.longheads import DEFAULT_DEPTHS, MAX_NEEDLES, MAX_QUERIES, check_depths, check_lengths
+    from analysis.score.kvscores import check_plan_options, kv_heads_summary, measure_kv_scores, plan_from_scores
+    if ns.plan_out is not None:
+        check_output_file(ns.plan_out, "--out")
+    check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20),
+                      "seed": (0, SEED_MAX)})
+    check_band(ns.sinks, ns.recent)
+    lengths = number_list(ns.lengths, "--lengths")
+    depths = check_depths(number_list(ns.depths, "--depths", float) or DEFAULT_DEPTHS)
+    if lengths is not None:
+        check_lengths(lengths)
+    if not 0.0 <= ns.retrieval_threshold <= 1.0:
+        raise InputError(f"--retrieval-threshold is a share of the needle's tokens, 0 to 1; got {ns.retrieval_threshold}.")
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    if loaded.kind != "causal-lm":
+        raise InputError(f"A KV plan reads a causal language model's attention over long contexts; {info['source']} "
+                         f"is a {loaded.kind}.")
+    geo = loaded.geometry
+    check_plan_options(geo, window_share=ns.window_share, prune_share=ns.prune_share, sinks=ns.sinks, recent=ns.recent)
+    with progress_bar("KV head scores", not ns.quiet) as report:
+        scores = measure_kv_scores(loaded, sinks=ns.sinks, recent=ns.recent, lengths=lengths, depths=depths,
+                                   needles=ns.needles, queries=ns.queries, retrieval=ns.keep_retrieval,
+                                   prune=ns.prune_share > 0, prune_tokens=ns.prune_tokens, seed=ns.seed,
+                                   progress=report)
+    plan = plan_from_scores(geo, scores, window_share=ns.window_share, prune_share=ns.prune_share,
+                            keep_retrieval=ns.keep_retrieval, retrieval_threshold=ns.retrieval_threshold,
+                            sinks=ns.sinks, recent=ns.recent, model=loaded.name)
+    from analysis.score.kvplan import KVPlan
+    limit = context_length(loaded.model)
+    dense, size = KVPlan.full(geo), loaded.model.dtype.itemsize
+    contexts = sorted(set(scores.detections["streaming"].extras["lengths"]) | {limit})
+    cancel.raise_if_signalled()                          # stopped after the last cancel point: write nothing
+    if ns.plan_out is not None:
+        atomic_write(ns.plan_out, plan.to_json() + "\n", what="--out")
+    payload = dict(model=info, plan=dict(describe=plan.describe(), counts=plan.counts(), sinks=plan.sinks,
+                                         recent=plan.recent, window_share=ns.window_share, prune_share=ns.prune_share,
+                                         keep_retrieval=ns.keep_retrieval, notes=list(plan.notes),
+                                         modes=plan.as_dict()["modes"]),
+                   kv_ratio={str(c): plan.kv_ratio(c) for c in contexts},
+                   kv_bytes={str(c): plan.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
+                   dense_kv_bytes={str(c): dense.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
+                   scores=kv_heads_summary(scores, geo.group_size), out=ns.plan_out)
+    return payload, None
+
+
+register("kv-plan", "measure streaming and retrieval heads on long built-in text and write a per-KV-head plan "
+         "(full / window / prune) to kv_plan.json", _arguments, run)

@@ -1,0 +1,149 @@
+"""The per-KV-head scores a KV plan is made from, and the plan made from them (`headscope kv-plan`).
+
+- **streaming** [L, Hkv] (analysis.measure.longheads): how much each KV head's output changes when it reads
+  only the plan's own band (sinks + recent) instead of everything, on long built-in text. The lowest are
+  windowed (`window_share` of the KV heads).
+- **retrieval** [L, Hkv]: the highest retrieval score among the KV head's query heads (Wu et al. 2024's
+  copy-paste score). A KV head holding a retrieval head (score >= the threshold, 0.1) stays full whatever
+  its streaming score (`keep_retrieval`): its query heads copy facts from far back.
+- **importance** [L, Hkv], only when the plan prunes (`prune_share` > 0): the loss increase when the whole
+  KV group is removed, on the built-in evaluation text at `prune_tokens` tokens (analysis.measure.ablation's
+  fast sweep). The lowest are pruned first. Why this one: pruning removes a head at every position, near
+  and far, so what it costs shows on ordinary text already, where the sweep is affordable (about L/2
+  short forward passes per head); the long-range part of a head's job is what the retrieval score
+  guards, and a retrieval head is never pruned (it is kept before anything is chosen).
+
+`plan_from_scores` hands these to analysis.score.kvplan.plan_kv (one planner): prune first, then window
+among the rest, retrieval heads kept full; the plan's notes say where each choice came from.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from analysis.arch.geometry import HeadGeometry
+from analysis.core.errors import InputError, check_whole_number
+from analysis.core.progress import Progress, ShouldStop, scaled
+from analysis.core.text import check_max_tokens
+from analysis.measure.longheads import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES, RETRIEVAL_THRESHOLD,
+                                        RetrievalDetector, StreamingDetector, per_kv)
+from analysis.measure.long_options import DEFAULT_PRUNE_TOKENS, DEFAULT_RECENT, DEFAULT_SINKS
+from analysis.score.kvplan import KVPlan, plan_kv
+
+# docs/results.md section written by scripts/kv_heads_results.py
+KV_HEADS_MARKERS = ("<!-- kv-heads:begin -->", "<!-- kv-heads:end -->")
+
+
+@dataclass
+class KVScores:
+    """Scores per KV head [L, Hkv] (None: not measured), the detections behind them and the seconds spent."""
+    streaming: np.ndarray
+    retrieval: np.ndarray | None = None
+    importance: np.ndarray | None = None
+    detections: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+    prune_tokens: int = 0
+
+
+def measure_kv_scores(loaded, *, sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT, lengths=None,
+                      retrieval_lengths=None, depths=DEFAULT_DEPTHS, needles: int = DEFAULT_NEEDLES,
+                      queries: int = DEFAULT_QUERIES, retrieval: bool = True, prune: bool = False,
+                      prune_tokens: int = DEFAULT_PRUNE_TOKENS, seed: int = 0, progress: Progress | None = None,
+                      should_stop: ShouldStop | None = None) -> KVScores:
+    """Measure what a plan needs on `loaded` (model, tokenizer, geometry): the streaming score at `lengths`
+    with the band (sinks, recent), the retrieval score at `retrieval_lengths` (default: `lengths`) when
+    `retrieval`, the KV-group ablation at `prune_tokens` when `prune`. Every option is checked before the
+    first forward pass."""
+    model, geo = loaded.model, loaded.geometry
+    streaming = StreamingDetector(lengths, sinks=sinks, recent=recent, queries=queries, seed=seed,
+                                  tokenizer=loaded.tokenizer)
+    retriever = RetrievalDetector(retrieval_lengths or lengths, depths, needles, seed, tokenizer=loaded.tokenizer)
+    streaming.sequences(model)                                          # lengths vs the context, the tokenizer
+    if retrieval:
+        retriever.items(model)
+    if prune:
+        check_max_tokens(prune_tokens, "The tokens of the pruning ablation")
+        check_whole_number(prune_tokens, "The tokens of the pruning ablation", low=2)
+    steps = [("streaming", 1.0)] + ([("retrieval", 1.0)] if retrieval else []) + ([("importance", 1.0)] if prune else [])
+    out = KVScores(np.zeros((geo.n_layers, geo.n_kv_heads)))
+    for i, (what, _) in enumerate(steps):
+        part = scaled(progress, i / len(steps), (i + 1) / len(steps))
+        t0 = time.perf_counter()
+        if what == "streaming":
+            det = streaming.detect(model, progress=part, should_stop=should_stop)
+            out.detections["streaming"], out.streaming = det, det.extras["kv_scores"]
+        elif what == "retrieval":
+            det = retriever.detect(model, progress=part, should_stop=should_stop)
+            out.detections["retrieval"], out.retrieval = det, det.extras["kv_scores"]
+        else:
+            out.importance = group_importance(loaded, prune_tokens, progress=part, should_stop=should_stop)
+            out.prune_tokens = int(prune_tokens)
+        out.seconds[what] = time.perf_counter() - t0
+    return out
+
+
+def group_importance(loaded, tokens: int, *, progress: Progress | None = None,
+                     should_stop: ShouldStop | None = None) -> np.ndarray:
+    """[L, Hkv] loss increase when each whole KV group is removed (the fast ablation sweep on `tokens`
+    tokens of the built-in evaluation text, one sequence); MHA: the single-head deltas."""
+    from analysis.measure.ablation import head_ablation
+    res = head_ablation(loaded, max_tokens=tokens, seq_len=tokens, progress=progress, should_stop=should_stop)
+    return np.asarray(res.group_delta if res.group_delta is not None else res.head_delta, dtype=np.float64)
+
+
+def retrieval_keep(scores: KVScores, threshold: float = RETRIEVAL_THRESHOLD) -> np.ndarray | None:
+    """[L, Hkv] bool: KV heads holding a retrieval head (None when retrieval was not measured)."""
+    return None if scores.retrieval is None else scores.retrieval >= threshold
+
+
+def plan_from_scores(geometry: HeadGeometry, scores: KVScores, *, window_share: float = 0.5,
+                     prune_share: float = 0.0, keep_retrieval: bool = True,
+                     retrieval_threshold: float = RETRIEVAL_THRESHOLD, sinks: int = DEFAULT_SINKS,
+                     recent: int = DEFAULT_RECENT, model: str = "") -> KVPlan:
+    """The plan: `prune_share` of the KV heads with the lowest importance pruned, then `window_share` with
+    the lowest streaming score windowed, KV heads with a retrieval head kept full (`keep_retrieval`)."""
+    if prune_share and scores.importance is None:
+        raise InputError("Pruning KV heads needs their importance; measure it (prune=True) first.")
+    keep = retrieval_keep(scores, retrieval_threshold) if keep_retrieval else None
+    if keep_retrieval and keep is None:
+        raise InputError("Keeping the retrieval heads needs their retrieval score; measure it (retrieval=True) first.")
+    plan = plan_kv(geometry, scores.streaming, window_share=window_share, prune_scores=scores.importance,
+                   prune_share=prune_share, keep=keep, sinks=sinks, recent=recent, model=model)
+    det = scores.detections.get("streaming")
+    lengths = det.extras["lengths"] if det is not None else []
+    notes = [f"windowed: the lowest streaming scores (relative output change under {sinks} sink + {recent} recent "
+             f"tokens, measured at {', '.join(map(str, lengths))} tokens)"]
+    if keep is not None:
+        notes.append(f"kept full: {int(keep.sum())} KV heads with a retrieval head (score >= {retrieval_threshold:g}): "
+                     + (", ".join(f"L{l}KV{j}" for l, j in zip(*np.nonzero(keep))) or "none"))
+    if prune_share:
+        notes.append(f"pruned: the lowest KV-group ablation loss increases on {scores.prune_tokens} tokens of the "
+                     f"built-in evaluation text")
+    return KVPlan(plan.modes, plan.sinks, plan.recent, plan.n_heads, plan.model, tuple(notes))
+
+
+def check_plan_options(geometry: HeadGeometry, *, window_share: float, prune_share: float, sinks: int,
+                       recent: int) -> None:
+    """The plan's options checked before anything is measured (plan_kv's own checks, on zero scores)."""
+    zeros = np.zeros((geometry.n_layers, geometry.n_kv_heads))
+    plan_kv(geometry, zeros, window_share=window_share, prune_scores=zeros, prune_share=prune_share, sinks=sinks,
+            recent=recent)
+
+
+def kv_heads_summary(scores: KVScores, group_size: int) -> dict:
+    """JSON-able numbers of the measured scores (per KV head arrays, the retrieval heads per query head)."""
+    out = dict(streaming=scores.streaming, seconds=scores.seconds)
+    if scores.retrieval is not None:
+        det = scores.detections["retrieval"]
+        out.update(retrieval=scores.retrieval, retrieval_heads=[dict(layer=l, head=h, score=s) for l, h, s in
+                                                                 det.tagged()],
+                   answer_accuracy=det.extras["answer_accuracy"], accuracy_by_length=det.extras["accuracy_by_length"])
+    if scores.importance is not None:
+        out.update(importance=scores.importance, prune_tokens=scores.prune_tokens)
+    return out
+
+
+__all__ = ["KVScores", "measure_kv_scores", "group_importance", "plan_from_scores", "retrieval_keep",
+           "check_plan_options", "kv_heads_summary", "KV_HEADS_MARKERS", "per_kv"]
