@@ -1,6 +1,6 @@
 """Long context in the app: the per-head KV plan (full / window / prune per KV head, analysis.score.kvplan),
 what it costs at a context (KV memory, predicted speed: analysis.compress.plan_speed), its file, and the
-Walkthrough's real head (where its attention goes over a long text: analysis.measure.attention_rows).
+Walkthrough's real head (where its attention goes over a long text: analysis.measure.longheads.last_rows).
 
 Pages call one function each: the Long context page `band_inputs`, `plan_grid`, `fill_buttons`, `plan_file`,
 `plan_view`, `memory_chart`; the Export page `export_section`; the Walkthrough `walkthrough_section`. The plan
@@ -452,12 +452,12 @@ def walk_text(tokenizer, n_tokens: int):
 
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def walk_rows(key: ModelKey, n_tokens: int, sinks: int, recent: int, _progress=None, _should_stop=None):
-    """(AttentionRows of the walkthrough's text, needle start, needle length, tokens)."""
-    from analysis.measure.attention_rows import attention_rows
+    """(LastRows of the walkthrough's text, needle start, needle length, tokens)."""
+    from analysis.measure.longheads import last_rows
     lm = cache.load(key)
     ids, start, length = walk_text(lm.tokenizer, n_tokens)
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        rows = attention_rows(lm.model, ids, queries=WALK_QUERIES, sinks=sinks, recent=recent,
+        rows = last_rows(lm.model, ids, queries=WALK_QUERIES, sinks=sinks, recent=recent,
                               progress=_progress, should_stop=_should_stop)
     return rows, start, length, [lm.tokenizer.decode([int(i)]) for i in ids]
 

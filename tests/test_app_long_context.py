@@ -225,7 +225,7 @@ def test_an_encoder_is_told_in_one_line(tmp_path):
 
 def test_walkthrough_head_is_analysis_numbers(tiny_long):
     from analysis.arch.models import load_model
-    from analysis.measure.attention_rows import attention_rows
+    from analysis.measure.longheads import last_rows
     from components.longctx import WALK_QUERIES, walk_text
     at = new_app(tiny_long, page="walkthrough", sinks=2, recent=40)
     at.button(key="walk.long.run").click().run()
@@ -233,7 +233,7 @@ def test_walkthrough_head_is_analysis_numbers(tiny_long):
     assert not at.error, [e.value for e in at.error]
     lm = load_model(str(tiny_long))
     ids, start, length = walk_text(lm.tokenizer, LIMIT)
-    rows = attention_rows(lm.model, ids, queries=WALK_QUERIES, sinks=2, recent=40)
+    rows = last_rows(lm.model, ids, queries=WALK_QUERIES, sinks=2, recent=40)
     needle = rows.share(start, start + length)
     layer, head = np.unravel_index(int(np.argmax(needle)), needle.shape)     # the sliders start there
     assert at.slider(key="hs.w.walk.long.layer").value == layer

@@ -1,4 +1,4 @@
-"""The last rows of attention from tapped q/k/v (analysis/measure/attention_rows.py) against a naive float64
+"""The last rows of attention from tapped q/k/v (analysis.measure.longheads.last_rows) against a naive float64
 reference (explicit exp over the keys, from the model's own weights and rotary embedding) and the window's
 output change against the model's own windowed kernel (analysis.arch.spans) read at W_O's input."""
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 from analysis.arch.adapters import adapter_for
 from analysis.arch.spans import windowed
 from analysis.core.errors import InputError
-from analysis.measure.attention_rows import attention_rows
+from analysis.measure.longheads import last_rows
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._tolerance import EXACT
 
@@ -66,7 +66,7 @@ def _naive_probs(model, ids) -> np.ndarray:
 
 def test_rows_are_the_naive_softmax(llama):
     ids = tiny_input_ids(1, T)[0]
-    rows = attention_rows(llama, ids, queries=Q, sinks=SINKS, recent=RECENT)
+    rows = last_rows(llama, ids, queries=Q, sinks=SINKS, recent=RECENT)
     probs = _naive_probs(llama, ids)                                     # [L, H, T, T]
     np.testing.assert_allclose(rows.mass, probs[:, :, -Q:].mean(2), rtol=0, atol=EXACT)
     np.testing.assert_array_equal(rows.top1, probs[:, :, -Q:].argmax(-1))
@@ -78,7 +78,7 @@ def test_rows_are_the_naive_softmax(llama):
 
 def test_window_change_is_the_windowed_kernel(llama):
     ids = tiny_input_ids(1, T, seed=3)[0]
-    rows = attention_rows(llama, ids, queries=Q, sinks=SINKS, recent=RECENT)
+    rows = last_rows(llama, ids, queries=Q, sinks=SINKS, recent=RECENT)
     g = adapter_for(llama).geometry(llama)
     dense = _o_inputs(llama, ids)
     for layer in range(g.n_layers):
@@ -96,13 +96,13 @@ def test_window_change_is_the_windowed_kernel(llama):
 
 def test_a_window_as_long_as_the_text_changes_nothing(llama):
     ids = tiny_input_ids(1, T)[0]
-    rows = attention_rows(llama, ids, queries=Q, sinks=0, recent=T)
+    rows = last_rows(llama, ids, queries=Q, sinks=0, recent=T)
     assert np.abs(rows.window_change).max() <= EXACT
 
 
 def test_refusals(llama):
     ids = tiny_input_ids(1, T)[0]
     with pytest.raises(InputError, match="fewer than"):
-        attention_rows(llama, ids[:2], queries=Q)
+        last_rows(llama, ids[:2], queries=Q)
     with pytest.raises(InputError, match="reads nothing"):
-        attention_rows(llama, ids, recent=0)
+        last_rows(llama, ids, recent=0)
