@@ -107,9 +107,12 @@ def current_modes(lm, *, notes: bool = True) -> np.ndarray:
 
 
 def current_plan(lm, *, notes: bool = True) -> KVPlan:
-    """The view's KVPlan (every KV head full until the Long context page or a link sets one)."""
+    """The view's KVPlan (every KV head full until the Long context page or a link sets one), with the notes
+    of the scores that made it while it is unedited."""
     _, sinks, recent = band(lm)
-    return KVPlan(current_modes(lm, notes=notes), sinks, recent, lm.geometry.n_heads, lm.name)
+    made = state.recall("long.notes")
+    why = tuple(made[1]) if made and made[0] == state.get("kv") and state.get("plan") == "scores" else ()
+    return KVPlan(current_modes(lm, notes=notes), sinks, recent, lm.geometry.n_heads, lm.name, why)
 
 
 def plan_is_set() -> bool:
@@ -211,6 +214,100 @@ def fill_buttons(lm) -> None:
         st.button(f"Set layers {layers[0]}-{layers[1]}, KV heads {', '.join(map(str, heads)) or '(none)'} to {mode}",
                   key="long.range.apply", on_click=_fill_range, args=(_shape(lm), layers, heads, mode),
                   disabled=not heads)
+
+
+# -- fills from the heads' scores (analysis.score.kvscores: streaming, retrieval, KV-group importance) ------
+
+SCORE_LENGTH = 2048               # tokens the streaming and retrieval scores are measured at (clipped to the model's)
+IMPORTANCE_TOKENS = 256           # tokens of the KV-group ablation that ranks what a plan prunes
+_NOTES = "long.notes"             # (plan link text, the notes of the plan the scores made)
+
+
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def group_importance(key: ModelKey, tokens: int, _progress=None, _should_stop=None):
+    """[L, Hkv] loss increase when each whole KV group is removed (analysis.score.kvscores.group_importance)."""
+    from analysis.score import kvscores
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        return kvscores.group_importance(lm, tokens, progress=_progress, should_stop=_should_stop)
+
+
+def _long_scores(lm, name: str, options: dict):
+    """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
+    as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
+    from analysis.measure.detectors import get_detector
+    from components import taxonomy
+    passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
+    opts = tuple(sorted(options.items()))
+    return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
+                            f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
+                            run_key=(lm.name, name, opts), fn=taxonomy.long_detection,
+                            args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
+                            kind="long-detectors", work=taxonomy.long_work(passes),
+                            stale_note="The window or the length changed since ({view}); press the button again.",
+                            view=", ".join(f"{k} {v}" for k, v in opts))
+
+
+def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_share: float, prune_share: float,
+                 keep_retrieval: bool, sinks: int, recent: int) -> None:
+    """streaming, retrieval: the detectors' Detections (retrieval may be None); importance [L, Hkv] or None."""
+    from analysis.score.kvscores import KVScores, plan_from_scores
+    dets = {name: d for name, d in (("streaming", streaming), ("retrieval", retrieval)) if d is not None}
+    scores = KVScores(streaming.extras["kv_scores"], None if retrieval is None else retrieval.extras["kv_scores"],
+                      importance, dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0)
+    try:
+        plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
+                                keep_retrieval=keep_retrieval, sinks=sinks, recent=recent, model=model)
+    except InputError as err:
+        state.remember(_NOTE, str(err))
+        return
+    _set_plan(plan.modes, "scores")
+    state.remember(_NOTES, (state.get("kv"), plan.notes))
+
+
+def score_fills(lm) -> None:
+    """Fill the grid from the heads' own scores: window the most streaming share of KV heads (the lowest output
+    change under this page's window), keep the KV heads that hold a retrieval head full, prune the least
+    important share (KV-group ablation); each score measured on its own button (expected time, Stop)."""
+    g = lm.geometry
+    _, sinks, recent = band(lm)
+    limit = context_limit(lm)
+    with st.expander("Fill from the heads' scores (streaming, retrieval, importance)", expanded=False):
+        st.caption("The scores the Heads page measures, at this page's window. Each runs the model on long built-in "
+                   "text on its own button.")
+        with shown_errors("Measuring the heads' scores"):
+            length = int(st.number_input("Measured at (tokens)", 64, max(64, limit), step=256,
+                                         key=state.widget_key("long.scores.length", value=min(SCORE_LENGTH, limit)),
+                                         help="The context the streaming and retrieval scores read (one length)."))
+            length = min(length, limit)
+            streaming = _long_scores(lm, "streaming", dict(lengths=(length,), sinks=sinks, recent=recent))
+            retrieval = _long_scores(lm, "retrieval", dict(lengths=(length,), needles=2))
+            importance = cache.run_button(
+                f"Measure the KV groups' importance (ablation on {IMPORTANCE_TOKENS} tokens)",
+                button_key="long.scores.importance", slot="long.scores.importance",
+                run_key=(lm.name, IMPORTANCE_TOKENS), fn=group_importance, args=(state.model_key(), IMPORTANCE_TOKENS),
+                label="Removing each KV group", kind="ablation",
+                work=IMPORTANCE_TOKENS * (g.n_total_heads + g.n_layers * g.n_kv_heads),
+                stale_note="({view})", view="another model")
+        if streaming is None:
+            st.caption("Measure the streaming scores to fill the grid from them.")
+            return
+        c1, c2 = st.columns(2)
+        window = c1.slider("Window the most streaming (% of KV heads)", 0, 100, step=5,
+                           key=state.widget_key("long.scores.window", value=50))
+        prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
+                          key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
+                          help=None if importance is not None else "Measure the KV groups' importance first.")
+        keep = st.checkbox("Keep KV heads with a retrieval head full", disabled=retrieval is None,
+                           key=state.widget_key("long.scores.keep", value=True),
+                           help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
+                                "2024) stays full whatever its streaming score." if retrieval is not None else
+                           "Measure the retrieval scores first.")
+        st.button(f"Fill the grid: window {window} %, prune {prune if importance is not None else 0} %"
+                  + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
+                  on_click=_fill_scores, type="primary",
+                  args=(g, lm.name, streaming, retrieval, importance, window / 100,
+                        (prune / 100) if importance is not None else 0.0,
+                        bool(keep) and retrieval is not None, sinks, recent))
 
 
 # -- the file ---------------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ CONTEXT_MAX = 2**20            # what a link may carry; the page's box stops at 
 KV_LETTERS = "fwp"             # analysis.score.kvplan.MODES' order: full, window, prune
 KV_TEXT_MAX = 20_000           # letters of a plan in a link (a 126-layer x 16-KV-head model needs ~2,150)
 PLAN_SOURCES = {"full": "every KV head full (the dense model)", "mask": "the Prune page's mask",
-                "edited": "edited by hand", "file": "a kv_plan.json file"}
+                "edited": "edited by hand", "file": "a kv_plan.json file",
+                "scores": "the heads' streaming / retrieval / importance scores"}
 
 
 def _kv_text(raw: str) -> str:

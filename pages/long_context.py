@@ -26,6 +26,7 @@ with left:
     modes = longctx.plan_grid(lm)
     longctx.show_note()
     longctx.fill_buttons(lm)
+    longctx.score_fills(lm)
 plan = longctx.current_plan(lm, notes=False)
 with right:
     longctx.plan_view(lm, plan, context)

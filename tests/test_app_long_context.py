@@ -244,3 +244,28 @@ def test_walkthrough_head_is_analysis_numbers(tiny_long):
     assert metric(at, "Change if windowed") == f"{100 * rows.window_change[layer, 1]:.1f} %"
     np.testing.assert_allclose(heatmap_z(figure_titled(at, "Each head's output change under a window")),
                                rows.window_change, rtol=1e-6)
+
+
+def test_fill_from_the_heads_scores(tiny_long, downloads):
+    """Window 50 %, prune 25 %, retrieval heads full: the grid is kvscores.plan_from_scores of the same scores
+    (measured here by the library with the page's options), and its kv_plan.json says where it came from."""
+    from analysis.arch.models import load_model
+    from analysis.score.kvplan import read_kv_plan
+    from analysis.score.kvscores import measure_kv_scores, plan_from_scores
+    at = _open(tiny_long, sinks=2, recent=64)
+    assert not any(b.key == "long.scores.fill" for b in at.button)          # nothing to fill from yet
+    for name in ("streaming", "retrieval", "importance"):
+        at.button(key=f"long.scores.{name}").click().run()
+        no_exception(at)
+        assert not at.error, [e.value for e in at.error]
+    at.slider(key="hs.w.long.scores.prune").set_value(25).run()
+    at.button(key="long.scores.fill").click().run()
+    no_exception(at)
+    lm = load_model(str(tiny_long))
+    scores = measure_kv_scores(lm, sinks=2, recent=64, lengths=(LIMIT,), needles=2, prune=True, prune_tokens=256)
+    want = plan_from_scores(lm.geometry, scores, window_share=0.5, prune_share=0.25, keep_retrieval=True, sinks=2,
+                            recent=64)
+    np.testing.assert_array_equal(_grid(at), want.modes)
+    assert at.query_params["plan"] == "scores" and want.counts()["prune"] == 2
+    notes = read_kv_plan(downloads["kv_plan.json"].decode()).notes
+    assert any(n.startswith("windowed: the lowest streaming scores") for n in notes), notes
