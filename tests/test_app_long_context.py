@@ -246,6 +246,9 @@ def test_walkthrough_head_is_analysis_numbers(tiny_long):
                                rows.window_change, rtol=1e-6)
 
 
+SCORED = 192                     # tokens the heads' scores are measured at in the test (the page's box)
+
+
 def test_fill_from_the_heads_scores(tiny_long, downloads):
     """Window 50 %, prune 25 %, retrieval heads full: the grid is kvscores.plan_from_scores of the same scores
     (measured here by the library with the page's options), and its kv_plan.json says where it came from."""
@@ -254,6 +257,7 @@ def test_fill_from_the_heads_scores(tiny_long, downloads):
     from analysis.score.kvscores import measure_kv_scores, plan_from_scores
     at = _open(tiny_long, sinks=2, recent=64)
     assert not any(b.key == "long.scores.fill" for b in at.button)          # nothing to fill from yet
+    at.number_input(key="hs.w.long.scores.length").set_value(SCORED).run()
     for name in ("streaming", "retrieval", "importance"):
         at.button(key=f"long.scores.{name}").click().run()
         no_exception(at)
@@ -262,7 +266,7 @@ def test_fill_from_the_heads_scores(tiny_long, downloads):
     at.button(key="long.scores.fill").click().run()
     no_exception(at)
     lm = load_model(str(tiny_long))
-    scores = measure_kv_scores(lm, sinks=2, recent=64, lengths=(LIMIT,), needles=2, prune=True, prune_tokens=256)
+    scores = measure_kv_scores(lm, sinks=2, recent=64, lengths=(SCORED,), needles=2, prune=True, prune_tokens=256)
     want = plan_from_scores(lm.geometry, scores, window_share=0.5, prune_share=0.25, keep_retrieval=True, sinks=2,
                             recent=64)
     np.testing.assert_array_equal(_grid(at), want.modes)
