@@ -55,6 +55,8 @@ API: dict[str, str] = {
     "read_mask_json": "analysis.compress.export", "distill": "analysis.compress.recover.distill",
     "DistillConfig": "analysis.compress.recover.distill", "run_pipeline": "analysis.compress.recover.pipeline",
     "PipelineConfig": "analysis.compress.recover.pipeline", "compression_report": "analysis.compress.recover.report",
+    "kv_plan_model": "analysis.compress.kvruntime", "measure_kv": "analysis.compress.kvspeed",
+    "load_planned": "analysis.compress.export.kvfile",
     # errors
     "HeadscopeError": "analysis.core.errors", "InputError": "analysis.core.errors",
     "ModelLoadError": "analysis.core.errors", "CancelledError": "analysis.core.errors",

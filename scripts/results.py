@@ -51,8 +51,8 @@ from analysis.core.errors import InputError  # noqa: E402
 from analysis.measure.evaluation import bootstrap_perplexity, evaluator_for, gate_batch, token_ids  # noqa: E402
 from analysis.score.masks import plan_mask, summarize_mask  # noqa: E402
 from analysis.measure.profiles import profile_model  # noqa: E402
-from analysis.compress.recover.report import (EDGE_MARKERS, FRONTIER_MARKERS, LONG_CONTEXT_MARKERS,  # noqa: E402
-                                              RECOVERY_MARKERS)
+from analysis.compress.recover.report import (EDGE_MARKERS, FRONTIER_MARKERS, KV_POLICIES_MARKERS,  # noqa: E402
+                                              LONG_CONTEXT_MARKERS, RECOVERY_MARKERS)
 from analysis.score.kvscores import KV_HEADS_MARKERS  # noqa: E402
 from analysis.score.specialization import ROLES_MARKERS  # noqa: E402
 from analysis.measure.probes.breaks import PROBES_MARKERS  # noqa: E402
@@ -420,10 +420,11 @@ def main(argv: list[str] | None = None) -> None:
             # the recovery section belongs to bench/bench_recovery.py --write-docs, the roles section to
             # scripts/roles_results.py, the probes section to scripts/probes_results.py, the edge section to
             # bench/bench_gguf.py --write-docs, the frontier and long-context sections to bench_frontier.py and
-            # bench_long_context.py --write-docs, the kv-heads section to scripts/kv_heads_results.py: keep them as
-            # they are
+            # bench_long_context.py --write-docs, the kv-heads section to scripts/kv_heads_results.py, the
+            # kv-policies section to bench_kv_policies.py: keep them as they are
             kept = "\n\n".join(part for markers in (RECOVERY_MARKERS, ROLES_MARKERS, PROBES_MARKERS, EDGE_MARKERS,
-                                                      FRONTIER_MARKERS, LONG_CONTEXT_MARKERS, KV_HEADS_MARKERS)
+                                                      FRONTIER_MARKERS, LONG_CONTEXT_MARKERS, KV_HEADS_MARKERS,
+                                                      KV_POLICIES_MARKERS)
                                 if (part := marked_section(args.out, *markers)))
             atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
                          what="The results file")

@@ -35,6 +35,17 @@ Families: those whose attention goes through transformers' AttentionInterface wi
 eager kernel (llama, mistral, qwen2, qwen3, gemma, olmo, starcoder2, phi3, ...). A model on another
 kernel (flash attention, custom code) or without `layer_idx` on its attention modules is refused with
 one line.
+
+Compact layers: inside a block the masked path above still holds every token of a windowed head (the
+band is a mask over the whole sequence). A compact cache (analysis.arch.kvcache.CompactCache) holds only
+what the band reads: its layer's `update` hands the kernel a `CompactKV` instead of a key tensor, with
+the full heads' keys / values [B, h_full, S, d] and the windowed heads' [B, h_win, n, d] (n <= sinks +
+recent - 1 + the new tokens) with the absolute position of each of them. The kernel then runs the full
+heads as before and the windowed heads on those keys only, with the band computed from the positions,
+so nothing of length S is built for them. A step with many queries (a prefill) runs the windowed heads
+in blocks of `block_size(recent)` queries: each block reads the sink keys and the keys from `recent - 1`
+before its first query to its last one (`banded_attention`), so its cost grows with sinks + recent, not
+with the sequence. A tap needs every head's keys and is refused on a compact layer.
 """
 from __future__ import annotations
 
@@ -42,6 +53,7 @@ import contextvars
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -124,8 +136,15 @@ def _allowed(attention_mask: torch.Tensor | None, q: int, S: int, device) -> tor
 
 
 def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """The registered kernel: query [B, H, q, d], key / value [B, Hkv, S, d] -> ([B, q, H, d], None)."""
+    """The registered kernel: query [B, H, q, d], key / value [B, Hkv, S, d] (or one CompactKV from a compact
+    cache) -> ([B, q, H, d], None)."""
     entry = (_ACTIVE.get() or {}).get(id(module))
+    if isinstance(key, CompactKV):
+        if entry is not None and entry.tap is not None:
+            raise InputError("A tap reads every head's keys; a compact KV cache keeps only the windows. Run the "
+                             "tap without the compact cache.")
+        base = entry.base if entry is not None else "sdpa"
+        return compact_attention(_kernel(base, module), base, module, query, key, attention_mask, *args, **kwargs)
     if entry is None:                                                   # no block in this thread: plain kernel
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
@@ -155,6 +174,143 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
         heads = (kv[:, None] * G + torch.arange(G, device=kv.device)).flatten()   # [h_kv * G] their query heads
         part, _ = kernel(module, query[:, heads], key[:, kv], value[:, kv], mask, *args, **kwargs)  # [B, q, h, d_v]
         out[:, :, heads] = part
+    return out, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact layers: the windowed heads' keys only, with their positions
+# ---------------------------------------------------------------------------------------------
+
+MIN_BLOCK = 64                      # queries per block of a banded prefill, at least
+
+
+def ring_slots(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """[n] the slot of each kept position in a windowed head's ring (analysis.arch.kvcache): the sinks in slots
+    0 .. sinks-1, position p >= sinks in slot sinks + (p - sinks) % recent."""
+    return torch.where(positions < sinks, positions, sinks + (positions - sinks) % recent)
+
+
+def ring_positions(length: int, sinks: int, recent: int, device=None) -> torch.Tensor:
+    """[min(length, sinks + recent)] long: the position held in each ring slot after `length` tokens."""
+    size = sinks + recent
+    if length <= size:
+        return torch.arange(length, device=device)
+    slots = torch.arange(size, device=device)
+    base = length - recent                                               # the oldest recent token kept
+    return torch.where(slots < sinks, slots, base + (slots - base) % recent)
+
+
+@dataclass(frozen=True)
+class CompactKV:
+    """What a compact cache layer hands the kernel for one step (analysis.arch.kvcache). Heads are the
+    layer's KV heads; the query heads of KV head j are j*G .. j*G + G - 1."""
+    n_kv_heads: int
+    full_heads: tuple[int, ...]          # KV heads that read every token
+    window_heads: tuple[int, ...]        # KV heads that read sinks + recent
+    full_keys: torch.Tensor | None       # [B, h_full, S, d] every token so far, this step's included
+    full_values: torch.Tensor | None     # [B, h_full, S, d_v]
+    window_keys: torch.Tensor | None     # [B, h_win, n, d] the tokens the band may read, in any order; for a
+    window_values: torch.Tensor | None   # one-query step exactly the keys its band reads [B, h_win, n, d_v]
+    window_positions: torch.Tensor | None    # [n] long: the position of each; None: the ring's (ring_positions)
+    query_start: int                     # position of this step's first query (tokens before it)
+    length: int                          # S: tokens so far, this step's included
+    sinks: int
+    recent: int
+    block: int = 0                       # queries per block of a banded prefill (0: block_size(recent))
+
+    @property
+    def value_dim(self) -> int:
+        v = self.full_values if self.full_values is not None else self.window_values
+        return int(v.shape[-1])
+
+    def positions(self, device) -> torch.Tensor:
+        """[n] the position of each windowed key."""
+        if self.window_positions is not None:
+            return self.window_positions.to(device)
+        return ring_positions(self.length, self.sinks, self.recent, device)
+
+
+def block_size(recent: int) -> int:
+    """Queries per block of a banded prefill: about one window, so a block reads ~ sinks + 2 * recent keys."""
+    return max(MIN_BLOCK, int(recent))
+
+
+@lru_cache(maxsize=4096)
+def query_heads(kv_heads: tuple[int, ...], group: int, device: str = "cpu"):
+    """The query heads of some KV heads (G = group per KV head): a slice when the KV heads are consecutive (a
+    view of the query, no gather), else an index tensor [h * G]."""
+    if kv_heads == tuple(range(kv_heads[0], kv_heads[-1] + 1)):
+        return slice(kv_heads[0] * group, (kv_heads[-1] + 1) * group)
+    return torch.tensor([h * group + g for h in kv_heads for g in range(group)], device=device)
+
+
+def _padding(attention_mask, rows: slice, positions: torch.Tensor) -> torch.Tensor | None:
+    """The model's mask [b, 1, q, S] at query rows `rows` and key columns `positions`, as bool (True = read);
+    None without a mask (no padding: the band alone decides)."""
+    if attention_mask is None:
+        return None
+    part = attention_mask[:, :, rows][..., positions.to(attention_mask.device)]    # [b, 1, q', n]
+    return part if part.dtype == torch.bool else part == 0
+
+
+def banded_attention(kernel: Callable, base: str, module, query, keys, values, q_positions, k_positions,
+                     sinks: int, recent: int, attention_mask=None, *args, block: int = 0, **kwargs) -> torch.Tensor:
+    """Windowed attention on the keys a band can read: query [B, h, q, d] at absolute q_positions [q],
+    keys / values [B, h_kv, n, d] at k_positions [n] (any order) -> [B, q, h, d_v]. More queries than
+    `block` (default `block_size(recent)`) run block by block, each on its sink keys and the keys of its own
+    window span (gathered, so a block costs ~ block * (sinks + recent + block)); attention_mask: the model's
+    [b, 1, q, S] over absolute positions (padding), or None."""
+    q = query.shape[2]
+    block = block or block_size(recent)
+    out = []
+    for start in range(0, q, block if q > block else q):
+        stop = min(q, start + block)
+        qp = q_positions[start:stop]                                      # [q']
+        if q > block:                                                     # this block's keys only
+            near = (k_positions < sinks) | ((k_positions > qp[0] - recent) & (k_positions <= qp[-1]))
+            index = torch.nonzero(near).flatten()                         # [m]
+            k, v, kp = keys.index_select(2, index), values.index_select(2, index), k_positions[index]
+        else:
+            k, v, kp = keys, values, k_positions
+        allowed = band(qp, kp, sinks, recent)[None, None]                 # [1, 1, q', m]
+        pad = _padding(attention_mask, slice(start, stop), kp)
+        if pad is not None:
+            allowed = allowed & pad                                       # [b, 1, q', m]
+        part, _ = kernel(module, query[:, :, start:stop], k, v, _as_mask(allowed, base, query.dtype), *args,
+                         **kwargs)                                        # [B, q', h, d_v]
+        out.append(part)
+    return out[0] if len(out) == 1 else torch.cat(out, 1)                 # [B, q, h, d_v]
+
+
+def _windowed_part(kernel, base, module, query, kv: CompactKV, attention_mask, *args, **kwargs) -> torch.Tensor:
+    """The windowed heads of a compact layer: query [B, h, q, d] -> [B, q, h, d_v]."""
+    q = query.shape[2]
+    if q == 1 and attention_mask is None:          # a decode step: the cache holds exactly its band, read it all
+        return kernel(module, query, kv.window_keys, kv.window_values, None, *args, **kwargs)[0]
+    q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
+    return banded_attention(kernel, base, module, query, kv.window_keys, kv.window_values, q_positions,
+                            kv.positions(query.device), kv.sinks, kv.recent, attention_mask, *args, block=kv.block,
+                            **kwargs)
+
+
+def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV, attention_mask, *args, **kwargs):
+    """The kernel on a compact layer: query [B, H, q, d] -> ([B, q, H, d_v], None); full heads over every key
+    (the model's own mask), windowed heads on the keys the cache kept (`banded_attention`; a decode step
+    without padding reads them all, no mask)."""
+    B, H, q = query.shape[:3]
+    G = H // kv.n_kv_heads
+    full_mask = attention_mask
+    if base != "sdpa" and kv.full_heads:                                  # eager adds its mask: always give one
+        full_mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
+    if not kv.window_heads:                                               # every head full: one call
+        return kernel(module, query, kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0], None
+    if not kv.full_heads:                                                 # every head windowed
+        return _windowed_part(kernel, base, module, query, kv, attention_mask, *args, **kwargs), None
+    out = query.new_empty(B, q, H, kv.value_dim)                        # [B, q, H, d_v]
+    heads = query_heads(kv.full_heads, G, str(query.device))
+    out[:, :, heads] = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0]
+    heads = query_heads(kv.window_heads, G, str(query.device))
+    out[:, :, heads] = _windowed_part(kernel, base, module, query[:, heads], kv, attention_mask, *args, **kwargs)
     return out, None
 
 

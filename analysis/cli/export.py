@@ -1,7 +1,8 @@
 """The export command: the pruned model in any registered format (analysis.compress.export.FORMATS, with
-each format's own options as --option-name) plus mask.json, written atomically under --out-dir. The
-options are built from the formats' declarations (analysis.compress.export.format_registry), and the
-format options are checked before the export machinery is imported."""
+each format's own options as --option-name) plus mask.json (and kv_plan.json with --kv-plan), written
+atomically under --out-dir. The options are built from the formats' declarations
+(analysis.compress.export.format_registry), and the format options are checked before the export machinery
+is imported."""
 from __future__ import annotations
 
 import sys
@@ -41,6 +42,10 @@ def _export_arguments(parser):
     parser.add_argument("--out-dir", dest="out_dir", required=True, help="output root folder")
     parser.add_argument("--name", required=True, help="folder to create under --out-dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    parser.add_argument("--kv-plan", dest="kv_plan", default=None, metavar="FILE",
+                        help="a kv_plan.json (per-KV-head full / window / prune) written with the model: its pruned "
+                             "heads are the cut when no --sparsity / --mask-file is given (else the mask must remove "
+                             "them); each format says what its runtime does with the windows")
     add_kv_policy_argument(parser)
 
 
@@ -62,13 +67,22 @@ def run_export(ns):
     form = FORMATS[ns.export_format]
     target = resolve_under(ns.out_dir, ns.name)   # a bad name fails before the model loads
     check_export_name(ns.name)
-    if ns.mask_file is None and ns.sparsity is None:
-        raise InputError("export needs --sparsity (with the scorer options) or --mask-file (a mask.json).")
+    kv_plan = None
+    if ns.kv_plan is not None:                      # the file's own checks (schema, a window of 0) before any load
+        from analysis.score.kvplan import read_kv_plan
+        kv_plan = read_kv_plan(ns.kv_plan)
+    if ns.mask_file is None and ns.sparsity is None and kv_plan is None:
+        raise InputError("export needs --sparsity (with the scorer options), --mask-file (a mask.json) or --kv-plan "
+                         "(a kv_plan.json: its pruned heads are the cut).")
     if ns.checkpoint:
-        return _export_streamed(ns, target, given)
+        return _export_streamed(ns, target, given, kv_plan)
     if ns.mask_file is not None:
         plan, scores, loaded, info = _plan_from_mask_file(ns)
         record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
+    elif ns.sparsity is None:                       # --kv-plan alone: its pruned KV heads are the cut
+        plan, loaded, info = _plan_from_kv_plan(ns, kv_plan)
+        record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
+                             model_type=loaded.adapter.model_type, policy="kv-plan")
     else:
         plan, scores, loaded, info = plan_from(ns)
         record = mask_record(plan.pruned, geometry=loaded.geometry, model=loaded.name,
@@ -83,13 +97,27 @@ def run_export(ns):
     with progress_bar(f"exporting ({ns.export_format})", not ns.quiet) as report:
         result = export(ns.export_format, loaded.model, plan.pruned, ns.out_dir, ns.name, record=record,
                         tokenizer=loaded.tokenizer, overwrite=ns.overwrite, progress=report,
-                        dtype=export_dtype(ns.export_dtype, loaded.source_dtype), **surgery, **given)
+                        dtype=export_dtype(ns.export_dtype, loaded.source_dtype), kv_plan=kv_plan, **surgery,
+                        **given)
     payload = dict(model=info, format=result.format, path=str(result.path), files=result.files,
-                   total_bytes=result.total_bytes, n_pruned=plan.n_pruned)
+                   total_bytes=result.total_bytes, n_pruned=plan.n_pruned, notes=result.notes,
+                   **_plan_payload(kv_plan))
     for note in result.notes:
         sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
     return payload, None
+
+
+def _plan_payload(kv_plan) -> dict:
+    return {} if kv_plan is None else {"kv_plan": dict(kv_plan.counts(), sinks=kv_plan.sinks, recent=kv_plan.recent)}
+
+
+def _plan_from_kv_plan(ns, kv_plan):
+    """(MaskPlan, LoadedModel, info) for --model with --kv-plan alone: the plan's pruned heads are the mask."""
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    kv_plan.check_geometry(loaded.geometry)
+    return MaskPlan.from_pruned(kv_plan.pruned_heads(), loaded.geometry.group_size, policy="kv-plan"), loaded, info
 
 
 def _plan_from_mask_file(ns):
@@ -104,7 +132,7 @@ def _plan_from_mask_file(ns):
     return plan, None, loaded, info
 
 
-def _export_streamed(ns, target, given: dict):
+def _export_streamed(ns, target, given: dict, kv_plan=None):
     """export --checkpoint: score by streaming (or read --mask-file) and cut the checkpoint tensor by tensor
     (analysis.compress.export.streamed); the model is never built."""
     from analysis.arch.adapters import adapter_for
@@ -127,6 +155,12 @@ def _export_streamed(ns, target, given: dict):
         plan = MaskPlan.from_pruned(record.pruned(), g.group_size, sparsity=record.sparsity,
                                     policy=record.policy or "given")
         info = dict(source=str(folder), **g.as_dict())
+    elif ns.sparsity is None:                       # --kv-plan alone
+        kv_plan.check_geometry(g)
+        plan = MaskPlan.from_pruned(kv_plan.pruned_heads(), g.group_size, policy="kv-plan")
+        record = mask_record(plan.pruned, geometry=g, model=str(folder), model_type=adapter.model_type,
+                             policy="kv-plan")
+        info = dict(source=str(folder), **g.as_dict())
     else:
         plan, scores, _, info = plan_from(ns)
         record = mask_record(plan.pruned, geometry=g, model=str(folder), model_type=adapter.model_type,
@@ -136,12 +170,13 @@ def _export_streamed(ns, target, given: dict):
     with progress_bar(f"exporting ({ns.export_format}, streamed)", not ns.quiet) as report:
         result = export_checkpoint(ns.export_format, folder, plan.pruned, target, record=record,
                                    kv_policy=ns.kv_policy, overwrite=ns.overwrite, progress=report,
-                                   trust_remote_code=ns.trust_remote_code, **given)
+                                   trust_remote_code=ns.trust_remote_code, kv_plan=kv_plan, **given)
     for note in result.notes:
         sys.stderr.write(f"note: {note}\n")
     sys.stderr.write(f"wrote {result.path} ({result.total_bytes / 2**20:.1f} MiB)\n")
     return dict(model=info, format=result.format, path=str(result.path), files=result.files,
-                total_bytes=result.total_bytes, n_pruned=plan.n_pruned, streamed=True), None
+                total_bytes=result.total_bytes, n_pruned=plan.n_pruned, streamed=True, notes=result.notes,
+                **_plan_payload(kv_plan)), None
 
 
 register("export", "write the pruned model in a registered format and mask.json", _export_arguments, run_export)

@@ -10,7 +10,9 @@ export format").
 
 `export_to(fmt, model, pruned, target, ...)` does what every format shares: an in-memory copy of a
 dispatched model, the mask record, the atomic folder (`analysis.compress.export.folder`), mask.json,
-head_layout.json for a physical cut, the tokenizer files, and the listing of what was written.
+head_layout.json for a physical cut, kv_plan.json when a KV plan is given (`analysis.compress.export.kvfile`,
+with the format's `kv_windows` line in the notes: what its runtime does with the windows), the tokenizer
+files, and the listing of what was written.
 `export(fmt, model, pruned, root, name, ...)` is the same confined to an output root (what the app and
 the CLI call).
 """
@@ -22,12 +24,13 @@ from typing import ClassVar
 
 from torch import nn
 
-from analysis.arch.adapters import in_memory_copy, is_dispatched
+from analysis.arch.adapters import adapter_for, in_memory_copy, is_dispatched
 from analysis.arch.checkpoint import check_finite_tensor
 from analysis.compress.export.format_registry import (  # noqa: F401 (the registry: re-exported)
     DECLARED_FIELDS, EXPORT_DTYPES, FORMATS, FormatOption, FormatSpec, format_options, get_format, register_format)
 from analysis.compress.export.folder import (atomic_folder, check_export_name, clean_leftovers, listing,
                                              resolve_under)
+from analysis.compress.export.kvfile import plan_for_export, write_kv_plan
 from analysis.compress.export.records import MASK_FILE, MaskRecord, record_for
 from analysis.compress.export.selfcheck import read_self_checks
 from analysis.compress.surgery import HeadLayout, prune_heads
@@ -68,6 +71,10 @@ class ExportFormat:
     # writes the weights in the export's dtype (`export_to(dtype=...)`: the source checkpoint's by default);
     # False: the format has its own precision (ONNX float32, a GGUF type)
     keeps_dtype: ClassVar[bool] = False
+    # what the format's runtime does with a KV plan's windowed heads (one line in the export's notes when a plan
+    # is given); the default: headscope's PyTorch runtime runs them (analysis.compress.export.kvfile.load_planned)
+    kv_windows: ClassVar[str] = ("the windowed KV heads run in headscope's PyTorch runtime: load the folder with "
+                                 "analysis.compress.export.kvfile.load_planned (compact KV cache)")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -126,12 +133,14 @@ def export_dtype(choice: str, source_dtype=None):
     return DTYPES[choice]
 
 
-def write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None) -> None:
+def write_common(tmp: Path, record: MaskRecord, tokenizer, layout: HeadLayout | None, kv_plan=None) -> None:
     if layout is not None:          # a physical cut: mask.json says which kv_policy built it
         record = replace(record, kv_policy=layout.kv_policy)
     (tmp / MASK_FILE).write_text(record.to_json(), encoding="utf-8")
     if layout is not None:
         (tmp / LAYOUT_FILE).write_text(layout.to_json(), encoding="utf-8")
+    if kv_plan is not None:         # in the original head slots, plus the file's heads for a physical cut
+        write_kv_plan(tmp, kv_plan, layout)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
 
@@ -144,17 +153,25 @@ def resident(model: nn.Module) -> nn.Module:
 
 def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord | None = None, tokenizer=None,
               kv_policy: str = "auto", rounds=None, overwrite: bool = False, progress: Progress | None = None,
-              dtype: torch.dtype | None = None, **options) -> ExportResult:
+              dtype: torch.dtype | None = None, kv_plan=None, **options) -> ExportResult:
     """Export `model` under the mask `pruned` [L, H] in format `fmt` into the folder `target` (atomic).
 
     kv_policy / rounds go to surgery for physical formats (ignored by full-shape ones); `options` are the
     format's own (`FormatOption`s). dtype: the floating dtype the weight files store, for the formats that
     keep one (`keeps_dtype`); callers pass the source checkpoint's (`LoadedModel.source_dtype`) so that a
-    bfloat16 checkpoint loaded in float32 is exported in bfloat16, not twice its size; None: the model's."""
+    bfloat16 checkpoint loaded in float32 is exported in bfloat16, not twice its size; None: the model's.
+    kv_plan: a `KVPlan` written as kv_plan.json (`analysis.compress.export.kvfile`); pruned may then be None
+    (the plan's own cut); a plan of another model or one pruning heads the mask keeps is refused first."""
     form = get_format(fmt)
     opts = format_options(fmt, options)
     report = progress or no_progress
     model = resident(model)
+    plan_notes = []
+    if kv_plan is not None:
+        kv_plan, pruned, plan_notes = plan_for_export(kv_plan, pruned, adapter_for(model).geometry(model))
+        plan_notes.append(f"{fmt}: {form.kv_windows}.")
+    elif pruned is None:
+        raise InputError("An export needs a mask (or a KV plan, whose pruned heads are the cut).")
     for name, tensor in model.state_dict().items():     # a mask file skips the scorers' own NaN check
         check_finite_tensor(tensor, name, "the model")
     record = record_for(model, pruned, record)
@@ -166,15 +183,17 @@ def export_to(fmt: str, model: nn.Module, pruned, target, *, record: MaskRecord 
     with atomic_folder(target, overwrite=overwrite) as tmp:
         kept = {"dtype": dtype} if form.keeps_dtype and dtype is not None else {}
         layout = form.write(model, pruned, tmp, kv_policy=kv_policy, rounds=rounds, tokenizer=tokenizer, **kept, **opts)
-        write_common(tmp, record, tokenizer, layout)
+        write_common(tmp, record, tokenizer, layout, kv_plan)
         check_stop(None, f"The {fmt} export")     # a signal during the write: the temporary folder goes
         report(0.9, f"{fmt} export: moving into place")
     checks = read_self_checks(target)
     for check in checks:
         report(1.0, check["line"])
     report(1.0, f"{fmt} export written to {target}")
+    for note in plan_notes:
+        report(1.0, note)
     return ExportResult(format=fmt, path=target, files=listing(target), layout=layout,
-                        notes=notes + [c["line"] for c in checks], checks=checks)
+                        notes=notes + plan_notes + [c["line"] for c in checks], checks=checks)
 
 
 def export(fmt: str, model: nn.Module, pruned, root, name: str, **kwargs) -> ExportResult:

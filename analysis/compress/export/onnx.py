@@ -74,6 +74,8 @@ def write_onnx(model: nn.Module, path: Path, *, opset: int = 17) -> str:
 
 class OnnxFormat(PhysicalFormat):
     name = "onnx"   # label, help, rank, options: its declaration (export/format_registry.py)
+    kv_windows = ("ONNX Runtime runs every KV head of model.onnx with full attention (the graph has no windows); "
+                  "the file holds the plan's cut, kv_plan.json records its windows")
 
     def write_cut(self, smaller, layout, folder, *, original, opset=17, **options):
         write_onnx(smaller, folder / ONNX_FILE, opset=int(opset))

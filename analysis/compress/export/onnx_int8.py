@@ -189,6 +189,8 @@ def self_check_onnx(fp32: Path, int8: Path, config, tokenizer, *, causal: bool, 
 
 class OnnxInt8Format(PhysicalFormat):
     name = "onnx-int8"   # label, help, rank, options: its declaration (export/format_registry.py)
+    kv_windows = ("ONNX Runtime runs every KV head of model.onnx with full attention (the graph has no windows); "
+                  "the file holds the plan's cut, kv_plan.json records its windows")
 
     def write_cut(self, smaller: nn.Module, layout, folder: Path, *, original, tokenizer=None, opset=17,
                   int8_method="dynamic", **options) -> None:

@@ -49,6 +49,7 @@ from analysis.arch.checkpoint import (DTYPE_BYTES, FLOAT_DTYPES, INDEX_FILE, SIN
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.models import quiet_load_report
 from analysis.compress.export.folder import ExportError, atomic_folder, clean_leftovers, listing
+from analysis.compress.export.kvfile import plan_for_export
 from analysis.compress.export.formats import FORMATS, ExportResult, StreamSpec, write_common
 from analysis.compress.export.pruned import architecture_class
 from analysis.compress.export.records import TOOL, MaskRecord, mask_record
@@ -560,13 +561,14 @@ def _folder_tokenizer(folder: Path):
 
 def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | None = None,
                       kv_policy: str = "auto", overwrite: bool = False, trust_remote_code: bool = False,
-                      progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                      progress: Progress | None = None, should_stop: ShouldStop | None = None, kv_plan=None,
                       **options) -> ExportResult:
     """Export the safetensors checkpoint `source` (a folder) cut by pruned [L, H] in format `fmt`
     ("pruned" or "stock") to the folder `target`, streaming: tensors are read, cut and written one
     at a time, never the whole model. Same files, names and tensors as `export(fmt, model, ...)` of
     the loaded model. ModelLoadError / ExportError / InputError, each one line, before anything is
-    written where the checkpoint is broken; a failure or stop mid-way leaves nothing behind."""
+    written where the checkpoint is broken; a failure or stop mid-way leaves nothing behind. kv_plan: a KVPlan
+    written as kv_plan.json (as `export_to` does; pruned may then be None: the plan's own cut)."""
     spec = FORMATS[fmt].streamed if fmt in FORMATS else None
     if spec is None:
         raise InputError(f"The streamed export writes the {' and '.join(streamed_formats())} formats, not {fmt!r}; "
@@ -576,6 +578,10 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     adapter = adapter_for(config)
     resize.surgery_spec(adapter)                       # UnsupportedModelError before any reading
     geometry = adapter.geometry(config)
+    plan_notes = []
+    if kv_plan is not None:
+        kv_plan, pruned, plan_notes = plan_for_export(kv_plan, pruned, geometry)
+        plan_notes.append(f"{fmt}: {FORMATS[fmt].kv_windows}.")
     layout = HeadLayout.from_mask(pruned, geometry, adapter.model_type, kv_policy)
     from analysis.compress.export.formats import format_options
     opts = format_options(fmt, options)                # the format's own options (gguf_type), checked first
@@ -607,7 +613,7 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
             _write_shards(tmp, fmt, spec, shards, roles, alias, adapter, geometry, layout, progress, should_stop)
         if out_config is not None:
             out_config.save_pretrained(tmp)
-        write_common(tmp, record, None, layout)
+        write_common(tmp, record, None, layout, kv_plan)
         for name in PASS_THROUGH + (HF_PASS_THROUGH if out_config is not None else ()):
             if (folder / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(folder / name, tmp / name)
@@ -615,7 +621,7 @@ def export_checkpoint(fmt: str, source, pruned, target, *, record: MaskRecord | 
     checks = read_self_checks(target)
     report(progress, 1.0, f"{fmt} export written to {target}")
     return ExportResult(format=fmt, path=target, files=listing(target), layout=layout,
-                        notes=notes + [c["line"] for c in checks], checks=checks)
+                        notes=notes + plan_notes + [c["line"] for c in checks], checks=checks)
 
 
 def checkpoint_has_qkv_bias(folder: Path, adapter: Adapter) -> bool:

@@ -45,6 +45,7 @@ RECOVERY_MARKERS = ("<!-- recovery:begin -->", "<!-- recovery:end -->")
 EDGE_MARKERS = ("<!-- edge:begin -->", "<!-- edge:end -->")          # bench/bench_gguf.py's section
 FRONTIER_MARKERS = ("<!-- frontier:begin -->", "<!-- frontier:end -->")  # bench/bench_frontier.py's section
 LONG_CONTEXT_MARKERS = ("<!-- long-context:begin -->", "<!-- long-context:end -->")  # bench/bench_long_context.py
+KV_POLICIES_MARKERS = ("<!-- kv-policies:begin -->", "<!-- kv-policies:end -->")    # bench/bench_kv_policies.py
 
 
 @dataclass

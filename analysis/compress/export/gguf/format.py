@@ -36,6 +36,12 @@ def tokenizer_source(model) -> Path | None:
 
 class GGUFFormat(PhysicalFormat):
     name = "gguf"   # label, help, rank, options: its declaration (export/format_registry.py)
+    # measured (scripts/gguf_window_check.py): llama.cpp loads a llama / deci file with
+    # {arch}.attention.sliding_window (and a per-layer pattern) and computes bit-identical logits: those graphs
+    # build no sliding-window cache; llama.cpp's window (is_masked_swa) has no sink tokens either
+    kv_windows = ("llama.cpp runs every layer of model.gguf with full attention: the llama and deci graphs "
+                  "headscope writes ignore a sliding window (measured), and llama.cpp's window keeps no sink "
+                  "tokens; the file holds the plan's cut, kv_plan.json records its windows")
     # streamed (analysis.compress.export.streamed): the plan from names and shapes, the tensors fed one at a time
     streamed = StreamSpec(names="state_dict", producer=False, config=None, writer="gguf")
 

@@ -1,0 +1,125 @@
+"""Running a model under a KV plan: the physically pruned twin, its windows, and the compact cache.
+
+`kv_plan_model(model, plan)` is the deployable form of a `analysis.score.kvplan.KVPlan`:
+- the plan's pruned KV heads (and every query head of their groups) are removed by surgery
+  (`analysis.compress.surgery.prune_heads(model, plan.pruned_heads())`: whole groups, so no KV head is
+  ever copied), giving a smaller twin that shares every untouched tensor with `model`;
+- the plan's windows are mapped onto the twin's own KV heads (`HeadLayout.kv_heads[l]` names the
+  original KV head each twin head holds): `window[l]` is one bool per twin KV head of layer l;
+- the twin runs them inside `KVPlanModel.running()` (the spans kernel) with a `CompactCache`
+  (analysis.arch.kvcache) that holds only what each head reads, so the KV cache is `plan.kv_bytes`.
+
+The twin under its mapped windows computes what the dense model computes under `applied(model, plan)`
+(the masked path: gates for the pruned heads, a banded mask for the windows), exactly in float64; a
+cached decode with the compact cache computes what the full forward computes under the same windows.
+
+`greedy(model, ids, steps, cache=...)` is the decode loop both the tests and the speed report run.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from analysis.arch.adapters import adapter_for, input_device
+from analysis.arch.kvcache import CompactCache
+from analysis.arch.spans import spans
+from analysis.compress.surgery import HeadLayout, prune_heads
+from analysis.core.errors import InputError
+from analysis.score.kvplan import KVPlan
+
+
+@dataclass
+class KVPlanModel:
+    """A model ready to run a KV plan: the twin, one window row per layer (its own KV heads), the plan."""
+    model: nn.Module                     # the physically pruned twin (shares untouched tensors with the dense)
+    window: list[np.ndarray]             # [L][Hkv'_l] bool: windowed KV heads of the twin
+    layout: HeadLayout                   # what surgery kept (kv_heads[l]: the original KV head of each twin head)
+    plan: KVPlan
+
+    @property
+    def sinks(self) -> int:
+        return self.plan.sinks
+
+    @property
+    def recent(self) -> int:
+        return self.plan.recent
+
+    def cache(self, block: int = 0) -> CompactCache:
+        """A fresh compact cache for one prompt and its decode steps (use it inside `running()`)."""
+        return CompactCache(self.window, sinks=self.sinks, recent=self.recent, block=block)
+
+    @contextmanager
+    def running(self) -> Iterator["KVPlanModel"]:
+        """Inside the block the twin reads only its windows (the spans kernel); restored after."""
+        with spans(self.model, window=self.window, sinks=self.sinks, recent=self.recent):
+            yield self
+
+    def kv_bytes(self, context: int, batch: int = 1) -> int:
+        """What its compact cache holds after `context` tokens (the plan's KV bytes in the twin's dtype)."""
+        return self.plan.kv_bytes(context, head_dim=self.layout.head_dim, batch=batch,
+                                  dtype_bytes=next(self.model.parameters()).element_size())
+
+
+def _model_of(source) -> nn.Module:
+    """A model from a LoadedModel or a model."""
+    model = source if isinstance(source, nn.Module) else getattr(source, "model", None)   # a LoadedModel's
+    if not isinstance(model, nn.Module):
+        raise InputError(f"kv_plan_model needs a model (or a loaded model); got {type(source).__name__}.")
+    return model
+
+
+def map_windows(plan: KVPlan, layout: HeadLayout) -> list[np.ndarray]:
+    """[L][Hkv'_l] bool: the plan's windows on the KV heads a layout keeps (InputError if it keeps a head the
+    plan prunes, i.e. the layout is not the plan's)."""
+    rows = []
+    for l, kept in enumerate(layout.kv_heads):
+        kept = np.asarray(kept, dtype=np.int64)
+        if plan.pruned_kv[l, kept].any():
+            raise InputError(f"Layer {l} of the pruned model keeps KV heads the KV plan prunes; the plan is not this "
+                             f"export's. Use the plan written with it.")
+        rows.append(plan.window[l, kept].copy())
+    return rows
+
+
+def kv_plan_model(source, plan: KVPlan) -> KVPlanModel:
+    """The twin of `source` (a model or a LoadedModel) without the plan's pruned KV heads, with the plan's
+    windows mapped onto its KV heads. `source` is not changed. InputError for a plan of another model."""
+    model = _model_of(source)
+    adapter = adapter_for(model)
+    plan.check_geometry(adapter.geometry(model))
+    twin, layout = prune_heads(model, plan.pruned_heads(), adapter=adapter, kv_policy="strict")
+    return KVPlanModel(twin, map_windows(plan, layout), layout, plan)
+
+
+@dataclass
+class GreedyRun:
+    """A greedy decode: the prompt's last logits and each step's, the tokens chosen, the cache's bytes."""
+    tokens: torch.Tensor                 # [B, steps] chosen tokens
+    logits: torch.Tensor                 # [B, steps, V] the logits each token was chosen from
+    kv_bytes: list[int]                  # after the prompt, then after each step that fed a token
+
+
+def greedy(model: nn.Module, ids: torch.Tensor, steps: int, *, cache=None,
+           kv_bytes: Callable[[object], int] | None = None) -> GreedyRun:
+    """Prefill `ids` [B, T] and decode `steps` tokens greedily, one step each, with `cache` (None: the
+    model's own DynamicCache). kv_bytes(cache) is recorded after the prompt and after every step."""
+    ids = ids.to(input_device(model))
+    sizes, chosen, logits = [], [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        for step in range(steps):
+            if kv_bytes is not None:
+                sizes.append(kv_bytes(cache))
+            last = out.logits[:, -1]                                      # [B, V]
+            token = last.argmax(-1, keepdim=True)                         # [B, 1]
+            chosen.append(token)
+            logits.append(last)
+            if step + 1 < steps:
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+    return GreedyRun(torch.cat(chosen, 1), torch.stack(logits, 1), sizes)
