@@ -435,8 +435,9 @@ def plan_view(lm, plan: KVPlan, context: int) -> None:
         figures.chart(charts.kv_plan_heatmap(plan.modes, group_size=g.group_size, sinks=plan.sinks,
                                              recent=plan.recent, title=PLAN_MAP_TITLE), "long.plan_map",
                       name="kv_plan", title=f"The KV plan: {plan.describe()}")
-        st.caption(f"Source: {_source_words()}. The speeds are predicted from counts, not measured: they assume "
-                   "kernels that skip the keys outside a window and a cache that holds only the kept tokens.")
+        st.caption(f"Source: {_source_words()}. The speeds are predicted from counts, not measured: they assume a "
+                   "kernel that skips the keys outside a window and a cache that holds only the kept tokens "
+                   "(headscope's compact cache does; llama.cpp and ONNX Runtime run every head full).")
 
 
 def prediction_table(lm, plan: KVPlan, context: int) -> None:
@@ -482,11 +483,12 @@ head, so they share its choice):
   tokens (attention sinks) and read the local context. DuoAttention (Xiao et al. 2024) windows these.
 - **prune**: the head and its query heads go (as the Prune page's groups policy cuts a KV group).
 
-The **KV memory** is exact for the plan (keys and values of every kept token, the model's dtype, batch 1).
+The **KV memory** is exact for the plan (keys and values of every kept token, the model's dtype, batch 1):
+headscope's compact cache holds exactly that when it runs the plan (`load_planned` on an export).
 The **predicted speed** is a count, not a timing: prefill by FLOPs (projections, MLPs and the attention scores
-over the keys each head reads), decode by the bytes a step reads (every weight and the whole cache once),
-which is what bounds a decode step on most hardware. It assumes a kernel that skips the keys outside a
-window; the measured speed of each choice is in the benchmarks (docs/results.md).
+over the keys each head reads, causal), decode by the bytes a step reads (every weight and the whole cache
+once), which is what bounds a decode step on most hardware. The measured speed of plans against dense is
+`bench/bench_kv_policies.py` (docs/results.md); llama.cpp and ONNX Runtime run every head full (Export says so).
 """
 
 
@@ -497,15 +499,29 @@ def how_to_read() -> None:
 # -- the Export page: the plan next to the model ---------------------------------------------------------
 
 def export_section(lm) -> None:
-    """Export page: when the Long context page set a plan, show it and offer its kv_plan.json."""
+    """Export page: when the Long context page set a plan, show it, offer its kv_plan.json, and a switch that
+    writes it with the export (analysis.compress.export.export_to(..., kv_plan=...); `export_plan`)."""
     if not plan_is_set() or lm.kind != "causal-lm":
         return
     plan = current_plan(lm, notes=False)
     st.subheader("KV plan (Long context page)")
-    st.caption(f"{plan.describe()}; source: {_source_words()}. headscope writes it as {KV_PLAN_FILE}; an export "
-               "does not carry it yet, so download it here and keep it with the exported folder.")
-    st.download_button(f"Download {KV_PLAN_FILE}", plan.to_json(), file_name=KV_PLAN_FILE, mime="application/json",
+    st.caption(f"{plan.describe()}; source: {_source_words()}.")
+    c1, c2 = st.columns([2, 1])
+    c1.checkbox(f"Write it with the export ({KV_PLAN_FILE} next to the model)", key=state.widget_key(
+        "export.with_kv_plan", value=True),
+        help="The cut is the mask above; a KV head the plan prunes must be one the mask removes (fill the plan from "
+             "the Prune page's mask, or prune those groups there), else the export is refused in one line. Which "
+             "runtime honours the windows: each format's note after the export (headscope's PyTorch runtime "
+             "does; llama.cpp and ONNX Runtime run every head full).")
+    c2.download_button(f"Download {KV_PLAN_FILE}", plan.to_json(), file_name=KV_PLAN_FILE, mime="application/json",
                        key="export.kv_plan", icon=":material/download:")
+
+
+def export_plan(lm) -> KVPlan | None:
+    """The plan the Export page writes with the model (None: no plan set, or its switch is off)."""
+    if not plan_is_set() or lm.kind != "causal-lm" or not state.kept("export.with_kv_plan", True):
+        return None
+    return current_plan(lm, notes=False)
 
 
 # -- the Walkthrough: sinks, windows and retrieval with a real head -----------------------------------------

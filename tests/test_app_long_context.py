@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests._apptools import (downloads, figure_titled, fresh_caches, heatmap_z, metric, new_app,  # noqa: F401
-                             no_exception, texts, tiny_model_dir)
+                             no_exception, out_root, texts, tiny_model_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 LIMIT, L, HKV, H, D = 512, 4, 2, 4, 8
@@ -216,6 +216,44 @@ def test_export_offers_the_plan(tiny_long, downloads):
     assert (plan.sinks, plan.recent) == (2, 16)
     at = new_app(tiny_long, page="export")                      # no plan set: nothing about it
     assert not any(s.value == "KV plan (Long context page)" for s in at.subheader)
+
+
+def _export(at, folder: str):
+    at.selectbox(key="hs.w.export.format").set_value("pruned").run()
+    at.text_input(key="hs.w.export.folder").set_value(folder).run()
+    at.button(key="export.run").click().run()
+    no_exception(at)
+
+
+def test_export_writes_the_plan_with_the_model(tiny_long, out_root):
+    """The export carries the plan (kv_plan.json, read back with the model's geometry): its windows as set, the
+    groups the mask removes written as pruned; a plan pruning a group the mask keeps is one line, nothing written;
+    the switch off writes none."""
+    from analysis.compress.export import mask_from_json
+    from analysis.score.kvplan import read_kv_plan
+    view = dict(policy="groups", sparsity=0.5, sinks=2, recent=16)
+    at = new_app(tiny_long, page="export", kv="wf.fw.ff.wf", **view)
+    _export(at, "with-plan")
+    assert not at.error, [e.value for e in at.error]
+    folder = out_root / "with-plan"
+    pruned = mask_from_json(folder).reshape(L, HKV, H // HKV).all(-1)          # [L, Hkv] groups the mask removes
+    plan = read_kv_plan(folder)
+    want = np.where(pruned, 2, np.array([[1, 0], [0, 1], [0, 0], [1, 0]]))
+    np.testing.assert_array_equal(plan.modes, want)
+    assert (plan.sinks, plan.recent) == (2, 16) and pruned.any()
+    assert any("kv_plan.json" in i.value for i in at.info), [i.value for i in at.info]
+    keeps = np.argwhere(~pruned)[0]                                             # a group the mask keeps
+    modes = np.zeros((L, HKV), np.int8)
+    modes[keeps[0], keeps[1]] = 2
+    from components.state import kv_text
+    at = new_app(tiny_long, page="export", kv=kv_text(modes), **view)
+    _export(at, "refused")
+    assert len(at.error) == 1 and "prunes 1 KV heads the mask keeps" in at.error[0].value
+    assert not (out_root / "refused").exists()
+    at = new_app(tiny_long, page="export", kv="wf.fw.ff.wf", **view)
+    at.checkbox(key="hs.w.export.with_kv_plan").set_value(False).run()
+    _export(at, "without")
+    assert (out_root / "without" / "mask.json").exists() and not (out_root / "without" / "kv_plan.json").exists()
 
 
 def test_an_encoder_is_told_in_one_line(tmp_path):

@@ -1,20 +1,21 @@
-"""The predicted cost of a KV plan at a context: FLOPs of prefill and of one decode step, and the bytes a
-decode step reads (weights + KV cache), dense vs the plan. A prediction from counts, nothing is timed.
+"""The predicted cost of a KV plan at a context, counted without building anything: FLOPs of prefill and of
+one decode step, and the bytes a decode step reads (weights + KV cache), dense vs the plan. For the app's
+live view (every grid edit): the same numbers as analysis.compress.kvspeed's predictions, which count on
+the physically pruned twin (`planned_flops`; building the twin takes a second or two on SmolLM2).
 
-Counts follow analysis.compress.speed's conventions (`forward_flops`: a matmul of an [n, k] input with a
-[k, m] weight is 2*n*k*m FLOPs; the attention scores QK^T and AV cost 4*d FLOPs per (query, key) pair,
-over the full score matrix as eager and SDPA's math kernel compute it). Under a plan (analysis.score.kvplan):
-- a **pruned** KV head removes its K and V rows and its G query heads' Q rows and O columns from the
-  matmuls (what surgery removes: `forward_flops` of the physically pruned twin gives the same count), and
-  all their attention scores;
-- a **windowed** KV head's G query heads read `kept_tokens` keys (sinks + recent, at most the context)
-  instead of the whole context, per query token, in prefill and in decode;
+Conventions are kvspeed's (`planned_flops`, `read_keys`): a matmul of an [n, k] input with a [k, m] weight is
+2*n*k*m FLOPs; the attention scores QK^T and AV cost 4*d FLOPs per (query, key) pair, each query reading every
+earlier key (itself included, causal) for a full KV head and at most sinks + recent for a windowed one; a
+prefill of `context` tokens computes the LM head on its last token only (a generation's prefill). Under a plan:
+- a **pruned** KV head removes its K and V rows and its G query heads' Q rows and O columns from the matmuls
+  (what surgery removes) and all their attention scores;
+- a **windowed** KV head's G query heads read at most sinks + recent keys per query;
 - a decode step reads every matmul weight once and the whole KV cache once (`KVPlan.kv_bytes`): on most
   hardware a decode step is bound by these reads, so the bytes ratio is the closer prediction of decode
   speed, the FLOP ratio of prefill speed.
 
-What it assumes: a kernel that skips the keys outside a window and a cache that holds only the kept tokens
-(llama.cpp's sliding-window layers, a compact KV cache). Measured speeds are the benchmarks' (bench/).
+What it assumes: kernels that skip the keys outside a window and a cache that holds only the kept tokens
+(headscope's compact cache, analysis.compress.kvruntime). Measured speeds: analysis.compress.kvspeed.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from analysis.arch.adapters import adapter_for
 from analysis.core.errors import check_whole_number
+from analysis.compress.kvspeed import read_keys
 from analysis.compress.speed import forward_flops
 
 SIDES = ("dense", "plan")
@@ -32,7 +34,7 @@ SIDES = ("dense", "plan")
 @dataclass(frozen=True)
 class PlanCost:
     """One side (dense or the plan) at one context: FLOPs and bytes."""
-    prefill_flops: int          # a forward of `context` tokens
+    prefill_flops: int          # a forward of `context` tokens (the LM head on the last one)
     decode_flops: int           # one new token at `context` tokens of cache
     weight_bytes: int           # matmul weights read per decode step
     kv_bytes: int               # the KV cache at `context` (read once per decode step)
@@ -69,11 +71,6 @@ class PlanPrediction:
         return out
 
 
-def _attention_keys(plan, context: int) -> int:
-    """Sum over query heads of the keys each reads per query token at `context` (the plan's kept tokens)."""
-    return int(plan.kept_tokens(context).sum()) * plan.group_size
-
-
 def predict(model, plan, context: int, *, dtype_bytes: int | None = None, adapter=None) -> PlanPrediction:
     """Dense vs `plan` (a KVPlan of the model's geometry) at `context` tokens. `dtype_bytes`: bytes per
     weight and cached value (default: the model's parameters')."""
@@ -84,21 +81,24 @@ def predict(model, plan, context: int, *, dtype_bytes: int | None = None, adapte
     if dtype_bytes is None:
         dtype_bytes = next(model.parameters()).element_size()
     d, D, G = g.head_dim, g.hidden, g.group_size
-    matmul_weights = forward_flops(model, 1, 1, adapter=adapter).matmul // 2        # weights of every matmul
-    pruned_kv = int(plan.pruned_kv.sum())
-    removed = pruned_kv * (G * 2 * d * D + 2 * d * D)                               # Q rows + O columns, K + V rows
-    full_keys = g.n_layers * g.n_heads * context                                   # per query token, dense
+    weights = forward_flops(model, 1, 1, adapter=adapter).matmul // 2              # weights of every matmul
+    head = model.get_output_embeddings()
+    lm_head = head.weight.numel() if head is not None else 0                        # a prefill's logits: last token
+    c = plan.counts()
+    removed = c["prune"] * (G * 2 * d * D + 2 * d * D)                             # Q rows + O columns, K + V rows
+    band = plan.sinks + plan.recent
 
-    def cost(weights: int, keys: int, kv_bytes: int) -> PlanCost:
-        # forward_flops' terms: 2 * tokens * weights (matmuls) + 4 * tokens * keys * d (scores)
-        return PlanCost(prefill_flops=2 * context * weights + 4 * context * keys * d,
-                        decode_flops=2 * weights + 4 * keys * d, weight_bytes=weights * dtype_bytes,
+    def cost(kept_weights: int, full_heads: int, window_heads: int, kv_bytes: int) -> PlanCost:
+        def scores(tokens: int) -> int:                                             # QK^T and AV over the keys read
+            return 4 * d * (full_heads * read_keys(tokens, context, context)
+                            + window_heads * read_keys(tokens, context, band))
+        return PlanCost(prefill_flops=2 * context * kept_weights - 2 * (context - 1) * lm_head + scores(context),
+                        decode_flops=2 * kept_weights + scores(1), weight_bytes=kept_weights * dtype_bytes,
                         kv_bytes=kv_bytes)
 
     dense_kv = 2 * d * dtype_bytes * context * g.n_layers * g.n_kv_heads
-    return PlanPrediction(context, int(dtype_bytes),
-                          cost(matmul_weights, full_keys, dense_kv),
-                          cost(matmul_weights - removed, _attention_keys(plan, context),
+    return PlanPrediction(context, int(dtype_bytes), cost(weights, g.n_layers * g.n_heads, 0, dense_kv),
+                          cost(weights - removed, G * c["full"], G * c["window"],
                                plan.kv_bytes(context, head_dim=d, dtype_bytes=dtype_bytes)))
 
 
