@@ -498,14 +498,16 @@ def how_to_read() -> None:
 
 # -- the Export page: the plan next to the model ---------------------------------------------------------
 
+EXPORT_PLAN_TITLE = "The KV plan of the Long context page"
+
+
 def export_section(lm) -> None:
     """Export page: when the Long context page set a plan, show it, offer its kv_plan.json, and a switch that
     writes it with the export (analysis.compress.export.export_to(..., kv_plan=...); `export_plan`)."""
     if not plan_is_set() or lm.kind != "causal-lm":
         return
     plan = current_plan(lm, notes=False)
-    st.subheader("KV plan (Long context page)")
-    st.caption(f"{plan.describe()}; source: {_source_words()}.")
+    st.markdown(f"**{EXPORT_PLAN_TITLE}**: {plan.describe()}; source: {_source_words()}.")
     c1, c2 = st.columns([2, 1])
     c1.checkbox(f"Write it with the export ({KV_PLAN_FILE} next to the model)", key=state.widget_key(
         "export.with_kv_plan", value=True),

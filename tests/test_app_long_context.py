@@ -210,12 +210,12 @@ def test_export_offers_the_plan(tiny_long, downloads):
     from analysis.score.kvplan import read_kv_plan
     at = new_app(tiny_long, page="export", kv="fw.ff.pp.ff", sinks=2, recent=16, plan="edited")
     no_exception(at)
-    assert any(s.value == "KV plan (Long context page)" for s in at.subheader)
+    assert any(m.value.startswith("**The KV plan of the Long context page**: ") for m in at.markdown)
     plan = read_kv_plan(downloads["kv_plan.json"].decode())
     np.testing.assert_array_equal(plan.modes, [[0, 1], [0, 0], [2, 2], [0, 0]])
     assert (plan.sinks, plan.recent) == (2, 16)
     at = new_app(tiny_long, page="export")                      # no plan set: nothing about it
-    assert not any(s.value == "KV plan (Long context page)" for s in at.subheader)
+    assert not any("The KV plan of the Long context page" in m.value for m in at.markdown)
 
 
 def _export(at, folder: str):

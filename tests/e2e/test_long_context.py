@@ -93,8 +93,9 @@ def test_keyboard_edits_change_the_kv_memory_and_page_switches_keep_the_plan(ser
         _settled(page)
         assert _query(page)["kv"] == link, name
         if name == "Export":
-            expect(page.get_by_role("heading", name="KV plan (Long context page)")).to_be_visible()
-            expect(page.get_by_text(re.compile(r"^88 full, 1 windowed"))).to_be_visible()
+            expect(page.get_by_text(re.compile(r"^The KV plan of the Long context page: 88 full, 1 windowed"))
+                   ).to_be_visible()
+            page.screenshot(path=str(ARTIFACTS / "e2e_long_context_export.png"))
     expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=60_000)
     expect(_metric(page, "Full / window / prune")).to_have_text(counts)
     page.reload()                                                                 # the URL alone brings it back
