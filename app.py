@@ -17,6 +17,7 @@ PAGES = {
     "walkthrough": dict(path="pages/walkthrough.py", title="Walkthrough", icon=":material/school:"),
     "profiles": dict(path="pages/profiles.py", title="Profiles", icon=":material/bar_chart:"),
     "prune": dict(path="pages/prune.py", title="Prune", icon=":material/content_cut:"),
+    "long_context": dict(path="pages/long_context.py", title="Long context", icon=":material/view_timeline:"),
     "compare": dict(path="pages/compare.py", title="Compare", icon=":material/compare_arrows:"),
     "heads": dict(path="pages/heads.py", title="Heads", icon=":material/grid_view:"),
     "export": dict(path="pages/export.py", title="Export", icon=":material/download:"),

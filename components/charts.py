@@ -489,3 +489,54 @@ def score_vs_effect(scores: np.ndarray, effect: np.ndarray, *, x_title: str, y_t
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=420,
                       margin=dict(l=60, r=20, t=60, b=50))
     return fig
+
+
+# -- long context: the KV plan and where a head's attention goes ------------------------------------------
+KV_MODE_COLORS = ("#2e86c1", "#f39c12", PRUNED_COLOR)     # full (blue), window (orange), prune (red)
+KV_MODE_NAMES = ("full", "window", "prune")
+
+
+def kv_plan_heatmap(modes: np.ndarray, *, group_size: int, sinks: int, recent: int, title: str) -> go.Figure:
+    """A KV plan's modes [L, Hkv] (0 full, 1 window, 2 prune) in three colours, layer on y, KV head on x;
+    hover names the query heads of each KV head and what it keeps."""
+    modes = np.asarray(modes, dtype=np.int8)
+    L, Hkv = modes.shape
+    G = max(1, int(group_size))
+    keeps = (f"every token", f"{sinks} sink + {recent} recent tokens", "nothing (pruned)")
+    text = [[f"{KV_MODE_NAMES[c]}: keeps {keeps[c]}" + (f"<br>query heads {j * G}-{j * G + G - 1}" if G > 1 else "")
+             for j, c in enumerate(row)] for row in modes.tolist()]
+    scale = []
+    for i, color in enumerate(KV_MODE_COLORS):
+        scale += [[i / 3, color], [(i + 1) / 3, color]]
+    fig = go.Figure(go.Heatmap(
+        z=modes, x=np.arange(Hkv), y=np.arange(L), zmin=-0.5, zmax=2.5, colorscale=scale, xgap=2, ygap=1,
+        text=text, hovertemplate="layer %{y}, KV head %{x}: %{text}<extra></extra>", showscale=False))
+    for name, color in zip(KV_MODE_NAMES, KV_MODE_COLORS):          # the key, as legend entries
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, showlegend=True,
+                                 marker=dict(symbol="square", size=12, color=color)))
+    fig.update_layout(title=title, legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", xanchor="left"),
+                      plot_bgcolor="white")
+    _axes(fig, L, Hkv, x_title="KV head")
+    return fig.update_layout(margin=dict(l=50, r=20, t=80, b=40))
+
+
+def attention_over_keys(mass: np.ndarray, *, title: str, regions: dict[str, tuple[int, int]],
+                        tokens: list[str] | None = None) -> go.Figure:
+    """One head's attention mass [T] over the key positions (log y: the sinks' mass dwarfs the rest), with
+    the named key ranges {name: (start, stop)} shaded and labelled (sinks, needle, recent window); `tokens`
+    [T] name each key on hover."""
+    mass = np.asarray(mass, dtype=float)
+    T = mass.size
+    names = [repr(t)[1:-1] for t in tokens] if tokens is not None and len(tokens) == T else [""] * T
+    fig = go.Figure(go.Scatter(x=np.arange(T), y=np.maximum(mass, 1e-6), mode="lines", name="attention",
+                               line=dict(color=MEAN_COLOR, width=1), text=names,
+                               hovertemplate="key %{x} '%{text}': %{y:.3g}<extra></extra>"))
+    colors = {"sinks": KV_MODE_COLORS[0], "recent window": KV_MODE_COLORS[1], "needle": "#27ae60"}
+    for i, (name, (start, stop)) in enumerate(regions.items()):
+        color = colors.get(name, PALETTE[i % len(PALETTE)])
+        fig.add_vrect(x0=start - 0.5, x1=stop - 0.5, fillcolor=color, opacity=0.25, line_width=0,
+                      annotation_text=name, annotation_position="top left" if i % 2 else "top right",
+                      annotation_font_color=color)
+    fig.update_layout(title=title, height=340, xaxis_title="key position (token)", showlegend=False,
+                      yaxis_title="attention (mean of the last queries)", margin=dict(l=60, r=20, t=60, b=45))
+    return log_ticks(fig, [max(float(mass.max()), 1e-6), 1e-6])

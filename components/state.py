@@ -16,6 +16,11 @@ the mask: scorer, its parameters, z, sparsity, policy, kv_policy):
               (analysis.score.masks.default_policy: groups on GQA models, global on MHA)
     m         min-per-layer's m (only in the URL when set)     (?m=2)
     kv_policy how surgery handles uneven GQA groups           (?kv_policy=auto)
+    context, sinks, recent   the Long context page's context length and the window's band
+              (only in the URL when set; None = the page's default)   (?context=8192&sinks=4&recent=512)
+    plan      where the KV plan came from (PLAN_SOURCES)      (?plan=mask)
+    kv        the KV plan itself, one letter per KV head (f full, w window, p prune), layers
+              separated by "." (only in the URL while some head is not full)   (?kv=fwf.ppf.fff)
     scope, ord, std, normalize, a_q, a_kv, seed, n_sequences, seq_len, damping, n_steps, ...
               the scorer parameters the app offers (declared with a label: `Scorer.parameters`,
               analysis/core/params.py), from the registry as it is; only in the URL when they
@@ -92,6 +97,7 @@ class Field:
     parse: Callable[[str], Any]     # URL text -> value; ValueError says why it is bad
     fmt: Callable[[Any], str] = str
     follows: str = ""               # when not chosen, the value follows the model (what the note says)
+    using: str = ""                 # what a bad link value is replaced by, in words (when the default is None)
 
 
 def _scorer(raw: str) -> str:
@@ -104,6 +110,50 @@ def _policy(raw: str) -> str:
     return Choice(tuple(masks.POLICIES))(_text(raw))
 
 
+# -- the Long context page's view: the context, the window's band and the KV plan ---------------------
+DEFAULT_CONTEXT = 4096         # tokens (at most the model's own limit)
+CONTEXT_MAX = 2**20            # what a link may carry; the page's box stops at the model's limit
+KV_LETTERS = "fwp"             # analysis.score.kvplan.MODES' order: full, window, prune
+KV_TEXT_MAX = 20_000           # letters of a plan in a link (a 126-layer x 16-KV-head model needs ~2,150)
+PLAN_SOURCES = {"full": "every KV head full (the dense model)", "mask": "the Prune page's mask",
+                "edited": "edited by hand", "file": "a kv_plan.json file",
+                "scores": "the heads' streaming / retrieval / importance scores"}
+
+
+def _kv_text(raw: str) -> str:
+    """A KV plan as link text: rows of f / w / p, one per layer, separated by "."."""
+    value = str(raw).strip()
+    if not value or len(value) > KV_TEXT_MAX:
+        raise ValueError(f"it is empty or longer than {KV_TEXT_MAX} characters")
+    rows = value.split(".")
+    if any(not row or row.strip(KV_LETTERS) for row in rows):             # (`set` is this module's verb)
+        raise ValueError("it holds other letters than f (full), w (window) and p (prune) in rows split by '.'")
+    if len({len(row) for row in rows}) != 1:
+        raise ValueError("its layers list different numbers of KV heads")
+    return value
+
+
+def kv_text(modes) -> str | None:
+    """The link text of modes [L, Hkv] (0 full, 1 window, 2 prune); None when every head is full."""
+    import numpy as np
+    m = np.asarray(modes)
+    if not m.any():
+        return None
+    return ".".join("".join(KV_LETTERS[int(c)] for c in row) for row in m)
+
+
+def kv_modes(text: str | None, shape: tuple[int, int]):
+    """modes [L, Hkv] int8 of link text (None: all full); ValueError when it is not of `shape`."""
+    import numpy as np
+    if text is None:
+        return np.zeros(shape, np.int8)
+    rows = _kv_text(text).split(".")
+    if (len(rows), len(rows[0])) != tuple(shape):
+        raise ValueError(f"it is a plan of {len(rows)} layers x {len(rows[0])} KV heads, and this model has "
+                         f"{shape[0]} x {shape[1]}")
+    return np.array([[KV_LETTERS.index(c) for c in row] for row in rows], np.int8)
+
+
 # The view's own fields; z is the threshold scorers' declared `z` (analysis.score.scoring.Z), shared by them.
 VIEW_FIELDS: dict[str, Field] = {
     "model": Field(DEFAULT_MODEL, _text),
@@ -114,6 +164,12 @@ VIEW_FIELDS: dict[str, Field] = {
     "policy": Field(DEFAULT_POLICY, _policy, follows="the model's default policy"),
     "m": Field(None, Range(0, 1024, integer=True)),
     "kv_policy": Field(masks.KV_POLICIES[0], Choice(masks.KV_POLICIES)),
+    "context": Field(None, Range(1, CONTEXT_MAX, integer=True), using=f"{DEFAULT_CONTEXT:,} tokens (at most the "
+                                                                       "model's)"),
+    "sinks": Field(None, Range(0, CONTEXT_MAX, integer=True), using="the default"),
+    "recent": Field(None, Range(1, CONTEXT_MAX, integer=True), using="the default"),
+    "plan": Field(None, Choice(tuple(PLAN_SOURCES)), using="the plan as it is"),
+    "kv": Field(None, _kv_text, using="every KV head full"),
 }
 
 
@@ -175,7 +231,8 @@ def init() -> None:
             if field.follows:
                 ss[_CHOSEN + name] = True
         except ValueError as why:
-            using = field.follows or ("the scorer's default" if field.default is None else field.fmt(field.default))
+            using = field.follows or field.using or (
+                "the scorer's default" if field.default is None else field.fmt(field.default))
             notes.append(f"The link's {name}={shorten(repr(raw), 80)} was ignored because {why}; using {using}. "
                          f"Fix the `{name}=` part of the URL or pick a value with the controls.")
     ss[_NOTES] = notes
@@ -474,3 +531,30 @@ def set_weights_only(value: bool) -> None:
     """Open the current model weights only (True) or load it as a model (False)."""
     st.session_state[_WEIGHTS_ONLY] = get("model") if value else None
 
+
+
+# -- the Long context page's plan grid (st.data_editor) ---------------------------------------------
+
+_KV_EDITOR = PREFIX + "kv_editor"   # (version, the plan's link text when the current editor was made)
+
+
+def kv_editor() -> tuple[str, str | None]:
+    """(key, base) of the plan grid: the editor's widget key and the plan (link text, None = all full) it
+    shows under its edits. A new editor (first shown, shown again after a page switch dropped its key, or
+    after `new_kv_editor`) starts from the plan as it is now, with no edits; while it lives its cell edits
+    pile up on that base in the browser, so a key press in the grid never remounts it."""
+    ss = st.session_state
+    version, base = ss.get(_KV_EDITOR, (0, None))
+    key = f"{WIDGET_PREFIX}long.grid.{version}"
+    if key not in ss:
+        base = get("kv")
+        ss[_KV_EDITOR] = (version, base)
+    return key, base
+
+
+def new_kv_editor() -> None:
+    """The plan was replaced (a fill button, an uploaded file, another model): the next grid starts from it."""
+    ss = st.session_state
+    version, _ = ss.get(_KV_EDITOR, (0, None))
+    ss.pop(f"{WIDGET_PREFIX}long.grid.{version}", None)
+    ss[_KV_EDITOR] = (version + 1, None)

@@ -13,6 +13,7 @@ from analysis.compress import speed
 from analysis.compress.export.gguf import deploy
 from components import cache, charts, controls, explain, exports, figures, numbers, shell, state, tools, views, weights
 from components import harness as harness_ui
+from components import longctx
 from components import probes as probes_ui
 from components.errors import shown_errors
 
@@ -92,14 +93,16 @@ def export_section() -> None:
                 with cache.progress_bar(f"Exporting ({form.label})") as report:
                     result = weights.export_streamed(lm, fmt, plan.pruned, output_root, folder.strip(), record=record,
                                                      kv_policy=kv_policy, overwrite=overwrite, progress=report,
-                                                     should_stop=state.should_stop, **options)
+                                                     should_stop=state.should_stop, kv_plan=longctx.export_plan(lm),
+                                                     **options)
                 stop.empty()
             else:
                 with cache.progress_bar(f"Exporting ({form.label})") as report, cache.exclusive(state.model_key(),
                                                                                                  report):
                     result = export_mod.export(fmt, lm.model, plan.pruned, output_root, folder.strip(), record=record,
                                                tokenizer=lm.tokenizer, overwrite=overwrite, progress=report, **surgery,
-                                               dtype=lm.source_dtype, **options)   # the checkpoint's dtype
+                                               dtype=lm.source_dtype, kv_plan=longctx.export_plan(lm),
+                                               **options)   # the checkpoint's dtype
             state.remember("export.last", dict(result=result, pruned=plan.pruned.copy(), view=view_words,
                                                options=dict(options)))
 
@@ -203,6 +206,7 @@ def deployment_report(last: dict) -> None:
                        file_name="deployment_report.json", mime="application/json", key="export.deploy.json")
 
 
+longctx.export_section(lm)                  # the Long context page's KV plan (kv_plan.json), when one is set
 if exports.mode() == "off":
     st.info(exports.OFF_NOTE, icon=":material/block:")
 else:

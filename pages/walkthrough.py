@@ -10,7 +10,7 @@ from analysis.score import masks
 
 from analysis.compress import surgery
 from analysis.arch.geometry import HeadGeometry
-from components import cache, charts, controls, explain, figures, shell, state, views
+from components import cache, charts, controls, explain, figures, longctx, shell, state, views
 from components.errors import shown_errors
 
 shell.ensure_app()
@@ -130,3 +130,5 @@ st.html(f"<style>{STEP_LINK_CSS}</style>")
 for i, (target, title, what) in enumerate(explain.WALK_STEPS, start=1):
     st.page_link(f"pages/{target}.py", label=f"Step {i}. {title}: {what.format(metric=metric)}",
                  icon=":material/arrow_forward:", query_params={**st.query_params.to_dict(), "page": target})
+
+longctx.walkthrough_section(lm)        # 6: sinks, windows and retrieval heads with a real head

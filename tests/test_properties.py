@@ -213,3 +213,18 @@ def test_url_fields_parse_or_say_why(name, raw):
 def test_url_numbers_refuse_non_finite_and_out_of_range(name, raw):
     with pytest.raises(ValueError):
         state.FIELDS[name].parse(raw)
+
+
+@SETTINGS
+@given(st.integers(1, 12), st.integers(1, 6), st.data())
+def test_kv_plan_link_text_round_trips(n_layers, n_kv_heads, data):
+    """The Long context page's plan in a link (`kv`): modes -> text -> the same modes; all full -> no text."""
+    modes = np.array(data.draw(st.lists(st.lists(st.integers(0, 2), min_size=n_kv_heads, max_size=n_kv_heads),
+                                        min_size=n_layers, max_size=n_layers)), np.int8)
+    text = state.kv_text(modes)
+    assert (text is None) == (not modes.any())
+    if text is not None:
+        assert state.FIELDS["kv"].parse(text) == text
+    np.testing.assert_array_equal(state.kv_modes(text, modes.shape), modes)
+    with pytest.raises(ValueError, match="^it "):
+        state.kv_modes(text or "f", (n_layers + 1, n_kv_heads))

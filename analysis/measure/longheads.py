@@ -24,6 +24,11 @@
   and the KL divergence of the next-token distributions from the dense model's, on the predictions made
   beyond the window. L x Hkv forward passes: for tests and benchmarks, not for the app.
 
+- **Where the last positions look** (`last_rows`, the Walkthrough's real head): every head's attention from
+  the last few positions of one text over all its keys, their top-1 keys, and the same output change under
+  the window per query head; one tapped pass (`row_attention`: the rows' probabilities, full and windowed,
+  the one home of that arithmetic, which the streaming score reads too).
+
 Everything reads attention through `analysis.arch.spans.tapped` and computes only the rows it needs
 (the answer rows; the sampled rows) against all keys: never [B, H, T, T] probabilities at 4k tokens.
 The forward pass asks for the logits of its last rows only (`logits_to_keep`), so a 4k context never
@@ -351,10 +356,11 @@ def query_rows(T: int, sinks: int, recent: int, n: int) -> torch.Tensor:
     return torch.unique(torch.linspace(first, T - 1, min(n, T - first)).round().long())   # [<= n]
 
 
-def attention_rows(module, query, key, value, rows: torch.Tensor, sinks: int, recent: int):
-    """(o_full, o_window) [H, n, d_v]: the attention outputs of the query `rows` of the first sequence, over
-    every key the layer's own attention reads and over only sinks + the recent window (spans.band), from
-    the tapped query [B, H, q, d] (the last q rows) and key / value [B, Hkv, T, d]; at least float32."""
+def row_attention(module, query, key, value, rows: torch.Tensor, sinks: int, recent: int):
+    """(p_full, p_window [H, n, T], v [H, T, d_v]): the attention probabilities of the query `rows` of the first
+    sequence over every key the layer's own attention reads and over only sinks + the recent window
+    (spans.band), and the values they weigh, from the tapped query [B, H, q, d] (the last q rows) and key /
+    value [B, Hkv, T, d]; at least float32. The window's softmax is the full one renormalised over the band."""
     T = key.shape[2]
     H, Hkv = query.shape[1], key.shape[1]
     dtype = torch.promote_types(query.dtype, torch.float32)
@@ -368,9 +374,15 @@ def attention_rows(module, query, key, value, rows: torch.Tensor, sinks: int, re
         s = cap * torch.tanh(s / cap)
     full = _readable(r, T, _own_window(module))                          # [n, T]
     win = full & band(r, torch.arange(T, device=r.device), sinks, recent)   # [n, T]
-    o_full = torch.softmax(s.masked_fill(~full, float("-inf")), -1) @ v   # [H, n, d_v]
-    o_win = torch.softmax(s.masked_fill(~win, float("-inf")), -1) @ v     # [H, n, d_v]
-    return o_full, o_win
+    p_full = torch.softmax(s.masked_fill(~full, float("-inf")), -1)      # [H, n, T]
+    p_win = torch.softmax(s.masked_fill(~win, float("-inf")), -1)        # [H, n, T]
+    return p_full, p_win, v
+
+
+def attention_rows(module, query, key, value, rows: torch.Tensor, sinks: int, recent: int):
+    """(o_full, o_window) [H, n, d_v]: the attention outputs of `row_attention`'s rows, full and windowed."""
+    p_full, p_win, v = row_attention(module, query, key, value, rows, sinks, recent)
+    return p_full @ v, p_win @ v                                         # [H, n, d_v] each
 
 
 def _window_tap(rows: torch.Tensor, sinks: int, recent: int, modules: list, kept: list, out: dict):
@@ -545,6 +557,71 @@ def windowing_effect(model, ids, *, sinks: int, recent: int, progress: Progress 
     return WindowingEffect(loss, kl, float(base.mean()), int(base.numel()))
 
 
+# ---------------------------------------------------------------------------------------------
+# Where the last positions look (the Walkthrough's real head)
+# ---------------------------------------------------------------------------------------------
+
+MAX_LAST_ROWS = 64
+
+
+@dataclass(frozen=True)
+class LastRows:
+    """Every head's attention from the last `queries` positions of one text (`last_rows`)."""
+    mass: np.ndarray            # [L, H, T] float64: the attention over the keys, mean over the queries
+    top1: np.ndarray            # [L, H, Q] int: the most-attended key of each query
+    window_change: np.ndarray   # [L, H]: ||o - o_window|| / ||o|| of the head's output, mean over the queries
+    sinks: int
+    recent: int
+    queries: int
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.mass.shape[-1])
+
+    def share(self, start: int, stop: int) -> np.ndarray:
+        """[L, H] attention mass on keys start .. stop - 1."""
+        return self.mass[..., max(start, 0):max(stop, 0)].sum(-1)
+
+    def regions(self) -> dict[str, np.ndarray]:
+        """[L, H] mass on the sink tokens, on the recent window of the last query, and on everything between."""
+        T = self.n_tokens
+        sinks = self.share(0, min(self.sinks, T))
+        recent = self.share(max(T - self.recent, self.sinks), T)
+        return {"sinks": sinks, "recent": recent, "far": np.clip(1.0 - sinks - recent, 0.0, 1.0)}
+
+
+def last_rows(model, ids, *, queries: int = 8, sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT,
+              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> LastRows:
+    """Where every head looks from the last `queries` positions of ids [T] (one sequence from token 0), and
+    what a window (sinks + recent) would change in its output: `row_attention` of those rows in every layer,
+    from one tapped dense pass (never the [T, T] probabilities)."""
+    queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_LAST_ROWS)
+    sinks, recent = check_band(sinks, recent)
+    ids = torch.as_tensor(ids).flatten()                                   # [T]
+    T = ids.numel()
+    if T < queries:
+        raise InputError(f"The text has {T} tokens, fewer than the {queries} query rows asked for.")
+    modules = attention_layers(model)
+    L, H = len(modules), adapter_for(model).geometry(model).n_heads
+    mass, top1, change = np.zeros((L, H, T)), np.zeros((L, H, queries), np.int64), np.zeros((L, H))
+    rows = torch.arange(T - queries, T)                                    # [Q]
+
+    def tap(layer: int, query, key, value) -> None:
+        p, pw, v = row_attention(modules[layer], query, key, value, rows, sinks, recent)   # [H, Q, T] x 2, [H, T, d]
+        out, out_w = p @ v, pw @ v                                         # [H, Q, d_v]
+        diff = ((out - out_w) ** 2).sum(-1).double()                       # [H, Q]
+        mass[layer] = p.mean(1).double().cpu().numpy()
+        top1[layer] = p.argmax(-1).cpu().numpy()
+        change[layer] = _relative(diff, (out ** 2).sum(-1).double()).mean(-1).cpu().numpy()
+
+    paced = _paced(tap, L, "Reading the attention rows", progress, 0.0, 1.0, should_stop)
+    with torch.no_grad(), tapped(model, paced):
+        model(input_ids=ids[None].to(input_device(model)), **_logits_kwargs(model, 1))
+    report(progress, 1.0, "done")
+    return LastRows(mass, top1, change, sinks, recent, queries)
+
+
 __all__ = ["NeedleItem", "needle_items", "retrieval_scores", "RetrievalDetector", "streaming_scores",
-           "StreamingDetector", "streaming_text", "attention_rows", "per_kv", "query_rows", "windowing_effect", "WindowingEffect",
-           "check_lengths", "check_depths", "RETRIEVAL_THRESHOLD", "STREAMING_THRESHOLD"]
+           "StreamingDetector", "streaming_text", "attention_rows", "row_attention", "last_rows", "LastRows",
+           "per_kv", "query_rows", "windowing_effect", "WindowingEffect", "check_lengths", "check_depths",
+           "RETRIEVAL_THRESHOLD", "STREAMING_THRESHOLD"]

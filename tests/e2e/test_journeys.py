@@ -2,11 +2,11 @@
 pages, the keyboard on sliders, the Stop button on long work.
 
 - Every ordered pair of pages keeps the view (model, scorer, its parameters, z, sparsity, policy,
-  kv_policy) and every other control set on a page (Export's format and typed root, Heads' token
-  count, the Pipeline's recovery steps): one walk over all 56 ordered pairs of the eight pages (an
-  Euler circuit of the complete directed graph), checking the URL and every control that shows
-  one of them on each arrival, then a reload (the URL alone brings back the view). AppTest cannot
-  see this: it keeps widget keys a real browser drops on a page switch.
+  kv_policy, the Long context page's context, window and KV plan) and every other control set on a page
+  (Export's format and typed root, Heads' token count, the Pipeline's recovery steps): one walk over all
+  72 ordered pairs of the nine pages (an Euler circuit of the complete directed graph), checking the URL
+  and every control that shows one of them on each arrival, then a reload (the URL alone brings back the
+  view). AppTest cannot see this: it keeps widget keys a real browser drops on a page switch.
 - Stop on a long job leaves a usable page that says "Stopped".
 """
 from __future__ import annotations
@@ -28,13 +28,16 @@ PAGES = {
     "walkthrough": ("Walkthrough", "walkthrough", {"Threshold z": "z"}),
     "profiles": ("Profiles", "profiles", {"Threshold z": "z"}),
     "prune": ("Prune", "prune", {"Threshold z": "z", "Sparsity": "sparsity"}),
+    "long_context": ("Long context", "long_context", {}),
     "compare": ("Compare", "compare", {"Threshold z": "z", "Sparsity": "sparsity"}),
     "heads": ("Heads", "heads", {}),
     "export": ("Export", "export", {}),
     "pipeline": ("Pipeline", "pipeline", {}),
 }
 VIEW = {"model": "smollm2-135m", "scorer": "mp-g", "z": "2.35", "sparsity": "0.4",   # none a default but
-        "policy": "balanced", "kv_policy": "expand", "a_kv": "0.5", "ord": "1"}        # the model's scorer
+        "policy": "balanced", "kv_policy": "expand", "a_kv": "0.5", "ord": "1",        # the model's scorer
+        "context": "2048", "recent": "128", "plan": "edited",                         # the Long context page's
+        "kv": ".".join(["wfp" if layer % 7 == 3 else "fff" for layer in range(30)])}  # band and KV plan
 
 
 def _box(page, testid: str, label: str):
@@ -73,6 +76,10 @@ def _controls(root: str) -> dict:
                    ("root", lambda p: p.get_by_role("textbox", name="Export root").input_value(), root),
                    ("kv_policy", lambda p: _selected(p, "KV policy"), re.compile(r"^expand$"))],
         "heads": [("tokens", lambda p: _number(p, "Tokens to use"), "80")],
+        "long_context": [("context", lambda p: _number(p, "Context length"), "2048"),
+                         ("recent", lambda p: _number(p, "Window (recent tokens)"), "128"),
+                         ("counts", lambda p: p.get_by_test_id("stMetric").filter(has_text="Full / window / prune")
+                          .first.get_by_test_id("stMetricValue").inner_text(), "82 / 4 / 4")],
         "pipeline": [("recovery steps", lambda p: _number(p, "Recovery steps per round"), "30")],
     }
 
@@ -163,7 +170,7 @@ def _set_session_controls(page, server: str, root: str) -> None:
     _type(page, _box(page, "stNumberInput", "Recovery steps per round").locator("input"), "30")
 
 
-IN_URL = {"policy", "kv_policy", "a_kv", "Norm L1"}      # the checks of view fields (kept by a reload)
+IN_URL = {"policy", "kv_policy", "a_kv", "Norm L1", "context", "recent", "counts"}   # view fields (kept by a reload)
 
 
 def test_every_ordered_pair_of_pages_keeps_every_control(server, page, export_root):
