@@ -311,3 +311,45 @@ def test_fill_from_the_heads_scores(tiny_long, downloads):
     assert at.query_params["plan"] == "scores" and want.counts()["prune"] == 2
     notes = read_kv_plan(downloads["kv_plan.json"].decode()).notes
     assert any(n.startswith("windowed: the lowest streaming scores") for n in notes), notes
+
+
+def test_long_probes_of_the_plan_are_the_librarys(tiny_long, downloads):
+    """The probes section: its run is analysis.score.longcontext.long_context_report of the grid's plan (the same
+    rows, the same paired resamples: every cell's numbers equal), a dense-only run for an all-full plan, the
+    downloads hold the report, and an edited grid says the result is stale instead of showing it."""
+    from analysis.arch.models import load_model
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.probes.longcontext import build_long
+    from analysis.score.longcontext import long_context_report
+    at = _open(tiny_long, kv="ff.ff.ff.ff")
+    assert any("the plan is the dense model" in c.value for c in at.caption)
+    at.number_input(key="hs.w.long.probes.length").set_value(320).run()
+    at.button(key="long.probes.run").click().run()
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    dense_only = json.loads(downloads["long_context.json"])
+    assert dense_only["cut"] is None and all("cut_accuracy" not in c for c in dense_only["cells"])
+
+    at = _open(tiny_long, kv="ww.ff.pw.ff", sinks=2, recent=16)
+    at.number_input(key="hs.w.long.probes.length").set_value(320).run()
+    label = next(b.label for b in at.button if b.key == "long.probes.run")
+    assert "dense is measured" in label                       # the dense side is cached per model and settings
+    at.button(key="long.probes.run").click().run()
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    lm = load_model(str(tiny_long))
+    built = build_long(["passkey"], lm.tokenizer, lm.kind, (320,), depths=(0.1, 0.5, 0.9), n_items=2,
+                       limit=context_length(lm.model))
+    want = long_context_report(lm, built=built, plan=_plan([[1, 1], [0, 0], [2, 1], [0, 0]], 2, 16))
+    got = json.loads(downloads["long_context.json"])
+    assert got["cut"]["counts"] == {"full": 4, "window": 3, "prune": 1}
+    assert [c["depth"] for c in got["cells"]] == [c.depth for c in want.changes]
+    for mine, theirs in zip(got["cells"], want.rows()):
+        for k, v in theirs.items():
+            assert mine[k] == pytest.approx(v, rel=1e-6, abs=1e-9) if isinstance(v, float) else mine[k] == v, k
+    assert downloads["long_context.csv"].decode().splitlines()[0].startswith("probe,label,length,depth")
+    table = at.table[-1].value
+    assert list(table["depth"]) == [c.depth for c in want.changes]
+    _edit_one_cell = at.number_input(key="hs.w.long_context.sinks").set_value(3).run()
+    assert any("changed since the last run" in c.value for c in at.caption)
+    assert not [t for t in at.table if "plan accuracy" in t.value.columns]

@@ -1,0 +1,215 @@
+"""The long-context probes of the Long context page's plan: passkey, needle and long-range copying
+(analysis.measure.probes.longcontext) on the dense model and under the view's KV plan, side by side with
+paired bootstrap CIs (analysis.score.longcontext.long_context_report), each cell LOST when the plan's CI lies
+below dense; the expected time before the run, progress and Stop during it, CSV / JSON downloads after.
+
+The dense side depends on the probes' settings only: it is cached once per model and settings
+(`dense_side`) and every later plan reads it back, so editing the grid and running again costs the plan's
+passes alone (the estimate says which).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import streamlit as st
+
+from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES
+
+from . import cache, numbers, state
+from .errors import shown_errors
+from .harness import csv_text
+from .state import ModelKey
+
+APP_LENGTH = 2048                 # tokens per row the page suggests (clipped to the model's context)
+APP_SEQUENCES = 2                 # sequences per depth the page suggests: the least that gives a CI (10 items)
+DEPTH_CHOICES = (0.1, 0.25, 0.5, 0.75, 0.9)
+MAX_SEQUENCES_APP = 64
+
+
+def _fold(title: str, body: str) -> None:
+    with st.expander(title, expanded=False):
+        st.markdown(body)
+
+
+def _plan_of(modes: bytes, shape: tuple, sinks: int, recent: int, n_heads: int, model: str):
+    from analysis.score.kvplan import KVPlan
+    return KVPlan(np.frombuffer(modes, np.int8).reshape(shape), sinks, recent, n_heads, model)
+
+
+# -- cached calls ---------------------------------------------------------------------------------
+
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int):
+    """(name, length) -> (spec, probe, items): the rows the probes read (the tokenizer only; InputError for a
+    length above the model's context, a tokenizer that merges digits, ...)."""
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.probes.longcontext import build_long
+    lm = cache.load(key)
+    return build_long(list(probes), lm.tokenizer, lm.kind, (length,), depths=depths, n_items=n_items,
+                      limit=context_length(lm.model))
+
+
+@st.cache_resource(show_spinner=False)
+def _dense_measured() -> set:
+    """The dense sides this server has cached (their keys): a second plan's estimate is the plan's alone."""
+    return set()
+
+
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def dense_side(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int,
+               _progress=None, _should_stop=None) -> dict:
+    """The dense model's scores (LongContextReport.dense: pass back as dense=)."""
+    from analysis.score.longcontext import long_context_report
+    built = long_items(key, probes, length, depths, n_items)
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        rep = long_context_report(lm, built=built, progress=_progress, should_stop=_should_stop)
+    _dense_measured().add((repr(key), probes, length, depths, n_items))
+    return rep.dense
+
+
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
+def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, modes: bytes, shape: tuple,
+                sinks: int, recent: int, _progress=None, _should_stop=None):
+    """LongContextReport of the plan (modes [L, Hkv] as bytes) against the dense side (cached on its own and
+    measured first, with its own share of the progress)."""
+    from analysis.core.progress import scaled
+    from analysis.score.longcontext import long_context_report
+    known = (repr(key), probes, length, depths, n_items) in _dense_measured()
+    built = long_items(key, probes, length, depths, n_items)
+    dense = dense_side(key, probes, length, depths, n_items, _should_stop=_should_stop,   # before the lock
+                       _progress=None if known else scaled(_progress, 0.0, 0.5))
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        plan = _plan_of(modes, shape, sinks, recent, lm.geometry.n_heads, lm.name)
+        return long_context_report(lm, built=built, dense=dense, plan=plan if plan.modes.any() else None,
+                                   should_stop=_should_stop, progress=_progress if known else scaled(_progress, 0.5, 1.0))
+
+
+# -- the section -----------------------------------------------------------------------------------
+
+def _work(built: dict, dense_known: bool, cut: bool) -> float:
+    """Forward-token units of the run (components/jobs.py's "long-probes"): a row of n tokens costs
+    n * (1 + n / 2048) (its attention grows with the context, as the long detectors' passes)."""
+    sides = (0 if dense_known else 1) + cut
+    return float(sides * sum(items.ids.shape[0] * length * (1 + length / 2048) for (_, length), (_, _, items)
+                             in built.items()))
+
+
+def _ci(row: dict, side: str) -> str:
+    return f"{row[f'{side}_accuracy']:.2f} [{row[f'{side}_low']:.2f}, {row[f'{side}_high']:.2f}]"
+
+
+def _exact(row: dict, side: str) -> str:
+    key = f"{side}_exact"
+    return "—" if key not in row else f"{row[key]:.2f} [{row[key + '_low']:.2f}, {row[key + '_high']:.2f}]"
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The report's cells as the page's table (one row per probe x depth, 'all' first; the plan's columns
+    only when a plan was measured)."""
+    out = []
+    for r in rows:
+        row = {"probe": r["label"], "depth": r["depth"], "sequences": r["n_units"], "items": r["n_items"],
+               "dense accuracy": _ci(r, "dense"), "dense exact": _exact(r, "dense")}
+        if "cut_accuracy" in r:
+            row.update({"plan accuracy": _ci(r, "cut"), "plan exact": _exact(r, "cut"),
+                        "": ("LOST" + (" (at chance)" if r["at_chance"] else "")) if r["lost"] else ""})
+        out.append(row)
+    return out
+
+
+def probe_section(lm, plan, context: int) -> None:
+    """The long-context probes of `plan` (a KVPlan of this model) at a length the user picks (the page's
+    context by default, clipped to what a CPU reads in minutes)."""
+    from analysis.measure.probes.registry import PROBES, applicable
+    st.subheader("What the plan keeps at long context")
+    names = applicable(lm.kind, long=True)
+    if not names:
+        st.caption("No long-context probe applies to this model (they read a causal language model's next tokens).")
+        return
+    st.caption("Find a pass key, the right one of two numbers, or a random sequence far back in built-in text: "
+               "the dense model and this plan read the same rows; a cell is LOST when the plan's 95 % interval lies "
+               "below the dense accuracy.")
+    from .longctx import context_limit
+    limit = context_limit(lm)
+    c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
+    probes = c1.multiselect("Probes", names, format_func=lambda n: PROBES[n].label,
+                            key=state.widget_key("long.probes.names", value=["passkey"]))
+    length = int(c2.number_input(f"Tokens per row (at most {limit:,})", 64, max(64, limit), step=256,
+                                 key=state.widget_key("long.probes.length", value=min(context, APP_LENGTH, limit)),
+                                 help="Every row is exactly this long: instruction, text, the needle at its depth, "
+                                      "the question. The page's context is the default up to "
+                                      f"{APP_LENGTH:,} tokens (a row's cost grows with its square)."))
+    length = min(length, limit)
+    depths = c3.multiselect("Depths (where the needle sits)", list(DEPTH_CHOICES),
+                            key=state.widget_key("long.probes.depths", value=list(DEFAULT_DEPTHS)),
+                            format_func=lambda d: f"{d:g}")
+    n_items = int(c4.number_input("Sequences per depth", MIN_PROBE_SEQUENCES, MAX_SEQUENCES_APP, step=1,
+                                  key=state.widget_key("long.probes.sequences", value=APP_SEQUENCES),
+                                  help="One sequence = one key and its text, read at every depth (a bootstrap "
+                                       "unit). More sequences: narrower intervals, proportionally longer."))
+    if not probes or not depths:
+        st.caption("Pick at least one probe and one depth.")
+        return
+    args = (tuple(probes), length, tuple(sorted(float(d) for d in depths)), n_items)
+    built = None
+    with shown_errors("Building the long-context rows"):
+        built = long_items(state.model_key(), *args)
+    if built is None:
+        return
+    known = (repr(state.model_key()), *args) in _dense_measured()
+    rows = sum(items.ids.shape[0] for (_, _, items) in built.values())
+    modes = np.ascontiguousarray(plan.modes, np.int8)
+    counts = plan.counts()
+    cut = bool(modes.any())
+    if not cut:
+        st.caption("Every KV head is full: the plan is the dense model, so the run measures dense alone (the "
+                   "reference every plan is compared with).")
+    sides = "dense is measured" if known else "dense and plan" if cut else "dense"
+    with shown_errors("The long-context probes"):
+        rep = cache.run_button(
+            f"Run the long-context probes on this plan ({rows} rows of {length:,} tokens, {sides})",
+            button_key="long.probes.run", slot="long.probes", run_key=(state.model_key(), *args, modes.tobytes(),
+                                                                      plan.sinks, plan.recent),
+            fn=plan_report, args=(state.model_key(), *args, modes.tobytes(), modes.shape, plan.sinks, plan.recent),
+            label="Running the long-context probes", kind="long-probes", work=_work(built, known, cut),
+            view=f"{counts['full']} full / {counts['window']} window / {counts['prune']} prune, {length:,} tokens",
+            stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
+        if rep is not None:
+            _show(rep)
+    _fold("how to read the long-context probes", HOW_TO_READ)
+
+
+def _show(rep) -> None:
+    if rep.cut is not None and rep.warnings():
+        st.error("This plan LOSES long-context retrieval: " + "; ".join(rep.warnings()) + ". Keep more KV heads "
+                 "full (the retrieval heads first), or widen the window.", icon=":material/warning:")
+    elif rep.cut is not None:
+        st.success("No cell lost: the plan's accuracy interval reaches the dense accuracy everywhere.",
+                   icon=":material/check_circle:")
+    rows = table_rows(rep.rows())
+    if rep.cut is None:
+        numbers.wide_table(rows)
+    else:
+        numbers.flagged_table(rows, flag="")
+    if rep.notes:
+        st.caption(" ".join(dict.fromkeys(rep.notes)))
+    d1, d2 = st.columns(2)
+    d1.download_button("Long-context probes (CSV)", csv_text(rep.rows()), file_name="long_context.csv",
+                       mime="text/csv", key="long.probes.csv", icon=":material/download:")
+    d2.download_button("Long-context probes (JSON)", json.dumps(rep.as_dict(), indent=1, default=str),
+                       file_name="long_context.json", mime="application/json", key="long.probes.json",
+                       icon=":material/download:")
+
+
+HOW_TO_READ = """
+Each row is built offline from the built-in text and is exactly as long as asked. **Passkey**: a
+five-digit key is hidden at the depth (0 = the start, 1 = just before the question) and asked for at
+the end; **needle**: two cities' numbers half a context apart, the question names one; **long-range
+copying**: a random token sequence at the depth, repeated at the end. Each digit (or copied token) is an
+item: **accuracy** is the share whose correct token out-scores a contrast (another digit, the other
+city's digit; chance 0.5), **exact** the share of keys with every digit right. Brackets: 95 % bootstrap
+intervals over sequences (a key and its text, read at every depth); dense and plan read the same rows
+with the same resamples. A windowed KV head sees only the sink tokens and the recent window: a needle
+further back than the window is invisible to it, so the plan keeps retrieval only through its full heads.
+"""
