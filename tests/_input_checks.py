@@ -46,6 +46,22 @@ class Overran(BaseException):
     """Raised by `deadline` in the main thread: the call ran past its time (no Exception: nothing swallows it)."""
 
 
+def run_captured(capsys, *argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python -m analysis ARGV` run in this process (capsys)."""
+    from analysis import cli
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def only_error_line(err: str) -> str:
+    """stderr that is one "error: " line and nothing else (no traceback, no warning): that line."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Abort the block with Overran after `seconds` (main thread only): a command that would run for ever

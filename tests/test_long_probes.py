@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import cli
 from analysis.core.errors import CancelledError, InputError
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes import PROBES, applicable, chosen
@@ -24,6 +23,7 @@ from analysis.measure.probes.longcontext import (ALL, NEEDLE_FACT, PASSKEY_INSTR
 from analysis.measure.probes.measure import item_values, run_probes
 from analysis.score.kvplan import FULL, PRUNE, WINDOW, KVPlan
 from analysis.score.longcontext import long_context_report, report_work
+from tests._input_checks import only_error_line as _one_error_line, run_captured as _run
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 from tests._tolerance import EXACT, forward_tolerance
@@ -31,16 +31,6 @@ from tests._tolerance import EXACT, forward_tolerance
 LONG = ("passkey", "needle", "long-copying")
 
 
-def _run(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def _find(row: list[int], needle: list[int]) -> list[int]:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import cli
 from analysis.core.errors import InputError
 from analysis.measure.ablation import FastAblation
 from analysis.measure.probes import PROBES, applicable, chosen
@@ -20,6 +19,7 @@ from analysis.measure.probes.measure import (build_items, item_values, layout, m
                                             run_probes)
 from analysis.score.domains import user_text_set
 from tests._apptools import tiny_model_dir, trivial_tokenizer
+from tests._input_checks import only_error_line as _one_error_line, run_captured as _run
 from tests._evalkit import tiny_loaded
 from tests._probekit import CONTENT, PLANTED, SplittingTokenizer, planted_model
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
@@ -27,17 +27,6 @@ from tests._tiny import tiny_input_ids, tiny_model
 from tests._tolerance import EXACT, float32_inside_tolerance, forward_tolerance
 
 
-def _run(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

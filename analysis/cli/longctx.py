@@ -108,7 +108,7 @@ def run_longctx(ns):
         raise InputError(f"--depths are fractions of the text, 0 to 1; got {bad[0]:g}.")
     check_whole_number(ns.items, "--items", low=MIN_PROBE_SEQUENCES, high=MAX_PROBE_SEQUENCES)
     long_chosen(ns.probe)                                                # bad options fail before the model loads
-    from analysis.core.progress import with_estimate
+    from analysis.core.progress import duration_words, with_estimate
     from analysis.measure.evaluation import context_length
     from analysis.measure.probes.longcontext import build_long, row_seconds
     from analysis.score.longcontext import long_context_report, report_work
@@ -131,9 +131,9 @@ def run_longctx(ns):
     estimate = work.seconds(per_row)
     if not ns.quiet:
         rows = ", ".join(f"{r} x {n:,}" for n, r in work.rows.items())
-        warn_line = (f"estimate: about {_duration(estimate)} for {sum(work.rows.values())} rows ({rows} tokens"
+        warn_line = (f"estimate: about {duration_words(estimate)} for {sum(work.rows.values())} rows ({rows} tokens"
                      + (", dense and cut" if cut else "") + "; this machine: "
-                     + ", ".join(f"{n:,} tokens {_duration(s)} a row" for n, s in per_row.items()) + ")")
+                     + ", ".join(f"{n:,} tokens {duration_words(s)} a row" for n, s in per_row.items()) + ")")
         import sys
         sys.stderr.write(warn_line + "\n")
     with progress_bar("long-context probes", not ns.quiet) as report:
@@ -148,13 +148,6 @@ def run_longctx(ns):
                    estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, report=rep.as_dict())
     return payload, rep.rows()
 
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(seconds, 1.0):.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 register("longctx", "long-context probes (passkey, needle with a distractor, long-range copying) at chosen lengths "

@@ -86,13 +86,15 @@ def stoppable(progress: Progress | None, should_stop: ShouldStop | None,
     return lambda fraction, message: tick(progress, should_stop, fraction, message, what)
 
 
-def _duration(seconds: float) -> str:
-    """'8 s', '40 s', '3 min': a rounded duration for an estimate."""
+def duration_words(seconds: float) -> str:
+    """'8 s', '40 s', '3 min', '2.5 h': a rounded duration for an estimate."""
     if seconds < 10:
         return f"{max(seconds, 1.0):.0f} s"
     if seconds < 90:
         return f"{5 * round(seconds / 5):.0f} s"
-    return f"{round(seconds / 60):.0f} min"
+    if seconds < 5400:
+        return f"{round(seconds / 60):.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def with_estimate(progress: Progress | None, *, clock: Callable[[], float] = time.monotonic,
@@ -109,7 +111,7 @@ def with_estimate(progress: Progress | None, *, clock: Callable[[], float] = tim
         elapsed = clock() - start
         if min_fraction <= fraction < 1.0 and elapsed >= after_s:
             left = elapsed * (1.0 - fraction) / fraction
-            message = f"{message} (about {_duration(left)} left at this machine's pace so far)"
+            message = f"{message} (about {duration_words(left)} left at this machine's pace so far)"
         report(progress, fraction, message)
     return estimating
 
