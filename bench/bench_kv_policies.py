@@ -18,8 +18,8 @@ Rows (every plan's KV heads are the unit; GQA groups are cut whole):
   --window-share of them windowed, the rest full.
 The windowed heads come from a FIXED ORDER (KV head 0 of every layer, then head 1, ...), not from streaming or
 retrieval scores: speed and memory depend only on how many heads of each kind there are, and the detectors that
-choose them are another branch's work. Each row has a `probes` column (None): the long-context probe accuracies
-of the plan, for the quality side. --plan NAME=kv_plan.json (repeatable) times given plans instead of / next to
+choose them are measured by bench/bench_kv_quality.py, with the long-context probes of plans made from them
+(the quality side). --plan NAME=kv_plan.json (repeatable) times given plans instead of / next to
 these (--only-given: those alone).
 
 Usage: nice -n 10 .venv/bin/python -m bench.bench_kv_policies [--contexts 1024,2048,4096,8192] [--rounds 3]
@@ -132,8 +132,8 @@ def _clocked(row: dict, what: str, clock: str):
 def table(out: dict) -> list[str]:
     clock = out.get("args", {}).get("clock", "wall")
     lines = ["| context | row | KV cache | KV vs dense (predicted) | prefill | prefill speed-up (min-max) | predicted "
-             "| decode / token | decode speed-up (min-max) | predicted (FLOPs) | KV read / step | probes |",
-             "|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|---|"]
+             "| decode / token | decode speed-up (min-max) | predicted (FLOPs) | KV read / step |",
+             "|---:|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
     for ctx in out["contexts"]:
         for r in ctx["rows"]:
             pre_ms, pre = _clocked(r, "prefill", clock)
@@ -142,8 +142,7 @@ def table(out: dict) -> list[str]:
                 f"| {ctx['context']:,} | {r['name']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r['kv_ratio']:.3f}x "
                 f"({r['kv_ratio_predicted']:.3f}x) | {pre_ms / 1e3:.2f} s | {_x(pre)} | "
                 f"{r['prefill_speedup_predicted']:.2f}x | {dec_ms:.1f} ms | {_x(dec)} | "
-                f"{r['decode_speedup_predicted']:.2f}x | {r['kv_read_ratio_predicted']:.3f}x | "
-                f"{'-' if r.get('probes') is None else r['probes']} |")
+                f"{r['decode_speedup_predicted']:.2f}x | {r['kv_read_ratio_predicted']:.3f}x |")
     return lines
 
 
@@ -160,14 +159,14 @@ def plan_lines(out: dict) -> list[str]:
 
 def goal_line(out: dict) -> str:
     """Issue 41's goal at the longest context measured: which rows keep the KV cache at <= 0.5x of dense (the
-    other half of the goal, passkey accuracy inside dense's CI, is the probes column's)."""
+    other half of the goal, passkey accuracy inside dense's CI, is bench_kv_quality.py's)."""
     last = max(out["contexts"], key=lambda c: c["context"])
     rows = [r for r in last["rows"] if r["name"] != "dense"]
     met = [f"{r['name']} ({r['kv_ratio']:.3f}x)" for r in rows if r["kv_ratio"] <= 0.5]
     missed = [f"{r['name']} ({r['kv_ratio']:.3f}x)" for r in rows if r["kv_ratio"] > 0.5]
     return (f"KV cache <= 0.5x of dense at {last['context']:,} tokens: {', '.join(met) or 'none'}; above it: "
-            f"{', '.join(missed) or 'none'}. Whether passkey accuracy stays inside dense's CI is not measured here "
-            f"(probes column).")
+            f"{', '.join(missed) or 'none'}. Whether passkey accuracy stays inside dense's CI is measured for plans "
+            f"made from the heads' scores by bench/bench_kv_quality.py (its section below).")
 
 
 def command(out: dict) -> str:
@@ -205,7 +204,7 @@ def markdown(out: dict) -> str:
         "Predicted: FLOPs of the model that runs (projections, MLP, LM head, and the attention scores over the "
         "keys each query reads: every earlier token for a full KV head, at most sinks + recent for a windowed "
         "one); KV read: the bytes a decode step reads from the cache, row over dense. "
-        "probes: the long-context probe accuracies of each plan (not measured by this bench; '-'). A windowed "
+        "A windowed "
         "head's prefill runs in blocks of max(64, recent) queries, each reading its sinks and the recent - 1 keys "
         "before the block as well as the block's own: about twice the keys its band needs (the prediction counts "
         "only those), so at contexts of a few windows a windowed head's prefill costs about what the causal one "

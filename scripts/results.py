@@ -56,7 +56,7 @@ from analysis.compress.recover.report import (EDGE_MARKERS, FRONTIER_MARKERS, KV
 from analysis.score.kvscores import KV_HEADS_MARKERS  # noqa: E402
 from analysis.score.specialization import ROLES_MARKERS  # noqa: E402
 from analysis.measure.probes.breaks import PROBES_MARKERS  # noqa: E402
-from analysis.score.longcontext import LONG_PROBES_MARKERS  # noqa: E402
+from analysis.score.longcontext import KV_QUALITY_MARKERS, LONG_PROBES_MARKERS  # noqa: E402
 from analysis.score.scoring import SCORERS, calibration_ids, get_scorer, scorer_parameters  # noqa: E402
 from analysis.score.sweep import split_evaluators, sweep_z  # noqa: E402
 from analysis.core.text import WIKI_ATTRIBUTION, evaluation_text  # noqa: E402
@@ -422,11 +422,11 @@ def main(argv: list[str] | None = None) -> None:
             # scripts/roles_results.py, the probes section to scripts/probes_results.py, the edge section to
             # bench/bench_gguf.py --write-docs, the frontier and long-context sections to bench_frontier.py and
             # bench_long_context.py --write-docs, the kv-heads section to scripts/kv_heads_results.py, the
-            # kv-policies section to bench_kv_policies.py, the long-probes section to bench_long_probes.py:
-            # keep them as they are
+            # kv-policies section to bench_kv_policies.py, the long-probes section to bench_long_probes.py, the
+            # kv-quality section to bench_kv_quality.py: keep them as they are
             kept = "\n\n".join(part for markers in (RECOVERY_MARKERS, ROLES_MARKERS, PROBES_MARKERS, EDGE_MARKERS,
                                                       FRONTIER_MARKERS, LONG_CONTEXT_MARKERS, KV_HEADS_MARKERS,
-                                                      KV_POLICIES_MARKERS, LONG_PROBES_MARKERS)
+                                                      KV_POLICIES_MARKERS, LONG_PROBES_MARKERS, KV_QUALITY_MARKERS)
                                 if (part := marked_section(args.out, *markers)))
             atomic_write(Path(args.out), text.rstrip("\n") + "\n" + ("\n" + kept + "\n" if kept else ""),
                          what="The results file")

@@ -1,6 +1,6 @@
 """bench/bench_kv_policies.py on a tiny model (a seconds-long run of the function, not the benchmark): the
 default plans (cut, duo, mix) have the counts the bench says, every context gives dense + each plan with the
-measured KV bytes equal to the plan's, the markdown section carries its markers and an empty probes column,
+measured KV bytes equal to the plan's, the markdown section carries its markers,
 and a given plan of another model is one line. The measure itself: analysis.compress.kvspeed.measure_kv."""
 import numpy as np
 import pytest
@@ -37,7 +37,6 @@ def test_a_tiny_quick_run_gives_every_row_with_its_bytes(tmp_path):
     for r in rows:
         plan = plans.get(r["name"]) or KVPlan.full(g)
         assert r["kv_bytes"] == r["kv_bytes_predicted"] == plan.kv_bytes(40, head_dim=g.head_dim, dtype_bytes=4)
-        assert r["probes"] is None
     out.update(args=dict(threads=1, rounds=1, decode_steps=2), model="tiny", load=(0.0,), when="2026-01-01T00:00",
                command="test")
     text = bench.markdown(out)

@@ -111,12 +111,14 @@ def test_main_keeps_every_generated_section(results, monkeypatch, tmp_path):
     from analysis.compress.recover.report import (EDGE_MARKERS, FRONTIER_MARKERS, KV_POLICIES_MARKERS,
                                                   LONG_CONTEXT_MARKERS, RECOVERY_MARKERS)
     from analysis.measure.probes.breaks import PROBES_MARKERS
-    from analysis.score.longcontext import LONG_PROBES_MARKERS
+    from analysis.score.kvscores import KV_HEADS_MARKERS
+    from analysis.score.longcontext import KV_QUALITY_MARKERS, LONG_PROBES_MARKERS
     from analysis.score.specialization import ROLES_MARKERS
     out = tmp_path / "r.md"
     sections = [f"{b}\n## {i}\nnumbers {i}\n{e}" for i, (b, e) in
                 enumerate((RECOVERY_MARKERS, ROLES_MARKERS, PROBES_MARKERS, EDGE_MARKERS, FRONTIER_MARKERS,
-                                       LONG_CONTEXT_MARKERS, KV_POLICIES_MARKERS, LONG_PROBES_MARKERS))]
+                                       LONG_CONTEXT_MARKERS, KV_HEADS_MARKERS, KV_POLICIES_MARKERS, LONG_PROBES_MARKERS,
+                                       KV_QUALITY_MARKERS))]
     out.write_text("old table\n\n" + "\n\n".join(sections) + "\n", encoding="utf-8")
     monkeypatch.setattr(results, "run", lambda loaded, options, team=None: ("new table", {}))
     monkeypatch.setattr("analysis.arch.models.load_model", lambda name, cache_dir=None: name)

@@ -18,8 +18,8 @@ thread), next to the predictions:
   most sinks + recent for a windowed one (a prefill of S tokens: S queries, causal; a decode step: one);
 - KV bytes read per decode step: the plan's KV bytes over dense's (a step reads the whole cache).
 
-Every plan row also has a `probes` field (None here): the long-context probe accuracies of the plan,
-filled in by the caller that measures them.
+What a plan keeps (its long-context probe accuracies) depends on which heads it windows, not on how many:
+bench/bench_kv_quality.py measures that side for plans made from the heads' scores.
 """
 from __future__ import annotations
 
@@ -223,7 +223,6 @@ def measure_kv(source, plans: dict[str, KVPlan], *, context: int, decode_steps: 
             "prefill_speedup_predicted": dense_pre.total / pre.total,
             "decode_speedup_predicted": dense_dec.total / dec.total,
             "kv_read_ratio_predicted": plan.kv_ratio(context),
-            "probes": None,
         })
     report(1.0, "done")
     return KVSpeedReport(context=context, threads=n_threads, repeats=repeats, decode_steps=decode_steps, rows=rows,

@@ -32,6 +32,8 @@ from analysis.measure.probes.longcontext import (ALL, DEFAULT_DEPTHS, DEFAULT_LE
 
 # docs/results.md section written by bench/bench_long_probes.py --write-docs
 LONG_PROBES_MARKERS = ("<!-- long-probes:begin -->", "<!-- long-probes:end -->")
+# docs/results.md section written by bench/bench_kv_quality.py --write-docs (what KV plans keep at long context)
+KV_QUALITY_MARKERS = ("<!-- kv-quality:begin -->", "<!-- kv-quality:end -->")
 
 
 def items_key(name: str, length: int, items) -> tuple[str, int, str]:
