@@ -97,7 +97,7 @@ def markdown(out: dict) -> str:
     lines = [KV_QUALITY_MARKERS[0], "",
              f"## What per-head KV plans keep at {a['length']:,} tokens (bench/bench_kv_quality.py)", "",
              f"Measured {out['when'][:16].replace('T', ' ')} UTC on {out['machine']}, {a['threads']} torch thread(s), "
-             f"load average at the end {out['load']}; {out['model']}, the long-context probe(s) "
+             f"load average at the end {tuple(round(x, 2) for x in out['load'])}; {out['model']}, the long-context probe(s) "
              f"{', '.join(a['probe'])} at {a['length']:,} tokens, depths {a['depths']}, {a['items']} sequences per "
              f"depth (seed 0), dense and every plan on the same rows (paired 95 % bootstrap CIs over sequences). "
              f"Plans from the heads' scores (streaming at 2,048 tokens with {a['sinks']} sink + {a['recent']} recent "
