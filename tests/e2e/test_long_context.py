@@ -54,6 +54,22 @@ def _edit(page, row: int, col: int, mode: str) -> None:
     page.keyboard.press("Enter")
 
 
+def _edit_until(page, row: int, col: int, mode: str, counts: str, tries: int = 2) -> None:
+    """_edit, then wait for the counts metric; on a loaded machine a key press that lands while the grid is
+    still mounting (just after a reload) is lost, so the edit is typed once more after the page settles (at
+    most `tries` times: an edit the page never takes still fails)."""
+    from playwright.sync_api import expect
+    for attempt in range(tries):
+        _edit(page, row, col, mode)
+        try:
+            expect(_metric(page, "Full / window / prune")).to_have_text(counts, timeout=30_000)
+            return
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+            _settled(page)
+
+
 def _query(page) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(urlparse(page.url).query).items()}
 
@@ -101,10 +117,9 @@ def test_keyboard_edits_change_the_kv_memory_and_page_switches_keep_the_plan(ser
     page.reload()                                                                 # the URL alone brings it back
     expect(_metric(page, "Full / window / prune")).to_have_text(counts, timeout=LOAD_TIMEOUT_MS)
     _settled(page)
-    _edit(page, 1, 0, "full")                                                     # and the grid edits on from it
     modes[1, 0] = 0
     kv, counts = _expected(modes)
-    expect(_metric(page, "Full / window / prune")).to_have_text(counts, timeout=60_000)
+    _edit_until(page, 1, 0, "full", counts)                                       # and the grid edits on from it
     expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv)
     assert page.get_by_test_id("stException").count() == 0
     page.screenshot(path=str(ARTIFACTS / "e2e_long_context_after.png"))
