@@ -100,4 +100,6 @@ def test_relay_reads_back_the_frames_it_passes(base, tiny_dir):  # noqa: F811
     ends = [i for i, kind in enumerate(down) if kind == "script_finished"]
     assert len(ends) == 2 and ends[0] == load.msgs - 1                  # the load run, as the client saw it
     begins = down.index("new_session", ends[0])                          # the press's run begins
-    assert ends[1] - begins + 1 == press.msgs
+    # the press's run as the client saw it: its new_session .. script_finished, plus any message the server
+    # sent between the two runs (a status message can land just before the press's run begins)
+    assert ends[1] - begins + 1 <= press.msgs <= ends[1] - ends[0]
