@@ -12,7 +12,8 @@ import streamlit as st
 LABEL = "How to read this"
 
 
-def _fold(title: str, body: str) -> None:
+def fold(title: str, body: str) -> None:
+    """A closed expander "<LABEL>: title" holding the markdown `body` (every page's how-to-read box)."""
     with st.expander(f"{LABEL}: {title}", expanded=False):
         st.markdown(body)
 
@@ -28,7 +29,7 @@ def structured_pruning(policy: str | None = None) -> None:
     else:
         rule = ("Which heads go is set by the mask policy on the Prune page: the lowest-scored heads anywhere "
                 "(global), the same count per layer or per KV group, or whole KV groups (the default on GQA models).")
-    _fold("structured vs unstructured pruning", """
+    fold("structured vs unstructured pruning", """
 **Unstructured** pruning zeroes individual weights anywhere in a matrix. It can remove many
 weights with little damage, but the matrices keep their shape, so the model is only faster on
 hardware and kernels that exploit sparsity.
@@ -44,7 +45,7 @@ hardware. The cost: a head is a coarse unit, so choosing *which* heads to remove
 def model_geometry(n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
     G = n_heads // n_kv_heads
     kind = "multi-head (MHA)" if G == 1 else ("multi-query (MQA)" if n_kv_heads == 1 else "grouped-query (GQA)")
-    _fold("the head geometry", f"""
+    fold("the head geometry", f"""
 Each of the **L = {n_layers}** layers has **H = {n_heads}** query heads of width **d = {head_dim}**
 and **H_kv = {n_kv_heads}** key/value heads, so **G = H / H_kv = {G}** query heads share each K/V head:
 this is **{kind}** attention. Head h uses rows h·d … (h+1)·d−1 of W_Q and the same *columns* of
@@ -57,7 +58,7 @@ def mp_formula(*, z: float, layer: int, projection: str, mean: float, std: float
     population = f"the {n_rows} rows of {projection.upper()} in layer {layer}" if scope == "layer" else \
         f"the {n_rows} rows of {projection.upper()} across all layers"
     what = "columns of W_O" if projection == "o" else f"rows of W_{projection.upper()}"
-    _fold("the Magnitude Profile (MP) score", f"""
+    fold("the Magnitude Profile (MP) score", f"""
 For every row i of W_Q, W_K, W_V (and every *column* of W_O) take its norm nᵢ = ‖W[i,:]‖₂.
 Within a population - here {population} - the threshold is
 
@@ -84,7 +85,7 @@ def mp_score(*, z: float | None, n_zero: int | None, n_heads: int, policy: str |
     zero = "" if n_zero is None or z is None else (
         f" At z = {z:g}, **{n_zero} of {n_heads}** heads have S = 0: among them the tie-break (plain magnitude, "
         "then layer and head) decides.")
-    _fold("the MP score and the ranking", f"""
+    fold("the MP score and the ranking", f"""
 Each row norm n is compared with its population's threshold **τ = mean(n) + {z_text} · std(n)**;
 the excess is e = max(0, n − τ). A head's MP score sums the excess of its Q rows and O columns
 and of its KV group's K and V rows (MP-G divides the group part by G).
@@ -105,7 +106,7 @@ def gqa(n_heads: int, n_kv_heads: int) -> None:
                 f"group's full K/V excess to *each* of those {G} heads, counting it {G} times, so one "
                 f"outlier K/V row makes the whole group look important, while pruning one of its query "
                 f"heads does not remove any K/V rows (they go only when all {G} are pruned).")
-    _fold("why grouped-query attention needs MP-G", f"""
+    fold("why grouped-query attention needs MP-G", f"""
 {note}
 
 **MP-G** gives each query head its share of the group instead:
@@ -117,7 +118,7 @@ with a_q = a_kv = 1 by default. For multi-head attention (G = 1) MP-G equals MP 
 
 
 def scorers() -> None:
-    _fold("the scorers", """
+    fold("the scorers", """
 - **MP / MP-G**: outlier excess of the weight rows (no data needed).
 - **Magnitude**: plain sum of the head's row norms (no threshold).
 - **Random**: a seeded permutation - the floor any scorer must beat.
@@ -132,7 +133,7 @@ All of them share the same ranking and masking code; only the score differs.
 
 
 def evaluation() -> None:
-    _fold("checking a mask", """
+    fold("checking a mask", """
 A mask is checked by running text through the model with the pruned heads switched off (a gate
 of 0 on each head's slice of the output projection's input - the same function as zeroing its
 weights; the shared cached model is never changed).
@@ -146,7 +147,7 @@ against the dense model's value shown next to it.
 
 
 def comparison() -> None:
-    _fold("comparing scorers", """
+    fold("comparing scorers", """
 At one sparsity every scorer prunes the same number of heads; they differ in *which* ones.
 - **Jaccard overlap** of two masks = |pruned by both| / |pruned by either| (1 = identical choice).
 - **Spearman rank correlation** of two score arrays over all L × H heads (1 = same order).
@@ -155,7 +156,7 @@ At one sparsity every scorer prunes the same number of heads; they differ in *wh
 
 
 def heads_page() -> None:
-    _fold("ablation, roles and redundancy", """
+    fold("ablation, roles and redundancy", """
 - **Single-head ablation**: the loss increase when that head alone is switched off - the ground
   truth the cheap scorers try to predict. For GQA models, removing a whole KV group is shown too.
 - **Role tags** come from each head's attention pattern on real text: *previous-token* (attends to
@@ -172,7 +173,7 @@ key token (column); causal models attend only to earlier tokens, so the upper tr
 
 
 def export() -> None:
-    _fold("exporting", """
+    fold("exporting", """
 - The **mask JSON** records which heads are pruned, with the scorer, its parameters and the
   sparsity, so the choice can be reproduced.
 - The **pruned model** is built on a copy: each layer's projections are physically shrunk to the
@@ -182,7 +183,7 @@ def export() -> None:
 
 
 def pipeline() -> None:
-    _fold("the pipeline", """
+    fold("the pipeline", """
 - **What runs**: rounds of *score -> prune a step -> recover*. Each round rescores the heads on the
   current weights (the scorer, z and policy of the Prune page), prunes the next fraction of heads,
   then distills the pruned copy from the dense model for the recovery steps (the dense model is the

@@ -27,10 +27,6 @@ GRID_ROW_PX, GRID_MAX_PX = 35, 460
 _NOTE = "long.note"                # a fill's or an upload's refusal, shown once under the grid
 
 
-def _fold(title: str, body: str) -> None:
-    with st.expander(f"{explain.LABEL}: {title}", expanded=False):
-        st.markdown(body)
-
 
 # -- the view: context, band, plan ------------------------------------------------------------------
 
@@ -493,7 +489,7 @@ once), which is what bounds a decode step on most hardware. The measured speed o
 
 
 def how_to_read() -> None:
-    _fold("KV caches, windows and per-head plans", HOW_TO_READ)
+    explain.fold("KV caches, windows and per-head plans", HOW_TO_READ)
 
 
 # -- the Export page: the plan next to the model ---------------------------------------------------------
@@ -649,7 +645,7 @@ the **needle**, and everything else.""")
                   "walk.long.change")
     st.caption("Small (pale) cells are heads a window would barely change: streaming heads. The dark ones read "
                "far back: windowing them changes what they write. Pick one with the sliders above.")
-    _fold("sinks, windows and retrieval heads", WALK_HOW_TO_READ)
+    explain.fold("sinks, windows and retrieval heads", WALK_HOW_TO_READ)
 
 
 def _head_words(parts: dict, layer: int, head: int, needle: float, hits: int, change: float) -> str:

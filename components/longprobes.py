@@ -16,7 +16,7 @@ import streamlit as st
 
 from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES
 
-from . import cache, numbers, state
+from . import cache, explain, numbers, state
 from .errors import shown_errors
 from .harness import csv_text
 from .state import ModelKey
@@ -26,10 +26,6 @@ APP_SEQUENCES = 2                 # sequences per depth the page suggests: the l
 DEPTH_CHOICES = (0.1, 0.25, 0.5, 0.75, 0.9)
 MAX_SEQUENCES_APP = 64
 
-
-def _fold(title: str, body: str) -> None:
-    with st.expander(title, expanded=False):
-        st.markdown(body)
 
 
 def _plan_of(modes: bytes, shape: tuple, sinks: int, recent: int, n_heads: int, model: str):
@@ -177,7 +173,7 @@ def probe_section(lm, plan, context: int) -> None:
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
         if rep is not None:
             _show(rep)
-    _fold("how to read the long-context probes", HOW_TO_READ)
+    explain.fold("how to read the long-context probes", HOW_TO_READ)
 
 
 def _show(rep) -> None:

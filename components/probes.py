@@ -15,10 +15,6 @@ from components.state import ModelKey
 SEED = 0
 
 
-def _fold(title: str, body: str) -> None:
-    with st.expander(f"{explain.LABEL}: {title}", expanded=False):
-        st.markdown(body)
-
 
 # -- cached calls ---------------------------------------------------------------------------------
 
@@ -123,7 +119,7 @@ def cut_panel(lm, pruned: np.ndarray, *, where: str) -> None:
                 st.caption("Not measured: " + " ".join(notes))
             if rejected:
                 st.caption("Left out because the tokenizer splits them: " + "; ".join(rejected) + ".")
-        _fold("what the probes measure", HOW_TO_READ_BREAKS)
+        explain.fold("what the probes measure", HOW_TO_READ_BREAKS)
 
 
 HOW_TO_READ_BREAKS = """
@@ -253,7 +249,7 @@ def domains_section(lm) -> None:
                            f"{b.name}": f"{c['ppl_b']:.2f} ({c['ratio_b']:.3f}x)"} for c in rep.cuts],
                          hide_index=True, width="stretch")
             st.caption(f"Held-out text of each set; perplexity (x dense). {rep.answer()}.")
-        _fold("domains and language-specific heads", HOW_TO_READ_DOMAINS)
+        explain.fold("domains and language-specific heads", HOW_TO_READ_DOMAINS)
 
 
 HOW_TO_READ_DOMAINS = """

@@ -14,10 +14,6 @@ import streamlit as st
 from components import cache, charts, controls, explain, figures, numbers, state
 from components.errors import shown_errors
 
-def _fold(title: str, body: str) -> None:
-    with st.expander(f"{explain.LABEL}: {title}", expanded=False):
-        st.markdown(body)
-
 
 # -- cached calls ---------------------------------------------------------------------------------
 
@@ -169,7 +165,7 @@ def _show_detections(result: dict, g) -> None:
                                                 group_size=g.group_size)
             figures.chart(fig, f"heads.taxonomy.{name}")
             st.caption(spec.help)
-            _fold(name, spec.about)
+            explain.fold(name, spec.about)
 
 
 def _sentence_dla(lm) -> None:
@@ -181,7 +177,7 @@ def _sentence_dla(lm) -> None:
         figures.chart(token_heads_heatmap(per_token, tokens), "heads.dla_tokens")
         gap = float(np.abs(parts.total() - parts.logit).max())
         st.caption(f"Heads + embeddings + MLPs + biases rebuild the correct-token logit to within {gap:.1e}.")
-        _fold("direct logit attribution per token", DETECTORS["dla"].about)
+        explain.fold("direct logit attribution per token", DETECTORS["dla"].about)
 
 
 def _specialization(lm, result: dict) -> None:
@@ -212,7 +208,7 @@ def _specialization(lm, result: dict) -> None:
                         f"{plan.sparsity:g}) prunes:")
             numbers.wide_table([{k: v for k, v in row.items() if k != "heads"} | dict(heads=", ".join(row["heads"]))
                                 for row in pruned_roles(plan.pruned, strengths)])
-        _fold("does MP find the specialized heads?", """
+        explain.fold("does MP find the specialized heads?", """
 The MP paper argues that heads with outlier weight norms (high MP-G score, kept) are the specialized
 ones and that typical-norm heads (score 0, pruned first) are redundant. Here every head's MP-G score
 is used as a classifier of each role: the ROC AUC is the chance that a head with the role scores
@@ -303,4 +299,4 @@ def long_section(lm) -> None:
             st.markdown(f"Does MP find them? MP-G (z = 2) ROC AUC for '{name}' heads: "
                         + ("n/a (no head has the role, or every head has it)" if not np.isfinite(test.auc) else
                            f"{test.auc:.3f} (p {test.p_value:.4f}, {test.n_with_role} heads with the role)") + ".")
-            _fold(name, spec.about)
+            explain.fold(name, spec.about)

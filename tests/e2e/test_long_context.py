@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import pytest
 
+from analysis.score.kvplan import MODES
 from tests.e2e.conftest import ARTIFACTS, LOAD_TIMEOUT_MS, needs_chromium
 from tests.e2e.serving import SETTLED
 
@@ -87,18 +88,13 @@ def test_keyboard_edits_change_the_kv_memory_and_page_switches_keep_the_plan(ser
     kv, counts = _expected(modes)
     expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=LOAD_TIMEOUT_MS)
     _settled(page)
-    _edit(page, 1, 0, "window")
-    modes[1, 0] = 1
-    kv, counts = _expected(modes)
-    expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=60_000)
-    expect(_metric(page, "Full / window / prune")).to_have_text(counts)
-    _settled(page)
-    _edit(page, 2, 2, "prune")
-    modes[2, 2] = 2
-    kv, counts = _expected(modes)
-    expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=60_000)
-    expect(_metric(page, "Full / window / prune")).to_have_text(counts)
-    _settled(page)
+    for row, col, mode in ((1, 0, "window"), (2, 2, "prune")):
+        _edit(page, row, col, mode)
+        modes[row, col] = MODES.index(mode)
+        kv, counts = _expected(modes)
+        expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=60_000)
+        expect(_metric(page, "Full / window / prune")).to_have_text(counts)
+        _settled(page)
     link = "fff.wff.ffp." + ".".join(["fff"] * 27)
     assert _query(page)["kv"] == link and _query(page)["plan"] == "edited"
     assert page.get_by_test_id("stException").count() == 0
