@@ -29,6 +29,9 @@ API: dict[str, str] = {
     # masking
     "head_mask": "analysis.arch.head_gates", "gates_from_mask": "analysis.arch.head_gates",
     "zero_heads": "analysis.arch.head_gates",
+    # cuts and KV plans
+    "Cut": "analysis.arch.cut", "KVPlan": "analysis.arch.kvplan", "read_kv_plan": "analysis.arch.kvplan",
+    "Window": "analysis.arch.window", "plan_kv": "analysis.score.kvscores",
     # measuring
     "profile_model": "analysis.measure.profiles", "NormProfile": "analysis.measure.profiles",
     "profile_checkpoint": "analysis.measure.streaming",
@@ -57,7 +60,8 @@ API: dict[str, str] = {
     "DistillConfig": "analysis.compress.recover.distill", "run_pipeline": "analysis.compress.recover.pipeline",
     "PipelineConfig": "analysis.compress.recover.pipeline", "compression_report": "analysis.compress.recover.report",
     "kv_plan_model": "analysis.compress.kvruntime", "measure_kv": "analysis.compress.kvspeed",
-    "load_planned": "analysis.compress.export.kvfile",
+    "load_planned": "analysis.compress.export.planned",
+    "cut_of_folder": "analysis.compress.export.planned",
     # errors
     "HeadscopeError": "analysis.core.errors", "InputError": "analysis.core.errors",
     "ModelLoadError": "analysis.core.errors", "CancelledError": "analysis.core.errors",

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import streamlit as st
 
+from analysis.arch.kvplan import KVPlan
 from analysis.core.errors import CancelledError, HeadscopeError
 from analysis.core.progress import check_stop
 from analysis.core.progress import Progress
@@ -47,7 +48,7 @@ except Exception:  # noqa: BLE001
 
 # Streamlit hashes a cached call's arguments on every call; a ModelKey (a dataclass holding a Placement)
 # went through its generic pickling hasher, several ms per call on a key press. Its repr is unique and cheap.
-KEY_HASH = {ModelKey: repr}
+KEY_HASH = {ModelKey: repr, KVPlan: KVPlan.to_json}   # a plan by its contents
 
 
 def params_key(params: dict) -> tuple:

@@ -22,6 +22,8 @@ from html import escape
 import numpy as np
 import plotly.graph_objects as go
 
+from analysis.arch.kvplan import KV_MODES, WINDOW
+from analysis.arch.window import Window
 from analysis.core.ticks import log_ticks as core_log_ticks
 
 KEPT_COLOR = "#dbe9f6"
@@ -492,26 +494,26 @@ def score_vs_effect(scores: np.ndarray, effect: np.ndarray, *, x_title: str, y_t
 
 
 # -- long context: the KV plan and where a head's attention goes ------------------------------------------
-KV_MODE_COLORS = ("#2e86c1", "#f39c12", PRUNED_COLOR)     # full (blue), window (orange), prune (red)
-KV_MODE_NAMES = ("full", "window", "prune")
+KV_MODE_COLORS = {"full": "#2e86c1", "window": "#f39c12", "prune": PRUNED_COLOR}   # blue, orange, red
 
 
-def kv_plan_heatmap(modes: np.ndarray, *, group_size: int, sinks: int, recent: int, title: str) -> go.Figure:
-    """A KV plan's modes [L, Hkv] (0 full, 1 window, 2 prune) in three colours, layer on y, KV head on x;
-    hover names the query heads of each KV head and what it keeps."""
+def kv_plan_heatmap(modes: np.ndarray, *, group_size: int, window: Window, title: str) -> go.Figure:
+    """A KV plan's modes [L, Hkv] (analysis.arch.kvplan.KV_MODES' codes) in their colours, layer on y, KV head
+    on x; hover names the query heads of each KV head and what it keeps."""
     modes = np.asarray(modes, dtype=np.int8)
     L, Hkv = modes.shape
     G = max(1, int(group_size))
-    keeps = (f"every token", f"{sinks} sink + {recent} recent tokens", "nothing (pruned)")
-    text = [[f"{KV_MODE_NAMES[c]}: keeps {keeps[c]}" + (f"<br>query heads {j * G}-{j * G + G - 1}" if G > 1 else "")
+    keeps = [window.describe() if m.code == WINDOW else m.keeps for m in KV_MODES]
+    text = [[f"{KV_MODES[c].name}: keeps {keeps[c]}" + (f"<br>query heads {j * G}-{j * G + G - 1}" if G > 1 else "")
              for j, c in enumerate(row)] for row in modes.tolist()]
     scale = []
-    for i, color in enumerate(KV_MODE_COLORS):
-        scale += [[i / 3, color], [(i + 1) / 3, color]]
+    n = len(KV_MODES)
+    for m in KV_MODES:
+        scale += [[m.code / n, KV_MODE_COLORS[m.name]], [(m.code + 1) / n, KV_MODE_COLORS[m.name]]]
     fig = go.Figure(go.Heatmap(
-        z=modes, x=np.arange(Hkv), y=np.arange(L), zmin=-0.5, zmax=2.5, colorscale=scale, xgap=2, ygap=1,
+        z=modes, x=np.arange(Hkv), y=np.arange(L), zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=2, ygap=1,
         text=text, hovertemplate="layer %{y}, KV head %{x}: %{text}<extra></extra>", showscale=False))
-    for name, color in zip(KV_MODE_NAMES, KV_MODE_COLORS):          # the key, as legend entries
+    for name, color in KV_MODE_COLORS.items():                      # the key, as legend entries
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, showlegend=True,
                                  marker=dict(symbol="square", size=12, color=color)))
     fig.update_layout(title=title, legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", xanchor="left"),
@@ -531,7 +533,7 @@ def attention_over_keys(mass: np.ndarray, *, title: str, regions: dict[str, tupl
     fig = go.Figure(go.Scatter(x=np.arange(T), y=np.maximum(mass, 1e-6), mode="lines", name="attention",
                                line=dict(color=MEAN_COLOR, width=1), text=names,
                                hovertemplate="key %{x} '%{text}': %{y:.3g}<extra></extra>"))
-    colors = {"sinks": KV_MODE_COLORS[0], "recent window": KV_MODE_COLORS[1], "needle": "#27ae60"}
+    colors = {"sinks": KV_MODE_COLORS["full"], "recent window": KV_MODE_COLORS["window"], "needle": "#27ae60"}
     for i, (name, (start, stop)) in enumerate(regions.items()):
         color = colors.get(name, PALETTE[i % len(PALETTE)])
         fig.add_vrect(x0=start - 0.5, x1=stop - 0.5, fillcolor=color, opacity=0.25, line_width=0,

@@ -76,9 +76,11 @@ def dense_run(key: ModelKey, task_dir: str, names: tuple, limit: int | None, sta
 
 
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def compare(key: ModelKey, pruned, task_dir: str, names: tuple, limit: int | None, stamp: tuple,
+def compare(key: ModelKey, pruned, plan, task_dir: str, names: tuple, limit: int | None, stamp: tuple,
             _progress=None, _should_stop=None):
-    """HarnessReport: the dense run (cached on its own) and the mask pruned [L, H] as head gates."""
+    """HarnessReport: the dense run (cached on its own) and the page's cut: the mask pruned [L, H] as head gates,
+    or with the KV plan the export writes (analysis.compress.export.planned.exported_cut)."""
+    from analysis.compress.export.planned import exported_cut
     from analysis.core.progress import scaled
     from analysis.measure import harness
     known = (repr(key), task_dir, names, limit, stamp) in _dense_measured()
@@ -86,7 +88,7 @@ def compare(key: ModelKey, pruned, task_dir: str, names: tuple, limit: int | Non
                       _should_stop=_should_stop)                  # before taking the lock (cache.exclusive)
     prepared = harness.prepare_tasks(names, task_dir or None, limit=limit)
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        return harness.harness_report(lm, prepared, pruned=pruned, dense=dense,
+        return harness.harness_report(lm, prepared, cut=exported_cut(lm, pruned, plan), dense=dense,
                                       progress=_progress if known else scaled(_progress, 0.5, 1.0),
                                       should_stop=_should_stop)
 
@@ -132,8 +134,9 @@ def task_dir_widget(where_, key_prefix: str) -> str:
                                   "standard tasks from the HF datasets cache.").strip()
 
 
-def panel(lm, pruned: np.ndarray, *, where: str = "export") -> None:
-    """The benchmarks section for the view's mask pruned [L, H]."""
+def panel(lm, pruned: np.ndarray, *, where: str = "export", kv_plan=None) -> None:
+    """The benchmarks section for the view's mask pruned [L, H], with the KV plan written with it (None: the
+    mask alone)."""
     from analysis.measure import harness
     st.subheader("Benchmarks (lm-evaluation-harness)")
     if lm.kind != "causal-lm":
@@ -163,21 +166,24 @@ def panel(lm, pruned: np.ndarray, *, where: str = "export") -> None:
         return
     stamp = folder_stamp(task_dir)
     args = (task_dir, tuple(names), limit or None, stamp)
-    plan = None
+    tasks = None
     with shown_errors("Checking the tasks"):
-        plan = task_plan(state.model_key(), *args)
-    if plan is None:
+        tasks = task_plan(state.model_key(), *args)
+    if tasks is None:
         return
-    st.caption("Data: " + "; ".join(f"{n}: {s['n_docs']} documents from {s['data']}" for n, s in plan["sources"].items()))
+    st.caption("Data: " + "; ".join(f"{n}: {s['n_docs']} documents from {s['data']}" for n, s in tasks["sources"].items()))
     sides = 1 if (repr(state.model_key()), *args) in _dense_measured() else 2
     pruned = np.asarray(pruned, bool)
     rep = cache.run_button("Run the harness" + (" (the cut; dense is measured)" if sides == 1 else " (dense and cut)"),
                            button_key=f"{where}.harness", slot=f"{where}.harness",
-                           run_key=(state.model_key(), pruned.tobytes(), *args), fn=compare,
-                           args=(state.model_key(), pruned, *args), label="Running the harness", kind="harness",
-                           work=sides * plan["tokens"], view=f"{int(pruned.sum())} heads pruned, {', '.join(names)}",
-                           stale_note="The mask or the tasks changed since the last run ({view}); press the button "
-                                      "again.")
+                           run_key=(state.model_key(), pruned.tobytes(), None if kv_plan is None else kv_plan.to_json(),
+                                    *args), fn=compare,
+                           args=(state.model_key(), pruned, kv_plan, *args), label="Running the harness", kind="harness",
+                           work=sides * tasks["tokens"],
+                           view=f"{int(pruned.sum())} heads pruned" + ("" if kv_plan is None else " + the KV plan")
+                                + f", {', '.join(names)}",
+                           stale_note="The mask, its plan or the tasks changed since the last run ({view}); press the "
+                                      "button again.")
     if rep is None:
         return
     rows = rep.rows()

@@ -1,11 +1,12 @@
-"""Long context in the app: the per-head KV plan (full / window / prune per KV head, analysis.score.kvplan),
+"""Long context in the app: the per-head KV plan (full / window / prune per KV head, analysis.arch.kvplan),
 what it costs at a context (KV memory, predicted speed: analysis.compress.plan_speed), its file, and the
 Walkthrough's real head (where its attention goes over a long text: analysis.measure.longheads.last_rows).
 
-Pages call one function each: the Long context page `band_inputs`, `plan_grid`, `fill_buttons`, `plan_file`,
-`plan_view`, `memory_chart`; the Export page `export_section`; the Walkthrough `walkthrough_section`. The plan
-itself is view state (components/state.py: fields `kv`, `plan`, `sinks`, `recent`, `context`), so a link
-reproduces it and every page reads the same one (`current_plan`).
+Pages call one function each: the Long context page `window_inputs` (the context and the window, one
+analysis.arch.window.Window), `plan_grid`, `fill_buttons`, `plan_file`, `plan_view`, `memory_chart`; the Export
+page `export_section`; the Walkthrough `walkthrough_section`. The plan itself is view state
+(components/state.py: fields `kv`, `plan`, `sinks`, `recent`, `context`), so a link reproduces it and every page
+reads the same one (`current_plan`; the Long context page hands it the window its boxes show).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+from analysis.arch.kvplan import KV_PLAN_FILE, MODES, KVPlan
+from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.core.errors import InputError
-from analysis.score.kvplan import DEFAULT_RECENT, DEFAULT_SINKS, KV_PLAN_FILE, MODES, KVPlan
 
 from . import cache, charts, explain, figures, state, views
 from .errors import show_exception, shown_errors
@@ -28,7 +30,7 @@ _NOTE = "long.note"                # a fill's or an upload's refusal, shown once
 
 
 
-# -- the view: context, band, plan ------------------------------------------------------------------
+# -- the view: context, window, plan ----------------------------------------------------------------
 
 def context_limit(lm) -> int:
     """The longest context the model reads (its config's max_position_embeddings or equivalent)."""
@@ -36,14 +38,13 @@ def context_limit(lm) -> int:
     return int(context_length(lm.model))
 
 
-def band(lm) -> tuple[int, int, int]:
-    """(context, sinks, recent) of the view, each within the model's limit (defaults where unset)."""
+def view_window(lm) -> tuple[int, Window]:
+    """(context, Window) of the view, each number within the model's limit (defaults where unset)."""
     limit = context_limit(lm)
     context = state.get("context") or min(state.DEFAULT_CONTEXT, limit)
-    sinks = state.get("sinks")
-    recent = state.get("recent")
-    return (min(int(context), limit), min(DEFAULT_SINKS if sinks is None else int(sinks), limit),
-            min(DEFAULT_RECENT if recent is None else int(recent), limit))
+    sinks, recent = state.get("sinks"), state.get("recent")
+    return min(int(context), limit), Window(min(DEFAULT_SINKS if sinks is None else int(sinks), limit),
+                                           min(DEFAULT_RECENT if recent is None else int(recent), limit))
 
 
 def _too_long(lm) -> None:
@@ -58,12 +59,13 @@ def _too_long(lm) -> None:
             state.reset_widget(name)
 
 
-def band_inputs(lm) -> tuple[int, int, int]:
-    """The context, sinks and recent boxes (view fields): the context stops at the model's limit, the
-    window starts at 1 (a window of 0 reads nothing)."""
+def window_inputs(lm) -> tuple[int, Window]:
+    """The context, sinks and recent boxes (view fields) -> (context, Window): the context stops at the model's
+    limit, the window starts at 1 (a window of 0 reads nothing)."""
     _too_long(lm)
     limit = context_limit(lm)
-    context, sinks, recent = band(lm)
+    context, window = view_window(lm)
+    sinks, recent = window.sinks, window.recent
     c1, c2, c3 = st.columns(3)
     context = int(c1.number_input(
         "Context length (tokens)", 1, limit, step=max(1, min(1024, limit // 8)),
@@ -81,7 +83,7 @@ def band_inputs(lm) -> tuple[int, int, int]:
                 "recent": min(DEFAULT_RECENT, limit)}
     for name, value in (("context", context), ("sinks", sinks), ("recent", recent)):
         state.set(name, None if value == defaults[name] else value)
-    return context, sinks, recent
+    return context, Window(sinks, recent)
 
 
 def _shape(lm) -> tuple[int, int]:
@@ -102,13 +104,13 @@ def current_modes(lm, *, notes: bool = True) -> np.ndarray:
         return np.zeros(_shape(lm), np.int8)
 
 
-def current_plan(lm, *, notes: bool = True) -> KVPlan:
-    """The view's KVPlan (every KV head full until the Long context page or a link sets one), with the notes
-    of the scores that made it while it is unedited."""
-    _, sinks, recent = band(lm)
+def current_plan(lm, window: Window | None = None, *, notes: bool = True) -> KVPlan:
+    """The view's KVPlan (every KV head full until the Long context page or a link sets one) with `window` (None:
+    the view's), with the notes of the scores that made it while it is unedited."""
+    window = window or view_window(lm)[1]
     made = state.recall("long.notes")
     why = tuple(made[1]) if made and made[0] == state.get("kv") and state.get("plan") == "scores" else ()
-    return KVPlan(current_modes(lm, notes=notes), sinks, recent, lm.geometry.n_heads, lm.name, why)
+    return KVPlan(current_modes(lm, notes=notes), window, lm.geometry.n_heads, lm.name, why)
 
 
 def plan_is_set() -> bool:
@@ -244,7 +246,7 @@ def _long_scores(lm, name: str, options: dict):
 
 
 def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_share: float, prune_share: float,
-                 keep_retrieval: bool, sinks: int, recent: int) -> None:
+                 keep_retrieval: bool, window: Window) -> None:
     """streaming, retrieval: the detectors' Detections (retrieval may be None); importance [L, Hkv] or None."""
     from analysis.score.kvscores import KVScores, plan_from_scores
     dets = {name: d for name, d in (("streaming", streaming), ("retrieval", retrieval)) if d is not None}
@@ -252,7 +254,7 @@ def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_
                       importance, dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0)
     try:
         plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
-                                keep_retrieval=keep_retrieval, sinks=sinks, recent=recent, model=model)
+                                keep_retrieval=keep_retrieval, window=window, model=model)
     except InputError as err:
         state.remember(_NOTE, str(err))
         return
@@ -260,12 +262,11 @@ def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_
     state.remember(_NOTES, (state.get("kv"), plan.notes))
 
 
-def score_fills(lm) -> None:
+def score_fills(lm, window: Window) -> None:
     """Fill the grid from the heads' own scores: window the most streaming share of KV heads (the lowest output
     change under this page's window), keep the KV heads that hold a retrieval head full, prune the least
     important share (KV-group ablation); each score measured on its own button (expected time, Stop)."""
     g = lm.geometry
-    _, sinks, recent = band(lm)
     limit = context_limit(lm)
     with st.expander("Fill from the heads' scores (streaming, retrieval, importance)", expanded=False):
         st.caption("The scores the Heads page measures, at this page's window. Each runs the model on long built-in "
@@ -275,7 +276,7 @@ def score_fills(lm) -> None:
                                          key=state.widget_key("long.scores.length", value=min(SCORE_LENGTH, limit)),
                                          help="The context the streaming and retrieval scores read (one length)."))
             length = min(length, limit)
-            streaming = _long_scores(lm, "streaming", dict(lengths=(length,), sinks=sinks, recent=recent))
+            streaming = _long_scores(lm, "streaming", dict(lengths=(length,), **window.as_dict()))
             retrieval = _long_scores(lm, "retrieval", dict(lengths=(length,), needles=2))
             importance = cache.run_button(
                 f"Measure the KV groups' importance (ablation on {IMPORTANCE_TOKENS} tokens)",
@@ -288,8 +289,8 @@ def score_fills(lm) -> None:
             st.caption("Measure the streaming scores to fill the grid from them.")
             return
         c1, c2 = st.columns(2)
-        window = c1.slider("Window the most streaming (% of KV heads)", 0, 100, step=5,
-                           key=state.widget_key("long.scores.window", value=50))
+        share = c1.slider("Window the most streaming (% of KV heads)", 0, 100, step=5,
+                          key=state.widget_key("long.scores.window", value=50))
         prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
                           key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
                           help=None if importance is not None else "Measure the KV groups' importance first.")
@@ -298,12 +299,12 @@ def score_fills(lm) -> None:
                            help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
                                 "2024) stays full whatever its streaming score." if retrieval is not None else
                            "Measure the retrieval scores first.")
-        st.button(f"Fill the grid: window {window} %, prune {prune if importance is not None else 0} %"
+        st.button(f"Fill the grid: window {share} %, prune {prune if importance is not None else 0} %"
                   + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
                   on_click=_fill_scores, type="primary",
-                  args=(g, lm.name, streaming, retrieval, importance, window / 100,
+                  args=(g, lm.name, streaming, retrieval, importance, share / 100,
                         (prune / 100) if importance is not None else 0.0,
-                        bool(keep) and retrieval is not None, sinks, recent))
+                        bool(keep) and retrieval is not None, window))
 
 
 # -- the file ---------------------------------------------------------------------------------------
@@ -330,7 +331,7 @@ def _uploaded(key: str, geometry, limit: int) -> None:
         state.remember(_NOTE, f"{upload.name}: {err}")
         return
     _set_plan(plan.modes, "file")
-    for name, value in (("sinks", plan.sinks), ("recent", plan.recent)):
+    for name, value in plan.window.as_dict().items():
         state.set(name, min(int(value), limit))
         state.reset_widget(name)
     state.remember("long.file", (upload.name, plan.model))
@@ -425,11 +426,11 @@ def plan_view(lm, plan: KVPlan, context: int) -> None:
                       f"{speed_words(p.ratio('decode_bytes'))}; by FLOPs it would be "
                       f"{speed_words(p.ratio('decode_flops'))}.")
         st.caption(plan.describe() + ".")
-        if c["window"] and plan.sinks + plan.recent >= context:
-            st.caption(f"At {context:,} tokens the window ({plan.sinks} + {plan.recent} tokens) holds the whole context: "
+        if c["window"] and plan.window.covers(context):
+            st.caption(f"At {context:,} tokens the window ({plan.window.describe()}) holds the whole context: "
                        "a windowed head keeps every token there and saves nothing.")
-        figures.chart(charts.kv_plan_heatmap(plan.modes, group_size=g.group_size, sinks=plan.sinks,
-                                             recent=plan.recent, title=PLAN_MAP_TITLE), "long.plan_map",
+        figures.chart(charts.kv_plan_heatmap(plan.modes, group_size=g.group_size, window=plan.window,
+                                             title=PLAN_MAP_TITLE), "long.plan_map",
                       name="kv_plan", title=f"The KV plan: {plan.describe()}")
         st.caption(f"Source: {_source_words()}. The speeds are predicted from counts, not measured: they assume a "
                    "kernel that skips the keys outside a window and a cache that holds only the kept tokens "
@@ -458,7 +459,7 @@ def memory_chart(lm, plan: KVPlan, context: int) -> None:
     if mask is not None:
         series[mask[1]] = (points, np.array(points) * mask[0] / MIB)
     series["the plan"] = (points, kv_curve(plan, points, head_dim=g.head_dim, dtype_bytes=size) / MIB)
-    colors = {"dense": charts.MEAN_COLOR, "the plan": charts.KV_MODE_COLORS[1]}
+    colors = {"dense": charts.MEAN_COLOR, "the plan": charts.KV_MODE_COLORS["window"]}
     if mask is not None:
         colors[mask[1]] = charts.PRUNED_COLOR
     figures.chart(charts.curves(series, title="KV cache vs context length", x_title="context (tokens)",
@@ -562,14 +563,14 @@ def walk_text(tokenizer, n_tokens: int):
 
 
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def walk_rows(key: ModelKey, n_tokens: int, sinks: int, recent: int, _progress=None, _should_stop=None):
+def walk_rows(key: ModelKey, n_tokens: int, window: Window, _progress=None, _should_stop=None):
     """(LastRows of the walkthrough's text, needle start, needle length, tokens)."""
     from analysis.measure.longheads import last_rows
     lm = cache.load(key)
     ids, start, length = walk_text(lm.tokenizer, n_tokens)
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        rows = last_rows(lm.model, ids, queries=WALK_QUERIES, sinks=sinks, recent=recent,
-                              progress=_progress, should_stop=_should_stop)
+        rows = last_rows(lm.model, ids, queries=WALK_QUERIES, window=window, progress=_progress,
+                         should_stop=_should_stop)
     return rows, start, length, [lm.tokenizer.decode([int(i)]) for i in ids]
 
 
@@ -591,8 +592,9 @@ def walkthrough_section(lm) -> None:
                     f"({walk_needs(lm.tokenizer)} tokens): long context needs a model with a longer one, such as "
                     "the built-in SmolLM2 (8,192).")
         return
-    _, sinks, recent = band(lm)
-    recent = min(recent, max(1, n_tokens // 4))       # a window that leaves something far back to see
+    view = view_window(lm)[1]
+    window = Window(view.sinks, min(view.recent, max(1, n_tokens // 4)))   # one that leaves something far back
+    sinks, recent = window.sinks, window.recent
     st.markdown(f"""
 A model that writes token after token keeps, for every head, the keys and values of every earlier token.
 Do all heads need all of them? Take a real text of **about {n_tokens:,} tokens** (built-in Wikipedia paragraphs)
@@ -600,10 +602,10 @@ with one sentence hidden a quarter of the way in, *"{NEEDLE.strip()}"*, and a qu
 end. Below is where one head's attention goes from the last {WALK_QUERIES} positions (the question),
 over every earlier token: its **sinks** (the first {sinks} tokens), its **recent window** (the last {recent}),
 the **needle**, and everything else.""")
-    run_key = (state.model_key(), n_tokens, sinks, recent)
+    run_key = (state.model_key(), n_tokens, window)
     result = cache.run_button(f"Read every head's attention on this text (about {n_tokens:,} tokens)",
                               button_key="walk.long.run", slot="walk.long", run_key=run_key, fn=walk_rows,
-                              args=(state.model_key(), n_tokens, sinks, recent), label="Reading the attention",
+                              args=(state.model_key(), n_tokens, window), label="Reading the attention",
                               kind="evaluate", work=n_tokens,
                               stale_note="The window changed since ({view}); press the button again.",
                               view=f"{sinks} sinks + {recent} recent tokens")

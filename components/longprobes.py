@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import streamlit as st
 
+from analysis.arch.kvplan import KVPlan
 from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES
 
 from . import cache, explain, numbers, state
@@ -26,11 +26,6 @@ APP_SEQUENCES = 2                 # sequences per depth the page suggests: the l
 DEPTH_CHOICES = (0.1, 0.25, 0.5, 0.75, 0.9)
 MAX_SEQUENCES_APP = 64
 
-
-
-def _plan_of(modes: bytes, shape: tuple, sinks: int, recent: int, n_heads: int, model: str):
-    from analysis.score.kvplan import KVPlan
-    return KVPlan(np.frombuffer(modes, np.int8).reshape(shape), sinks, recent, n_heads, model)
 
 
 # -- cached calls ---------------------------------------------------------------------------------
@@ -65,20 +60,21 @@ def dense_side(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items
 
 
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, modes: bytes, shape: tuple,
-                sinks: int, recent: int, _progress=None, _should_stop=None):
-    """LongContextReport of the plan (modes [L, Hkv] as bytes) against the dense side (cached on its own and
-    measured first, with its own share of the progress)."""
+def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, plan: KVPlan,
+                _progress=None, _should_stop=None):
+    """LongContextReport of the plan (cached by its contents) against the dense side (cached on its own and
+    measured first, with its own share of the progress); a plan with every KV head full is the dense side."""
+    from analysis.arch.cut import Cut
     from analysis.core.progress import scaled
     from analysis.score.longcontext import long_context_report
     known = (repr(key), probes, length, depths, n_items) in _dense_measured()
     built = long_items(key, probes, length, depths, n_items)
     dense = dense_side(key, probes, length, depths, n_items, _should_stop=_should_stop,   # before the lock
                        _progress=None if known else scaled(_progress, 0.0, 0.5))
+    cut = None if plan.is_full else Cut.of_plan(plan, info=dict(source="the Long context page"))
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        plan = _plan_of(modes, shape, sinks, recent, lm.geometry.n_heads, lm.name)
-        return long_context_report(lm, built=built, dense=dense, plan=plan if plan.modes.any() else None,
-                                   should_stop=_should_stop, progress=_progress if known else scaled(_progress, 0.5, 1.0))
+        return long_context_report(lm, built=built, dense=dense, cut=cut, should_stop=_should_stop,
+                                   progress=_progress if known else scaled(_progress, 0.5, 1.0))
 
 
 # -- the section -----------------------------------------------------------------------------------
@@ -155,9 +151,8 @@ def probe_section(lm, plan, context: int) -> None:
         return
     known = (repr(state.model_key()), *args) in _dense_measured()
     rows = sum(items.ids.shape[0] for (_, _, items) in built.values())
-    modes = np.ascontiguousarray(plan.modes, np.int8)
     counts = plan.counts()
-    cut = bool(modes.any())
+    cut = not plan.is_full
     if not cut:
         st.caption("Every KV head is full: the plan is the dense model, so the run measures dense alone (the "
                    "reference every plan is compared with).")
@@ -165,9 +160,8 @@ def probe_section(lm, plan, context: int) -> None:
     with shown_errors("The long-context probes"):
         rep = cache.run_button(
             f"Run the long-context probes on this plan ({rows} rows of {length:,} tokens, {sides})",
-            button_key="long.probes.run", slot="long.probes", run_key=(state.model_key(), *args, modes.tobytes(),
-                                                                      plan.sinks, plan.recent),
-            fn=plan_report, args=(state.model_key(), *args, modes.tobytes(), modes.shape, plan.sinks, plan.recent),
+            button_key="long.probes.run", slot="long.probes", run_key=(state.model_key(), *args, plan.to_json()),
+            fn=plan_report, args=(state.model_key(), *args, plan),
             label="Running the long-context probes", kind="long-probes", work=_work(built, known, cut),
             view=f"{counts['full']} full / {counts['window']} window / {counts['prune']} prune, {length:,} tokens",
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")

@@ -46,16 +46,18 @@ def dense_probes(key: ModelKey, seed: int = SEED, _progress=None, _should_stop=N
         return built, skipped, dense_scores(lm, built, seed=seed, progress=_progress, should_stop=_should_stop)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
-def cut_probes(key: ModelKey, pruned, seed: int = SEED, _progress=None, _should_stop=None):
-    """analysis.measure.probes.breaks.cut_report of the mask pruned [L, H] (dense side cached once per model:
-    the first check measures it first, stoppable and with its own progress; every later mask reuses it)."""
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
+def cut_probes(key: ModelKey, pruned, plan=None, seed: int = SEED, _progress=None, _should_stop=None):
+    """analysis.measure.probes.breaks.cut_report of the page's cut: the mask pruned [L, H], with the KV plan the
+    export writes when there is one (analysis.compress.export.planned.exported_cut; dense side cached once per
+    model: the first check measures it first, stoppable and with its own progress; every later cut reuses it)."""
+    from analysis.compress.export.planned import exported_cut
     from analysis.measure.probes.breaks import cut_report
     dense_progress = None if _progress is None else (lambda f, m: _progress(f, f"the dense model (once per model): {m}"))
     built, skipped, dense = dense_probes(key, seed, _progress=dense_progress,   # before taking the lock
                                          _should_stop=_should_stop)             # (cache.exclusive)
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        return cut_report(lm, pruned=pruned, built=built, skipped=skipped, dense=dense, seed=seed,
+        return cut_report(lm, exported_cut(lm, pruned, plan), built=built, skipped=skipped, dense=dense, seed=seed,
                           progress=_progress, should_stop=_should_stop)
 
 
@@ -91,8 +93,9 @@ def show_lost(warnings: list[str], where=st) -> None:
                     "sparsity, or recover it (Pipeline page).", icon=":material/warning:")
 
 
-def cut_panel(lm, pruned: np.ndarray, *, where: str) -> None:
-    """The 'What this cut breaks' panel for the mask pruned [L, H] (where: a key prefix, e.g. "prune")."""
+def cut_panel(lm, pruned: np.ndarray, *, where: str, plan=None) -> None:
+    """The 'What this cut breaks' panel for the mask pruned [L, H] and the KV plan written with it (None: the mask
+    alone; where: a key prefix, e.g. "prune")."""
     from analysis.measure.probes.registry import applicable
     st.markdown("#### What this cut breaks (capability probes)")
     if not applicable(lm.kind):
@@ -100,11 +103,13 @@ def cut_panel(lm, pruned: np.ndarray, *, where: str) -> None:
                    "encoder has no language-model head (all-MiniLM-L6-v2 has none).")
         return
     with shown_errors("Capability probes"):
-        run_key = (state.model_key(), np.asarray(pruned, bool).tobytes())
-        rep = cache.run_button("Check what this cut breaks", button_key=f"{where}.probes", slot=f"{where}.probes",
-                               run_key=run_key, fn=cut_probes, args=(state.model_key(), np.asarray(pruned, bool)),
+        run_key = (state.model_key(), np.asarray(pruned, bool).tobytes(), None if plan is None else plan.to_json())
+        what = "this cut" if plan is None else "this cut and its KV plan"
+        rep = cache.run_button(f"Check what {what} breaks", button_key=f"{where}.probes", slot=f"{where}.probes",
+                               run_key=run_key, fn=cut_probes, args=(state.model_key(), np.asarray(pruned, bool), plan),
                                label="Running the probes",
-                               stale_note="The mask changed since the last check; press the button to check this one.")
+                               stale_note="The mask or its plan changed since the last check; press the button to "
+                                          "check this one.")
         if rep is not None:
             show_lost(rep.warnings())
             st.dataframe([{"probe": r["label"], "items": r["n_items"], "dense accuracy": _acc(r, "dense"),

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 
 import streamlit as st
 
+from analysis.arch.kvplan import KV_MODES
 from analysis.arch.models import DEFAULT_MODEL
 from analysis.core.errors import shorten
 from analysis.core.params import Choice, Range
@@ -113,7 +114,7 @@ def _policy(raw: str) -> str:
 # -- the Long context page's view: the context, the window's band and the KV plan ---------------------
 DEFAULT_CONTEXT = 4096         # tokens (at most the model's own limit)
 CONTEXT_MAX = 2**20            # what a link may carry; the page's box stops at the model's limit
-KV_LETTERS = "fwp"             # analysis.score.kvplan.MODES' order: full, window, prune
+KV_LETTERS = "".join(m.letter for m in KV_MODES)   # by code: f full, w window, p prune (analysis.arch.kvplan)
 KV_TEXT_MAX = 20_000           # letters of a plan in a link (a 126-layer x 16-KV-head model needs ~2,150)
 PLAN_SOURCES = {"full": "every KV head full (the dense model)", "mask": "the Prune page's mask",
                 "edited": "edited by hand", "file": "a kv_plan.json file",
@@ -127,14 +128,15 @@ def _kv_text(raw: str) -> str:
         raise ValueError(f"it is empty or longer than {KV_TEXT_MAX} characters")
     rows = value.split(".")
     if any(not row or row.strip(KV_LETTERS) for row in rows):             # (`set` is this module's verb)
-        raise ValueError("it holds other letters than f (full), w (window) and p (prune) in rows split by '.'")
+        raise ValueError("it holds other letters than " + ", ".join(f"{m.letter} ({m.name})" for m in KV_MODES)
+                         + " in rows split by '.'")
     if len({len(row) for row in rows}) != 1:
         raise ValueError("its layers list different numbers of KV heads")
     return value
 
 
 def kv_text(modes) -> str | None:
-    """The link text of modes [L, Hkv] (0 full, 1 window, 2 prune); None when every head is full."""
+    """The link text of modes [L, Hkv] (KV_MODES' codes); None when every head is full."""
     import numpy as np
     m = np.asarray(modes)
     if not m.any():

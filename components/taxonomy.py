@@ -228,7 +228,7 @@ def long_work(passes: list[int]) -> float:
 def _long_options(lm, name: str, spec) -> dict:
     """The widgets of one long detector -> its options (the context clamped to the model's)."""
     from analysis.measure.evaluation import context_length
-    from analysis.measure.long_options import DEFAULT_RECENT, DEFAULT_SINKS
+    from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
     limit = context_length(lm.model)
     cols = st.columns(3)
     context = int(cols[0].number_input(f"Context (tokens, at most {limit:,})", 64, max(64, limit), step=256,

@@ -265,5 +265,6 @@ with shown_errors("Measuring"):
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))
 
-probes_ui.cut_panel(lm, plan.pruned, where="export")     # the report's capability check of this mask
-harness_ui.panel(lm, plan.pruned, where="export")        # the field's zero-shot benchmarks, dense vs this mask
+kv_plan = longctx.export_plan(lm)                    # the Long context page's plan, when it is written with the model
+probes_ui.cut_panel(lm, plan.pruned, where="export", plan=kv_plan)   # what the exported cut breaks
+harness_ui.panel(lm, plan.pruned, where="export", kv_plan=kv_plan)   # the field's zero-shot benchmarks, dense vs it

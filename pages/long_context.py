@@ -18,7 +18,7 @@ if lm.kind != "causal-lm":
     shell.end_run()
 st.caption("For every KV head of every layer: keep its whole cache (full), only the first sink tokens and a "
            "recent window (window), or prune it; see what that saves at the context you choose.")
-context, sinks, recent = longctx.band_inputs(lm)
+context, window = longctx.window_inputs(lm)
 longctx.current_modes(lm)                           # a plan that does not fit this model: dropped, one line
 left, right = st.columns([1, 1], gap="medium")
 with left:
@@ -27,8 +27,8 @@ with left:
     modes = longctx.plan_grid(lm)
     longctx.show_note()
     longctx.fill_buttons(lm)
-    longctx.score_fills(lm)
-plan = longctx.current_plan(lm, notes=False)
+    longctx.score_fills(lm, window)
+plan = longctx.current_plan(lm, window, notes=False)
 with right:
     longctx.plan_view(lm, plan, context)
 with left:

@@ -3,22 +3,23 @@
 transformers' DynamicCache keeps every token of every KV head; under `analysis.arch.spans.windowed` a
 windowed head only *reads* its band, so its cache still grows with the context. `CompactCache` keeps:
 - a **full** KV head: every token (as DynamicCache does), [B, h_full, S, d];
-- a **windowed** KV head: its `sinks` first tokens and its `recent` latest ones, [B, h_win, n, d] with
-  n = min(S, sinks + recent): a ring. The sink tokens sit in slots 0 .. sinks-1, token p >= sinks in slot
-  sinks + (p - sinks) % recent, so a new token overwrites the one that just left every later query's
-  window (query i reads j > i - recent) and the stored tensors never grow past sinks + recent tokens;
+- a **windowed** KV head: its window's `sinks` first tokens and `recent` latest ones, [B, h_win, n, d] with
+  n = Window.kept(S): a ring (slots by Window.slot, one rule), so a new token overwrites the one that just
+  left every later query's window and the stored tensors never grow past sinks + recent tokens;
+- a **pruned** KV head (a plan run on the dense model, its pruned groups gated off by the head mask):
+  nothing; its query heads' attention output is zero;
 - a layer with no KV head (a layer that surgery emptied): nothing, only the count of tokens.
-Pruned heads are not in the cache at all: the model that runs it is the physically pruned twin
-(analysis.compress.surgery), so their groups no longer exist.
+A plan's rows are its mode codes per layer (analysis.arch.kvplan.mode_rows: the dense model's KV heads, or
+a physically pruned twin's own, where the pruned groups no longer exist at all).
 
 So the bytes of the K and V tensors it holds after S tokens are exactly
-`analysis.score.kvplan.KVPlan.kv_bytes(S, ...)` of the plan it runs: `CompactCache.kv_bytes()` counts the
+`analysis.arch.kvplan.KVPlan.kv_bytes(S, ...)` of the plan it runs: `CompactCache.kv_bytes()` counts the
 real tensors. The positions of a ring's slots are not stored: they follow from S
 (`analysis.arch.spans.ring_positions`).
 
 Each layer's `update` returns a `analysis.arch.spans.CompactKV` instead of key / value tensors; only the
 "headscope-spans" kernel reads it, so a model runs this cache inside `analysis.arch.spans.spans(...)`
-(`compact(model, window, ...)` below does both). Rows must start at token 0 and share their length (a
+(`compact(model, rows, window)` below does both; analysis.arch.cut.Cut.new_cache for a cut). Rows must start at token 0 and share their length (a
 batch of prompts of one length, or right padding during a prefill); decode steps append one token to
 every row.
 """
@@ -31,25 +32,30 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from analysis.arch.spans import CompactKV, check_band, ring_positions, ring_slots, spans
+from analysis.arch.kvplan import FULL, PRUNE, WINDOW
+from analysis.arch.spans import CompactKV, ring_positions, spans
+from analysis.arch.window import Window
 from analysis.core.errors import InputError
 
 
 class CompactLayer(CacheLayerMixin):
-    """One layer of a CompactCache: window [Hkv_l] bool (True = windowed KV head), the band."""
+    """One layer of a CompactCache: modes [Hkv_l] (analysis.arch.kvplan codes: full / window / prune), the
+    window."""
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, window: torch.Tensor, sinks: int, recent: int, block: int = 0):
+    def __init__(self, modes: np.ndarray, window: Window, block: int = 0):
         super().__init__()
         self.block = int(block)
-        self.window = window.to(torch.bool)
-        self.n_kv_heads = int(window.numel())
-        self.full_heads = tuple(int(j) for j in torch.nonzero(~self.window).flatten())      # KV heads
-        self.window_heads = tuple(int(j) for j in torch.nonzero(self.window).flatten())
-        self.sinks, self.recent = int(sinks), int(recent)
+        modes = np.asarray(modes).reshape(-1)
+        self.n_kv_heads = int(modes.size)
+        self.full_heads = tuple(int(j) for j in np.flatnonzero(modes == FULL))      # KV heads
+        self.window_heads = tuple(int(j) for j in np.flatnonzero(modes == WINDOW))
+        self.pruned_heads = tuple(int(j) for j in np.flatnonzero(modes == PRUNE))
+        self.window = window
         self.length = 0                                                   # tokens seen
+        self.value_dim = 0
         self.ring_keys = self.ring_values = None                          # [B, h_win, n, d]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -70,6 +76,7 @@ class CompactLayer(CacheLayerMixin):
         """key / value [B, Hkv, q, d] of this step's q tokens -> (CompactKV, CompactKV) for the kernel."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            self.value_dim = int(value_states.shape[-1])
         start, q = self.length, key_states.shape[-2]
         self.length += q
         if not self.n_kv_heads:                                           # an emptied layer: a count only
@@ -84,7 +91,7 @@ class CompactLayer(CacheLayerMixin):
         win = self._window_update(self._split(key_states, self.window_heads),
                                   self._split(value_states, self.window_heads), start)
         view = CompactKV(self.n_kv_heads, self.full_heads, self.window_heads, self.keys, self.values, *win,
-                         query_start=start, length=self.length, sinks=self.sinks, recent=self.recent,
+                         query_start=start, length=self.length, window=self.window, value_dim=self.value_dim,
                          block=self.block)
         return view, view
 
@@ -93,11 +100,11 @@ class CompactLayer(CacheLayerMixin):
         queries read."""
         if k is None:
             return None, None, None
-        q, size = k.shape[-2], self.sinks + self.recent
+        q, size, window = k.shape[-2], self.window.size, self.window
         if self.ring_keys is None:
             self.ring_keys, self.ring_values = k[..., :0, :], v[..., :0, :]
         if q == 1 and start >= size:                                      # steady decode: overwrite in place
-            slot = start if start < self.sinks else self.sinks + (start - self.sinks) % self.recent
+            slot = window.slot(start)
             self.ring_keys[..., slot:slot + 1, :] = k
             self.ring_values[..., slot:slot + 1, :] = v
             return self.ring_keys, self.ring_values, None
@@ -108,10 +115,10 @@ class CompactLayer(CacheLayerMixin):
         # many tokens past the ring's size: the queries read the old ring and every new token; keep the band's
         keys = torch.cat([self.ring_keys, k], dim=-2)                     # [B, h_win, n_old + q, d]
         values = torch.cat([self.ring_values, v], dim=-2)
-        positions = torch.cat([ring_positions(start, self.sinks, self.recent), torch.arange(start, self.length)])
-        kept = torch.nonzero((positions < self.sinks) | (positions >= self.length - self.recent)).flatten()
+        positions = torch.cat([ring_positions(start, window), torch.arange(start, self.length)])
+        kept = torch.nonzero((positions < window.sinks) | (positions >= self.length - window.recent)).flatten()
         order = torch.empty_like(kept)
-        order[ring_slots(positions[kept], self.sinks, self.recent)] = kept    # slot -> index into keys
+        order[window.slot(positions[kept])] = kept                        # slot -> index into keys
         self.ring_keys = keys.index_select(-2, order.to(keys.device))     # [B, h_win, sinks + recent, d]
         self.ring_values = values.index_select(-2, order.to(values.device))
         return keys, values, positions
@@ -140,13 +147,14 @@ class CompactLayer(CacheLayerMixin):
 
 
 class CompactCache(Cache):
-    """A transformers Cache with one CompactLayer per model layer (module docstring)."""
+    """A transformers Cache with one CompactLayer per model layer (module docstring): rows [L][Hkv_l] of mode
+    codes (analysis.arch.kvplan.mode_rows), the window of the windowed heads."""
 
-    def __init__(self, window, *, sinks: int, recent: int, block: int = 0):
-        sinks, recent = check_band(sinks, recent)
-        rows = [torch.as_tensor(np.asarray(r, dtype=bool)).reshape(-1) for r in window]
-        super().__init__(layers=[CompactLayer(r, sinks, recent, block) for r in rows])
-        self.sinks, self.recent = sinks, recent
+    def __init__(self, rows, window: Window, *, block: int = 0):
+        if not isinstance(window, Window):
+            raise InputError("A compact KV cache needs the plan's window (analysis.arch.window.Window).")
+        super().__init__(layers=[CompactLayer(r, window, block) for r in rows])
+        self.window = window
 
     def kv_bytes(self) -> int:
         """Bytes of the K and V tensors the cache holds (what KVPlan.kv_bytes predicts)."""
@@ -178,12 +186,23 @@ def kv_cache_bytes(cache) -> int:
     return total
 
 
+def windowed_rows(rows) -> list[np.ndarray]:
+    """[L][Hkv_l] bool: the windowed KV heads of mode rows (what the spans kernel splits)."""
+    return [np.asarray(r).reshape(-1) == WINDOW for r in rows]
+
+
+def mode_rows_of(windowed) -> list[np.ndarray]:
+    """Mode rows (full / window) of windowed [L][Hkv_l] bool rows (a plan without pruned heads)."""
+    return [np.where(np.asarray(r, dtype=bool).reshape(-1), WINDOW, FULL).astype(np.int8) for r in windowed]
+
+
 @contextmanager
-def compact(model, window, *, sinks: int, recent: int, block: int = 0) -> Iterator[CompactCache]:
-    """Inside the block `model` runs the window plan (`analysis.arch.spans.windowed`) and the yielded
-    CompactCache holds only what it reads: pass it as `past_key_values` (with use_cache=True). A cache
-    serves one sequence of calls (one prompt and its decode steps); make another with CompactCache(window,
-    sinks=..., recent=...) inside the same block. block: queries per block of a banded prefill (0: the
-    default, `analysis.arch.spans.block_size(recent)`)."""
-    with spans(model, window=window, sinks=sinks, recent=recent):
-        yield CompactCache(window, sinks=sinks, recent=recent, block=block)
+def compact(model, rows, window: Window, *, block: int = 0) -> Iterator[CompactCache]:
+    """Inside the block `model` runs the plan's windows (`analysis.arch.spans.spans`) and the yielded
+    CompactCache holds only what it reads: pass it as `past_key_values` (with use_cache=True). rows: [L][Hkv_l]
+    mode codes (pruned KV heads keep nothing: gate them off with the head mask, or run a twin without them).
+    A cache serves one sequence of calls (one prompt and its decode steps); make another with
+    CompactCache(rows, window) inside the same block. block: queries per block of a banded prefill (0: the
+    default, `analysis.arch.spans.block_size(window)`)."""
+    with spans(model, windowed=windowed_rows(rows), window=window):
+        yield CompactCache(rows, window, block=block)

@@ -1,15 +1,10 @@
 """Attention spans per key/value head, and taps on the attention inputs, for the length of a `with` block.
 
-A KV head either reads every earlier token (**full**) or only a **window**: the first `sinks` tokens
-of the sequence (attention sinks, Xiao et al. 2023, "StreamingLLM") and the `recent` latest tokens,
-the query's own included (DuoAttention's streaming heads, Xiao et al. 2024). Query i reads key j when
-
-    j <= i  and  (j < sinks  or  i - j < recent)
-
-so `recent` >= the sequence length reads everything (the window equals full attention) and a window
-of 0 reads nothing (refused: recent >= 1). The unit is the KV head: all G query heads of a GQA group
-share their keys and values, so they share the span. A pruned head is not a span: it is the mask
-(analysis.arch.head_gates), which composes with this.
+A KV head either reads every earlier token (**full**) or only a **window** (analysis.arch.window.Window:
+the first `sinks` tokens and the `recent` latest ones; its `reads` is the one rule). The unit is the KV
+head: all G query heads of a GQA group share their keys and values, so they share the span. A pruned head
+is not a span: it is the mask (analysis.arch.head_gates), which composes with this; a compact cache does
+not even keep its keys (below).
 
 Mechanism: one attention function, "headscope-spans", registered in transformers' AttentionInterface
 (as arch/attention.py registers "sdpa-float32"), with the sdpa mask builder registered under the same
@@ -40,10 +35,11 @@ Compact layers: inside a block the masked path above still holds every token of 
 band is a mask over the whole sequence). A compact cache (analysis.arch.kvcache.CompactCache) holds only
 what the band reads: its layer's `update` hands the kernel a `CompactKV` instead of a key tensor, with
 the full heads' keys / values [B, h_full, S, d] and the windowed heads' [B, h_win, n, d] (n <= sinks +
-recent - 1 + the new tokens) with the absolute position of each of them. The kernel then runs the full
+recent - 1 + the new tokens) with the absolute position of each of them; a KV head the plan prunes
+(`dropped`) keeps nothing and its query heads' output is zero (the head mask gates it off anyway). The kernel then runs the full
 heads as before and the windowed heads on those keys only, with the band computed from the positions,
 so nothing of length S is built for them. A step with many queries (a prefill) runs the windowed heads
-in blocks of `block_size(recent)` queries: each block reads the sink keys and the keys from `recent - 1`
+in blocks of `block_size(window)` queries: each block reads the sink keys and the keys from `recent - 1`
 before its first query to its last one (`banded_attention`), so its cost grows with sinks + recent, not
 with the sequence. A tap needs every head's keys and is refused on a compact layer.
 """
@@ -54,14 +50,15 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from analysis.arch.adapters import adapter_for
 from analysis.arch.attention import attention_implementation, current_implementation
-from analysis.core.errors import InputError, check_whole_number
+from analysis.arch.window import Window
+from analysis.core.errors import InputError
 
 SPANS = "headscope-spans"
 BASES = ("sdpa", "eager")          # kernels the spans function can split (the model's own is used)
@@ -71,11 +68,10 @@ Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 @dataclass(frozen=True)
 class LayerSpan:
-    """One layer inside a `spans` block: its index, which of its KV heads are windowed, the band."""
+    """One layer inside a `spans` block: its index, which of its KV heads are windowed, the window."""
     layer: int
-    window: torch.Tensor | None         # [Hkv_l] bool (None: every head full)
-    sinks: int
-    recent: int
+    windowed: torch.Tensor | None       # [Hkv_l] bool (None: every head full)
+    window: Window | None
 
 
 @dataclass(frozen=True)
@@ -90,20 +86,14 @@ class _Entry:
 _ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("headscope_spans", default=None)
 
 
-def check_band(sinks: int, recent: int) -> tuple[int, int]:
-    """(sinks, recent) as whole numbers: sinks >= 0, recent >= 1 (a window of 0 reads nothing)."""
-    sinks = check_whole_number(sinks, "The number of sink tokens", low=0)
-    if isinstance(recent, (int, np.integer)) and not isinstance(recent, bool) and recent < 1:
-        raise InputError(f"A window of {recent} recent tokens reads nothing (not even the token itself); use at "
-                         f"least 1, or prune the head instead.")
-    recent = check_whole_number(recent, "The window (recent tokens)", low=1)
-    return sinks, recent
+def band(q_positions: torch.Tensor, k_positions: torch.Tensor, window: Window) -> torch.Tensor:
+    """[q, S] bool: query at q_positions[i] reads key at k_positions[j] (Window.reads, causal included)."""
+    return window.reads(q_positions, k_positions)                        # [q, S]
 
 
-def band(q_positions: torch.Tensor, k_positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
-    """[q, S] bool: query at q_positions[i] reads key at k_positions[j] (the module docstring's rule)."""
-    qp, kp = q_positions[:, None], k_positions[None, :]                 # [q, 1], [1, S]
-    return (kp <= qp) & ((kp < sinks) | (qp - kp < recent))            # [q, S]
+def causal(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """[q, S] bool: the plain causal rule, key j <= query i."""
+    return k_positions[None, :] <= q_positions[:, None]                 # [q, S]
 
 
 def _kernel(base: str, module) -> Callable:
@@ -129,7 +119,7 @@ def _allowed(attention_mask: torch.Tensor | None, q: int, S: int, device) -> tor
     """The causal (and padding) mask the model handed in, as bool [B or 1, 1, q, S] (True = read)."""
     if attention_mask is None:
         pos = torch.arange(S, device=device)
-        return band(pos[S - q:], pos, 0, S)[None, None]                 # [1, 1, q, S] causal
+        return causal(pos[S - q:], pos)[None, None]                    # [1, 1, q, S]
     if attention_mask.dtype == torch.bool:
         return attention_mask[..., :S]
     return attention_mask[..., :S] == 0                                 # additive: 0 = read
@@ -153,21 +143,21 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
         entry.tap(span.layer, query, key, value)
     kernel = _kernel(entry.base, module)
     q, S = query.shape[2], key.shape[2]
-    causal = None
+    allowed = None
     if entry.base != "sdpa":                                            # eager adds its mask: always give one
-        causal = _allowed(attention_mask, q, S, key.device)             # [b, 1, q, S]
-        attention_mask = _as_mask(causal, entry.base, query.dtype)
-    if span.window is None:
+        allowed = _allowed(attention_mask, q, S, key.device)            # [b, 1, q, S]
+        attention_mask = _as_mask(allowed, entry.base, query.dtype)
+    if span.windowed is None:
         return kernel(module, query, key, value, attention_mask, *args, **kwargs)
     B, H = query.shape[:2]
     G = H // key.shape[1]
-    window = span.window.to(key.device)
-    if causal is None:
-        causal = _allowed(attention_mask, q, S, key.device)             # [b, 1, q, S]
+    windowed = span.windowed.to(key.device)
+    if allowed is None:
+        allowed = _allowed(attention_mask, q, S, key.device)            # [b, 1, q, S]
     pos = torch.arange(S, device=key.device)
-    banded = _as_mask(causal & band(pos[S - q:], pos, span.sinks, span.recent), entry.base, query.dtype)
+    banded = _as_mask(allowed & band(pos[S - q:], pos, span.window), entry.base, query.dtype)
     out = query.new_empty(B, q, H, value.shape[-1])                     # [B, q, H, d_v]
-    for kv_heads, mask in ((~window, attention_mask), (window, banded)):
+    for kv_heads, mask in ((~windowed, attention_mask), (windowed, banded)):
         kv = torch.nonzero(kv_heads).flatten()                          # [h_kv] KV heads of this part
         if not kv.numel():
             continue
@@ -184,20 +174,16 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
 MIN_BLOCK = 64                      # queries per block of a banded prefill, at least
 
 
-def ring_slots(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
-    """[n] the slot of each kept position in a windowed head's ring (analysis.arch.kvcache): the sinks in slots
-    0 .. sinks-1, position p >= sinks in slot sinks + (p - sinks) % recent."""
-    return torch.where(positions < sinks, positions, sinks + (positions - sinks) % recent)
-
-
-def ring_positions(length: int, sinks: int, recent: int, device=None) -> torch.Tensor:
-    """[min(length, sinks + recent)] long: the position held in each ring slot after `length` tokens."""
-    size = sinks + recent
-    if length <= size:
+def ring_positions(length: int, window: Window, device=None) -> torch.Tensor:
+    """[window.kept(length)] long: the position held in each ring slot after `length` tokens (the inverse of
+    Window.slot over the tokens kept)."""
+    if length <= window.size:
         return torch.arange(length, device=device)
-    slots = torch.arange(size, device=device)
-    base = length - recent                                               # the oldest recent token kept
-    return torch.where(slots < sinks, slots, base + (slots - base) % recent)
+    positions = torch.cat([torch.arange(window.sinks, device=device),
+                           torch.arange(length - window.recent, length, device=device)])   # [size] kept
+    out = torch.empty_like(positions)
+    out[window.slot(positions)] = positions
+    return out
 
 
 @dataclass(frozen=True)
@@ -206,7 +192,7 @@ class CompactKV:
     layer's KV heads; the query heads of KV head j are j*G .. j*G + G - 1."""
     n_kv_heads: int
     full_heads: tuple[int, ...]          # KV heads that read every token
-    window_heads: tuple[int, ...]        # KV heads that read sinks + recent
+    window_heads: tuple[int, ...]        # KV heads that read the window
     full_keys: torch.Tensor | None       # [B, h_full, S, d] every token so far, this step's included
     full_values: torch.Tensor | None     # [B, h_full, S, d_v]
     window_keys: torch.Tensor | None     # [B, h_win, n, d] the tokens the band may read, in any order; for a
@@ -214,25 +200,25 @@ class CompactKV:
     window_positions: torch.Tensor | None    # [n] long: the position of each; None: the ring's (ring_positions)
     query_start: int                     # position of this step's first query (tokens before it)
     length: int                          # S: tokens so far, this step's included
-    sinks: int
-    recent: int
-    block: int = 0                       # queries per block of a banded prefill (0: block_size(recent))
+    window: Window
+    value_dim: int                       # d_v (a layer whose KV heads are all dropped still answers zeros of it)
+    block: int = 0                       # queries per block of a banded prefill (0: block_size(window))
 
     @property
-    def value_dim(self) -> int:
-        v = self.full_values if self.full_values is not None else self.window_values
-        return int(v.shape[-1])
+    def dropped(self) -> bool:
+        """Whether some KV head keeps nothing (a pruned KV head of a plan run on the dense model)."""
+        return len(self.full_heads) + len(self.window_heads) < self.n_kv_heads
 
     def positions(self, device) -> torch.Tensor:
         """[n] the position of each windowed key."""
         if self.window_positions is not None:
             return self.window_positions.to(device)
-        return ring_positions(self.length, self.sinks, self.recent, device)
+        return ring_positions(self.length, self.window, device)
 
 
-def block_size(recent: int) -> int:
+def block_size(window: Window) -> int:
     """Queries per block of a banded prefill: about one window, so a block reads ~ sinks + 2 * recent keys."""
-    return max(MIN_BLOCK, int(recent))
+    return max(MIN_BLOCK, int(window.recent))
 
 
 @lru_cache(maxsize=4096)
@@ -254,14 +240,15 @@ def _padding(attention_mask, rows: slice, positions: torch.Tensor) -> torch.Tens
 
 
 def banded_attention(kernel: Callable, base: str, module, query, keys, values, q_positions, k_positions,
-                     sinks: int, recent: int, attention_mask=None, *args, block: int = 0, **kwargs) -> torch.Tensor:
-    """Windowed attention on the keys a band can read: query [B, h, q, d] at absolute q_positions [q],
+                     window: Window, attention_mask=None, *args, block: int = 0, **kwargs) -> torch.Tensor:
+    """Windowed attention on the keys a window can read: query [B, h, q, d] at absolute q_positions [q],
     keys / values [B, h_kv, n, d] at k_positions [n] (any order) -> [B, q, h, d_v]. More queries than
-    `block` (default `block_size(recent)`) run block by block, each on its sink keys and the keys of its own
+    `block` (default `block_size(window)`) run block by block, each on its sink keys and the keys of its own
     window span (gathered, so a block costs ~ block * (sinks + recent + block)); attention_mask: the model's
     [b, 1, q, S] over absolute positions (padding), or None."""
     q = query.shape[2]
-    block = block or block_size(recent)
+    sinks, recent = window.sinks, window.recent
+    block = block or block_size(window)
     out = []
     for start in range(0, q, block if q > block else q):
         stop = min(q, start + block)
@@ -272,7 +259,7 @@ def banded_attention(kernel: Callable, base: str, module, query, keys, values, q
             k, v, kp = keys.index_select(2, index), values.index_select(2, index), k_positions[index]
         else:
             k, v, kp = keys, values, k_positions
-        allowed = band(qp, kp, sinks, recent)[None, None]                 # [1, 1, q', m]
+        allowed = band(qp, kp, window)[None, None]                        # [1, 1, q', m]
         pad = _padding(attention_mask, slice(start, stop), kp)
         if pad is not None:
             allowed = allowed & pad                                       # [b, 1, q', m]
@@ -289,28 +276,31 @@ def _windowed_part(kernel, base, module, query, kv: CompactKV, attention_mask, *
         return kernel(module, query, kv.window_keys, kv.window_values, None, *args, **kwargs)[0]
     q_positions = torch.arange(kv.query_start, kv.query_start + q, device=query.device)   # [q]
     return banded_attention(kernel, base, module, query, kv.window_keys, kv.window_values, q_positions,
-                            kv.positions(query.device), kv.sinks, kv.recent, attention_mask, *args, block=kv.block,
-                            **kwargs)
+                            kv.positions(query.device), kv.window, attention_mask, *args, block=kv.block, **kwargs)
 
 
 def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV, attention_mask, *args, **kwargs):
     """The kernel on a compact layer: query [B, H, q, d] -> ([B, q, H, d_v], None); full heads over every key
     (the model's own mask), windowed heads on the keys the cache kept (`banded_attention`; a decode step
-    without padding reads them all, no mask)."""
+    without padding reads them all, no mask), dropped heads (a pruned KV head's group) zeros."""
     B, H, q = query.shape[:3]
     G = H // kv.n_kv_heads
     full_mask = attention_mask
     if base != "sdpa" and kv.full_heads:                                  # eager adds its mask: always give one
         full_mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
-    if not kv.window_heads:                                               # every head full: one call
-        return kernel(module, query, kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0], None
-    if not kv.full_heads:                                                 # every head windowed
-        return _windowed_part(kernel, base, module, query, kv, attention_mask, *args, **kwargs), None
-    out = query.new_empty(B, q, H, kv.value_dim)                        # [B, q, H, d_v]
-    heads = query_heads(kv.full_heads, G, str(query.device))
-    out[:, :, heads] = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0]
-    heads = query_heads(kv.window_heads, G, str(query.device))
-    out[:, :, heads] = _windowed_part(kernel, base, module, query[:, heads], kv, attention_mask, *args, **kwargs)
+    if not kv.dropped:
+        if not kv.window_heads:                                           # every head full: one call
+            return kernel(module, query, kv.full_keys, kv.full_values, full_mask, *args, **kwargs)[0], None
+        if not kv.full_heads:                                             # every head windowed
+            return _windowed_part(kernel, base, module, query, kv, attention_mask, *args, **kwargs), None
+    out = (query.new_zeros if kv.dropped else query.new_empty)(B, q, H, kv.value_dim)   # [B, q, H, d_v]
+    if kv.full_heads:
+        heads = query_heads(kv.full_heads, G, str(query.device))
+        out[:, :, heads] = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args,
+                                  **kwargs)[0]
+    if kv.window_heads:
+        heads = query_heads(kv.window_heads, G, str(query.device))
+        out[:, :, heads] = _windowed_part(kernel, base, module, query[:, heads], kv, attention_mask, *args, **kwargs)
     return out, None
 
 
@@ -335,14 +325,15 @@ def attention_layers(model) -> list:
     return modules
 
 
-def _windows(window, modules) -> list[torch.Tensor | None]:
-    """window: [L, Hkv] array-like, or one [Hkv_l] array per layer (a pruned twin's own KV heads)."""
-    if window is None:
+def _windows(windowed, modules) -> list[torch.Tensor | None]:
+    """windowed: [L, Hkv] bool array-like, or one [Hkv_l] array per layer (a pruned twin's own KV heads)."""
+    if windowed is None:
         return [None] * len(modules)
-    rows = list(window) if not isinstance(window, (np.ndarray, torch.Tensor)) or np.ndim(window) == 2 else None
+    rows = (list(windowed) if not isinstance(windowed, (np.ndarray, torch.Tensor)) or np.ndim(windowed) == 2
+            else None)
     if rows is None or len(rows) != len(modules):
         raise InputError(f"The window plan must give one row per layer ({len(modules)}); got "
-                         f"{len(rows) if rows is not None else np.shape(window)}.")
+                         f"{len(rows) if rows is not None else np.shape(windowed)}.")
     out = []
     for l, (row, m) in enumerate(zip(rows, modules)):
         r = torch.as_tensor(np.asarray(row, dtype=bool))
@@ -365,10 +356,10 @@ def _kv_heads(module) -> int | None:
 
 
 @contextmanager
-def spans(model, *, window=None, sinks: int = 0, recent: int | None = None, tap: Tap | None = None) -> Iterator:
-    """Inside the block, `model` runs with window[l][j] = True KV heads reading only sinks + recent tokens,
-    and `tap` (if given) sees every layer's query / key / value. window: [L, Hkv] (or per-layer rows for a
-    model whose layers differ); None = all full. Everything is restored in `finally`."""
+def spans(model, *, windowed=None, window: Window | None = None, tap: Tap | None = None) -> Iterator:
+    """Inside the block, `model` runs with windowed[l][j] = True KV heads reading only `window`, and `tap` (if
+    given) sees every layer's query / key / value. windowed: [L, Hkv] bool (or per-layer rows for a model whose
+    layers differ); None = all full. Everything is restored in `finally`."""
     base = current_implementation(model)
     if base == SPANS:
         raise InputError("Attention spans are already active on this model; give the window and the tap in one block.")
@@ -380,14 +371,12 @@ def spans(model, *, window=None, sinks: int = 0, recent: int | None = None, tap:
         raise InputError(f"Per-head attention spans need a model whose attention goes through transformers' "
                          f"attention interface; {type(model).__name__} computes its own.")
     modules = attention_layers(model)
-    rows = _windows(window, modules)
-    if any(r is not None for r in rows):
-        if recent is None:
-            raise InputError("A windowed head needs its window: give recent (and sinks).")
-        sinks, recent = check_band(sinks, recent)
+    rows = _windows(windowed, modules)
+    if any(r is not None for r in rows) and not isinstance(window, Window):
+        raise InputError("A windowed head needs its window (analysis.arch.window.Window: sinks and recent tokens).")
     active = dict(_ACTIVE.get() or {})
     for l, (m, r) in enumerate(zip(modules, rows)):
-        active[id(m)] = _Entry(base, LayerSpan(l, r, int(sinks), int(recent or 0)), tap)
+        active[id(m)] = _Entry(base, LayerSpan(l, r, window), tap)
     token = _ACTIVE.set(active)
     try:
         with attention_implementation(model, SPANS):
@@ -396,16 +385,12 @@ def spans(model, *, window=None, sinks: int = 0, recent: int | None = None, tap:
         _ACTIVE.reset(token)
 
 
-def windowed(model, window, *, sinks: int, recent: int):
-    """`spans` with a window plan only."""
-    return spans(model, window=window, sinks=sinks, recent=recent)
+def windowed(model, rows, window: Window):
+    """`spans` with a window plan only: rows [L, Hkv] bool (windowed KV heads), their window."""
+    return spans(model, windowed=rows, window=window)
 
 
 def tapped(model, tap: Tap):
     """`spans` with a tap only (every head full): tap(layer, query, key, value) in every layer."""
     return spans(model, tap=tap)
 
-
-def kv_rows(window: Sequence) -> int:
-    """How many KV heads a window plan windows (for messages and summaries)."""
-    return int(sum(int(np.asarray(r, dtype=bool).sum()) for r in window))

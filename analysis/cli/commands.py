@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 
-from analysis.cli.common import (add_kv_policy_argument, add_model_mask_arguments, add_output_arguments,
-                                 add_param_option, add_policy_arguments, add_scorer_arguments, add_source_arguments,
-                                 check_counts, compute_scores, load_source, plan_from, progress_bar, register,
-                                 resolve_policy, resolve_scorer, team_of, warn)
+from analysis.cli.common import (add_cut_arguments, add_kv_policy_argument, add_output_arguments, add_param_option,
+                                 add_policy_arguments, add_scorer_arguments, add_source_arguments, check_counts,
+                                 check_one_cut, compute_scores, cut_from, load_source, plan_from, progress_bar,
+                                 register, resolve_policy, resolve_scorer, team_of, warn)
 from analysis.core.errors import HeadscopeError, InputError
 from analysis.score.masks import summarize_mask
 
@@ -78,7 +78,9 @@ def _stock(ns, loaded, plan) -> dict:
 
 
 def _evaluate_arguments(parser):
-    add_model_mask_arguments(parser)
+    add_source_arguments(parser, streaming=False)
+    add_cut_arguments(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--text-file", dest="text_file", default=None,
                         help="UTF-8 text to evaluate on (default: the built-in evaluation split); only its "
                              "first 64 KiB + 64 bytes per --max-tokens token are read")
@@ -88,23 +90,34 @@ def _evaluate_arguments(parser):
 
 
 def run_evaluate(ns):
-    """The model's metric (perplexity, pseudo-perplexity or embedding fidelity), dense and masked."""
+    """The model's metric (perplexity, pseudo-perplexity or embedding fidelity), dense and under the cut (any
+    kind: a mask is measured in the same batched passes as dense)."""
     from analysis.measure.evaluation import evaluate
     from analysis.core.text import check_max_tokens, read_text_file, text_file_cap
 
     check_max_tokens(ns.max_tokens, "--max-tokens")   # before anything is read or allocated
+    check_one_cut(ns, required=True)
     text = None
     if ns.text_file is not None:   # read (capped) before the model loads: a bad path fails at once
         text = read_text_file(ns.text_file, text_file_cap(ns.max_tokens), what="--text-file")
-    plan, scores, loaded, info = plan_from(ns)
-    pruned = np.stack([np.zeros_like(plan.pruned), plan.pruned])  # [2, L, H]: dense, masked
+    cut, loaded, info = cut_from(ns, required=True)
     with progress_bar("evaluating", not ns.quiet) as report:
-        result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report, team=team_of(ns))
-    dense, masked = (float(v) for v in result.values)
-    payload = dict(model=info, scorer=scores.name, params=scores.params, sparsity=ns.sparsity, policy=ns.policy,
-                   metric=result.metric, higher_is_better=result.higher_is_better, n_tokens=result.n_tokens,
-                   dense=dense, masked=masked, n_pruned=plan.n_pruned)
-    return payload, [dict(metric=result.metric, dense=dense, masked=masked, n_pruned=plan.n_pruned)]
+        if cut.kind == "mask":
+            pruned = np.stack([np.zeros_like(cut.mask), cut.mask])    # [2, L, H]: dense, masked
+            result = evaluate(loaded, text, pruned=pruned, max_tokens=ns.max_tokens, progress=report,
+                              team=team_of(ns))
+            dense, masked = (float(v) for v in result.values)
+        else:
+            result = evaluate(loaded, text, max_tokens=ns.max_tokens, progress=lambda f, m: report(f / 2, m),
+                              team=team_of(ns))
+            dense = float(result.value)
+            masked = float(evaluate(loaded, text, cut=cut, max_tokens=ns.max_tokens,
+                                    progress=lambda f, m: report(0.5 + f / 2, m), team=team_of(ns)).value)
+    n_pruned = None if cut.mask is None else int(cut.mask.sum())
+    payload = dict(model=info, cut=cut.as_dict(), metric=result.metric, higher_is_better=result.higher_is_better,
+                   n_tokens=result.n_tokens, dense=dense, masked=masked, n_pruned=n_pruned,
+                   **{k: cut.info[k] for k in ("sparsity", "scorer", "params", "policy") if k in cut.info})
+    return payload, [dict(metric=result.metric, dense=dense, masked=masked, n_pruned=n_pruned)]
 
 
 def _sweep_arguments(parser):

@@ -308,6 +308,75 @@ def plan_from(ns):
     return plan, scores, loaded, info
 
 
+# ---------------------------------------------------------------------------------------------
+# The cut a report compares with the dense model: one set of options, one check, one meaning
+# ---------------------------------------------------------------------------------------------
+
+CUT_FLAGS = {"sparsity": "--sparsity", "mask_file": "--mask-file", "kv_plan": "--kv-plan", "export_dir": "--export"}
+
+
+def add_cut_arguments(parser: argparse.ArgumentParser, *, scorer: bool = True) -> None:
+    """The cut options every report takes (analysis.arch.cut.Cut): --sparsity (scored here, with the scorer and
+    policy options), --mask-file, --kv-plan, --export. At most one is given (`check_one_cut`)."""
+    if scorer:
+        add_scorer_arguments(parser)
+    parser.add_argument("--sparsity", type=float, default=None, help="cut: the mask at this sparsity (scored here)")
+    add_policy_arguments(parser)
+    parser.add_argument("--mask-file", dest="mask_file", default=None,
+                        help="cut: a mask.json, or an export folder holding one, applied to --model")
+    parser.add_argument("--kv-plan", dest="kv_plan", default=None,
+                        help="cut: a kv_plan.json (or a folder holding one): per KV head full / window / prune, run "
+                             "on --model")
+    parser.add_argument("--export", dest="export_dir", default=None,
+                        help="cut: an export folder's own weights (pruned, zeroed or stock) against --model as dense, "
+                             "under the folder's kv_plan.json when it has one")
+
+
+def _flags_words() -> str:
+    flags = list(CUT_FLAGS.values())
+    return ", ".join(flags[:-1]) + " or " + flags[-1]
+
+
+def check_one_cut(ns: argparse.Namespace, *, required: bool = False) -> str | None:
+    """The dest of the one cut option given (None: none), before anything loads; InputError for two, or for
+    none when `required`."""
+    given = [dest for dest in CUT_FLAGS if getattr(ns, dest, None) is not None]
+    if len(given) > 1:
+        raise InputError(f"Give one cut ({_flags_words()}), not " + " and ".join(CUT_FLAGS[g] for g in given) + ".")
+    if required and not given:
+        raise InputError(f"Give the cut to compare with the dense model: {_flags_words()}.")
+    return given[0] if given else None
+
+
+def cut_from(ns: argparse.Namespace, *, required: bool = False):
+    """(Cut | None, LoadedModel, info) from the cut options: the model loaded (and scored for --sparsity), the
+    cut read and checked against it. A file's own checks (a mask.json's or a kv_plan.json's schema) come
+    before the model loads; an export folder's kv_plan.json is applied, or refused with the reason
+    (analysis.compress.export.planned.cut_of_folder)."""
+    from analysis.arch.cut import Cut
+    kind = check_one_cut(ns, required=required)
+    if kind == "sparsity":
+        plan, scores, loaded, info = plan_from(ns)
+        return Cut.of_mask(plan.pruned, info=dict(sparsity=ns.sparsity, scorer=scores.name, params=scores.params,
+                                                  policy=ns.policy)), loaded, info
+    plan = None
+    if kind == "kv_plan":                              # the file's own checks before the model loads
+        from analysis.arch.kvplan import read_kv_plan
+        plan = read_kv_plan(ns.kv_plan)
+    with progress_bar("loading", not ns.quiet) as report:
+        _, loaded, info = load_source(ns, report)
+    if kind == "mask_file":
+        from analysis.compress.export import read_mask_json
+        record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
+        return Cut.of_mask(record.pruned(), info=dict(mask_file=str(ns.mask_file))), loaded, info
+    if kind == "kv_plan":
+        return Cut.of_plan(plan.check_geometry(loaded.geometry), info=dict(kv_plan=str(ns.kv_plan))), loaded, info
+    if kind == "export_dir":
+        from analysis.compress.export.planned import cut_of_folder
+        return cut_of_folder(ns.export_dir, loaded, trust_remote_code=ns.trust_remote_code), loaded, info
+    return None, loaded, info
+
+
 def warn(lines) -> None:
     """Print each warning on stderr (the JSON/CSV result stays clean on stdout)."""
     for line in lines:

@@ -69,7 +69,7 @@ def run_export(ns):
     check_export_name(ns.name)
     kv_plan = None
     if ns.kv_plan is not None:                      # the file's own checks (schema, a window of 0) before any load
-        from analysis.score.kvplan import read_kv_plan
+        from analysis.arch.kvplan import read_kv_plan
         kv_plan = read_kv_plan(ns.kv_plan)
     if ns.mask_file is None and ns.sparsity is None and kv_plan is None:
         raise InputError("export needs --sparsity (with the scorer options), --mask-file (a mask.json) or --kv-plan "
@@ -109,7 +109,7 @@ def run_export(ns):
 
 
 def _plan_payload(kv_plan) -> dict:
-    return {} if kv_plan is None else {"kv_plan": dict(kv_plan.counts(), sinks=kv_plan.sinks, recent=kv_plan.recent)}
+    return {} if kv_plan is None else {"kv_plan": dict(kv_plan.counts(), **kv_plan.window.as_dict())}
 
 
 def _plan_from_kv_plan(ns, kv_plan):

@@ -4,12 +4,13 @@ model and on a cut, offline, with the harness's stderr for each metric (analysis
 
     python -m analysis harness --tasks boolq,piqa [--task-dir DIR] [--limit N] [--harness-batch-size B] [--max-length T]
                                [--model M] [--sparsity S (+ scorer / policy options) | --mask-file mask.json|DIR
-                               | --export DIR] [--physical [--kv-policy P]] [--format json|csv] [--out F]
+                               | --kv-plan F | --export DIR] [--physical [--kv-policy P]] [--format json|csv] [--out F]
 
 A cut is a mask (scored here with --sparsity, or a mask.json / an export folder's mask.json with
 --mask-file) applied to --model as head gates (the one masking mechanism; it computes what surgery
-computes), or with --physical surgery's physically pruned twin of it; or an export folder's own weights
-(--export). Without a cut, the dense model alone. The tasks and their data are checked before the model
+computes), or with --physical surgery's physically pruned twin of it; a KV plan (--kv-plan; --physical: the
+twin without its pruned KV heads, its windows on the compact cache); or an export folder's own weights
+(--export, under its kv_plan.json when it has one). Without a cut, the dense model alone. The tasks and their data are checked before the model
 loads: a missing harness, an unknown task (the line names the folder's tasks) or missing data (the line
 says where to put which files) is one line and exit status 2, with nothing written.
 
@@ -20,9 +21,8 @@ stderrs, or any worse perplexity), higher_is_better.
 """
 from __future__ import annotations
 
-from analysis.cli.common import (add_kv_policy_argument, add_output_arguments, add_policy_arguments,
-                                 add_scorer_arguments, add_source_arguments, check_counts, load_source, plan_from,
-                                 progress_bar, register)
+from analysis.cli.common import (add_cut_arguments, add_kv_policy_argument, add_output_arguments,
+                                 add_source_arguments, check_counts, check_one_cut, cut_from, progress_bar, register)
 from analysis.core.errors import InputError
 
 
@@ -41,13 +41,7 @@ def _arguments(parser):
                              "is a calibration scorer's)")
     parser.add_argument("--max-length", dest="max_length", type=int, default=None,
                         help="tokens per window (default: the model's context, as the harness reads it)")
-    add_scorer_arguments(parser)
-    parser.add_argument("--sparsity", type=float, default=None, help="cut: the mask at this sparsity (scored here)")
-    add_policy_arguments(parser)
-    parser.add_argument("--mask-file", dest="mask_file", default=None,
-                        help="cut: a mask.json, or an export folder holding one, applied to --model")
-    parser.add_argument("--export", dest="export_dir", default=None,
-                        help="cut: an export folder's own weights (pruned, zeroed or stock) against --model as dense")
+    add_cut_arguments(parser)
     parser.add_argument("--physical", action="store_true",
                         help="with --sparsity / --mask-file: run surgery's physically pruned copy instead of gates "
                              "(the same function)")
@@ -56,38 +50,26 @@ def _arguments(parser):
 
 
 def run_harness(ns):
-    from analysis.cli.probes import _cut
     from analysis.measure.harness import harness_report, prepare_tasks, require_harness
     require_harness()                                              # before anything else: what to install
     check_counts(ns, {"limit": (1, 2**31), "harness_batch_size": (1, 2**16), "max_length": (2, 2**24)})
-    given = ["--" + o.replace("_dir", "").replace("_", "-") for o in ("sparsity", "mask_file", "export_dir")
-             if getattr(ns, o) is not None]
-    if len(given) > 1:
-        raise InputError(f"Give one cut: --sparsity, --mask-file or --export (not {' and '.join(given)}).")
-    if ns.physical and ns.sparsity is None and ns.mask_file is None:
-        raise InputError("--physical cuts a mask: give --sparsity or --mask-file with it.")
+    kind = check_one_cut(ns)
+    if ns.physical and kind not in ("sparsity", "mask_file", "kv_plan"):
+        raise InputError("--physical runs surgery's physically pruned copy of a mask or a KV plan: give --sparsity, "
+                         "--mask-file or --kv-plan with it.")
     with progress_bar("reading the tasks", not ns.quiet) as report:
         report(0.0, ns.tasks)
         prepared = prepare_tasks(ns.tasks, ns.task_dir, limit=ns.limit)   # bad tasks or data fail before the model loads
-    if ns.sparsity is not None:
-        plan, _, loaded, info = plan_from(ns)
-        pruned, model = plan.pruned, None
-        cut = dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy, n_pruned=plan.n_pruned)
-    else:
-        with progress_bar("loading", not ns.quiet) as report:
-            _, loaded, info = load_source(ns, report)
-        pruned, model, cut = _cut(ns, loaded)
+    cut, loaded, info = cut_from(ns)
     if ns.physical:
-        from analysis.compress.surgery import prune_heads
-        model, _ = prune_heads(loaded.model, pruned, kv_policy=ns.kv_policy)
-        pruned = None
-        cut = dict(cut, physical=True, kv_policy=ns.kv_policy)
+        from analysis.compress.kvruntime import physical
+        cut = physical(cut, loaded, kv_policy=ns.kv_policy)
     with progress_bar("harness", not ns.quiet) as report:
-        rep = harness_report(loaded, prepared, pruned=pruned, model=model, batch_size=ns.harness_batch_size,
-                             max_length=ns.max_length, progress=report)
+        rep = harness_report(loaded, prepared, cut=cut, batch_size=ns.harness_batch_size, max_length=ns.max_length,
+                             progress=report)
     payload = dict(model=info, **rep.as_dict())
     if cut is not None:
-        payload["cut"] = cut
+        payload["cut"] = cut.as_dict()
     return payload, rep.rows()
 
 

@@ -4,7 +4,7 @@
                                [--sinks 4] [--recent 256] [--lengths 2048] [--depths 0.1,0.5,0.9]
                                [--prune-tokens 256] --out kv_plan.json
 
-The plan (analysis.score.kvscores.plan_from_scores -> analysis.score.kvplan.plan_kv): the `--prune-share`
+The plan (analysis.score.kvscores.plan_from_scores -> plan_kv): the `--prune-share`
 of KV heads with the lowest KV-group ablation loss (on --prune-tokens tokens of the built-in text) are
 pruned, then the `--window-share` with the lowest streaming score are windowed (sinks + recent tokens),
 KV heads holding a retrieval head stay full (unless --no-keep-retrieval, which also skips measuring it).
@@ -21,8 +21,8 @@ from analysis.cli.roles import number_list
 
 
 def _arguments(parser):
-    from analysis.measure.long_options import (DEFAULT_NEEDLES, DEFAULT_PRUNE_TOKENS, DEFAULT_QUERIES, DEFAULT_RECENT,
-                                               DEFAULT_SINKS, RETRIEVAL_THRESHOLD)
+    from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
+    from analysis.measure.long_options import DEFAULT_NEEDLES, DEFAULT_PRUNE_TOKENS, DEFAULT_QUERIES, RETRIEVAL_THRESHOLD
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--window-share", dest="window_share", type=float, default=0.5,
                         help="share of the KV heads to window, lowest streaming score first (0 to 1; default 0.5)")
@@ -52,7 +52,7 @@ def _arguments(parser):
 
 
 def run(ns):
-    from analysis.arch.spans import check_band
+    from analysis.arch.window import Window
     from analysis.core import progress as cancel
     from analysis.core.atomic import atomic_write, check_output_file
     from analysis.core.errors import SEED_MAX, InputError
@@ -63,7 +63,7 @@ def run(ns):
         check_output_file(ns.plan_out, "--out")
     check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20),
                       "seed": (0, SEED_MAX)})
-    check_band(ns.sinks, ns.recent)
+    window = Window(ns.sinks, ns.recent)
     lengths = number_list(ns.lengths, "--lengths")
     depths = check_depths(number_list(ns.depths, "--depths", float) or DEFAULT_DEPTHS)
     if lengths is not None:
@@ -76,24 +76,24 @@ def run(ns):
         raise InputError(f"A KV plan reads a causal language model's attention over long contexts; {info['source']} "
                          f"is a {loaded.kind}.")
     geo = loaded.geometry
-    check_plan_options(geo, window_share=ns.window_share, prune_share=ns.prune_share, sinks=ns.sinks, recent=ns.recent)
+    check_plan_options(geo, window_share=ns.window_share, prune_share=ns.prune_share)
     with progress_bar("KV head scores", not ns.quiet) as report:
-        scores = measure_kv_scores(loaded, sinks=ns.sinks, recent=ns.recent, lengths=lengths, depths=depths,
+        scores = measure_kv_scores(loaded, window=window, lengths=lengths, depths=depths,
                                    needles=ns.needles, queries=ns.queries, retrieval=ns.keep_retrieval,
                                    prune=ns.prune_share > 0, prune_tokens=ns.prune_tokens, seed=ns.seed,
                                    progress=report)
     plan = plan_from_scores(geo, scores, window_share=ns.window_share, prune_share=ns.prune_share,
                             keep_retrieval=ns.keep_retrieval, retrieval_threshold=ns.retrieval_threshold,
-                            sinks=ns.sinks, recent=ns.recent, model=loaded.name)
-    from analysis.score.kvplan import KVPlan
+                            window=window, model=loaded.name)
+    from analysis.arch.kvplan import KVPlan
     limit = context_length(loaded.model)
     dense, size = KVPlan.full(geo), loaded.model.dtype.itemsize
     contexts = sorted(set(scores.detections["streaming"].extras["lengths"]) | {limit})
     cancel.raise_if_signalled()                          # stopped after the last cancel point: write nothing
     if ns.plan_out is not None:
         atomic_write(ns.plan_out, plan.to_json() + "\n", what="--out")
-    payload = dict(model=info, plan=dict(describe=plan.describe(), counts=plan.counts(), sinks=plan.sinks,
-                                         recent=plan.recent, window_share=ns.window_share, prune_share=ns.prune_share,
+    payload = dict(model=info, plan=dict(describe=plan.describe(), counts=plan.counts(), **plan.window.as_dict(),
+                                         window_share=ns.window_share, prune_share=ns.prune_share,
                                          keep_retrieval=ns.keep_retrieval, notes=list(plan.notes),
                                          modes=plan.as_dict()["modes"]),
                    kv_ratio={str(c): plan.kv_ratio(c) for c in contexts},

@@ -9,7 +9,8 @@ context lengths and depths, dense and under a cut, with CIs.
 A cut is a mask (scored here with --sparsity, or a mask.json / an export folder's mask.json with --mask-file)
 applied to --model, a KV plan (kv_plan.json, or a folder holding one: per KV head full / window / prune) run
 on --model, or an export folder's own weights (--export) measured on the same items (under the folder's
-kv_plan.json when it has one: its windows on its own KV heads, analysis.compress.export.kvfile.load_planned). Before the passes the
+kv_plan.json when it has one: its windows on its own KV heads, analysis.compress.export.planned.cut_of_folder;
+one set of cut options for every report: analysis.cli.common.add_cut_arguments). Before the passes the
 command prints an estimate of the time (stderr; this machine's pace from a short timed forward and the
 attention kernel at each length: analysis.measure.probes.longcontext.row_seconds).
 JSON: {"model", "seed", "items": per probe and length (rows, items, sequences, rejected), "estimate_s",
@@ -20,8 +21,8 @@ another model or with a window of 0, two cuts at once) is one line, and nothing 
 """
 from __future__ import annotations
 
-from analysis.cli.common import (add_output_arguments, add_policy_arguments, add_scorer_arguments,
-                                 add_source_arguments, load_source, plan_from, progress_bar, register, warn)
+from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, check_one_cut,
+                                 cut_from, progress_bar, register, warn)
 from analysis.core.errors import InputError
 
 
@@ -44,15 +45,7 @@ def _arguments(parser):
                         help="which keys and texts (and the bootstrap's resamples); --seed is the random scorer's")
     parser.add_argument("--bos", choices=BOS_CHOICES, default="auto",
                         help="what a row starts with: auto = what the tokenizer adds itself")
-    add_scorer_arguments(parser)
-    parser.add_argument("--sparsity", type=float, default=None, help="cut: the mask at this sparsity (scored here)")
-    add_policy_arguments(parser)
-    parser.add_argument("--mask-file", dest="mask_file", default=None,
-                        help="cut: a mask.json, or an export folder holding one, applied to --model")
-    parser.add_argument("--kv-plan", dest="kv_plan", default=None,
-                        help="cut: a kv_plan.json (or a folder holding one): per KV head full / window / prune")
-    parser.add_argument("--export", dest="export_dir", default=None,
-                        help="cut: an export folder's own weights (pruned, zeroed or stock) against --model as dense")
+    add_cut_arguments(parser)
     add_output_arguments(parser)
 
 
@@ -69,36 +62,11 @@ def _numbers(text: str, flag: str, kind):
     return values
 
 
-def _cut(ns, loaded):
-    """(pruned [L, H] | None, KVPlan | None, model | None, running | None, description | None) from the cut
-    options. An export folder with a kv_plan.json runs under its plan (its windows on its own KV heads)."""
-    from analysis.cli.probes import _export_model
-    if ns.mask_file is not None:
-        from analysis.compress.export import read_mask_json
-        record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
-        return record.pruned(), None, None, None, dict(mask_file=str(ns.mask_file))
-    if ns.kv_plan is not None:
-        from analysis.score.kvplan import read_kv_plan
-        return None, read_kv_plan(ns.kv_plan, geometry=loaded.geometry), None, None, dict(kv_plan=str(ns.kv_plan))
-    if ns.export_dir is not None:
-        from analysis.compress.export.kvfile import has_kv_plan, load_planned
-        if not has_kv_plan(ns.export_dir):
-            return None, None, _export_model(ns, loaded), None, dict(export=str(ns.export_dir))
-        planned = load_planned(ns.export_dir, trust_remote_code=ns.trust_remote_code)
-        _export_model(ns, loaded, model=planned.model)                   # the same checks (vocabulary) and dtype
-        return None, None, planned.model, planned.running, dict(export=str(ns.export_dir),
-                                                                 kv_plan=planned.plan.describe())
-    return None, None, None, None, None
-
-
 def run_longctx(ns):
     from analysis.core.errors import check_whole_number
     from analysis.measure.long_options import MAX_PROBE_SEQUENCES, MIN_PROBE_SEQUENCES
     from analysis.measure.probes.registry import long_chosen
-    given = [o for o in ("sparsity", "mask_file", "kv_plan", "export_dir") if getattr(ns, o) is not None]
-    if len(given) > 1:
-        raise InputError("Give one cut: --sparsity, --mask-file, --kv-plan or --export (not " + " and ".join(
-            "--" + g.replace("_", "-").replace("-dir", "") for g in given) + ").")
+    check_one_cut(ns)
     lengths = _numbers(ns.lengths, "--lengths", int)
     for n in lengths:
         check_whole_number(n, "--lengths", low=1)
@@ -112,33 +80,24 @@ def run_longctx(ns):
     from analysis.measure.evaluation import context_length
     from analysis.measure.probes.longcontext import build_long, row_seconds
     from analysis.score.longcontext import long_context_report, report_work
-    if ns.sparsity is not None:
-        plan, _, loaded, info = plan_from(ns)
-        pruned, kv, model, running = plan.pruned, None, None, None
-        cut_info = dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy, n_pruned=plan.n_pruned)
-    else:
-        with progress_bar("loading", not ns.quiet) as report:
-            _, loaded, info = load_source(ns, report)
-        pruned, kv, model, running, cut_info = _cut(ns, loaded)
+    cut, loaded, info = cut_from(ns)
     limit = context_length(loaded.model, default=2**31)
-    if model is not None:
-        limit = min(limit, context_length(model, default=2**31))
+    if cut is not None and cut.kind == "model":
+        limit = min(limit, context_length(cut.model, default=2**31))
     built = build_long(ns.probe, loaded.tokenizer, loaded.kind, lengths, depths=depths, n_items=ns.items,
                        seed=ns.probe_seed, bos=ns.bos, limit=limit)          # bad lengths fail before any pass
-    cut = cut_info is not None
-    work = report_work(built, cut=cut)
+    work = report_work(built, cut=cut is not None)
     per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry)
     estimate = work.seconds(per_row)
     if not ns.quiet:
         rows = ", ".join(f"{r} x {n:,}" for n, r in work.rows.items())
         warn_line = (f"estimate: about {duration_words(estimate)} for {sum(work.rows.values())} rows ({rows} tokens"
-                     + (", dense and cut" if cut else "") + "; this machine: "
+                     + (", dense and cut" if cut is not None else "") + "; this machine: "
                      + ", ".join(f"{n:,} tokens {duration_words(s)} a row" for n, s in per_row.items()) + ")")
         import sys
         sys.stderr.write(warn_line + "\n")
     with progress_bar("long-context probes", not ns.quiet) as report:
-        rep = long_context_report(loaded, built=built, pruned=pruned, plan=kv, model=model, running=running,
-                                  seed=ns.probe_seed, cut_info=cut_info, per_row=per_row,
+        rep = long_context_report(loaded, built=built, cut=cut, seed=ns.probe_seed, per_row=per_row,
                                   progress=with_estimate(report))
     warn(rep.warnings())
     payload = dict(model=info, seed=ns.probe_seed, context_limit=limit,

@@ -2,7 +2,8 @@
 which heads carry each probe, and which heads matter more for one text than another.
 
     python -m analysis probes [--model M] [--probe NAME ...] [--items N] [--probe-seed S] [--bos auto|none|bos|eos]
-                              [--sparsity S (+ scorer / policy options) | --mask-file mask.json|DIR | --export DIR]
+                              [--sparsity S (+ scorer / policy options) | --mask-file mask.json|DIR | --kv-plan F
+                               | --export DIR]
                               [--map [--map-method fast|naive] [--top K] [--roles]] [--format json|csv] [--out F]
     python -m analysis probes --list [--format json|csv] [--out F]
     python -m analysis domains [--model M] [--a wikipedia|python|FILE] [--b ...] [--sparsity S] [--tokens N] ...
@@ -12,8 +13,9 @@ with "lost" and "warnings", "skipped": {probe: reason}, "maps": {name: per-head 
 "versus_mpg": ROC AUC and permutation p of MP-G (z = 2) for the probe's top-10 heads, "roles" with --roles}}.
 CSV: one row per probe (dense, or dense vs cut), or with --map one row per probe and head. A cut is a mask
 (scored here with --sparsity, or a mask.json / an export folder's mask.json with --mask-file) applied to
---model, or an export folder's own weights (--export: a pruned / zeroed / stock export, e.g. a recovered
-pipeline model) measured on the same items. A lost capability is also a warning on stderr.
+--model, a KV plan (--kv-plan) run on --model, or an export folder's own weights (--export: a pruned / zeroed /
+stock export, e.g. a recovered pipeline model, under its kv_plan.json when it has one) measured on the same
+items: the cut options every report shares (analysis.cli.common.add_cut_arguments). A lost capability is also a warning on stderr.
 probes --list: the registered probes (analysis.measure.probes.PROBES: name, label, the model kinds each
 applies to, its help line and source), read from their declarations: no model is loaded and nothing heavy is
 imported. JSON {"probes": [...]}; CSV one row per probe (kinds separated by spaces).
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis.cli.common import (add_output_arguments, add_policy_arguments, add_scorer_arguments,
-                                 add_source_arguments, load_source, plan_from, progress_bar, register, team_of, warn)
+from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, check_one_cut,
+                                 cut_from, load_source, progress_bar, register, team_of, warn)
 from analysis.core.errors import InputError
 
 
@@ -43,13 +45,7 @@ def _probe_arguments(parser):
                         help="which items (and the bootstrap's resamples); --seed is the random scorer's")
     parser.add_argument("--bos", choices=BOS_CHOICES, default="auto",
                         help="what a causal prompt starts with: auto = what the tokenizer adds itself")
-    add_scorer_arguments(parser)
-    parser.add_argument("--sparsity", type=float, default=None, help="cut: the mask at this sparsity (scored here)")
-    add_policy_arguments(parser)
-    parser.add_argument("--mask-file", dest="mask_file", default=None,
-                        help="cut: a mask.json, or an export folder holding one, applied to --model")
-    parser.add_argument("--export", dest="export_dir", default=None,
-                        help="cut: an export folder's own weights (pruned, zeroed or stock) against --model as dense")
+    add_cut_arguments(parser)
     parser.add_argument("--map", action="store_true", help="per-head maps: the drop of each probe when each head "
                                                             "alone (and each KV group) is removed")
     parser.add_argument("--map-method", dest="map_method", choices=("fast", "naive"), default="fast",
@@ -59,41 +55,6 @@ def _probe_arguments(parser):
                         help="with --map: which detector roles (induction, duplicate-token, previous-token) the "
                              "probes' top heads have")
     add_output_arguments(parser)
-
-
-def _cut(ns, loaded):
-    """(kind of cut, mask [L, H] or None, model or None, description) from --sparsity / --mask-file / --export."""
-    given = [o for o in ("sparsity", "mask_file", "export_dir") if getattr(ns, o) is not None]
-    if len(given) > 1:
-        raise InputError("Give one cut: --sparsity, --mask-file or --export (not " + " and ".join(
-            "--" + g.replace("_", "-").replace("-dir", "") for g in given) + ").")
-    if ns.mask_file is not None:
-        from analysis.compress.export import read_mask_json
-        record = read_mask_json(ns.mask_file, geometry=loaded.geometry)
-        return record.pruned(), None, dict(mask_file=str(ns.mask_file), n_pruned=int(record.pruned().sum()))
-    if ns.export_dir is not None:
-        return None, _export_model(ns, loaded), dict(export=str(ns.export_dir))
-    return None, None, None
-
-
-def _export_model(ns, loaded, model=None):
-    """The --export folder's model (or `model`, read from it already), checked against --model's vocabulary and
-    cast to its dtype."""
-    from analysis.arch.models import load_model
-    from analysis.compress.export import LAYOUT_FILE, load_pruned
-    folder = Path(ns.export_dir)
-    if not folder.is_dir():
-        raise InputError(f"--export {folder} is not a folder; give an export folder (pruned, zeroed or stock).")
-    if model is not None:
-        pass
-    elif (folder / LAYOUT_FILE).is_file():
-        model = load_pruned(folder, trust_remote_code=ns.trust_remote_code)
-    else:
-        model = load_model(str(folder), trust_remote_code=ns.trust_remote_code).model
-    if model.get_input_embeddings().weight.shape[0] != loaded.model.get_input_embeddings().weight.shape[0]:
-        raise InputError(f"The export in {folder} has another vocabulary than --model {loaded.name}; give the "
-                         f"model it was exported from as --model.")
-    return model.to(loaded.placement.dtype if loaded.placement else next(loaded.model.parameters()).dtype).eval()
 
 
 def list_probes() -> tuple[dict, list[dict]]:
@@ -112,14 +73,8 @@ def run_probes(ns):
     if ns.top < 1:
         raise InputError(f"--top must be at least 1; got {ns.top}.")
     from analysis.measure.probes.breaks import build_applicable, cut_report, dense_scores
-    if ns.sparsity is not None:
-        plan, _, loaded, info = plan_from(ns)
-        pruned, model, cut_info = plan.pruned, None, dict(sparsity=ns.sparsity, scorer=ns.scorer, policy=ns.policy,
-                                                          n_pruned=plan.n_pruned)
-    else:
-        with progress_bar("loading", not ns.quiet) as report:
-            _, loaded, info = load_source(ns, report)
-        pruned, model, cut_info = _cut(ns, loaded)
+    check_one_cut(ns)
+    cut, loaded, info = cut_from(ns)
     options = dict(seed=ns.probe_seed, bos=ns.bos, n_items=ns.items)
     built, skipped = build_applicable(loaded, ns.probe, options=options)   # bad probes fail before any pass
     payload = dict(model=info, seed=ns.probe_seed, skipped=skipped,
@@ -130,11 +85,11 @@ def run_probes(ns):
         dense = dense_scores(loaded, built, seed=ns.probe_seed, progress=report, team=team_of(ns))
     payload["probes"] = {n: s.as_dict() for n, s in dense.items()}
     rows = [s.row() for s in dense.values()]
-    if cut_info is not None:
+    if cut is not None:
         with progress_bar("probes (cut)", not ns.quiet) as report:
-            rep = cut_report(loaded, pruned=pruned, model=model, built=built, skipped=skipped, dense=dense,
-                             seed=ns.probe_seed, progress=report, team=team_of(ns))
-        payload["cut"] = dict(**cut_info, **rep.as_dict())
+            rep = cut_report(loaded, cut, built=built, skipped=skipped, dense=dense, seed=ns.probe_seed,
+                             progress=report, team=team_of(ns))
+        payload["cut"] = dict(**cut.as_dict(), **rep.as_dict())
         rows = rep.rows()
         warn(rep.warnings())
     if ns.map:

@@ -151,7 +151,7 @@ def number_list(text: str | None, what: str, cast=int) -> tuple | None:
 
 def long_detector_options(ns) -> dict:
     """The long-context detectors' options that were given (the others keep their defaults), checked."""
-    from analysis.arch.spans import check_band
+    from analysis.arch.window import Window
     from analysis.measure.longheads import check_depths, check_lengths
     out = dict(lengths=number_list(ns.lengths, "--lengths"), depths=number_list(ns.depths, "--depths", float),
                needles=ns.needles, sinks=ns.sinks, recent=ns.recent, queries=ns.queries)
@@ -160,7 +160,7 @@ def long_detector_options(ns) -> dict:
     if out["depths"] is not None:
         check_depths(out["depths"])
     if ns.recent is not None or ns.sinks is not None:
-        check_band(0 if ns.sinks is None else ns.sinks, 1 if ns.recent is None else ns.recent)
+        Window(**{k: v for k, v in (("sinks", ns.sinks), ("recent", ns.recent)) if v is not None})   # checked
     return {k: v for k, v in out.items() if v is not None}
 
 

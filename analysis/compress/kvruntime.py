@@ -4,10 +4,12 @@
 - the plan's pruned KV heads (and every query head of their groups) are removed by surgery
   (`analysis.compress.surgery.prune_heads(model, plan.pruned_heads())`: whole groups, so no KV head is
   ever copied), giving a smaller twin that shares every untouched tensor with `model`;
-- the plan's windows are mapped onto the twin's own KV heads (`HeadLayout.kv_heads[l]` names the
-  original KV head each twin head holds): `window[l]` is one bool per twin KV head of layer l;
+- the plan's modes are mapped onto the twin's own KV heads (`HeadLayout.kv_heads[l]` names the
+  original KV head each twin head holds; analysis.arch.kvplan.mode_rows): `rows[l]` is one mode per twin KV
+  head of layer l (full or window: the pruned ones are gone);
 - the twin runs them inside `KVPlanModel.running()` (the spans kernel) with a `CompactCache`
   (analysis.arch.kvcache) that holds only what each head reads, so the KV cache is `plan.kv_bytes`.
+`KVPlanModel.cut()` is the same thing as an analysis.arch.cut.Cut (kind "model"), what every report takes.
 
 The twin under its mapped windows computes what the dense model computes under `applied(model, plan)`
 (the masked path: gates for the pruned heads, a banded mask for the windows), exactly in float64; a
@@ -26,38 +28,40 @@ import torch
 from torch import nn
 
 from analysis.arch.adapters import adapter_for, input_device
-from analysis.arch.kvcache import CompactCache
+from analysis.arch.cut import Cut
+from analysis.arch.kvcache import CompactCache, windowed_rows
+from analysis.arch.kvplan import KVPlan, mode_rows
 from analysis.arch.spans import spans
 from analysis.compress.surgery import HeadLayout, prune_heads
 from analysis.core.errors import InputError
-from analysis.score.kvplan import KVPlan
 
 
 @dataclass
 class KVPlanModel:
-    """A model ready to run a KV plan: the twin, one window row per layer (its own KV heads), the plan."""
+    """A model ready to run a KV plan: the twin, one row of modes per layer (its own KV heads), the plan."""
     model: nn.Module                     # the physically pruned twin (shares untouched tensors with the dense)
-    window: list[np.ndarray]             # [L][Hkv'_l] bool: windowed KV heads of the twin
+    rows: list[np.ndarray]               # [L][Hkv'_l] mode codes (full / window) of the twin's KV heads
     layout: HeadLayout                   # what surgery kept (kv_heads[l]: the original KV head of each twin head)
     plan: KVPlan
 
     @property
-    def sinks(self) -> int:
-        return self.plan.sinks
-
-    @property
-    def recent(self) -> int:
-        return self.plan.recent
+    def windowed(self) -> list[np.ndarray]:
+        """[L][Hkv'_l] bool: windowed KV heads of the twin."""
+        return windowed_rows(self.rows)
 
     def cache(self, block: int = 0) -> CompactCache:
         """A fresh compact cache for one prompt and its decode steps (use it inside `running()`)."""
-        return CompactCache(self.window, sinks=self.sinks, recent=self.recent, block=block)
+        return CompactCache(self.rows, self.plan.window, block=block)
 
     @contextmanager
     def running(self) -> Iterator["KVPlanModel"]:
         """Inside the block the twin reads only its windows (the spans kernel); restored after."""
-        with spans(self.model, window=self.window, sinks=self.sinks, recent=self.recent):
+        with spans(self.model, windowed=self.windowed, window=self.plan.window):
             yield self
+
+    def cut(self, info: dict | None = None) -> Cut:
+        """This twin as a Cut of the dense model (kind "model", under the plan's windows)."""
+        return Cut.of_model(self.model, info=dict(info or {}), plan=self.plan, rows=self.rows)
 
     def kv_bytes(self, context: int, batch: int = 1) -> int:
         """What its compact cache holds after `context` tokens (the plan's KV bytes in the twin's dtype)."""
@@ -73,27 +77,14 @@ def _model_of(source) -> nn.Module:
     return model
 
 
-def map_windows(plan: KVPlan, layout: HeadLayout) -> list[np.ndarray]:
-    """[L][Hkv'_l] bool: the plan's windows on the KV heads a layout keeps (InputError if it keeps a head the
-    plan prunes, i.e. the layout is not the plan's)."""
-    rows = []
-    for l, kept in enumerate(layout.kv_heads):
-        kept = np.asarray(kept, dtype=np.int64)
-        if plan.pruned_kv[l, kept].any():
-            raise InputError(f"Layer {l} of the pruned model keeps KV heads the KV plan prunes; the plan is not this "
-                             f"export's. Use the plan written with it.")
-        rows.append(plan.window[l, kept].copy())
-    return rows
-
-
 def kv_plan_model(source, plan: KVPlan) -> KVPlanModel:
     """The twin of `source` (a model or a LoadedModel) without the plan's pruned KV heads, with the plan's
-    windows mapped onto its KV heads. `source` is not changed. InputError for a plan of another model."""
+    modes mapped onto its KV heads. `source` is not changed. InputError for a plan of another model."""
     model = _model_of(source)
     adapter = adapter_for(model)
     plan.check_geometry(adapter.geometry(model))
     twin, layout = prune_heads(model, plan.pruned_heads(), adapter=adapter, kv_policy="strict")
-    return KVPlanModel(twin, map_windows(plan, layout), layout, plan)
+    return KVPlanModel(twin, mode_rows(plan, layout.kv_heads), layout, plan)
 
 
 @dataclass
@@ -123,3 +114,16 @@ def greedy(model: nn.Module, ids: torch.Tensor, steps: int, *, cache=None,
             if step + 1 < steps:
                 out = model(input_ids=token, past_key_values=cache, use_cache=True)
     return GreedyRun(torch.cat(chosen, 1), torch.stack(logits, 1), sizes)
+
+
+def physical(cut: Cut | None, source, *, kv_policy: str = "auto") -> Cut | None:
+    """The deployable form of a cut of `source` (a model or a LoadedModel): a mask as surgery's physically pruned
+    twin, a KV plan as `kv_plan_model`'s twin with its compact cache, a model of its own as it is (None: None).
+    The twin computes what the cut computes on the dense model (exact in float64, tested)."""
+    if cut is None or cut.kind == "model":
+        return cut
+    model = _model_of(source)
+    if cut.kind == "plan":
+        return kv_plan_model(model, cut.plan).cut(dict(cut.info, physical=True))
+    twin, _ = prune_heads(model, cut.mask, kv_policy=kv_policy)
+    return Cut.of_model(twin, info=dict(cut.info, physical=True, kv_policy=kv_policy, n_pruned=int(cut.mask.sum())))

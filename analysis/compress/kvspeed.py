@@ -42,7 +42,8 @@ from analysis.core.errors import InputError, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, no_progress
 from analysis.core.threads import torch_threads
 from analysis.measure.evaluation import context_length
-from analysis.score.kvplan import KVPlan
+from analysis.arch.kvplan import KVPlan
+from analysis.arch.window import Window
 
 DENSE = "dense"
 KV_RATIO_NOTE = (
@@ -62,12 +63,12 @@ def read_keys(tokens: int, context: int, cap: int) -> int:
     return growing + max(0, last - max(first, cap + 1) + 1) * cap
 
 
-def planned_flops(model: nn.Module, window, *, sinks: int, recent: int, tokens: int, context: int,
+def planned_flops(model: nn.Module, windowed, *, window: Window, tokens: int, context: int,
                   layout: HeadLayout | None = None, logits: int | None = None) -> FlopCount:
     """FLOPs of the last `tokens` tokens of a context of `context` (a prefill: tokens = context; a decode step:
     tokens = 1): the matmuls of `model` (`speed.forward_flops`; `layout`: the twin's, model is then the
     twin) plus the attention scores (QK^T and AV) over the keys each query reads: every earlier token for a
-    full KV head, at most sinks + recent for a windowed one (window[l][j]), causal (what the kernels compute:
+    full KV head, at most sinks + recent for a windowed one (windowed[l][j]), causal (what the kernels compute:
     SDPA's causal prefill skips the masked half). logits: tokens the LM head runs on (a prefill keeping the
     last logits: 1; default every token)."""
     adapter = adapter_for(model)
@@ -75,9 +76,9 @@ def planned_flops(model: nn.Module, window, *, sinks: int, recent: int, tokens: 
     base = forward_flops(model, tokens, context, layout=layout, adapter=adapter)
     heads = ([g.n_heads] * g.n_layers if layout is None
              else [layout.layer_counts(l)[0] for l in range(layout.n_layers)])
-    full, banded = read_keys(tokens, context, context), read_keys(tokens, context, sinks + recent)
+    full, banded = read_keys(tokens, context, context), read_keys(tokens, context, window.size)
     scores = 0
-    for l, row in enumerate(window):
+    for l, row in enumerate(windowed):
         row = [bool(w) for w in row]
         if row:
             scores += sum(4 * (banded if w else full) * (heads[l] // len(row)) * g.head_dim for w in row)
@@ -95,7 +96,7 @@ class _Runner:
     model: nn.Module
     cache: Callable[[], object]
     running: Callable[[], object]
-    window: list
+    windowed: list                       # [L][Hkv_l] bool: windowed KV heads of the model that runs
     layout: HeadLayout | None
     plan: KVPlan | None
     last: dict = field(default_factory=dict)     # the cache and next token the last prefill left
@@ -126,7 +127,7 @@ def _runners(model: nn.Module, plans: dict[str, KVPlan], block: int) -> list[_Ru
         if name == DENSE:
             raise InputError(f"'{DENSE}' is the dense model's row; give the plan another name.")
         planned: KVPlanModel = kv_plan_model(model, plan)
-        out.append(_Runner(name, planned.model, lambda p=planned: p.cache(block), planned.running, planned.window,
+        out.append(_Runner(name, planned.model, lambda p=planned: p.cache(block), planned.running, planned.windowed,
                            planned.layout, plan))
     return out
 
@@ -201,18 +202,18 @@ def measure_kv(source, plans: dict[str, KVPlan], *, context: int, decode_steps: 
         for r in runners:
             r.last = {}
     dense_plan = KVPlan.full(g)
-    dense_pre = planned_flops(model, runners[0].window, sinks=0, recent=1, tokens=context, context=context, logits=1)
-    dense_dec = planned_flops(model, runners[0].window, sinks=0, recent=1, tokens=1, context=context)
+    dense_pre = planned_flops(model, runners[0].windowed, window=Window(), tokens=context, context=context, logits=1)
+    dense_dec = planned_flops(model, runners[0].windowed, window=Window(), tokens=1, context=context)
     for r in runners:
         plan = r.plan or dense_plan
-        pre = planned_flops(r.model, r.window, sinks=plan.sinks, recent=plan.recent, tokens=context, context=context,
+        pre = planned_flops(r.model, r.windowed, window=plan.window, tokens=context, context=context,
                             layout=r.layout, logits=1)
-        dec = planned_flops(r.model, r.window, sinks=plan.sinks, recent=plan.recent, tokens=1, context=context,
-                            layout=r.layout)
+        dec = planned_flops(r.model, r.windowed, window=plan.window, tokens=1, context=context, layout=r.layout)
         predicted = plan.kv_bytes(context, head_dim=g.head_dim, dtype_bytes=dtype_bytes)
         rows.append({
             "name": r.name, "plan": "dense" if r.plan is None else plan.describe(), "counts": plan.counts(),
-            "sinks": plan.sinks if r.plan is not None else None, "recent": plan.recent if r.plan is not None else None,
+            "sinks": plan.window.sinks if r.plan is not None else None,
+            "recent": plan.window.recent if r.plan is not None else None,
             "parameters": count_parameters(r.model),
             "kv_bytes": sizes[r.name], "kv_bytes_predicted": predicted,
             "kv_ratio": sizes[r.name] / sizes[DENSE], "kv_ratio_predicted": plan.kv_ratio(context),

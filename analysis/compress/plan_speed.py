@@ -86,7 +86,7 @@ def predict(model, plan, context: int, *, dtype_bytes: int | None = None, adapte
     lm_head = head.weight.numel() if head is not None else 0                        # a prefill's logits: last token
     c = plan.counts()
     removed = c["prune"] * (G * 2 * d * D + 2 * d * D)                             # Q rows + O columns, K + V rows
-    band = plan.sinks + plan.recent
+    band = plan.window.size
 
     def cost(kept_weights: int, full_heads: int, window_heads: int, kv_bytes: int) -> PlanCost:
         def scores(tokens: int) -> int:                                             # QK^T and AV over the keys read

@@ -1,4 +1,5 @@
-"""JSON schemas of the files headscope reads back (mask.json, head_layout.json, kv_plan.json) and their checker.
+"""JSON schemas of the files headscope reads back (mask.json, head_layout.json) and their checker; the schema
+of kv_plan.json lives with the plan (analysis.arch.kvplan), built from the pieces here.
 
 The schemas give exact types and ranges: an integer is a JSON integer (never "12", 1.7, 2.0 or
 true), counts are bounded (no 1e13 heads), lists of heads hold unique integers. What a schema
@@ -37,7 +38,8 @@ _Validator = validators.extend(Draft202012Validator, type_checker=Draft202012Val
     {"integer": _strict_integer, "number": _strict_number}))
 
 
-def _count(maximum: int) -> dict:
+def count(maximum: int) -> dict:
+    """A count: a JSON integer 1 .. maximum."""
     return {"type": "integer", "minimum": 1, "maximum": maximum}
 
 
@@ -47,7 +49,7 @@ def _index_lists(maximum: int, max_rows: int) -> dict:
                       "items": {"type": "integer", "minimum": 0, "maximum": maximum - 1}}}
 
 
-_TEXT = {"type": "string", "maxLength": MAX_TEXT}
+TEXT = {"type": "string", "maxLength": MAX_TEXT}
 _OPTIONAL_TEXT = {"type": ["string", "null"], "maxLength": MAX_TEXT}
 _TABLE = {"type": ["array", "null"], "maxItems": MAX_LAYERS,
           "items": {"type": "array", "maxItems": MAX_HEADS, "items": {"type": "number"}}}
@@ -56,14 +58,14 @@ MASK_SCHEMA = {
     "type": "object",
     "required": ["n_layers", "n_heads", "n_kv_heads", "kept"],
     "properties": {
-        "model": _TEXT, "model_type": _TEXT,
-        "n_layers": _count(MAX_LAYERS), "n_heads": _count(MAX_HEADS), "n_kv_heads": _count(MAX_HEADS),
+        "model": TEXT, "model_type": TEXT,
+        "n_layers": count(MAX_LAYERS), "n_heads": count(MAX_HEADS), "n_kv_heads": count(MAX_HEADS),
         "kept": {**_index_lists(MAX_HEADS, MAX_LAYERS),
                  "items": {**_index_lists(MAX_HEADS, MAX_LAYERS)["items"], "uniqueItems": True}},
         "scorer": _OPTIONAL_TEXT, "scorer_params": {"type": "object"},
         "z": {"type": ["number", "null"]}, "sparsity": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
         "policy": _OPTIONAL_TEXT, "kv_policy": _OPTIONAL_TEXT, "scores": _TABLE, "tiebreak": _TABLE,
-        "tool": _TEXT, "tool_version": _TEXT, "format": {"type": "integer", "minimum": 1},
+        "tool": TEXT, "tool_version": TEXT, "format": {"type": "integer", "minimum": 1},
     },
 }
 
@@ -71,8 +73,8 @@ LAYOUT_SCHEMA = {
     "type": "object",
     "required": ["model_type", "n_heads", "n_kv_heads", "head_dim", "heads", "kv_heads"],
     "properties": {
-        "model_type": _TEXT, "n_heads": _count(MAX_HEADS), "n_kv_heads": _count(MAX_HEADS),
-        "head_dim": _count(MAX_HEAD_DIM),
+        "model_type": TEXT, "n_heads": count(MAX_HEADS), "n_kv_heads": count(MAX_HEADS),
+        "head_dim": count(MAX_HEAD_DIM),
         "heads": _index_lists(MAX_HEADS, MAX_LAYERS), "kv_heads": _index_lists(MAX_HEADS, MAX_LAYERS),
         "kv_policy": {"type": "string", "maxLength": 64}, "format": {"type": "integer", "minimum": 1},
         "rounds": {"type": ["array", "null"], "maxItems": MAX_LAYERS,   # [L][H] pipeline round per head, 0 = kept
@@ -81,29 +83,21 @@ LAYOUT_SCHEMA = {
     },
 }
 
-KV_PLAN_SCHEMA = {
-    "type": "object",
-    "required": ["n_layers", "n_heads", "n_kv_heads", "sinks", "recent", "modes"],
-    "properties": {
-        "model": _TEXT, "tool": _TEXT, "format": {"type": "integer", "minimum": 1},
-        "n_layers": _count(MAX_LAYERS), "n_heads": _count(MAX_HEADS), "n_kv_heads": _count(MAX_HEADS),
-        "sinks": {"type": "integer", "minimum": 0, "maximum": 2**31},
-        "recent": {"type": "integer", "minimum": 0, "maximum": 2**31},   # 0: refused in words by KVPlan
-        "modes": {"type": "array", "minItems": 1, "maxItems": MAX_LAYERS,
-                  "items": {"type": "array", "minItems": 1, "maxItems": MAX_HEADS,
-                            "items": {"enum": ["full", "window", "prune"]}}},
-        "counts": {"type": "object"},
-        "notes": {"type": "array", "maxItems": 64, "items": _TEXT},
-    },
-}
+_VALIDATORS: dict[int, object] = {}                # id(schema) -> its validator, built on first use
 
-_VALIDATORS = {id(schema): _Validator(schema) for schema in (MASK_SCHEMA, LAYOUT_SCHEMA, KV_PLAN_SCHEMA)}
+
+def _validator(schema: dict):
+    """The validator of a schema (module-level constants: their ids are stable), built once."""
+    found = _VALIDATORS.get(id(schema))
+    if found is None:
+        found = _VALIDATORS[id(schema)] = _Validator(schema)
+    return found
 
 
 def check(data, schema: dict, what: str, fix: str) -> None:
     """InputError naming the first problem of `data` against `schema` (where, and what it should be)."""
     try:
-        error = best_match(_VALIDATORS[id(schema)].iter_errors(data))
+        error = best_match(_validator(schema).iter_errors(data))
     except RecursionError:
         raise InputError(f"{what} is nested too deeply to be a headscope file; {fix}.") from None
     if error is not None:

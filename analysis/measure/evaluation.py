@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from analysis.arch.cut import Cut
 from analysis.arch.hooks import attached
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
@@ -493,16 +494,17 @@ def evaluator_for(kind: str, **options):
     return evaluator_class(kind)(**options)
 
 
-def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
+def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None, cut: Cut | None = None,
              max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
              stride: int | None = None, batch_size: int = 8, progress: Progress | None = None,
              should_stop: ShouldStop | None = None, team: Team | None = None) -> Evaluation:
-    """Evaluate `loaded` (a LoadedModel) on `text` under a head mask, with the metric of its kind.
+    """Evaluate `loaded` (a LoadedModel) on `text` under a head mask or a cut, with the metric of its kind.
 
     text: str or UTF-8 bytes; None = the built-in evaluation text. Only the first `max_tokens`
     tokens are used (None = all). gates: float [L, H] or [B, L, H] (1 keep, 0 prune) or
     pruned: bool [L, H] / [B, L, H]; B masks share batched forward passes and give
-    `Evaluation.values[b]`. window/stride: causal sliding window (default min(context, 512),
+    `Evaluation.values[b]`. cut: an analysis.arch.cut.Cut instead (a mask, a KV plan, a model of its own;
+    not with gates / pruned). window/stride: causal sliding window (default min(context, 512),
     stride = window); for masked LMs and encoders `window` is the chunk length (default 128).
     batch_size: sequences per forward pass. team: the processes of a launch that split the forward
     passes (analysis.core.distributed; None = this process alone). Raises InputError for bad text or masks,
@@ -511,11 +513,17 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
     window = check_whole_number(window, "window", low=2, high=MAX_TOKENS_LIMIT, none_ok=True)
     stride = check_whole_number(stride, "stride", low=1, high=MAX_TOKENS_LIMIT, none_ok=True)
     batch_size = check_whole_number(batch_size, "batch_size", low=1, high=2**16)
-    model = loaded.model
-    g = gate_batch(model, gates, pruned)                               # [B, L, H] | None
+    if cut is not None and (gates is not None or pruned is not None):
+        raise InputError("Give one cut: a cut, or gates / a mask, not both.")
+    if cut is not None and cut.kind == "mask":
+        pruned, cut = cut.check(loaded.geometry).mask, None               # masks batch through the gates
+    g = gate_batch(loaded.model, gates, pruned)                        # [B, L, H] | None
     ev = evaluator_for(loaded.kind, window=window, stride=stride, batch_size=batch_size)
     inputs = ev.prepare(loaded.tokenizer, default_text() if text is None else text, max_tokens)
-    return ev.measure(model, inputs, g, progress=progress, should_stop=should_stop, team=team)
+    if cut is None:
+        return ev.measure(loaded.model, inputs, g, progress=progress, should_stop=should_stop, team=team)
+    with cut.check(loaded.geometry).running(loaded.model, adapter=loaded.adapter) as model:
+        return ev.measure(model, inputs, None, progress=progress, should_stop=should_stop, team=team)
 
 
 def bootstrap_perplexity(sums: np.ndarray, counts: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
@@ -535,7 +543,7 @@ def accuracy_ratio(pruned: Evaluation, dense: Evaluation) -> float | None:
     return pruned.accuracy / dense.accuracy
 
 
-def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=None,
+def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=None, cut: Cut | None = None,
                max_tokens: int | None = DEFAULT_MAX_TOKENS, window: int | None = None,
                stride: int | None = None, batch_size: int = 8, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> float | np.ndarray:
@@ -549,6 +557,6 @@ def perplexity(loaded, text: str | bytes | None = None, *, gates=None, pruned=No
         raise InputError(f"A {loaded.kind} model has no LM head, so it has no perplexity; use "
                          "evaluate() for its embedding fidelity to the dense model.")
     single = all(m is None or np.ndim(m) == 2 for m in (gates, pruned))
-    ev = evaluate(loaded, text, gates=gates, pruned=pruned, max_tokens=max_tokens, window=window,
+    ev = evaluate(loaded, text, gates=gates, pruned=pruned, cut=cut, max_tokens=max_tokens, window=window,
                   stride=stride, batch_size=batch_size, progress=progress, should_stop=should_stop)
     return ev.value if single else ev.values

@@ -696,29 +696,29 @@ class HarnessReport:
                                                    cut=None if self.cut is None else self.cut.seconds))
 
 
-def harness_report(loaded, prepared: PreparedTasks, *, pruned=None, model=None, dense: HarnessRun | None = None,
+def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessRun | None = None,
                    batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
                    progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessReport:
-    """The prepared tasks on `loaded` (dense; reused when `dense` is given) and on a cut: the mask pruned
-    [L, H] as gates on loaded.model, or `model` (a cut of its own: surgery's twin, an export's weights); no
-    cut: the dense side only."""
+    """The prepared tasks on `loaded` (dense; reused when `dense` is given) and on a `cut`
+    (analysis.arch.cut.Cut: a mask as gates on loaded.model, a KV plan, or a model of its own); no cut: the
+    dense side only."""
     if loaded.kind != "causal-lm":
         raise InputError(f"The harness's tasks score a causal language model's next tokens; {loaded.name} is a "
                          f"{loaded.kind} model.")
-    if pruned is not None and model is not None:
-        raise InputError("Give one cut: a mask (pruned) or a model, not both.")
-    cutting = pruned is not None or model is not None
+    if cut is not None:
+        cut.check(loaded.geometry)
     run = functools.partial(run_harness, tokenizer=loaded.tokenizer, prepared=prepared, batch_size=batch_size,
                             max_length=max_length, keep_samples=keep_samples, should_stop=should_stop)
     if dense is None:
-        dense = run(loaded.model, progress=scaled(progress, 0.0, 0.5 if cutting else 1.0))
+        dense = run(loaded.model, progress=scaled(progress, 0.0, 0.5 if cut is not None else 1.0))
         cut_progress = scaled(progress, 0.5, 1.0)
     else:
         cut_progress = progress                             # the dense side was measured before
-    cut = None
-    if pruned is not None:
+    measured = None
+    if cut is not None and cut.kind == "mask":
         from analysis.arch.head_gates import gates_from_mask
-        cut = run(loaded.model, gates=gates_from_mask(pruned), adapter=loaded.adapter, progress=cut_progress)
-    elif model is not None:
-        cut = run(model, progress=cut_progress)
-    return HarnessReport(dense, cut, dict(prepared.sources), prepared.limit)
+        measured = run(loaded.model, gates=gates_from_mask(cut.mask), adapter=loaded.adapter, progress=cut_progress)
+    elif cut is not None:
+        with cut.running(loaded.model, adapter=loaded.adapter) as model:
+            measured = run(model, progress=cut_progress)
+    return HarnessReport(dense, measured, dict(prepared.sources), prepared.limit)

@@ -1,11 +1,9 @@
 """The long-context measurements' declared defaults and bounds, light (no torch): what the CLI's parser
 (`roles`, `kv-plan`, `longctx`) and the app's inputs read without importing the measurements themselves
-(analysis/measure/longheads.py, analysis/score/kvscores.py, analysis/score/kvplan.py import them from here).
+(analysis/measure/longheads.py, analysis/score/kvscores.py import them from here).
 
-The window band (sinks + recent, analysis.arch.spans's rule) has one default for every measurement and plan.
+The window (sinks + recent) and its defaults are analysis.arch.window's (one value for every measurement and plan).
 """
-DEFAULT_SINKS = 4                    # first tokens a windowed KV head keeps (attention sinks)
-DEFAULT_RECENT = 256                 # latest tokens it keeps, the query's own included
 RETRIEVAL_LENGTHS = (1024, 2048)     # tokens per retrieval item (the whole row) when none are given
 STREAMING_LENGTHS = (2048,)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from analysis.arch.adapters import adapter_for, input_device
-from analysis.arch.spans import attention_layers, band, check_band, tapped, windowed
+from analysis.arch.spans import attention_layers, band, tapped, windowed
+from analysis.arch.window import Window, window_of
 from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.evaluation import context_length
@@ -54,7 +55,7 @@ from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place as place_heads, zero_pruned
 
 from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES,  # noqa: F401,E402
-                                           DEFAULT_RECENT, DEFAULT_SEQUENCES, DEFAULT_SINKS, MAX_NEEDLES,
+                                           DEFAULT_SEQUENCES, MAX_NEEDLES,
                                            MAX_QUERIES, MAX_SEQUENCES, RETRIEVAL_LENGTHS, RETRIEVAL_THRESHOLD,
                                            STREAMING_LENGTHS, STREAMING_THRESHOLD)
 
@@ -347,19 +348,18 @@ def per_kv(scores: np.ndarray, group_size: int, how: str = "max") -> np.ndarray:
     return grouped.max(-1) if how == "max" else grouped.mean(-1)
 
 
-def query_rows(T: int, sinks: int, recent: int, n: int) -> torch.Tensor:
+def query_rows(T: int, window: Window, n: int) -> torch.Tensor:
     """Up to n query rows spread evenly over the rows a window changes (i >= sinks + recent)."""
-    first = sinks + recent
-    if T <= first:
-        raise InputError(f"A context of {T} tokens fits inside the window ({sinks} sink + {recent} recent tokens): "
+    first = window.size
+    if window.covers(T):
+        raise InputError(f"A context of {T} tokens fits inside the window ({window.describe()}): "
                          f"windowing changes nothing there; use a longer context or a smaller window.")
     return torch.unique(torch.linspace(first, T - 1, min(n, T - first)).round().long())   # [<= n]
 
 
-def row_attention(module, query, key, value, rows: torch.Tensor, sinks: int, recent: int):
+def row_attention(module, query, key, value, rows: torch.Tensor, window: Window):
     """(p_full, p_window [H, n, T], v [H, T, d_v]): the attention probabilities of the query `rows` of the first
-    sequence over every key the layer's own attention reads and over only sinks + the recent window
-    (spans.band), and the values they weigh, from the tapped query [B, H, q, d] (the last q rows) and key /
+    sequence over every key the layer's own attention reads and over only the `window` (Window.reads), and the values they weigh, from the tapped query [B, H, q, d] (the last q rows) and key /
     value [B, Hkv, T, d]; at least float32. The window's softmax is the full one renormalised over the band."""
     T = key.shape[2]
     H, Hkv = query.shape[1], key.shape[1]
@@ -373,24 +373,24 @@ def row_attention(module, query, key, value, rows: torch.Tensor, sinks: int, rec
     if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
         s = cap * torch.tanh(s / cap)
     full = _readable(r, T, _own_window(module))                          # [n, T]
-    win = full & band(r, torch.arange(T, device=r.device), sinks, recent)   # [n, T]
+    win = full & band(r, torch.arange(T, device=r.device), window)       # [n, T]
     p_full = torch.softmax(s.masked_fill(~full, float("-inf")), -1)      # [H, n, T]
     p_win = torch.softmax(s.masked_fill(~win, float("-inf")), -1)        # [H, n, T]
     return p_full, p_win, v
 
 
-def attention_rows(module, query, key, value, rows: torch.Tensor, sinks: int, recent: int):
+def attention_rows(module, query, key, value, rows: torch.Tensor, window: Window):
     """(o_full, o_window) [H, n, d_v]: the attention outputs of `row_attention`'s rows, full and windowed."""
-    p_full, p_win, v = row_attention(module, query, key, value, rows, sinks, recent)
+    p_full, p_win, v = row_attention(module, query, key, value, rows, window)
     return p_full @ v, p_win @ v                                         # [H, n, d_v] each
 
 
-def _window_tap(rows: torch.Tensor, sinks: int, recent: int, modules: list, kept: list, out: dict):
+def _window_tap(rows: torch.Tensor, window: Window, modules: list, kept: list, out: dict):
     """A tap that stores, per layer, (||o_full - o_window||^2, ||o_full||^2) per query head and row [H, n]
     (heads the mask prunes count 0)."""
 
     def tap(layer: int, query, key, value) -> None:
-        o_full, o_win = attention_rows(modules[layer], query, key, value, rows, sinks, recent)
+        o_full, o_win = attention_rows(modules[layer], query, key, value, rows, window)
         diff = ((o_full - o_win) ** 2).sum(-1).double()                  # [H, n]
         norm = (o_full ** 2).sum(-1).double()                            # [H, n]
         keep = kept[layer].to(diff.device)[:, None]                      # [H, 1]
@@ -403,13 +403,12 @@ def _relative(diff: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     return torch.where(norm > 0, (diff / norm.clamp_min(1e-300)).sqrt(), torch.zeros_like(diff))
 
 
-def streaming_scores(model, sequences, *, sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT,
-                     queries: int = DEFAULT_QUERIES, gates=None, progress: Progress | None = None,
+def streaming_scores(model, sequences, *, window: Window = Window(), queries: int = DEFAULT_QUERIES, gates=None, progress: Progress | None = None,
                      should_stop: ShouldStop | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(per KV head [L, Hkv], per query head [L, H]) relative output change under the window, mean over
     the sampled rows of every sequence (a list of ids [T], or ids [n, T]). One dense pass per sequence.
     A head the mask prunes is left out of its group (a group with none left scores 0)."""
-    sinks, recent = check_band(sinks, recent)
+    window = window_of(window)
     queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_QUERIES)
     adapter = adapter_for(model)
     geo = adapter.geometry(model)
@@ -427,9 +426,9 @@ def streaming_scores(model, sequences, *, sinks: int = DEFAULT_SINKS, recent: in
     count = 0
     for i, ids in enumerate(seqs):
         check_stop(should_stop, "Streaming scores")
-        rows = query_rows(int(ids.numel()), sinks, recent, queries)    # [n]
+        rows = query_rows(int(ids.numel()), window, queries)            # [n]
         out: dict = {}
-        tap = _paced(_window_tap(rows, sinks, recent, modules, kept, out), geo.n_layers, "Streaming scores", progress,
+        tap = _paced(_window_tap(rows, window, modules, kept, out), geo.n_layers, "Streaming scores", progress,
                      i / len(seqs), 1 / len(seqs), should_stop)
         with torch.no_grad(), masked(model, g), tapped(model, tap):
             model(ids.reshape(1, -1).to(device), **_logits_kwargs(model, 1))
@@ -456,11 +455,10 @@ class StreamingDetector:
     threshold = STREAMING_THRESHOLD
     unit = "relative output change"
 
-    def __init__(self, lengths=None, sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT,
-                 queries: int = DEFAULT_QUERIES, n_sequences: int = DEFAULT_SEQUENCES, seed: int = 0,
-                 tokenizer=None):
+    def __init__(self, lengths=None, window: Window = Window(), queries: int = DEFAULT_QUERIES,
+                 n_sequences: int = DEFAULT_SEQUENCES, seed: int = 0, tokenizer=None):
         self.lengths = None if lengths is None else check_lengths(lengths)
-        self.sinks, self.recent = check_band(sinks, recent)
+        self.window = window_of(window)
         self.queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_QUERIES)
         self.n_sequences = check_whole_number(n_sequences, "The number of sequences", low=1, high=MAX_SEQUENCES)
         self.seed = check_seed(seed)
@@ -484,7 +482,9 @@ class StreamingDetector:
     def for_options(cls, tokenizer, options: dict) -> "StreamingDetector":
         """The detector's builder (its record's `build`): the shared options it takes, and the tokenizer
         (the other detectors' options, e.g. the repeated-token detectors' n_sequences, are theirs)."""
-        return cls(tokenizer=tokenizer, **{k: v for k, v in options.items() if k in ("lengths", "sinks", "recent", "queries", "seed")})
+        taken = {k: v for k, v in options.items() if k in ("lengths", "queries", "seed")}
+        window = Window(**{k: options[k] for k in ("sinks", "recent") if options.get(k) is not None})
+        return cls(tokenizer=tokenizer, window=window, **taken)
 
     def detect(self, model, ids=None, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
@@ -492,12 +492,12 @@ class StreamingDetector:
             raise InputError("The streaming score is per KV head of the whole model; give the dense model (with a "
                              "mask), not a physically pruned export.")
         seqs = self.sequences(model)
-        kv, head = streaming_scores(model, seqs, sinks=self.sinks, recent=self.recent, queries=self.queries,
+        kv, head = streaming_scores(model, seqs, window=self.window, queries=self.queries,
                                     gates=gates, progress=progress, should_stop=should_stop)
         G = _group_size(model)
         g = gates_array(model, gates)
         scores = zero_pruned(np.repeat(kv, G, axis=1), g)               # [L, H]: each head shows its KV head's
-        extras = dict(lengths=sorted({int(s.numel()) for s in seqs}), sinks=self.sinks, recent=self.recent,
+        extras = dict(lengths=sorted({int(s.numel()) for s in seqs}), **self.window.as_dict(),
                       queries=self.queries, n_sequences=self.n_sequences, seed=self.seed, kv_scores=kv,
                       head_scores=head)
         return Detection(self.name, scores, self.threshold, self.unit, extras)
@@ -524,18 +524,18 @@ def _window_logprobs(model, x: torch.Tensor, first: int) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1)
 
 
-def windowing_effect(model, ids, *, sinks: int, recent: int, progress: Progress | None = None,
+def windowing_effect(model, ids, *, window: Window, progress: Progress | None = None,
                      should_stop: ShouldStop | None = None) -> WindowingEffect:
     """For every (layer, KV head): run `model` on ids [n, T] with that KV head alone windowed
     (analysis.arch.spans.windowed) and compare the next-token predictions beyond the window with the
     dense model's: mean NLL change and mean KL(dense || windowed). L x Hkv + 1 forward passes."""
-    sinks, recent = check_band(sinks, recent)
+    window = window_of(window)
     x = torch.as_tensor(ids)
     x = (x[None] if x.dim() == 1 else x).to(input_device(model))         # [n, T]
-    first = sinks + recent
+    first = window.size
     if x.shape[1] - 1 <= first:
-        raise InputError(f"A context of {x.shape[1]} tokens makes no prediction beyond the window ({sinks} sink + "
-                         f"{recent} recent tokens); use a longer context or a smaller window.")
+        raise InputError(f"A context of {x.shape[1]} tokens makes no prediction beyond the window "
+                         f"({window.describe()}); use a longer context or a smaller window.")
     geo = adapter_for(model).geometry(model)
     targets = x[:, first + 1:]                                            # [n, T-1-first]
     with torch.no_grad():
@@ -549,7 +549,7 @@ def windowing_effect(model, ids, *, sinks: int, recent: int, progress: Progress 
             layer, head = divmod(n, geo.n_kv_heads)
             plan = np.zeros((geo.n_layers, geo.n_kv_heads), dtype=bool)
             plan[layer, head] = True
-            with windowed(model, plan, sinks=sinks, recent=recent):
+            with windowed(model, plan, window):
                 lp = _window_logprobs(model, x, first)                   # [n, m, V]
             loss[layer, head] = float((-lp.gather(-1, targets[..., None])[..., 0] - base).mean())
             kl[layer, head] = float((dense.exp() * (dense - lp)).sum(-1).mean())
@@ -570,8 +570,7 @@ class LastRows:
     mass: np.ndarray            # [L, H, T] float64: the attention over the keys, mean over the queries
     top1: np.ndarray            # [L, H, Q] int: the most-attended key of each query
     window_change: np.ndarray   # [L, H]: ||o - o_window|| / ||o|| of the head's output, mean over the queries
-    sinks: int
-    recent: int
+    window: Window
     queries: int
 
     @property
@@ -584,19 +583,19 @@ class LastRows:
 
     def regions(self) -> dict[str, np.ndarray]:
         """[L, H] mass on the sink tokens, on the recent window of the last query, and on everything between."""
-        T = self.n_tokens
-        sinks = self.share(0, min(self.sinks, T))
-        recent = self.share(max(T - self.recent, self.sinks), T)
+        T, w = self.n_tokens, self.window
+        sinks = self.share(0, min(w.sinks, T))
+        recent = self.share(max(T - w.recent, w.sinks), T)
         return {"sinks": sinks, "recent": recent, "far": np.clip(1.0 - sinks - recent, 0.0, 1.0)}
 
 
-def last_rows(model, ids, *, queries: int = 8, sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT,
-              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> LastRows:
+def last_rows(model, ids, *, queries: int = 8, window: Window = Window(), progress: Progress | None = None,
+              should_stop: ShouldStop | None = None) -> LastRows:
     """Where every head looks from the last `queries` positions of ids [T] (one sequence from token 0), and
-    what a window (sinks + recent) would change in its output: `row_attention` of those rows in every layer,
+    what the `window` would change in its output: `row_attention` of those rows in every layer,
     from one tapped dense pass (never the [T, T] probabilities)."""
     queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_LAST_ROWS)
-    sinks, recent = check_band(sinks, recent)
+    window = window_of(window)
     ids = torch.as_tensor(ids).flatten()                                   # [T]
     T = ids.numel()
     if T < queries:
@@ -607,7 +606,7 @@ def last_rows(model, ids, *, queries: int = 8, sinks: int = DEFAULT_SINKS, recen
     rows = torch.arange(T - queries, T)                                    # [Q]
 
     def tap(layer: int, query, key, value) -> None:
-        p, pw, v = row_attention(modules[layer], query, key, value, rows, sinks, recent)   # [H, Q, T] x 2, [H, T, d]
+        p, pw, v = row_attention(modules[layer], query, key, value, rows, window)   # [H, Q, T] x 2, [H, T, d]
         out, out_w = p @ v, pw @ v                                         # [H, Q, d_v]
         diff = ((out - out_w) ** 2).sum(-1).double()                       # [H, Q]
         mass[layer] = p.mean(1).double().cpu().numpy()
@@ -618,7 +617,7 @@ def last_rows(model, ids, *, queries: int = 8, sinks: int = DEFAULT_SINKS, recen
     with torch.no_grad(), tapped(model, paced):
         model(input_ids=ids[None].to(input_device(model)), **_logits_kwargs(model, 1))
     report(progress, 1.0, "done")
-    return LastRows(mass, top1, change, sinks, recent, queries)
+    return LastRows(mass, top1, change, window, queries)
 
 
 __all__ = ["NeedleItem", "needle_items", "retrieval_scores", "RetrievalDetector", "streaming_scores",

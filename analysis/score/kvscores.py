@@ -1,7 +1,7 @@
 """The per-KV-head scores a KV plan is made from, and the plan made from them (`headscope kv-plan`).
 
 - **streaming** [L, Hkv] (analysis.measure.longheads): how much each KV head's output changes when it reads
-  only the plan's own band (sinks + recent) instead of everything, on long built-in text. The lowest are
+  only the plan's own window (sinks + recent) instead of everything, on long built-in text. The lowest are
   windowed (`window_share` of the KV heads).
 - **retrieval** [L, Hkv]: the highest retrieval score among the KV head's query heads (Wu et al. 2024's
   copy-paste score). A KV head holding a retrieval head (score >= the threshold, 0.1) stays full whatever
@@ -13,8 +13,8 @@
   short forward passes per head); the long-range part of a head's job is what the retrieval score
   guards, and a retrieval head is never pruned (it is kept before anything is chosen).
 
-`plan_from_scores` hands these to analysis.score.kvplan.plan_kv (one planner): prune first, then window
-among the rest, retrieval heads kept full; the plan's notes say where each choice came from.
+`plan_kv` is the one planner (any scores [L, Hkv] -> a plan): prune first, then window among the rest, kept
+heads full; `plan_from_scores` hands it these scores, retrieval heads kept, and notes where each choice came from.
 """
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analysis.arch.geometry import HeadGeometry
+from analysis.arch.kvplan import PRUNE, WINDOW, KVPlan
+from analysis.arch.window import Window, window_of
 from analysis.core.errors import InputError, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.core.text import check_max_tokens
 from analysis.measure.longheads import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES, RETRIEVAL_THRESHOLD,
                                         RetrievalDetector, StreamingDetector, per_kv)
-from analysis.measure.long_options import DEFAULT_PRUNE_TOKENS, DEFAULT_RECENT, DEFAULT_SINKS
-from analysis.score.kvplan import KVPlan, plan_kv
+from analysis.measure.long_options import DEFAULT_PRUNE_TOKENS
 
 # docs/results.md section written by scripts/kv_heads_results.py
 KV_HEADS_MARKERS = ("<!-- kv-heads:begin -->", "<!-- kv-heads:end -->")
@@ -47,17 +48,17 @@ class KVScores:
     prune_tokens: int = 0
 
 
-def measure_kv_scores(loaded, *, sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT, lengths=None,
+def measure_kv_scores(loaded, *, window: Window = Window(), lengths=None,
                       retrieval_lengths=None, depths=DEFAULT_DEPTHS, needles: int = DEFAULT_NEEDLES,
                       queries: int = DEFAULT_QUERIES, retrieval: bool = True, prune: bool = False,
                       prune_tokens: int = DEFAULT_PRUNE_TOKENS, seed: int = 0, progress: Progress | None = None,
                       should_stop: ShouldStop | None = None) -> KVScores:
     """Measure what a plan needs on `loaded` (model, tokenizer, geometry): the streaming score at `lengths`
-    with the band (sinks, recent), the retrieval score at `retrieval_lengths` (default: `lengths`) when
+    with the `window`, the retrieval score at `retrieval_lengths` (default: `lengths`) when
     `retrieval`, the KV-group ablation at `prune_tokens` when `prune`. Every option is checked before the
     first forward pass."""
     model, geo = loaded.model, loaded.geometry
-    streaming = StreamingDetector(lengths, sinks=sinks, recent=recent, queries=queries, seed=seed,
+    streaming = StreamingDetector(lengths, window=window, queries=queries, seed=seed,
                                   tokenizer=loaded.tokenizer)
     retriever = RetrievalDetector(retrieval_lengths or lengths, depths, needles, seed, tokenizer=loaded.tokenizer)
     streaming.sequences(model)                                          # lengths vs the context, the tokenizer
@@ -100,8 +101,8 @@ def retrieval_keep(scores: KVScores, threshold: float = RETRIEVAL_THRESHOLD) -> 
 
 def plan_from_scores(geometry: HeadGeometry, scores: KVScores, *, window_share: float = 0.5,
                      prune_share: float = 0.0, keep_retrieval: bool = True,
-                     retrieval_threshold: float = RETRIEVAL_THRESHOLD, sinks: int = DEFAULT_SINKS,
-                     recent: int = DEFAULT_RECENT, model: str = "") -> KVPlan:
+                     retrieval_threshold: float = RETRIEVAL_THRESHOLD, window: Window = Window(),
+                     model: str = "") -> KVPlan:
     """The plan: `prune_share` of the KV heads with the lowest importance pruned, then `window_share` with
     the lowest streaming score windowed, KV heads with a retrieval head kept full (`keep_retrieval`)."""
     if prune_share and scores.importance is None:
@@ -110,26 +111,68 @@ def plan_from_scores(geometry: HeadGeometry, scores: KVScores, *, window_share: 
     if keep_retrieval and keep is None:
         raise InputError("Keeping the retrieval heads needs their retrieval score; measure it (retrieval=True) first.")
     plan = plan_kv(geometry, scores.streaming, window_share=window_share, prune_scores=scores.importance,
-                   prune_share=prune_share, keep=keep, sinks=sinks, recent=recent, model=model)
+                   prune_share=prune_share, keep=keep, window=window, model=model)
     det = scores.detections.get("streaming")
     lengths = det.extras["lengths"] if det is not None else []
-    notes = [f"windowed: the lowest streaming scores (relative output change under {sinks} sink + {recent} recent "
-             f"tokens, measured at {', '.join(map(str, lengths))} tokens)"]
+    notes = [f"windowed: the lowest streaming scores (relative output change under {plan.window.describe()}, "
+             f"measured at {', '.join(map(str, lengths))} tokens)"]
     if keep is not None:
         notes.append(f"kept full: {int(keep.sum())} KV heads with a retrieval head (score >= {retrieval_threshold:g}): "
                      + (", ".join(f"L{l}KV{j}" for l, j in zip(*np.nonzero(keep))) or "none"))
     if prune_share:
         notes.append(f"pruned: the lowest KV-group ablation loss increases on {scores.prune_tokens} tokens of the "
                      f"built-in evaluation text")
-    return KVPlan(plan.modes, plan.sinks, plan.recent, plan.n_heads, plan.model, tuple(notes))
+    return plan.with_modes(plan.modes, *notes)
 
 
-def check_plan_options(geometry: HeadGeometry, *, window_share: float, prune_share: float, sinks: int,
-                       recent: int) -> None:
+def check_plan_options(geometry: HeadGeometry, *, window_share: float, prune_share: float) -> None:
     """The plan's options checked before anything is measured (plan_kv's own checks, on zero scores)."""
     zeros = np.zeros((geometry.n_layers, geometry.n_kv_heads))
-    plan_kv(geometry, zeros, window_share=window_share, prune_scores=zeros, prune_share=prune_share, sinks=sinks,
-            recent=recent)
+    plan_kv(geometry, zeros, window_share=window_share, prune_scores=zeros, prune_share=prune_share)
+
+
+def plan_kv(geometry: HeadGeometry, streaming: np.ndarray, *, window_share: float = 0.5,
+            prune_scores: np.ndarray | None = None, prune_share: float = 0.0, keep: np.ndarray | None = None,
+            window: Window = Window(), model: str = "") -> KVPlan:
+    """A plan from scores [L, Hkv]: first the `prune_share` of KV heads with the lowest `prune_scores` are
+    pruned (higher = needed more, e.g. the long-context probes' drop), then the `window_share` of KV heads
+    with the lowest `streaming` score (higher = needs the full context) among the rest are windowed.
+    `keep` [L, Hkv] bool: heads that stay full whatever their scores (e.g. retrieval heads). Ties break
+    by (layer, head), so plans are deterministic."""
+    shape = (geometry.n_layers, geometry.n_kv_heads)
+    s = _scores(streaming, shape, "streaming scores")
+    keep = np.zeros(shape, bool) if keep is None else np.asarray(keep, bool)
+    if keep.shape != shape:
+        raise InputError(f"The heads to keep must be [{shape[0]}, {shape[1]}]; got {list(keep.shape)}.")
+    for share, what in ((window_share, "window share"), (prune_share, "prune share")):
+        if not 0.0 <= float(share) <= 1.0:
+            raise InputError(f"The {what} is a fraction of the KV heads, 0 to 1; got {share}.")
+    if window_share + prune_share > 1.0 + 1e-12:
+        raise InputError(f"Windowing {window_share:.0%} and pruning {prune_share:.0%} of the KV heads is more than all.")
+    modes = np.zeros(shape, np.int8)
+    n = s.size
+    free = ~keep.ravel()
+    if prune_share:
+        if prune_scores is None:
+            raise InputError("Pruning KV heads needs their importance (prune_scores).")
+        p = _scores(prune_scores, shape, "prune scores").ravel()
+        order = [i for i in np.lexsort((np.arange(n), p)) if free[i]]
+        for i in order[:int(np.floor(prune_share * n))]:
+            modes.flat[i] = PRUNE
+        free &= modes.ravel() != PRUNE
+    order = [i for i in np.lexsort((np.arange(n), s.ravel())) if free[i]]
+    for i in order[:int(np.floor(window_share * n))]:
+        modes.flat[i] = WINDOW
+    return KVPlan(modes, window_of(window), geometry.n_heads, model)
+
+
+def _scores(values, shape, what: str) -> np.ndarray:
+    a = np.asarray(values, dtype=np.float64)
+    if a.shape != shape:
+        raise InputError(f"The {what} must be [{shape[0]}, {shape[1]}] (layers x KV heads); got {list(a.shape)}.")
+    if not np.isfinite(a).all():
+        raise InputError(f"The {what} contain NaN or infinity.")
+    return a
 
 
 def kv_heads_summary(scores: KVScores, group_size: int) -> dict:
@@ -145,5 +188,5 @@ def kv_heads_summary(scores: KVScores, group_size: int) -> dict:
     return out
 
 
-__all__ = ["KVScores", "measure_kv_scores", "group_importance", "plan_from_scores", "retrieval_keep",
+__all__ = ["KVScores", "measure_kv_scores", "group_importance", "plan_kv", "plan_from_scores", "retrieval_keep",
            "check_plan_options", "kv_heads_summary", "KV_HEADS_MARKERS", "per_kv"]

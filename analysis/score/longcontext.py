@@ -1,8 +1,8 @@
 """What a cut does at long context: the long-context probes, dense vs a cut, per probe x length x depth.
 
-The cut is one of: a head mask pruned [L, H] (gates through analysis.arch.head_gates), a KV plan (per KV
-head full / window / prune, analysis.score.kvplan: the passes run inside `applied`), or a model of its own
-(an export folder loaded with analysis.compress.export.load_pruned, a recovered model, a stock checkpoint).
+The cut is an analysis.arch.cut.Cut: a head mask (gates through analysis.arch.head_gates, batched), a KV plan
+(per KV head full / window / prune: the passes run inside `cut.running`, the masked path), or a model of its
+own (an export folder read back with its plan, a recovered model, a stock checkpoint).
 Both sides read the same items (analysis.measure.probes.longcontext: rows of exactly `length` tokens, the
 same keys and text at every depth) with the same bootstrap seed, so their resamples are paired; a cell
 (probe, length, depth, and "all" depths) is **lost** when the cut's accuracy CI lies below the dense
@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from analysis.core.errors import InputError
+from analysis.arch.cut import Cut
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.probes.breaks import compare
@@ -135,38 +132,21 @@ def _ci(row: dict, mean: str, low: str, high: str) -> str:
     return f"{row[mean]:.3f} [{row[low]:.3f}, {row[high]:.3f}]"
 
 
-def _cut_of(loaded, pruned, plan, model) -> tuple[str | None, dict | None]:
-    given = [name for name, v in (("mask", pruned), ("plan", plan), ("model", model)) if v is not None]
-    if len(given) > 1:
-        raise InputError(f"Give one cut: a mask, a KV plan or a model (not {' and '.join(given)}).")
-    if not given:
-        return None, None
-    if given[0] == "mask":
-        p = np.asarray(pruned, dtype=bool)
-        return "mask", dict(kind="mask", n_pruned=int(p.sum()))
-    if given[0] == "plan":
-        plan.check_geometry(loaded.geometry)
-        return "plan", dict(kind="kv-plan", describe=plan.describe(), sinks=plan.sinks, recent=plan.recent,
-                            counts=plan.counts())
-    return "model", dict(kind="model")
-
-
 def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=DEFAULT_DEPTHS, *,
-                        n_items: int = DEFAULT_SEQUENCES, pruned=None, plan=None, model=None, dense: dict | None = None,
-                        built: dict | None = None, seed: int = 0, bos: str = "auto", cut_info: dict | None = None,
-                        progress: Progress | None = None, should_stop: ShouldStop | None = None,
-                        per_row: dict | None = None, running=None) -> LongContextReport:
+                        n_items: int = DEFAULT_SEQUENCES, cut: Cut | None = None, dense: dict | None = None,
+                        built: dict | None = None, seed: int = 0, bos: str = "auto", progress: Progress | None = None,
+                        should_stop: ShouldStop | None = None, per_row: dict | None = None) -> LongContextReport:
     """The long-context probes `probes` (None: all) at `lengths` x `depths` on the dense `loaded.model`, and
-    (given one) on a cut: `pruned` [L, H] mask, a KVPlan `plan`, or a `model` of its own. dense: scores from an
-    earlier report (`LongContextReport.dense`), reused where the items are the same. built: items from
+    (given one) on a `cut` (analysis.arch.cut.Cut: a mask, a KV plan, or a model of its own). dense: scores
+    from an earlier report (`LongContextReport.dense`), reused where the items are the same. built: items from
     analysis.measure.probes.longcontext.build_long (else built here). per_row: length -> seconds of one row
-    (`row_seconds`), so progress fractions follow the time. running: with `model`, a context the model's passes
-    run inside (an export read back with its KV plan: analysis.compress.kvruntime.KVPlanModel.running). InputError
-    before any pass for a length above the model's limit (or the cut model's), a bad depth, a plan of another model."""
-    what, info = _cut_of(loaded, pruned, plan, model)
+    (`row_seconds`), so progress fractions follow the time. InputError before any pass for a length above the
+    model's limit (or the cut model's), a bad depth, a cut of another model."""
+    if cut is not None:
+        cut.check(loaded.geometry)
     limit = context_length(loaded.model, default=2**31)
-    if what == "model":
-        limit = min(limit, context_length(model, default=2**31))
+    if cut is not None and cut.kind == "model":
+        limit = min(limit, context_length(cut.model, default=2**31))
     if built is None:
         built = build_long(probes, loaded.tokenizer, loaded.kind, lengths, depths=depths, n_items=n_items, seed=seed,
                            bos=bos, limit=limit)
@@ -174,46 +154,41 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
         check_lengths([length for _, length in built], limit)
     keys = {k: items_key(k[0], k[1], items) for k, (_, _, items) in built.items()}
     dense = dict(dense or {})
-    work = report_work(built, dense, cut=what is not None)
+    work = report_work(built, dense, cut=cut is not None)
     todo = {k: built[k] for k in built if keys[k] not in dense}
     weight = {k: (per_row or {}).get(k[1], float(k[1])) * built[k][2].ids.shape[0] for k in built}
-    dense_w, cut_w = sum(weight[k] for k in todo), (sum(weight.values()) if what is not None else 0.0)
+    dense_w, cut_w = sum(weight[k] for k in todo), (sum(weight.values()) if cut is not None else 0.0)
     dense_share = dense_w / (dense_w + cut_w) if dense_w + cut_w else 1.0
     t0 = time.perf_counter()
     if todo:
         scores = measure_long(loaded.model, todo, seed=seed, should_stop=should_stop, weights=weight,
                               progress=scaled(progress, 0.0, dense_share))
         dense.update({keys[k]: s for k, s in scores.items()})
-    cut = None
-    if what is not None:
+    measured = None
+    if cut is not None:
         part = scaled(progress, dense_share, 1.0)
-        if what == "mask":
-            cut = measure_long(loaded.model, built, gates=gate_batch(loaded.model, None, pruned), seed=seed,
-                               progress=part, should_stop=should_stop, weights=weight)
-        elif what == "plan":
-            from analysis.score.kvplan import applied
-            with applied(loaded.model, plan, adapter=loaded.adapter):
-                cut = measure_long(loaded.model, built, seed=seed, progress=part, should_stop=should_stop,
-                                   weights=weight)
+        if cut.kind == "mask":                                            # gates batched in the same passes
+            measured = measure_long(loaded.model, built, gates=gate_batch(loaded.model, None, cut.mask), seed=seed,
+                                    progress=part, should_stop=should_stop, weights=weight)
         else:
-            with running() if running is not None else nullcontext():
-                cut = measure_long(model, built, seed=seed, progress=part, should_stop=should_stop, weights=weight)
+            with cut.running(loaded.model, adapter=loaded.adapter) as model:
+                measured = measure_long(model, built, seed=seed, progress=part, should_stop=should_stop,
+                                        weights=weight)
     changes = []
     for k in built:
         d = dense[keys[k]]
         for label in [ALL] + [lab for lab in d if lab != ALL]:
-            if cut is None:
+            if measured is None:
                 s = d[label]
                 changes.append(LongChange(s.name, s.label, k[1], label, s.row()))
             else:
-                ch = compare(d[label], cut[k][label])
+                ch = compare(d[label], measured[k][label])
                 changes.append(LongChange(ch.name, ch.label, k[1], label, ch.dense, ch.cut, ch.lost, ch.at_chance))
     used_depths = tuple(dict.fromkeys(d for (_, p, _) in built.values() for d in p.depths))
     used_lengths = tuple(dict.fromkeys(length for _, length in built))
     notes = tuple(n for (_, _, items) in built.values() for n in items.notes)
     return LongContextReport(changes, {keys[k]: dense[keys[k]] for k in built}, used_lengths, used_depths, limit,
-                             None if what is None else {**info, **(cut_info or {})},
-                             work, time.perf_counter() - t0, notes)
+                             None if cut is None else cut.as_dict(), work, time.perf_counter() - t0, notes)
 
 
 def report_work(built: dict, dense: dict | None = None, *, cut: bool = False) -> LongWork:

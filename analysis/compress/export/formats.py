@@ -72,9 +72,9 @@ class ExportFormat:
     # False: the format has its own precision (ONNX float32, a GGUF type)
     keeps_dtype: ClassVar[bool] = False
     # what the format's runtime does with a KV plan's windowed heads (one line in the export's notes when a plan
-    # is given); the default: headscope's PyTorch runtime runs them (analysis.compress.export.kvfile.load_planned)
+    # is given); the default: headscope's PyTorch runtime runs them (analysis.compress.export.planned.load_planned)
     kv_windows: ClassVar[str] = ("the windowed KV heads run in headscope's PyTorch runtime: load the folder with "
-                                 "analysis.compress.export.kvfile.load_planned (compact KV cache)")
+                                 "analysis.compress.export.planned.load_planned (compact KV cache)")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

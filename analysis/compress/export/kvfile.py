@@ -11,9 +11,9 @@ whole group), and a group the mask removes is written as pruned (`plan_for_expor
 and no mask cuts the plan's own pruned heads.
 
 Which runtimes honour the windows is each format's `kv_windows` line (analysis.compress.export.formats):
-headscope's PyTorch runtime for the PyTorch formats (`load_planned(folder)`: the model, its windows on the
-file's heads, the compact cache), none for ONNX Runtime and llama.cpp (they run every head full; the file
-still holds the cut).
+headscope's PyTorch runtime for the PyTorch formats (analysis.compress.export.planned.load_planned(folder):
+the model, its windows on the file's heads, the compact cache), none for ONNX Runtime and llama.cpp (they
+run every head full; the file still holds the cut).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 from analysis.arch.geometry import HeadGeometry
 from analysis.compress.surgery import HeadLayout
 from analysis.core.errors import InputError
-from analysis.score.kvplan import KV_PLAN_FILE, MODES, PRUNE, KVPlan, read_kv_plan
+from analysis.arch.kvplan import KV_PLAN_FILE, MODES, PRUNE, KVPlan, read_kv_plan
 
 
 def plan_for_export(plan: KVPlan, pruned, geometry: HeadGeometry) -> tuple[KVPlan, np.ndarray, list[str]]:
@@ -47,8 +47,7 @@ def plan_for_export(plan: KVPlan, pruned, geometry: HeadGeometry) -> tuple[KVPla
     if added.any():
         modes = plan.modes.copy()
         modes[added] = PRUNE
-        plan = KVPlan(modes, plan.sinks, plan.recent, plan.n_heads, plan.model,
-                      plan.notes + (f"{int(added.sum())} KV heads the mask removes written as pruned",))
+        plan = plan.with_modes(modes, f"{int(added.sum())} KV heads the mask removes written as pruned")
         notes.append(f"kv_plan.json: {int(added.sum())} KV heads the mask removes are written as pruned.")
     return plan, mask, notes
 
@@ -67,7 +66,10 @@ def write_kv_plan(folder: Path, plan: KVPlan, layout: HeadLayout | None) -> None
 
 
 def has_kv_plan(folder) -> bool:
-    return (Path(folder) / KV_PLAN_FILE).exists()
+    """Whether the folder holds a kv_plan.json entry, a broken link included (its reader then says what is
+    wrong: a plan is never silently dropped)."""
+    import os
+    return os.path.lexists(Path(folder) / KV_PLAN_FILE)
 
 
 def read_export_plan(folder, *, geometry: HeadGeometry | None = None, layout: HeadLayout | None = None) -> KVPlan:
@@ -84,26 +86,3 @@ def read_export_plan(folder, *, geometry: HeadGeometry | None = None, layout: He
             raise InputError(f"{KV_PLAN_FILE} in {folder} prunes KV heads its model keeps: it is another export's plan. "
                              f"Export again with the plan.")
     return plan
-
-
-def load_planned(folder, *, dtype=None, trust_remote_code: bool = False):
-    """A PyTorch export folder with its kv_plan.json as a ready `analysis.compress.kvruntime.KVPlanModel`:
-    pruned / stock exports through `load_pruned` (their heads mapped by head_layout.json, the weights in the
-    dtype they were written in), a zeroed export (full shapes) loaded (`dtype`, default float32) and cut as
-    the plan says. Run it inside `.running()` with `.cache()`."""
-    from analysis.compress.export.pruned import has_layout, load_pruned, read_layout
-    from analysis.compress.kvruntime import KVPlanModel, kv_plan_model, map_windows
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise InputError(f"{folder} holds no PyTorch model (config.json); an ONNX or GGUF export runs in its own "
-                         f"runtime, which runs every head full. load_planned reads the pruned, stock and zeroed "
-                         f"formats.")
-    if has_layout(folder):
-        layout = read_layout(folder)
-        plan = read_export_plan(folder, layout=layout)
-        model = load_pruned(folder, trust_remote_code=trust_remote_code)
-        return KVPlanModel(model, map_windows(plan, layout), layout, plan)
-    from analysis.arch.models import load_model
-    plan = read_kv_plan(folder)                       # the file's own checks before any weights are read
-    loaded = load_model(str(folder), dtype=dtype or "float32", trust_remote_code=trust_remote_code)
-    return kv_plan_model(loaded.model, plan.check_geometry(loaded.geometry))

@@ -38,6 +38,7 @@ import torch
 from analysis.compress.recover.distill import MAX_STEPS, DistillConfig, DistillResult, distill, with_steps
 from analysis.core.errors import InputError, check_whole_number
 from analysis.core.text import check_max_tokens
+from analysis.arch.cut import Cut
 from analysis.measure.evaluation import evaluate
 from analysis.arch.head_gates import gates_from_mask, zero_heads
 from analysis.score.masks import GQA_POLICIES, POLICIES, default_policy, feasible_counts, heads_to_prune, plan_mask
@@ -197,7 +198,7 @@ class PipelineResult:
 
 
 def _measure(loaded, model, text, config: PipelineConfig, should_stop: ShouldStop):
-    return evaluate(replace(loaded, model=model), text, max_tokens=config.eval_tokens, should_stop=should_stop)
+    return evaluate(loaded, text, cut=Cut.of_model(model), max_tokens=config.eval_tokens, should_stop=should_stop)
 
 
 def _over_budget(value: float, budget: float | None) -> bool:

@@ -32,6 +32,7 @@ from analysis.compress.recover.pipeline import PipelineConfig, PipelineResult, e
 from analysis.core.progress import Progress, ShouldStop
 from analysis.score.masks import plan_mask, surgery_counts
 from analysis.score.scoring import get_scorer
+from analysis.arch.cut import Cut
 from analysis.arch.models import count_parameters
 from analysis.compress.speed import decode_step, alternating_times, forward_flops, saved_bytes
 from analysis.core.threads import torch_threads
@@ -289,7 +290,7 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
             flagged(stage, cut, metric=True)
         stages.append(stage if recovering else flagged(stage, stages[-1], times=True, sizes=True))
         if check is not None:
-            capabilities.append(check.stage(name, r.sparsity, model=model))
+            capabilities.append(check.stage(name, r.sparsity, Cut.of_model(model, info=dict(stage=name))))
         if on_round is not None:
             on_round(r, model, mask)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from analysis.arch.cut import Cut
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length
@@ -129,17 +130,18 @@ def dense_scores(loaded, built: dict, *, seed: int = 0, progress: Progress | Non
     return measure_probes(loaded.model, built, seed=seed, progress=progress, should_stop=should_stop, team=team)
 
 
-def cut_report(loaded, *, pruned=None, model=None, built: dict | None = None, skipped: dict | None = None,
+def cut_report(loaded, cut: Cut, *, built: dict | None = None, skipped: dict | None = None,
                dense: dict | None = None, names=None, options: dict | None = None, seed: int = 0,
                progress: Progress | None = None, should_stop: ShouldStop | None = None, team=None) -> CutReport:
-    """Dense vs cut for a mask pruned [L, H] on `loaded.model`, or for a `model` of its own (e.g. recovered);
-    `built` / `dense`: items and dense scores computed before (e.g. cached), else computed here."""
-    if (pruned is None) == (model is None):
-        raise InputError("Give the cut either as a mask (pruned) or as a model, not both / neither.")
+    """Dense vs a `cut` (analysis.arch.cut.Cut: a mask on `loaded.model`, a KV plan, or a model of its own, e.g.
+    recovered); `built` / `dense`: items and dense scores computed before (e.g. cached), else computed here."""
+    if not isinstance(cut, Cut):
+        raise InputError("Give the cut to compare with the dense model (a mask, a KV plan or a model).")
+    cut.check(loaded.geometry)
     if built is None:
         built, skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
-    if pruned is not None and dense is None:                           # dense and cut in the same passes
-        p = np.asarray(pruned, dtype=bool)
+    if cut.kind == "mask" and dense is None:                           # dense and cut in the same passes
+        p = cut.mask
         both = measure_probes(loaded.model, built, pruned=np.stack([np.zeros_like(p), p]), seed=seed,
                               progress=progress, should_stop=should_stop, team=team)
         return CutReport([compare(s, s, 1, 0) for s in both.values()], dict(skipped or {}))
@@ -147,9 +149,13 @@ def cut_report(loaded, *, pruned=None, model=None, built: dict | None = None, sk
         dense = dense_scores(loaded, built, seed=seed, progress=scaled(progress, 0.0, 0.5), should_stop=should_stop,
                              team=team)
         progress = scaled(progress, 0.5, 1.0)
-    cut = measure_probes(loaded.model if model is None else model, built, pruned=pruned, seed=seed,
-                         progress=progress, should_stop=should_stop, team=team)
-    return CutReport([compare(dense[n], cut[n]) for n in cut if n in dense], dict(skipped or {}))
+    if cut.kind == "mask":
+        measured = measure_probes(loaded.model, built, pruned=cut.mask, seed=seed, progress=progress,
+                                  should_stop=should_stop, team=team)
+    else:
+        with cut.running(loaded.model, adapter=loaded.adapter) as model:
+            measured = measure_probes(model, built, seed=seed, progress=progress, should_stop=should_stop, team=team)
+    return CutReport([compare(dense[n], measured[n]) for n in measured if n in dense], dict(skipped or {}))
 
 
 class CapabilityCheck:
@@ -166,11 +172,11 @@ class CapabilityCheck:
             self.built, self.skipped = {}, {"all": str(err)}
         self.dense = dense_scores(loaded, self.built, seed=seed, should_stop=should_stop) if self.built else {}
 
-    def stage(self, name: str, sparsity: float, *, model=None, pruned=None) -> dict:
+    def stage(self, name: str, sparsity: float, cut: Cut) -> dict:
         out = dict(stage=name, sparsity=float(sparsity))
         if not self.built:
             return dict(out, probes=[], lost=[], warnings=[], skipped=self.skipped)
-        rep = cut_report(self.loaded, model=model, pruned=pruned, built=self.built, skipped=self.skipped,
+        rep = cut_report(self.loaded, cut, built=self.built, skipped=self.skipped,
                          dense=self.dense, seed=self.seed, should_stop=self.should_stop)
         return dict(out, **rep.as_dict())
 

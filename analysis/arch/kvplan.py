@@ -1,24 +1,26 @@
-"""Per-head KV policies: for every (layer, KV head) one of full / window / prune, next to the mask.
+"""Per-KV-head plans: for every (layer, KV head) one of full / window / prune, next to the mask.
 
 - **full**: the head keeps its whole KV cache and reads every earlier token (a retrieval head).
-- **window**: it keeps `sinks` first tokens and the `recent` latest ones (a streaming head; the band is
-  analysis.arch.spans's rule, one definition), so its cache stops growing at sinks + recent tokens.
+- **window**: it keeps the plan's `Window` (analysis.arch.window: `sinks` first tokens + `recent` latest
+  ones, one rule), so its cache stops growing at sinks + recent tokens (a streaming head).
 - **prune**: the KV head and every query head of its group go (the mask's KV-group rule: a pruned KV
   head is a groups-policy cut of that group; analysis.score.masks).
 
+The modes are declared once, here (`KV_MODES`: name, one-letter code, what the head keeps); the schema of
+kv_plan.json, the app's grid, its URL letters and its colours all read them from this table.
+
 The unit is the KV head (GQA-aware: its G query heads share its keys and values, so they share its
-policy); on MHA models a KV head is a head. `sinks` and `recent` are the plan's own, the same for every
-windowed head (DuoAttention's setting).
+policy); on MHA models a KV head is a head. The window is the plan's own, the same for every windowed head
+(DuoAttention's setting).
 
 `KVPlan` is the one record: arrays for the code, `kv_plan.json` for the user (written with an export,
 read back with the model's geometry checked: a plan from another model, a head that does not exist or
 an unknown policy name is one line). `kv_bytes` is what the KV cache holds at a context; `applied` runs
-a model under the plan (head mask for the pruned heads, attention spans for the windowed ones).
+a model under the plan (head mask for the pruned heads, attention spans for the windowed ones). The
+planners that make a plan from head scores live in analysis.score.kvscores.
 
-Planners turn head scores into a plan (`plan_kv`): the KV heads with the lowest streaming score
-(analysis.measure: how much a head's output changes when it sees only sinks + a recent window) are
-windowed, the ones that matter least to the long-context probes / retrieval may be pruned; retrieval
-heads stay full.
+Light: numpy and the window only (the CLI's parser and the app's URL read the modes); torch is imported
+inside `applied`.
 """
 from __future__ import annotations
 
@@ -30,37 +32,65 @@ from pathlib import Path
 import numpy as np
 
 from analysis.arch.geometry import HeadGeometry
+from analysis.arch.window import Window, window_of
 from analysis.core import schemas
 from analysis.core.errors import InputError
-from analysis.measure.long_options import DEFAULT_RECENT, DEFAULT_SINKS
 
-MODES = ("full", "window", "prune")
-FULL, WINDOW, PRUNE = 0, 1, 2
+
+@dataclass(frozen=True)
+class KVMode:
+    """One policy a KV head can have: its code in `KVPlan.modes`, name, one-letter code, what it keeps."""
+    code: int
+    name: str
+    letter: str
+    keeps: str
+
+
+KV_MODES: tuple[KVMode, ...] = (
+    KVMode(0, "full", "f", "every token"),
+    KVMode(1, "window", "w", "sink + recent tokens"),
+    KVMode(2, "prune", "p", "nothing (the KV head and its query heads are removed)"),
+)
+MODES = tuple(m.name for m in KV_MODES)          # ("full", "window", "prune"): index == code
+FULL, WINDOW, PRUNE = (m.code for m in KV_MODES)
 KV_PLAN_FILE = "kv_plan.json"
 KV_PLAN_FORMAT = 1
+
+KV_PLAN_SCHEMA = {
+    "type": "object",
+    "required": ["n_layers", "n_heads", "n_kv_heads", "sinks", "recent", "modes"],
+    "properties": {
+        "model": schemas.TEXT, "tool": schemas.TEXT, "format": {"type": "integer", "minimum": 1},
+        "n_layers": schemas.count(schemas.MAX_LAYERS), "n_heads": schemas.count(schemas.MAX_HEADS),
+        "n_kv_heads": schemas.count(schemas.MAX_HEADS),
+        "sinks": {"type": "integer", "minimum": 0, "maximum": 2**31},
+        "recent": {"type": "integer", "minimum": 0, "maximum": 2**31},   # 0: refused in words by Window
+        "modes": {"type": "array", "minItems": 1, "maxItems": schemas.MAX_LAYERS,
+                  "items": {"type": "array", "minItems": 1, "maxItems": schemas.MAX_HEADS,
+                            "items": {"enum": list(MODES)}}},
+        "counts": {"type": "object"},
+        "notes": {"type": "array", "maxItems": 64, "items": schemas.TEXT},
+    },
+}
 
 
 @dataclass(frozen=True)
 class KVPlan:
-    """modes [L, Hkv] (0 full, 1 window, 2 prune), the window's band, and the model it was made for."""
+    """modes [L, Hkv] (KV_MODES' codes), the window of the windowed heads, and the model it was made for."""
     modes: np.ndarray
-    sinks: int = DEFAULT_SINKS
-    recent: int = DEFAULT_RECENT
+    window: Window = field(default_factory=Window)
     n_heads: int = 0                    # query heads per layer of the model (0: H = Hkv, MHA)
     model: str = ""
     notes: tuple = field(default_factory=tuple)
 
     def __post_init__(self):
-        from analysis.arch.spans import check_band
         m = np.asarray(self.modes)
         if m.ndim != 2 or not m.size:
             raise InputError(f"A KV plan is one row of policies per layer; got shape {list(m.shape)}.")
-        if not np.isin(m, (FULL, WINDOW, PRUNE)).all():
+        if not np.isin(m, [k.code for k in KV_MODES]).all():
             raise InputError(f"A KV plan holds only {', '.join(MODES)}.")
         object.__setattr__(self, "modes", m.astype(np.int8))
-        sinks, recent = check_band(self.sinks, self.recent)
-        object.__setattr__(self, "sinks", sinks)
-        object.__setattr__(self, "recent", recent)
+        object.__setattr__(self, "window", window_of(self.window))
         H = self.n_heads or m.shape[1]
         if H % m.shape[1]:
             raise InputError(f"{H} query heads do not split into {m.shape[1]} KV groups.")
@@ -80,7 +110,7 @@ class KVPlan:
         return self.n_heads // self.n_kv_heads
 
     @property
-    def window(self) -> np.ndarray:
+    def windowed(self) -> np.ndarray:
         """[L, Hkv] bool: windowed KV heads."""
         return self.modes == WINDOW
 
@@ -89,16 +119,21 @@ class KVPlan:
         """[L, Hkv] bool: pruned KV heads."""
         return self.modes == PRUNE
 
+    @property
+    def is_full(self) -> bool:
+        """Every KV head full: the dense model."""
+        return not self.modes.any()
+
     def pruned_heads(self) -> np.ndarray:
         """[L, H] bool: the query heads the plan prunes (every head of a pruned KV head's group)."""
         return np.repeat(self.pruned_kv, self.group_size, axis=1)
 
     def counts(self) -> dict[str, int]:
-        return {name: int((self.modes == code).sum()) for code, name in enumerate(MODES)}
+        return {m.name: int((self.modes == m.code).sum()) for m in KV_MODES}
 
     def kept_tokens(self, context: int) -> np.ndarray:
         """[L, Hkv] tokens each KV head holds in its cache after `context` tokens."""
-        per_mode = np.array([context, min(context, self.sinks + self.recent), 0])   # full, window, prune
+        per_mode = np.array([context, self.window.kept(context), 0])          # by code: full, window, prune
         return per_mode[self.modes]
 
     def kv_bytes(self, context: int, *, head_dim: int, dtype_bytes: int = 4, batch: int = 1) -> int:
@@ -111,8 +146,12 @@ class KVPlan:
 
     def describe(self) -> str:
         c = self.counts()
-        return (f"{c['full']} full, {c['window']} windowed ({self.sinks} sink + {self.recent} recent tokens), "
-                f"{c['prune']} pruned of {self.modes.size} KV heads")
+        return (f"{c['full']} full, {c['window']} windowed ({self.window.describe()}), {c['prune']} pruned of "
+                f"{self.modes.size} KV heads")
+
+    def with_modes(self, modes: np.ndarray, *notes: str) -> "KVPlan":
+        """The same plan (window, model) with other modes, the notes added."""
+        return KVPlan(modes, self.window, self.n_heads, self.model, self.notes + tuple(notes))
 
     # ---- checks ------------------------------------------------------------------------------------
     def check_geometry(self, geometry: HeadGeometry) -> "KVPlan":
@@ -133,7 +172,7 @@ class KVPlan:
     # ---- JSON ----------------------------------------------------------------------------------------
     def as_dict(self) -> dict:
         return dict(format=KV_PLAN_FORMAT, tool="headscope", model=self.model, n_layers=self.n_layers,
-                    n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, sinks=self.sinks, recent=self.recent,
+                    n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, **self.window.as_dict(),
                     modes=[[MODES[c] for c in row] for row in self.modes.tolist()], counts=self.counts(),
                     notes=list(self.notes))
 
@@ -145,7 +184,7 @@ class KVPlan:
         fix = "write the plan again (headscope kv-plan, or the app's Long context page)"
         if isinstance(data, dict) and isinstance(data.get("format"), int) and data["format"] > KV_PLAN_FORMAT:
             raise InputError(f"{KV_PLAN_FILE} has format {data['format']}; this headscope reads up to {KV_PLAN_FORMAT}.")
-        schemas.check(data, schemas.KV_PLAN_SCHEMA, KV_PLAN_FILE, fix)
+        schemas.check(data, KV_PLAN_SCHEMA, KV_PLAN_FILE, fix)
         L, Hkv = data["n_layers"], data["n_kv_heads"]
         rows = data["modes"]
         if len(rows) != L or any(len(r) != Hkv for r in rows):
@@ -154,7 +193,7 @@ class KVPlan:
                              + (f"{len(rows)} layers" if len(rows) != L else f"{len(rows[bad])} heads in layer {bad}")
                              + f"; {fix}.")
         modes = np.array([[MODES.index(m) for m in r] for r in rows], dtype=np.int8)
-        plan = cls(modes, data["sinks"], data["recent"], data["n_heads"], data.get("model", ""),
+        plan = cls(modes, Window(data["sinks"], data["recent"]), data["n_heads"], data.get("model", ""),
                    tuple(data.get("notes", ())))
         return plan if geometry is None else plan.check_geometry(geometry)
 
@@ -185,7 +224,10 @@ def read_kv_plan(source, *, geometry: HeadGeometry | None = None) -> KVPlan:
         text = str(source)
         if not text.lstrip().startswith("{"):
             path = Path(text)
-            path = path / KV_PLAN_FILE if path.is_dir() else path
+            try:
+                path = path / KV_PLAN_FILE if path.is_dir() else path
+            except OSError:                           # a name the file system refuses (too long, ...): the reader says so
+                pass
             text = read_file_text(path, schemas.MAX_JSON_CHARS, what="The KV plan file", fix=fix)
         data = schemas.load_json_text(text, "The KV plan file", fix)
         if not isinstance(data, dict):
@@ -193,14 +235,31 @@ def read_kv_plan(source, *, geometry: HeadGeometry | None = None) -> KVPlan:
     return KVPlan.from_dict(data, geometry=geometry)
 
 
+def mode_rows(plan: KVPlan, kept_kv=None) -> list[np.ndarray]:
+    """[L][Hkv_l] int8 mode codes per layer: the plan's own rows, or (kept_kv: per layer the original KV head
+    each of a pruned twin's KV heads holds, analysis.compress.surgery.HeadLayout.kv_heads) the rows of the
+    twin's own KV heads. InputError if a twin keeps a KV head the plan prunes (the layout is not the plan's)."""
+    if kept_kv is None:
+        return [row.copy() for row in plan.modes]
+    rows = []
+    for l, kept in enumerate(kept_kv):
+        kept = np.asarray(kept, dtype=np.int64)
+        if plan.pruned_kv[l, kept].any():
+            raise InputError(f"Layer {l} of the pruned model keeps KV heads the KV plan prunes; the plan is not this "
+                             f"export's. Use the plan written with it.")
+        rows.append(plan.modes[l, kept].copy())
+    return rows
+
+
 @contextmanager
-def applied(model, plan: KVPlan | None, *, adapter=None):
+def applied(model, plan: KVPlan | None, *, adapter=None, compact: bool = False):
     """Inside the block `model` (of the plan's geometry) runs under `plan`: its pruned heads gated off
-    (analysis.arch.head_gates), its windowed KV heads on sinks + recent tokens (analysis.arch.spans).
-    None: the model as it is."""
+    (analysis.arch.head_gates), its windowed KV heads on the window (analysis.arch.spans). compact: the spans
+    kernel is on even without a window, so a compact cache (analysis.arch.kvcache.CompactCache of the plan's
+    rows) can serve the block. None: the model as it is."""
     from analysis.arch.adapters import adapter_for
     from analysis.arch.head_gates import gates_from_mask, head_mask
-    from analysis.arch.spans import windowed
+    from analysis.arch.spans import spans
     if plan is None:
         yield model
         return
@@ -209,50 +268,6 @@ def applied(model, plan: KVPlan | None, *, adapter=None):
     with ExitStack() as stack:
         if plan.pruned_kv.any():
             stack.enter_context(head_mask(model, gates_from_mask(plan.pruned_heads()), adapter=adapter))
-        if plan.window.any():
-            stack.enter_context(windowed(model, plan.window, sinks=plan.sinks, recent=plan.recent))
+        if plan.windowed.any() or (compact and not plan.is_full):
+            stack.enter_context(spans(model, windowed=plan.windowed, window=plan.window))
         yield model
-
-
-def plan_kv(geometry: HeadGeometry, streaming: np.ndarray, *, window_share: float = 0.5,
-            prune_scores: np.ndarray | None = None, prune_share: float = 0.0, keep: np.ndarray | None = None,
-            sinks: int = DEFAULT_SINKS, recent: int = DEFAULT_RECENT, model: str = "") -> KVPlan:
-    """A plan from scores [L, Hkv]: first the `prune_share` of KV heads with the lowest `prune_scores` are
-    pruned (higher = needed more, e.g. the long-context probes' drop), then the `window_share` of KV heads
-    with the lowest `streaming` score (higher = needs the full context) among the rest are windowed.
-    `keep` [L, Hkv] bool: heads that stay full whatever their scores (e.g. retrieval heads). Ties break
-    by (layer, head), so plans are deterministic."""
-    shape = (geometry.n_layers, geometry.n_kv_heads)
-    s = _scores(streaming, shape, "streaming scores")
-    keep = np.zeros(shape, bool) if keep is None else np.asarray(keep, bool)
-    if keep.shape != shape:
-        raise InputError(f"The heads to keep must be [{shape[0]}, {shape[1]}]; got {list(keep.shape)}.")
-    for share, what in ((window_share, "window share"), (prune_share, "prune share")):
-        if not 0.0 <= float(share) <= 1.0:
-            raise InputError(f"The {what} is a fraction of the KV heads, 0 to 1; got {share}.")
-    if window_share + prune_share > 1.0 + 1e-12:
-        raise InputError(f"Windowing {window_share:.0%} and pruning {prune_share:.0%} of the KV heads is more than all.")
-    modes = np.zeros(shape, np.int8)
-    n = s.size
-    free = ~keep.ravel()
-    if prune_share:
-        if prune_scores is None:
-            raise InputError("Pruning KV heads needs their importance (prune_scores).")
-        p = _scores(prune_scores, shape, "prune scores").ravel()
-        order = [i for i in np.lexsort((np.arange(n), p)) if free[i]]
-        for i in order[:int(np.floor(prune_share * n))]:
-            modes.flat[i] = PRUNE
-        free &= modes.ravel() != PRUNE
-    order = [i for i in np.lexsort((np.arange(n), s.ravel())) if free[i]]
-    for i in order[:int(np.floor(window_share * n))]:
-        modes.flat[i] = WINDOW
-    return KVPlan(modes, sinks, recent, geometry.n_heads, model)
-
-
-def _scores(values, shape, what: str) -> np.ndarray:
-    a = np.asarray(values, dtype=np.float64)
-    if a.shape != shape:
-        raise InputError(f"The {what} must be [{shape[0]}, {shape[1]}] (layers x KV heads); got {list(a.shape)}.")
-    if not np.isfinite(a).all():
-        raise InputError(f"The {what} contain NaN or infinity.")
-    return a
