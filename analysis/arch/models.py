@@ -154,11 +154,10 @@ def _hub_reachable(endpoint: str, _epoch: int) -> bool:
 
 
 def default_cache_dir() -> Path:
-    """headscope's cache root: $HEADSCOPE_CACHE, else $XDG_CACHE_HOME/headscope, else ~/.cache/headscope."""
-    if os.environ.get("HEADSCOPE_CACHE"):
-        return Path(os.environ["HEADSCOPE_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "headscope"
+    """headscope's cache root (analysis.core.store.cache_root: $HEADSCOPE_CACHE, else $XDG_CACHE_HOME/headscope,
+    else ~/.cache/headscope): converted built-ins here, stored results beside them."""
+    from analysis.core.store import cache_root
+    return cache_root()
 
 
 @contextlib.contextmanager

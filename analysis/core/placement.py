@@ -207,6 +207,36 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "mps" else torch.float32
 
 
+# CPU flags (Linux /proc/cpuinfo names) whose instructions multiply bfloat16 matrices natively: AVX-512 BF16
+# (AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids) and AMX (Intel Sapphire Rapids and later)
+FAST_BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(text: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo's first "flags" line (or `text`); empty where there is none."""
+    if text is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as stream:
+                text = stream.read(1 << 20)
+        except OSError:
+            return frozenset()
+    for line in text.splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def fast_bfloat16(device_type: str = "cpu", flags: frozenset[str] | None = None) -> bool:
+    """Whether bfloat16 matrix products are native here (faster than float32): a CUDA GPU with bfloat16, or a
+    CPU with one of FAST_BFLOAT16_FLAGS (`flags`: the CPU's, default cpu_flags())."""
+    if device_type == "cuda":
+        import torch
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device_type != "cpu":
+        return False
+    return any(f in (cpu_flags() if flags is None else flags) for f in FAST_BFLOAT16_FLAGS)
+
+
 @functools.lru_cache(maxsize=16)
 def _kernels_work(device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
     """None when a matmul, softmax and layer norm run in `dtype` on the device, else the error."""

@@ -172,6 +172,7 @@ class LongProbe(Probe):
         bos = self.bos_ids(vocab.tokenizer)
         rng, out, made = self.rng(), [], 0
         self._row_sequence, seen = [], set()                         # the sequence of each row, in layout order
+        self.needle_spans = []                       # per row: (start, end) of the asked needle in the row's ids
         for _ in range(4 * self.n_items):
             if made >= self.n_items:
                 break
@@ -188,11 +189,13 @@ class LongProbe(Probe):
             ends = sentence_ends(vocab.tokenizer, filler)
             for depth in self.depths:
                 needles = [(ids, depth if not s else (depth + s) % 1.0) for ids, s in p.needles]
-                body, _ = insert(filler, needles, ends)
+                body, starts = insert(filler, needles, ends)
                 tokens = tuple(p.head) + tuple(body.tolist()) + tuple(p.tail)
                 if tokens not in seen:                                # depths that land on one spot share a row
                     seen.add(tokens)
                     self._row_sequence.append(made)
+                    first = len(bos) + len(p.head) + starts[0]
+                    self.needle_spans.append((first, first + len(p.needles[0][0])))
                 start = len(p.head) + body.numel()
                 out += [Draft(tokens, start + at, contrast, depth_label(depth)) for at, contrast in p.reads]
             made += 1
@@ -399,9 +402,12 @@ def stop_between_layers(model, should_stop: ShouldStop | None, what: str = "The 
 
 
 def measure_long(model, built: dict, *, gates=None, seed: int = 0, progress=None,
-                 should_stop: ShouldStop | None = None, weights: dict | None = None) -> dict:
+                 should_stop: ShouldStop | None = None, weights: dict | None = None,
+                 values: dict | None = None) -> dict:
     """(name, length) -> depth_scores of `built` (build_long) on `model` under gates [B, L, H] (None: as it is;
-    wrap the call in a KV plan's `applied` for a plan). weights: (name, length) -> share of the time (progress)."""
+    wrap the call in a KV plan's `applied` for a plan). weights: (name, length) -> share of the time (progress).
+    values: a dict that gets (name, length) -> (diff [B, n], nll [B, n], seconds), the item values the scores
+    were made from (analysis.measure.longpass stores them)."""
     from analysis.core.progress import report, scaled
     keys = list(built)
     w = np.array([float((weights or {}).get(k, built[k][2].n_tokens)) for k in keys])
@@ -416,6 +422,9 @@ def measure_long(model, built: dict, *, gates=None, seed: int = 0, progress=None
             named = None if part is None else (lambda f, m, part=part, key=key:
                                                part(f, f"{key[0]} at {key[1]:,} tokens ({m.split(': ')[-1]})"))
             diff, nll = item_values(model, items, gates, progress=named, should_stop=should_stop)
-            out[key] = depth_scores(spec, probe, items, diff, nll, seed=seed, seconds=time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            out[key] = depth_scores(spec, probe, items, diff, nll, seed=seed, seconds=seconds)
+            if values is not None:
+                values[key] = (diff, nll, seconds)
     report(progress, 1.0, "long-context probes done")
     return out

@@ -1,0 +1,373 @@
+"""One dense long-context pass that feeds every long-context measure (issue 46).
+
+The long-context measures all run the dense model over long rows of built-in text: the retrieval detector
+(which head's top-1 key at each answer step is the needle token it copies), the streaming score (how much a
+window of sinks + recent tokens changes each KV head's output at rows beyond it), the long-context probes'
+dense side (the logit difference of each read digit or token). Run separately they read the same text three
+times. Here one pass per row records all three:
+
+- `ScanRow`: a row (its ids [T]), the positions read (each predicting a target token), the span of the needle
+  those targets come from, and the query rows the streaming score samples (analysis.measure.longheads.
+  query_rows). `recording(model, rows, window=...)` is a block inside which **any** forward whose input rows
+  are among `rows` (compared by their ids) gets the taps of analysis.measure.longheads (`_copy_tap`, the
+  retrieval detector's; `_window_tap`, the streaming score's: the same functions, on the same q / k / v) and
+  the model's own top-1 at the read positions; forwards of other inputs (a decode step, another row) pass
+  untouched. So whatever runs the passes decides their layout: `long_scan` runs the probes' own
+  `measure_long` inside the block, and the numbers it gives are the probes' dense numbers, unchanged.
+- `long_scan(model, built, window=..., queries=...)` -> `LongScan`: the long-context probes `built`
+  (analysis.measure.probes.longcontext.build_long) measured on the dense model, with the retrieval and the
+  streaming score read from the same passes, on the same rows (each row's asked needle is the retrieval
+  needle; its digits, or copied tokens, are the answer steps). `LongScan.dense(built)` is the probes' dense
+  side (what analysis.score.longcontext.long_context_report takes as `dense=`), `.retrieval()` and
+  `.streaming()` the two detectors' `Detection`s (the same fields as RetrievalDetector / StreamingDetector
+  give), `to_tree` / `from_tree` its stored form (analysis.core.store: the raw per-row and per-item values,
+  from which everything else is recomputed).
+
+Exactness: each number is computed by the same code from the same tensors as the separate run on the same
+rows (tests/test_longpass.py: the scan equals retrieval_scores, streaming_scores and measure_long, float64,
+exactly). The sums over rows follow the separate runs' order.
+
+A seam for more readers (RULER's dense answers: analysis/measure/ruler.py + harness.py, being built): a reader
+that runs its own forwards over rows (a prefill, then greedy decoding) calls them inside `recording(model,
+its ScanRows)`: its prefill of each row then feeds the retrieval and streaming taps too (its decode steps,
+one token each, are not rows and pass untouched), and its own outputs (generated answers) are its own to
+keep beside the scan's. Nothing else changes: rows are matched by their ids, not by who runs them.
+
+Precision: `precision="bfloat16"` runs the passes under torch.autocast (matmuls in bfloat16 where the CPU has
+the instructions: AVX-512 BF16 or AMX, analysis.core.placement.fast_bfloat16), the taps still in float32; a
+choice, with its effect measured beside it (bench/bench_long_minute.py, docs/results.md).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from analysis.arch.adapters import adapter_for
+from analysis.arch.spans import attention_layers, tapped
+from analysis.arch.window import Window, window_of
+from analysis.core.errors import InputError, check_whole_number
+from analysis.core.progress import Progress, ShouldStop
+from analysis.measure.headmaps import Detection
+from analysis.measure.long_options import (DEFAULT_QUERIES, MAX_QUERIES, RETRIEVAL_THRESHOLD,
+                                           STREAMING_THRESHOLD)
+from analysis.measure.longheads import _copy_tap, _own_window, _relative, _window_tap, per_kv, query_rows
+
+PRECISIONS = ("float32", "bfloat16")
+# the modules whose source computes a scan (their bytes are in a stored scan's key: analysis.core.store)
+SCAN_MODULES = ("analysis.measure.longpass", "analysis.measure.longheads", "analysis.measure.probes.longcontext",
+                "analysis.measure.probes.measure", "analysis.measure.probes.items", "analysis.measure.haystack",
+                "analysis.core.text", "analysis.arch.spans", "analysis.arch.window", "analysis.arch.attention")
+
+
+@dataclass(frozen=True)
+class ScanRow:
+    """One row a scan reads: ids [T]; reads [k] positions, each predicting targets[k]; the needle span
+    (start, end) the targets are copied from (None: no retrieval reads); queries [n] the streaming score's
+    query rows (None: none)."""
+    ids: torch.Tensor
+    reads: torch.Tensor
+    targets: torch.Tensor
+    needle: tuple[int, int] | None
+    queries: torch.Tensor | None
+
+    # the attributes analysis.measure.longheads' copy tap reads (a NeedleItem's)
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.reads
+
+    @property
+    def needle_start(self) -> int:
+        return int(self.needle[0])
+
+    @property
+    def needle_end(self) -> int:
+        return int(self.needle[1])
+
+
+@dataclass
+class Recorded:
+    """What `recording` gathered per row (index into its rows; None until the row's pass ran)."""
+    copy: list                   # [L, H] float64: share of the row's answer steps each head copies
+    top1: list                   # [k] bool: the model's own top-1 at each read is the target
+    stream_head: list            # [L, H] float64: mean relative output change under the window (per query head)
+    stream_kv: list              # [L, Hkv] float64: the same per KV head (its G query heads side by side)
+
+
+def _row_index(rows: list[ScanRow]) -> dict:
+    """bytes of a row's ids -> its index (rows with equal ids are one row)."""
+    out: dict = {}
+    for i, r in enumerate(rows):
+        out.setdefault(r.ids.to(torch.long).numpy().tobytes(), i)
+    return out
+
+
+@contextmanager
+def recording(model, rows: list[ScanRow], *, window: Window = Window(), retrieval: bool = True,
+              streaming: bool = True):
+    """Inside the block every forward of `model` whose input rows are among `rows` records them (module
+    docstring); yields the Recorded lists. Hooks and the tap are removed in finally."""
+    window = window_of(window)
+    geo = adapter_for(model).geometry(model)
+    modules = attention_layers(model)
+    own = [_own_window(m) for m in modules]
+    kept = [torch.ones(geo.n_heads, dtype=torch.float64) for _ in range(geo.n_layers)]
+    index = _row_index(rows)
+    n = len(rows)
+    rec = Recorded([None] * n, [None] * n, [None] * n, [None] * n)
+    current: list = []                                   # per batch row of the forward running: (row index, state)
+    head = model.get_output_embeddings()
+    if head is None or model.base_model is model:
+        raise InputError("A long-context scan reads a causal language model's predictions; this model has no "
+                         "language-model head.")
+
+    def identify(module, args, kwargs):
+        current.clear()
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            return
+        ids = x.detach().to("cpu", torch.long)
+        for j in range(ids.shape[0]):
+            i = index.get(ids[j].numpy().tobytes())
+            if i is None:                                # a padded row: its real tokens are a prefix
+                i = _padded(ids[j], rows, index)
+            current.append((i, {"hits": {}, "stream": {}}))
+
+    def tap(layer: int, query, key, value) -> None:
+        for j, (i, state) in enumerate(current):
+            if i is None:
+                continue
+            row = rows[i]
+            q, k, v = query[j:j + 1], key[j:j + 1], value[j:j + 1]
+            if retrieval and row.needle is not None and row.reads.numel():
+                _copy_tap(row, q.device, state["hits"], own)(layer, q, k, v)
+            if streaming and row.queries is not None:
+                _window_tap(row.queries, window, modules, kept, state["stream"])(layer, q, k, v)
+
+    def hidden_states(module, args, output):
+        hidden = output[0]                                               # [r, T, D] (the final norm's output)
+        for j, (i, _) in enumerate(current):
+            if i is None or not rows[i].reads.numel():
+                continue
+            picked = hidden[j, rows[i].reads.to(hidden.device)]          # [k, D]
+            top = head(picked).float().argmax(-1).cpu()                  # [k]
+            rec.top1[i] = (top == rows[i].targets).numpy()
+
+    def finished(module, args, kwargs, output):
+        for i, state in current:
+            if i is None:
+                continue
+            hits, stream = state["hits"], state["stream"]
+            if len(hits) == geo.n_layers:
+                rec.copy[i] = np.stack([hits[l].double().mean(-1).cpu().numpy() for l in range(geo.n_layers)])
+            if len(stream) == geo.n_layers:
+                G = geo.group_size
+                heads, kvs = [], []
+                for layer in range(geo.n_layers):
+                    diff, norm = stream[layer]
+                    heads.append(_relative(diff, norm).mean(-1).cpu().numpy())                      # [H]
+                    gd = diff.reshape(geo.n_kv_heads, G, -1).sum(1)                                  # [Hkv, n]
+                    gn = norm.reshape(geo.n_kv_heads, G, -1).sum(1)
+                    kvs.append(_relative(gd, gn).mean(-1).cpu().numpy())                            # [Hkv]
+                rec.stream_head[i], rec.stream_kv[i] = np.stack(heads), np.stack(kvs)
+        current.clear()
+
+    handles = [model.register_forward_pre_hook(identify, with_kwargs=True),
+               model.base_model.register_forward_hook(hidden_states),
+               model.register_forward_hook(finished, with_kwargs=True)]
+    try:
+        with tapped(model, tap):
+            yield rec
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _padded(ids: torch.Tensor, rows: list[ScanRow], index: dict) -> int | None:
+    """The row whose ids are a proper prefix of `ids` (a right-padded batch row), else None."""
+    for length in sorted({int(r.ids.numel()) for r in rows if r.ids.numel() < ids.numel()}, reverse=True):
+        i = index.get(ids[:length].numpy().tobytes())
+        if i is not None:
+            return i
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The long-context probes' rows, scanned
+# ---------------------------------------------------------------------------------------------
+
+def probe_rows(built: dict, *, window: Window = Window(), queries: int = DEFAULT_QUERIES) -> list[tuple]:
+    """[(key (name, length), row, ScanRow)] of every row of the probes `built`, in their order: the reads are the
+    row's scored items (their positions and correct tokens), the needle the probe's asked needle
+    (LongProbe.needle_spans), the queries `query_rows` of the row's length."""
+    window = window_of(window)
+    queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_QUERIES)
+    out = []
+    for key, (_, probe, items) in built.items():
+        spans = getattr(probe, "needle_spans", None)
+        if spans is None or len(spans) != items.ids.shape[0]:
+            raise InputError(f"The {key[0]} probe does not say where its needles are; a scan reads long-context "
+                             f"probes (passkey, needle, long-copying).")
+        scored = items.scored
+        for r in range(items.ids.shape[0]):
+            T = int(items.lengths[r])
+            mine = torch.nonzero((items.row == r) & scored).flatten()                 # [k] item indices
+            out.append((key, r, ScanRow(items.ids[r, :T].clone(), items.position[mine], items.correct[mine],
+                                        tuple(int(v) for v in spans[r]), query_rows(T, window, queries))))
+    return out
+
+
+@dataclass
+class LongScan:
+    """A scan's raw values (module docstring) and what they were measured with."""
+    keys: list                         # [(name, length)] of the probes, in order
+    rows: list                         # per row: (key index, row in that key's items, length, depth label)
+    copy: np.ndarray                   # [R, L, H] float64
+    stream_head: np.ndarray            # [R, L, H] float64
+    stream_kv: np.ndarray              # [R, L, Hkv] float64
+    top1: list                         # per row: [k] bool
+    values: dict                       # key index -> (diff [1, n], nll [1, n]) of the probe's items
+    seconds: dict                      # key index -> seconds of its passes
+    window: Window
+    queries: int
+    seed: int
+    group_size: int
+    precision: str = "float32"
+    total_seconds: float = 0.0
+    notes: tuple = field(default_factory=tuple)
+
+    # -- the measures -------------------------------------------------------------------------------
+    def dense(self, built: dict) -> dict:
+        """(name, length) -> {depth label: ProbeScore}: the probes' dense side of `built` (the items the scan
+        read; analysis.score.longcontext keys it by the items' digest for long_context_report's `dense=`)."""
+        from analysis.measure.probes.longcontext import depth_scores
+        out = {}
+        for k, key in enumerate(self.keys):
+            if key in built:
+                spec, probe, items = built[key]
+                diff, nll = self.values[k]
+                out[key] = depth_scores(spec, probe, items, diff, nll, seed=self.seed, seconds=self.seconds.get(k, 0.0))
+        return out
+
+    def retrieval(self) -> Detection:
+        """The retrieval score on the scanned rows (RetrievalDetector's Detection: share of answer steps at which
+        each head's top-1 key is the needle token it copies, mean over rows)."""
+        n = len(self.rows)
+        total = None
+        for i in range(n):
+            total = self.copy[i] if total is None else total + self.copy[i]
+        scores = total / n
+        accuracy = np.array([float(np.mean(t)) for t in self.top1])
+        lengths = sorted({r[2] for r in self.rows})
+        by_length = {L: float(np.mean([a for a, r in zip(accuracy, self.rows) if r[2] == L])) for L in lengths}
+        extras = dict(lengths=lengths, depths=self._depths(), seed=self.seed, n_items=n,
+                      answer_accuracy=float(accuracy.mean()), accuracy_by_length=by_length,
+                      kv_scores=per_kv(scores, self.group_size, "max"), rows=self.describe_rows())
+        return Detection("retrieval", scores, RETRIEVAL_THRESHOLD, "share of needle tokens copied", extras)
+
+    def streaming(self) -> Detection:
+        """The streaming score on the scanned rows (StreamingDetector's Detection: relative output change under
+        the window, per KV head, mean over the sampled query rows of every row)."""
+        L, H = self.stream_head.shape[1:]
+        kv_sum, head_sum = np.zeros(self.stream_kv.shape[1:]), np.zeros((L, H))
+        for i in range(len(self.rows)):
+            head_sum += self.stream_head[i]
+            kv_sum += self.stream_kv[i]
+        kv, head = kv_sum / len(self.rows), head_sum / len(self.rows)
+        extras = dict(lengths=sorted({r[2] for r in self.rows}), **self.window.as_dict(), queries=self.queries,
+                      n_sequences=len(self.rows), seed=self.seed, kv_scores=kv, head_scores=head,
+                      rows=self.describe_rows())
+        return Detection("streaming", np.repeat(kv, self.group_size, axis=1), STREAMING_THRESHOLD,
+                         "relative output change", extras)
+
+    def _depths(self) -> list:
+        return list(dict.fromkeys(r[3] for r in self.rows))
+
+    def describe_rows(self) -> str:
+        names = ", ".join(dict.fromkeys(k[0] for k in self.keys))
+        lengths = ", ".join(f"{n:,}" for n in dict.fromkeys(k[1] for k in self.keys))
+        return f"{len(self.rows)} rows of the long-context probes ({names}) at {lengths} tokens"
+
+    # -- stored form ---------------------------------------------------------------------------------
+    def to_tree(self) -> dict:
+        return dict(keys=[list(k) for k in self.keys], rows=[list(r) for r in self.rows], copy=self.copy,
+                    stream_head=self.stream_head, stream_kv=self.stream_kv, top1=list(self.top1),
+                    values={str(k): list(v) for k, v in self.values.items()},
+                    seconds={str(k): float(v) for k, v in self.seconds.items()}, window=self.window.as_dict(),
+                    queries=self.queries, seed=self.seed, group_size=self.group_size, precision=self.precision,
+                    total_seconds=self.total_seconds, notes=list(self.notes))
+
+    @classmethod
+    def from_tree(cls, t: dict) -> "LongScan":
+        keys = [(str(k[0]), int(k[1])) for k in t["keys"]]
+        copy, sh, skv = (np.asarray(t[n], dtype=np.float64) for n in ("copy", "stream_head", "stream_kv"))
+        rows = [(int(r[0]), int(r[1]), int(r[2]), str(r[3])) for r in t["rows"]]
+        if not (copy.ndim == sh.ndim == skv.ndim == 3 and len(copy) == len(sh) == len(skv) == len(rows)
+                and len(t["top1"]) == len(rows)):
+            raise ValueError("a scan's arrays do not match its rows")
+        values = {int(k): (np.asarray(v[0], dtype=np.float64), np.asarray(v[1], dtype=np.float64))
+                  for k, v in t["values"].items()}
+        if set(values) != set(range(len(keys))):
+            raise ValueError("a scan's probe values do not match its probes")
+        return cls(keys, rows, copy, sh, skv, [np.asarray(v, dtype=bool) for v in t["top1"]], values,
+                   {int(k): float(v) for k, v in t["seconds"].items()}, Window(**t["window"]), int(t["queries"]),
+                   int(t["seed"]), int(t["group_size"]), str(t["precision"]), float(t["total_seconds"]),
+                   tuple(t["notes"]))
+
+
+def long_scan(model, built: dict, *, window: Window = Window(), queries: int = DEFAULT_QUERIES, seed: int = 0,
+              precision: str = "float32", progress: Progress | None = None,
+              should_stop: ShouldStop | None = None) -> LongScan:
+    """The long-context probes `built` on the dense `model` (their own passes: measure_long), with the retrieval
+    and streaming scores recorded from the same passes (module docstring)."""
+    from analysis.measure.probes.longcontext import measure_long
+    window = window_of(window)
+    listed = probe_rows(built, window=window, queries=queries)
+    rows = [r for _, _, r in listed]
+    keys = list(built)
+    t0 = time.perf_counter()
+    kept: dict = {}
+    with precision_block(model, precision), recording(model, rows, window=window) as rec:
+        measure_long(model, built, seed=seed, progress=progress, should_stop=should_stop, values=kept)
+    missing = [i for i in range(len(rows)) if rec.copy[i] is None or rec.stream_kv[i] is None or rec.top1[i] is None]
+    if missing:
+        raise RuntimeError(f"The scan's passes missed {len(missing)} of its {len(rows)} rows (their forwards were "
+                           "not recognised); nothing was recorded for them.")
+    values = {k: kept[key][:2] for k, key in enumerate(keys)}
+    seconds = {k: float(kept[key][2]) for k, key in enumerate(keys)}
+    meta = [(keys.index(key), r, int(row.ids.numel()), _row_depth(built[key][2], r)) for key, r, row in listed]
+    geo = adapter_for(model).geometry(model)
+    return LongScan(keys, meta, np.stack(rec.copy), np.stack(rec.stream_head), np.stack(rec.stream_kv),
+                    list(rec.top1), values, seconds, window, int(queries), int(seed), geo.group_size, precision,
+                    time.perf_counter() - t0)
+
+
+def _row_depth(items, r: int) -> str:
+    i = int(torch.nonzero(items.row == r).flatten()[0])
+    return items.conditions[i]
+
+
+def fast_bfloat16_or_refuse(precision: str, device) -> None:
+    """InputError for a precision other than PRECISIONS, or bfloat16 where this machine has no fast kernels."""
+    from analysis.core.placement import fast_bfloat16
+    if precision not in PRECISIONS:
+        raise InputError(f"The precision of a long-context scan is one of {', '.join(PRECISIONS)}; got {precision!r}.")
+    if precision == "bfloat16" and not fast_bfloat16(getattr(device, "type", str(device))):
+        raise InputError("This machine has no fast bfloat16 matrix kernels (AVX-512 BF16 or AMX on a CPU, or a GPU "
+                         "with bfloat16): bfloat16 would be slower than float32 here; use float32.")
+
+
+def precision_block(model, precision: str):
+    """float32: as the model is; bfloat16: torch.autocast over the passes (the model's weights untouched)."""
+    if precision == "float32":
+        return nullcontext()
+    device = next(model.parameters()).device
+    fast_bfloat16_or_refuse(precision, device)
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+__all__ = ["ScanRow", "recording", "probe_rows", "LongScan", "long_scan", "PRECISIONS", "SCAN_MODULES",
+           "precision_block"]
