@@ -29,6 +29,10 @@ def _worker_threads() -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // int(count))
 
 
+# Results a test stores (analysis.core.store) go to a folder of this session's, never the user's cache, and no
+# stored result of an earlier run is served to a test; command lines the tests start inherit it.
+os.environ["HEADSCOPE_RESULTS"] = tempfile.mkdtemp(prefix="headscope-test-results-")
+
 _THREADS = _worker_threads()
 if _THREADS and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)

@@ -29,8 +29,10 @@ FINGERPRINTS = "fingerprints"        # folder under the cache root: one small fi
 CHUNK = 1 << 22
 
 
-def _builtin_fingerprint(name: str) -> str | None:
-    from analysis.arch.models import BUILTIN_MODELS, _MARKER, default_cache_dir, read_marker
+def _builtin_fingerprint(name: str, folder) -> str | None:
+    """A built-in's name, its package's version and, for one converted into the cache, the conversion's marker
+    (read from the folder it was loaded from)."""
+    from analysis.arch.models import BUILTIN_MODELS, _MARKER, read_marker
     builtin = BUILTIN_MODELS.get(name)
     if builtin is None:
         return None
@@ -38,7 +40,7 @@ def _builtin_fingerprint(name: str) -> str | None:
         version = importlib.metadata.version(builtin.package)
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    marker = read_marker(default_cache_dir() / "models" / name, _MARKER) if builtin.converts else None
+    marker = read_marker(Path(str(folder)), _MARKER) if builtin.converts else None
     return canonical(dict(builtin=name, package=builtin.package, version=version, conversion=marker))
 
 
@@ -101,7 +103,7 @@ def model_fingerprint(loaded) -> str:
     runs = dict(dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
                 device=next(model.parameters()).device.type,
                 attention=getattr(config, "_attn_implementation", None))
-    weights = _builtin_fingerprint(loaded.name)
+    weights = _builtin_fingerprint(loaded.name, loaded.source)
     if weights is None:
         source = Path(str(loaded.source)).expanduser()
         weights = (canonical(dict(folder=folder_digest(source))) if source.is_dir()

@@ -7,7 +7,8 @@ and the bytes of the source files the measure names). A result is served only fo
 model, other settings or changed code is another file, never a wrong answer.
 
 Where: `<cache_root()>/results/<measure>/<digest of the key>.npz` (cache_root: $HEADSCOPE_CACHE, else
-$XDG_CACHE_HOME/headscope, else ~/.cache/headscope, the folder the built-in models are converted into).
+$XDG_CACHE_HOME/headscope, else ~/.cache/headscope, the folder the built-in models are converted into), or
+under $HEADSCOPE_RESULTS when set (the tests keep their results apart that way).
 
 Format: one numpy .npz per result, read with allow_pickle=False, so reading runs no code: `__key__` (the key
 as canonical JSON), `__about__` (who made it, when, in how many seconds: not part of the identity),
@@ -44,6 +45,7 @@ from analysis.core.atomic import remove_dead_temps, replaced_atomically
 from analysis.core.errors import InputError, OutputError
 
 RESULTS = "results"                  # the store's folder under the cache root
+RESULTS_ENV = "HEADSCOPE_RESULTS"     # a folder for the results instead (the tests' own)
 SUFFIX = ".npz"
 FORMAT = 1                           # bump when the file layout changes: older files read as foreign
 MAX_FILE_BYTES = 1 << 30             # a stored result larger than this is refused, not read
@@ -61,6 +63,12 @@ def cache_root() -> Path:
         return Path(os.environ["HEADSCOPE_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "headscope"
+
+
+def results_root() -> Path:
+    """The store's folder: $HEADSCOPE_RESULTS, else cache_root()/results."""
+    given = os.environ.get(RESULTS_ENV)
+    return Path(given).expanduser() if given else cache_root() / RESULTS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +240,7 @@ class Store:
     processes at once (module docstring)."""
 
     def __init__(self, root: str | os.PathLike | None = None):
-        self.root = Path(root).expanduser() if root is not None else cache_root() / RESULTS
+        self.root = Path(root).expanduser() if root is not None else results_root()
 
     def path(self, key: Key) -> Path:
         return self.root / _safe_name(key.measure) / (key.digest() + SUFFIX)
@@ -370,5 +378,5 @@ def remember(store: Store, key: Key, compute: Callable[[], Any], *, to_tree: Cal
     return value, found
 
 
-__all__ = ["Store", "Key", "Lookup", "Entry", "remember", "code_digest", "cache_root", "canonical", "encode",
+__all__ = ["Store", "Key", "Lookup", "Entry", "remember", "code_digest", "cache_root", "results_root", "canonical", "encode",
            "decode", "versions"]

@@ -201,7 +201,8 @@ def _padded(ids: torch.Tensor, rows: list[ScanRow], index: dict) -> int | None:
 
 def probe_rows(built: dict, *, window: Window = Window(), queries: int = DEFAULT_QUERIES) -> list[tuple]:
     """[(key (name, length), row, ScanRow)] of every row of the probes `built`, in their order: the reads are the
-    row's scored items (their positions and correct tokens), the needle the probe's asked needle
+    row's scored items' positions (once each: depths that land on one spot share a row) and correct tokens, the
+    needle the probe's asked needle
     (LongProbe.needle_spans), the queries `query_rows` of the row's length."""
     window = window_of(window)
     queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_QUERIES)
@@ -215,8 +216,10 @@ def probe_rows(built: dict, *, window: Window = Window(), queries: int = DEFAULT
         for r in range(items.ids.shape[0]):
             T = int(items.lengths[r])
             mine = torch.nonzero((items.row == r) & scored).flatten()                 # [k] item indices
-            out.append((key, r, ScanRow(items.ids[r, :T].clone(), items.position[mine], items.correct[mine],
-                                        tuple(int(v) for v in spans[r]), query_rows(T, window, queries))))
+            reads, first = np.unique(items.position[mine].numpy(), return_index=True)  # depths sharing a row: once
+            out.append((key, r, ScanRow(items.ids[r, :T].clone(), torch.as_tensor(reads),
+                                        items.correct[mine][torch.as_tensor(first)], tuple(int(v) for v in spans[r]),
+                                        query_rows(T, window, queries))))
     return out
 
 
