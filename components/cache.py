@@ -231,7 +231,8 @@ def tracked(label: str, *, key: ModelKey | None = None, kind: str = "", work: fl
     Stop button when `stoppable`. Yields (progress, should_stop); the measured pace is recorded when the
     block ends without an error and the job took the model's lock (a cache hit records nothing)."""
     board = jobs.board()
-    if kind and key is not None and not key.weights_only and not board.knows("forward", repr(key)):
+    if (kind and kind not in jobs.PREDICTED_SECONDS and key is not None and not key.weights_only
+            and not board.knows("forward", repr(key))):
         forward_rate(key)            # this machine's forward speed on the model: the prior of every estimate
     job = board.add(jobs.Job(label, model=repr(key) if key is not None else "", call=call, kind=kind, work=work))
     token = jobs.CURRENT.set(job)
@@ -294,12 +295,15 @@ def estimate_words(key: ModelKey, kind: str, work: float) -> str:
     if not kind or work <= 0 or key.weights_only:
         return ""
     board = jobs.board()
-    if not board.knows(kind, repr(key)) and not board.knows("forward", repr(key)):
+    predicted = kind in jobs.PREDICTED_SECONDS
+    if not predicted and not board.knows(kind, repr(key)) and not board.knows("forward", repr(key)):
         forward_rate(key)
     seconds = board.estimate(kind, repr(key), work)
     if seconds is None:
         return ""
     basis = ("this machine's pace on the last runs of this job" if board.knows(kind, repr(key)) else
+             "two short timings on this machine: a forward of 8 x 256 tokens and the attention kernel at the "
+             "length" if predicted else
              "this machine's measured forward speed; the first run measures this job's own pace")
     return f"Expected: about {jobs.seconds_words(seconds)} ({basis})."
 

@@ -48,7 +48,6 @@ FORWARD_TOKENS = {
     "attribution": 3.0,     # tokens x integration steps: a forward and a backward each
     "detectors": 6.0,       # tokens: several detectors, each its own passes
     "long-detectors": 1.0,  # n * (1 + n / 2048) per pass of n tokens (taxonomy.long_work): one forward each
-    "long-probes": 1.0,     # n * (1 + n / 2048) per row of n tokens and side (longprobes._work): one forward each
     "speed": 4.0,           # timed forward tokens (dense, masked and pruned, repeats)
     "deploy": 40.0,         # tokens: two GGUF files written and run in llama.cpp, two PyTorch perplexities
     "export": 200.0,        # the model's parameters in millions: a copy, the cut and the files written
@@ -56,6 +55,10 @@ FORWARD_TOKENS = {
     # the pipeline's phases count forward-token units themselves (pipeline_units)
     **{f"pipeline.{phase}": 1.0 for phase in ("dense", "rounds", "int8", "curves", "roles")},
 }
+# kinds whose work is already this machine's predicted seconds (the long-context passes: rows x the seconds of one
+# row at its length, analysis.measure.longpass.scan_seconds from analysis.measure.probes.longcontext.row_seconds'
+# two short timings): the prior is the work itself, and the measured pace corrects it run after run
+PREDICTED_SECONDS = ("long-scan", "long-plan", "kv-importance")
 PACE_POINTS = 6             # the last runs of a kind kept for its pace (seconds = fixed + per unit x work)
 PRIOR_TRUST = 0.25          # how much a job's own progress must show before its own pace replaces the prior
 
@@ -186,6 +189,8 @@ class Board:
         points = self._pace.get((kind, model))
         if points:
             return fit_seconds(points, work)
+        if kind in PREDICTED_SECONDS:
+            return float(work)
         if kind in FORWARD_TOKENS and ("forward", model) in self._pace:
             return FORWARD_TOKENS[kind] * fit_seconds(self._pace[("forward", model)], 1.0) * work
         return None

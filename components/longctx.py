@@ -17,6 +17,7 @@ import streamlit as st
 from analysis.arch.kvplan import KV_PLAN_FILE, MODES, KVPlan
 from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.core.errors import InputError
+from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
 
 from . import cache, charts, explain, figures, state, views
 from .errors import show_exception, shown_errors
@@ -216,33 +217,8 @@ def fill_buttons(lm) -> None:
 
 # -- fills from the heads' scores (analysis.score.kvscores: streaming, retrieval, KV-group importance) ------
 
-SCORE_LENGTH = 2048               # tokens the streaming and retrieval scores are measured at (clipped to the model's)
-IMPORTANCE_TOKENS = 256           # tokens of the KV-group ablation that ranks what a plan prunes
+IMPORTANCE_TOKENS = PAGE_IMPORTANCE_TOKENS      # tokens of the KV-group ablation that ranks what a plan prunes
 _NOTES = "long.notes"             # (plan link text, the notes of the plan the scores made)
-
-
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def group_importance(key: ModelKey, tokens: int, _progress=None, _should_stop=None):
-    """[L, Hkv] loss increase when each whole KV group is removed (analysis.score.kvscores.group_importance)."""
-    from analysis.score import kvscores
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        return kvscores.group_importance(lm, tokens, progress=_progress, should_stop=_should_stop)
-
-
-def _long_scores(lm, name: str, options: dict):
-    """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
-    as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
-    from analysis.measure.detectors import get_detector
-    from components import taxonomy
-    passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
-    opts = tuple(sorted(options.items()))
-    return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
-                            f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
-                            run_key=(lm.name, name, opts), fn=taxonomy.long_detection,
-                            args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
-                            kind="long-detectors", work=taxonomy.long_work(passes),
-                            stale_note="The window or the length changed since ({view}); press the button again.",
-                            view=", ".join(f"{k} {v}" for k, v in opts))
 
 
 def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_share: float, prune_share: float,
@@ -265,26 +241,19 @@ def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_
 def score_fills(lm, window: Window) -> None:
     """Fill the grid from the heads' own scores: window the most streaming share of KV heads (the lowest output
     change under this page's window), keep the KV heads that hold a retrieval head full, prune the least
-    important share (KV-group ablation); each score measured on its own button (expected time, Stop)."""
+    important share (KV-group ablation). The streaming and retrieval scores come from one pass over the probes'
+    rows (components/longscan.py, which also gives the probes' dense side); every score is kept on disk and
+    shown at once when this machine holds it."""
+    from . import longscan
     g = lm.geometry
-    limit = context_limit(lm)
     with st.expander("Fill from the heads' scores (streaming, retrieval, importance)", expanded=False):
-        st.caption("The scores the Heads page measures, at this page's window. Each runs the model on long built-in "
-                   "text on its own button.")
+        st.caption("The streaming and retrieval scores, read from one pass over the rows of the long-context probes "
+                   "below (their probes, tokens per row, depths and sequences, and the precision there), at this "
+                   "page's window; the importance from a short ablation on built-in text.")
+        streaming = retrieval = importance = None
         with shown_errors("Measuring the heads' scores"):
-            length = int(st.number_input("Measured at (tokens)", 64, max(64, limit), step=256,
-                                         key=state.widget_key("long.scores.length", value=min(SCORE_LENGTH, limit)),
-                                         help="The context the streaming and retrieval scores read (one length)."))
-            length = min(length, limit)
-            streaming = _long_scores(lm, "streaming", dict(lengths=(length,), **window.as_dict()))
-            retrieval = _long_scores(lm, "retrieval", dict(lengths=(length,), needles=2))
-            importance = cache.run_button(
-                f"Measure the KV groups' importance (ablation on {IMPORTANCE_TOKENS} tokens)",
-                button_key="long.scores.importance", slot="long.scores.importance",
-                run_key=(lm.name, IMPORTANCE_TOKENS), fn=group_importance, args=(state.model_key(), IMPORTANCE_TOKENS),
-                label="Removing each KV group", kind="ablation",
-                work=IMPORTANCE_TOKENS * (g.n_total_heads + g.n_layers * g.n_kv_heads),
-                stale_note="({view})", view="another model")
+            streaming, retrieval = longscan.heads_scores(lm, window, view_window(lm)[0])
+            importance = longscan.importance_scores(lm, IMPORTANCE_TOKENS)
         if streaming is None:
             st.caption("Measure the streaming scores to fill the grid from them.")
             return

@@ -3,9 +3,11 @@
 paired bootstrap CIs (analysis.score.longcontext.long_context_report), each cell LOST when the plan's CI lies
 below dense; the expected time before the run, progress and Stop during it, CSV / JSON downloads after.
 
-The dense side depends on the probes' settings only: it is cached once per model and settings
-(`dense_side`) and every later plan reads it back, so editing the grid and running again costs the plan's
-passes alone (the estimate says which).
+The dense side depends on the probes' settings only: it is measured once per model and settings by the
+page's shared scan (components/longscan.py, which gives the heads' scores of the same rows) and kept on disk, so
+every later plan, visit, restart or CLI run reads it back and editing the grid and running again costs the plan's
+passes alone (the estimate says which). The precision radio (float32, or bfloat16 where the CPU has it) sets
+both sides' passes.
 """
 from __future__ import annotations
 
@@ -14,15 +16,15 @@ import json
 import streamlit as st
 
 from analysis.arch.kvplan import KVPlan
-from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES
+from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES
 
 from . import cache, explain, numbers, state
 from .errors import shown_errors
 from .harness import csv_text
 from .state import ModelKey
 
-APP_LENGTH = 2048                 # tokens per row the page suggests (clipped to the model's context)
-APP_SEQUENCES = 2                 # sequences per depth the page suggests: the least that gives a CI (10 items)
+APP_LENGTH = PAGE_LENGTH          # tokens per row the page suggests (clipped to the model's context)
+APP_SEQUENCES = PAGE_SEQUENCES    # sequences per depth the page suggests: the least that gives a CI (10 items)
 DEPTH_CHOICES = (0.1, 0.25, 0.5, 0.75, 0.9)
 MAX_SEQUENCES_APP = 64
 
@@ -41,50 +43,46 @@ def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items
                       limit=context_length(lm.model))
 
 
-@st.cache_resource(show_spinner=False)
-def _dense_measured() -> set:
-    """The dense sides this server has cached (their keys): a second plan's estimate is the plan's alone."""
-    return set()
-
-
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def dense_side(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int,
-               _progress=None, _should_stop=None) -> dict:
-    """The dense model's scores (LongContextReport.dense: pass back as dense=)."""
-    from analysis.score.longcontext import long_context_report
-    built = long_items(key, probes, length, depths, n_items)
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        rep = long_context_report(lm, built=built, progress=_progress, should_stop=_should_stop)
-    _dense_measured().add((repr(key), probes, length, depths, n_items))
-    return rep.dense
-
-
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, plan: KVPlan,
-                _progress=None, _should_stop=None):
-    """LongContextReport of the plan (cached by its contents) against the dense side (cached on its own and
-    measured first, with its own share of the progress); a plan with every KV head full is the dense side."""
+                precision: str = "float32", _progress=None, _should_stop=None):
+    """LongContextReport of the plan (cached by its contents) against the dense side (components/longscan.dense:
+    stored, else one scan of these rows, which stores the heads' scores too, with its own share of the progress);
+    a plan with every KV head full is the dense side. Both sides run in `precision`."""
     from analysis.arch.cut import Cut
     from analysis.core.progress import scaled
+    from analysis.measure.longpass import precision_block
     from analysis.score.longcontext import long_context_report
-    known = (repr(key), probes, length, depths, n_items) in _dense_measured()
+    from analysis.score.longscan import stored_report
+
+    from . import longscan
+    settings = (probes, length, depths, n_items)
     built = long_items(key, probes, length, depths, n_items)
-    dense = dense_side(key, probes, length, depths, n_items, _should_stop=_should_stop,   # before the lock
-                       _progress=None if known else scaled(_progress, 0.0, 0.5))
+    known = longscan.stored_dense(key, settings, precision)[0] is not None
+    dense = longscan.dense(key, settings, precision, _should_stop=_should_stop,     # before the lock
+                           _progress=None if known else scaled(_progress, 0.0, 0.5))
     cut = None if plan.is_full else Cut.of_plan(plan, info=dict(source="the Long context page"))
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        return long_context_report(lm, built=built, dense=dense, cut=cut, should_stop=_should_stop,
-                                   progress=_progress if known else scaled(_progress, 0.5, 1.0))
+    lm = cache.load(key)
+    fingerprint = longscan.fingerprint(key)
+    rep, _ = stored_report(lm, built, cut, dense=dense, precision=precision, compute=False, fingerprint=fingerprint)
+    if rep is not None or cut is None:                                   # stored, or dense alone: no pass left
+        return rep if rep is not None else long_context_report(lm, built=built, dense=dense)
+    with cache.exclusive(key, _progress, _should_stop) as lm, precision_block(lm.model, precision):
+        return stored_report(lm, built, cut, dense=dense, precision=precision, should_stop=_should_stop,
+                             progress=_progress if known else scaled(_progress, 0.5, 1.0),
+                             fingerprint=fingerprint)[0]
 
 
 # -- the section -----------------------------------------------------------------------------------
 
-def _work(built: dict, dense_known: bool, cut: bool) -> float:
-    """Forward-token units of the run (components/jobs.py's "long-probes"): a row of n tokens costs
-    n * (1 + n / 2048) (its attention grows with the context, as the long detectors' passes)."""
-    sides = (0 if dense_known else 1) + cut
-    return float(sides * sum(items.ids.shape[0] * length * (1 + length / 2048) for (_, length), (_, _, items)
-                             in built.items()))
+def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool) -> float:
+    """The run's predicted seconds (components/jobs.py's "long-plan"): its rows (the dense side's unless stored,
+    the plan's) x this machine's seconds per row at the length (components/longscan.per_row)."""
+    from analysis.measure.probes.longcontext import long_work
+
+    from . import longscan
+    work = long_work(built, passes=(0 if dense_known else 1) + cut)
+    return work.seconds(longscan.per_row(key, tuple(sorted(work.rows)))) if work.passes else 0.0
 
 
 def _ci(row: dict, side: str) -> str:
@@ -126,7 +124,7 @@ def probe_section(lm, plan, context: int) -> None:
     limit = context_limit(lm)
     c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
     probes = c1.multiselect("Probes", names, format_func=lambda n: PROBES[n].label,
-                            key=state.widget_key("long.probes.names", value=["passkey"]))
+                            key=state.widget_key("long.probes.names", value=list(PAGE_PROBES)))
     length = int(c2.number_input(f"Tokens per row (at most {limit:,})", 64, max(64, limit), step=256,
                                  key=state.widget_key("long.probes.length", value=min(context, APP_LENGTH, limit)),
                                  help="Every row is exactly this long: instruction, text, the needle at its depth, "
@@ -143,13 +141,15 @@ def probe_section(lm, plan, context: int) -> None:
     if not probes or not depths:
         st.caption("Pick at least one probe and one depth.")
         return
+    from . import longscan
+    precision = longscan.precision_choice(lm)
     args = (tuple(probes), length, tuple(sorted(float(d) for d in depths)), n_items)
     built = None
     with shown_errors("Building the long-context rows"):
         built = long_items(state.model_key(), *args)
     if built is None:
         return
-    known = (repr(state.model_key()), *args) in _dense_measured()
+    known = longscan.stored_dense(state.model_key(), args, precision)[0] is not None
     rows = sum(items.ids.shape[0] for (_, _, items) in built.values())
     counts = plan.counts()
     cut = not plan.is_full
@@ -160,9 +160,10 @@ def probe_section(lm, plan, context: int) -> None:
     with shown_errors("The long-context probes"):
         rep = cache.run_button(
             f"Run the long-context probes on this plan ({rows} rows of {length:,} tokens, {sides})",
-            button_key="long.probes.run", slot="long.probes", run_key=(state.model_key(), *args, plan.to_json()),
-            fn=plan_report, args=(state.model_key(), *args, plan),
-            label="Running the long-context probes", kind="long-probes", work=_work(built, known, cut),
+            button_key="long.probes.run", slot="long.probes", run_key=(state.model_key(), *args, plan.to_json(),
+                                                                        precision),
+            fn=plan_report, args=(state.model_key(), *args, plan, precision),
+            label="Running the long-context probes", kind="long-plan", work=_work(state.model_key(), built, known, cut),
             view=f"{counts['full']} full / {counts['window']} window / {counts['prune']} prune, {length:,} tokens",
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
         if rep is not None:

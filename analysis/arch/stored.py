@@ -111,13 +111,14 @@ def model_fingerprint(loaded) -> str:
     return canonical(dict(weights=json.loads(weights), **runs))
 
 
-def remembered(loaded, measure: str, settings: dict, compute: Callable[[], Any], *, modules: tuple[str, ...],
+def remembered(loaded, measure: str, settings: dict, compute: Callable[[], Any] | None, *, modules: tuple[str, ...],
                to_tree: Callable = lambda v: v, from_tree: Callable = lambda t: t, store: Store | None = None,
                refresh: bool = False, fingerprint: str | None = None,
                on_refused: Callable[[Lookup], None] | None = None) -> tuple[Any, Lookup]:
     """(value, what the store had) of `measure` with `settings` on `loaded`: read back when the store holds this
     model's (`fingerprint`, default model_fingerprint) result of these settings made by this code (`modules`:
-    the modules whose source computes it), else `compute()` and store it. `refresh`: compute and replace."""
+    the modules whose source computes it), else `compute()` and store it (compute None: only look; None for
+    anything but a hit). `refresh`: compute and replace."""
     key = Key(fingerprint or model_fingerprint(loaded), measure, settings, code_digest(modules))
     return remember(store or Store(), key, compute, to_tree=to_tree, from_tree=from_tree, refresh=refresh,
                     about=dict(model_name=str(loaded.name)), on_refused=on_refused)

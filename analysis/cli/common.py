@@ -146,6 +146,38 @@ def placement_kwargs(ns: argparse.Namespace) -> dict:
                 offload_folder=getattr(ns, "offload_folder", None))
 
 
+def add_store_arguments(parser: argparse.ArgumentParser, *, rows: bool = False, precision: bool = True) -> None:
+    """Options of the commands whose results are kept on disk (analysis.core.store): --refresh, --precision of the
+    long-context passes, and --rows where the command can read the shared scan (kv-plan)."""
+    from analysis.measure.long_options import PRECISION_CHOICES
+    parser.add_argument("--refresh", action="store_true",
+                        help="measure again even when the result is stored, and replace it (stored results are "
+                             "listed and cleared by `cache list` / `cache clear`)")
+    if precision:
+        parser.add_argument("--precision", choices=PRECISION_CHOICES, default="float32",
+                            help="precision of the long-context passes: bfloat16 where the CPU multiplies it natively "
+                                 "(AVX-512 BF16 or AMX; refused elsewhere), several times faster, with its measured "
+                                 "effect in docs/results.md (default float32)")
+    if rows:
+        parser.add_argument("--rows", choices=("own", "probes"), default="own",
+                            help="own: each score on its own rows (plain text, needle items); probes: both from one "
+                                 "shared pass over the long-context probes' rows, as the app's Long context page "
+                                 "measures them (and stores them for it)")
+
+
+def refused_line(lookup) -> None:
+    """A stored result that could not be used (corrupt, another's): one warning line; it is measured again."""
+    warn([f"the stored result {lookup.path} was not used ({lookup.why}); measuring it again"])
+
+
+def stored_words(found: dict, quiet: bool = False) -> None:
+    """One stderr line naming the parts read back from the store (and when they were measured)."""
+    hits = [f"{part} (measured {f.about.get('stored', '?')} in {f.about.get('seconds', 0):.0f} s)"
+            for part, f in found.items() if f.hit]
+    if hits and not quiet:
+        sys.stderr.write("read from the store: " + "; ".join(hits) + "\n")
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("json", "csv"), default="json")
     parser.add_argument("--out", default=None, help="write here instead of stdout")

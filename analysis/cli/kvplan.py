@@ -10,13 +10,17 @@ pruned, then the `--window-share` with the lowest streaming score are windowed (
 KV heads holding a retrieval head stay full (unless --no-keep-retrieval, which also skips measuring it).
 `--out` gets kv_plan.json (atomic; checked before any work); stdout gets a JSON summary: the plan's
 counts, its KV cache against dense at the measured lengths and the model's context, the scores per KV
-head and the seconds spent.
+head and the seconds spent. Every score is kept on disk (analysis.score.longscan, `headscope cache`): run again
+with the same model, options and code, it is read back (`"stored"` says "hit"); `--refresh` measures again.
+`--rows probes` reads both scores from one shared scan of the Long context page's probe rows (the results the
+app stores), `--precision bfloat16` runs that scan in bfloat16 where the CPU has the kernels.
 """
 from __future__ import annotations
 
 import argparse
 
-from analysis.cli.common import add_source_arguments, check_counts, load_source, progress_bar, register
+from analysis.cli.common import (add_source_arguments, add_store_arguments, check_counts, load_source, progress_bar,
+                                 refused_line, register, stored_words)
 from analysis.cli.roles import number_list
 
 
@@ -47,6 +51,7 @@ def _arguments(parser):
     parser.add_argument("--prune-tokens", dest="prune_tokens", type=int, default=DEFAULT_PRUNE_TOKENS,
                         help="tokens of built-in text for the KV-group ablation (with --prune-share)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the texts and needles")
+    add_store_arguments(parser, rows=True)
     parser.add_argument("--out", dest="plan_out", default=None, help="write kv_plan.json here (atomic)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -58,7 +63,7 @@ def run(ns):
     from analysis.core.errors import SEED_MAX, InputError
     from analysis.measure.evaluation import context_length
     from analysis.measure.longheads import DEFAULT_DEPTHS, MAX_NEEDLES, MAX_QUERIES, check_depths, check_lengths
-    from analysis.score.kvscores import check_plan_options, kv_heads_summary, measure_kv_scores, plan_from_scores
+    from analysis.score.kvscores import check_plan_options, kv_heads_summary, plan_from_scores
     if ns.plan_out is not None:
         check_output_file(ns.plan_out, "--out")
     check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20),
@@ -77,11 +82,14 @@ def run(ns):
                          f"is a {loaded.kind}.")
     geo = loaded.geometry
     check_plan_options(geo, window_share=ns.window_share, prune_share=ns.prune_share)
+    from analysis.score.longscan import stored_kv_scores
     with progress_bar("KV head scores", not ns.quiet) as report:
-        scores = measure_kv_scores(loaded, window=window, lengths=lengths, depths=depths,
-                                   needles=ns.needles, queries=ns.queries, retrieval=ns.keep_retrieval,
-                                   prune=ns.prune_share > 0, prune_tokens=ns.prune_tokens, seed=ns.seed,
-                                   progress=report)
+        scores, found = stored_kv_scores(loaded, rows=ns.rows, window=window, lengths=lengths, depths=depths,
+                                         needles=ns.needles, queries=ns.queries, retrieval=ns.keep_retrieval,
+                                         prune=ns.prune_share > 0, prune_tokens=ns.prune_tokens, seed=ns.seed,
+                                         precision=ns.precision, progress=report, refresh=ns.refresh,
+                                         on_refused=refused_line)
+    stored_words(found, ns.quiet)
     plan = plan_from_scores(geo, scores, window_share=ns.window_share, prune_share=ns.prune_share,
                             keep_retrieval=ns.keep_retrieval, retrieval_threshold=ns.retrieval_threshold,
                             window=window, model=loaded.name)
@@ -99,7 +107,8 @@ def run(ns):
                    kv_ratio={str(c): plan.kv_ratio(c) for c in contexts},
                    kv_bytes={str(c): plan.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
                    dense_kv_bytes={str(c): dense.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
-                   scores=kv_heads_summary(scores, geo.group_size), out=ns.plan_out)
+                   scores=kv_heads_summary(scores, geo.group_size), out=ns.plan_out,
+                   rows=ns.rows, precision=ns.precision, stored={part: f.status for part, f in found.items()})
     return payload, None
 
 

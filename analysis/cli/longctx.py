@@ -21,8 +21,8 @@ another model or with a window of 0, two cuts at once) is one line, and nothing 
 """
 from __future__ import annotations
 
-from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, check_one_cut,
-                                 cut_from, progress_bar, register, warn)
+from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, add_store_arguments,
+                                 check_one_cut, cut_from, progress_bar, refused_line, register, stored_words, warn)
 from analysis.core.errors import InputError
 
 
@@ -46,6 +46,7 @@ def _arguments(parser):
     parser.add_argument("--bos", choices=BOS_CHOICES, default="auto",
                         help="what a row starts with: auto = what the tokenizer adds itself")
     add_cut_arguments(parser)
+    add_store_arguments(parser)
     add_output_arguments(parser)
 
 
@@ -76,35 +77,53 @@ def run_longctx(ns):
         raise InputError(f"--depths are fractions of the text, 0 to 1; got {bad[0]:g}.")
     check_whole_number(ns.items, "--items", low=MIN_PROBE_SEQUENCES, high=MAX_PROBE_SEQUENCES)
     long_chosen(ns.probe)                                                # bad options fail before the model loads
-    from analysis.core.progress import duration_words, with_estimate
+    import sys
+
+    from analysis.core.progress import duration_words, scaled, with_estimate
     from analysis.measure.evaluation import context_length
     from analysis.measure.probes.longcontext import build_long, row_seconds
-    from analysis.score.longcontext import long_context_report, report_work
+    from analysis.score.longcontext import report_work
     cut, loaded, info = cut_from(ns)
     limit = context_length(loaded.model, default=2**31)
     if cut is not None and cut.kind == "model":
         limit = min(limit, context_length(cut.model, default=2**31))
     built = build_long(ns.probe, loaded.tokenizer, loaded.kind, lengths, depths=depths, n_items=ns.items,
                        seed=ns.probe_seed, bos=ns.bos, limit=limit)          # bad lengths fail before any pass
-    work = report_work(built, cut=cut is not None)
-    per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry)
+    from analysis.measure.longpass import check_precision, precision_block
+    from analysis.score.longscan import stored_dense, stored_report
+    check_precision(ns.precision, loaded.device)                          # bfloat16 without its kernels: refused now
+    stored = dict(seed=ns.probe_seed, precision=ns.precision, refresh=ns.refresh, on_refused=refused_line)
+    dense, found = stored_dense(loaded, built, compute=False, **stored)
+    rep, found_cut = (None, None) if dense is None else stored_report(loaded, built, cut, dense=dense, compute=False,
+                                                                      **stored)
+    work = report_work(built, dense, cut=cut is not None and rep is None)
+    per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry) if work.rows else {}
     estimate = work.seconds(per_row)
     if not ns.quiet:
-        rows = ", ".join(f"{r} x {n:,}" for n, r in work.rows.items())
-        warn_line = (f"estimate: about {duration_words(estimate)} for {sum(work.rows.values())} rows ({rows} tokens"
-                     + (", dense and cut" if cut is not None else "") + "; this machine: "
-                     + ", ".join(f"{n:,} tokens {duration_words(s)} a row" for n, s in per_row.items()) + ")")
-        import sys
-        sys.stderr.write(warn_line + "\n")
+        stored_words({"dense side": found, **({"the cut's side": found_cut} if rep is not None else {})})
+        if work.rows:
+            rows = ", ".join(f"{r} x {n:,}" for n, r in work.rows.items())
+            sides = ("dense and cut" if dense is None else "the cut's") if cut is not None else "dense"
+            sys.stderr.write(f"estimate: about {duration_words(estimate)} for {sum(work.rows.values())} rows ({rows} "
+                             f"tokens, {sides}; this machine: "
+                             + ", ".join(f"{n:,} tokens {duration_words(s)} a row" for n, s in per_row.items()) + ")\n")
     with progress_bar("long-context probes", not ns.quiet) as report:
-        rep = long_context_report(loaded, built=built, cut=cut, seed=ns.probe_seed, per_row=per_row,
-                                  progress=with_estimate(report))
+        progress = with_estimate(report)
+        share = 0.0 if dense is not None else (1.0 if cut is None else 0.5)
+        if dense is None:                    # the dense passes, with the heads' scores read from them (stored)
+            dense, _ = stored_dense(loaded, built, progress=scaled(progress, 0.0, share), **stored)
+        if rep is None:
+            with precision_block(loaded.model, ns.precision):
+                rep, found_cut = stored_report(loaded, built, cut, dense=dense, per_row=per_row,
+                                               progress=scaled(progress, share, 1.0), **stored)
     warn(rep.warnings())
     payload = dict(model=info, seed=ns.probe_seed, context_limit=limit,
                    items={f"{name}@{length}": dict(rows=int(items.ids.shape[0]), n_items=items.n_items,
                                                    n_units=items.n_units, rejected=items.rejected_counts())
                           for (name, length), (_, _, items) in built.items()},
-                   estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, report=rep.as_dict())
+                   estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, report=rep.as_dict(),
+                   precision=ns.precision, stored=dict(dense=found.status, cut=None if cut is None or found_cut is None
+                                                      else found_cut.status))
     return payload, rep.rows()
 
 

@@ -5,7 +5,8 @@
                              [--versus-mpg [--sparsity S] [--permutations N]]
 
 Without --detector the quick detectors run; the long-context ones (retrieval, streaming: minutes on a CPU)
-run when named (or with --detector all).
+run when named (or with --detector all), and are kept on disk (analysis.score.longscan): the same options on the
+same model and code are read back (`"stored"` in the JSON), `--refresh` measures again.
 
 JSON: {"model": ..., "detectors": {NAME: {"scores": [L][H], "threshold", "unit", "tagged", extras}}}
 (+ "versus_mpg": per role the ROC AUC of the MP-G score (z) and its permutation p-value, and
@@ -20,8 +21,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from analysis.cli.common import (add_output_arguments, add_source_arguments, check_counts, load_source, progress_bar,
-                                 register)
+from analysis.cli.common import (add_output_arguments, add_source_arguments, add_store_arguments, check_counts,
+                                 load_source, progress_bar, refused_line, register, stored_words)
 from analysis.core.atomic import path_problem
 from analysis.core.errors import SEED_MAX, InputError, first_line
 from analysis.core.text import MAX_TOKENS_LIMIT
@@ -61,6 +62,7 @@ def _arguments(parser):
     parser.add_argument("--sparsity", type=float, default=None,
                         help="with --versus-mpg: the roles of the heads MP-G's global mask prunes at this sparsity")
     parser.add_argument("--permutations", type=int, default=10_000, help="permutations for the p-value")
+    add_store_arguments(parser, precision=False)
     add_output_arguments(parser)
 
 
@@ -116,12 +118,26 @@ def run(ns):
         problem = getattr(loaded, "tokenizer_problem", "has no tokenizer")
         raise InputError(f"{ns.model} {problem}, which the text detectors need; run only --detector "
                          f"induction/duplicate-token/copying, or export with the tokenizer.")
+    long_names = [n for n in names if DETECTORS[n].long] if layout is None else []
+    quick = [n for n in names if n not in long_names]
+    stored = {}
     with progress_bar("head detectors", not ns.quiet) as report:
-        results = detect_heads(loaded, names, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len, layout=layout,
-                               options=dict(length=ns.length, n_sequences=ns.n_sequences, seed=ns.seed,
-                                            **long_options),
-                               progress=report)
-    payload = dict(model=info, detectors={
+        results = {}
+        from analysis.core.progress import scaled
+        if long_names:                       # kept on disk: the same options on the same model are read back
+            from analysis.score.longscan import stored_detections
+            part = scaled(report, 0.0, len(long_names) / len(names))
+            found_dets, stored = stored_detections(loaded, long_names, dict(seed=ns.seed, **long_options),
+                                                   progress=part, refresh=ns.refresh, on_refused=refused_line)
+            results.update(found_dets)
+        if quick:
+            results.update(detect_heads(loaded, quick, text, max_tokens=ns.max_tokens, seq_len=ns.seq_len,
+                                        layout=layout, options=dict(length=ns.length, n_sequences=ns.n_sequences,
+                                                                    seed=ns.seed, **long_options),
+                                        progress=scaled(report, len(long_names) / len(names), 1.0)))
+        results = {n: results[n] for n in names}
+    stored_words(stored, ns.quiet)
+    payload = dict(model=info, stored={n: f.status for n, f in stored.items()}, detectors={
         name: dict(scores=d.scores, threshold=d.threshold, unit=d.unit,
                    tagged=[dict(layer=l, head=h, score=s) for l, h, s in d.tagged()],
                    **{k: v for k, v in d.extras.items() if k not in ("per_token", "targets")})

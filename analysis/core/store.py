@@ -357,12 +357,13 @@ def _read(path: Path) -> Lookup:
     return Lookup("hit", (key_text, about if isinstance(about, dict) else {}, tree, arrays), path)
 
 
-def remember(store: Store, key: Key, compute: Callable[[], Any], *, to_tree: Callable = lambda v: v,
+def remember(store: Store, key: Key, compute: Callable[[], Any] | None, *, to_tree: Callable = lambda v: v,
              from_tree: Callable = lambda t: t, about: dict | None = None, refresh: bool = False,
              on_refused: Callable[[Lookup], None] | None = None) -> tuple[Any, Lookup]:
     """The value under `key` if the store holds it (decoded by `from_tree`), else `compute()`, stored
     (`to_tree`) and returned. A corrupt or foreign file is reported to `on_refused` and replaced. `refresh`:
-    recompute even when stored. Returns (value, what the read found)."""
+    recompute even when stored. compute None: only look (None for anything but a hit). Returns (value, what the
+    read found)."""
     found = Lookup("miss") if refresh else store.get(key)
     if found.hit:
         try:
@@ -371,6 +372,8 @@ def remember(store: Store, key: Key, compute: Callable[[], Any], *, to_tree: Cal
             found = Lookup("corrupt", path=found.path, why=f"its value does not fit this measure ({err})")
     if found.status in ("corrupt", "foreign") and on_refused is not None:
         on_refused(found)
+    if compute is None:
+        return None, found
     t0 = time.perf_counter()
     value = compute()
     store.put(key, to_tree(value), about=dict(about or {}, seconds=round(time.perf_counter() - t0, 3),

@@ -22,3 +22,11 @@ PROBE_LENGTH = 1024                  # tokens per row when a long probe is run w
 PROBE_SEQUENCES = 16                 # sequences (a key and its text) per length and depth
 MIN_PROBE_SEQUENCES = 2              # two keys give 10 items, above the 8 a probe needs to report a CI
 MAX_PROBE_SEQUENCES = 1024
+
+# the Long context page's defaults (components/longprobes.py, components/longctx.py): what `headscope cache warm`
+# measures, so a class's pages find it stored (analysis.score.longscan)
+PAGE_PROBES = ("passkey",)           # the probes the page picks first
+PAGE_LENGTH = 2048                   # tokens per row (clipped to the model's context)
+PAGE_SEQUENCES = 2                   # sequences per depth: the least that gives a CI (10 items)
+PAGE_IMPORTANCE_TOKENS = DEFAULT_PRUNE_TOKENS   # tokens of the KV groups' ablation a plan prunes by
+PRECISION_CHOICES = ("float32", "bfloat16")     # the long-context passes' precision (analysis.measure.longpass)

@@ -52,11 +52,11 @@ from analysis.arch.window import Window, window_of
 from analysis.core.errors import InputError, check_whole_number
 from analysis.core.progress import Progress, ShouldStop
 from analysis.measure.headmaps import Detection
-from analysis.measure.long_options import (DEFAULT_QUERIES, MAX_QUERIES, RETRIEVAL_THRESHOLD,
+from analysis.measure.long_options import (DEFAULT_QUERIES, MAX_QUERIES, PRECISION_CHOICES, RETRIEVAL_THRESHOLD,
                                            STREAMING_THRESHOLD)
 from analysis.measure.longheads import _copy_tap, _own_window, _relative, _window_tap, per_kv, query_rows
 
-PRECISIONS = ("float32", "bfloat16")
+PRECISIONS = PRECISION_CHOICES              # declared in long_options (the CLI reads them without torch)
 # the modules whose source computes a scan (their bytes are in a stored scan's key: analysis.core.store)
 SCAN_MODULES = ("analysis.measure.longpass", "analysis.measure.longheads", "analysis.measure.probes.longcontext",
                 "analysis.measure.probes.measure", "analysis.measure.probes.items", "analysis.measure.haystack",
@@ -219,7 +219,7 @@ def probe_rows(built: dict, *, window: Window = Window(), queries: int = DEFAULT
             reads, first = np.unique(items.position[mine].numpy(), return_index=True)  # depths sharing a row: once
             out.append((key, r, ScanRow(items.ids[r, :T].clone(), torch.as_tensor(reads),
                                         items.correct[mine][torch.as_tensor(first)], tuple(int(v) for v in spans[r]),
-                                        query_rows(T, window, queries))))
+                                        None if window.covers(T) else query_rows(T, window, queries))))
     return out
 
 
@@ -229,7 +229,7 @@ class LongScan:
     keys: list                         # [(name, length)] of the probes, in order
     rows: list                         # per row: (key index, row in that key's items, length, depth label)
     copy: np.ndarray                   # [R, L, H] float64
-    stream_head: np.ndarray            # [R, L, H] float64
+    stream_head: np.ndarray            # [R, L, H] float64 (NaN: a row the window covers, not streamed)
     stream_kv: np.ndarray              # [R, L, Hkv] float64
     top1: list                         # per row: [k] bool
     values: dict                       # key index -> (diff [1, n], nll [1, n]) of the probe's items
@@ -275,13 +275,17 @@ class LongScan:
         """The streaming score on the scanned rows (StreamingDetector's Detection: relative output change under
         the window, per KV head, mean over the sampled query rows of every row)."""
         L, H = self.stream_head.shape[1:]
+        streamed = [i for i in range(len(self.rows)) if not np.isnan(self.stream_kv[i]).any()]
+        if not streamed:
+            raise InputError(f"Every scanned row fits inside the window ({self.window.describe()}): the streaming "
+                             f"score needs rows longer than {self.window.size} tokens.")
         kv_sum, head_sum = np.zeros(self.stream_kv.shape[1:]), np.zeros((L, H))
-        for i in range(len(self.rows)):
+        for i in streamed:
             head_sum += self.stream_head[i]
             kv_sum += self.stream_kv[i]
-        kv, head = kv_sum / len(self.rows), head_sum / len(self.rows)
-        extras = dict(lengths=sorted({r[2] for r in self.rows}), **self.window.as_dict(), queries=self.queries,
-                      n_sequences=len(self.rows), seed=self.seed, kv_scores=kv, head_scores=head,
+        kv, head = kv_sum / len(streamed), head_sum / len(streamed)
+        extras = dict(lengths=sorted({self.rows[i][2] for i in streamed}), **self.window.as_dict(),
+                      queries=self.queries, n_sequences=len(streamed), seed=self.seed, kv_scores=kv, head_scores=head,
                       rows=self.describe_rows())
         return Detection("streaming", np.repeat(kv, self.group_size, axis=1), STREAMING_THRESHOLD,
                          "relative output change", extras)
@@ -335,7 +339,8 @@ def long_scan(model, built: dict, *, window: Window = Window(), queries: int = D
     kept: dict = {}
     with precision_block(model, precision), recording(model, rows, window=window) as rec:
         measure_long(model, built, seed=seed, progress=progress, should_stop=should_stop, values=kept)
-    missing = [i for i in range(len(rows)) if rec.copy[i] is None or rec.stream_kv[i] is None or rec.top1[i] is None]
+    missing = [i for i, r in enumerate(rows) if rec.copy[i] is None or rec.top1[i] is None
+               or (r.queries is not None and rec.stream_kv[i] is None)]
     if missing:
         raise RuntimeError(f"The scan's passes missed {len(missing)} of its {len(rows)} rows (their forwards were "
                            "not recognised); nothing was recorded for them.")
@@ -343,7 +348,10 @@ def long_scan(model, built: dict, *, window: Window = Window(), queries: int = D
     seconds = {k: float(kept[key][2]) for k, key in enumerate(keys)}
     meta = [(keys.index(key), r, int(row.ids.numel()), _row_depth(built[key][2], r)) for key, r, row in listed]
     geo = adapter_for(model).geometry(model)
-    return LongScan(keys, meta, np.stack(rec.copy), np.stack(rec.stream_head), np.stack(rec.stream_kv),
+    nan_head, nan_kv = np.full((geo.n_layers, geo.n_heads), np.nan), np.full((geo.n_layers, geo.n_kv_heads), np.nan)
+    return LongScan(keys, meta, np.stack(rec.copy),
+                    np.stack([nan_head if h is None else h for h in rec.stream_head]),
+                    np.stack([nan_kv if k is None else k for k in rec.stream_kv]),
                     list(rec.top1), values, seconds, window, int(queries), int(seed), geo.group_size, precision,
                     time.perf_counter() - t0)
 
@@ -353,7 +361,7 @@ def _row_depth(items, r: int) -> str:
     return items.conditions[i]
 
 
-def fast_bfloat16_or_refuse(precision: str, device) -> None:
+def check_precision(precision: str, device) -> None:
     """InputError for a precision other than PRECISIONS, or bfloat16 where this machine has no fast kernels."""
     from analysis.core.placement import fast_bfloat16
     if precision not in PRECISIONS:
@@ -368,9 +376,9 @@ def precision_block(model, precision: str):
     if precision == "float32":
         return nullcontext()
     device = next(model.parameters()).device
-    fast_bfloat16_or_refuse(precision, device)
+    check_precision(precision, device)
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 __all__ = ["ScanRow", "recording", "probe_rows", "LongScan", "long_scan", "PRECISIONS", "SCAN_MODULES",
-           "precision_block"]
+           "precision_block", "check_precision"]

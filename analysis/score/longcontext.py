@@ -25,7 +25,7 @@ from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.probes.breaks import compare
 from analysis.measure.longheads import check_lengths
 from analysis.measure.probes.longcontext import (ALL, DEFAULT_DEPTHS, DEFAULT_LENGTH, DEFAULT_SEQUENCES, LongWork,
-                                                 build_long, measure_long)
+                                                 build_long, depth_scores, measure_long)
 
 # docs/results.md section written by bench/bench_long_probes.py --write-docs
 LONG_PROBES_MARKERS = ("<!-- long-probes:begin -->", "<!-- long-probes:end -->")
@@ -80,6 +80,7 @@ class LongContextReport:
     limit: int                           # the model's context length
     cut: dict | None = None              # what the cut is (mask / plan / model), None: dense only
     work: object = None                  # LongWork of this run (rows per length, passes)
+    cut_values: dict | None = None       # (name, length) -> (diff, nll, seconds) of the cut: pass back as cut_values=
     seconds: float = 0.0
     notes: tuple = field(default_factory=tuple)
 
@@ -135,13 +136,15 @@ def _ci(row: dict, mean: str, low: str, high: str) -> str:
 def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=DEFAULT_DEPTHS, *,
                         n_items: int = DEFAULT_SEQUENCES, cut: Cut | None = None, dense: dict | None = None,
                         built: dict | None = None, seed: int = 0, bos: str = "auto", progress: Progress | None = None,
-                        should_stop: ShouldStop | None = None, per_row: dict | None = None) -> LongContextReport:
+                        should_stop: ShouldStop | None = None, per_row: dict | None = None,
+                        cut_values: dict | None = None) -> LongContextReport:
     """The long-context probes `probes` (None: all) at `lengths` x `depths` on the dense `loaded.model`, and
     (given one) on a `cut` (analysis.arch.cut.Cut: a mask, a KV plan, or a model of its own). dense: scores
     from an earlier report (`LongContextReport.dense`), reused where the items are the same. built: items from
     analysis.measure.probes.longcontext.build_long (else built here). per_row: length -> seconds of one row
     (`row_seconds`), so progress fractions follow the time. InputError before any pass for a length above the
-    model's limit (or the cut model's), a bad depth, a cut of another model."""
+    model's limit (or the cut model's), a bad depth, a cut of another model. cut_values: the cut's item values
+    from an earlier report of the same cut and items (`LongContextReport.cut_values`): its passes are skipped."""
     if cut is not None:
         cut.check(loaded.geometry)
     limit = context_length(loaded.model, default=2**31)
@@ -154,7 +157,7 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
         check_lengths([length for _, length in built], limit)
     keys = {k: items_key(k[0], k[1], items) for k, (_, _, items) in built.items()}
     dense = dict(dense or {})
-    work = report_work(built, dense, cut=cut is not None)
+    work = report_work(built, dense, cut=cut is not None and cut_values is None)
     todo = {k: built[k] for k in built if keys[k] not in dense}
     weight = {k: (per_row or {}).get(k[1], float(k[1])) * built[k][2].ids.shape[0] for k in built}
     dense_w, cut_w = sum(weight[k] for k in todo), (sum(weight.values()) if cut is not None else 0.0)
@@ -164,16 +167,21 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
         scores = measure_long(loaded.model, todo, seed=seed, should_stop=should_stop, weights=weight,
                               progress=scaled(progress, 0.0, dense_share))
         dense.update({keys[k]: s for k, s in scores.items()})
-    measured = None
-    if cut is not None:
+    measured, values = None, None
+    if cut is not None and cut_values is not None:                        # the cut's values of an earlier run
+        values = dict(cut_values)
+        measured = {k: depth_scores(spec, probe, items, *values[k][:2], seed=seed, seconds=values[k][2])
+                    for k, (spec, probe, items) in built.items()}
+    elif cut is not None:
         part = scaled(progress, dense_share, 1.0)
+        values = {}
         if cut.kind == "mask":                                            # gates batched in the same passes
             measured = measure_long(loaded.model, built, gates=gate_batch(loaded.model, None, cut.mask), seed=seed,
-                                    progress=part, should_stop=should_stop, weights=weight)
+                                    progress=part, should_stop=should_stop, weights=weight, values=values)
         else:
             with cut.running(loaded.model, adapter=loaded.adapter) as model:
                 measured = measure_long(model, built, seed=seed, progress=part, should_stop=should_stop,
-                                        weights=weight)
+                                        weights=weight, values=values)
     changes = []
     for k in built:
         d = dense[keys[k]]
@@ -188,7 +196,7 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
     used_lengths = tuple(dict.fromkeys(length for _, length in built))
     notes = tuple(n for (_, _, items) in built.values() for n in items.notes)
     return LongContextReport(changes, {keys[k]: dense[keys[k]] for k in built}, used_lengths, used_depths, limit,
-                             None if cut is None else cut.as_dict(), work, time.perf_counter() - t0, notes)
+                             None if cut is None else cut.as_dict(), work, values, time.perf_counter() - t0, notes)
 
 
 def report_work(built: dict, dense: dict | None = None, *, cut: bool = False) -> LongWork:

@@ -22,9 +22,10 @@ from analysis.measure.longpass import SCAN_MODULES, LongScan, long_scan
 from analysis.score.longcontext import items_key
 
 SCAN = "long-scan"
+DENSE = "long-dense"                 # the probes' dense side of a scan, apart (no window changes it)
 IMPORTANCE = "kv-importance"
 DETECTOR = "detector-{}"
-MEASURES = (SCAN, IMPORTANCE, DETECTOR.format("retrieval"), DETECTOR.format("streaming"))
+MEASURES = (SCAN, DENSE, "long-cut", IMPORTANCE, DETECTOR.format("retrieval"), DETECTOR.format("streaming"))
 DETECTOR_MODULES = ("analysis.measure.longheads", "analysis.measure.long_options", "analysis.measure.detectors",
                     "analysis.measure.detector_registry", "analysis.measure.haystack", "analysis.measure.headmaps",
                     "analysis.core.text", "analysis.arch.spans", "analysis.arch.window", "analysis.score.longscan")
@@ -43,23 +44,141 @@ def scan_settings(built: dict, *, window: Window, queries: int, seed: int, preci
 
 def stored_scan(loaded, built: dict, *, window: Window = Window(), queries: int = DEFAULT_QUERIES, seed: int = 0,
                 precision: str = "float32", progress=None, should_stop=None, store=None, refresh: bool = False,
-                on_refused=None):
-    """(LongScan, Lookup): the scan of `built` on `loaded`'s dense model, from the store or measured and stored."""
+                on_refused=None, compute: bool = True, fingerprint: str | None = None):
+    """(LongScan, Lookup): the scan of `built` on `loaded`'s dense model, from the store or measured and stored
+    (with its probes' dense side as a record of its own, `stored_dense`'s, which no window changes). compute
+    False: only look (None unless stored). fingerprint: the model's, when the caller has it."""
+    from analysis.arch.stored import model_fingerprint
+    from analysis.core.store import Key, Store, code_digest
     window = window_of(window)
+    store = store or Store()
+    fingerprint = fingerprint or model_fingerprint(loaded)
     settings = scan_settings(built, window=window, queries=queries, seed=seed, precision=precision)
 
-    def compute() -> LongScan:
-        return long_scan(loaded.model, built, window=window, queries=queries, seed=seed, precision=precision,
+    def measure() -> LongScan:
+        scan = long_scan(loaded.model, built, window=window, queries=queries, seed=seed, precision=precision,
                          progress=progress, should_stop=should_stop)
+        store.put(Key(fingerprint, DENSE, dense_settings(built, seed=seed, precision=precision),
+                      code_digest(SCAN_MODULES)), values_tree(scan), about=about(loaded, scan.total_seconds))
+        return scan
 
-    return remembered(loaded, SCAN, settings, compute, modules=SCAN_MODULES, to_tree=LongScan.to_tree,
-                      from_tree=LongScan.from_tree, store=store, refresh=refresh, on_refused=on_refused)
+    return remembered(loaded, SCAN, settings, measure if compute else None, modules=SCAN_MODULES,
+                      to_tree=LongScan.to_tree, from_tree=LongScan.from_tree, store=store, refresh=refresh,
+                      on_refused=on_refused, fingerprint=fingerprint)
+
+
+def about(loaded, seconds: float) -> dict:
+    """What a stored result says about itself besides its key (remember's words): the model's name, when, how long."""
+    import time
+    return dict(model_name=str(loaded.name), seconds=round(float(seconds), 3), stored=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def dense_settings(built: dict, *, seed: int, precision: str) -> dict:
+    """What the probes' dense side is of: the items (by digest), the bootstrap seed, the precision."""
+    settings = scan_settings(built, window=Window(), queries=1, seed=seed, precision=precision)
+    return {k: settings[k] for k in ("items", "seed", "precision")}
+
+
+def values_tree(scan: LongScan) -> dict:
+    """The probes' part of a scan: their item values (diff, nll) and seconds per (name, length)."""
+    return dict(keys=[list(k) for k in scan.keys], values=[list(scan.values[k]) for k in range(len(scan.keys))],
+                seconds=[float(scan.seconds.get(k, 0.0)) for k in range(len(scan.keys))])
+
+
+def stored_dense(loaded, built: dict, *, seed: int = 0, precision: str = "float32", compute: bool = True,
+                 window: Window = Window(), queries: int = DEFAULT_QUERIES, progress=None, should_stop=None,
+                 store=None, refresh: bool = False, on_refused=None, fingerprint: str | None = None):
+    """(items_key -> {depth label: ProbeScore}, Lookup): the probes' dense side of `built` (long_context_report's
+    `dense=`), read back when any scan of these items stored it, else (`compute`) measured by a scan with
+    `window` / `queries` (which stores the scan too); None with the Lookup of a miss when not `compute`."""
+    from analysis.arch.stored import model_fingerprint
+    from analysis.core.store import Key, Lookup, Store, code_digest
+    from analysis.measure.probes.longcontext import depth_scores
+    store = store or Store()
+    fingerprint = fingerprint or model_fingerprint(loaded)
+    key = Key(fingerprint, DENSE, dense_settings(built, seed=seed, precision=precision), code_digest(SCAN_MODULES))
+    found = Lookup("miss") if refresh else store.get(key)
+    if found.hit:
+        try:
+            values = _values_of(found.value, built)
+            return {items_key(name, length, built[(name, length)][2]):
+                    depth_scores(*built[(name, length)], diff, nll, seed=seed, seconds=seconds)
+                    for (name, length), (diff, nll, seconds) in values.items()}, found
+        except (KeyError, ValueError, TypeError) as err:
+            found = Lookup("corrupt", path=found.path, why=f"its values do not fit these probes ({err})")
+    if found.status in ("corrupt", "foreign") and on_refused is not None:
+        on_refused(found)
+    if not compute:
+        return None, found
+    scan, seen = stored_scan(loaded, built, window=window, queries=queries, seed=seed, precision=precision,
+                             progress=progress, should_stop=should_stop, store=store, refresh=refresh,
+                             on_refused=on_refused, fingerprint=fingerprint)
+    return dense_of(scan, built), seen
 
 
 def dense_of(scan: LongScan, built: dict) -> dict:
     """The scan's probes' dense side keyed by the items' digest (long_context_report's `dense=`)."""
     return {items_key(name, length, built[(name, length)][2]): scores
             for (name, length), scores in scan.dense(built).items()}
+
+
+CUT = "long-cut"                     # a cut's side of the long-context probes (a mask's or a KV plan's)
+CUT_MODULES = SCAN_MODULES + ("analysis.score.longcontext", "analysis.arch.cut", "analysis.arch.kvplan",
+                              "analysis.arch.kvcache", "analysis.arch.head_gates")
+
+
+def stored_report(loaded, built: dict, cut, *, dense: dict, seed: int = 0, precision: str = "float32",
+                  compute: bool = True, progress=None, should_stop=None, per_row: dict | None = None, store=None,
+                  refresh: bool = False, on_refused=None, fingerprint: str | None = None):
+    """(LongContextReport | None, Lookup) of the probes `built` dense (`dense`: their dense side) vs `cut`, the cut's
+    item values read back when this machine stored them for this model, these items and this cut (a mask's or a
+    KV plan's contents: Cut.key), else measured (run the call inside the cut's precision: longpass.precision_block)
+    and stored. A model of its own is measured each time (its weights are not a stored key). compute False: only
+    look."""
+    from analysis.arch.stored import model_fingerprint
+    from analysis.core.store import Key, Lookup, Store, code_digest
+    from analysis.score.longcontext import long_context_report
+    if cut is None or cut.kind == "model":
+        if not compute:
+            return None, Lookup("miss")
+        return long_context_report(loaded, built=built, dense=dense, cut=cut, seed=seed, per_row=per_row,
+                                   progress=progress, should_stop=should_stop), Lookup("miss")
+    store = store or Store()
+    settings = dict(dense_settings(built, seed=seed, precision=precision), cut=cut.key(), kind=cut.kind)
+    key = Key(fingerprint or model_fingerprint(loaded), CUT, settings, code_digest(CUT_MODULES))
+    found = Lookup("miss") if refresh else store.get(key)
+    if found.hit:
+        try:
+            values = _values_of(found.value, built)
+            return long_context_report(loaded, built=built, dense=dense, cut=cut, seed=seed, cut_values=values), found
+        except (KeyError, ValueError, TypeError) as err:
+            found = Lookup("corrupt", path=found.path, why=f"its values do not fit these probes ({err})")
+    if found.status in ("corrupt", "foreign") and on_refused is not None:
+        on_refused(found)
+    if not compute:
+        return None, found
+    report = long_context_report(loaded, built=built, dense=dense, cut=cut, seed=seed, per_row=per_row,
+                                 progress=progress, should_stop=should_stop)
+    keys = list(built)
+    store.put(key, dict(keys=[list(k) for k in keys], values=[list(report.cut_values[k][:2]) for k in keys],
+                        seconds=[float(report.cut_values[k][2]) for k in keys]), about=about(loaded, report.seconds))
+    return report, found
+
+
+def _values_of(tree: dict, built: dict) -> dict:
+    """(name, length) -> (diff [1, n], nll [1, n], seconds) of a stored side, checked against `built`."""
+    import numpy as np
+    out = {}
+    for (name, length), (diff, nll), seconds in zip(tree["keys"], tree["values"], tree["seconds"]):
+        key = (str(name), int(length))
+        items = built[key][2]
+        diff, nll = np.asarray(diff, dtype=np.float64), np.asarray(nll, dtype=np.float64)
+        if diff.shape != (1, items.correct.numel()) or nll.shape != diff.shape:
+            raise ValueError("stored item values of another size")
+        out[key] = (diff, nll, float(seconds))
+    if set(out) != set(built):
+        raise ValueError("it holds other probes")
+    return out
 
 
 # -- detections ----------------------------------------------------------------------------------------
@@ -76,6 +195,14 @@ def detection_of_tree(tree: dict) -> Detection:
     return Detection(str(tree["name"]), scores, float(tree["threshold"]), str(tree["unit"]), dict(tree["extras"]))
 
 
+def detector_settings(det, model) -> dict:
+    """A long detector's effective settings (its own attributes: the options it took and the defaults it kept, the
+    window as sinks and recent) and the passes it runs on `model` (its lengths resolved against the context): the
+    same measurement asked with other words (kv-plan's options, roles') is one stored result."""
+    out = {k: (v.as_dict() if isinstance(v, Window) else v) for k, v in sorted(vars(det).items()) if k != "tokenizer"}
+    return dict(out, detector=det.name, passes=det.passes(model))
+
+
 def stored_detections(loaded, names, options: dict | None = None, *, progress=None, should_stop=None, store=None,
                       refresh: bool = False, on_refused=None) -> tuple[dict, dict]:
     """({name: Detection}, {name: Lookup}) of the long detectors `names` (retrieval, streaming) on their own rows
@@ -87,7 +214,7 @@ def stored_detections(loaded, names, options: dict | None = None, *, progress=No
     out, found = {}, {}
     for i, name in enumerate(names):
         det = get_detector(name, loaded.tokenizer, **(options or {}))
-        settings = dict(options=dict(sorted((options or {}).items())), passes=det.passes(loaded.model))
+        settings = detector_settings(det, loaded.model)
         part = scaled(progress, i / len(names), (i + 1) / len(names))
 
         def compute(name=name, part=part):
@@ -100,13 +227,14 @@ def stored_detections(loaded, names, options: dict | None = None, *, progress=No
 
 
 def stored_importance(loaded, tokens: int, *, progress=None, should_stop=None, store=None, refresh: bool = False,
-                      on_refused=None):
-    """([L, Hkv] loss increase per removed KV group, Lookup) on `tokens` tokens of the built-in evaluation text."""
+                      on_refused=None, compute: bool = True, fingerprint: str | None = None):
+    """([L, Hkv] loss increase per removed KV group, Lookup) on `tokens` tokens of the built-in evaluation text
+    (compute False: only look)."""
     import numpy as np
 
     from analysis.score.kvscores import group_importance
 
-    def compute():
+    def measure():
         return group_importance(loaded, tokens, progress=progress, should_stop=should_stop)
 
     def of_tree(t):
@@ -115,9 +243,91 @@ def stored_importance(loaded, tokens: int, *, progress=None, should_stop=None, s
             raise ValueError("a stored importance of another shape")
         return a
 
-    return remembered(loaded, IMPORTANCE, dict(tokens=int(tokens)), compute, modules=IMPORTANCE_MODULES,
-                      from_tree=of_tree, store=store, refresh=refresh, on_refused=on_refused)
+    return remembered(loaded, IMPORTANCE, dict(tokens=int(tokens)), measure if compute else None,
+                      modules=IMPORTANCE_MODULES, from_tree=of_tree, store=store, refresh=refresh,
+                      on_refused=on_refused, fingerprint=fingerprint)
 
 
-__all__ = ["stored_scan", "dense_of", "stored_detections", "stored_importance", "scan_settings", "SCAN",
+# -- a KV plan's scores (`headscope kv-plan`), each part stored ------------------------------------------------
+
+ROWS = ("own", "probes")             # where kv-plan reads the streaming and retrieval scores
+
+
+def page_rows(loaded, lengths=None, depths=None, *, probes=None, n_items: int | None = None, seed: int = 0,
+              bos: str = "auto") -> dict:
+    """The long-context probes' rows the Long context page scans (its defaults: analysis.measure.long_options
+    PAGE_*), at `lengths` (default: PAGE_LENGTH clipped to the model's context)."""
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.long_options import DEFAULT_DEPTHS, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES
+    from analysis.measure.probes.longcontext import build_long
+    limit = context_length(loaded.model)
+    return build_long(list(probes or PAGE_PROBES), loaded.tokenizer, loaded.kind, lengths or (min(PAGE_LENGTH, limit),),
+                      depths=depths or DEFAULT_DEPTHS, n_items=n_items or PAGE_SEQUENCES, seed=seed, bos=bos,
+                      limit=limit)
+
+
+def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), lengths=None, retrieval_lengths=None,
+                     depths=None, needles: int | None = None, queries: int = DEFAULT_QUERIES, retrieval: bool = True,
+                     prune: bool = False, prune_tokens: int | None = None, seed: int = 0, precision: str = "float32",
+                     progress=None, should_stop=None, store=None, refresh: bool = False, on_refused=None):
+    """(analysis.score.kvscores.KVScores, {part: Lookup}): what a KV plan is made from, each part from the store or
+    measured and stored. rows "own": the detectors' own rows (the streaming score on plain built-in text, the
+    retrieval score on its needle items: measure_kv_scores' numbers); rows "probes": one shared scan of the
+    long-context probes' rows (the Long context page's: `page_rows` at `lengths`), both scores from it."""
+    import time
+
+    from analysis.core.errors import InputError
+    from analysis.core.progress import scaled
+    from analysis.measure.long_options import DEFAULT_DEPTHS, DEFAULT_NEEDLES, PAGE_IMPORTANCE_TOKENS
+    from analysis.score.kvscores import KVScores
+    if rows not in ROWS:
+        raise InputError(f"The KV scores' rows are one of {', '.join(ROWS)}; got {rows!r}.")
+    window = window_of(window)
+    geo = loaded.geometry
+    out = KVScores(None)
+    found: dict = {}
+    share = 1.0 / (1 + bool(prune))
+    t0 = time.perf_counter()
+    if rows == "probes":
+        built = page_rows(loaded, lengths, depths, seed=seed)
+        scan, found["scan"] = stored_scan(loaded, built, window=window, queries=queries, seed=seed,
+                                          precision=precision, progress=scaled(progress, 0.0, share),
+                                          should_stop=should_stop, store=store, refresh=refresh, on_refused=on_refused)
+        dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
+    else:
+        if precision != "float32":
+            raise InputError("The detectors' own rows are measured in float32; bfloat16 is for the shared scan "
+                             "(rows 'probes').")
+        options = {"streaming": dict(lengths=lengths, sinks=window.sinks, recent=window.recent, queries=queries,
+                                     seed=seed),
+                   "retrieval": dict(lengths=retrieval_lengths or lengths, depths=depths or DEFAULT_DEPTHS,
+                                     needles=needles or DEFAULT_NEEDLES, seed=seed)}
+        names = ["streaming"] + (["retrieval"] if retrieval else [])
+        dets = {}
+        for i, name in enumerate(names):
+            part = scaled(progress, share * i / len(names), share * (i + 1) / len(names))
+            got, seen = stored_detections(loaded, [name], options[name], progress=part, should_stop=should_stop,
+                                          store=store, refresh=refresh, on_refused=on_refused)
+            dets[name], found[name] = got[name], seen[name]
+    out.seconds["scores"] = time.perf_counter() - t0
+    out.streaming = dets["streaming"].extras["kv_scores"]
+    out.detections["streaming"] = dets["streaming"]
+    if retrieval:
+        out.retrieval = dets["retrieval"].extras["kv_scores"]
+        out.detections["retrieval"] = dets["retrieval"]
+    if prune:
+        t0 = time.perf_counter()
+        tokens = int(prune_tokens or PAGE_IMPORTANCE_TOKENS)
+        out.importance, found["importance"] = stored_importance(loaded, tokens, progress=scaled(progress, share, 1.0),
+                                                                should_stop=should_stop, store=store,
+                                                                refresh=refresh, on_refused=on_refused)
+        out.prune_tokens = tokens
+        out.seconds["importance"] = time.perf_counter() - t0
+    if out.streaming.shape != (geo.n_layers, geo.n_kv_heads):
+        raise InputError("The stored streaming scores do not fit this model's KV heads.")
+    return out, found
+
+
+__all__ = ["stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
+           "ROWS", "scan_settings", "SCAN",
            "IMPORTANCE", "DETECTOR", "MEASURES", "detection_tree", "detection_of_tree"]

@@ -1,0 +1,219 @@
+"""The Long context page's long passes, measured once: the shared scan, its stored results, the precision.
+
+One set of dense passes over the rows of the page's long-context probes ("What the plan keeps at long context":
+probes, tokens per row, depths, sequences) gives the heads' scores the grid fills from (streaming, retrieval)
+and the probes' dense side (analysis.measure.longpass.long_scan); the KV groups' importance is its own short
+ablation. Each is kept on disk by analysis.score.longscan (through analysis.arch.stored.remembered, the one
+function the CLI uses too): a result this machine already holds for this model, these settings and this code is
+shown at once, without a button (a second visit, a restart, a class warmed by `headscope cache warm`); anything
+else is one button with its expected time (rows x this machine's seconds per row, `per_row`, then the measured
+pace of earlier runs: components/jobs.py PREDICTED_SECONDS) and a Stop.
+
+The cached calls look in the store before they take the model's lock, so a stored result neither waits behind
+another job nor counts as a run of the job's pace. The precision (float32, or bfloat16 where the CPU multiplies
+it natively) is one radio for every long pass of the page.
+"""
+from __future__ import annotations
+
+import streamlit as st
+
+from analysis.arch.window import Window
+from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_QUERIES, PAGE_IMPORTANCE_TOKENS, PAGE_LENGTH,
+                                           PAGE_PROBES, PAGE_SEQUENCES, PRECISION_CHOICES)
+
+from . import cache, state
+from .state import ModelKey
+
+PRECISION_KEY = "long.precision"
+_PRECISION_WORDS = {"float32": "float32 (the reference)", "bfloat16": "bfloat16 (faster on this CPU)"}
+
+
+# -- the settings the page's long passes share --------------------------------------------------------------
+
+def probe_settings(lm, context: int) -> tuple:
+    """(probes, tokens per row, depths, sequences per depth) of the probes section's boxes as last set (the page's
+    defaults before), the length clipped to the model's context."""
+    from .longctx import context_limit
+    limit = context_limit(lm)
+    probes = tuple(state.kept("long.probes.names", list(PAGE_PROBES)) or PAGE_PROBES)
+    length = min(int(state.kept("long.probes.length", min(context, PAGE_LENGTH, limit))), limit)
+    depths = tuple(sorted(float(d) for d in (state.kept("long.probes.depths", list(DEFAULT_DEPTHS)) or DEFAULT_DEPTHS)))
+    return probes, length, depths, int(state.kept("long.probes.sequences", PAGE_SEQUENCES))
+
+
+def precision() -> str:
+    """The long passes' precision as the radio last said (float32 before)."""
+    value = state.kept(PRECISION_KEY, "float32")
+    return value if value in PRECISION_CHOICES else "float32"
+
+
+def precision_choice(lm) -> str:
+    """The radio of the long passes' precision: bfloat16 offered where the CPU (or GPU) has native kernels."""
+    from analysis.core.placement import fast_bfloat16
+    fast = fast_bfloat16(lm.device.type)
+    value = st.radio("Precision of the long passes", list(PRECISION_CHOICES), horizontal=True,
+                     format_func=_PRECISION_WORDS.get, disabled=not fast,
+                     key=state.widget_key(PRECISION_KEY, value="float32"),
+                     help="bfloat16 multiplies the matrices in bfloat16 (AVX-512 BF16 or AMX on a CPU); the heads' "
+                          "taps stay float32. What it changes on SmolLM2 (the scores' rank correlation, the top "
+                          "heads, the probes' accuracy) and what it saves: docs/results.md, 'Long context in a "
+                          "minute'." if fast else
+                          "This machine has no native bfloat16 matrix kernels (AVX-512 BF16 or AMX): bfloat16 would "
+                          "be slower here than float32.")
+    return value if fast and value in PRECISION_CHOICES else "float32"
+
+
+# -- cached calls -----------------------------------------------------------------------------------------------
+
+@st.cache_resource(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def fingerprint(key: ModelKey) -> str:
+    """The model's fingerprint (analysis.arch.stored.model_fingerprint), once per server and model."""
+    from analysis.arch.stored import model_fingerprint
+    return model_fingerprint(cache.load(key))
+
+
+@st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
+def per_row(key: ModelKey, lengths: tuple) -> dict:
+    """length -> this machine's seconds for one row (analysis.measure.probes.longcontext.row_seconds: a forward of
+    8 x 256 tokens and the attention kernel at each length), once per server and model."""
+    from analysis.measure.probes.longcontext import row_seconds
+    with cache.exclusive(key, what="Timing this machine's long passes") as lm:
+        return row_seconds(lm.model, list(lengths), geometry=lm.geometry)
+
+
+def built(key: ModelKey, settings: tuple) -> dict:
+    """The probes' rows of `settings` (probe_settings' tuple): components/longprobes.long_items."""
+    from .longprobes import long_items
+    probes, length, depths, n_items = settings
+    return long_items(key, tuple(probes), int(length), tuple(depths), int(n_items))
+
+
+def stored_scan(key: ModelKey, settings: tuple, window: Window, precision: str):
+    """(LongScan, Lookup) when this machine holds the scan, else (None, Lookup): no model time."""
+    from analysis.score.longscan import stored_scan as lookup
+    return lookup(cache.load(key), built(key, settings), window=window, precision=precision, compute=False,
+                  fingerprint=fingerprint(key))
+
+
+def stored_dense(key: ModelKey, settings: tuple, precision: str):
+    """(the probes' dense side or None, Lookup): what any stored scan of these rows left (no model time)."""
+    from analysis.score.longscan import stored_dense as lookup
+    return lookup(cache.load(key), built(key, settings), precision=precision, compute=False,
+                  fingerprint=fingerprint(key))
+
+
+@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
+def scan(key: ModelKey, settings: tuple, window: Window, precision: str, _progress=None, _should_stop=None):
+    """(LongScan, Lookup) of the probes' rows: from the store, else measured under the model's lock and stored."""
+    from analysis.score.longscan import stored_scan as measured
+    found = stored_scan(key, settings, window, precision)
+    if found[0] is not None:
+        return found
+    rows = built(key, settings)
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        return measured(lm, rows, window=window, precision=precision, progress=_progress, should_stop=_should_stop,
+                        fingerprint=fingerprint(key))
+
+
+def dense(key: ModelKey, settings: tuple, precision: str, _progress=None, _should_stop=None) -> dict:
+    """The probes' dense side (long_context_report's `dense=`): stored, else from a scan with the page's window
+    (which stores the heads' scores of these rows as well)."""
+    got, _ = stored_dense(key, settings, precision)
+    if got is not None:
+        return got
+    from analysis.score.longscan import dense_of
+    sc, _ = scan(key, settings, Window(), precision, _progress=_progress, _should_stop=_should_stop)
+    return dense_of(sc, built(key, settings))
+
+
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def importance(key: ModelKey, tokens: int, _progress=None, _should_stop=None):
+    """([L, Hkv] loss increase per removed KV group, Lookup): from the store, else measured and stored."""
+    from analysis.score.longscan import stored_importance
+    lm = cache.load(key)
+    found = stored_importance(lm, tokens, compute=False, fingerprint=fingerprint(key))
+    if found[0] is not None:
+        return found
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        return stored_importance(lm, tokens, progress=_progress, should_stop=_should_stop,
+                                 fingerprint=fingerprint(key))
+
+
+# -- what the page shows ------------------------------------------------------------------------------------------
+
+def _stored_words(found) -> str:
+    about = found.about or {}
+    return (f"Read from this machine's stored results (measured {about.get('stored', 'earlier')} in "
+            f"{float(about.get('seconds', 0)):.0f} s); `headscope cache clear` removes them.")
+
+
+def scan_seconds(key: ModelKey, rows: dict) -> float:
+    """The predicted seconds of one pass over `rows` (rows x this machine's seconds per row at its length)."""
+    from analysis.measure.probes.longcontext import long_work
+    work = long_work(rows)
+    return work.seconds(per_row(key, tuple(sorted(work.rows))))
+
+
+def heads_scores(lm, window: Window, context: int):
+    """(streaming Detection, retrieval Detection) measured on the probes section's rows with `window` (stored: shown
+    at once; else a button with its expected time), or (None, None) before they are measured."""
+    key = state.model_key()
+    settings = probe_settings(lm, context)
+    prec = precision()
+    rows = built(key, settings)
+    n_rows = sum(items.ids.shape[0] for (_, _, items) in rows.values())
+    probes, length = settings[0], settings[1]
+    where = (f"{n_rows} rows of {length:,} tokens of the probes below ({', '.join(probes)}), with this page's window, "
+             f"in {prec}")
+    found = stored_scan(key, settings, window, prec)
+    run_key = (key, settings, window, prec)
+    if found[0] is not None:
+        state.remember_run("long.scores.scan", run_key, found, view=where)
+        st.caption(f"The heads' scores on {where}. " + _stored_words(found[1]))
+        result = found
+    else:
+        result = cache.run_button(
+            f"Measure the heads' scores ({where}; one pass a row also gives the probes' dense side)",
+            button_key="long.scores.scan", slot="long.scores.scan", run_key=run_key, fn=scan,
+            args=(key, settings, window, prec), label="Measuring the heads' scores", kind="long-scan",
+            work=scan_seconds(key, rows), view=where,
+            stale_note="The probes' rows, the window or the precision changed since ({view}); press the button "
+                       "again.")
+    if result is None:
+        return None, None
+    sc = result[0]
+    return sc.streaming(), sc.retrieval()
+
+
+def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
+    """[L, Hkv] KV groups' importance: stored, shown at once; else a button."""
+    key = state.model_key()
+    g = lm.geometry
+    found = stored_importance_lookup(key, tokens)
+    if found[0] is not None:
+        st.caption(f"The KV groups' importance (ablation on {tokens} tokens). " + _stored_words(found[1]))
+        return found[0]
+    result = cache.run_button(
+        f"Measure the KV groups' importance (ablation on {tokens} tokens)", button_key="long.scores.importance",
+        slot="long.scores.importance", run_key=(key, tokens), fn=importance, args=(key, tokens),
+        label="Removing each KV group", kind="kv-importance", work=importance_seconds(key, g, tokens),
+        stale_note="({view})", view="another model")
+    return None if result is None else result[0]
+
+
+def importance_seconds(key: ModelKey, g, tokens: int) -> float:
+    """The predicted seconds of the KV groups' ablation: the fast sweep replays, for each of the H + Hkv ablations
+    of layer l, the layers from l on (about (L + 1) / 2 layers on average) over `tokens` tokens, plus one dense
+    pass: that many forward tokens at this machine's seconds per token at that length (`per_row`)."""
+    ablations = g.n_heads + (g.n_kv_heads if g.group_size > 1 else 0)
+    forward_tokens = tokens * (ablations * (g.n_layers + 1) / 2 + 1)
+    return forward_tokens * per_row(key, (int(tokens),))[int(tokens)] / tokens
+
+
+def stored_importance_lookup(key: ModelKey, tokens: int):
+    from analysis.score.longscan import stored_importance
+    return stored_importance(cache.load(key), tokens, compute=False, fingerprint=fingerprint(key))
+
+
+__all__ = ["probe_settings", "precision", "precision_choice", "scan", "dense", "importance", "per_row",
+           "stored_scan", "stored_dense", "heads_scores", "importance_scores", "scan_seconds", "DEFAULT_QUERIES"]
