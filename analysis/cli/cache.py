@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-from analysis.cli.common import (add_output_arguments, add_source_arguments, add_store_arguments, load_source,
-                                 progress_bar, refused_line, register, stored_words)
+from analysis.cli.common import (add_output_arguments, add_source_arguments, add_store_arguments,
+                                 check_precision_option, load_source, progress_bar, refused_line, register,
+                                 stored_words)
 from analysis.core.errors import InputError
 
 ACTIONS = ("list", "clear", "warm")
@@ -91,6 +92,7 @@ def warm(ns, store):
     check_whole_number(ns.items, "--items", low=MIN_PROBE_SEQUENCES, high=MAX_PROBE_SEQUENCES)
     check_whole_number(ns.importance_tokens, "--importance-tokens", low=2, high=2**20)
     window = Window(ns.sinks, ns.recent)
+    check_precision_option(ns)
     with progress_bar("loading", not ns.quiet) as report:
         _, loaded, info = load_source(ns, report)
     if loaded.kind != "causal-lm":

@@ -165,6 +165,16 @@ def add_store_arguments(parser: argparse.ArgumentParser, *, rows: bool = False, 
                                  "measures them (and stores them for it)")
 
 
+def check_precision_option(ns: argparse.Namespace) -> None:
+    """--precision bfloat16 on a device without native bfloat16 kernels: refused before the model loads (the
+    device from the placement options, resolved as load_model will)."""
+    if getattr(ns, "precision", "float32") == "float32":
+        return
+    from analysis.core.placement import Placement
+    from analysis.measure.longpass import check_precision
+    check_precision(ns.precision, Placement.of(**placement_kwargs(ns)).resolve().device)
+
+
 def refused_line(lookup) -> None:
     """A stored result that could not be used (corrupt, another's): one warning line; it is measured again."""
     warn([f"the stored result {lookup.path} was not used ({lookup.why}); measuring it again"])

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 
-from analysis.cli.common import (add_source_arguments, add_store_arguments, check_counts, load_source, progress_bar,
-                                 refused_line, register, stored_words)
+from analysis.cli.common import (add_source_arguments, add_store_arguments, check_counts, check_precision_option,
+                                 load_source, progress_bar, refused_line, register, stored_words)
 from analysis.cli.roles import number_list
 
 
@@ -73,6 +73,10 @@ def run(ns):
     depths = check_depths(number_list(ns.depths, "--depths", float) or DEFAULT_DEPTHS)
     if lengths is not None:
         check_lengths(lengths)
+    if ns.rows == "own" and ns.precision != "float32":
+        raise InputError("--precision bfloat16 runs the shared scan of the probes' rows (--rows probes); the "
+                         "detectors' own rows are measured in float32.")
+    check_precision_option(ns)
     if not 0.0 <= ns.retrieval_threshold <= 1.0:
         raise InputError(f"--retrieval-threshold is a share of the needle's tokens, 0 to 1; got {ns.retrieval_threshold}.")
     with progress_bar("loading", not ns.quiet) as report:

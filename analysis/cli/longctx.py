@@ -22,7 +22,8 @@ another model or with a window of 0, two cuts at once) is one line, and nothing 
 from __future__ import annotations
 
 from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, add_store_arguments,
-                                 check_one_cut, cut_from, progress_bar, refused_line, register, stored_words, warn)
+                                 check_one_cut, check_precision_option, cut_from, progress_bar, refused_line, register,
+                                 stored_words, warn)
 from analysis.core.errors import InputError
 
 
@@ -77,6 +78,7 @@ def run_longctx(ns):
         raise InputError(f"--depths are fractions of the text, 0 to 1; got {bad[0]:g}.")
     check_whole_number(ns.items, "--items", low=MIN_PROBE_SEQUENCES, high=MAX_PROBE_SEQUENCES)
     long_chosen(ns.probe)                                                # bad options fail before the model loads
+    check_precision_option(ns)
     import sys
 
     from analysis.core.progress import duration_words, scaled, with_estimate
