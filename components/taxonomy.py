@@ -29,10 +29,14 @@ def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=N
 
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def long_detection(key, name: str, options: tuple, _progress=None, _should_stop=None):
-    """One long-context detector (retrieval, streaming) on the dense model; options: sorted (name, value)."""
-    from analysis.measure.detectors import detect_heads
+    """One long-context detector (retrieval, streaming) on the dense model; options: sorted (name, value). Kept on
+    disk (analysis.score.longscan.stored_detections): read back without the model's lock when stored."""
+    from analysis.score.longscan import stored_detections
+    found, _ = stored_detections(cache.load(key), [name], dict(options), compute=False)
+    if found.get(name) is not None:
+        return found[name]
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        return detect_heads(lm, [name], options=dict(options), progress=_progress, should_stop=_should_stop)[name]
+        return stored_detections(lm, [name], dict(options), progress=_progress, should_stop=_should_stop)[0][name]
 
 
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)

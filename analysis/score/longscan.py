@@ -204,10 +204,11 @@ def detector_settings(det, model) -> dict:
 
 
 def stored_detections(loaded, names, options: dict | None = None, *, progress=None, should_stop=None, store=None,
-                      refresh: bool = False, on_refused=None) -> tuple[dict, dict]:
+                      refresh: bool = False, on_refused=None, compute: bool = True) -> tuple[dict, dict]:
     """({name: Detection}, {name: Lookup}) of the long detectors `names` (retrieval, streaming) on their own rows
     with `options` (analysis.measure.detectors.detect_heads' options), each from the store or measured and
-    stored; the lengths the detector resolves on this model are part of the key."""
+    stored; the lengths the detector resolves on this model are part of the key. compute False: only look (None
+    for a detection not stored)."""
     from analysis.core.progress import scaled
     from analysis.measure.detectors import detect_heads, get_detector
     names = list(names)
@@ -217,12 +218,13 @@ def stored_detections(loaded, names, options: dict | None = None, *, progress=No
         settings = detector_settings(det, loaded.model)
         part = scaled(progress, i / len(names), (i + 1) / len(names))
 
-        def compute(name=name, part=part):
+        def measure(name=name, part=part):
             return detect_heads(loaded, [name], options=options, progress=part, should_stop=should_stop)[name]
 
-        out[name], found[name] = remembered(loaded, DETECTOR.format(name), settings, compute, modules=DETECTOR_MODULES,
-                                            to_tree=detection_tree, from_tree=detection_of_tree, store=store,
-                                            refresh=refresh, on_refused=on_refused)
+        out[name], found[name] = remembered(loaded, DETECTOR.format(name), settings, measure if compute else None,
+                                            modules=DETECTOR_MODULES, to_tree=detection_tree,
+                                            from_tree=detection_of_tree, store=store, refresh=refresh,
+                                            on_refused=on_refused)
     return out, found
 
 
