@@ -202,12 +202,10 @@ def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
 
 
 def importance_seconds(key: ModelKey, g, tokens: int) -> float:
-    """The predicted seconds of the KV groups' ablation: the fast sweep replays, for each of the H + Hkv ablations
-    of layer l, the layers from l on (about (L + 1) / 2 layers on average) over `tokens` tokens, plus one dense
-    pass: that many forward tokens at this machine's seconds per token at that length (`per_row`)."""
-    ablations = g.n_heads + (g.n_kv_heads if g.group_size > 1 else 0)
-    forward_tokens = tokens * (ablations * (g.n_layers + 1) / 2 + 1)
-    return forward_tokens * per_row(key, (int(tokens),))[int(tokens)] / tokens
+    """The predicted seconds of the KV groups' ablation (analysis.score.longscan.importance_seconds) at this
+    machine's seconds per row of `tokens` tokens."""
+    from analysis.score.longscan import importance_seconds as predicted
+    return predicted(g, tokens, per_row(key, (int(tokens),))[int(tokens)])
 
 
 def stored_importance_lookup(key: ModelKey, tokens: int):

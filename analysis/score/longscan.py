@@ -330,6 +330,18 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
     return out, found
 
 
-__all__ = ["stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
+# -- what the passes cost (the app's estimates, the bench) ------------------------------------------------------
+
+def importance_seconds(geometry, tokens: int, row_at_tokens: float) -> float:
+    """Predicted seconds of the KV groups' ablation (analysis.measure.ablation's fast sweep): for each of the H (+ Hkv
+    on GQA models) ablations of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, over
+    `tokens` tokens, plus one dense pass; `row_at_tokens`: this machine's seconds for one row of `tokens` tokens
+    (analysis.measure.probes.longcontext.row_seconds)."""
+    g = geometry
+    ablations = g.n_heads + (g.n_kv_heads if g.group_size > 1 else 0)
+    return (ablations * (g.n_layers + 1) / 2 + 1) * float(row_at_tokens)
+
+
+__all__ = ["importance_seconds", "stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
            "ROWS", "scan_settings", "SCAN",
            "IMPORTANCE", "DETECTOR", "MEASURES", "detection_tree", "detection_of_tree"]
