@@ -168,6 +168,7 @@ def probe_section(lm, plan, context: int) -> None:
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
         if rep is not None:
             _show(rep)
+    longscan.forget_button(lm)
     explain.fold("how to read the long-context probes", HOW_TO_READ)
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import streamlit as st
 
 from analysis.arch.window import Window
-from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_QUERIES, PAGE_IMPORTANCE_TOKENS, PAGE_LENGTH,
-                                           PAGE_PROBES, PAGE_SEQUENCES, PRECISION_CHOICES)
+from analysis.measure.long_options import (DEFAULT_DEPTHS, PAGE_IMPORTANCE_TOKENS, PAGE_LENGTH, PAGE_PROBES,
+                                           PAGE_SEQUENCES, PRECISION_CHOICES)
 
 from . import cache, state
 from .state import ModelKey
@@ -213,5 +213,35 @@ def stored_importance_lookup(key: ModelKey, tokens: int):
     return stored_importance(cache.load(key), tokens, compute=False, fingerprint=fingerprint(key))
 
 
+# -- clearing ------------------------------------------------------------------------------------------------
+
+def _forget(key: ModelKey) -> None:
+    """on_click: remove this model's stored results (every measure) and the server's cached copies of them."""
+    from analysis.core.store import Store
+    from . import longprobes, taxonomy
+    removed = Store().clear(model=fingerprint(key))
+    for fn in (scan, importance, longprobes.plan_report, taxonomy.long_detection):
+        fn.clear()
+    state.remember("long.forgot", removed)
+
+
+def forget_button(lm) -> None:
+    """What this machine stores for the model (count, size) and a button that clears it (the CLI's `cache clear`)."""
+    from analysis.core.store import Store
+    key = state.model_key()
+    mine = [e for e in Store().entries() if e.key.get("model") == fingerprint(key)]
+    forgot = state.recall("long.forgot")
+    if forgot is not None:
+        st.caption(f"Removed {forgot} stored result{'s' if forgot != 1 else ''} of this model.")
+        state.forget("long.forgot")
+    if not mine:
+        return
+    size = sum(e.bytes for e in mine)
+    st.button(f"Clear this model's stored results ({len(mine)}, {size / 1024:,.0f} KiB)", key="long.store.clear",
+              on_click=_forget, args=(key,),
+              help="The long-context results this machine keeps for this model (heads' scores, probes, plans, "
+                   "importance; `headscope cache list`): removed for every session; the next run measures again.")
+
+
 __all__ = ["probe_settings", "precision", "precision_choice", "scan", "dense", "importance", "per_row",
-           "stored_scan", "stored_dense", "heads_scores", "importance_scores", "scan_seconds", "DEFAULT_QUERIES"]
+           "stored_scan", "stored_dense", "heads_scores", "importance_scores", "scan_seconds", "forget_button"]

@@ -2,7 +2,8 @@
 scores on the probes' rows and they equal the library's scan of those rows; the probes' run then measures the
 plan's side alone (its dense side is the scan's); after a restart (every Streamlit cache cleared) the scores and
 the importance are on the page at once, read from the store, with no button, and the plan's side of a plan
-run before is read back too; a plan edited afterwards is measured again."""
+run before is read back too; a plan edited afterwards is measured again; the page's clear button removes
+every stored result of the model."""
 import json
 
 import numpy as np
@@ -86,3 +87,10 @@ def test_one_scan_fills_the_scores_and_a_restart_reads_them_back(tiny_long, resu
     at.button(key="long.probes.run").click().run()
     no_exception(at)
     assert len([e for e in Store(results).entries() if e.measure == "long-cut"]) == 2
+
+    assert "(5, " in next(b.label for b in at.button if b.key == "long.store.clear")
+    at.button(key="long.store.clear").click().run()                          # the page's clear: every measure
+    no_exception(at)
+    assert Store(results).entries() == []
+    assert any(b.key == "long.scores.scan" for b in at.button)              # measured again from here on
+    assert not any(b.key == "long.store.clear" for b in at.button)

@@ -264,7 +264,7 @@ class Store:
         """Every readable stored result (unreadable files are skipped; `clear` removes them too)."""
         out = []
         for path in self._files():
-            read = _read(path)
+            read = _read(path, arrays=False)
             if read.status != "hit":
                 continue
             key_text, about, _, _ = read.value
@@ -306,7 +306,7 @@ class Store:
             if measure is not None and path.parent.name != measure:
                 continue
             if model is not None:
-                read = _read(path)
+                read = _read(path, arrays=False)
                 if read.status == "hit":
                     key_text, about, _, _ = read.value
                     try:
@@ -326,8 +326,9 @@ class Store:
         return sorted(p for p in self.root.glob(f"*/*{SUFFIX}") if not p.name.startswith("."))
 
 
-def _read(path: Path) -> Lookup:
-    """(key text, about, tree text, arrays) of one stored file as Lookup.value, or why it cannot be read."""
+def _read(path: Path, arrays: bool = True) -> Lookup:
+    """(key text, about, tree text, arrays) of one stored file as Lookup.value, or why it cannot be read (arrays
+    False: the key and the about only, for listing)."""
     import numpy as np
     try:
         info = os.lstat(path)
@@ -344,17 +345,18 @@ def _read(path: Path) -> Lookup:
             names = set(data.files)
             if not {"__key__", "__about__", "__tree__"} <= names:
                 return Lookup("foreign", path=path, why="it is not a headscope result")
-            arrays = []
-            while f"a{len(arrays)}" in names:
-                a = data[f"a{len(arrays)}"]
+            loaded = []
+            while arrays and f"a{len(loaded)}" in names:
+                a = data[f"a{len(loaded)}"]
                 if a.dtype.kind not in _ARRAY_KINDS:
                     return Lookup("corrupt", path=path, why=f"it holds an array of dtype {a.dtype}")
-                arrays.append(a)
-            key_text, about_text, tree = (str(data[n][()]) for n in ("__key__", "__about__", "__tree__"))
+                loaded.append(a)
+            key_text, about_text = (str(data[n][()]) for n in ("__key__", "__about__"))
+            tree = str(data["__tree__"][()]) if arrays else ""
         about = json.loads(about_text)
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
         return Lookup("corrupt", path=path, why=f"it is not a readable result ({type(err).__name__})")
-    return Lookup("hit", (key_text, about if isinstance(about, dict) else {}, tree, arrays), path)
+    return Lookup("hit", (key_text, about if isinstance(about, dict) else {}, tree, loaded), path)
 
 
 def remember(store: Store, key: Key, compute: Callable[[], Any] | None, *, to_tree: Callable = lambda v: v,
