@@ -127,15 +127,14 @@ def dense(key: ModelKey, settings: tuple, precision: str, _progress=None, _shoul
 
 
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def importance(key: ModelKey, tokens: int, _progress=None, _should_stop=None):
+def importance(key: ModelKey, tokens: int, precision: str = "float32", _progress=None, _should_stop=None):
     """([L, Hkv] loss increase per removed KV group, Lookup): from the store, else measured and stored."""
     from analysis.score.longscan import stored_importance
-    lm = cache.load(key)
-    found = stored_importance(lm, tokens, compute=False, fingerprint=fingerprint(key))
+    found = stored_importance_lookup(key, tokens, precision)
     if found[0] is not None:
         return found
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        return stored_importance(lm, tokens, progress=_progress, should_stop=_should_stop,
+        return stored_importance(lm, tokens, precision=precision, progress=_progress, should_stop=_should_stop,
                                  fingerprint=fingerprint(key))
 
 
@@ -189,15 +188,16 @@ def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
     """[L, Hkv] KV groups' importance: stored, shown at once; else a button."""
     key = state.model_key()
     g = lm.geometry
-    found = stored_importance_lookup(key, tokens)
+    prec = precision()
+    found = stored_importance_lookup(key, tokens, prec)
     if found[0] is not None:
-        st.caption(f"The KV groups' importance (ablation on {tokens} tokens). " + _stored_words(found[1]))
+        st.caption(f"The KV groups' importance (ablation on {tokens} tokens, {prec}). " + _stored_words(found[1]))
         return found[0]
     result = cache.run_button(
-        f"Measure the KV groups' importance (ablation on {tokens} tokens)", button_key="long.scores.importance",
-        slot="long.scores.importance", run_key=(key, tokens), fn=importance, args=(key, tokens),
-        label="Removing each KV group", kind="kv-importance", work=importance_seconds(key, g, tokens),
-        stale_note="({view})", view="another model")
+        f"Measure the KV groups' importance (ablation on {tokens} tokens, {prec})",
+        button_key="long.scores.importance", slot="long.scores.importance", run_key=(key, tokens, prec),
+        fn=importance, args=(key, tokens, prec), label="Removing each KV group", kind="kv-importance",
+        work=importance_seconds(key, g, tokens), stale_note="({view})", view="another model or precision")
     return None if result is None else result[0]
 
 
@@ -208,9 +208,10 @@ def importance_seconds(key: ModelKey, g, tokens: int) -> float:
     return predicted(g, tokens, per_row(key, (int(tokens),))[int(tokens)])
 
 
-def stored_importance_lookup(key: ModelKey, tokens: int):
+def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float32"):
+    """(importance or None, Lookup): what this machine holds (no model time)."""
     from analysis.score.longscan import stored_importance
-    return stored_importance(cache.load(key), tokens, compute=False, fingerprint=fingerprint(key))
+    return stored_importance(cache.load(key), tokens, precision=precision, compute=False, fingerprint=fingerprint(key))
 
 
 # -- clearing ------------------------------------------------------------------------------------------------

@@ -161,6 +161,16 @@ def test_bfloat16_runs_the_passes_in_bfloat16_where_asked(tiny64, built, monkeyp
         scan16 = long_scan(model, small, window=WINDOW, queries=QUERIES, precision="bfloat16")
         assert set(seen) == {torch.bfloat16} and scan16.precision == "bfloat16"
         seen.clear()
+        from analysis.arch.cut import Cut
+        from analysis.arch.kvplan import KVPlan
+        from analysis.measure.longpass import precision_block
+        from analysis.score.longcontext import long_context_report
+        modes = np.array([[0, 2], [1, 0]], np.int8)                  # a pruned and a windowed KV head
+        cut = Cut.of_plan(KVPlan(modes, WINDOW, 4, tiny64.name))
+        with precision_block(model, "bfloat16"):                      # the plan's side: the spans kernel's parts
+            rep = long_context_report(tiny64, built=small, cut=cut)
+        assert set(seen) == {torch.bfloat16} and len(rep.rows()) == 3
+        seen.clear()
         long_scan(model, small, window=WINDOW, queries=QUERIES)
         assert set(seen) == {torch.float32}
     finally:
@@ -173,3 +183,18 @@ def test_cpu_flags_decide_fast_bfloat16():
     assert fast_bfloat16("cpu", zen4) and fast_bfloat16("cpu", frozenset({"amx_bf16", "avx2"}))
     assert not fast_bfloat16("cpu", cpu_flags("flags : fpu avx2 avx512f avx512bw\n"))
     assert not fast_bfloat16("mps", zen4) and cpu_flags("no flags here") == frozenset()
+
+
+def test_the_kv_groups_alone_equal_their_columns_of_the_whole_sweep():
+    """The importance a plan prunes by sweeps the KV groups alone (a quarter of the work at G = 3): each group's
+    loss change equals its column of the sweep of every head and group (float64; the rows of a layer are
+    batched differently, so equal to the last few bits of float64, far below any difference between groups)."""
+    from analysis.measure.ablation import FastAblation
+    from tests._tiny import tiny_model
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=48).double()
+    x = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    whole = FastAblation().sweep(model, x)
+    groups = FastAblation(heads=False).sweep(model, x)
+    assert groups.head_delta.shape == (2, 0) and groups.group_delta.shape == (2, 2)
+    assert np.abs(groups.group_delta - whole.group_delta).max() <= 1e-12 * max(1.0, np.abs(whole.group_delta).max())
+    assert np.ptp(whole.group_delta) > 1e-6                              # the groups do differ

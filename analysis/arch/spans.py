@@ -163,7 +163,7 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
             continue
         heads = (kv[:, None] * G + torch.arange(G, device=kv.device)).flatten()   # [h_kv * G] their query heads
         part, _ = kernel(module, query[:, heads], key[:, kv], value[:, kv], mask, *args, **kwargs)  # [B, q, h, d_v]
-        out[:, :, heads] = part
+        out[:, :, heads] = part.to(out.dtype)          # under bf16 autocast the kernel answers in bf16: lossless
     return out, None
 
 
@@ -297,10 +297,11 @@ def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV,
     if kv.full_heads:
         heads = query_heads(kv.full_heads, G, str(query.device))
         out[:, :, heads] = kernel(module, query[:, heads], kv.full_keys, kv.full_values, full_mask, *args,
-                                  **kwargs)[0]
+                                  **kwargs)[0].to(out.dtype)
     if kv.window_heads:
         heads = query_heads(kv.window_heads, G, str(query.device))
-        out[:, :, heads] = _windowed_part(kernel, base, module, query[:, heads], kv, attention_mask, *args, **kwargs)
+        out[:, :, heads] = _windowed_part(kernel, base, module, query[:, heads], kv, attention_mask, *args,
+                                          **kwargs).to(out.dtype)
     return out, None
 
 

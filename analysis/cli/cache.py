@@ -107,8 +107,9 @@ def warm(ns, store):
                                           progress=scaled(report, 0.0, split), refresh=ns.refresh,
                                           on_refused=refused_line)
         if ns.importance:
-            _, found["importance"] = stored_importance(loaded, ns.importance_tokens, progress=scaled(report, split, 1.0),
-                                                       refresh=ns.refresh, on_refused=refused_line)
+            _, found["importance"] = stored_importance(loaded, ns.importance_tokens, precision=ns.precision,
+                                                       progress=scaled(report, split, 1.0), refresh=ns.refresh,
+                                                       on_refused=refused_line)
     stored_words(found, ns.quiet)
     rows = [dict(part=part, status=f.status, file=str(f.path) if f.path else "", seconds=f.about.get("seconds"))
             for part, f in found.items()]

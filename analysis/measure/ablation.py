@@ -70,14 +70,16 @@ class AblationResult:
     unit_weight: np.ndarray | None = None  # [U] each unit's share of readout.total (its predictions / items)
 
 
-def ablation_gates(geometry: HeadGeometry, layer: int, *, groups: bool) -> torch.Tensor:
-    """Gate rows for every single-head (then every KV-group) ablation of `layer`: [R, L, H]."""
+def ablation_gates(geometry: HeadGeometry, layer: int, *, groups: bool, heads: bool = True) -> torch.Tensor:
+    """Gate rows for every single-head (then every KV-group) ablation of `layer`: [R, L, H]; heads False: the
+    KV groups' rows only (what a KV plan prunes by needs no single head)."""
     L, H, G = geometry.n_layers, geometry.n_heads, geometry.group_size
     n_groups = geometry.n_kv_heads if groups and geometry.is_gqa else 0
-    gates = torch.ones(H + n_groups, L, H)                             # [R, L, H]
-    gates[torch.arange(H), layer, torch.arange(H)] = 0.0
+    n_heads = H if heads else 0
+    gates = torch.ones(n_heads + n_groups, L, H)                       # [R, L, H]
+    gates[torch.arange(n_heads), layer, torch.arange(n_heads)] = 0.0
     for g in range(n_groups):
-        gates[H + g, layer, g * G:(g + 1) * G] = 0.0
+        gates[n_heads + g, layer, g * G:(g + 1) * G] = 0.0
     return gates
 
 
@@ -365,10 +367,11 @@ class FastAblation:
     steps are public so a benchmark can interleave layers with the naive loop. `readout`: what is
     read after the last layer (default the loss; module docstring)."""
 
-    def __init__(self, batch_size: int = 16, groups: bool = True, readout=LOSS):
+    def __init__(self, batch_size: int = 16, groups: bool = True, readout=LOSS, heads: bool = True):
         self.batch_size = max(1, int(batch_size))   # sequences per forward pass (rows * n)
         self.groups = groups
         self.readout = readout
+        self.heads = heads                           # False: the KV groups alone (head_delta is [L, 0])
 
     @torch.no_grad()
     def prepare(self, model, ids) -> PreparedSweep | None:
@@ -402,7 +405,7 @@ class FastAblation:
         geo = adapter.geometry(model)
         blocks = adapter.layers(model)
         n = prep.x.shape[0]
-        gates = ablation_gates(geo, layer, groups=self.groups)           # [R, L, H]
+        gates = ablation_gates(geo, layer, groups=self.groups, heads=self.heads)   # [R, L, H]
         out = None                                                       # [R, U]
         timings = {} if timings is None else timings
         rows_per_pass = max(1, self.batch_size // n)
@@ -451,7 +454,7 @@ class FastAblation:
                                   result.metric, "naive (tail after the last layer is not replayable)",
                                   result.timings)
         timings = {"prefix": prep.prefix_seconds, "layers": 0.0, "lm_head": 0.0}
-        R = ablation_gates(geo, 0, groups=self.groups).shape[0]
+        R = ablation_gates(geo, 0, groups=self.groups, heads=self.heads).shape[0]
         units = np.full((geo.n_layers, R, prep.base_units.size), np.nan)   # [L, R, U]
         work = [geo.n_layers - l for l in todo]                          # layer passes per swept layer
         team = team or SOLO
@@ -475,7 +478,7 @@ class FastAblation:
         timings["total"] = time.perf_counter() - t0
         total = self.readout.total(x)
         out = units.sum(2) / total - prep.base_loss                     # [L, R]
-        H = geo.n_heads
+        H = geo.n_heads if self.heads else 0
         return AblationResult(prep.base_loss, out[:, :H], out[:, H:] if R > H else None, total,
                               self.readout.metric, "fast", timings, unit_delta=units - prep.base_units,
                               unit_weight=self.readout.weights(x))
@@ -488,13 +491,15 @@ class FastAblation:
 def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 256, seq_len: int = 256,
                   method: str = "fast", groups: bool = True, batch_size: int = 16,
                   progress: Progress | None = None, should_stop: ShouldStop | None = None,
-                  team: Team | None = None) -> AblationResult:
+                  team: Team | None = None, heads: bool = True) -> AblationResult:
     """Single-head ablation effects of `loaded` on `text` (None = built-in evaluation text).
 
     Causal LMs: next-token loss change (fast sweep, or method="naive"). Masked LMs: pseudo-NLL
     change; encoders: drop of embedding fidelity (1 - cosine); both evaluate all masks in
     batched passes of the evaluator. Uses the first `max_tokens` tokens split into sequences of
-    at most `seq_len`. team: the processes of a launch that split the work (analysis.core.distributed)."""
+    at most `seq_len`. team: the processes of a launch that split the work (analysis.core.distributed).
+    heads False (causal LMs, fast sweep): the KV groups alone, a quarter of the work on a G = 3 model (head_delta
+    is then [L, 0]; the naive method and the other kinds measure the heads anyway)."""
     if method not in ("fast", "naive"):
         raise InputError(f"Unknown ablation method {method!r}; use 'fast' or 'naive'.")
     check_max_tokens(max_tokens)                                       # before a byte of text is tokenized
@@ -506,8 +511,8 @@ def head_ablation(loaded, text: str | bytes | None = None, *, max_tokens: int = 
         if method == "naive":
             return naive_sweep(loaded.model, x, groups=groups, progress=progress, should_stop=should_stop,
                                team=team)
-        return FastAblation(batch_size, groups).sweep(loaded.model, x, progress=progress, should_stop=should_stop,
-                                                      team=team)
+        return FastAblation(batch_size, groups, heads=heads).sweep(loaded.model, x, progress=progress,
+                                                                   should_stop=should_stop, team=team)
     return _evaluator_sweep(loaded, text, max_tokens, groups, batch_size, progress, should_stop, team)
 
 

@@ -228,16 +228,19 @@ def stored_detections(loaded, names, options: dict | None = None, *, progress=No
     return out, found
 
 
-def stored_importance(loaded, tokens: int, *, progress=None, should_stop=None, store=None, refresh: bool = False,
-                      on_refused=None, compute: bool = True, fingerprint: str | None = None):
-    """([L, Hkv] loss increase per removed KV group, Lookup) on `tokens` tokens of the built-in evaluation text
-    (compute False: only look)."""
+def stored_importance(loaded, tokens: int, *, precision: str = "float32", progress=None, should_stop=None,
+                      store=None, refresh: bool = False, on_refused=None, compute: bool = True,
+                      fingerprint: str | None = None):
+    """([L, Hkv] loss increase per removed KV group, Lookup) on `tokens` tokens of the built-in evaluation text, its
+    passes in `precision` (analysis.measure.longpass.precision_block; compute False: only look)."""
     import numpy as np
 
     from analysis.score.kvscores import group_importance
 
     def measure():
-        return group_importance(loaded, tokens, progress=progress, should_stop=should_stop)
+        from analysis.measure.longpass import precision_block
+        with precision_block(loaded.model, precision):
+            return group_importance(loaded, tokens, progress=progress, should_stop=should_stop)
 
     def of_tree(t):
         a = np.asarray(t, dtype=np.float64)
@@ -245,7 +248,8 @@ def stored_importance(loaded, tokens: int, *, progress=None, should_stop=None, s
             raise ValueError("a stored importance of another shape")
         return a
 
-    return remembered(loaded, IMPORTANCE, dict(tokens=int(tokens)), measure if compute else None,
+    settings = dict(tokens=int(tokens)) if precision == "float32" else dict(tokens=int(tokens), precision=precision)
+    return remembered(loaded, IMPORTANCE, settings, measure if compute else None,
                       modules=IMPORTANCE_MODULES, from_tree=of_tree, store=store, refresh=refresh,
                       on_refused=on_refused, fingerprint=fingerprint)
 
@@ -320,7 +324,8 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
     if prune:
         t0 = time.perf_counter()
         tokens = int(prune_tokens or PAGE_IMPORTANCE_TOKENS)
-        out.importance, found["importance"] = stored_importance(loaded, tokens, progress=scaled(progress, share, 1.0),
+        out.importance, found["importance"] = stored_importance(loaded, tokens, precision=precision,
+                                                                progress=scaled(progress, share, 1.0),
                                                                 should_stop=should_stop, store=store,
                                                                 refresh=refresh, on_refused=on_refused)
         out.prune_tokens = tokens
@@ -333,12 +338,12 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
 # -- what the passes cost (the app's estimates, the bench) ------------------------------------------------------
 
 def importance_seconds(geometry, tokens: int, row_at_tokens: float) -> float:
-    """Predicted seconds of the KV groups' ablation (analysis.measure.ablation's fast sweep): for each of the H (+ Hkv
-    on GQA models) ablations of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, over
+    """Predicted seconds of the KV groups' ablation (analysis.measure.ablation's fast sweep): for each of the Hkv (H on
+    an MHA model) ablations of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, over
     `tokens` tokens, plus one dense pass; `row_at_tokens`: this machine's seconds for one row of `tokens` tokens
     (analysis.measure.probes.longcontext.row_seconds)."""
     g = geometry
-    ablations = g.n_heads + (g.n_kv_heads if g.group_size > 1 else 0)
+    ablations = g.n_kv_heads if g.group_size > 1 else g.n_heads      # group_importance: the KV groups alone on GQA
     return (ablations * (g.n_layers + 1) / 2 + 1) * float(row_at_tokens)
 
 
