@@ -148,18 +148,25 @@ def test_bfloat16_runs_the_passes_in_bfloat16_where_asked(tiny64, built, monkeyp
     with pytest.raises(InputError, match="float32, bfloat16"):
         long_scan(tiny64.model, small, window=WINDOW, queries=QUERIES, precision="float16")
     monkeypatch.setattr(placement, "fast_bfloat16", lambda device_type="cpu", flags=None: True)
-    seen = []
-    real = torch.nn.functional.linear
+    seen, attention = [], []
+    real, real_sdpa = torch.nn.functional.linear, torch.nn.functional.scaled_dot_product_attention
 
     def spy(x, w, b=None):
         out = real(x, w, b)
         seen.append(out.dtype)
         return out
+
+    def spy_sdpa(q, *args, **kwargs):
+        attention.append(q.dtype)
+        return real_sdpa(q, *args, **kwargs)
     model = tiny64.model.float()
     try:
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+        model.config._attn_implementation = "sdpa"                   # the kernel the app's models run
         scan16 = long_scan(model, small, window=WINDOW, queries=QUERIES, precision="bfloat16")
         assert set(seen) == {torch.bfloat16} and scan16.precision == "bfloat16"
+        assert set(attention) == {torch.float32} and model.config._attn_implementation == "sdpa"
         seen.clear()
         from analysis.arch.cut import Cut
         from analysis.arch.kvplan import KVPlan
@@ -175,6 +182,7 @@ def test_bfloat16_runs_the_passes_in_bfloat16_where_asked(tiny64, built, monkeyp
         assert set(seen) == {torch.float32}
     finally:
         tiny64.model.double()
+        tiny64.model.config._attn_implementation = "eager"
 
 
 def test_cpu_flags_decide_fast_bfloat16():

@@ -56,12 +56,13 @@ import numpy as np
 import torch
 
 from analysis.arch.adapters import adapter_for
-from analysis.arch.attention import attention_implementation, current_implementation
+from analysis.arch.attention import SDPA_FLOAT32, attention_implementation, current_implementation, sdpa_float32
 from analysis.arch.window import Window
 from analysis.core.errors import InputError
 
 SPANS = "headscope-spans"
-BASES = ("sdpa", "eager")          # kernels the spans function can split (the model's own is used)
+BASES = ("sdpa", "eager", SDPA_FLOAT32)   # kernels the spans function can split (the model's own is used; sdpa in
+                                          # float32 under bf16 autocast: arch/attention.py)
 
 Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -97,7 +98,10 @@ def causal(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor
 
 
 def _kernel(base: str, module) -> Callable:
-    """The model's own attention kernel: transformers' sdpa, or the family's eager function."""
+    """The model's own attention kernel: transformers' sdpa (or headscope's sdpa in float32), or the family's eager
+    function."""
+    if base == SDPA_FLOAT32:
+        return sdpa_float32
     if base == "sdpa":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward
@@ -109,7 +113,7 @@ def _kernel(base: str, module) -> Callable:
 
 def _as_mask(allowed: torch.Tensor, base: str, dtype: torch.dtype) -> torch.Tensor:
     """A bool mask (True = read) in the form the kernel takes: bool for sdpa, additive for eager."""
-    if base == "sdpa":
+    if base != "eager":
         return allowed
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
@@ -144,7 +148,7 @@ def _spans_attention(module, query, key, value, attention_mask, *args, **kwargs)
     kernel = _kernel(entry.base, module)
     q, S = query.shape[2], key.shape[2]
     allowed = None
-    if entry.base != "sdpa":                                            # eager adds its mask: always give one
+    if entry.base == "eager":                                           # eager adds its mask: always give one
         allowed = _allowed(attention_mask, q, S, key.device)            # [b, 1, q, S]
         attention_mask = _as_mask(allowed, entry.base, query.dtype)
     if span.windowed is None:
@@ -286,7 +290,7 @@ def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV,
     B, H, q = query.shape[:3]
     G = H // kv.n_kv_heads
     full_mask = attention_mask
-    if base != "sdpa" and kv.full_heads:                                  # eager adds its mask: always give one
+    if base == "eager" and kv.full_heads:                                 # eager adds its mask: always give one
         full_mask = _as_mask(_allowed(attention_mask, q, kv.length, query.device), base, query.dtype)
     if not kv.dropped:
         if not kv.window_heads:                                           # every head full: one call

@@ -40,7 +40,7 @@ choice, with its effect measured beside it (bench/bench_long_minute.py, docs/res
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -371,13 +371,19 @@ def check_precision(precision: str, device) -> None:
                          "with bfloat16): bfloat16 would be slower than float32 here; use float32.")
 
 
+@contextmanager
 def precision_block(model, precision: str):
-    """float32: as the model is; bfloat16: torch.autocast over the passes (the model's weights untouched)."""
+    """float32: as the model is; bfloat16: torch.autocast over the passes (matrix products in bfloat16, the model's
+    weights untouched) with the attention kernel in float32 (arch.attention.float32_attention: on a CPU, bfloat16
+    SDPA is slower than float32's), restored after."""
     if precision == "float32":
-        return nullcontext()
+        yield
+        return
+    from analysis.arch.attention import float32_attention
     device = next(model.parameters()).device
     check_precision(precision, device)
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    with torch.autocast(device.type, dtype=torch.bfloat16), float32_attention(model):
+        yield
 
 
 __all__ = ["ScanRow", "recording", "probe_rows", "LongScan", "long_scan", "PRECISIONS", "SCAN_MODULES",
