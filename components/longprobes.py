@@ -73,6 +73,26 @@ def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_item
                              fingerprint=fingerprint)[0]
 
 
+def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
+    """The plan's LongContextReport when this machine holds both sides (no model time), else None; settings: the
+    section's (probes, length, depths, sequences), `built` their rows."""
+    from analysis.arch.cut import Cut
+    from analysis.score.longcontext import long_context_report
+    from analysis.score.longscan import stored_report
+
+    from . import longscan
+    key = state.model_key()
+    dense, _ = longscan.stored_dense(key, settings, precision)
+    if dense is None:
+        return None
+    if plan.is_full:
+        return long_context_report(lm, built=built, dense=dense)
+    cut = Cut.of_plan(plan, info=dict(source="the Long context page"))
+    rep, _ = stored_report(lm, built, cut, dense=dense, precision=precision, compute=False,
+                           fingerprint=longscan.fingerprint(key))
+    return rep
+
+
 # -- the section -----------------------------------------------------------------------------------
 
 def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool) -> float:
@@ -157,11 +177,17 @@ def probe_section(lm, plan, context: int) -> None:
         st.caption("Every KV head is full: the plan is the dense model, so the run measures dense alone (the "
                    "reference every plan is compared with).")
     sides = "dense is measured" if known else "dense and plan" if cut else "dense"
+    run_key = (state.model_key(), *args, plan.to_json(), precision)
+    stored = stored_plan(lm, args, built, plan, precision) if known else None
+    if stored is not None:                            # every side on this machine's disk: shown at once
+        state.remember_run("long.probes", run_key, stored, view=f"{counts['full']} full / {counts['window']} window "
+                                                                f"/ {counts['prune']} prune, {length:,} tokens")
+        st.caption("Read from this machine's stored results (the dense side and this plan's); "
+                   "`headscope cache clear` removes them.")
     with shown_errors("The long-context probes"):
         rep = cache.run_button(
             f"Run the long-context probes on this plan ({rows} rows of {length:,} tokens, {sides})",
-            button_key="long.probes.run", slot="long.probes", run_key=(state.model_key(), *args, plan.to_json(),
-                                                                        precision),
+            button_key="long.probes.run", slot="long.probes", run_key=run_key,
             fn=plan_report, args=(state.model_key(), *args, plan, precision),
             label="Running the long-context probes", kind="long-plan", work=_work(state.model_key(), built, known, cut),
             view=f"{counts['full']} full / {counts['window']} window / {counts['prune']} prune, {length:,} tokens",
