@@ -9,7 +9,7 @@ otherwise: the pass key, depths 0.1 / 0.5 / 0.9, 2 sequences per depth, 4 sink +
             KV groups' importance (256 tokens);
   shared    one scan of the probes' rows (analysis.measure.longpass: the probes' dense side, the retrieval and
             the streaming score from the same 6 passes), the plan's side, the importance; float32;
-  bf16      the same in bfloat16 (torch.autocast; the importance stays float32), where the CPU has native
+  bf16      the same with the passes in bfloat16 (torch.autocast, attention in float32), where the CPU has native
             bfloat16 kernels (analysis.core.placement.fast_bfloat16).
 
 The plan is the one the page's fill makes from the scan's scores (window 50 % of the KV heads, prune 25 %,
@@ -151,10 +151,12 @@ def main(argv=None) -> int:
     # -- bf16 -------------------------------------------------------------------------------------------------
     if args.bf16 and fast_bfloat16("cpu"):
         print("shared (bfloat16 passes):", flush=True)
+        s, (imp16, _) = _timed(lambda: stored_importance(lm, tokens, precision="bfloat16"))
+        _job(jobs, f"KV groups' importance, bfloat16 ({tokens} tokens)", est_imp, s, side="bf16")
         s, (scan16, _) = _timed(lambda: stored_scan(lm, built, window=window, precision="bfloat16"))
         _job(jobs, f"shared scan, bfloat16 ({n_rows} rows)", est_pass, s, side="bf16")
         dense16, _ = stored_dense(lm, built, precision="bfloat16")
-        plan16 = plan_of(scan16, imp)
+        plan16 = plan_of(scan16, imp16)
         cut16 = Cut.of_plan(plan16, info=dict(source="bench"))
 
         def plan16_side():
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
                 return stored_report(lm, built, cut16, dense=dense16, precision="bfloat16")
         s, (rep16, _) = _timed(plan16_side)
         _job(jobs, f"the plan's side, bfloat16 ({n_rows} rows)", est_pass, s, side="bf16")
-        out["effect"] = effect(scan32, scan16, plan, plan16, rep32, rep16, g)
+        out["effect"] = effect(scan32, scan16, plan, plan16, rep32, rep16, imp, imp16)
         for k, v in out["effect"].items():
             print(f"  {k}: {v}", flush=True)
     elif args.bf16:
@@ -196,12 +198,43 @@ def main(argv=None) -> int:
         _job(jobs, name, None, s, side="second", stored=stored)
     s, _ = _timed(lambda: subprocess.run([sys.executable, "-c", "import torch, transformers"], capture_output=True))
     _job(jobs, "  of which: python + import torch, transformers", None, s, side="second")
+    if args.length == 2048:                                   # the page's default rows (the URL cannot set them)
+        for name, seconds in app_visits(plan, args).items():
+            _job(jobs, name, None, seconds, side="second")
     out["load_after"] = load_average()
     finish(out, args)
     return 0
 
 
-def effect(scan32, scan16, plan32, plan16, rep32, rep16, g) -> dict:
+def app_visits(plan, args) -> dict:
+    """Seconds of the Long context page (Streamlit's AppTest, this process) with the plan in its URL once every
+    result is stored: after a restart (every Streamlit cache empty: the model loads, the results come from disk)
+    and a second visit of the same server. Each run must show the stored scores and the plan's probes."""
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from components.state import kv_text
+    if args.cache_dir:
+        os.environ["HEADSCOPE_CACHE"] = args.cache_dir
+
+    def visit() -> float:
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=600)
+        at.query_params.update(model="smollm2-135m", page="long_context", kv=kv_text(plan.modes))
+        t0 = time.perf_counter()
+        at.run()
+        seconds = time.perf_counter() - t0
+        shown = " ".join(c.value for c in at.caption)
+        assert not at.exception and shown.count("Read from this machine's stored results") == 3, shown[:500]
+        return seconds
+
+    visit()                                                   # Streamlit's and the app's imports, once
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    restart = visit()
+    return {"app after a restart: the page, all stored": restart, "app, second visit (same server)": visit()}
+
+
+def effect(scan32, scan16, plan32, plan16, rep32, rep16, imp32, imp16) -> dict:
     """What bfloat16 changes against float32 (module docstring)."""
     import numpy as np
     from scipy.stats import spearmanr
@@ -219,6 +252,7 @@ def effect(scan32, scan16, plan32, plan16, rep32, rep16, g) -> dict:
                 retrieval_top_overlap=f"{len(top(r32, TOP) & top(r16, TOP))}/{TOP}",
                 retrieval_heads=f"{int((r32 >= 0.1).sum())} float32, {int((r16 >= 0.1).sum())} bfloat16",
                 plan_same_modes=round(float((plan32.modes == plan16.modes).mean()), 3),
+                importance_rho=round(float(spearmanr(np.ravel(imp32), np.ravel(imp16))[0]), 4),
                 dense_accuracy=dict(float32=acc(rep32, "dense"), bfloat16=acc(rep16, "dense")),
                 plan_accuracy=dict(float32=acc(rep32, "cut"), bfloat16=acc(rep16, "cut")))
 
@@ -247,14 +281,14 @@ def section(out: dict) -> str:
         lines.append(f"| {j['job']} | {j['side']} | {est} | {j['seconds']:.1f} | {ratio} |")
     lines += ["", f"- everything the page fills from scores plus the plan's probes: separate {total(('separate', 'both')):.1f} s, "
               f"shared {total(('shared', 'both')):.1f} s"
-              + (f", shared in bfloat16 {total(('bf16',)) + sum(j['seconds'] for j in jobs if j['side'] == 'both' and 'importance' in j['job']):.1f} s"
-                 if by(("bf16",)) else "") + " (the importance in float32 in every column)."]
+              + (f", shared in bfloat16 {total(('bf16',)):.1f} s" if by(("bf16",)) else "") + "."]
     if "dense_equal" in out:
         lines.append(f"- the scan's probes' dense side equals the separate run's, number for number: {out['dense_equal']}.")
     if out.get("effect"):
         e = out["effect"]
         lines.append(f"- bfloat16 against float32: streaming rho {e['streaming_rho']}, windowed KV heads in common "
-                     f"{e['streaming_windowed_overlap']}; retrieval rho {e['retrieval_rho']}, top-{TOP} heads in common "
+                     f"{e['streaming_windowed_overlap']}; importance rho {e['importance_rho']}; retrieval rho "
+                     f"{e['retrieval_rho']}, top-{TOP} heads in common "
                      f"{e['retrieval_top_overlap']} (retrieval heads: {e['retrieval_heads']}); the plan treats "
                      f"{100 * e['plan_same_modes']:.0f} % of the KV heads alike; probes' accuracy dense "
                      f"{e['dense_accuracy']}, under the plan {e['plan_accuracy']}.")
