@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
     from analysis.measure.longpass import precision_block
     from analysis.measure.probes.longcontext import long_work, measure_long, row_seconds
-    from analysis.score.kvscores import KVScores, group_importance, plan_from_scores
-    from analysis.score.longcontext import items_key, long_context_report
+    from analysis.score.kvscores import KVScores, plan_from_scores
+    from analysis.score.longcontext import items_key
     from analysis.score.longscan import (importance_seconds, page_rows, stored_dense, stored_importance,
                                          stored_report, stored_scan)
     from bench._timing import load_average, load_text

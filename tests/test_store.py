@@ -168,7 +168,10 @@ def test_clear_by_model_measure_and_all(tmp_path):
     assert s.clear(model="fp-b") == 2
     assert {(e.key["model"], e.measure) for e in s.entries()} == {("fp-a", "kv-importance")}
     (tmp_path / "kv-importance" / "junk.npz").write_bytes(b"junk")
-    assert s.clear() == 2 and s.entries() == []
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / "kv-importance" / f".x.npz.tmp-{int(dead.stdout)}-abc"      # a writer killed half-way
+    leftover.write_bytes(b"half")
+    assert s.clear() == 2 and s.entries() == [] and not leftover.exists()
 
 
 # -- fingerprints --------------------------------------------------------------------------------------------

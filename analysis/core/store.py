@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from analysis.core.atomic import remove_dead_temps, replaced_atomically
+from analysis.core.atomic import LEFTOVER, pid_alive, remove_dead_temps, replaced_atomically
 from analysis.core.errors import InputError, OutputError
 
 RESULTS = "results"                  # the store's folder under the cache root
@@ -300,7 +300,8 @@ class Store:
 
     def clear(self, *, model: str | None = None, measure: str | None = None) -> int:
         """Remove stored results: all, or those of one model (its fingerprint or the name it was stored under)
-        and / or one measure; unreadable files go too. Returns how many files were removed."""
+        and / or one measure; unreadable files go too, and the temporaries of writers that were killed. Returns
+        how many results were removed."""
         removed = 0
         for path in self._files():
             if measure is not None and path.parent.name != measure:
@@ -318,6 +319,12 @@ class Store:
             with suppress(FileNotFoundError):
                 path.unlink()
                 removed += 1
+        for folder in (p for p in self.root.glob("*") if p.is_dir()) if self.root.is_dir() else ():
+            for entry in folder.iterdir():                 # writers killed half-way (SIGKILL) left their temporary
+                match = LEFTOVER.fullmatch(entry.name)
+                if match and match["kind"] == "tmp" and not pid_alive(int(match["pid"])):
+                    with suppress(OSError):
+                        entry.unlink()
         return removed
 
     def _files(self) -> list[Path]:
