@@ -300,6 +300,7 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
                                           precision=precision, progress=scaled(progress, 0.0, share),
                                           should_stop=should_stop, store=store, refresh=refresh, on_refused=on_refused)
         dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
+        out.seconds["scan"] = time.perf_counter() - t0
     else:
         if precision != "float32":
             raise InputError("The detectors' own rows are measured in float32; bfloat16 is for the shared scan "
@@ -312,10 +313,11 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
         dets = {}
         for i, name in enumerate(names):
             part = scaled(progress, share * i / len(names), share * (i + 1) / len(names))
+            t0 = time.perf_counter()
             got, seen = stored_detections(loaded, [name], options[name], progress=part, should_stop=should_stop,
                                           store=store, refresh=refresh, on_refused=on_refused)
             dets[name], found[name] = got[name], seen[name]
-    out.seconds["scores"] = time.perf_counter() - t0
+            out.seconds[name] = time.perf_counter() - t0
     out.streaming = dets["streaming"].extras["kv_scores"]
     out.detections["streaming"] = dets["streaming"]
     if retrieval:
