@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from analysis import cli
+from analysis.arch.adapters import adapter_for
+from analysis.arch.cut import Cut
 from analysis.arch.head_gates import gates_from_mask
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, InputError
@@ -163,8 +165,8 @@ def test_report_rows_and_stop(tiny64, prepared):
 
     class Loaded:                                 # what harness_report reads of a LoadedModel
         kind, name, tokenizer, adapter = "causal-lm", "tiny", tok, None
-    Loaded.model = model
-    rep = H.harness_report(Loaded, prepared, pruned=PRUNED, batch_size=4)
+    Loaded.model, Loaded.geometry = model, adapter_for(model).geometry(model)
+    rep = H.harness_report(Loaded, prepared, cut=Cut.of_mask(PRUNED), batch_size=4)
     rows = rep.rows()
     assert [(r["task"], r["metric"]) for r in rows][:2] == [("tiny_mc", "acc"), ("tiny_mc", "acc_norm")]
     assert all(r["change"] == pytest.approx(r["cut"] - r["dense"]) for r in rows)
@@ -242,6 +244,11 @@ def test_cli_refusals_are_one_line_and_write_nothing(capsys, tmp_path, monkeypat
     assert str(TASKS / "piqa" / "validation.jsonl") in err and "goal, sol1, sol2" in err
     err = _refused(capsys, tmp_path, "--tasks", "boolq", "--task-dir", tmp_path / "no-such-folder")
     assert "is not a folder" in err
+    err = _refused(capsys, tmp_path, "--tasks", "tiny_mc", "--task-dir", TASKS, "--sparsity", "0.25", "--export",
+                   tmp_path)
+    assert "Give one cut (--sparsity, --mask-file, --kv-plan or --export), not --sparsity and --export." in err
+    err = _refused(capsys, tmp_path, "--tasks", "tiny_mc", "--task-dir", TASKS, "--export", tmp_path, "--physical")
+    assert "--physical runs surgery's physically pruned copy of a mask or a KV plan" in err
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
         monkeypatch.setitem(sys.modules, name, None)                     # the harness "not installed"
     err = _refused(capsys, tmp_path, "--tasks", "boolq", "--task-dir", TASKS)
