@@ -264,6 +264,11 @@ def test_cli_refuses_in_one_line_before_any_work(tmp_path, tiny):
     assert not (tmp_path / "x.json").exists()
     cli_error(["kv-plan", "--quiet", "--model", tiny, "--device", "cpu", "--compare", tmp_path / "nothing.json"],
               "does not exist")
+    long = tmp_path / ("x" * 300)                                       # a name the file system refuses
+    for option in ("--to-duo", "--compare"):
+        cli_error(["kv-plan", "--plan", tmp_path / "pruning.json", option, long], "name is too long")
+    cli_error(["kv-plan", "--from-duo", long], "name is too long")
+    cli_error(["kv-plan", "--plan", long], "name is too long")
     with pytest.raises(SystemExit):                                     # argparse: one source of the plan
         from analysis.cli.main import build_parser
         build_parser(["kv-plan"]).parse_args(["kv-plan", "--plan", "a", "--from-duo", "b"])

@@ -84,10 +84,12 @@ def _arguments(parser):
 
 
 def run(ns):
-    from analysis.compress.export.duo import check_gate_rule, check_pattern_target
+    from analysis.compress.export.duo import check_gate_rule, check_pattern_target, looked_up
     from analysis.core.atomic import check_output_file
     if ns.plan_out is not None:
         check_output_file(ns.plan_out, "--out")
+    if ns.plan_file is not None:
+        looked_up(ns.plan_file, "--plan")                # a name too long is one line (read_kv_plan's is_dir raises)
     if ns.to_duo is not None:
         check_pattern_target(ns.to_duo)
     check_gate_rule(ns.duo_threshold, ns.duo_sparsity)
@@ -132,11 +134,9 @@ def _travel(ns, plan, payload: dict, other) -> dict:
 
 def _read_compare(source: str):
     """--compare's plan: a DuoPattern (a folder holding full_attention_heads.tsv) or a KVPlan (kv_plan.json)."""
-    from pathlib import Path
-
-    from analysis.compress.export.duo import HEADS_FILE, read_pattern
+    from analysis.compress.export.duo import is_pattern_folder, read_pattern
     from analysis.score.kvplan import read_kv_plan
-    return read_pattern(source) if (Path(source) / HEADS_FILE).exists() else read_kv_plan(source)
+    return read_pattern(source) if is_pattern_folder(source) else read_kv_plan(source)
 
 
 def _write_plan(ns, plan) -> None:

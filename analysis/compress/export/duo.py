@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.core.atomic import path_problem
 from analysis.core.errors import InputError, shorten
 from analysis.core.files import read_file_text
 
@@ -125,16 +126,30 @@ def write_pattern(folder, pattern: DuoPattern, *, plan=None) -> Path:
 def check_pattern_target(folder) -> Path:
     """ExportError now (before any work) when `folder` is a file or a folder that is not empty."""
     from analysis.compress.export.folder import _check_target
-    target = Path(folder)
+    target = looked_up(folder, "The pattern folder (--to-duo)")
     _check_target(target, overwrite=False)
     return target
+
+
+def is_pattern_folder(source) -> bool:
+    """Whether `source` is a folder holding full_attention_heads.tsv (InputError for a path that cannot even be
+    looked up: a name too long, a NUL byte)."""
+    return (looked_up(source, "The plan to compare") / HEADS_FILE).is_file()
+
+
+def looked_up(source, what: str) -> Path:
+    """`source` as a Path, InputError when it cannot even be looked up (Path.is_dir() would raise for it)."""
+    problem = path_problem(source) or path_problem(Path(source) / HEADS_FILE)
+    if problem:
+        raise InputError(f"{what} {shorten(str(source), 120)}: {problem[0]}; {problem[1]}.")
+    return Path(source)
 
 
 def read_pattern(source) -> DuoPattern:
     """A DuoPattern from a pattern folder (or its full_attention_heads.tsv; config.json beside it). Every
     problem (missing file, FIFO, huge or binary file, ragged rows, a word or NaN among the gates, a config
     without sink_size / recent_size) is one InputError; the files are read through the capped readers."""
-    path = Path(source)
+    path = looked_up(source, "The DuoAttention pattern folder")
     folder = path.parent if path.name == HEADS_FILE and not path.is_dir() else path
     if not folder.is_dir():
         raise InputError(f"{shorten(str(folder), 120)} is not a folder; {_FIX}.")
