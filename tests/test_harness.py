@@ -244,9 +244,6 @@ def test_cli_refusals_are_one_line_and_write_nothing(capsys, tmp_path, monkeypat
     assert str(TASKS / "piqa" / "validation.jsonl") in err and "goal, sol1, sol2" in err
     err = _refused(capsys, tmp_path, "--tasks", "boolq", "--task-dir", tmp_path / "no-such-folder")
     assert "is not a folder" in err
-    err = _refused(capsys, tmp_path, "--tasks", "tiny_mc", "--task-dir", TASKS, "--sparsity", "0.25", "--export",
-                   tmp_path)
-    assert "Give one cut (--sparsity, --mask-file, --kv-plan or --export), not --sparsity and --export." in err
     err = _refused(capsys, tmp_path, "--tasks", "tiny_mc", "--task-dir", TASKS, "--export", tmp_path, "--physical")
     assert "--physical runs surgery's physically pruned copy of a mask or a KV plan" in err
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
