@@ -1,6 +1,6 @@
 """Running a model under a KV plan: the physically pruned twin, its windows, and the compact cache.
 
-`kv_plan_model(model, plan)` is the deployable form of a `analysis.score.kvplan.KVPlan`:
+`kv_plan_model(model, plan)` is the deployable form of a `analysis.arch.kvplan.KVPlan`:
 - the plan's pruned KV heads (and every query head of their groups) are removed by surgery
   (`analysis.compress.surgery.prune_heads(model, plan.pruned_heads())`: whole groups, so no KV head is
   ever copied), giving a smaller twin that shares every untouched tensor with `model`;

@@ -705,8 +705,8 @@ def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessR
     if loaded.kind != "causal-lm":
         raise InputError(f"The harness's tasks score a causal language model's next tokens; {loaded.name} is a "
                          f"{loaded.kind} model.")
-    if cut is not None:
-        cut.check(loaded.geometry)
+    from analysis.arch.cut import checked
+    cut = checked(cut, loaded.geometry)
     run = functools.partial(run_harness, tokenizer=loaded.tokenizer, prepared=prepared, batch_size=batch_size,
                             max_length=max_length, keep_samples=keep_samples, should_stop=should_stop)
     if dense is None:

@@ -19,7 +19,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from analysis.arch.cut import Cut
+from analysis.arch.cut import Cut, checked
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.probes.breaks import compare
@@ -142,8 +142,7 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
     analysis.measure.probes.longcontext.build_long (else built here). per_row: length -> seconds of one row
     (`row_seconds`), so progress fractions follow the time. InputError before any pass for a length above the
     model's limit (or the cut model's), a bad depth, a cut of another model."""
-    if cut is not None:
-        cut.check(loaded.geometry)
+    cut = checked(cut, loaded.geometry)
     limit = context_length(loaded.model, default=2**31)
     if cut is not None and cut.kind == "model":
         limit = min(limit, context_length(cut.model, default=2**31))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analysis.arch.cut import Cut
+from analysis.arch.cut import Cut, checked
 from analysis.core.errors import InputError
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length
@@ -135,9 +135,7 @@ def cut_report(loaded, cut: Cut, *, built: dict | None = None, skipped: dict | N
                progress: Progress | None = None, should_stop: ShouldStop | None = None, team=None) -> CutReport:
     """Dense vs a `cut` (analysis.arch.cut.Cut: a mask on `loaded.model`, a KV plan, or a model of its own, e.g.
     recovered); `built` / `dense`: items and dense scores computed before (e.g. cached), else computed here."""
-    if not isinstance(cut, Cut):
-        raise InputError("Give the cut to compare with the dense model (a mask, a KV plan or a model).")
-    cut.check(loaded.geometry)
+    cut = checked(cut, loaded.geometry, required=True)
     if built is None:
         built, skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
     if cut.kind == "mask" and dense is None:                           # dense and cut in the same passes
