@@ -605,7 +605,9 @@ def _side(mean, ci, b: int, gens: list[dict]) -> dict:
     return out
 
 
-def _cells(rows: RulerRows, dense, cut_run, seed: int) -> list[RulerCell]:
+def ruler_cells(rows: RulerRows, dense, cut_run=None, seed: int = 0) -> list[RulerCell]:
+    """Every task x length cell and the average over tasks per length, from the logged samples and generations
+    of harness runs of `rows` (dense; cut, when given, on the same rows: paired resamples)."""
     import numpy as np
     runs = [dense] + ([] if cut_run is None else [cut_run])
     cells, per_length = [], {n: [] for n in rows.lengths}
@@ -659,7 +661,7 @@ def ruler_report(loaded, rows: RulerRows, *, pruned=None, model=None, dense=None
     kind = None if not cutting else (dict(kind="mask", n_pruned=int(np.asarray(pruned, dtype=bool).sum()))
                                      if pruned is not None else dict(kind="model"))
     info = None if kind is None else {**kind, **(cut_info or {})}
-    return RulerReport(_cells(rows, result.dense, result.cut, rows.seed), rows, result.dense, result.cut, info)
+    return RulerReport(ruler_cells(rows, result.dense, result.cut, rows.seed), rows, result.dense, result.cut, info)
 
 
 # -- the time a run takes ------------------------------------------------------------------------------------
