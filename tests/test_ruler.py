@@ -108,6 +108,26 @@ def test_the_ruler_modules_import_without_a_download_or_a_print(first_import):
     assert fresh and calls == [] and printed == ""
 
 
+def test_the_declarations_are_what_the_harness_own_task_functions_pass(monkeypatch, first_import):
+    mods = R._modules()
+    calls = []
+    monkeypatch.setattr(mods["niah"], "get_tokenizer", lambda *a, **k: "tokenizer")
+    monkeypatch.setattr(mods["niah"], "get_haystack", lambda type_haystack: type_haystack)
+    monkeypatch.setattr(mods["niah"], "generate_samples", lambda haystack, **kw: calls.append((haystack, kw)) or [])
+    for name, spec in R.RULER_TASKS.items():
+        if spec.generator == "niah":
+            getattr(mods["niah"], name)(max_seq_lengths=[LENGTH], tokenizer="t")
+            haystack, kw = calls.pop()
+            assert haystack == spec.haystack and kw.pop("num_samples") == R.MAX_SAMPLES
+            assert kw.pop("TOKENIZER") == "tokenizer" and kw.pop("max_seq_length") == LENGTH
+            assert kw.pop("template") == mods["niah"].TEMPLATE and kw == spec.options, name
+    vt = []
+    monkeypatch.setattr(mods["vt"], "sys_vartrack_w_noise_random", lambda **kw: vt.append(kw) or [{}])
+    mods["vt"].get_dataset("t", seq=LENGTH)
+    assert [(k["max_seq_length"], k.get("incremental")) for k in vt] == [(R.VT_ICL_LENGTH, R.VT_ICL_STEP), (LENGTH, None)]
+    assert R.GENERATORS["fwe"].reserve == mods["fwe"].CONFIG["tokens_to_generate"]
+
+
 def test_sentences_split_like_punkt_on_plain_text():
     assert R.sentences("  One two. Three? Four!  Five\n six. ") == ["One two.", "Three?", "Four!", "Five\n six."]
 
@@ -133,7 +153,7 @@ def test_exported_rows_are_exactly_the_prompts(rows, tok):
         doc = rows.docs[r["task"]][r["doc_id"]]
         assert r["context"] + r["question"] == prompt and r["question"].startswith(doc["input"].split("\n")[-1])
         assert r["context_ids"] + r["question_ids"] == H.prompt_ids(tok, prompt)
-        assert r["references"] == doc["outputs"] and r["length"] == LENGTH
+        assert r["references"] == doc["outputs"] and r["length"] == LENGTH and r["index"] == r["doc_id"]
         assert r["max_new_tokens"] == gen_kwargs["max_gen_toks"] and tok.eos_token in r["until"]
     assert json.loads(R.rows_jsonl(records[:1]))["question_ids"] == records[0]["question_ids"]
 

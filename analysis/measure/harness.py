@@ -620,9 +620,10 @@ def _lm_class():
     from lm_eval.models.huggingface import HFLM
 
     class HeadscopeLM(HFLM):
-        """The harness's HF model class over a model in memory. Only additions: `track` sets a progress
-        callback and a stop check; each request call (log-likelihoods, rolling log-likelihoods) is a phase
-        whose rows (forward sequences) are counted at each `_model_call`."""
+        """The harness's HF model class over a model in memory. Additions: `track` sets a progress callback, a
+        stop check and where a generation's KV cache comes from; each request call (log-likelihoods, rolling
+        log-likelihoods, generations) is a phase whose rows (forward sequences, generated rows) are counted;
+        `generate_until` is headscope's (greedy, one prompt at a time, costs recorded in `generations`)."""
 
         def track(self, progress: Progress | None, should_stop: ShouldStop | None, phases: int,
                   new_cache=None) -> None:
@@ -639,7 +640,8 @@ def _lm_class():
 
         def _tell(self) -> None:
             fraction = (self._phase + min(self._done / self._rows, 1.0)) / self._phases
-            report(self._progress, fraction, f"{self._what}: {int(min(self._done, self._rows))} of {self._rows} sequences")
+            done = int(min(self._done, self._rows))
+            report(self._progress, fraction, f"{self._what}: {done} of {self._rows} sequences")
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             self._pending = "multiple choice"

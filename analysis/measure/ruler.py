@@ -443,8 +443,9 @@ def build_ruler(names, tokenizer, lengths=DEFAULT_LENGTHS, *, samples: int = DEF
             reserve[key] += tokens
         todo = list(over)
     else:
-        raise InputError(f"RULER's rows do not fit their length with this tokenizer ("
-                         f"{', '.join(f'{n} at {length}' for n, length in over)}) after {FIT_TRIES} tries with less room.")
+        where = ", ".join(f"{n} at {length}" for n, length in over)
+        raise InputError(f"RULER's rows do not fit their length with this tokenizer ({where}) after {FIT_TRIES} "
+                         f"tries with less room.")
     rows.notes = (ESSAY_NOTE,) if any(RULER_TASKS[n].haystack == "essay" for n in names) else ()
     report(progress, 1.0, "RULER rows made")
     return rows
@@ -473,7 +474,8 @@ def _overflow(rows: RulerRows, tokenizer) -> dict:
 # -- the exact rows, for a peer tool --------------------------------------------------------------------------
 
 def export_rows(rows: RulerRows, tokenizer) -> list[dict]:
-    """One record per row: task, length, doc_id, the prompt's token ids split into context_ids (up to the
+    """One record per row: task, length, index (the row within its task and length), doc_id (within its task,
+    every length), the prompt's token ids split into context_ids (up to the
     row's last line) and question_ids (its last line: the question, and the answer prefix; context_ids +
     question_ids are exactly what the model reads), their texts, the references, max_new_tokens, the stop
     strings (the task's until and the tokenizer's EOS text) and eos_token_id. InputError for a tokenizer without
@@ -494,7 +496,8 @@ def export_rows(rows: RulerRows, tokenizer) -> list[dict]:
             ids, spans = list(enc["input_ids"]), enc["offset_mapping"]
             k = next((i for i, (_, end) in enumerate(spans) if end > cut), len(ids))
             until, max_new = generation_rules(gen_kwargs, eos_text)
-            out.append(dict(task=task, length=doc["max_length"], doc_id=doc_id, context_ids=ids[:k],
+            index = rows.doc_ids(task, doc["max_length"]).index(doc_id)
+            out.append(dict(task=task, length=doc["max_length"], index=index, doc_id=doc_id, context_ids=ids[:k],
                             question_ids=ids[k:], context=prompt[:cut], question=prompt[cut:],
                             references=list(doc["outputs"]), max_new_tokens=max_new, until=until,
                             eos_token_id=eos, metric=METRIC))
@@ -574,7 +577,8 @@ class RulerReport:
                 "mean over rows [95 % bootstrap CI]; s / row = prefill + generation."
                 + (" LOST = the cut's CI lies below the dense score." if cut else "")
                 + "".join(f" Note: {n}." for n in self.rows.notes) + "\n\n"
-                "| task | tokens | rows | dense score | dense s / row |" + (" cut score | cut - dense | |" if cut else "")
+                "| task | tokens | rows | dense score | dense s / row |"
+                + (" cut score | cut - dense | |" if cut else "")
                 + "\n|---|---:|---:|---:|---:|" + ("---:|---:|---|" if cut else "") + "\n")
         lines = []
         for c in self.cells:
@@ -633,7 +637,7 @@ def _cell(task: str, label: str, length: int, values, gens, seed: int) -> RulerC
 
     from analysis.measure.probes.measure import bootstrap
     n = values.shape[1]
-    stacked = values if values.shape[0] == 1 else np.vstack([values, values[1:] - values[:1]])   # dense, cut, cut - dense
+    stacked = values if values.shape[0] == 1 else np.vstack([values, values[1:] - values[:1]])  # dense, cut, change
     mean, ci = bootstrap(stacked, np.arange(n), seed=seed)
     dense = _side(mean, ci, 0, gens[0])
     if values.shape[0] == 1:
