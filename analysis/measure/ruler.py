@@ -132,8 +132,10 @@ def check_ruler_lengths(lengths, limit: int | None = None) -> tuple[int, ...]:
         if int(n) not in RULER_LENGTHS:
             raise InputError(f"A RULER length is one of {', '.join(map(str, RULER_LENGTHS))} tokens; got {n}.")
         if limit is not None and int(n) > limit:
-            raise InputError(f"A RULER length of {n} tokens is longer than this model reads ({limit}); use at most "
-                             f"{max([x for x in RULER_LENGTHS if x <= limit], default=limit)}.")
+            fits = [x for x in RULER_LENGTHS if x <= limit]
+            raise InputError(f"A RULER length of {n} tokens is longer than this model reads ({limit}); "
+                             + (f"use at most {fits[-1]}." if fits else
+                                f"RULER's shortest rows ({RULER_LENGTHS[0]} tokens) do not fit this model."))
     return tuple(sorted({int(n) for n in values}))
 
 
