@@ -9,6 +9,7 @@ generation.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -137,3 +138,26 @@ def test_stop_ends_a_generation(tiny):
     with pytest.raises(CancelledError):
         H.run_harness(model, tok, _prepared([]), should_stop=should_stop)
     assert not any(m._forward_pre_hooks for m in model.modules())                # the layer checks are gone
+
+
+def test_a_cut_gives_each_prompt_a_cache_of_its_own(tiny):
+    """What a Cut's generation reads (analysis.arch.cut.Cut's interface): the module from `running`, and for each
+    prompt a fresh `new_cache()` passed as past_key_values: the KV bytes recorded are that cache's."""
+    from transformers import DynamicCache
+
+    from analysis.arch.kvcache import kv_cache_bytes
+    model, tok = tiny
+    made = []
+
+    class Recording:
+        @contextlib.contextmanager
+        def running(self, dense, *, adapter=None):
+            yield dense
+
+        def new_cache(self):
+            made.append(DynamicCache())
+            return made[-1]
+    run = H.run_harness(model, tok, _prepared([]), cut=Recording())
+    rows = run.generations["tiny_gen"]
+    assert len(made) == len(rows) == len(QUESTIONS) and len({id(c) for c in made}) == len(made)
+    assert sorted(kv_cache_bytes(c) for c in made) == sorted(r["kv_bytes_end"] for r in rows)

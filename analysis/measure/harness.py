@@ -828,15 +828,14 @@ def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep
 
 @dataclass(frozen=True)
 class _Gated:
-    """SEAM(cut): what a run is cut by until analysis.arch.cut.Cut lands on main, with Cut's interface: gates
-    [L, H] on the model (None: the model as it is), `running(model, adapter)` the module to call, `new_cache()`
-    a KV cache for one prompt (None: the model's own), `windowed` (no KV head windowed: rows may be padded).
-    When Cut lands, run_harness takes `cut=` and this class goes."""
+    """SEAM(cut): gates [L, H] on the model (None: the model as it is) with the interface of analysis.arch.cut.Cut
+    that a run reads (`running(model, adapter=)`: the module to call; `new_cache()`: a KV cache for one prompt,
+    None: the model's own), for run_harness's `gates=` until Cut is on main (then a mask is Cut.of_mask and
+    this class goes)."""
     gates: object = None
-    windowed = False
 
     @contextlib.contextmanager
-    def running(self, model, adapter=None):
+    def running(self, model, *, adapter=None):
         if self.gates is None:
             yield model
             return
@@ -848,20 +847,24 @@ class _Gated:
         return None
 
 
-def run_harness(model, tokenizer, prepared: PreparedTasks, *, gates=None, adapter=None,
+def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, gates=None, adapter=None,
                 batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
                 progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessRun:
-    """The prepared tasks on one causal LM in memory (gates [L, H]: under head_mask; None: the model as it
-    is). max_length None: the harness's own (the model's context). keep_samples: every request's
-    log-likelihood or generation and each document's metrics too (HarnessRun.samples). Generations run one
-    prompt at a time with a fresh KV cache each (HarnessRun.generations: each row's KV bytes and speed)."""
+    """The prepared tasks on one causal LM in memory: as it is, under gates [L, H] (head_mask), or under a
+    `cut` (analysis.arch.cut.Cut: inside `cut.running(model)`, each generation with its own `cut.new_cache()`,
+    so a KV plan generates with its compact cache). max_length None: the harness's own (the model's context).
+    keep_samples: every request's log-likelihood or generation and each document's metrics too
+    (HarnessRun.samples). Generations run one prompt at a time with a fresh KV cache each
+    (HarnessRun.generations: each row's KV bytes and speed)."""
     require_harness()
     check_whole_number(batch_size, "the harness batch size", low=1, high=2**16)
     check_whole_number(max_length, "the harness max length", low=2, high=2**24, none_ok=True)
+    if cut is not None and gates is not None:
+        raise InputError("Give one cut: gates or a Cut, not both.")
     from lm_eval.evaluator import evaluate
-    cut = _Gated(gates)
+    cut = _Gated(gates) if cut is None else cut
     os.environ.setdefault("DISABLE_MULTIPROC", "1")       # the harness's bootstrap: no process pool in our process
-    with cut.running(model, adapter) as running:
+    with cut.running(model, adapter=adapter) as running:
         with _quiet():
             lm = _make_lm(running, tokenizer, batch_size=batch_size, max_length=max_length)
         _check_logit_memory(prepared, lm, running, batch_size)

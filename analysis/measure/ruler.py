@@ -25,8 +25,10 @@ Per task and length: the score (RULER's string_match_all: the share of a row's r
 generation, 0..1), a 95 % bootstrap CI over rows; dense and cut read the same rows and resample them the
 same way, so the cut - dense difference has its own CI; **lost** when the cut's CI lies below dense's mean
 (analysis.measure.probes.breaks.compare's rule); the average over tasks per length (a row index is one
-resampling unit across tasks: every task has the same rows per length). The exact rows (token ids split
-into context / question, references, max_new_tokens, stop strings) export as JSONL for a peer tool.
+resampling unit across tasks: every task has the same rows per length). The cut is an analysis.arch.cut.Cut
+(`ruler_report(cut=)`: a mask, a KV plan generating with its compact cache, a model of its own). The exact
+rows (token ids split into context / question, references, max_new_tokens, stop strings) export as JSONL for
+a peer tool.
 """
 from __future__ import annotations
 
@@ -551,7 +553,7 @@ class RulerReport:
     rows: RulerRows
     dense: object                   # harness.HarnessRun (pass back as dense= to reuse it)
     cut_run: object = None
-    cut: dict | None = None         # what the cut is, None: dense only
+    cut: dict | None = None         # the cut's as_dict(), None: dense only
 
     @property
     def lost(self) -> list:
@@ -649,25 +651,33 @@ def _cell(task: str, label: str, length: int, values, gens, seed: int) -> RulerC
     return RulerCell(task, label, length, n, dense, cut, change, cut["high"] < dense["score"])
 
 
-def ruler_report(loaded, rows: RulerRows, *, pruned=None, model=None, dense=None, cut_info: dict | None = None,
-                 progress: Progress | None = None, should_stop: ShouldStop | None = None) -> RulerReport:
-    """RULER's rows on `loaded` (dense; a HarnessRun of these rows given as `dense` is reused) and on a cut
-    (SEAM(cut): a mask pruned [L, H] as gates, or a model of its own, until analysis.arch.cut.Cut lands),
-    through the harness bridge: greedy generations one prompt at a time, the harness's scoring."""
+def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Progress | None = None,
+                 should_stop: ShouldStop | None = None) -> RulerReport:
+    """RULER's rows on `loaded` (dense; a HarnessRun of these rows given as `dense` is reused) and on a `cut`
+    (analysis.arch.cut.Cut: a mask, a KV plan generating with its compact cache, a model of its own; None: dense
+    only), through the harness bridge: greedy generations one prompt at a time, the harness's scoring. The
+    rows' lengths are checked against the model's context (and the cut model's) before any generation."""
+    from analysis.core.progress import scaled
     from analysis.measure.evaluation import context_length
-    from analysis.measure.harness import harness_report
+    from analysis.measure.harness import run_harness
+    if loaded.kind != "causal-lm":
+        raise InputError(f"RULER scores a causal language model's generations; {loaded.name} is a {loaded.kind} "
+                         f"model.")
     limit = context_length(loaded.model, default=2**31)
-    if model is not None:
-        limit = min(limit, context_length(model, default=2**31))
+    if cut is not None:
+        cut.check(loaded.geometry)
+        if cut.model is not None:
+            limit = min(limit, context_length(cut.model, default=2**31))
     check_ruler_lengths(rows.lengths, limit)
-    result = harness_report(loaded, rows.prepared, pruned=pruned, model=model, dense=dense, batch_size=1,
-                            keep_samples=True, progress=progress, should_stop=should_stop)
-    cutting = pruned is not None or model is not None
-    import numpy as np
-    kind = None if not cutting else (dict(kind="mask", n_pruned=int(np.asarray(pruned, dtype=bool).sum()))
-                                     if pruned is not None else dict(kind="model"))
-    info = None if kind is None else {**kind, **(cut_info or {})}
-    return RulerReport(ruler_cells(rows, result.dense, result.cut, rows.seed), rows, result.dense, result.cut, info)
+    run = functools.partial(run_harness, loaded.model, loaded.tokenizer, rows.prepared, batch_size=1,
+                            keep_samples=True, should_stop=should_stop)
+    cut_progress = progress
+    if dense is None:
+        dense = run(progress=scaled(progress, 0.0, 0.5 if cut is not None else 1.0))
+        cut_progress = scaled(progress, 0.5, 1.0)
+    measured = None if cut is None else run(cut=cut, adapter=loaded.adapter, progress=cut_progress)
+    return RulerReport(ruler_cells(rows, dense, measured, rows.seed), rows, dense, measured,
+                       None if cut is None else cut.as_dict())
 
 
 # -- the time a run takes ------------------------------------------------------------------------------------
