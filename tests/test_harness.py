@@ -194,7 +194,8 @@ def test_work_estimate_counts_the_request_tokens(prepared):
 
 @pytest.mark.parametrize("yaml, data, words", [
     ("task: gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: d.jsonl\noutput_type: generate_until\n"
-     "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n", True, "generates text"),
+     "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  do_sample: true\n"
+     "  temperature: 0.7\n", True, "samples its generations"),
     ("task: gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: missing.jsonl\n"
      "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\n"
      "doc_to_choice: ['a', 'b']\n", False, "missing.jsonl, which is not there"),
