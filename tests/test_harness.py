@@ -21,7 +21,6 @@ import torch
 from analysis import cli
 from analysis.arch.adapters import adapter_for
 from analysis.arch.cut import Cut
-from analysis.arch.head_gates import gates_from_mask
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, InputError
 from analysis.measure import harness as H
@@ -139,7 +138,7 @@ def test_masked_equals_surgery_and_the_dense_model_is_untouched(tiny64, prepared
     model, tok = tiny64
     before = {k: v.clone() for k, v in model.state_dict().items()}
     steps = []
-    masked = H.run_harness(model, tok, prepared, gates=gates_from_mask(PRUNED), batch_size=4, keep_samples=True,
+    masked = H.run_harness(model, tok, prepared, cut=Cut.of_mask(PRUNED), batch_size=4, keep_samples=True,
                            progress=lambda f, m: steps.append(f))
     twin, _ = prune_heads(model, PRUNED)
     pruned = H.run_harness(twin, tok, prepared, batch_size=4, keep_samples=True)
@@ -172,7 +171,7 @@ def test_report_rows_and_stop(tiny64, prepared):
     assert all(r["change"] == pytest.approx(r["cut"] - r["dense"]) for r in rows)
     assert json.dumps(rep.as_dict())                               # plain JSON
     with pytest.raises(CancelledError):
-        H.run_harness(model, tok, prepared, gates=gates_from_mask(PRUNED), should_stop=lambda: True)
+        H.run_harness(model, tok, prepared, cut=Cut.of_mask(PRUNED), should_stop=lambda: True)
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 

@@ -22,6 +22,7 @@ import sys
 import numpy as np
 import pytest
 
+from analysis.arch.cut import Cut
 from analysis.core.errors import InputError
 from analysis.measure import harness as H
 from analysis.measure import ruler as R
@@ -183,36 +184,12 @@ def test_cells_pair_dense_and_cut_and_flag_a_loss(rows):
     assert [x.cut for x in R.ruler_cells(one, dense)] == [None] * 3
 
 
-class _MaskCut:
-    """SEAM(cut): what a RULER run reads of analysis.arch.cut.Cut, for a mask, until Cut is on main (then this is
-    Cut.of_mask(pruned))."""
-    kind, model = "mask", None
-
-    def __init__(self, pruned):
-        self.mask = pruned
-
-    def check(self, geometry):
-        return self
-
-    @contextlib.contextmanager
-    def running(self, dense, *, adapter=None):
-        from analysis.arch.head_gates import gates_from_mask, head_mask
-        with head_mask(dense, gates_from_mask(self.mask), adapter=adapter):
-            yield dense
-
-    def new_cache(self):
-        return None
-
-    def as_dict(self) -> dict:
-        return dict(kind="mask", n_pruned=int(self.mask.sum()))
-
-
 def test_a_tiny_model_generates_the_rows_dense_and_cut(rows, smollm2):
     one = R.build_ruler(["niah_single_1"], smollm2.tokenizer, [LENGTH], samples=SAMPLES, seed=0)
     loaded = tiny_loaded("llama", smollm2.tokenizer, "causal-lm", max_position_embeddings=LENGTH)
     pruned = np.zeros((2, 4), dtype=bool)
     pruned[1, 2:] = True
-    rep = R.ruler_report(loaded, one, cut=_MaskCut(pruned))
+    rep = R.ruler_report(loaded, one, cut=Cut.of_mask(pruned))
     lengths = R.prompt_lengths(one, smollm2.tokenizer)
     for run in (rep.dense, rep.cut_run):
         gens = run.generations["niah_single_1"]
@@ -220,7 +197,7 @@ def test_a_tiny_model_generates_the_rows_dense_and_cut(rows, smollm2):
         assert all(1 <= g["new_tokens"] <= 128 and g["kv_bytes_prompt"] > 0 for g in gens)
     table = rep.table()
     assert [r["task"] for r in table] == ["niah_single_1", R.AVERAGE]
-    assert rep.cut == dict(kind="mask", n_pruned=2) and "cut_score" in table[0]
+    assert (rep.cut["kind"], rep.cut["n_pruned"]) == ("mask", 2) and "cut_score" in table[0]
     assert json.dumps(rep.as_dict(), default=float) and "| NIAH single 1" in rep.markdown()
 
 

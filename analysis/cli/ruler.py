@@ -4,9 +4,11 @@ on the model, greedy generations scored by the harness's string match, per task 
 
     python -m analysis ruler [--model M] [--tasks all|niah_single_1,ruler_vt,...] [--lengths 1024,2048]
                              [--samples 25] [--ruler-seed S] [--rows-out rows.jsonl [--rows-only]]
+                             [--sparsity S (+ scorer / policy options) | --mask-file F | --kv-plan F | --export DIR]
                              [--format json|csv] [--out F] [--quiet]
 
-The model runs dense (SEAM(cut): the cut options come with the lead's shared cut options in cli/common.py).
+Dense, and (given one) a cut: the cut options every report takes (analysis.cli.common.add_cut_arguments); a KV
+plan generates with its compact cache, an export folder under its kv_plan.json.
 Before the generations the command prints an estimate of the time on stderr (at most: every row's prefill
 from analysis.measure.probes.longcontext.row_seconds and every token it may generate at this machine's
 decode step). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
@@ -20,7 +22,8 @@ Bad input (a task that downloads or is unknown, a length that is not RULER's or 
 """
 from __future__ import annotations
 
-from analysis.cli.common import add_output_arguments, add_source_arguments, load_source, progress_bar, register
+from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, check_one_cut,
+                                 cut_from, progress_bar, register)
 from analysis.core.errors import InputError
 
 
@@ -42,6 +45,7 @@ def _arguments(parser):
                              "references, max_new_tokens, stop strings) for a peer tool")
     parser.add_argument("--rows-only", dest="rows_only", action="store_true",
                         help="with --rows-out: make and write the rows, generate nothing")
+    add_cut_arguments(parser)
     add_output_arguments(parser)
 
 
@@ -65,10 +69,10 @@ def run_ruler(ns):
         raise InputError("--rows-only writes the rows only: give --rows-out FILE with it.")
     if ns.rows_out is not None:
         check_output_file(ns.rows_out, "The rows file")
+    check_one_cut(ns)
     from analysis.measure.harness import require_harness
     require_harness()
-    with progress_bar("loading", not ns.quiet) as report:
-        _, loaded, info = load_source(ns, report)
+    cut, loaded, info = cut_from(ns)
     if loaded.kind != "causal-lm":
         raise InputError(f"RULER scores a causal language model's generations; {loaded.name} is a {loaded.kind} model.")
     from analysis.core.atomic import atomic_write
@@ -85,7 +89,7 @@ def run_ruler(ns):
         atomic_write(ns.rows_out, rows_jsonl(export_rows(rows, loaded.tokenizer)), what="The rows file")
     if ns.rows_only:
         return dict(model=info, rows_out=ns.rows_out, rows=rows.n_rows(), ruler=rows.info()), None
-    work = ruler_work(rows)
+    work = ruler_work(rows, cut=cut is not None)
     per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry)
     step = step_seconds(loaded.model)
     estimate = work.seconds(per_row, step)
@@ -97,7 +101,7 @@ def run_ruler(ns):
                          + ", ".join(f"{n:,} tokens {duration_words(s)} a prefill" for n, s in per_row.items())
                          + f", {step:.2f} s a decode step)\n")
     with progress_bar("RULER", not ns.quiet) as report:
-        rep = ruler_report(loaded, rows, progress=with_estimate(report))
+        rep = ruler_report(loaded, rows, cut=cut, progress=with_estimate(report))
     payload = dict(model=info, estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, step_s=step,
                    rows_out=ns.rows_out, report=rep.as_dict())
     return payload, rep.table()

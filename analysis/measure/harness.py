@@ -826,32 +826,11 @@ def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep
                       {t: sorted(rows, key=lambda r: r["doc_id"]) for t, rows in generations.items()})
 
 
-@dataclass(frozen=True)
-class _Gated:
-    """SEAM(cut): gates [L, H] on the model (None: the model as it is) with the interface of analysis.arch.cut.Cut
-    that a run reads (`running(model, adapter=)`: the module to call; `new_cache()`: a KV cache for one prompt,
-    None: the model's own), for run_harness's `gates=` until Cut is on main (then a mask is Cut.of_mask and
-    this class goes)."""
-    gates: object = None
-
-    @contextlib.contextmanager
-    def running(self, model, *, adapter=None):
-        if self.gates is None:
-            yield model
-            return
-        from analysis.arch.head_gates import head_mask  # torch: imported on use (the CLI's parser reads this module)
-        with head_mask(model, self.gates, adapter=adapter):
-            yield model
-
-    def new_cache(self):
-        return None
-
-
-def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, gates=None, adapter=None,
+def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, adapter=None,
                 batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
                 progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessRun:
-    """The prepared tasks on one causal LM in memory: as it is, under gates [L, H] (head_mask), or under a
-    `cut` (analysis.arch.cut.Cut: inside `cut.running(model)`, each generation with its own `cut.new_cache()`,
+    """The prepared tasks on one causal LM in memory: as it is (cut None), or under a `cut`
+    (analysis.arch.cut.Cut: inside `cut.running(model)`, each generation with its own `cut.new_cache()`,
     so a KV plan generates with its compact cache). max_length None: the harness's own (the model's context).
     keep_samples: every request's log-likelihood or generation and each document's metrics too
     (HarnessRun.samples). Generations run one prompt at a time with a fresh KV cache each
@@ -859,16 +838,16 @@ def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, gates=No
     require_harness()
     check_whole_number(batch_size, "the harness batch size", low=1, high=2**16)
     check_whole_number(max_length, "the harness max length", low=2, high=2**24, none_ok=True)
-    if cut is not None and gates is not None:
-        raise InputError("Give one cut: gates or a Cut, not both.")
     from lm_eval.evaluator import evaluate
-    cut = _Gated(gates) if cut is None else cut
+
+    from analysis.arch.cut import running as cut_running   # torch: imported on use (the CLI's parser reads this)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")       # the harness's bootstrap: no process pool in our process
-    with cut.running(model, adapter=adapter) as running:
+    new_cache = (lambda: None) if cut is None else cut.new_cache
+    with cut_running(cut, model, adapter=adapter) as running:
         with _quiet():
             lm = _make_lm(running, tokenizer, batch_size=batch_size, max_length=max_length)
         _check_logit_memory(prepared, lm, running, batch_size)
-        lm.track(progress, should_stop, len(prepared.request_types()), new_cache=cut.new_cache)
+        lm.track(progress, should_stop, len(prepared.request_types()), new_cache=new_cache)
         start = time.perf_counter()
         with _quiet(), _offline():
             check_stop(should_stop, "The harness run")
@@ -942,11 +921,5 @@ def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessR
         cut_progress = scaled(progress, 0.5, 1.0)
     else:
         cut_progress = progress                             # the dense side was measured before
-    measured = None
-    if cut is not None and cut.kind == "mask":
-        from analysis.arch.head_gates import gates_from_mask
-        measured = run(loaded.model, gates=gates_from_mask(cut.mask), adapter=loaded.adapter, progress=cut_progress)
-    elif cut is not None:
-        with cut.running(loaded.model, adapter=loaded.adapter) as model:
-            measured = run(model, progress=cut_progress)
+    measured = None if cut is None else run(loaded.model, cut=cut, adapter=loaded.adapter, progress=cut_progress)
     return HarnessReport(dense, measured, dict(prepared.sources), prepared.limit)
