@@ -27,8 +27,9 @@ APP_LENGTH = 2048                 # tokens per row the page suggests (clipped to
 APP_SEQUENCES = 2                 # sequences per depth the page suggests: the least that gives a CI (10 items)
 DEPTH_CHOICES = (0.1, 0.25, 0.5, 0.75, 0.9)
 MAX_SEQUENCES_APP = 64
-DECODE_CALL_TOKENS = 64           # a decode call of the generated answers, in forward-token units of `_work`
-                                  # (SmolLM2, 2 CPU threads: a call ~ a forward of that many tokens of a long row)
+DECODE_CALL_TOKENS = 150          # a decode call of the generated answers, in forward-token units of `_work`:
+                                  # measured once (SmolLM2, 2 CPU cores at load 10, `step_seconds` / `row_seconds`):
+                                  # a call of 4 rows at 1,024 tokens 2.6 s, a row 17.5 s (17 ms a token)
 
 
 

@@ -99,7 +99,7 @@ def run_longctx(ns):
         rows = ", ".join(f"{r} x {n:,}" for n, r in work.rows.items())
         steps = sum(work.steps.values())
         warn_line = (f"estimate: about {duration_words(estimate)} for {sum(work.rows.values())} rows ({rows} tokens"
-                     + (f", {steps} decode steps for the generated answers" if steps else "")
+                     + (f", {steps} decode calls for the generated answers" if steps else "")
                      + (", dense and cut" if cut is not None else "") + "; this machine: "
                      + ", ".join(f"{n:,} tokens {duration_words(s)} a row" for n, s in per_row.items()) + ")")
         import sys
