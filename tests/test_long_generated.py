@@ -61,24 +61,25 @@ def _row_digits(items, r: int) -> list[int]:
 
 
 @torch.no_grad()
-def _hand_greedy(model, prompt: list[int], steps: int, *, cache: bool = False) -> tuple[list[int], float]:
+def _hand_greedy(model, prompt: list[int], steps: int, *, cache: bool = False) -> tuple[list[int], float, float]:
     """Greedy decoding written out: no cache (a full forward of everything so far per token), or transformers'
-    DynamicCache fed one token a step. (tokens, the smallest top-1 minus top-2 logit margin along the way)."""
-    seq, out, margin = list(prompt), [], math.inf
+    DynamicCache fed one token a step. (tokens, the smallest top-1 minus top-2 logit margin along the way, the
+    largest |logit|)."""
+    seq, out, margin, scale = list(prompt), [], math.inf, 0.0
     past = DynamicCache() if cache else None
     feed = torch.tensor([seq])
     for _ in range(steps):
         if cache:
             logits = model(input_ids=feed, past_key_values=past, use_cache=True).logits[0, -1]
         else:
-            logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]     # [V]
+            logits = model(input_ids=torch.tensor([seq]), use_cache=False, logits_to_keep=1).logits[0, -1]   # [V]
         top = logits.topk(2).values
-        margin = min(margin, float(top[0] - top[1]))
+        margin, scale = min(margin, float(top[0] - top[1])), max(scale, float(logits.abs().max()))
         token = int(logits.argmax())
         out.append(token)
         seq.append(token)
         feed = torch.tensor([[token]])
-    return out, margin
+    return out, margin, scale
 
 
 # -- the rule and the new probe ------------------------------------------------------------------------------
@@ -127,9 +128,7 @@ def test_generated_answers_on_dense_are_a_hand_written_greedy_loop(tiny64):
         for r in range(items.ids.shape[0]):
             prompt = items.ids[r, :int(probe.answers.prompt[r])].tolist()
             steps = int(probe.answers.steps(items)[r])
-            tokens, margin = _hand_greedy(m, prompt, steps)
-            with torch.no_grad():
-                scale = m(input_ids=torch.tensor([prompt])).logits.abs().max().item()
+            tokens, margin, scale = _hand_greedy(m, prompt, steps)
             assert margin > 2 * float32_inside_tolerance(m, scale)              # no near-tie: the argmax is defined
             assert scores.written[r] == tok.decode(tokens)
             number = re.search("[0-9]+", tok.decode(tokens))
@@ -156,7 +155,7 @@ def test_plan_generation_with_its_compact_cache_is_the_masked_model_with_dynamic
             full, _ = item_values(m, items)
             for r in range(items.ids.shape[0]):
                 prompt = items.ids[r, :int(probe.answers.prompt[r])].tolist()
-                tokens, margin = _hand_greedy(m, prompt, int(probe.answers.steps(items)[r]), cache=True)
+                tokens, margin, _ = _hand_greedy(m, prompt, int(probe.answers.steps(items)[r]), cache=True)
                 assert margin > 1e3 * EXACT
                 assert planned[key].written[r] == tok.decode(tokens)
                 changed += planned[key].written[r] != dense[key].written[r]
