@@ -1,7 +1,9 @@
-"""The long-context probes of the Long context page's plan: passkey, needle and long-range copying
-(analysis.measure.probes.longcontext) on the dense model and under the view's KV plan, side by side with
-paired bootstrap CIs (analysis.score.longcontext.long_context_report), each cell LOST when the plan's CI lies
-below dense; the expected time before the run, progress and Stop during it, CSV / JSON downloads after.
+"""The long-context probes of the Long context page's plan: passkey (stated twice or once), needle and long-range
+copying (analysis.measure.probes.longcontext) on the dense model and under the view's KV plan, side by side with
+paired bootstrap CIs (analysis.score.longcontext.long_context_report): teacher-forced accuracy and, for the
+digit answers, the generated answer's exact match with the rows the plan loses / gains; each cell LOST (or LOST
+generated) when the plan's CI lies below dense; the expected time before the run, progress and Stop during it,
+CSV / JSON downloads after.
 
 The dense side depends on the probes' settings only: it is cached once per model and settings
 (`dense_side`) and every later plan reads it back, so editing the grid and running again costs the plan's
@@ -25,6 +27,9 @@ APP_LENGTH = 2048                 # tokens per row the page suggests (clipped to
 APP_SEQUENCES = 2                 # sequences per depth the page suggests: the least that gives a CI (10 items)
 DEPTH_CHOICES = (0.1, 0.25, 0.5, 0.75, 0.9)
 MAX_SEQUENCES_APP = 64
+DECODE_CALL_TOKENS = 150          # a decode call of the generated answers, in forward-token units of `_work`:
+                                  # measured once (SmolLM2, 2 CPU cores at load 10, `step_seconds` / `row_seconds`):
+                                  # a call of 4 rows at 1,024 tokens 2.6 s, a row 17.5 s (17 ms a token)
 
 
 
@@ -81,10 +86,15 @@ def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_item
 
 def _work(built: dict, dense_known: bool, cut: bool) -> float:
     """Forward-token units of the run (components/jobs.py's "long-probes"): a row of n tokens costs
-    n * (1 + n / 2048) (its attention grows with the context, as the long detectors' passes)."""
+    n * (1 + n / 2048) (its attention grows with the context, as the long detectors' passes), a decode call of
+    the generated answers DECODE_CALL_TOKENS."""
+    from analysis.measure.probes.longcontext import item_work
     sides = (0 if dense_known else 1) + cut
-    return float(sides * sum(items.ids.shape[0] * length * (1 + length / 2048) for (_, length), (_, _, items)
-                             in built.items()))
+    total = 0.0
+    for (_, length), (_, probe, items) in built.items():
+        rows, calls = item_work(probe, items)
+        total += rows * length * (1 + length / 2048) + calls * DECODE_CALL_TOKENS
+    return float(sides * total)
 
 
 def _ci(row: dict, side: str) -> str:
@@ -96,16 +106,27 @@ def _exact(row: dict, side: str) -> str:
     return "—" if key not in row else f"{row[key]:.2f} [{row[key + '_low']:.2f}, {row[key + '_high']:.2f}]"
 
 
+def _generated(row: dict, side: str) -> str:
+    key = f"{side}_generated"
+    return "—" if key not in row else f"{row[key]:.2f} [{row[key + '_low']:.2f}, {row[key + '_high']:.2f}]"
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
     """The report's cells as the page's table (one row per probe x depth, 'all' first; the plan's columns
-    only when a plan was measured)."""
+    only when a plan was measured; the flag column says LOST, LOST generated or both)."""
     out = []
     for r in rows:
         row = {"probe": r["label"], "depth": r["depth"], "sequences": r["n_units"], "items": r["n_items"],
-               "dense accuracy": _ci(r, "dense"), "dense exact": _exact(r, "dense")}
+               "dense accuracy": _ci(r, "dense"), "dense exact": _exact(r, "dense"),
+               "dense generated": _generated(r, "dense")}
         if "cut_accuracy" in r:
+            lost = ["LOST" + (" (at chance)" if r["at_chance"] else "")] if r["lost"] else []
+            lost += ["LOST generated"] if r.get("generated_lost") else []
             row.update({"plan accuracy": _ci(r, "cut"), "plan exact": _exact(r, "cut"),
-                        "": ("LOST" + (" (at chance)" if r["at_chance"] else "")) if r["lost"] else ""})
+                        "plan generated": _generated(r, "cut"),
+                        "rows lost / gained": "—" if "rows_lost" not in r else
+                        f"{r['rows_lost']} / {r['rows_gained']} (p {r['mcnemar_p']:.2g})",
+                        "": "; ".join(lost)})
         out.append(row)
     return out
 
@@ -121,7 +142,7 @@ def probe_section(lm, plan, context: int) -> None:
         return
     st.caption("Find a pass key, the right one of two numbers, or a random sequence far back in built-in text: "
                "the dense model and this plan read the same rows; a cell is LOST when the plan's 95 % interval lies "
-               "below the dense accuracy.")
+               "below the dense accuracy, LOST generated when the answers the plan writes itself fall below dense's.")
     from .longctx import context_limit
     limit = context_limit(lm)
     c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
@@ -195,11 +216,18 @@ def _show(rep) -> None:
 HOW_TO_READ = """
 Each row is built offline from the built-in text and is exactly as long as asked. **Passkey**: a
 five-digit key is hidden at the depth (0 = the start, 1 = just before the question) and asked for at
-the end; **needle**: two cities' numbers half a context apart, the question names one; **long-range
+the end (its needle states the key twice; **passkey once** states it once, on the same keys and text);
+**needle**: two cities' numbers half a context apart, the question names one; **long-range
 copying**: a random token sequence at the depth, repeated at the end. Each digit (or copied token) is an
 item: **accuracy** is the share whose correct token out-scores a contrast (another digit, the other
-city's digit; chance 0.5), **exact** the share of keys with every digit right. Brackets: 95 % bootstrap
-intervals over sequences (a key and its text, read at every depth); dense and plan read the same rows
-with the same resamples. A windowed KV head sees only the sink tokens and the recent window: a needle
-further back than the window is invisible to it, so the plan keeps retrieval only through its full heads.
+city's digit; chance 0.5) with the earlier digits given, **exact** the share of keys with every digit right.
+**Generated** is how the field judges it: the model writes the answer itself (greedy, from the question
+on, with the plan's own KV cache), and a row counts when the first number it writes is the key. It is
+stricter than teacher-forced accuracy: a plan can keep the digits' accuracy high and still lose keys it must
+write itself.
+**Rows lost / gained**: rows the dense model answers and the plan does not, and the reverse (p: the exact
+McNemar test of those two counts). Brackets: 95 % bootstrap intervals over sequences (a key and its text,
+read at every depth); dense and plan read the same rows with the same resamples. A windowed KV head sees
+only the sink tokens and the recent window: a needle further back than the window is invisible to it, so
+the plan keeps retrieval only through its full heads.
 """

@@ -30,7 +30,7 @@ from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 from tests._tolerance import EXACT, forward_tolerance
 
-LONG = ("passkey", "needle", "long-copying")
+LONG = ("passkey", "passkey-once", "needle", "long-copying")
 
 
 

@@ -88,10 +88,16 @@ def _acc(r: dict) -> str:
     return f"{r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]"
 
 
+def is_lost(dense_mean: float, cut_high: float) -> bool:
+    """The rule of a lost capability, for any metric (higher = better) with a CI on the cut's side: the cut's
+    upper bound lies below the dense model's mean."""
+    return float(cut_high) < float(dense_mean)
+
+
 def compare(dense: ProbeScore, cut: ProbeScore, b: int = 0, d: int = 0) -> ProbeChange:
     """Mask b of `cut` against mask d of `dense` (the same probe and items)."""
     high, low = float(cut.accuracy_ci[b, 1]), float(cut.accuracy_ci[b, 0])
-    lost = high < float(dense.accuracy[d])
+    lost = is_lost(dense.accuracy[d], high)
     return ProbeChange(dense.name, dense.label, dense.row(d), cut.row(b), lost, lost and low <= cut.chance,
                        dense.rejected)
 

@@ -112,6 +112,17 @@ def pool(items_list: list[ProbeItems]) -> tuple[ProbeItems, list[int]]:
                    rejected={}, notes=()), offsets
 
 
+def read_values(logits: torch.Tensor, correct: torch.Tensor, contrast: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(diff [b, m], nll [b, m]) float64 of m items from their logits [b, m, V] (b masks), correct / contrast [m]
+    (the module docstring's formulas; half logits are read in float32)."""
+    b = logits.shape[0]
+    logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    c, k = correct.to(logits.device).expand(b, -1), contrast.to(logits.device).expand(b, -1)   # [b, m]
+    diff = (logits.gather(-1, c[..., None]) - logits.gather(-1, k[..., None]))[..., 0]
+    nll = token_nll(logits, c)                                           # [b, m]
+    return diff.double().cpu().numpy(), nll.double().cpu().numpy()
+
+
 @torch.no_grad()
 def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, batch_tokens: int = BATCH_TOKENS,
                 pass_tokens: int = PASS_TOKENS, progress: Progress | None = None,
@@ -154,13 +165,9 @@ def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, 
                 logits = model(input_ids=x.repeat(b, 1).to(device), use_cache=False, **kwargs).logits  # [1, b*m, V]
         finally:
             handle.remove()
-        picked = logits.reshape(b, ii.numel(), -1)                      # [b, m, V]
-        picked = picked.float() if picked.dtype not in (torch.float32, torch.float64) else picked
-        c, k = items.correct[ii].to(picked.device), items.contrast[ii].to(picked.device)  # [m]
-        diff = (picked.gather(-1, c.expand(b, -1)[..., None]) - picked.gather(-1, k.expand(b, -1)[..., None]))[..., 0]
-        nll = token_nll(picked, c.expand(b, -1))                         # [b, m]
+        diff, nll = read_values(logits.reshape(b, ii.numel(), -1), items.correct[ii], items.contrast[ii])  # [b, m]
         report(progress, (j + 1) / len(jobs), f"{items.name}: pass {j + 1}/{len(jobs)}")
-        return diff.double().cpu().numpy(), nll.double().cpu().numpy(), ii.tolist()
+        return diff, nll, ii.tolist()
 
     diff, nll = np.zeros((B, n)), np.zeros((B, n))
     for (rows, m0), (d, l, ii) in zip(jobs, (team or SOLO).map(run, len(jobs), what="the probes")):
