@@ -360,3 +360,57 @@ def test_long_probes_of_the_plan_are_the_librarys(tiny_long, downloads):
     _edit_one_cell = at.number_input(key="hs.w.long_context.sinks").set_value(3).run()
     assert any("changed since the last run" in c.value for c in at.caption)
     assert not [t for t in at.table if "plan accuracy" in t.value.columns]
+
+
+@pytest.fixture(scope="module")
+def tiny_ruler(tmp_path_factory, smollm2):
+    """A tiny Llama with SmolLM2's tokenizer (RULER's generators need real words and digits) reading 1,024 tokens."""
+    from tests._tiny import tiny_model
+    path = tmp_path_factory.mktemp("tiny-ruler")
+    tiny_model("llama", vocab_size=len(smollm2.tokenizer), max_position_embeddings=1024).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_ruler_of_the_plan_is_the_librarys(tiny_ruler, downloads):
+    """The RULER section: its run is analysis.measure.ruler.ruler_report of the grid's plan, generating with the
+    plan's compact cache (the same rows, the same paired resamples: every cell equal), the dense side cached per
+    model and settings, the downloads hold the report."""
+    from analysis.arch.cut import Cut
+    from analysis.arch.models import load_model
+    from analysis.measure.ruler import build_ruler, ruler_report
+    params = dict(kv="wf.pw", sinks=2, recent=64)
+    at = _open(tiny_ruler, **params)
+    at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
+    at.number_input(key="hs.w.long.ruler.samples").set_value(2).run()
+    label = next(b.label for b in at.button if b.key == "long.ruler.run")
+    assert "2 rows of 1,024 tokens, dense and plan" in label
+    at.button(key="long.ruler.run").click().run()
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    lm = load_model(str(tiny_ruler))
+    rows = build_ruler(["niah_single_1"], lm.tokenizer, (1024,), samples=2, seed=0, limit=1024)
+    plan = KVPlan_of(lm, [[1, 0], [2, 1]], 2, 64)
+    want = ruler_report(lm, rows, cut=Cut.of_plan(plan))
+    got = json.loads(downloads["ruler.json"])
+    assert got["cut"]["kind"] == "plan" and got["cut"]["kv_plan"] == {"full": 1, "window": 2, "prune": 1}
+    assert len(got["cells"]) == len(want.cells) == 2                    # the task and the average
+    for mine, theirs in zip(got["cells"], want.table()):
+        for k in ("task", "n", "dense_score", "dense_low", "dense_high", "cut_score", "cut_low", "cut_high",
+                  "change", "lost", "cut_kv_bytes_prompt"):
+            assert mine[k] == pytest.approx(theirs[k]) if isinstance(theirs[k], float) else mine[k] == theirs[k], k
+    head_dim = lm.geometry.head_dim
+    prompts = [g["prompt_tokens"] for g in got["generations"]["cut"]["niah_single_1"]]
+    assert [g["kv_bytes_prompt"] for g in got["generations"]["cut"]["niah_single_1"]] == [
+        plan.kv_bytes(n, head_dim=head_dim) for n in prompts]             # the compact cache holds the plan's bytes
+    assert downloads["ruler.csv"].decode().splitlines()[0].startswith("task,label,length,n")
+    at = _open(tiny_ruler, kv="ww.ff", sinks=2, recent=64)
+    at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
+    at.number_input(key="hs.w.long.ruler.samples").set_value(2).run()
+    assert "dense is measured" in next(b.label for b in at.button if b.key == "long.ruler.run")
+
+
+def KVPlan_of(lm, modes, sinks, recent):
+    from analysis.arch.kvplan import KVPlan
+    from analysis.arch.window import Window
+    return KVPlan(np.asarray(modes, np.int8), Window(sinks, recent), lm.geometry.n_heads, lm.name)
