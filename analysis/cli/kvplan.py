@@ -55,14 +55,13 @@ def run(ns):
     from analysis.arch.spans import check_band
     from analysis.core import progress as cancel
     from analysis.core.atomic import atomic_write, check_output_file
-    from analysis.core.errors import SEED_MAX, InputError
+    from analysis.core.errors import InputError
     from analysis.measure.evaluation import context_length
     from analysis.measure.longheads import DEFAULT_DEPTHS, MAX_NEEDLES, MAX_QUERIES, check_depths, check_lengths
     from analysis.score.kvscores import check_plan_options, kv_heads_summary, measure_kv_scores, plan_from_scores
     if ns.plan_out is not None:
         check_output_file(ns.plan_out, "--out")
-    check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20),
-                      "seed": (0, SEED_MAX)})
+    check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20)})
     check_band(ns.sinks, ns.recent)
     lengths = number_list(ns.lengths, "--lengths")
     depths = check_depths(number_list(ns.depths, "--depths", float) or DEFAULT_DEPTHS)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analysis.arch.geometry import HeadGeometry
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.core.text import check_max_tokens
 from analysis.measure.longheads import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES, RETRIEVAL_THRESHOLD,
@@ -56,6 +56,7 @@ def measure_kv_scores(loaded, *, sinks: int = DEFAULT_SINKS, recent: int = DEFAU
     with the band (sinks, recent), the retrieval score at `retrieval_lengths` (default: `lengths`) when
     `retrieval`, the KV-group ablation at `prune_tokens` when `prune`. Every option is checked before the
     first forward pass."""
+    seed = check_seed(seed, "The KV scores' seed")
     model, geo = loaded.model, loaded.geometry
     streaming = StreamingDetector(lengths, sinks=sinks, recent=recent, queries=queries, seed=seed,
                                   tokenizer=loaded.tokenizer)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.probes.breaks import compare
@@ -163,6 +163,7 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
     (`row_seconds`), so progress fractions follow the time. running: with `model`, a context the model's passes
     run inside (an export read back with its KV plan: analysis.compress.kvruntime.KVPlanModel.running). InputError
     before any pass for a length above the model's limit (or the cut model's), a bad depth, a plan of another model."""
+    seed = check_seed(seed, "The long-context probes' seed")
     what, info = _cut_of(loaded, pruned, plan, model)
     limit = context_length(loaded.model, default=2**31)
     if what == "model":

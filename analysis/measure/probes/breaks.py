@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length
 from analysis.measure.probes.measure import ProbeScore, build_items, measure_probes
@@ -136,6 +136,7 @@ def cut_report(loaded, *, pruned=None, model=None, built: dict | None = None, sk
     `built` / `dense`: items and dense scores computed before (e.g. cached), else computed here."""
     if (pruned is None) == (model is None):
         raise InputError("Give the cut either as a mask (pruned) or as a model, not both / neither.")
+    seed = check_seed(seed, "The probes' seed")
     if built is None:
         built, skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
     if pruned is not None and dense is None:                           # dense and cut in the same passes
@@ -159,7 +160,7 @@ class CapabilityCheck:
 
     def __init__(self, loaded, names=None, *, options: dict | None = None, seed: int = 0,
                  should_stop: ShouldStop | None = None):
-        self.loaded, self.seed, self.should_stop = loaded, seed, should_stop
+        self.loaded, self.seed, self.should_stop = loaded, check_seed(seed, "The probes' seed"), should_stop
         try:
             self.built, self.skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
         except InputError as err:

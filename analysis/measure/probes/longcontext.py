@@ -43,7 +43,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import ShouldStop, check_stop
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
@@ -281,6 +281,7 @@ def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n
     """(name, length) -> (spec, probe, items) for every long probe in `names` (None: all) at every length:
     rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length."""
     from analysis.measure.probes.registry import probe_spec
+    seed = check_seed(seed, "The long-context probes' seed")
     picked = long_chosen(names, kind)
     lengths, depths = check_lengths(lengths, limit), check_depths(depths)
     out = {}
@@ -403,6 +404,7 @@ def measure_long(model, built: dict, *, gates=None, seed: int = 0, progress=None
     """(name, length) -> depth_scores of `built` (build_long) on `model` under gates [B, L, H] (None: as it is;
     wrap the call in a KV plan's `applied` for a plan). weights: (name, length) -> share of the time (progress)."""
     from analysis.core.progress import report, scaled
+    seed = check_seed(seed, "The long-context probes' seed")           # before the passes, not after them
     keys = list(built)
     w = np.array([float((weights or {}).get(k, built[k][2].n_tokens)) for k in keys])
     edges = np.concatenate([[0.0], np.cumsum(w) / max(w.sum(), 1e-12)])

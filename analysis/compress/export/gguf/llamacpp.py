@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from analysis.core.errors import InputError, ModelLoadError, first_line
+from analysis.core.errors import InputError, ModelLoadError, check_seed, first_line
 
 DEFAULT_THREADS = 2
 _GGML_TYPES = {"f32": 0, "f16": 1}          # ggml_type ids of the KV cache's element type
@@ -207,6 +207,7 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
           threads: int = DEFAULT_THREADS, seed: int = 0, warmup: bool = True) -> Speed:
     """Prefill of `context` random token ids, then `decode_tokens` single-token steps after them;
     medians of `repeats` runs (after one warm-up run unless warmup=False). Tokens/s of each."""
+    seed = check_seed(seed, "The random ids' seed")
     llm = load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
                n_batch=min(context, 512))
     rng = np.random.default_rng(seed)
@@ -257,6 +258,7 @@ def paired_speed(paths: dict, context: int, *, decode_tokens: int = 32, rounds: 
     `paths` (name -> GGUF file) in turn, `rounds` timed rounds after `warmup` untimed ones. All files
     stay loaded, so every round times the same llama.cpp state of each."""
     from analysis.core.progress import check_stop
+    seed = check_seed(seed, "The random ids' seed")
     llms = {name: load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
                        n_batch=min(context, 512), flash_attn=flash_attn) for name, path in paths.items()}
     rng = np.random.default_rng(seed)
@@ -285,6 +287,7 @@ def paired_decode_at(paths: dict, context: int, *, tokens_per_round: int = 16, r
     files decode `tokens_per_round` tokens each in turn, `rounds` timed rounds after `warmup` ones
     (the context grows by the decoded tokens, a small share of it)."""
     from analysis.core.progress import check_stop
+    seed = check_seed(seed, "The random ids' seed")
     total = context + (warmup + rounds) * tokens_per_round + 8
     llms = {name: load(path, n_ctx=total, logits_all=False, threads=threads, n_batch=512, flash_attn=flash_attn)
             for name, path in paths.items()}
