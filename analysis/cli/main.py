@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Iterator
 
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             if out is not None:
                 check_output_file(out, "--out")          # before any work: say now what is wrong with it
             Placement.of(**placement_kwargs(ns))         # --device / --dtype / ..., whatever the source (--checkpoint)
-            payload, rows = command.run(ns)
+            stdout = sys.stdout                          # the result's alone: what the work prints goes to stderr
+            with redirect_stdout(sys.stderr):            # (a harness task's module, a library's print)
+                payload, rows = command.run(ns)
             cancel.raise_if_signalled()          # stopped after the last cancel point: write nothing
             text = render(payload, rows, getattr(ns, "format", "json"))
             if not team.is_main:
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             elif out is not None:
                 atomic_write(out, text, what="--out")
             else:
-                sys.stdout.write(text)
+                stdout.write(text)
         held.emit()                                  # a success: the held warnings, after the result
     except HeadscopeError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)   # one line, whatever the message holds
