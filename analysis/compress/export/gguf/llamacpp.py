@@ -14,12 +14,15 @@ The measurements of the deployment report and of the GGUF tests come from llama.
   loader reports it ("llama_kv_cache: size = ... MiB"; K and V in f16). Without flash attention
   llama.cpp pads the V cache of every layer to the widest layer ("padding V cache to ..."), so a cut
   with uneven layers saves its full KV memory only with flash attention on.
-llama_cpp is imported lazily: nothing else in headscope needs it.
+llama_cpp is imported lazily, only through `llama_cpp_module` (the k-quant writer too), which closes the two /dev/null
+files it leaves open at exit.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import statistics
@@ -37,13 +40,32 @@ _GGML_TYPES = {"f32": 0, "f16": 1}          # ggml_type ids of the KV cache's el
 _KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB .*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
 
 
-def _llama_cpp():
+@functools.cache
+def llama_cpp_module():
+    """llama_cpp, imported once (headscope's one import of it), its /dev/null files closed at exit."""
     try:
         import llama_cpp
     except ImportError as err:                # pragma: no cover - the dependency is required
         raise ModelLoadError("llama-cpp-python is not installed; run `bash scripts/setup.sh` "
                              "(or `pip install llama-cpp-python==0.3.36`).") from err
+    atexit.register(_close_devnull)
     return llama_cpp
+
+
+# llama-cpp-python opens /dev/null twice when it is imported (llama_cpp._utils: where its suppress_stdout_stderr
+# sends llama.cpp's console output) and never closes the files: at exit Python reported each as "ResourceWarning:
+# unclosed file <... name='/dev/null'>" on stderr (under -W default), after the CLI's one error line
+_DEVNULL_FILES = ("outnull_file", "errnull_file")
+
+
+def _close_devnull() -> None:
+    """Close llama_cpp's /dev/null files at exit (atexit: before the interpreter's teardown; what still runs of
+    llama_cpp after it, its objects' __del__, never uses them: only a Llama being loaded does)."""
+    from llama_cpp import _utils
+    for name in _DEVNULL_FILES:
+        handle = getattr(_utils, name, None)
+        if handle is not None:
+            handle.close()
 
 
 # llama.cpp's log callback is process-wide: the line lists of the llama_log blocks now open, outermost
@@ -56,7 +78,7 @@ _LOG_BLOCKS: list[tuple[list[str], object]] = []
 @contextlib.contextmanager
 def llama_log() -> Iterator[list[str]]:
     """Collect llama.cpp's log lines (and keep them off the console) while the block runs."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     lines: list[str] = []
     targets = [outer for outer, _ in _LOG_BLOCKS] + [lines]
 
@@ -107,7 +129,7 @@ def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, 
     (`analysis.compress.export.gguf.reader.read_gguf`): llama.cpp never sees a file it would crash on."""
     from analysis.compress.export.gguf.reader import read_gguf
     from analysis.core.threads import check_threads
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     path = Path(path)
     threads = check_threads(threads, "llama.cpp threads")
     read_gguf(path)
