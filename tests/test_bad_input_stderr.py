@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,18 +32,10 @@ def test_llama_cpp_leaves_no_unclosed_file_at_exit():
     assert done.returncode == 2 and done.stderr == "", done.stderr
 
 
-def test_the_int8_quantizer_leaves_the_root_logger_as_it_was():
-    done = _python("import logging\nfrom analysis.compress.export.onnx_int8 import quiet_logs\n"
-                   "with quiet_logs():\n    import onnxruntime.quantization.matmul_nbits_quantizer\n"
-                   "logging.getLogger('gguf.gguf_writer').info('an INFO record')\n"
-                   "print(len(logging.getLogger().handlers), logging.getLogger().level)")
-    assert done.returncode == 0 and done.stderr == "", done.stderr
-    assert done.stdout.split() == ["0", str(30)]                        # no handler added, WARNING as before
-
-
 # The CLI with Ctrl-C as llama.cpp has just loaded the written GGUF file for its self-check (the signal sent by
 # the process itself at that moment, so the case is the same on every run), after the pipeline's weight-only
-# INT8 quantizer was imported as the pipeline imports it.
+# INT8 quantizer was imported as the pipeline imports it: the gguf writer's INFO lines (before the self-check)
+# and the unclosed /dev/null files (at exit) would both follow the error line.
 CTRL_C_IN_GGUF_EXPORT = """
 import os, signal, sys
 from analysis.compress.export.onnx_int8 import quiet_logs
@@ -63,14 +53,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_k_m"])
-def test_ctrl_c_in_a_gguf_export_is_one_line(gguf_type, tmp_path):
+def test_ctrl_c_in_a_gguf_export_is_one_line(tmp_path):
     from tests._apptools import tiny_model_dir
     model = tiny_model_dir(tmp_path / "tiny", num_hidden_layers=2)
     out = tmp_path / "exports"
     out.mkdir()
     done = _python(CTRL_C_IN_GGUF_EXPORT, "export", "--quiet", "--model", model, "--scorer", "magnitude",
-                   "--sparsity", "0.25", "--export-format", "gguf", "--gguf-type", gguf_type, "--out-dir", out,
+                   "--sparsity", "0.25", "--export-format", "gguf", "--gguf-type", "q8_0", "--out-dir", out,
                    "--name", "cut")
     assert done.returncode == 130, done.stderr
     assert done.stdout == ""

@@ -60,7 +60,7 @@ BUILDERS = {
     "haystack": lambda tok, model, stop: haystack(tok, 4096, should_stop=stop),
     "needle_items": lambda tok, model, stop: needle_items(tok, [2048], should_stop=stop),
     "streaming texts": lambda tok, model, stop: StreamingDetector([2048], tokenizer=tok).sequences(model, stop),
-    "long probes": lambda tok, model, stop: build_long(None, tok, "causal-lm", [2048], should_stop=stop),
+    "long probes": lambda tok, model, stop: build_long(None, tok, "causal-lm", [2048], n_items=2, should_stop=stop),
 }
 
 
