@@ -279,15 +279,18 @@ def _check_config(path: Path, folder: Path, seen: set, what: str = "The task con
         _check_module(spec, real, folder, fix)
 
 
-def _functions(value) -> list[str]:
-    """Every `!function` reference in a config read by `_scan_loader`."""
-    if isinstance(value, _Function):
-        return [str(value)]
-    if isinstance(value, dict):
-        return [f for v in value.values() for f in _functions(v)]
-    if isinstance(value, list):
-        return [f for v in value for f in _functions(v)]
-    return []
+def _functions(cfg: dict) -> list[str]:
+    """Every `!function` reference in a config read by `_scan_loader`; each list or mapping visited once (YAML
+    aliases can make a small file a huge tree: "billion laughs")."""
+    found, todo, seen = [], [cfg], set()
+    while todo:
+        value = todo.pop()
+        if isinstance(value, _Function):
+            found.append(str(value))
+        elif isinstance(value, (dict, list)) and id(value) not in seen:
+            seen.add(id(value))
+            todo.extend(value.values() if isinstance(value, dict) else value)
+    return found
 
 
 def _check_module(spec: str, config: Path, folder: Path, fix: str) -> None:
