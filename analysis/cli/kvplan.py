@@ -154,12 +154,11 @@ def _plan_summary(plan) -> dict:
 
 def _measured_plan(ns):
     from analysis.arch.window import Window
-    from analysis.core.errors import SEED_MAX, InputError
+    from analysis.core.errors import InputError
     from analysis.measure.evaluation import context_length
     from analysis.measure.longheads import DEFAULT_DEPTHS, MAX_NEEDLES, MAX_QUERIES, check_depths, check_lengths
     from analysis.score.kvscores import check_plan_options, kv_heads_summary, measure_kv_scores, plan_from_scores
-    check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20),
-                      "seed": (0, SEED_MAX)})
+    check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20)})
     window = Window(ns.sinks, ns.recent)
     lengths = number_list(ns.lengths, "--lengths")
     depths = check_depths(number_list(ns.depths, "--depths", float) or DEFAULT_DEPTHS)

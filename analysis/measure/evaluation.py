@@ -52,7 +52,7 @@ from analysis.arch.cut import Cut, checked
 from analysis.arch.hooks import attached
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.arch.head_gates import as_gates, gates_from_mask, head_mask
 from analysis.measure.loss import token_nll
 from analysis.arch.models import mean_pool
@@ -532,7 +532,7 @@ def bootstrap_perplexity(sums: np.ndarray, counts: np.ndarray, n: int, seed: int
 
     sums [B, W] summed NLL per row and window, counts [W] scored tokens (`CausalPerplexity.window_nll`)
     -> [n, B]; a 95 % CI is np.percentile(..., [2.5, 97.5], axis=0)."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed, "The bootstrap's seed"))
     picks = rng.integers(0, counts.size, size=(n, counts.size))                # [n, W]
     return np.exp(sums[:, picks].sum(axis=2).T / counts[picks].sum(axis=1)[:, None])   # [n, B]
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from analysis.arch.cut import Cut, checked
+from analysis.core.errors import check_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length
 from analysis.measure.probes.breaks import compare, is_lost
@@ -208,6 +209,7 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
     analysis.measure.probes.longcontext.build_long (else built here). per_row: length -> seconds of one row
     (`row_seconds`), so progress fractions follow the time. InputError before any pass for a length above the
     model's limit (or the cut model's), a bad depth, a cut of another model."""
+    seed = check_seed(seed, "The long-context probes' seed")
     cut = checked(cut, loaded.geometry)
     limit = context_length(loaded.model, default=2**31)
     if cut is not None and cut.kind == "model":

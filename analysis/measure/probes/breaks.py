@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from analysis.arch.cut import Cut, checked
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length
 from analysis.measure.probes.measure import ProbeScore, build_items, measure_probes
@@ -141,6 +141,7 @@ def cut_report(loaded, cut: Cut, *, built: dict | None = None, skipped: dict | N
                progress: Progress | None = None, should_stop: ShouldStop | None = None, team=None) -> CutReport:
     """Dense vs a `cut` (analysis.arch.cut.Cut: a mask on `loaded.model`, a KV plan, or a model of its own, e.g.
     recovered); `built` / `dense`: items and dense scores computed before (e.g. cached), else computed here."""
+    seed = check_seed(seed, "The probes' seed")
     cut = checked(cut, loaded.geometry, required=True)
     if built is None:
         built, skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
@@ -169,7 +170,7 @@ class CapabilityCheck:
 
     def __init__(self, loaded, names=None, *, options: dict | None = None, seed: int = 0,
                  should_stop: ShouldStop | None = None):
-        self.loaded, self.seed, self.should_stop = loaded, seed, should_stop
+        self.loaded, self.seed, self.should_stop = loaded, check_seed(seed, "The probes' seed"), should_stop
         try:
             self.built, self.skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
         except InputError as err:

@@ -60,8 +60,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from analysis.core.errors import InputError, check_whole_number
-from analysis.core.progress import ShouldStop, check_stop
+from analysis.core.errors import InputError, check_seed, check_whole_number
+from analysis.core.progress import ShouldStop, check_stop, raise_if_signalled
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
@@ -336,17 +336,21 @@ class LongCopyingProbe(LongProbe):
 # -- building at chosen lengths ---------------------------------------------------------------------------
 
 def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n_items: int = DEFAULT_SEQUENCES,
-               seed: int = 0, bos: str = "auto", limit: int | None = None,
+               seed: int = 0, bos: str = "auto", limit: int | None = None, should_stop: ShouldStop | None = None,
                **options) -> dict[tuple[str, int], tuple]:
     """(name, length) -> (spec, probe, items) for every long probe in `names` (None: all) at every length:
-    rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length."""
+    rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length.
+    should_stop is checked before each probe and length; Ctrl-C (the signal flag) also before every
+    haystack article (`haystack`), so a build of dozens of 8k-token rows stops at once."""
     from analysis.measure.probes.registry import probe_spec
+    seed = check_seed(seed, "The long-context probes' seed")
     picked = long_chosen(names, kind)
     lengths, depths = check_lengths(lengths, limit), check_depths(depths)
     out = {}
     for name in picked:
         spec = probe_spec(name)
         for length in lengths:
+            check_stop(should_stop, "Building the long-context probes")
             probe = spec.make(n_items=n_items, seed=seed, bos=bos, length=length, depths=depths, **options)
             out[(name, length)] = (spec, probe, probe.build(tokenizer, kind))
     return out
@@ -537,6 +541,7 @@ def _best_of_two(fn, device) -> float:
     """The faster of two timed calls of fn (seconds; a CUDA device synchronized)."""
     best = float("inf")
     for _ in range(2):
+        raise_if_signalled()                                            # Ctrl-C between the timings
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
@@ -570,7 +575,8 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
     x = torch.randint(0, model.get_input_embeddings().weight.shape[0], (rows, n), device=device)   # [rows, n]
     handle = model.base_model.register_forward_hook(_keep_positions(torch.arange(rows), torch.full((rows,), n - 1)))  # one logit a row
     try:
-        whole = _best_of_two(lambda: model(input_ids=x, use_cache=False), device)
+        with stop_between_layers(model, None, "The time estimate"):    # Ctrl-C within a layer, not the whole pass
+            whole = _best_of_two(lambda: model(input_ids=x, use_cache=False), device)
     finally:
         handle.remove()
     per_token = max(whole - rows * g.n_layers * _kernel_seconds(g, dtype, device, n), 0.0) / (rows * n)
@@ -608,10 +614,8 @@ def step_seconds(model, lengths, *, batch_tokens: int = BATCH_TOKENS, short: int
 
 @contextmanager
 def stop_between_layers(model, should_stop: ShouldStop | None, what: str = "The long-context probes") -> Iterator:
-    """A cancel check before every decoder layer, so Stop ends an 8k-token forward within a layer's time."""
-    if should_stop is None:
-        yield
-        return
+    """A cancel check before every decoder layer, so Stop (should_stop) or Ctrl-C (the signal flag, also without
+    a should_stop: the CLI's) ends an 8k-token forward within a layer's time, not the row's minutes."""
     from analysis.arch.adapters import adapter_for
     from analysis.arch.hooks import attached
     with attached() as hooks:
@@ -628,6 +632,7 @@ def measure_long(model, built: dict, *, tokenizer=None, new_cache=None, seed: in
     from one prefill), the others by one pass each (`item_values`). weights: (name, length) -> share of the time
     (progress)."""
     from analysis.core.progress import report, scaled
+    seed = check_seed(seed, "The long-context probes' seed")           # before the passes, not after them
     keys = list(built)
     w = np.array([float((weights or {}).get(k, built[k][2].n_tokens)) for k in keys])
     edges = np.concatenate([[0.0], np.cumsum(w) / max(w.sum(), 1e-12)])

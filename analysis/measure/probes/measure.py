@@ -32,7 +32,7 @@ import torch
 
 from analysis.arch.adapters import input_device
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.loss import token_nll
@@ -180,6 +180,7 @@ def bootstrap(values: np.ndarray, units: np.ndarray, *, n_boot: int = N_BOOT, se
               level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
     """(mean [B], CI [B, 2]) of values [B, n] with a percentile bootstrap over units [n] (ids): units
     are resampled with replacement, a resample's mean is its items' mean. Same resamples for any B."""
+    seed = check_seed(seed, "The bootstrap's seed")
     uniq, inverse = np.unique(units, return_inverse=True)
     U = uniq.size
     sums = np.zeros((values.shape[0], U))
@@ -274,6 +275,7 @@ def measure_probes(model, built: dict, *, gates=None, pruned=None, seed: int = 0
     """Every probe of `built` (build_items) on `model` under the masks gates [B, L, H] / pruned (None: dense),
     all probes' rows in shared passes (`pooled_values`); a probe's `seconds` is its share of the passes'
     time by its tokens."""
+    seed = check_seed(seed, "The probes' seed")                        # before the passes, not after them
     g = gate_batch(model, gates, pruned)                                # [B, L, H] | None
     t0 = time.perf_counter()
     values = pooled_values(model, [items for _, _, items in built.values()], g, batch_tokens=batch_tokens,
@@ -289,6 +291,7 @@ def run_probes(loaded, names=None, *, gates=None, pruned=None, options: dict | N
                progress: Progress | None = None, should_stop: ShouldStop | None = None,
                team: Team | None = None) -> dict[str, ProbeScore]:
     """Build and measure the probes `names` (None = all that apply) on a LoadedModel under a mask."""
+    seed = check_seed(seed, "The probes' seed")
     built = build_items(names, loaded.tokenizer, loaded.kind, options={"seed": seed, **(options or {})})
     return measure_probes(loaded.model, built, gates=gates, pruned=pruned, seed=seed, progress=progress,
                           should_stop=should_stop, team=team)
