@@ -639,6 +639,7 @@ def ruler_cells(rows: RulerRows, dense, cut_run=None, seed: int = 0) -> list[Rul
 def _cell(task: str, label: str, length: int, values, gens, seed: int) -> RulerCell:
     import numpy as np
 
+    from analysis.measure.probes.breaks import is_lost
     from analysis.measure.probes.measure import bootstrap
     n = values.shape[1]
     stacked = values if values.shape[0] == 1 else np.vstack([values, values[1:] - values[:1]])  # dense, cut, change
@@ -648,7 +649,7 @@ def _cell(task: str, label: str, length: int, values, gens, seed: int) -> RulerC
         return RulerCell(task, label, length, n, dense)
     cut = _side(mean, ci, 1, gens[1])
     change = dict(score=float(mean[2]), low=float(ci[2, 0]), high=float(ci[2, 1]))
-    return RulerCell(task, label, length, n, dense, cut, change, cut["high"] < dense["score"])
+    return RulerCell(task, label, length, n, dense, cut, change, is_lost(dense["score"], cut["high"]))
 
 
 def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Progress | None = None,
@@ -663,9 +664,10 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
     if loaded.kind != "causal-lm":
         raise InputError(f"RULER scores a causal language model's generations; {loaded.name} is a {loaded.kind} "
                          f"model.")
+    from analysis.arch.cut import checked
     limit = context_length(loaded.model, default=2**31)
+    cut = checked(cut, loaded.geometry)
     if cut is not None:
-        cut.check(loaded.geometry)
         if cut.model is not None:
             limit = min(limit, context_length(cut.model, default=2**31))
     check_ruler_lengths(rows.lengths, limit)
