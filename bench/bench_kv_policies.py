@@ -38,11 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.arch.kvplan import KVPlan, read_kv_plan
+from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.compress.kvspeed import measure_kv
 from analysis.compress.recover.report import KV_POLICIES_MARKERS
 from analysis.core.atomic import write_section
 from analysis.core.errors import HeadscopeError, InputError
-from analysis.score.kvplan import DEFAULT_RECENT, DEFAULT_SINKS, KVPlan, plan_kv, read_kv_plan
+from analysis.score.kvscores import plan_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER_NOTE = ("windowed KV heads from a fixed order (KV head 0 of every layer, then head 1, ...), not from "
@@ -67,9 +69,10 @@ def group_rank(scores, geometry) -> np.ndarray:
     return rank.reshape(shape[:2])
 
 
-def default_plans(loaded, *, cut: float, window_share: float, prune_share: float, sinks: int,
-                  recent: int) -> dict[str, KVPlan]:
-    """cut (MP-G groups), duo (windows by the fixed order), mix (MP-G groups pruned + windows by the order)."""
+def default_plans(loaded, *, cut: float, window_share: float, prune_share: float,
+                  window: Window = Window()) -> dict[str, KVPlan]:
+    """cut (MP-G groups), duo (windows by the fixed order), mix (MP-G groups pruned + windows by the order); the
+    windowed heads read `window`."""
     from analysis.score.masks import plan_mask
     from analysis.score.scoring import get_scorer
     g = loaded.geometry
@@ -78,11 +81,11 @@ def default_plans(loaded, *, cut: float, window_share: float, prune_share: float
     order = fixed_order(g)
     name = getattr(loaded, "name", "")
     return {
-        "cut": KVPlan.from_mask(pruned, g, sinks=sinks, recent=recent, model=name,
+        "cut": KVPlan.from_mask(pruned, g, window=window, model=name,
                                 notes=(f"MP-G groups policy, {cut:.0%} of the heads",)),
-        "duo": plan_kv(g, order, window_share=window_share, sinks=sinks, recent=recent, model=name),
+        "duo": plan_kv(g, order, window_share=window_share, window=window, model=name),
         "mix": plan_kv(g, order, window_share=window_share, prune_scores=group_rank(mpg, g), prune_share=prune_share,
-                       sinks=sinks, recent=recent, model=name),
+                       window=window, model=name),
     }
 
 
@@ -263,9 +266,9 @@ def main(argv=None) -> int:
         if too_long:
             raise InputError(f"A context of {too_long[0]} tokens is longer than {args.model} reads ({limit}); use at "
                              f"most {limit}.")
+        window = Window(args.sinks, args.recent)
         plans = {} if args.only_given else default_plans(loaded, cut=args.cut, window_share=args.window_share,
-                                                         prune_share=args.prune_share, sinks=args.sinks,
-                                                         recent=args.recent)
+                                                         prune_share=args.prune_share, window=window)
         plans.update(given_plans(args.plan, loaded.geometry))
         # the last context may not leave room for the decode steps after it: measure at the limit minus them
         room = args.decode_steps * (args.warmup + args.rounds) + 1

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis.arch.cut import Cut
+from analysis.arch.window import Window
 from analysis.core.atomic import write_section
 from analysis.core.errors import HeadscopeError, InputError
 from analysis.score.longcontext import KV_QUALITY_MARKERS
@@ -40,20 +42,21 @@ ROOT = Path(__file__).resolve().parents[1]
 GOAL_RATIO = 0.5
 
 
-def scores_of(loaded, path: str | None, *, sinks: int, recent: int, log=print):
-    """analysis.score.kvscores.KVScores, measured (and saved to `path`) or read back from `path`."""
+def scores_of(loaded, path: str | None, *, window: Window, log=print):
+    """analysis.score.kvscores.KVScores, measured under `window` (and saved to `path`) or read back from `path`
+    (when it was measured under the same window)."""
     from analysis.score.kvscores import KVScores, measure_kv_scores
     if path and Path(path).exists():
         d = json.loads(Path(path).read_text())
-        if (d["sinks"], d["recent"]) == (sinks, recent):
+        if (d["sinks"], d["recent"]) == (window.sinks, window.recent):
             log(f"heads' scores read back from {path}")
             return KVScores(np.array(d["streaming"]), np.array(d["retrieval"]), np.array(d["importance"]), {},
                             prune_tokens=d["prune_tokens"])
     t0 = time.perf_counter()
-    s = measure_kv_scores(loaded, sinks=sinks, recent=recent, prune=True)
+    s = measure_kv_scores(loaded, window=window, prune=True)
     log(f"heads' scores measured in {time.perf_counter() - t0:.0f} s")
     if path:
-        Path(path).write_text(json.dumps(dict(sinks=sinks, recent=recent, streaming=s.streaming.tolist(),
+        Path(path).write_text(json.dumps(dict(**window.as_dict(), streaming=s.streaming.tolist(),
                                               retrieval=s.retrieval.tolist(), importance=s.importance.tolist(),
                                               prune_tokens=s.prune_tokens)))
     return s
@@ -62,11 +65,10 @@ def scores_of(loaded, path: str | None, *, sinks: int, recent: int, log=print):
 def plans_of(loaded, scores, args) -> dict:
     from analysis.score.kvscores import plan_from_scores
     from bench.bench_kv_policies import default_plans
-    g, name = loaded.geometry, loaded.name
-    common = dict(sinks=args.sinks, recent=args.recent, model=name, keep_retrieval=True)
+    g, name, window = loaded.geometry, loaded.name, Window(args.sinks, args.recent)
+    common = dict(window=window, model=name, keep_retrieval=True)
     return {
-        "cut": default_plans(loaded, cut=args.cut, window_share=0.0, prune_share=0.0, sinks=args.sinks,
-                             recent=args.recent)["cut"],
+        "cut": default_plans(loaded, cut=args.cut, window_share=0.0, prune_share=0.0, window=window)["cut"],
         "duo": plan_from_scores(g, scores, window_share=args.window_share, **common),
         "duo+": plan_from_scores(g, scores, window_share=args.wider_share, **common),
         "mix": plan_from_scores(g, scores, window_share=args.window_share, prune_share=args.prune_share, **common),
@@ -160,7 +162,8 @@ def finish(out: dict, args) -> None:
 
 
 def main(argv=None) -> int:
-    from analysis.measure.long_options import DEFAULT_DEPTHS, DEFAULT_RECENT, DEFAULT_SINKS
+    from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
+    from analysis.measure.long_options import DEFAULT_DEPTHS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--cache-dir", dest="cache_dir", default=None)
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
         limit = context_length(loaded.model)
         built = build_long(args.probe, loaded.tokenizer, loaded.kind, (args.length,), depths=depths,
                            n_items=args.items, limit=limit)
-        scores = scores_of(loaded, args.scores, sinks=args.sinks, recent=args.recent)
+        scores = scores_of(loaded, args.scores, window=Window(args.sinks, args.recent))
         plans = plans_of(loaded, scores, args)
         if args.only:
             unknown = sorted(set(args.only.split(",")) - set(plans))
@@ -231,7 +234,7 @@ def main(argv=None) -> int:
     finish(out, args)
     for n, plan in plans.items():
         t0 = time.perf_counter()
-        rep = long_context_report(loaded, built=built, dense=dense_scores, plan=plan)
+        rep = long_context_report(loaded, built=built, dense=dense_scores, cut=Cut.of_plan(plan))
         row = row_of(n, plan, rep, args.length, time.perf_counter() - t0)
         out["rows"].append(row)
         out.update(load=load_average(), when=datetime.now(timezone.utc).isoformat())

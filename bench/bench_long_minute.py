@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     from analysis.measure.detectors import detect_heads
     from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
     from analysis.measure.longpass import precision_block
-    from analysis.measure.probes.longcontext import long_work, measure_long, row_seconds
+    from analysis.measure.probes.longcontext import long_work, measure_long, row_seconds, step_seconds
     from analysis.score.kvscores import KVScores, plan_from_scores
     from analysis.score.longcontext import items_key
     from analysis.score.longscan import (importance_seconds, page_rows, stored_dense, stored_importance,
@@ -107,10 +107,12 @@ def main(argv=None) -> int:
     print(f"{lm.name}: the Long context page's passes at {args.length} tokens ({n_rows} probe rows), "
           f"{torch.get_num_threads()} torch threads, load {load_text(load_average())}", flush=True)
     t_rows, per_row = _timed(lambda: row_seconds(lm.model, [args.length, tokens], geometry=g))
-    est_pass = long_work(built).seconds(per_row)
+    work = long_work(built)
+    t_steps, per_step = _timed(lambda: step_seconds(lm.model, sorted(work.steps), geometry=g) if work.steps else {})
+    est_pass = work.seconds(per_row, per_step)
     est_imp = importance_seconds(g, tokens, per_row[tokens])
     jobs = out["jobs"]
-    _job(jobs, "timing this machine (row_seconds, once)", None, t_rows, side="setup")
+    _job(jobs, "timing this machine (row_seconds + step_seconds, once)", None, t_rows + t_steps, side="setup")
 
     def plan_of(scan, importance):
         dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
         _job(jobs, f"streaming score ({len(stream_passes)} pass)", est(stream_passes), s, side="separate")
         s, _ = _timed(lambda: detect_heads(lm, ["retrieval"], options=dict(lengths=(args.length,), needles=2)))
         _job(jobs, f"retrieval score ({len(retr_passes)} passes)", est(retr_passes), s, side="separate")
-        s, dense_alone = _timed(lambda: measure_long(lm.model, built))
+        s, dense_alone = _timed(lambda: measure_long(lm.model, built, tokenizer=lm.tokenizer))
         _job(jobs, f"probes' dense side ({n_rows} rows)", est_pass, s, side="separate")
     print("shared (float32):", flush=True)
     s, (imp, _) = _timed(lambda: stored_importance(lm, tokens))
@@ -143,8 +145,10 @@ def main(argv=None) -> int:
     _job(jobs, f"the plan's side ({n_rows} rows, {plan.describe()})", est_pass, s, side="both")
     out["plan"] = dict(describe=plan.describe(), counts=plan.counts())
     if args.separate:
-        same = all(np.array_equal(dense_alone[k][lab].logit_diff, dense32[items_key(*k, built[k][2])][lab].logit_diff)
-                   for k in built for lab in dense_alone[k])
+        same = all(np.array_equal(dense_alone[k].depths[lab].logit_diff,
+                                  dense32[items_key(*k, built[k][2])].depths[lab].logit_diff)
+                   and dense_alone[k].written == dense32[items_key(*k, built[k][2])].written
+                   for k in built for lab in dense_alone[k].depths)
         out["dense_equal"] = bool(same)
         print(f"  the scan's probes' dense side equals the separate run's: {same}", flush=True)
 
@@ -245,7 +249,8 @@ def effect(scan32, scan16, plan32, plan16, rep32, rep16, imp32, imp16) -> dict:
     k_window = int(0.5 * s32.size)
 
     def acc(rep, side):
-        return {c["depth"]: round(c[f"{side}_accuracy"], 3) for c in rep.rows()}
+        return {c["depth"]: (round(c[f"{side}_accuracy"], 3), round(c.get(f"{side}_generated", float("nan")), 3))
+                for c in rep.rows()}
     return dict(streaming_rho=round(float(spearmanr(s32, s16)[0]), 4),
                 streaming_windowed_overlap=f"{len(low(s32, k_window) & low(s16, k_window))}/{k_window}",
                 retrieval_rho=round(float(spearmanr(r32, r16)[0]), 4),
@@ -290,8 +295,8 @@ def section(out: dict) -> str:
                      f"{e['streaming_windowed_overlap']}; importance rho {e['importance_rho']}; retrieval rho "
                      f"{e['retrieval_rho']}, top-{TOP} heads in common "
                      f"{e['retrieval_top_overlap']} (retrieval heads: {e['retrieval_heads']}); the plan treats "
-                     f"{100 * e['plan_same_modes']:.0f} % of the KV heads alike; probes' accuracy dense "
-                     f"{e['dense_accuracy']}, under the plan {e['plan_accuracy']}.")
+                     f"{100 * e['plan_same_modes']:.0f} % of the KV heads alike; probes' (accuracy, generated exact match) "
+                     f"dense {e['dense_accuracy']}, under the plan {e['plan_accuracy']}.")
     lines.append(MARKERS[1])
     return "\n".join(lines) + "\n"
 

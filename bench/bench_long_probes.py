@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     import torch
 
     from analysis.arch.models import load_model
-    from analysis.measure.probes.longcontext import build_long, row_seconds
+    from analysis.measure.probes.longcontext import build_long, row_seconds, step_seconds
     from analysis.score.longcontext import long_context_report, report_work
     from bench._timing import load_average, load_text
 
@@ -79,14 +79,14 @@ def main(argv=None) -> int:
         built = build_long(probes, lm.tokenizer, lm.kind, [length], depths=depths, n_items=args.items, seed=args.seed)
         work = report_work(built)
         per_row = row_seconds(lm.model, [length], geometry=lm.geometry)
-        estimate = work.seconds(per_row)
+        estimate = work.seconds(per_row, step_seconds(lm.model, sorted(work.steps), geometry=lm.geometry))
         rows = sum(work.rows.values())
         print(f"  {length} tokens: {rows} rows, estimate {estimate:.0f} s ({per_row[length]:.2f} s a row), "
               f"load {load_text(load_average())}", flush=True)
         t0 = time.perf_counter()
         rep = long_context_report(lm, built=built, seed=args.seed)
         seconds = time.perf_counter() - t0
-        per_probe = {name: sum(s["all"].seconds for key, s in rep.dense.items() if key[0] == name) for name in probes}
+        per_probe = {name: sum(s.depths["all"].seconds for key, s in rep.dense.items() if key[0] == name) for name in probes}
         print(f"  {length} tokens: measured {seconds:.0f} s ({seconds / rows:.2f} s a row; estimate / measured "
               f"{estimate / seconds:.2f}); per probe " + ", ".join(f"{n} {s:.0f} s" for n, s in per_probe.items()),
               flush=True)

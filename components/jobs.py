@@ -48,6 +48,8 @@ FORWARD_TOKENS = {
     "attribution": 3.0,     # tokens x integration steps: a forward and a backward each
     "detectors": 6.0,       # tokens: several detectors, each its own passes
     "long-detectors": 1.0,  # n * (1 + n / 2048) per pass of n tokens (taxonomy.long_work): one forward each
+    "ruler": 1.0,           # n * (1 + n / 2048) per prompt of n tokens and side, + ruler.DECODE_STEP_TOKENS per
+                            # token a row may generate (ruler._work): one forward each
     "speed": 4.0,           # timed forward tokens (dense, masked and pruned, repeats)
     "deploy": 40.0,         # tokens: two GGUF files written and run in llama.cpp, two PyTorch perplexities
     "export": 200.0,        # the model's parameters in millions: a copy, the cut and the files written

@@ -253,6 +253,7 @@ def score_fills(lm, window: Window) -> None:
         streaming = retrieval = importance = None
         with shown_errors("Measuring the heads' scores"):
             streaming, retrieval = longscan.heads_scores(lm, window, view_window(lm)[0])
+        with shown_errors("Measuring the KV groups' importance"):
             importance = longscan.importance_scores(lm, IMPORTANCE_TOKENS)
         if streaming is None:
             st.caption("Measure the streaming scores to fill the grid from them.")

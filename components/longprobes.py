@@ -1,7 +1,9 @@
-"""The long-context probes of the Long context page's plan: passkey, needle and long-range copying
-(analysis.measure.probes.longcontext) on the dense model and under the view's KV plan, side by side with
-paired bootstrap CIs (analysis.score.longcontext.long_context_report), each cell LOST when the plan's CI lies
-below dense; the expected time before the run, progress and Stop during it, CSV / JSON downloads after.
+"""The long-context probes of the Long context page's plan: passkey (stated twice or once), needle and long-range
+copying (analysis.measure.probes.longcontext) on the dense model and under the view's KV plan, side by side with
+paired bootstrap CIs (analysis.score.longcontext.long_context_report): teacher-forced accuracy and, for the
+digit answers, the generated answer's exact match with the rows the plan loses / gains; each cell LOST (or LOST
+generated) when the plan's CI lies below dense; the expected time before the run, progress and Stop during it,
+CSV / JSON downloads after.
 
 The dense side depends on the probes' settings only: it is measured once per model and settings by the
 page's shared scan (components/longscan.py, which gives the heads' scores of the same rows) and kept on disk, so
@@ -97,12 +99,13 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
 
 def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool) -> float:
     """The run's predicted seconds (components/jobs.py's "long-plan"): its rows (the dense side's unless stored,
-    the plan's) x this machine's seconds per row at the length (components/longscan.per_row)."""
+    the plan's) x this machine's seconds per row at the length, and the generated answers' decode calls x the
+    seconds of one (components/longscan.per_row, per_step)."""
     from analysis.measure.probes.longcontext import long_work
 
     from . import longscan
     work = long_work(built, passes=(0 if dense_known else 1) + cut)
-    return work.seconds(longscan.per_row(key, tuple(sorted(work.rows)))) if work.passes else 0.0
+    return longscan.work_seconds(key, work) if work.passes else 0.0
 
 
 def _ci(row: dict, side: str) -> str:
@@ -114,16 +117,27 @@ def _exact(row: dict, side: str) -> str:
     return "—" if key not in row else f"{row[key]:.2f} [{row[key + '_low']:.2f}, {row[key + '_high']:.2f}]"
 
 
+def _generated(row: dict, side: str) -> str:
+    key = f"{side}_generated"
+    return "—" if key not in row else f"{row[key]:.2f} [{row[key + '_low']:.2f}, {row[key + '_high']:.2f}]"
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
     """The report's cells as the page's table (one row per probe x depth, 'all' first; the plan's columns
-    only when a plan was measured)."""
+    only when a plan was measured; the flag column says LOST, LOST generated or both)."""
     out = []
     for r in rows:
         row = {"probe": r["label"], "depth": r["depth"], "sequences": r["n_units"], "items": r["n_items"],
-               "dense accuracy": _ci(r, "dense"), "dense exact": _exact(r, "dense")}
+               "dense accuracy": _ci(r, "dense"), "dense exact": _exact(r, "dense"),
+               "dense generated": _generated(r, "dense")}
         if "cut_accuracy" in r:
+            lost = ["LOST" + (" (at chance)" if r["at_chance"] else "")] if r["lost"] else []
+            lost += ["LOST generated"] if r.get("generated_lost") else []
             row.update({"plan accuracy": _ci(r, "cut"), "plan exact": _exact(r, "cut"),
-                        "": ("LOST" + (" (at chance)" if r["at_chance"] else "")) if r["lost"] else ""})
+                        "plan generated": _generated(r, "cut"),
+                        "rows lost / gained": "—" if "rows_lost" not in r else
+                        f"{r['rows_lost']} / {r['rows_gained']} (p {r['mcnemar_p']:.2g})",
+                        "": "; ".join(lost)})
         out.append(row)
     return out
 
@@ -139,7 +153,7 @@ def probe_section(lm, plan, context: int) -> None:
         return
     st.caption("Find a pass key, the right one of two numbers, or a random sequence far back in built-in text: "
                "the dense model and this plan read the same rows; a cell is LOST when the plan's 95 % interval lies "
-               "below the dense accuracy.")
+               "below the dense accuracy, LOST generated when the answers the plan writes itself fall below dense's.")
     from .longctx import context_limit
     limit = context_limit(lm)
     c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
@@ -223,11 +237,18 @@ def _show(rep) -> None:
 HOW_TO_READ = """
 Each row is built offline from the built-in text and is exactly as long as asked. **Passkey**: a
 five-digit key is hidden at the depth (0 = the start, 1 = just before the question) and asked for at
-the end; **needle**: two cities' numbers half a context apart, the question names one; **long-range
+the end (its needle states the key twice; **passkey once** states it once, on the same keys and text);
+**needle**: two cities' numbers half a context apart, the question names one; **long-range
 copying**: a random token sequence at the depth, repeated at the end. Each digit (or copied token) is an
 item: **accuracy** is the share whose correct token out-scores a contrast (another digit, the other
-city's digit; chance 0.5), **exact** the share of keys with every digit right. Brackets: 95 % bootstrap
-intervals over sequences (a key and its text, read at every depth); dense and plan read the same rows
-with the same resamples. A windowed KV head sees only the sink tokens and the recent window: a needle
-further back than the window is invisible to it, so the plan keeps retrieval only through its full heads.
+city's digit; chance 0.5) with the earlier digits given, **exact** the share of keys with every digit right.
+**Generated** is how the field judges it: the model writes the answer itself (greedy, from the question
+on, with the plan's own KV cache), and a row counts when the first number it writes is the key. It is
+stricter than teacher-forced accuracy: a plan can keep the digits' accuracy high and still lose keys it must
+write itself.
+**Rows lost / gained**: rows the dense model answers and the plan does not, and the reverse (p: the exact
+McNemar test of those two counts). Brackets: 95 % bootstrap intervals over sequences (a key and its text,
+read at every depth); dense and plan read the same rows with the same resamples. A windowed KV head sees
+only the sink tokens and the recent window: a needle further back than the window is invisible to it, so
+the plan keeps retrieval only through its full heads.
 """

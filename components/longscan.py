@@ -146,11 +146,26 @@ def _stored_words(found) -> str:
             f"{float(about.get('seconds', 0)):.0f} s); `headscope cache clear` removes them.")
 
 
+@st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
+def per_step(key: ModelKey, lengths: tuple) -> dict:
+    """length -> this machine's seconds for one decode call of the generated answers at that length
+    (analysis.measure.probes.longcontext.step_seconds), once per server and model."""
+    from analysis.measure.probes.longcontext import step_seconds
+    with cache.exclusive(key, what="Timing this machine's long passes") as lm:
+        return step_seconds(lm.model, list(lengths), geometry=lm.geometry)
+
+
+def work_seconds(key: ModelKey, work) -> float:
+    """The predicted seconds of a LongWork: its rows x this machine's seconds per row, its decode calls x the
+    seconds of one (`per_row`, `per_step`)."""
+    steps = per_step(key, tuple(sorted(work.steps))) if work.steps else None
+    return work.seconds(per_row(key, tuple(sorted(work.rows))), steps)
+
+
 def scan_seconds(key: ModelKey, rows: dict) -> float:
-    """The predicted seconds of one pass over `rows` (rows x this machine's seconds per row at its length)."""
+    """The predicted seconds of one pass over `rows` (the probes' rows and their generated answers' decode calls)."""
     from analysis.measure.probes.longcontext import long_work
-    work = long_work(rows)
-    return work.seconds(per_row(key, tuple(sorted(work.rows))))
+    return work_seconds(key, long_work(rows))
 
 
 def heads_scores(lm, window: Window, context: int):

@@ -1,11 +1,11 @@
 """Long context page: a per-head KV plan (full / window / prune for every KV head of every layer) edited in
 a grid beside its heatmap, what it costs at the chosen context (KV memory, predicted prefill and decode
 speed, KV memory vs context for dense, the Prune page's mask and the plan), what it keeps (the long-context
-probes, dense vs the plan: components/longprobes.py), and its kv_plan.json. The plan
+probes, dense vs the plan: components/longprobes.py; RULER: components/ruler.py), and its kv_plan.json. The plan
 and the context live in the URL (components/state.py); the logic is components/longctx.py."""
 import streamlit as st
 
-from components import cache, longctx, longprobes, shell, state
+from components import cache, longctx, longprobes, ruler, shell, state
 
 shell.ensure_app()
 
@@ -37,4 +37,5 @@ st.subheader(f"KV memory and predicted cost at {context:,} tokens")
 longctx.memory_chart(lm, plan, context)
 longctx.prediction_table(lm, plan, context)
 longprobes.probe_section(lm, plan, context)
+ruler.ruler_section(lm, plan, context)
 longctx.how_to_read()

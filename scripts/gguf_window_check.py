@@ -28,6 +28,7 @@ import torch
 
 from analysis.arch.models import load_model
 from analysis.arch.spans import windowed
+from analysis.arch.window import Window
 from analysis.compress.export.gguf import llamacpp, writer
 from analysis.compress.export.gguf.format import tokenizer_source
 from analysis.compress.surgery import prune_heads
@@ -73,8 +74,7 @@ def main(argv=None) -> int:
             small, layout = prune_heads(m, pruned)
             with torch.no_grad():
                 full = small(torch.tensor([ids])).logits[0].numpy()
-                with windowed(small, [np.ones(len(kv), bool) for kv in layout.kv_heads], sinks=0,
-                              recent=args.window):
+                with windowed(small, [np.ones(len(kv), bool) for kv in layout.kv_heads], Window(0, args.window)):
                     banded = small(torch.tensor([ids])).logits[0].numpy()
             print(f"{cut}: PyTorch windowed vs full, max |logit difference| {np.abs(banded - full).max():.4g}")
             plain = None

@@ -28,18 +28,19 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from analysis.arch.models import load_model  # noqa: E402
+from analysis.arch.window import Window  # noqa: E402
 from analysis.core.atomic import atomic_write, write_section  # noqa: E402
 from analysis.measure.attribution import rank_correlation  # noqa: E402
 from analysis.measure.detectors import detect_heads  # noqa: E402
 from analysis.measure.longheads import (RETRIEVAL_THRESHOLD, STREAMING_THRESHOLD, RetrievalDetector,  # noqa: E402
                                         StreamingDetector, streaming_scores, streaming_text, windowing_effect)
-from analysis.score.kvplan import plan_kv  # noqa: E402
-from analysis.score.kvscores import KV_HEADS_MARKERS  # noqa: E402
+from analysis.score.kvscores import KV_HEADS_MARKERS, plan_kv  # noqa: E402
 from analysis.score.specialization import mpg_scores, permutation_p, roc_auc, role_tests  # noqa: E402
 
 COMMAND = ".venv/bin/python scripts/kv_heads_results.py"
 DEPTHS = (0.1, 0.5, 0.9)
 SINKS, RECENT = 4, 256
+BAND = Window(SINKS, RECENT)
 INDUCTION_THRESHOLD = 0.4
 
 
@@ -57,7 +58,7 @@ def measure(args) -> dict:
         print(f"retrieval {n}: {time.perf_counter() - t0:.0f} s, accuracy {det.extras['answer_accuracy']:.3f}",
               flush=True)
     t0 = time.perf_counter()
-    sd = StreamingDetector((args.streaming_length,), SINKS, RECENT, 64, n_sequences=args.streaming_sequences,
+    sd = StreamingDetector((args.streaming_length,), BAND, 64, n_sequences=args.streaming_sequences,
                            seed=args.seed, tokenizer=lm.tokenizer)
     det = sd.detect(lm.model)
     out["streaming"] = dict(length=args.streaming_length, sinks=SINKS, recent=RECENT, sequences=sd.n_sequences,
@@ -70,8 +71,9 @@ def measure(args) -> dict:
     if args.oracle_tokens:
         t0 = time.perf_counter()
         ids = streaming_text(lm.tokenizer, args.oracle_tokens, seed=args.seed + 7)
-        kv, _ = streaming_scores(lm.model, [ids], sinks=SINKS, recent=args.oracle_recent, queries=64)
-        eff = windowing_effect(lm.model, ids[None], sinks=SINKS, recent=args.oracle_recent,
+        oracle = Window(SINKS, args.oracle_recent)
+        kv, _ = streaming_scores(lm.model, [ids], window=oracle, queries=64)
+        eff = windowing_effect(lm.model, ids[None], window=oracle,
                                progress=lambda f, m: print(f"  {m}", flush=True))
         out["oracle"] = dict(tokens=args.oracle_tokens, sinks=SINKS, recent=args.oracle_recent, cheap=kv.tolist(),
                              kl=eff.kl.tolist(), loss_delta=eff.loss_delta.tolist(), base_loss=eff.base_loss,
@@ -146,7 +148,7 @@ def render(data: dict, permutations: int) -> str:
                      "head full.")
     from analysis.arch.geometry import HeadGeometry
     geo = HeadGeometry(L, H, Hkv, g["head_dim"], g["hidden"])
-    plan = plan_kv(geo, stream, window_share=0.5, keep=ret_kv, sinks=SINKS, recent=RECENT)
+    plan = plan_kv(geo, stream, window_share=0.5, keep=ret_kv, window=BAND)
     lines.append(f"The kv-plan default (window 50 % of the KV heads, retrieval heads kept full): {plan.describe()}; KV "
                  f"cache {plan.kv_ratio(2048):.3f}x of dense at 2,048 tokens, {plan.kv_ratio(8192):.3f}x at 8,192.")
     if "oracle" in data:

@@ -30,15 +30,16 @@ def _open(model_dir, **params):
 
 def _grid(at) -> np.ndarray:
     """The modes the grid shows [L, Hkv] (its base; AppTest reads the table without the browser's edits)."""
-    from analysis.score.kvplan import MODES
+    from analysis.arch.kvplan import MODES
     (editor,) = at.data_editor
     frame = editor.value
     return np.array([[MODES.index(v) for v in frame[c]] for c in COLS]).T
 
 
 def _plan(modes, sinks, recent):
-    from analysis.score.kvplan import KVPlan
-    return KVPlan(np.asarray(modes, np.int8), sinks, recent, H)
+    from analysis.arch.kvplan import KVPlan
+    from analysis.arch.window import Window
+    return KVPlan(np.asarray(modes, np.int8), Window(sinks, recent), H)
 
 
 def _expected(model_dir, plan, context) -> dict:
@@ -90,8 +91,9 @@ def test_grid_edit_changes_counts_map_and_kv_memory(tiny_long):
 
 
 def _plan_file(**changes) -> bytes:
-    from analysis.score.kvplan import KVPlan
-    data = KVPlan(np.array([[0, 1], [1, 1], [2, 0], [0, 0]], np.int8), 2, 30, H, "tiny").as_dict()
+    from analysis.arch.kvplan import KVPlan
+    from analysis.arch.window import Window
+    data = KVPlan(np.array([[0, 1], [1, 1], [2, 0], [0, 0]], np.int8), Window(2, 30), H, "tiny").as_dict()
     data.update(changes)
     return json.dumps(data).encode()
 
@@ -133,7 +135,7 @@ def test_a_good_plan_file_replaces_the_grid_and_the_band(tiny_long, downloads):
         "fw.ww.pf.ff", "file", "2", "30")
     _check_shown(at, tiny_long, _plan(modes, 2, 30), 512)
     assert "mine.json was written for tiny" in texts(at)
-    from analysis.score.kvplan import read_kv_plan
+    from analysis.arch.kvplan import read_kv_plan
     assert np.array_equal(read_kv_plan(downloads["kv_plan.json"].decode()).modes, modes)   # what it downloads
 
 
@@ -172,7 +174,7 @@ def test_bad_link_values_are_one_line_each(tiny_long, params, needle):
 def test_fill_from_the_prune_mask_and_all_full(tiny_long):
     from analysis.arch.models import load_model
     from analysis.score import masks, scoring
-    from analysis.score.kvplan import KVPlan
+    from analysis.arch.kvplan import KVPlan
     at = _open(tiny_long, scorer="mp-g", sparsity=0.5, policy="groups")
     lm = load_model(str(tiny_long))
     scores = scoring.get_scorer("mp-g").score(lm.model)
@@ -207,13 +209,13 @@ def test_set_many_heads_at_once(tiny_long):
 
 
 def test_export_offers_the_plan(tiny_long, downloads):
-    from analysis.score.kvplan import read_kv_plan
+    from analysis.arch.kvplan import read_kv_plan
     at = new_app(tiny_long, page="export", kv="fw.ff.pp.ff", sinks=2, recent=16, plan="edited")
     no_exception(at)
     assert any(m.value.startswith("**The KV plan of the Long context page**: ") for m in at.markdown)
     plan = read_kv_plan(downloads["kv_plan.json"].decode())
     np.testing.assert_array_equal(plan.modes, [[0, 1], [0, 0], [2, 2], [0, 0]])
-    assert (plan.sinks, plan.recent) == (2, 16)
+    assert (plan.window.sinks, plan.window.recent) == (2, 16)
     at = new_app(tiny_long, page="export")                      # no plan set: nothing about it
     assert not any("The KV plan of the Long context page" in m.value for m in at.markdown)
 
@@ -230,7 +232,7 @@ def test_export_writes_the_plan_with_the_model(tiny_long, out_root):
     groups the mask removes written as pruned; a plan pruning a group the mask keeps is one line, nothing written;
     the switch off writes none."""
     from analysis.compress.export import mask_from_json
-    from analysis.score.kvplan import read_kv_plan
+    from analysis.arch.kvplan import read_kv_plan
     view = dict(policy="groups", sparsity=0.5, sinks=2, recent=16)
     at = new_app(tiny_long, page="export", kv="wf.fw.ff.wf", **view)
     _export(at, "with-plan")
@@ -240,7 +242,7 @@ def test_export_writes_the_plan_with_the_model(tiny_long, out_root):
     plan = read_kv_plan(folder)
     want = np.where(pruned, 2, np.array([[1, 0], [0, 1], [0, 0], [1, 0]]))
     np.testing.assert_array_equal(plan.modes, want)
-    assert (plan.sinks, plan.recent) == (2, 16) and pruned.any()
+    assert (plan.window.sinks, plan.window.recent) == (2, 16) and pruned.any()
     assert any("kv_plan.json" in i.value for i in at.info), [i.value for i in at.info]
     keeps = np.argwhere(~pruned)[0]                                             # a group the mask keeps
     modes = np.zeros((L, HKV), np.int8)
@@ -263,6 +265,7 @@ def test_an_encoder_is_told_in_one_line(tmp_path):
 
 def test_walkthrough_head_is_analysis_numbers(tiny_long):
     from analysis.arch.models import load_model
+    from analysis.arch.window import Window
     from analysis.measure.longheads import last_rows
     from components.longctx import WALK_QUERIES, walk_text
     at = new_app(tiny_long, page="walkthrough", sinks=2, recent=40)
@@ -271,7 +274,7 @@ def test_walkthrough_head_is_analysis_numbers(tiny_long):
     assert not at.error, [e.value for e in at.error]
     lm = load_model(str(tiny_long))
     ids, start, length = walk_text(lm.tokenizer, LIMIT)
-    rows = last_rows(lm.model, ids, queries=WALK_QUERIES, sinks=2, recent=40)
+    rows = last_rows(lm.model, ids, queries=WALK_QUERIES, window=Window(2, 40))
     needle = rows.share(start, start + length)
     layer, head = np.unravel_index(int(np.argmax(needle)), needle.shape)     # the sliders start there
     assert at.slider(key="hs.w.walk.long.layer").value == layer
@@ -284,19 +287,25 @@ def test_walkthrough_head_is_analysis_numbers(tiny_long):
                                rows.window_change, rtol=1e-6)
 
 
-SCORED = 192                     # tokens the heads' scores are measured at in the test (the page's box)
+SCORED = 320                     # tokens per row of the probes the heads' scores are measured on (the page's box)
 
 
-def test_fill_from_the_heads_scores(tiny_long, downloads):
+def test_fill_from_the_heads_scores(tiny_long, downloads, tmp_path, monkeypatch):
     """Window 50 %, prune 25 %, retrieval heads full: the grid is kvscores.plan_from_scores of the same scores
-    (measured here by the library with the page's options), and its kv_plan.json says where it came from."""
+    (measured here by the library on the page's rows: the shared scan of the probes' rows with the page's window,
+    and the KV groups' importance), and its kv_plan.json says where it came from."""
     from analysis.arch.models import load_model
-    from analysis.score.kvplan import read_kv_plan
-    from analysis.score.kvscores import measure_kv_scores, plan_from_scores
+    from analysis.arch.kvplan import read_kv_plan
+    from analysis.arch.window import Window
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.longpass import long_scan
+    from analysis.measure.probes.longcontext import build_long
+    from analysis.score.kvscores import KVScores, group_importance, plan_from_scores
+    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))    # measured by this test, not read back
     at = _open(tiny_long, sinks=2, recent=64)
     assert not any(b.key == "long.scores.fill" for b in at.button)          # nothing to fill from yet
-    at.number_input(key="hs.w.long.scores.length").set_value(SCORED).run()
-    for name in ("streaming", "retrieval", "importance"):
+    at.number_input(key="hs.w.long.probes.length").set_value(SCORED).run()
+    for name in ("scan", "importance"):
         at.button(key=f"long.scores.{name}").click().run()
         no_exception(at)
         assert not at.error, [e.value for e in at.error]
@@ -304,9 +313,14 @@ def test_fill_from_the_heads_scores(tiny_long, downloads):
     at.button(key="long.scores.fill").click().run()
     no_exception(at)
     lm = load_model(str(tiny_long))
-    scores = measure_kv_scores(lm, sinks=2, recent=64, lengths=(SCORED,), needles=2, prune=True, prune_tokens=256)
-    want = plan_from_scores(lm.geometry, scores, window_share=0.5, prune_share=0.25, keep_retrieval=True, sinks=2,
-                            recent=64)
+    built = build_long(["passkey"], lm.tokenizer, lm.kind, (SCORED,), depths=(0.1, 0.5, 0.9), n_items=2,
+                       limit=context_length(lm.model))
+    scan = long_scan(lm.model, built, tokenizer=lm.tokenizer, window=Window(2, 64))
+    dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
+    scores = KVScores(dets["streaming"].extras["kv_scores"], dets["retrieval"].extras["kv_scores"],
+                      group_importance(lm, 256), dets, prune_tokens=256)
+    want = plan_from_scores(lm.geometry, scores, window_share=0.5, prune_share=0.25, keep_retrieval=True,
+                            window=Window(2, 64))
     np.testing.assert_array_equal(_grid(at), want.modes)
     assert at.query_params["plan"] == "scores" and want.counts()["prune"] == 2
     notes = read_kv_plan(downloads["kv_plan.json"].decode()).notes
@@ -319,6 +333,7 @@ def test_long_probes_of_the_plan_are_the_librarys(tiny_long, downloads):
     downloads hold the report, and an edited grid says the result is stale instead of showing it."""
     from analysis.arch.models import load_model
     from analysis.measure.evaluation import context_length
+    from analysis.arch.cut import Cut
     from analysis.measure.probes.longcontext import build_long
     from analysis.score.longcontext import long_context_report
     at = _open(tiny_long, kv="ff.ff.ff.ff")
@@ -340,9 +355,11 @@ def test_long_probes_of_the_plan_are_the_librarys(tiny_long, downloads):
     lm = load_model(str(tiny_long))
     built = build_long(["passkey"], lm.tokenizer, lm.kind, (320,), depths=(0.1, 0.5, 0.9), n_items=2,
                        limit=context_length(lm.model))
-    want = long_context_report(lm, built=built, plan=_plan([[1, 1], [0, 0], [2, 1], [0, 0]], 2, 16))
+    plan = _plan([[1, 1], [0, 0], [2, 1], [0, 0]], 2, 16)
+    want = long_context_report(lm, built=built, cut=Cut.of_plan(plan))
     got = json.loads(downloads["long_context.json"])
-    assert got["cut"]["counts"] == {"full": 4, "window": 3, "prune": 1}
+    assert got["cut"]["kind"] == "plan" and got["cut"]["kv_plan"] == {"full": 4, "window": 3, "prune": 1}
+    assert (got["cut"]["sinks"], got["cut"]["recent"]) == (2, 16) and got["cut"]["describe"].endswith(plan.describe())
     assert [c["depth"] for c in got["cells"]] == [c.depth for c in want.changes]
     for mine, theirs in zip(got["cells"], want.rows()):
         for k, v in theirs.items():
@@ -353,3 +370,57 @@ def test_long_probes_of_the_plan_are_the_librarys(tiny_long, downloads):
     _edit_one_cell = at.number_input(key="hs.w.long_context.sinks").set_value(3).run()
     assert any("changed since the last run" in c.value for c in at.caption)
     assert not [t for t in at.table if "plan accuracy" in t.value.columns]
+
+
+@pytest.fixture(scope="module")
+def tiny_ruler(tmp_path_factory, smollm2):
+    """A tiny Llama with SmolLM2's tokenizer (RULER's generators need real words and digits) reading 1,024 tokens."""
+    from tests._tiny import tiny_model
+    path = tmp_path_factory.mktemp("tiny-ruler")
+    tiny_model("llama", vocab_size=len(smollm2.tokenizer), max_position_embeddings=1024).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_ruler_of_the_plan_is_the_librarys(tiny_ruler, downloads):
+    """The RULER section: its run is analysis.measure.ruler.ruler_report of the grid's plan, generating with the
+    plan's compact cache (the same rows, the same paired resamples: every cell equal), the dense side cached per
+    model and settings, the downloads hold the report."""
+    from analysis.arch.cut import Cut
+    from analysis.arch.models import load_model
+    from analysis.measure.ruler import build_ruler, ruler_report
+    params = dict(kv="wf.pw", sinks=2, recent=64)
+    at = _open(tiny_ruler, **params)
+    at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
+    at.number_input(key="hs.w.long.ruler.samples").set_value(2).run()
+    label = next(b.label for b in at.button if b.key == "long.ruler.run")
+    assert "2 rows of 1,024 tokens, dense and plan" in label
+    at.button(key="long.ruler.run").click().run()
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    lm = load_model(str(tiny_ruler))
+    rows = build_ruler(["niah_single_1"], lm.tokenizer, (1024,), samples=2, seed=0, limit=1024)
+    plan = KVPlan_of(lm, [[1, 0], [2, 1]], 2, 64)
+    want = ruler_report(lm, rows, cut=Cut.of_plan(plan))
+    got = json.loads(downloads["ruler.json"])
+    assert got["cut"]["kind"] == "plan" and got["cut"]["kv_plan"] == {"full": 1, "window": 2, "prune": 1}
+    assert len(got["cells"]) == len(want.cells) == 2                    # the task and the average
+    for mine, theirs in zip(got["cells"], want.table()):
+        for k in ("task", "n", "dense_score", "dense_low", "dense_high", "cut_score", "cut_low", "cut_high",
+                  "change", "lost", "cut_kv_bytes_prompt"):
+            assert mine[k] == pytest.approx(theirs[k]) if isinstance(theirs[k], float) else mine[k] == theirs[k], k
+    head_dim = lm.geometry.head_dim
+    prompts = [g["prompt_tokens"] for g in got["generations"]["cut"]["niah_single_1"]]
+    assert [g["kv_bytes_prompt"] for g in got["generations"]["cut"]["niah_single_1"]] == [
+        plan.kv_bytes(n, head_dim=head_dim) for n in prompts]             # the compact cache holds the plan's bytes
+    assert downloads["ruler.csv"].decode().splitlines()[0].startswith("task,label,length,n")
+    at = _open(tiny_ruler, kv="ww.ff", sinks=2, recent=64)
+    at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
+    at.number_input(key="hs.w.long.ruler.samples").set_value(2).run()
+    assert "dense is measured" in next(b.label for b in at.button if b.key == "long.ruler.run")
+
+
+def KVPlan_of(lm, modes, sinks, recent):
+    from analysis.arch.kvplan import KVPlan
+    from analysis.arch.window import Window
+    return KVPlan(np.asarray(modes, np.int8), Window(sinks, recent), lm.geometry.n_heads, lm.name)

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from analysis.arch.adapters import adapter_for
+from analysis.arch.kvplan import KVPlan
 from analysis.arch.models import LoadedModel
 from analysis.compress.kvspeed import measure_kv
 from analysis.compress.recover.report import KV_POLICIES_MARKERS
+from analysis.arch.window import Window
 from analysis.core.errors import InputError
-from analysis.score.kvplan import KVPlan
 from bench import bench_kv_policies as bench
 from tests._tiny import tiny_model
 
@@ -26,11 +27,12 @@ def _loaded():
 def test_a_tiny_quick_run_gives_every_row_with_its_bytes(tmp_path):
     loaded = _loaded()
     g = loaded.geometry
-    plans = bench.default_plans(loaded, cut=0.5, window_share=0.5, prune_share=0.25, sinks=2, recent=8)
+    plans = bench.default_plans(loaded, cut=0.5, window_share=0.5, prune_share=0.25, window=Window(2, 8))
     assert plans["cut"].counts() == {"full": 8, "window": 0, "prune": 8}
     assert plans["duo"].counts() == {"full": 8, "window": 8, "prune": 0}
     assert plans["mix"].counts() == {"full": 4, "window": 8, "prune": 4}
-    assert plans["duo"].window[:, 0].all() and plans["duo"].window[:, 1].all()     # the fixed order: head 0, then 1
+    assert plans["duo"].windowed[:, 0].all() and plans["duo"].windowed[:, 1].all()  # the fixed order: head 0, then 1
+    assert all(plan.window == Window(2, 8) for plan in plans.values())
     out = bench.run(loaded, plans, [40], rounds=1, decode_steps=2, warmup=0, threads=1, log=lambda s: None)
     rows = out["contexts"][0]["rows"]
     assert [r["name"] for r in rows] == ["dense", "cut", "duo", "mix"]
@@ -49,7 +51,7 @@ def test_given_plans_and_bad_input_are_one_line(tmp_path):
     loaded = _loaded()
     g = loaded.geometry
     good = tmp_path / "kv_plan.json"
-    good.write_text(KVPlan.full(g, sinks=1, recent=4).to_json())
+    good.write_text(KVPlan.full(g, window=Window(1, 4)).to_json())
     assert list(bench.given_plans([f"mine={good}"], g)) == ["mine"]
     other = tmp_path / "other.json"
     other.write_text(KVPlan(np.zeros((3, 2), np.int8), n_heads=4).to_json())
@@ -70,7 +72,7 @@ def test_the_predicted_flops_count_the_keys_each_query_reads():
         assert read_keys(tokens, context, cap) == sum(min(p + 1, cap) for p in range(context - tokens, context))
     model = tiny_model("llama")
     full = [[False, False]] * 2
-    dense = planned_flops(model, full, sinks=0, recent=1, tokens=1, context=30)
+    dense = planned_flops(model, full, window=Window(0, 1), tokens=1, context=30)
     assert dense.total == forward_flops(model, 1, 30).total             # a decode step: the same count
-    half = planned_flops(model, [[True, False]] * 2, sinks=2, recent=3, tokens=1, context=30)
+    half = planned_flops(model, [[True, False]] * 2, window=Window(2, 3), tokens=1, context=30)
     assert half.matmul == dense.matmul and half.attention_scores == dense.attention_scores * (30 + 5) // 60

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from analysis.arch.cut import Cut
+from analysis.arch.window import Window
 from analysis.score.kvscores import KVScores, plan_from_scores
 from analysis.score.longcontext import KV_QUALITY_MARKERS, long_context_report
 from tests._apptools import tiny_model_dir
@@ -30,9 +32,10 @@ def test_rows_are_the_librarys_and_the_goal_follows_from_them(loaded, tmp_path):
     scores = KVScores(rng.random(shape), rng.random(shape) * 0.2, rng.random(shape), {}, prune_tokens=256)
     args = argparse.Namespace(cut=0.5, window_share=0.5, wider_share=0.75, prune_share=0.25, sinks=2, recent=16)
     plans = bench.plans_of(loaded, scores, args)
-    want = plan_from_scores(g, scores, window_share=0.75, sinks=2, recent=16, keep_retrieval=True)
+    want = plan_from_scores(g, scores, window_share=0.75, window=Window(2, 16), keep_retrieval=True)
     np.testing.assert_array_equal(plans["duo+"].modes, want.modes)
     assert plans["cut"].counts()["prune"] == g.n_layers * g.n_kv_heads // 2 and not plans["cut"].counts()["window"]
+    assert all(plan.window == Window(2, 16) for plan in plans.values())
 
     built = build_long(["passkey"], loaded.tokenizer, loaded.kind, (LENGTH,), depths=(0.1, 0.9), n_items=2)
     dense = long_context_report(loaded, built=built)
@@ -41,10 +44,10 @@ def test_rows_are_the_librarys_and_the_goal_follows_from_them(loaded, tmp_path):
            "model": "tiny", "machine": "x", "command": "test", "when": "2026-01-01T00:00", "load": (0.0, 0.0, 0.0),
            "dense": {"seconds": 1.0, "cells": dense.rows(), "all": bench._all(dense)}, "rows": []}
     for name, plan in plans.items():
-        rep = long_context_report(loaded, built=built, dense=dense.dense, plan=plan)
+        rep = long_context_report(loaded, built=built, dense=dense.dense, cut=Cut.of_plan(plan))
         row = bench.row_of(name, plan, rep, LENGTH, 1.0)
         assert row["kv_ratio"] == plan.kv_ratio(LENGTH)
-        assert row["cells"] == long_context_report(loaded, built=built, dense=dense.dense, plan=plan).rows()
+        assert row["cells"] == long_context_report(loaded, built=built, dense=dense.dense, cut=Cut.of_plan(plan)).rows()
         r = bench._all(rep)["passkey"]
         assert row["inside_dense_ci"]["passkey"] == (r["dense_low"] <= r["cut_accuracy"] <= r["dense_high"])
         out["rows"].append(row)
@@ -59,6 +62,6 @@ def test_rows_are_the_librarys_and_the_goal_follows_from_them(loaded, tmp_path):
     saved.write_text(json.dumps(dict(sinks=2, recent=16, streaming=scores.streaming.tolist(),
                                      retrieval=scores.retrieval.tolist(), importance=scores.importance.tolist(),
                                      prune_tokens=256)))
-    back = bench.scores_of(loaded, str(saved), sinks=2, recent=16, log=lambda s: None)
+    back = bench.scores_of(loaded, str(saved), window=Window(2, 16), log=lambda s: None)
     np.testing.assert_array_equal(back.streaming, scores.streaming)
     np.testing.assert_array_equal(back.importance, scores.importance)

@@ -183,6 +183,34 @@ def test_evaluate_reports_dense_and_masked_equal_to_the_library(model_dir, capsy
     assert data["masked"] != data["dense"]
 
 
+def test_evaluate_takes_any_cut_and_needs_one(model_dir, tmp_path, capsys):
+    """--kv-plan: the masked number is the library's evaluate under that cut (the same computation on the same
+    placement: equal); no cut at all is one line."""
+    from analysis.arch.cut import Cut
+    from analysis.arch.kvplan import KVPlan
+    from analysis.arch.models import load_model
+    from analysis.arch.window import Window
+    from analysis.measure.evaluation import evaluate
+
+    text = "the quick brown fox jumps over the lazy dog. " * 4
+    (tmp_path / "text.txt").write_text(text)
+    loaded = load_model(str(model_dir))
+    plan = KVPlan(np.array([[1, 2], [0, 1], [0, 0], [1, 1]]), Window(1, 8), loaded.geometry.n_heads)
+    (tmp_path / "kv_plan.json").write_text(plan.to_json())
+    argv = ("evaluate", "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--max-tokens", "64",
+            "--text-file", tmp_path / "text.txt", "--quiet")                     # load_model's own placement
+    code, out, err = _run(capsys, *argv, "--kv-plan", tmp_path / "kv_plan.json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["cut"]["kind"] == "plan" and data["cut"]["kv_plan"] == plan.counts()
+    assert data["n_pruned"] == int(plan.pruned_heads().sum()) == 2
+    assert data["masked"] == evaluate(loaded, text, cut=Cut.of_plan(plan), max_tokens=64).value
+    assert data["dense"] == evaluate(loaded, text, max_tokens=64).value and data["masked"] != data["dense"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "Give the cut to compare with the dense model: --sparsity, --mask-file, --kv-plan or --export." in err
+
+
 def test_export_writes_a_pruned_model_that_reloads_and_refuses_to_overwrite(model_dir, tmp_path, capsys):
     from analysis.compress.export import load_pruned, read_mask_json
 

@@ -162,3 +162,17 @@ def test_a_cut_of_another_model_is_one_line():
         Cut.of_plan(KVPlan(np.zeros((3, 2), np.int8), n_heads=4)).check(geometry)
     with pytest.raises(InputError, match="both the plan and the modes"):
         Cut.of_model(m, plan=KVPlan(np.zeros((2, 2), np.int8), n_heads=4))
+
+
+def test_every_report_refuses_a_cut_that_is_not_a_cut():
+    """A bare mask (or a plan) where a report takes `cut=` is one line naming the constructor, not a traceback
+    from deep inside the report."""
+    from analysis.arch.cut import checked
+    m = _model()
+    geometry = adapter_for(m).geometry(m)
+    assert checked(None, geometry) is None
+    for wrong in (np.zeros((2, 4), bool), KVPlan(np.zeros((2, 2), np.int8), n_heads=4)):
+        with pytest.raises(InputError, match=r"Cut\.of_mask\(pruned\)"):
+            checked(wrong, geometry)
+    with pytest.raises(InputError, match="Give the cut"):
+        checked(None, geometry, required=True)

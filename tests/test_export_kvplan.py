@@ -2,8 +2,11 @@
 
 - every format's folder gets kv_plan.json: the plan in the original head slots, plus (physical formats) the
   file's KV heads and their modes; each format says in one line what its runtime does with the windows;
-- a pruned export read back with its plan (`load_planned`) runs it: its greedy decode on the compact cache ==
+- a pruned export read back with its plan (`analysis.compress.export.planned.load_planned`) runs it: its greedy decode on the compact cache ==
   the dense model's under `applied(model, plan)` (float64, EXACT);
+- the folder read back as a cut (`cut_of_folder`, the reports' --export) and the same cut built in memory
+  (`exported_cut`, the app's Export page) both run the plan's function (float64, EXACT); a broken kv_plan.json
+  link is refused in one line, never dropped;
 - the mask and the plan describe one cut (a plan pruning a head the mask keeps is refused before anything is
   written; groups the mask removes are written as pruned);
 - the CLI's `export --kv-plan FILE`: the plan alone is the cut; a plan of another model, a head that does not
@@ -16,11 +19,13 @@ import pytest
 import torch
 
 from analysis import cli
+from analysis.arch.kvplan import FULL, PRUNE, WINDOW, KVPlan, applied
+from analysis.arch.window import Window
 from analysis.compress.export import export_to
-from analysis.compress.export.kvfile import load_planned, read_export_plan
+from analysis.compress.export.kvfile import read_export_plan
+from analysis.compress.export.planned import load_planned
 from analysis.compress.kvruntime import greedy
 from analysis.core.errors import InputError
-from analysis.score.kvplan import FULL, PRUNE, WINDOW, KVPlan, applied
 from tests._apptools import tiny_model_dir
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._tolerance import EXACT
@@ -36,7 +41,7 @@ def _model():
 
 
 def _plan(modes=PLAN) -> KVPlan:
-    return KVPlan(np.array(modes), sinks=1, recent=4, n_heads=4, model="tiny")
+    return KVPlan(np.array(modes), Window(1, 4), n_heads=4, model="tiny")
 
 
 @pytest.mark.parametrize("fmt", ["pruned", "zeroed", "onnx"])
@@ -46,7 +51,7 @@ def test_every_format_writes_the_plan_and_says_what_runs_it(fmt, tmp_path):
     data = json.loads((tmp_path / fmt / "kv_plan.json").read_text())
     assert data["modes"] == plan.as_dict()["modes"]
     back = read_export_plan(tmp_path / fmt)
-    assert np.array_equal(back.modes, plan.modes) and (back.sinks, back.recent) == (1, 4)
+    assert np.array_equal(back.modes, plan.modes) and back.window == Window(1, 4)
     if fmt == "zeroed":                                                   # full shapes: the original slots only
         assert "file" not in data
     else:
@@ -61,7 +66,7 @@ def test_a_pruned_export_read_back_runs_its_plan(tmp_path):
     m, plan = _model(), _plan()
     export_to("pruned", m, None, tmp_path / "cut", kv_plan=plan)
     planned = load_planned(tmp_path / "cut")
-    assert planned.model.dtype == torch.float64 and [len(r) for r in planned.window] == [1, 2, 1, 2]
+    assert planned.model.dtype == torch.float64 and [r.tolist() for r in planned.rows] == [[WINDOW], [FULL, WINDOW], [WINDOW], [WINDOW, FULL]]
     x = tiny_input_ids(1, 20)
     with torch.no_grad():
         with applied(m, plan):
@@ -137,4 +142,48 @@ def test_the_streamed_export_writes_the_plan_too(model_dir, tmp_path):
     assert data["file"]["kv_heads"] == [[0], [0, 1], [1], [0, 1]] and result.layout.kv_heads == data["file"]["kv_heads"]
     assert any("load_planned" in note for note in result.notes)
     planned = load_planned(tmp_path / "s")
-    assert [len(r) for r in planned.window] == [1, 2, 1, 2]
+    assert [r.tolist() for r in planned.rows] == [[WINDOW], [FULL, WINDOW], [WINDOW], [WINDOW, FULL]]
+
+
+def _loaded(m):
+    """A LoadedModel of a model built here (placement None: the model's own dtype, float64)."""
+    from analysis.arch.adapters import adapter_for
+    from analysis.arch.models import LoadedModel
+    adapter = adapter_for(m)
+    return LoadedModel(m, None, "tiny", "causal-lm", adapter, adapter.geometry(m), "")
+
+
+def test_an_export_read_back_as_a_cut_is_the_cut_built_in_memory(tmp_path):
+    """cut_of_folder (the CLI's --export, the folder's plan applied) and exported_cut (the app's Export page: the
+    same cut before anything is written) run the plan's function: greedy decode on their compact caches == the
+    dense model under `applied(model, plan)`, float64 EXACT."""
+    from analysis.compress.export.planned import cut_of_folder, exported_cut
+    loaded, plan = _loaded(_model()), _plan()
+    export_to("pruned", loaded.model, None, tmp_path / "cut", kv_plan=plan)
+    cuts = {"folder": cut_of_folder(tmp_path / "cut", loaded), "memory": exported_cut(loaded, None, plan)}
+    x = tiny_input_ids(1, 20)
+    with torch.no_grad():
+        with applied(loaded.model, plan):
+            reference = greedy(loaded.model, x[:, :8], 8)
+        for name, cut in cuts.items():
+            assert cut.kind == "model" and np.array_equal(cut.plan.modes, plan.modes), name
+            assert [r.tolist() for r in cut.rows] == [[WINDOW], [FULL, WINDOW], [WINDOW], [WINDOW, FULL]], name
+            with cut.running(loaded.model) as model:
+                assert model.dtype == torch.float64, name
+                run = greedy(model, x[:, :8], 8, cache=cut.new_cache(block=4))
+            assert torch.equal(run.tokens, reference.tokens), name
+            assert (run.logits - reference.logits).abs().max().item() <= EXACT, name
+
+
+def test_a_broken_kv_plan_link_is_refused_never_dropped(tmp_path):
+    from analysis.compress.export.kvfile import has_kv_plan
+    from analysis.compress.export.planned import cut_of_folder
+    folder, m = tmp_path / "cut", _model()
+    export_to("pruned", m, None, folder, kv_plan=_plan())
+    (folder / "kv_plan.json").unlink()
+    (folder / "kv_plan.json").symlink_to(tmp_path / "gone.json")            # a dangling link
+    assert has_kv_plan(folder)
+    with pytest.raises(InputError, match="KV plan file"):
+        load_planned(folder)
+    with pytest.raises(InputError, match="KV plan file"):
+        cut_of_folder(folder, _loaded(m))

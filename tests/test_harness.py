@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from analysis import cli
-from analysis.arch.head_gates import gates_from_mask
+from analysis.arch.adapters import adapter_for
+from analysis.arch.cut import Cut
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, InputError
 from analysis.measure import harness as H
@@ -137,7 +138,7 @@ def test_masked_equals_surgery_and_the_dense_model_is_untouched(tiny64, prepared
     model, tok = tiny64
     before = {k: v.clone() for k, v in model.state_dict().items()}
     steps = []
-    masked = H.run_harness(model, tok, prepared, gates=gates_from_mask(PRUNED), batch_size=4, keep_samples=True,
+    masked = H.run_harness(model, tok, prepared, cut=Cut.of_mask(PRUNED), batch_size=4, keep_samples=True,
                            progress=lambda f, m: steps.append(f))
     twin, _ = prune_heads(model, PRUNED)
     pruned = H.run_harness(twin, tok, prepared, batch_size=4, keep_samples=True)
@@ -163,14 +164,14 @@ def test_report_rows_and_stop(tiny64, prepared):
 
     class Loaded:                                 # what harness_report reads of a LoadedModel
         kind, name, tokenizer, adapter = "causal-lm", "tiny", tok, None
-    Loaded.model = model
-    rep = H.harness_report(Loaded, prepared, pruned=PRUNED, batch_size=4)
+    Loaded.model, Loaded.geometry = model, adapter_for(model).geometry(model)
+    rep = H.harness_report(Loaded, prepared, cut=Cut.of_mask(PRUNED), batch_size=4)
     rows = rep.rows()
     assert [(r["task"], r["metric"]) for r in rows][:2] == [("tiny_mc", "acc"), ("tiny_mc", "acc_norm")]
     assert all(r["change"] == pytest.approx(r["cut"] - r["dense"]) for r in rows)
     assert json.dumps(rep.as_dict())                               # plain JSON
     with pytest.raises(CancelledError):
-        H.run_harness(model, tok, prepared, gates=gates_from_mask(PRUNED), should_stop=lambda: True)
+        H.run_harness(model, tok, prepared, cut=Cut.of_mask(PRUNED), should_stop=lambda: True)
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
@@ -192,7 +193,8 @@ def test_work_estimate_counts_the_request_tokens(prepared):
 
 @pytest.mark.parametrize("yaml, data, words", [
     ("task: gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: d.jsonl\noutput_type: generate_until\n"
-     "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n", True, "generates text"),
+     "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  do_sample: true\n"
+     "  temperature: 0.7\n", True, "samples its generations"),
     ("task: gone\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: missing.jsonl\n"
      "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\ndoc_to_target: 0\n"
      "doc_to_choice: ['a', 'b']\n", False, "missing.jsonl, which is not there"),
@@ -242,6 +244,8 @@ def test_cli_refusals_are_one_line_and_write_nothing(capsys, tmp_path, monkeypat
     assert str(TASKS / "piqa" / "validation.jsonl") in err and "goal, sol1, sol2" in err
     err = _refused(capsys, tmp_path, "--tasks", "boolq", "--task-dir", tmp_path / "no-such-folder")
     assert "is not a folder" in err
+    err = _refused(capsys, tmp_path, "--tasks", "tiny_mc", "--task-dir", TASKS, "--export", tmp_path, "--physical")
+    assert "--physical runs surgery's physically pruned copy of a mask or a KV plan" in err
     for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")]:
         monkeypatch.setitem(sys.modules, name, None)                     # the harness "not installed"
     err = _refused(capsys, tmp_path, "--tasks", "boolq", "--task-dir", TASKS)

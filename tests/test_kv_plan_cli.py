@@ -15,9 +15,10 @@ import pytest
 
 from analysis import cli
 from analysis.arch.geometry import HeadGeometry
+from analysis.arch.kvplan import FULL, PRUNE, WINDOW, read_kv_plan
+from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from analysis.measure.headmaps import Detection
-from analysis.score.kvplan import FULL, PRUNE, WINDOW, read_kv_plan
 from analysis.score.kvscores import KVScores, plan_from_scores
 from tests._apptools import tiny_model_dir
 
@@ -43,12 +44,12 @@ def test_kv_plan_writes_a_plan_that_keeps_retrieval_heads_full(long_tiny, tmp_pa
     assert code == 0, err
     summary = json.loads(stdout)
     plan = read_kv_plan(out, geometry=HeadGeometry(4, 4, 2, 8, 32))
-    assert plan.sinks == 2 and plan.recent == 16 and plan.counts() == summary["plan"]["counts"]
+    assert plan.window == Window(2, 16) and plan.counts() == summary["plan"]["counts"]
     assert plan.counts()["prune"] == 2                                     # floor(0.25 * 8)
     retrieval = np.array(summary["scores"]["retrieval"])                   # [L, Hkv]
     assert (plan.modes[retrieval >= 0.05] == FULL).all()
     streaming = np.array(summary["scores"]["streaming"])
-    windowed, free = plan.window, (retrieval < 0.05) & ~plan.pruned_kv
+    windowed, free = plan.windowed, (retrieval < 0.05) & ~plan.pruned_kv
     if windowed.any() and (free & ~windowed).any():                      # the lowest free ones are windowed
         assert streaming[windowed].max() <= streaming[free & ~windowed].min()
     assert summary["kv_ratio"]["256"] == pytest.approx(plan.kv_ratio(256))
@@ -106,7 +107,7 @@ def test_plan_from_scores_by_hand():
     importance = np.array([[0.0, 5.0], [1.0, 2.0]])
     det = Detection("streaming", np.repeat(streaming, 2, 1), 0.5, extras=dict(lengths=[2048]))
     scores = KVScores(streaming, retrieval, importance, {"streaming": det}, prune_tokens=256)
-    plan = plan_from_scores(geo, scores, window_share=0.5, prune_share=0.25, sinks=4, recent=256)
+    plan = plan_from_scores(geo, scores, window_share=0.5, prune_share=0.25, window=Window(4, 256))
     # L0KV0 kept (retrieval, though least important and most streaming); L1KV0 pruned (least important of
     # the rest); then the two lowest streaming scores among L0KV1 (0.9) and L1KV1 (0.3) -> L1KV1, L0KV1
     assert plan.modes.tolist() == [[FULL, WINDOW], [PRUNE, WINDOW]]

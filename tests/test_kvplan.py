@@ -1,4 +1,4 @@
-"""The per-head KV plan (analysis/score/kvplan.py): pruned == the existing mask, windows == spans, the
+"""The per-head KV plan (analysis/arch/kvplan.py; plan_kv in analysis/score/kvscores.py): pruned == the existing mask, windows == spans, the
 file round trip and its refusals, and the KV bytes it claims."""
 import numpy as np
 import pytest
@@ -8,7 +8,9 @@ from analysis.arch.adapters import adapter_for
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.arch.spans import windowed
 from analysis.core.errors import InputError
-from analysis.score.kvplan import FULL, PRUNE, WINDOW, KVPlan, applied, plan_kv, read_kv_plan
+from analysis.arch.kvplan import FULL, PRUNE, WINDOW, KVPlan, applied, read_kv_plan
+from analysis.arch.window import Window
+from analysis.score.kvscores import plan_kv
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._tolerance import EXACT
 
@@ -37,12 +39,12 @@ def test_pruned_kv_heads_are_the_groups_mask():
 
 def test_windows_and_pruning_together_are_spans_plus_mask():
     m, geo = _llama()
-    plan = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), sinks=1, recent=3, n_heads=geo.n_heads)
+    plan = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), Window(1, 3), n_heads=geo.n_heads)
     x = tiny_input_ids(2, 10)
     with torch.no_grad():
         with applied(m, plan):
             a = m(x).logits
-        with head_mask(m, gates_from_mask(plan.pruned_heads())), windowed(m, plan.window, sinks=1, recent=3):
+        with head_mask(m, gates_from_mask(plan.pruned_heads())), windowed(m, plan.windowed, Window(1, 3)):
             b = m(x).logits
         c = m(x).logits
     assert (a - b).abs().max().item() <= EXACT
@@ -57,10 +59,10 @@ def test_a_partial_group_is_not_a_kv_plan():
 
 def test_file_round_trip_and_refusals(tmp_path):
     _, geo = _llama()
-    plan = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), sinks=2, recent=5, n_heads=geo.n_heads, model="tiny")
+    plan = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), Window(2, 5), n_heads=geo.n_heads, model="tiny")
     (tmp_path / "kv_plan.json").write_text(plan.to_json())
     back = read_kv_plan(tmp_path, geometry=geo)
-    assert np.array_equal(back.modes, plan.modes) and (back.sinks, back.recent) == (2, 5)
+    assert np.array_equal(back.modes, plan.modes) and back.window == Window(2, 5)
     other = type(geo)(geo.n_layers, geo.n_heads, geo.n_heads, geo.head_dim, geo.hidden)
     with pytest.raises(InputError, match="make the plan for this model"):
         read_kv_plan(plan.to_json(), geometry=other)
@@ -81,7 +83,7 @@ def test_file_round_trip_and_refusals(tmp_path):
 
 
 def test_kv_bytes_count_what_each_head_keeps():
-    plan = KVPlan(np.array([[FULL, WINDOW, PRUNE]] * 4), sinks=4, recent=60, n_heads=6)
+    plan = KVPlan(np.array([[FULL, WINDOW, PRUNE]] * 4), Window(4, 60), n_heads=6)
     d, ctx = 8, 1000
     assert plan.kv_bytes(ctx, head_dim=d, dtype_bytes=2) == 2 * d * 2 * 4 * (1000 + 64 + 0)
     assert plan.kv_ratio(ctx) == pytest.approx((1000 + 64) / 3000)
@@ -92,9 +94,9 @@ def test_plan_kv_windows_the_lowest_streaming_scores_and_keeps_what_it_is_told()
     _, geo = _llama()
     streaming = np.array([[0.1, 0.9], [0.2, 0.05]])
     plan = plan_kv(geo, streaming, window_share=0.5)
-    assert np.array_equal(plan.window, streaming <= 0.1)
+    assert np.array_equal(plan.windowed, streaming <= 0.1)
     kept = plan_kv(geo, streaming, window_share=0.5, keep=np.array([[False, False], [False, True]]))
-    assert np.array_equal(kept.window, np.array([[True, False], [True, False]]))
+    assert np.array_equal(kept.windowed, np.array([[True, False], [True, False]]))
     mixed = plan_kv(geo, streaming, window_share=0.25, prune_scores=np.array([[5, 1, ], [3, 4]]), prune_share=0.25)
     assert mixed.counts() == {"full": 2, "window": 1, "prune": 1} and mixed.modes[0, 1] == PRUNE
     with pytest.raises(InputError):

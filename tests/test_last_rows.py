@@ -7,12 +7,14 @@ import torch
 
 from analysis.arch.adapters import adapter_for
 from analysis.arch.spans import windowed
+from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from analysis.measure.longheads import last_rows
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._tolerance import EXACT
 
 T, Q, SINKS, RECENT = 14, 3, 2, 4
+BAND = Window(SINKS, RECENT)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def _o_inputs(model, ids, window=None) -> list[torch.Tensor]:
             if window is None:
                 model(input_ids=ids[None])
             else:
-                with windowed(model, window, sinks=SINKS, recent=RECENT):
+                with windowed(model, window, BAND):
                     model(input_ids=ids[None])
     finally:
         for h in handles:
@@ -66,7 +68,8 @@ def _naive_probs(model, ids) -> np.ndarray:
 
 def test_rows_are_the_naive_softmax(llama):
     ids = tiny_input_ids(1, T)[0]
-    rows = last_rows(llama, ids, queries=Q, sinks=SINKS, recent=RECENT)
+    rows = last_rows(llama, ids, queries=Q, window=BAND)
+    assert rows.window == BAND
     probs = _naive_probs(llama, ids)                                     # [L, H, T, T]
     np.testing.assert_allclose(rows.mass, probs[:, :, -Q:].mean(2), rtol=0, atol=EXACT)
     np.testing.assert_array_equal(rows.top1, probs[:, :, -Q:].argmax(-1))
@@ -78,7 +81,7 @@ def test_rows_are_the_naive_softmax(llama):
 
 def test_window_change_is_the_windowed_kernel(llama):
     ids = tiny_input_ids(1, T, seed=3)[0]
-    rows = last_rows(llama, ids, queries=Q, sinks=SINKS, recent=RECENT)
+    rows = last_rows(llama, ids, queries=Q, window=BAND)
     g = adapter_for(llama).geometry(llama)
     dense = _o_inputs(llama, ids)
     for layer in range(g.n_layers):
@@ -96,7 +99,7 @@ def test_window_change_is_the_windowed_kernel(llama):
 
 def test_a_window_as_long_as_the_text_changes_nothing(llama):
     ids = tiny_input_ids(1, T)[0]
-    rows = last_rows(llama, ids, queries=Q, sinks=0, recent=T)
+    rows = last_rows(llama, ids, queries=Q, window=Window(0, T))
     assert np.abs(rows.window_change).max() <= EXACT
 
 
@@ -105,4 +108,4 @@ def test_refusals(llama):
     with pytest.raises(InputError, match="fewer than"):
         last_rows(llama, ids[:2], queries=Q)
     with pytest.raises(InputError, match="reads nothing"):
-        last_rows(llama, ids, recent=0)
+        last_rows(llama, ids, window=(4, 0))

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from analysis.arch.cut import Cut
+from analysis.arch.kvplan import FULL, PRUNE, WINDOW, KVPlan
+from analysis.arch.window import Window
 from analysis.core.errors import CancelledError, InputError
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes import PROBES, applicable, chosen
@@ -21,14 +24,13 @@ from analysis.measure.probes.longcontext import (ALL, NEEDLE_FACT, PASSKEY_INSTR
                                                  PASSKEY_QUESTION, build_long, digit_answer, measure_long,
                                                  row_seconds)
 from analysis.measure.probes.measure import item_values, run_probes
-from analysis.score.kvplan import FULL, PRUNE, WINDOW, KVPlan
 from analysis.score.longcontext import long_context_report, report_work
 from tests._input_checks import only_error_line as _one_error_line, run_captured as _run
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 from tests._tolerance import EXACT, forward_tolerance
 
-LONG = ("passkey", "needle", "long-copying")
+LONG = ("passkey", "passkey-once", "needle", "long-copying")
 
 
 
@@ -203,8 +205,8 @@ def test_smollm2_retrieves_the_pass_key_a_tiny_model_does_not_and_a_short_window
     assert s["dense_low"] > t["dense_high"] and s["dense_exact_low"] > t["dense_exact_high"]
     assert s["dense_low"] > 0.5 and s["dense_exact"] > 0.5                # retrieval, not a digit preference
     g = smollm2.geometry
-    plan = KVPlan(np.full((g.n_layers, g.n_kv_heads), WINDOW, np.int8), sinks=4, recent=32, n_heads=g.n_heads)
-    cut = long_context_report(smollm2, built=built, plan=plan, dense=dense.dense)
+    plan = KVPlan(np.full((g.n_layers, g.n_kv_heads), WINDOW, np.int8), Window(4, 32), n_heads=g.n_heads)
+    cut = long_context_report(smollm2, built=built, cut=Cut.of_plan(plan), dense=dense.dense)
     assert cut.work.rows == {384: 6}                                      # the dense half came from the cache
     cells = {r["depth"]: r for r in cut.rows()}
     assert cells["depth 0.1"]["lost"] and cells["depth 0.1"]["cut_exact"] < cells["depth 0.1"]["dense_exact"]
@@ -222,15 +224,15 @@ def test_plan_without_windows_equals_the_mask_and_a_covering_window_equals_dense
     modes[0, 1] = modes[1, 0] = PRUNE
     plan = KVPlan(modes, n_heads=g.n_heads)
     dense = long_context_report(tiny64, built=built)
-    by_plan = long_context_report(tiny64, built=built, plan=plan, dense=dense.dense)
-    by_mask = long_context_report(tiny64, built=built, pruned=plan.pruned_heads(), dense=dense.dense)
+    by_plan = long_context_report(tiny64, built=built, cut=Cut.of_plan(plan), dense=dense.dense)
+    by_mask = long_context_report(tiny64, built=built, cut=Cut.of_mask(plan.pruned_heads()), dense=dense.dense)
     for a, b in zip(by_plan.rows(), by_mask.rows()):
         assert abs(a["cut_logit_diff"] - b["cut_logit_diff"]) <= EXACT and a["cut_accuracy"] == b["cut_accuracy"]
     assert any(abs(r["cut_logit_diff"] - r["dense_logit_diff"]) > 1e-6 for r in by_mask.rows())   # a real cut
-    covering = KVPlan(np.full_like(modes, WINDOW), sinks=2, recent=256, n_heads=g.n_heads)
-    short = KVPlan(np.full_like(modes, WINDOW), sinks=2, recent=64, n_heads=g.n_heads)
-    same = long_context_report(tiny64, built=built, plan=covering, dense=dense.dense)
-    other = long_context_report(tiny64, built=built, plan=short, dense=dense.dense)
+    covering = KVPlan(np.full_like(modes, WINDOW), Window(2, 256), n_heads=g.n_heads)
+    short = KVPlan(np.full_like(modes, WINDOW), Window(2, 64), n_heads=g.n_heads)
+    same = long_context_report(tiny64, built=built, cut=Cut.of_plan(covering), dense=dense.dense)
+    other = long_context_report(tiny64, built=built, cut=Cut.of_plan(short), dense=dense.dense)
     for r in same.rows():
         assert abs(r["cut_logit_diff"] - r["dense_logit_diff"]) <= EXACT and not r["lost"]
     assert any(abs(r["cut_logit_diff"] - r["dense_logit_diff"]) > 1e-6 for r in other.rows())
@@ -259,10 +261,11 @@ def test_refusals_are_one_line(tiny64, smollm2):
             (lambda: build_long(["passkey"], tiny64.tokenizer, "causal-lm", [40]), "too short"),
             (lambda: build_long(["ioi"], tiny64.tokenizer, "causal-lm", [256]), "short probe"),
             (lambda: build_long(["passkey"], tiny64.tokenizer, "causal-lm", [256], n_items=0), "sequences"),
-            (lambda: long_context_report(tiny64, built=built, plan=KVPlan.full(smollm2.geometry)), "make the plan"),
-            (lambda: long_context_report(tiny64, built=built, pruned=np.zeros((2, 4), bool),
-                                         plan=KVPlan.full(g)), "one cut"),
-            (lambda: KVPlan.full(g, recent=0), "window of 0")):
+            (lambda: long_context_report(tiny64, built=built, cut=Cut.of_plan(KVPlan.full(smollm2.geometry))),
+             "make the plan"),
+            (lambda: long_context_report(tiny64, built=built, cut=Cut.of_mask(np.zeros((3, 4), bool))),
+             "give a mask of this model"),
+            (lambda: KVPlan.full(g, window=(4, 0)), "window of 0")):
         with pytest.raises(InputError) as err:
             call()
         assert words in str(err.value) and "\n" not in str(err.value)
@@ -295,7 +298,7 @@ def test_cli_longctx_json_csv_and_cuts(tiny_dir, capsys, tmp_path):
     g = load_model(str(tiny_dir)).geometry
     modes = np.full((g.n_layers, g.n_kv_heads), WINDOW, np.int8)
     plan_file = tmp_path / "kv_plan.json"
-    plan_file.write_text(KVPlan(modes, sinks=1, recent=1024, n_heads=g.n_heads).to_json())
+    plan_file.write_text(KVPlan(modes, Window(1, 1024), n_heads=g.n_heads).to_json())
     code, stdout, _ = _run(capsys, *base, "--probe", "long-copying", "--kv-plan", plan_file)
     cells = json.loads(stdout)["report"]["cells"]
     bound = forward_tolerance(torch.float32, width=64, depth=2, scale=10.0)   # float32: another kernel call
@@ -317,7 +320,7 @@ def test_cli_longctx_json_csv_and_cuts(tiny_dir, capsys, tmp_path):
         assert abs(a["cut_logit_diff"] - b["cut_logit_diff"]) <= bound
     # an export written with a KV plan runs under it: the same numbers as the plan on --model
     from analysis.compress.export import export_to
-    mixed = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), sinks=2, recent=64, n_heads=g.n_heads)
+    mixed = KVPlan(np.array([[WINDOW, PRUNE], [FULL, WINDOW]]), Window(2, 64), n_heads=g.n_heads)
     (tmp_path / "mixed.json").write_text(mixed.to_json())
     export_to("pruned", lm.model, None, tmp_path / "planned", kv_plan=mixed, tokenizer=lm.tokenizer)
     runs = {}
@@ -325,7 +328,9 @@ def test_cli_longctx_json_csv_and_cuts(tiny_dir, capsys, tmp_path):
         code, stdout, _ = _run(capsys, *base, "--probe", "passkey", flag, value)
         assert code == 0
         runs[flag] = json.loads(stdout)["report"]
-    assert "windowed" in runs["--export"]["cut"]["kv_plan"]
+    said = runs["--export"]["cut"]
+    assert said["kind"] == "model" and "windowed" in said["describe"] and said["kv_plan"] == mixed.counts()
+    assert (said["sinks"], said["recent"]) == (2, 64) and said["export"] == str(tmp_path / "planned")
     diffs = [abs(a["cut_logit_diff"] - b["cut_logit_diff"]) for a, b in zip(runs["--kv-plan"]["cells"],
                                                                               runs["--export"]["cells"])]
     assert max(diffs) <= bound

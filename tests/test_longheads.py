@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from analysis.arch.hooks import attached
 from analysis.arch.spans import attention_layers, tapped, windowed
+from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from analysis.measure.attribution import rank_correlation
 from analysis.measure.longheads import (NeedleItem, RetrievalDetector, StreamingDetector, attention_rows,
@@ -139,7 +140,7 @@ def test_the_detector_respects_the_models_context_and_reads_its_defaults():
 # -- streaming ----------------------------------------------------------------------------------------
 
 FAR = 5                                                 # the far token, at position 1 only
-SINKS, RECENT = 1, 4
+BAND = Window(1, 4)
 
 
 def _streaming_model():
@@ -182,9 +183,9 @@ def _spearman_null_quantile(n: int, q: float) -> float:
 def test_the_streaming_score_ranks_heads_like_windowing_them_end_to_end():
     m = _streaming_model()
     ids = _streaming_ids()
-    kv, head = streaming_scores(m, list(ids), sinks=SINKS, recent=RECENT, queries=64)
+    kv, head = streaming_scores(m, list(ids), window=BAND, queries=64)
     assert kv.shape == (1, 8) and np.allclose(kv, head)                    # MHA: a KV head is a head
-    effect = windowing_effect(m, ids, sinks=SINKS, recent=RECENT)
+    effect = windowing_effect(m, ids, window=BAND)
     assert effect.kl.shape == (1, 8) and (effect.kl >= 0).all()
     assert int(kv.argmax()) == 7 and int(effect.kl.argmax()) == 7         # the planted far reader first
     assert np.all(np.diff(kv[0]) > 0)                                      # graded as planted
@@ -202,12 +203,12 @@ def test_the_rows_from_the_tap_are_the_models_own_attention_output(family):
     m = tiny_model(family, dtype=torch.float64)
     m.set_attn_implementation("sdpa")
     x = torch.randint(4, 128, (1, 30), generator=torch.Generator().manual_seed(4))
-    rows = query_rows(30, 2, 5, 12)
+    rows = query_rows(30, Window(2, 5), 12)
     modules = attention_layers(m)
     ours, seen = {}, {}
 
     def tap(layer, q, k, v):
-        ours[layer] = attention_rows(modules[layer], q, k, v, rows, 2, 5)
+        ours[layer] = attention_rows(modules[layer], q, k, v, rows, Window(2, 5))
 
     def grab(store):
         return lambda l: (lambda mod, args: store.__setitem__(l, args[0][0].clone()))
@@ -222,7 +223,7 @@ def test_the_rows_from_the_tap_are_the_models_own_attention_output(family):
         for l, a in enumerate(modules):                 # layer l alone windowed: its input is the dense one
             plan = np.zeros((2, 2), dtype=bool)
             plan[l] = True
-            with attached() as hooks, windowed(m, plan, sinks=2, recent=5):
+            with attached() as hooks, windowed(m, plan, Window(2, 5)):
                 hooks.before(a.o_proj, grab(win_out)(l))
                 m(x)
     H, d = 4, modules[0].head_dim
@@ -238,12 +239,14 @@ def test_streaming_refusals_and_masks():
     m = tiny_model("llama")
     from tests._apptools import trivial_tokenizer
     with pytest.raises(InputError, match="fits inside the window"):
-        streaming_scores(m, [torch.arange(4, 40)], sinks=4, recent=40)
+        streaming_scores(m, [torch.arange(4, 40)], window=Window(4, 40))
     with pytest.raises(InputError, match="reads nothing"):
-        StreamingDetector(recent=0)
+        StreamingDetector(window=(4, 0))
+    with pytest.raises(InputError, match="reads nothing"):
+        StreamingDetector.for_options(trivial_tokenizer(), {"recent": 0})     # the registry's builder
     with pytest.raises(InputError, match="longer than this model reads"):
         StreamingDetector(lengths=(65,), tokenizer=trivial_tokenizer()).detect(m)
-    det = StreamingDetector(sinks=2, recent=8, tokenizer=trivial_tokenizer())
+    det = StreamingDetector(window=Window(2, 8), tokenizer=trivial_tokenizer())
     res = det.detect(m)
     assert res.scores.shape == (2, 4) and res.extras["kv_scores"].shape == (2, 2)
     assert np.array_equal(res.scores, np.repeat(res.extras["kv_scores"], 2, axis=1))
@@ -274,7 +277,7 @@ def test_a_stop_lands_inside_a_pass_and_leaves_the_model_as_it_was():
         calls.append(1)
         return len(calls) > 1                                              # after the first layer's tap
     with pytest.raises(CancelledError):
-        streaming_scores(m, list(_streaming_ids()), sinks=SINKS, recent=RECENT, should_stop=should_stop)
+        streaming_scores(m, list(_streaming_ids()), window=BAND, should_stop=should_stop)
     assert current_implementation(m) == "sdpa"
-    kv, _ = streaming_scores(m, list(_streaming_ids()), sinks=SINKS, recent=RECENT)
+    kv, _ = streaming_scores(m, list(_streaming_ids()), window=BAND)
     assert int(kv.argmax()) == 7

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from analysis.arch.adapters import adapter_for
+from analysis.arch.kvplan import FULL, PRUNE, WINDOW, KVPlan
+from analysis.arch.window import Window
 from analysis.compress.kvruntime import kv_plan_model
 from analysis.compress.kvspeed import planned_flops
 from analysis.compress.plan_speed import kv_curve, predict
 from analysis.compress.speed import forward_flops
 from analysis.core.errors import InputError
-from analysis.score.kvplan import FULL, PRUNE, WINDOW, KVPlan
 from tests._tiny import tiny_model
 
 CONTEXT = 48
@@ -27,19 +28,19 @@ def llama():
 def _twin_flops(model, plan, context):
     """(prefill, decode) FLOPs of the twin that runs `plan`, by kvspeed's own count."""
     km = kv_plan_model(model, plan)
-    kw = dict(sinks=plan.sinks, recent=plan.recent, context=context, layout=km.layout)
-    return (planned_flops(km.model, km.window, tokens=context, logits=1, **kw).total,
-            planned_flops(km.model, km.window, tokens=1, **kw).total, km)
+    kw = dict(window=plan.window, context=context, layout=km.layout)
+    return (planned_flops(km.model, km.windowed, tokens=context, logits=1, **kw).total,
+            planned_flops(km.model, km.windowed, tokens=1, **kw).total, km)
 
 
 def test_the_full_plan_is_the_dense_model(llama):
     m, g = llama
     p = predict(m, KVPlan.full(g), CONTEXT)
     assert p.dense == p.plan
-    window = np.zeros((g.n_layers, g.n_kv_heads), bool)
-    assert p.dense.prefill_flops == planned_flops(m, window, sinks=0, recent=1, tokens=CONTEXT, context=CONTEXT,
+    none = np.zeros((g.n_layers, g.n_kv_heads), bool)                 # no windowed KV head
+    assert p.dense.prefill_flops == planned_flops(m, none, window=Window(0, 1), tokens=CONTEXT, context=CONTEXT,
                                                   logits=1).total
-    assert p.dense.decode_flops == planned_flops(m, window, sinks=0, recent=1, tokens=1, context=CONTEXT).total
+    assert p.dense.decode_flops == planned_flops(m, none, window=Window(0, 1), tokens=1, context=CONTEXT).total
     assert p.dense.kv_bytes == 2 * g.head_dim * 4 * CONTEXT * g.n_layers * g.n_kv_heads
     assert p.ratio("decode_bytes") == 1.0
 
@@ -51,7 +52,7 @@ def test_the_full_plan_is_the_dense_model(llama):
 ])
 def test_any_plan_is_the_twin_that_runs_it(llama, modes):
     m, g = llama
-    plan = KVPlan(np.array(modes, np.int8), sinks=2, recent=5, n_heads=g.n_heads)
+    plan = KVPlan(np.array(modes, np.int8), Window(2, 5), n_heads=g.n_heads)
     prefill, decode, km = _twin_flops(m, plan, CONTEXT)
     p = predict(m, plan, CONTEXT)
     assert (p.plan.prefill_flops, p.plan.decode_flops) == (prefill, decode)
@@ -63,9 +64,9 @@ def test_any_plan_is_the_twin_that_runs_it(llama, modes):
 def test_a_window_holding_the_context_is_full(llama):
     m, g = llama
     modes = np.full((g.n_layers, g.n_kv_heads), WINDOW, np.int8)
-    wide = predict(m, KVPlan(modes, sinks=8, recent=CONTEXT - 8, n_heads=g.n_heads), CONTEXT)
+    wide = predict(m, KVPlan(modes, Window(8, CONTEXT - 8), n_heads=g.n_heads), CONTEXT)
     assert wide.plan == wide.dense
-    p = predict(m, KVPlan(modes, sinks=2, recent=6, n_heads=g.n_heads), CONTEXT)
+    p = predict(m, KVPlan(modes, Window(2, 6), n_heads=g.n_heads), CONTEXT)
     assert p.plan.weight_bytes == p.dense.weight_bytes              # a window removes no weight
     assert p.ratio("kv_bytes") == pytest.approx(CONTEXT / 8)
 

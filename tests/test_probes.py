@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from analysis.arch.cut import Cut
 from analysis.core.errors import InputError
 from analysis.measure.ablation import FastAblation
 from analysis.measure.probes import PROBES, applicable, chosen
@@ -65,15 +66,17 @@ def test_cut_report_flags_the_lost_capability(monkeypatch):
         pruned = np.zeros((2, 4), bool)
         for l, h in heads:
             pruned[l, h] = True
-        rep = cut_report(lm, pruned=pruned, names=["planted"], options=dict(n_items=32))
+        rep = cut_report(lm, Cut.of_mask(pruned), names=["planted"], options=dict(n_items=32))
         (change,) = rep.changes
         assert change.lost is lost and bool(rep.warnings()) is lost
         if lost:
             assert change.at_chance and "loses planted copy" in rep.warnings()[0]
             assert change.cut["accuracy_high"] < change.dense["accuracy"]
     check = CapabilityCheck(lm, ["planted"], options=dict(n_items=32))
-    stage = check.stage("round 1", 0.125, model=model)                 # a model of its own (e.g. recovered)
+    stage = check.stage("round 1", 0.125, Cut.of_model(model))         # a model of its own (e.g. recovered)
     assert stage["probes"][0]["lost"] is False and stage["stage"] == "round 1"
+    with pytest.raises(InputError, match="Give the cut"):              # a bare mask is not a Cut
+        cut_report(lm, pruned, names=["planted"], options=dict(n_items=32))
 
 
 # -- fast == naive, in float64 --------------------------------------------------------------------------
@@ -213,7 +216,7 @@ def test_rejected_fillers_are_counted_and_reported(smollm2):
     prompts = [tok.decode(r) for r in items.ids.tolist()]
     assert not any("Mary" in p or "John" in p for p in prompts)
     lm = tiny_loaded("llama", tok, "causal-lm")
-    rep = cut_report(lm, pruned=np.eye(2, 4, dtype=bool), names=["ioi"], options=dict(n_items=16))
+    rep = cut_report(lm, Cut.of_mask(np.eye(2, 4, dtype=bool)), names=["ioi"], options=dict(n_items=16))
     assert rep.as_dict()["rejected"]["ioi"]["names"] == 2
     assert measure_probes(lm.model, {"ioi": (spec, spec.make(), items)})["ioi"].rejected["names"] == 2
 

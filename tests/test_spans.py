@@ -14,6 +14,7 @@ import torch
 from analysis.arch.head_gates import head_mask
 from analysis.arch.hooks import attached
 from analysis.arch.spans import SPANS, band, spans, tapped, windowed
+from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from tests._tiny import tiny_input_ids, tiny_model
 from tests._tolerance import EXACT, float32_inside_tolerance
@@ -35,11 +36,11 @@ def test_window_covering_the_sequence_is_full_attention(family, impl):
     every = np.ones((2, 2), dtype=bool)
     with torch.no_grad():
         dense = m(x).logits
-        with windowed(m, every, sinks=0, recent=12):
+        with windowed(m, every, Window(0, 12)):
             full = m(x).logits
-        with windowed(m, every, sinks=3, recent=40):
+        with windowed(m, every, Window(3, 40)):
             wider = m(x).logits
-        with windowed(m, every, sinks=2, recent=4):                    # a real window changes the output
+        with windowed(m, every, Window(2, 4)):                    # a real window changes the output
             narrow = m(x).logits
     assert m.config._attn_implementation == impl
     assert (dense - full).abs().max().item() <= EXACT
@@ -75,7 +76,7 @@ def test_windowed_kernel_matches_a_naive_float64_reference(family):
     with torch.no_grad(), attached() as hooks:
         for l, a in enumerate(attn):
             hooks.before(a.o_proj, lambda mod, args, l=l: outputs.__setitem__(l, args[0].clone()))
-        with spans(m, window=window, sinks=sinks, recent=recent,
+        with spans(m, windowed=window, window=Window(sinks, recent),
                    tap=lambda l, q, k, v: seen.__setitem__(l, (q.clone(), k.clone(), v.clone()))):
             m(x)
     for l, a in enumerate(attn):
@@ -103,7 +104,7 @@ def test_tap_sees_what_the_eager_kernel_reads():
 
 def test_band_rule():
     pos = torch.arange(8)
-    allowed = band(pos, pos, 2, 3)
+    allowed = band(pos, pos, Window(2, 3))
     for i in range(8):
         for j in range(8):
             assert bool(allowed[i, j]) == (j <= i and (j < 2 or i - j < 3))
@@ -114,7 +115,7 @@ def test_cached_decode_under_a_window_matches_the_full_forward(family):
     m = _model(family, "sdpa")
     x = tiny_input_ids(1, 14)
     window = np.array([[True, False], [True, True]])
-    with torch.no_grad(), windowed(m, window, sinks=1, recent=4):
+    with torch.no_grad(), windowed(m, window, Window(1, 4)):
         full = m(x).logits                                              # [1, 14, V]
         out = m(x[:, :8], use_cache=True)
         cache, steps = out.past_key_values, [out.logits[:, -1]]
@@ -135,11 +136,11 @@ def test_spans_compose_with_the_head_mask():
     pruned[0, 0] = pruned[1, 3] = True
     gates = torch.from_numpy(1.0 - pruned.astype(np.float64))
     with torch.no_grad():
-        with head_mask(m, gates), windowed(m, window, sinks=1, recent=3):
+        with head_mask(m, gates), windowed(m, window, Window(1, 3)):
             both = m(x).logits
-        with windowed(m, window, sinks=1, recent=3), head_mask(m, gates):
+        with windowed(m, window, Window(1, 3)), head_mask(m, gates):
             other_order = m(x).logits
-        with windowed(m, window, sinks=1, recent=3):
+        with windowed(m, window, Window(1, 3)):
             only_window = m(x).logits
     assert (both - other_order).abs().max().item() <= EXACT
     assert (both - only_window).abs().max().item() > 1e-4
@@ -151,7 +152,7 @@ def test_right_padding_keeps_the_window_of_the_real_tokens():
     padded = torch.cat([x, torch.zeros(1, 3, dtype=torch.long)], 1)
     mask = torch.cat([torch.ones(1, 9), torch.zeros(1, 3)], 1).long()
     window = np.array([[True, True], [False, True]])
-    with torch.no_grad(), windowed(m, window, sinks=1, recent=3):
+    with torch.no_grad(), windowed(m, window, Window(1, 3)):
         alone = m(x).logits
         batch = m(padded, attention_mask=mask).logits[:, :9]
     assert (alone - batch).abs().max().item() <= EXACT
@@ -161,19 +162,22 @@ def test_bad_input_is_one_line_and_the_model_is_restored():
     m = _model("llama", "sdpa")
     x = tiny_input_ids(1, 6)
     with pytest.raises(InputError, match="window of 0"):
-        with windowed(m, np.ones((2, 2), bool), sinks=1, recent=0):
+        with windowed(m, np.ones((2, 2), bool), Window(1, 0)):
+            pass
+    with pytest.raises(InputError, match="needs its window"):
+        with spans(m, windowed=np.ones((2, 2), bool), window=None):
             pass
     with pytest.raises(InputError, match="one row per layer"):
-        with windowed(m, np.ones((3, 2), bool), sinks=1, recent=2):
+        with windowed(m, np.ones((3, 2), bool), Window(1, 2)):
             pass
     with pytest.raises(InputError, match="key/value heads"):
-        with windowed(m, np.ones((2, 3), bool), sinks=1, recent=2):
+        with windowed(m, np.ones((2, 3), bool), Window(1, 2)):
             pass
     with pytest.raises(InputError, match="sink"):
-        with windowed(m, np.ones((2, 2), bool), sinks=-1, recent=2):
+        with windowed(m, np.ones((2, 2), bool), Window(-1, 2)):
             pass
     with pytest.raises(RuntimeError):
-        with windowed(m, np.ones((2, 2), bool), sinks=1, recent=2):
+        with windowed(m, np.ones((2, 2), bool), Window(1, 2)):
             with pytest.raises(InputError, match="already active"):
                 with tapped(m, lambda *a: None):
                     pass
@@ -192,5 +196,5 @@ def test_bad_input_is_one_line_and_the_model_is_restored():
 def test_other_kernels_and_families_are_refused():
     bloom = tiny_model("bloom", dtype=torch.float64)
     with pytest.raises(InputError):
-        with windowed(bloom, np.ones((2, 4), bool), sinks=1, recent=2):
+        with windowed(bloom, np.ones((2, 4), bool), Window(1, 2)):
             pass

@@ -16,9 +16,10 @@ judge) compares the dense model with one cut. The three kinds:
         cache = cut.new_cache()                  # one per prompt and its decode steps (None: the model's own)
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
 
-Reports that measure several masks in one batched pass read `cut.mask` of a mask cut directly. Building a Cut
-from user input (a mask.json, a kv_plan.json, an export folder with its plan) is the CLI's `cut_from` and the
-app's view, both through analysis.compress.export.cut_of_folder for folders: one check, one meaning.
+Reports that measure several masks in one batched pass read `cut.mask` of a mask cut directly; every report
+starts with `checked(cut, geometry)`. Building a Cut from user input (a mask.json, a kv_plan.json, an export
+folder with its plan) is the CLI's `cut_from` and the app's view, both through
+analysis.compress.export.planned.cut_of_folder for folders: one check, one meaning.
 """
 from __future__ import annotations
 
@@ -153,10 +154,12 @@ def running(cut: Cut | None, dense, *, adapter=None):
     return nullcontext(dense) if cut is None else cut.running(dense, adapter=adapter)
 
 
-def one_cut(**given) -> str | None:
-    """The name of the one cut given among keyword options (None: none); InputError naming them when several
-    are given (the wording every entry point uses)."""
-    named = [name for name, value in given.items() if value is not None]
-    if len(named) > 1:
-        raise InputError(f"Give one cut, not {' and '.join(named)}.")
-    return named[0] if named else None
+def checked(cut, geometry: HeadGeometry, *, required: bool = False) -> Cut | None:
+    """What every report does with its `cut=` first: None passes (unless `required`), a Cut is checked against
+    the dense model's geometry, anything else (a bare mask, a plan) is one line naming the constructor."""
+    if cut is None and not required:
+        return None
+    if not isinstance(cut, Cut):
+        raise InputError(f"Give the cut as an analysis.arch.cut.Cut (Cut.of_mask(pruned), Cut.of_plan(plan) or "
+                         f"Cut.of_model(model)); got {type(cut).__name__}.")
+    return cut.check(geometry)

@@ -18,6 +18,7 @@ the app's inputs read its defaults).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from analysis.core.errors import InputError, check_whole_number
@@ -34,7 +35,7 @@ class Window:
     recent: int = DEFAULT_RECENT
 
     def __post_init__(self):
-        if isinstance(self.recent, int) and not isinstance(self.recent, bool) and self.recent < 1:
+        if isinstance(self.recent, numbers.Integral) and not isinstance(self.recent, bool) and self.recent < 1:
             raise InputError(f"A window of {self.recent} recent tokens reads nothing (not even the token itself); "
                              f"use at least 1, or prune the head instead.")
         object.__setattr__(self, "sinks", check_whole_number(self.sinks, "The number of sink tokens", low=0,

@@ -1,7 +1,7 @@
-"""`python -m analysis longctx`: the long-context probes (passkey, needle, long-range copying) at chosen
-context lengths and depths, dense and under a cut, with CIs.
+"""`python -m analysis longctx`: the long-context probes (passkey, passkey-once, needle, long-range copying) at
+chosen context lengths and depths, dense and under a cut, with CIs.
 
-    python -m analysis longctx [--model M] [--probe passkey|needle|long-copying ...] [--lengths 1024,2048]
+    python -m analysis longctx [--model M] [--probe passkey|passkey-once|needle|long-copying ...] [--lengths 1024,2048]
                                [--depths 0.1,0.5,0.9] [--items 16] [--probe-seed S] [--bos auto|none|bos|eos]
                                [--sparsity S (+ scorer / policy options) | --mask-file F | --kv-plan F | --export DIR]
                                [--format json|csv] [--out F] [--quiet]
@@ -12,10 +12,15 @@ on --model, or an export folder's own weights (--export) measured on the same it
 kv_plan.json when it has one: its windows on its own KV heads, analysis.compress.export.planned.cut_of_folder;
 one set of cut options for every report: analysis.cli.common.add_cut_arguments). Before the passes the
 command prints an estimate of the time (stderr; this machine's pace from a short timed forward and the
-attention kernel at each length: analysis.measure.probes.longcontext.row_seconds).
+attention kernel at each length, and from a timed decode step for the generated answers:
+analysis.measure.probes.longcontext.row_seconds, step_seconds).
+The digit-answer probes (passkey, passkey-once, needle) are judged twice: teacher-forced (each digit against a
+contrast digit) and by the generated answer (greedy decoding under the cut with its own cache; right when the
+continuation's first number is the key), with the rows lost / gained and McNemar's p per cell.
 JSON: {"model", "seed", "items": per probe and length (rows, items, sequences, rejected), "estimate_s",
-"per_row_s", "report": analysis.score.longcontext.LongContextReport.as_dict()}; CSV: one row per probe x
-length x depth (and "all" depths): dense accuracy [CI], exact match [CI], the cut's, lost.
+"per_row_s", "per_step_s", "report": analysis.score.longcontext.LongContextReport.as_dict()}; CSV: one row per
+probe x length x depth (and "all" depths): dense accuracy [CI], exact match [CI], generated exact match [CI], the
+cut's, lost, lost generated, rows lost / gained, McNemar p.
 Bad input (a length above the model's context, a depth outside [0, 1], a short probe's name, a plan of
 another model or with a window of 0, two cuts at once) is one line, and nothing is written.
 """
@@ -83,7 +88,7 @@ def run_longctx(ns):
 
     from analysis.core.progress import duration_words, scaled, with_estimate
     from analysis.measure.evaluation import context_length
-    from analysis.measure.probes.longcontext import build_long, row_seconds
+    from analysis.measure.probes.longcontext import build_long, row_seconds, step_seconds
     from analysis.score.longcontext import report_work
     cut, loaded, info = cut_from(ns)
     limit = context_length(loaded.model, default=2**31)
@@ -100,14 +105,17 @@ def run_longctx(ns):
                                                                       **stored)
     work = report_work(built, dense, cut=cut is not None and rep is None)
     per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry) if work.rows else {}
-    estimate = work.seconds(per_row)
+    per_step = step_seconds(loaded.model, sorted(work.steps), geometry=loaded.geometry) if work.steps else {}
+    estimate = work.seconds(per_row, per_step)
     if not ns.quiet:
         stored_words({"dense side": found, **({"the cut's side": found_cut} if rep is not None else {})})
         if work.rows:
             rows = ", ".join(f"{r} x {n:,}" for n, r in work.rows.items())
+            steps = sum(work.steps.values())
             sides = ("dense and cut" if dense is None else "the cut's") if cut is not None else "dense"
             sys.stderr.write(f"estimate: about {duration_words(estimate)} for {sum(work.rows.values())} rows ({rows} "
-                             f"tokens, {sides}; this machine: "
+                             f"tokens" + (f", {steps} decode calls for the generated answers" if steps else "")
+                             + f", {sides}; this machine: "
                              + ", ".join(f"{n:,} tokens {duration_words(s)} a row" for n, s in per_row.items()) + ")\n")
     with progress_bar("long-context probes", not ns.quiet) as report:
         progress = with_estimate(report)
@@ -118,17 +126,21 @@ def run_longctx(ns):
             with precision_block(loaded.model, ns.precision):
                 rep, found_cut = stored_report(loaded, built, cut, dense=dense, per_row=per_row,
                                                progress=scaled(progress, share, 1.0), **stored)
+    from dataclasses import replace
+    rep = replace(rep, work=work)                      # what this run read (the dense side's rows too, unless stored)
     warn(rep.warnings())
     payload = dict(model=info, seed=ns.probe_seed, context_limit=limit,
                    items={f"{name}@{length}": dict(rows=int(items.ids.shape[0]), n_items=items.n_items,
                                                    n_units=items.n_units, rejected=items.rejected_counts())
                           for (name, length), (_, _, items) in built.items()},
-                   estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, report=rep.as_dict(),
+                   estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()},
+                   per_step_s={str(n): s for n, s in per_step.items()}, report=rep.as_dict(),
                    precision=ns.precision, stored=dict(dense=found.status, cut=None if cut is None or found_cut is None
                                                       else found_cut.status))
     return payload, rep.rows()
 
 
 
-register("longctx", "long-context probes (passkey, needle with a distractor, long-range copying) at chosen lengths "
-         "and depths: dense vs a mask, a KV plan or an export, with CIs", _arguments, run_longctx)
+register("longctx", "long-context probes (passkey, passkey stated once, needle with a distractor, long-range copying) "
+         "at chosen lengths and depths, teacher-forced and generated: dense vs a mask, a KV plan or an export, with "
+         "CIs", _arguments, run_longctx)

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +18,7 @@ from analysis.cli.common import COMMANDS, placement_kwargs, render
 from analysis.core import distributed
 from analysis.core import progress as cancel     # signals: a flag checked at cancel points
 from analysis.core.atomic import atomic_write, check_output_file
-from analysis.core.errors import INTERRUPTED_AT_START, HeadscopeError
+from analysis.core.errors import INTERRUPTED_AT_START, HeadscopeError, check_seed
 from analysis.core.placement import Placement
 
 
@@ -44,6 +44,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         if chosen is None or command.name == chosen:
             command.add_arguments(child)
     return parser
+
+
+def is_seed(dest: str) -> bool:
+    """Whether an option's dest is a seed (`--seed`, `--probe-seed`, `--train-seed`, a scorer's `seed`)."""
+    return dest == "seed" or dest.endswith("_seed")
+
+
+def check_seeds(ns: argparse.Namespace) -> None:
+    """Every seed option of the command in 0 .. SEED_MAX (`check_seed`) before any work: -1 or 2**70 is one
+    line naming the option, not numpy's or torch's traceback after the model loaded and the passes ran."""
+    for dest, value in vars(ns).items():
+        if is_seed(dest) and value is not None:
+            check_seed(value, f"--{dest.replace('_', '-')}")
 
 
 def _terminate(signum, frame) -> None:
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     team = distributed.SOLO
     try:
         with sigterm_as_interrupt(), held_warnings() as held:
+            check_seeds(ns)
             team = ns.team = distributed.team()          # SOLO unless a launcher started several processes
             if not team.is_main:
                 if not command.distributed:
@@ -135,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             if out is not None:
                 check_output_file(out, "--out")          # before any work: say now what is wrong with it
             Placement.of(**placement_kwargs(ns))         # --device / --dtype / ..., whatever the source (--checkpoint)
-            payload, rows = command.run(ns)
+            stdout = sys.stdout                          # the result's alone: what the work prints goes to stderr
+            with redirect_stdout(sys.stderr):            # (a harness task's module, a library's print)
+                payload, rows = command.run(ns)
             cancel.raise_if_signalled()          # stopped after the last cancel point: write nothing
             text = render(payload, rows, getattr(ns, "format", "json"))
             if not team.is_main:
@@ -143,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             elif out is not None:
                 atomic_write(out, text, what="--out")
             else:
-                sys.stdout.write(text)
+                stdout.write(text)
         held.emit()                                  # a success: the held warnings, after the result
     except HeadscopeError as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)   # one line, whatever the message holds

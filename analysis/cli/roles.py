@@ -24,7 +24,7 @@ import numpy as np
 from analysis.cli.common import (add_output_arguments, add_source_arguments, add_store_arguments, check_counts,
                                  load_source, progress_bar, refused_line, register, stored_words)
 from analysis.core.atomic import path_problem
-from analysis.core.errors import SEED_MAX, InputError, first_line
+from analysis.core.errors import InputError, first_line
 from analysis.core.text import MAX_TOKENS_LIMIT
 from analysis.score.masks import check_sparsity
 
@@ -98,7 +98,7 @@ def run(ns):
     from analysis.score.specialization import MAX_PERMUTATIONS
     check_counts(ns, {"max_tokens": (2, MAX_TOKENS_LIMIT), "seq_len": (2, MAX_PATTERN_TOKENS),  # before any work
                       "length": (MIN_REPEAT, MAX_REPEAT), "n_sequences": (1, MAX_SEQUENCES),
-                      "permutations": (1, MAX_PERMUTATIONS), "seed": (0, SEED_MAX)})
+                      "permutations": (1, MAX_PERMUTATIONS)})          # the seed: cli.main.check_seeds
     check_z(ns.z)
     if ns.sparsity is not None:
         check_sparsity(ns.sparsity)

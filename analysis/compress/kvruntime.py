@@ -1,6 +1,6 @@
 """Running a model under a KV plan: the physically pruned twin, its windows, and the compact cache.
 
-`kv_plan_model(model, plan)` is the deployable form of a `analysis.score.kvplan.KVPlan`:
+`kv_plan_model(model, plan)` is the deployable form of a `analysis.arch.kvplan.KVPlan`:
 - the plan's pruned KV heads (and every query head of their groups) are removed by surgery
   (`analysis.compress.surgery.prune_heads(model, plan.pruned_heads())`: whole groups, so no KV head is
   ever copied), giving a smaller twin that shares every untouched tensor with `model`;
@@ -15,25 +15,26 @@ The twin under its mapped windows computes what the dense model computes under `
 (the masked path: gates for the pruned heads, a banded mask for the windows), exactly in float64; a
 cached decode with the compact cache computes what the full forward computes under the same windows.
 
-`greedy(model, ids, steps, cache=...)` is the decode loop both the tests and the speed report run.
+`greedy(model, ids, steps, cache=...)` (analysis.measure.decode, re-exported here) is the decode loop both the
+tests and the speed report run.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
-import torch
 from torch import nn
 
-from analysis.arch.adapters import adapter_for, input_device
+from analysis.arch.adapters import adapter_for
 from analysis.arch.cut import Cut
 from analysis.arch.kvcache import CompactCache, windowed_rows
 from analysis.arch.kvplan import KVPlan, mode_rows
 from analysis.arch.spans import spans
 from analysis.compress.surgery import HeadLayout, prune_heads
 from analysis.core.errors import InputError
+from analysis.measure.decode import GreedyRun, greedy  # noqa: F401 (the decode loop's home is measure.decode)
 
 
 @dataclass
@@ -85,35 +86,6 @@ def kv_plan_model(source, plan: KVPlan) -> KVPlanModel:
     plan.check_geometry(adapter.geometry(model))
     twin, layout = prune_heads(model, plan.pruned_heads(), adapter=adapter, kv_policy="strict")
     return KVPlanModel(twin, mode_rows(plan, layout.kv_heads), layout, plan)
-
-
-@dataclass
-class GreedyRun:
-    """A greedy decode: the prompt's last logits and each step's, the tokens chosen, the cache's bytes."""
-    tokens: torch.Tensor                 # [B, steps] chosen tokens
-    logits: torch.Tensor                 # [B, steps, V] the logits each token was chosen from
-    kv_bytes: list[int]                  # after the prompt, then after each step that fed a token
-
-
-def greedy(model: nn.Module, ids: torch.Tensor, steps: int, *, cache=None,
-           kv_bytes: Callable[[object], int] | None = None) -> GreedyRun:
-    """Prefill `ids` [B, T] and decode `steps` tokens greedily, one step each, with `cache` (None: the
-    model's own DynamicCache). kv_bytes(cache) is recorded after the prompt and after every step."""
-    ids = ids.to(input_device(model))
-    sizes, chosen, logits = [], [], []
-    with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        for step in range(steps):
-            if kv_bytes is not None:
-                sizes.append(kv_bytes(cache))
-            last = out.logits[:, -1]                                      # [B, V]
-            token = last.argmax(-1, keepdim=True)                         # [B, 1]
-            chosen.append(token)
-            logits.append(last)
-            if step + 1 < steps:
-                out = model(input_ids=token, past_key_values=cache, use_cache=True)
-    return GreedyRun(torch.cat(chosen, 1), torch.stack(logits, 1), sizes)
 
 
 def physical(cut: Cut | None, source, *, kv_policy: str = "auto") -> Cut | None:

@@ -38,7 +38,7 @@ from analysis.arch.models import count_parameters
 from analysis.compress.kvruntime import KVPlanModel, kv_plan_model
 from analysis.compress.speed import FlopCount, alternating_times, forward_flops
 from analysis.compress.surgery import HeadLayout
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, no_progress
 from analysis.core.threads import torch_threads
 from analysis.measure.evaluation import context_length
@@ -174,6 +174,7 @@ def measure_kv(source, plans: dict[str, KVPlan], *, context: int, decode_steps: 
     decode_steps = check_whole_number(decode_steps, "The decode steps", low=1)
     repeats = check_whole_number(repeats, "The rounds", low=1)
     warmup = check_whole_number(warmup, "The warm-up rounds", low=0)
+    seed = check_seed(seed, "The random ids' seed")
     limit = context_length(model, default=1 << 30)
     needed = context + decode_steps * (warmup + repeats) + 1
     if needed > limit:

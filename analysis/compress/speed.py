@@ -31,6 +31,7 @@ from torch import nn
 from analysis.arch.adapters import Adapter, adapter_for, in_memory_copy, input_device, is_dispatched
 from analysis.arch.head_gates import gates_from_mask, head_mask
 from analysis.arch.models import count_parameters
+from analysis.core.errors import check_seed
 from analysis.core.progress import Progress, ShouldStop, check_stop, no_progress
 from analysis.core.threads import torch_threads
 from analysis.arch.resize import matmul_module_types
@@ -295,6 +296,7 @@ def measure(model: nn.Module, pruned, *, kv_policy: str = "auto", prefill: tuple
     `model` is not changed (the mask hooks are removed after each call; surgery builds a twin that
     shares its untouched weights, only run forward here)."""
     report = progress or no_progress
+    seed = check_seed(seed, "The random ids' seed")
     adapter = adapter_for(model)
     g = adapter.geometry(model)
     report(0.0, "physically pruning a copy")

@@ -79,3 +79,10 @@ def check_seed(seed, what: str = "The seed") -> int:
     """`seed` as an int in 0 .. SEED_MAX (`check_whole_number`); InputError otherwise (2**70 would end in an
     OverflowError deep inside torch)."""
     return check_whole_number(seed, what, low=0, high=SEED_MAX)
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """The seed of a run's next generator (a second text set, a training epoch): `seed + offset` wrapped into
+    0 .. SEED_MAX, so a seed `check_seed` passed never derives one that numpy or torch refuses (the same value
+    as `seed + offset` whenever that is in range)."""
+    return (int(seed) + int(offset)) % (SEED_MAX + 1)

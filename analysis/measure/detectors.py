@@ -60,6 +60,7 @@ MAX_SEQUENCES = 4096    # repeated random sequences
 def repeated_random_tokens(vocab_size: int, n_sequences: int, length: int, *, seed: int = 0,
                            bos_id: int | None = None, exclude=()) -> torch.Tensor:
     """ids [n, (1) + 2N]: [BOS] r r, r = `length` distinct random token ids (seeded), per sequence."""
+    seed = check_seed(seed)                                             # torch's generator: 0 .. SEED_MAX
     if length < MIN_REPEAT:
         raise InputError(f"The repeated random sequence needs at least {MIN_REPEAT} tokens per copy; got {length}.")
     banned = set(int(t) for t in exclude) | ({int(bos_id)} if bos_id is not None else set())
@@ -67,7 +68,7 @@ def repeated_random_tokens(vocab_size: int, n_sequences: int, length: int, *, se
     if allowed.numel() < length:
         raise InputError(f"The vocabulary has {allowed.numel()} usable tokens, fewer than the {length} distinct "
                          f"random tokens asked for; use a shorter repeat length.")
-    g = torch.Generator().manual_seed(int(seed))
+    g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(max(1, int(n_sequences))):
         r = allowed[torch.randperm(allowed.numel(), generator=g)[:length]]     # [N]

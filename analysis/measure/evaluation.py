@@ -48,11 +48,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from analysis.arch.cut import Cut
+from analysis.arch.cut import Cut, checked
 from analysis.arch.hooks import attached
 from analysis.arch.adapters import adapter_for, input_device
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.arch.head_gates import as_gates, gates_from_mask, head_mask
 from analysis.measure.loss import token_nll
 from analysis.arch.models import mean_pool
@@ -513,16 +513,17 @@ def evaluate(loaded, text: str | bytes | None = None, *, gates=None, pruned=None
     window = check_whole_number(window, "window", low=2, high=MAX_TOKENS_LIMIT, none_ok=True)
     stride = check_whole_number(stride, "stride", low=1, high=MAX_TOKENS_LIMIT, none_ok=True)
     batch_size = check_whole_number(batch_size, "batch_size", low=1, high=2**16)
+    cut = checked(cut, loaded.geometry)
     if cut is not None and (gates is not None or pruned is not None):
         raise InputError("Give one cut: a cut, or gates / a mask, not both.")
     if cut is not None and cut.kind == "mask":
-        pruned, cut = cut.check(loaded.geometry).mask, None               # masks batch through the gates
+        pruned, cut = cut.mask, None                                      # masks batch through the gates
     g = gate_batch(loaded.model, gates, pruned)                        # [B, L, H] | None
     ev = evaluator_for(loaded.kind, window=window, stride=stride, batch_size=batch_size)
     inputs = ev.prepare(loaded.tokenizer, default_text() if text is None else text, max_tokens)
     if cut is None:
         return ev.measure(loaded.model, inputs, g, progress=progress, should_stop=should_stop, team=team)
-    with cut.check(loaded.geometry).running(loaded.model, adapter=loaded.adapter) as model:
+    with cut.running(loaded.model, adapter=loaded.adapter) as model:
         return ev.measure(model, inputs, None, progress=progress, should_stop=should_stop, team=team)
 
 
@@ -531,7 +532,7 @@ def bootstrap_perplexity(sums: np.ndarray, counts: np.ndarray, n: int, seed: int
 
     sums [B, W] summed NLL per row and window, counts [W] scored tokens (`CausalPerplexity.window_nll`)
     -> [n, B]; a 95 % CI is np.percentile(..., [2.5, 97.5], axis=0)."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed, "The bootstrap's seed"))
     picks = rng.integers(0, counts.size, size=(n, counts.size))                # [n, W]
     return np.exp(sums[:, picks].sum(axis=2).T / counts[picks].sum(axis=1)[:, None])   # [n, B]
 

@@ -21,9 +21,15 @@ surgery computes), or a model of its own (surgery's twin, an export folder's wei
 built. The dense model is never changed: the harness gets a copy of the tokenizer (it may add a pad token)
 and its `tie_weights` call is skipped for the run (it could re-tie an untied head).
 
+Generative tasks (`generate_until`) run too, greedily, one prompt at a time: the harness's prompts, its
+stop rules (the task's `until` strings and the tokenizer's EOS, cut from the text as the harness cuts them,
+the model's EOS token id as transformers' generate stops on it) and its `process_results` scoring; the
+decode loop is headscope's own (`generate_greedy`: a prefill, then one token a step with a KV cache), so
+each row's real KV-cache bytes after the prompt and at the end, and its decode speed, are recorded
+(`HarnessRun.generations`). A sampling task (do_sample, a temperature above 0) is refused with one line.
+
 `lm_eval` is imported only here and only when a run needs it: `harness_missing()` is the one line that says
-what to install. Only log-likelihood tasks run (multiple_choice, loglikelihood, loglikelihood_rolling); a
-generative task is refused with one line.
+what to install.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analysis.core.errors import InputError, check_whole_number, first_line
+from analysis.core.errors import InputError, check_whole_number, first_line, shorten
 from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
 
 HARNESS_VERSION = "0.4.13"
@@ -47,9 +53,15 @@ DEFAULT_BATCH_SIZE = 8
 BOOTSTRAP_ITERS = 1000          # the harness's resampled stderrs (median, F1, ...); acc's is in closed form
 FEWSHOT_SEED = 1234             # the harness's default (simple_evaluate's fewshot_random_seed)
 LOGLIKELIHOOD_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
+GENERATE_TYPES = ("generate_until",)
+REQUEST_TYPE = {"multiple_choice": "loglikelihood", "loglikelihood": "loglikelihood",       # output type ->
+                "loglikelihood_rolling": "loglikelihood_rolling", "generate_until": "generate_until"}   # the LM call
 DATA_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}   # suffix -> datasets builder
 LOGITS_COPIES = 2               # a forward batch holds its logits and their log-softmax at once
 MEMORY_SHARE = 0.8              # of the free memory, what a perplexity batch's logits may take
+TASK_CONFIG_MAX_BYTES = 2**20   # a task config (or a file it includes) is a few KiB
+TASK_MODULE_MAX_BYTES = 16 * 2**20   # a `!function` module next to a config
+SKIPPED_FOLDERS = ("__pycache__", ".ipynb_checkpoints")   # what the harness's task index skips (lm_eval.tasks._index)
 
 
 @dataclass(frozen=True)
@@ -194,23 +206,113 @@ class PreparedTasks:
         return n if self.limit is None else min(n, self.limit)
 
     def request_types(self) -> list[str]:
-        """The harness's request calls of a run, in its order: log-likelihoods, rolling log-likelihoods."""
-        kinds = []
-        for task in self.tasks.values():
-            kind = "loglikelihood" if task.OUTPUT_TYPE != "loglikelihood_rolling" else "loglikelihood_rolling"
-            if kind not in kinds:
-                kinds.append(kind)
-        return kinds
+        """The harness's request calls of a run, in its order (log-likelihoods, rolling log-likelihoods,
+        generations: as the tasks come)."""
+        return list(dict.fromkeys(REQUEST_TYPE[task.OUTPUT_TYPE] for task in self.tasks.values()))
 
 
 def _check_folder(task_dir) -> Path | None:
+    """The task folder, resolved, made safe before the harness reads it (InputError, one line, otherwise):
+    every *.yaml its task index opens is a regular file inside the folder (a FIFO named pipe.yaml hung it), and
+    so is every config one includes and every `!function` module one imports (an include reaching outside the
+    folder ran a module from there; `!function this.s` imported `this` from Python's path)."""
     if task_dir is None or str(task_dir).strip() == "":
         return None
     folder = Path(str(task_dir)).expanduser()
     if not folder.is_dir():
         raise InputError(f"The task folder {folder} is not a folder: give a folder of task configs "
                          f"and/or <task>/<split>.jsonl data files ({DOCS}).")
-    return folder.resolve()
+    folder, seen = folder.resolve(), set()
+    for path in sorted(folder.glob("**/*.yaml")):                     # the files the harness's index opens
+        if not any(part in SKIPPED_FOLDERS for part in path.relative_to(folder).parts):
+            _check_config(path, folder, seen)
+    return folder
+
+
+class _Function(str):
+    """A `!function module.name` reference of a task config, read without importing anything."""
+
+
+@functools.cache
+def _scan_loader():
+    """A YAML loader of the harness's syntax that runs nothing: `!function` gives a `_Function`, any other tag
+    None (so it reads every file the harness's own loader reads, and sees every include and module it would)."""
+    import yaml
+    base = yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader
+
+    class Scan(base):
+        pass
+    Scan.add_constructor("!function", lambda loader, node: _Function(loader.construct_scalar(node)))
+    Scan.add_multi_constructor("", lambda loader, suffix, node: None)
+    return Scan
+
+
+def _inside(path: Path, folder: Path, what: str, fix: str) -> Path:
+    """`path` resolved (what the harness opens: it resolves a config's path, and reads includes and modules from
+    its folder), InputError unless it lies inside `folder`."""
+    real = path.resolve()
+    if not real.is_relative_to(folder):
+        raise InputError(f"{what} {shorten(path, 120)} leads outside the task folder {shorten(folder, 120)} (to "
+                         f"{shorten(real, 120)}); {fix}.")
+    return real
+
+
+def _check_config(path: Path, folder: Path, seen: set, what: str = "The task config") -> None:
+    """One task config and, recursively, the configs it includes: regular files inside the folder, each
+    `!function` module a regular file inside the folder next to the config that names it."""
+    import yaml
+
+    from analysis.core.files import read_file_bytes
+    fix = (f"a task folder holds regular files only, and its configs include and import files inside it "
+           f"({shorten(folder, 120)}; {DOCS})")
+    real = _inside(path, folder, what, fix)
+    if real in seen:
+        return
+    seen.add(real)
+    raw = read_file_bytes(real, TASK_CONFIG_MAX_BYTES, what=what, fix=fix)
+    try:
+        cfg = yaml.load(raw, Loader=_scan_loader())     # noqa: S506 - the loader constructs plain data only
+    except (yaml.YAMLError, RecursionError):
+        return                                          # the harness cannot read it either: it skips the file
+    if not isinstance(cfg, dict):
+        return
+    includes = cfg.get("include")
+    for name in includes if isinstance(includes, list) else [] if includes is None else [includes]:
+        _check_config(real.parent / str(name), folder, seen,          # an absolute name replaces the folder
+                      f"{shorten(real.name, 80)}'s include")
+    for spec in _functions(cfg):
+        _check_module(spec, real, folder, fix)
+
+
+def _functions(cfg: dict) -> list[str]:
+    """Every `!function` reference in a config read by `_scan_loader`; each list or mapping visited once (YAML
+    aliases can make a small file a huge tree: "billion laughs")."""
+    found, todo, seen = [], [cfg], set()
+    while todo:
+        value = todo.pop()
+        if isinstance(value, _Function):
+            found.append(str(value))
+        elif isinstance(value, (dict, list)) and id(value) not in seen:
+            seen.add(id(value))
+            todo.extend(value.values() if isinstance(value, dict) else value)
+    return found
+
+
+def _check_module(spec: str, config: Path, folder: Path, fix: str) -> None:
+    """`!function pkg.module.name` of `config`: the harness imports pkg/module.py from the config's folder when
+    that file is there, else `pkg.module` from Python's path (`this` prints the Zen of Python into the CLI's
+    JSON); only a regular file inside the task folder is allowed."""
+    from analysis.core.files import check_regular_size
+    module = spec.rpartition(".")[0]
+    if not module:
+        return                                          # no module: the harness refuses the config itself
+    file = config.parent / f"{module.replace('.', '/')}.py"
+    if not file.exists():
+        raise InputError(f"The task config {shorten(config, 120)} names `!function {shorten(spec, 80)}`, but "
+                         f"{shorten(file, 120)} is not there: the harness would import {shorten(module, 60)!r} from "
+                         f"Python's path instead. Put {file.name} next to the config; {fix}.")
+    real = _inside(file, folder, f"The module of `!function {shorten(spec, 80)}`", fix)
+    check_regular_size(real, TASK_MODULE_MAX_BYTES, what="The task module", fix=fix)
 
 
 def _folder_manager(folder: Path | None):
@@ -306,6 +408,10 @@ def _resolved(value, base: Path, missing: list):
     full = full if full.is_absolute() else base / full
     if not full.exists():
         missing.append(str(full))
+    elif not full.is_dir():                             # the datasets library would read a FIFO for ever
+        from analysis.core.files import open_regular
+        with open_regular(full, what="The task's data file", fix=f"give its data as regular files ({DOCS})"):
+            pass
     return str(full)
 
 
@@ -403,8 +509,8 @@ def check_task_names(names) -> tuple[str, ...]:
 def prepare_tasks(names, task_dir=None, *, limit: int | None = None) -> PreparedTasks:
     """The harness's tasks of `names` (a list or "a,b"), from the task folder or the standard configs, with
     their data checked and loaded (offline). InputError, one line, for: the harness missing, a name the
-    folder does not define (naming those it does), data that is not here (where to put which files), a
-    generative task."""
+    folder does not define (naming those it does), data that is not here (where to put which files), an
+    output type headscope has no call for, a generation that samples."""
     require_harness()
     names = check_task_names(names)
     if limit is not None:
@@ -432,11 +538,44 @@ def prepare_tasks(names, task_dir=None, *, limit: int | None = None) -> Prepared
             for key in merged:
                 merged[key].update(built.get(key, {}))
             sources[name] = source
+    return _checked(names, merged, sources, folder, limit)
+
+
+def prepare_configs(configs: dict, sources: dict, *, limit: int | None = None) -> PreparedTasks:
+    """PreparedTasks from task configs built in memory (name -> the harness's config dict, e.g. one of its own
+    YAMLs with the dataset replaced by a `custom_dataset` function; name -> TaskSource saying where it came
+    from), checked like `prepare_tasks`' (output types, zero-shot unless the config says otherwise)."""
+    require_harness()
+    if limit is not None:
+        check_whole_number(limit, "--limit (documents per task)", low=1)
+    manager = _folder_manager(None)
+    merged = {"tasks": {}, "groups": {}, "group_map": {}}
+    with _quiet(), _offline():
+        for name, cfg in configs.items():
+            built = _build(manager, cfg, name, cfg, sources[name], None)
+            for key in merged:
+                merged[key].update(built.get(key, {}))
+    return _checked(tuple(configs), merged, dict(sources), None, limit)
+
+
+def _check_output(name: str, task) -> None:
+    """One line for a task headscope cannot run: an output type it has no LM call for, or a generation that
+    samples (headscope generates greedily)."""
+    if task.OUTPUT_TYPE not in LOGLIKELIHOOD_TYPES + GENERATE_TYPES:
+        raise InputError(f"Task {name!r} has output_type {task.OUTPUT_TYPE}; headscope runs the harness's "
+                         f"{', '.join(LOGLIKELIHOOD_TYPES + GENERATE_TYPES)} tasks ({DOCS}).")
+    if task.OUTPUT_TYPE in GENERATE_TYPES:
+        kwargs = task.get_config("generation_kwargs") or {}
+        if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
+            raise InputError(f"Task {name!r} samples its generations (generation_kwargs {kwargs}); headscope "
+                             f"generates greedily (do_sample false, temperature 0), the same tokens on every run.")
+
+
+def _checked(names, merged: dict, sources: dict, folder: Path | None, limit: int | None) -> PreparedTasks:
+    """The built tasks checked (`_check_output`), zero-shot unless a config says otherwise, with the harness's
+    few-shot seed, and each source's output types and document count filled in."""
     for task_name, task in merged["tasks"].items():
-        if task.OUTPUT_TYPE not in LOGLIKELIHOOD_TYPES:
-            raise InputError(f"Task {task_name!r} generates text (output_type {task.OUTPUT_TYPE}); headscope runs the "
-                             f"harness's log-likelihood tasks ({', '.join(LOGLIKELIHOOD_TYPES)}): BoolQ, PIQA, "
-                             f"HellaSwag, WinoGrande, ARC, OpenBookQA, WikiText and the like.")
+        _check_output(task_name, task)
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)    # zero-shot unless the config says otherwise
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
@@ -467,6 +606,112 @@ def request_tokens(prepared: PreparedTasks, tokenizer, *, sample: int = 32) -> i
     return int(math.ceil(total))
 
 
+# -- generation -------------------------------------------------------------------------------------------
+
+def prompt_encoding(tokenizer, context: str, *, add_bos_token: bool | None = None, offsets: bool = False):
+    """The harness's HFLM encoding of a generation prompt (its tok_batch_encode of one string, before any
+    truncation): the tokenizer's own special tokens unless the text already starts with its BOS token, or as
+    add_bos_token says (HFLM's option; None: the tokenizer's default). offsets: each token's character span too
+    (a fast tokenizer's offset_mapping)."""
+    from lm_eval.models.utils import has_bos_prefix
+    if has_bos_prefix(context, getattr(tokenizer, "bos_token", None)):
+        special = {"add_special_tokens": False}
+    else:
+        special = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
+    return tokenizer(context, return_offsets_mapping=offsets, **special)
+
+
+def prompt_ids(tokenizer, context: str, *, add_bos_token: bool | None = None) -> list[int]:
+    """The token ids the harness's HFLM feeds for a generation prompt (`prompt_encoding`)."""
+    return list(prompt_encoding(tokenizer, context, add_bos_token=add_bos_token)["input_ids"])
+
+
+def generation_rules(gen_kwargs: dict, eos_text: str | None, default_max: int = 256) -> tuple[list[str], int]:
+    """(stop strings, max new tokens) of a request's generation_kwargs, as HFLM.generate_until reads them:
+    the task's `until` (a string or a list) with the EOS text added, and max_gen_toks (or an alias; HFLM's
+    default 256 when none is given)."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+    kwargs = normalize_gen_kwargs(gen_kwargs, default_max)
+    return handle_stop_sequences(kwargs.pop("until", None), eos=eos_text), int(kwargs.pop("max_gen_toks"))
+
+
+def eos_ids(model) -> tuple[int, ...]:
+    """The token ids transformers' generate stops on: the model's generation config's eos_token_id."""
+    eos = model.generation_config.eos_token_id
+    return () if eos is None else tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One greedy generation: the new tokens, why it stopped, and what it cost."""
+    tokens: list                   # the generated ids (an EOS that stopped it included)
+    stopped: str                   # "eos" | "until" (a stop sequence) | "length" (max_new_tokens)
+    prompt_tokens: int
+    prefill_s: float               # the prompt's forward pass and the first token
+    decode_s: float                # every later token: one forward step each
+    kv_bytes_prompt: int           # the KV cache's real K / V bytes after the prompt
+    kv_bytes_end: int              # ... after the last step (the prompt and every new token but the last)
+
+    @property
+    def decode_steps(self) -> int:
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode speed: tokens of the decode steps per second (None when the prefill's token was the only one)."""
+        return self.decode_steps / self.decode_s if self.decode_steps and self.decode_s > 0 else None
+
+    def row(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, new_tokens=len(self.tokens), stopped=self.stopped,
+                    prefill_s=self.prefill_s, decode_s=self.decode_s, tokens_per_s=self.tokens_per_s,
+                    kv_bytes_prompt=self.kv_bytes_prompt, kv_bytes_end=self.kv_bytes_end)
+
+
+def generate_greedy(model, ids, *, max_new_tokens: int, eos=(), stop=(), cache=None,
+                    progress: Progress | None = None, should_stop: ShouldStop | None = None) -> Generated:
+    """Greedy decoding of one prompt ids [1, T] as transformers' generate does it: a prefill, then one token a
+    step with the KV cache `cache` (None: the model's own DynamicCache; a KV plan's compact cache for one
+    prompt), stopping after max_new_tokens, on a token in `eos`, or when a stop rule (`stop`: callables of
+    the whole sequence [1, T + k] and None, the harness's MultiTokenEOSCriteria) says so; the token that
+    stopped it is kept, as generate keeps it."""
+    import torch
+
+    from analysis.arch.adapters import input_device
+    from analysis.arch.kvcache import kv_cache_bytes
+    check_whole_number(max_new_tokens, "max_new_tokens", low=1)
+    device = input_device(model)
+    ids = ids.to(device)                                                     # [1, T]
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    check_stop(should_stop, "The generation")
+    new, stopped, seq = [], "length", ids
+    with torch.no_grad():
+        t0 = now()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        kv_prompt = kv_cache_bytes(cache)
+        t1 = now()
+        for step in range(max_new_tokens):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)                 # [1, 1]
+            new.append(int(token))
+            seq = torch.cat([seq, token], dim=1)                               # [1, T + k]
+            if new[-1] in eos:
+                stopped = "eos"
+            elif any(bool(rule(seq, None)) for rule in stop):
+                stopped = "until"
+            if stopped != "length" or step + 1 == max_new_tokens:
+                break
+            check_stop(should_stop, "The generation")
+            report(progress, (step + 1) / max_new_tokens, f"{step + 1} tokens")
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        t2 = now()
+    return Generated(new, stopped, int(ids.shape[1]), t1 - t0, t2 - t1, kv_prompt, kv_cache_bytes(cache))
+
+
 # -- the model behind the harness --------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
@@ -476,14 +721,19 @@ def _lm_class():
     from lm_eval.models.huggingface import HFLM
 
     class HeadscopeLM(HFLM):
-        """The harness's HF model class over a model in memory. Only additions: `track` sets a progress
-        callback and a stop check; each request call (log-likelihoods, rolling log-likelihoods) is a phase
-        whose rows (forward sequences) are counted at each `_model_call`."""
+        """The harness's HF model class over a model in memory. Additions: `track` sets a progress callback, a
+        stop check and where a generation's KV cache comes from; each request call (log-likelihoods, rolling
+        log-likelihoods, generations) is a phase whose rows (forward sequences, generated rows) are counted;
+        `generate_until` is headscope's (greedy, one prompt at a time, costs recorded in `generations`)."""
 
-        def track(self, progress: Progress | None, should_stop: ShouldStop | None, phases: int) -> None:
+        def track(self, progress: Progress | None, should_stop: ShouldStop | None, phases: int,
+                  new_cache=None) -> None:
+            """new_cache: () -> a KV cache for one prompt and its steps (None: the model's own)."""
             self._progress, self._should_stop = progress, should_stop
             self._phases, self._phase, self._rows, self._done = max(phases, 1), -1, 1, 0
             self._what, self._pending = "", None
+            self._new_cache = new_cache or (lambda: None)
+            self.generations: dict[str, list] = {}
 
         def _begin(self, rows: int, what: str) -> None:
             self._phase, self._rows, self._done, self._what = self._phase + 1, max(int(rows), 1), 0, what
@@ -491,7 +741,8 @@ def _lm_class():
 
         def _tell(self) -> None:
             fraction = (self._phase + min(self._done / self._rows, 1.0)) / self._phases
-            report(self._progress, fraction, f"{self._what}: {min(self._done, self._rows)} of {self._rows} sequences")
+            done = int(min(self._done, self._rows))
+            report(self._progress, fraction, f"{self._what}: {done} of {self._rows} sequences")
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             self._pending = "multiple choice"
@@ -512,6 +763,48 @@ def _lm_class():
                 self._begin(rows, self._pending)
                 self._pending = None
             return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
+
+        def _within(self, row: int) -> Progress:
+            """Progress inside one generated row: `row` rows done and a fraction of this one."""
+            def at(fraction: float, message: str) -> None:
+                self._done = row + fraction
+                self._tell()
+            return at
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            """Each request's greedy generation, one prompt at a time (HFLM.generate_until's tokens, truncation,
+            stop rules and text post-processing; headscope's decode loop, which records each row's KV bytes and
+            speed in self.generations[task])."""
+            import torch
+            from lm_eval.models.utils import postprocess_generated_text
+            from lm_eval.models.utils_hf import stop_sequences_criteria
+
+            from analysis.measure.probes.longcontext import stop_between_layers
+            self._begin(len(requests), "generation")
+            eos_text = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+            stop_ids, out = eos_ids(self.model), []
+            with stop_between_layers(self.model, self._should_stop, "The harness run"):
+                for i, request in enumerate(requests):
+                    context, gen_kwargs = request.args
+                    until, max_new = generation_rules(gen_kwargs, eos_text, self.max_gen_toks)
+                    room = self.max_length - max_new
+                    if room <= 0:
+                        raise InputError(f"Task {request.task_name!r} generates up to {max_new} tokens, as many as the "
+                                         f"model reads ({self.max_length}): no room for its prompt.")
+                    ids = prompt_ids(self.tokenizer, context, add_bos_token=self.add_bos_token)
+                    run = generate_greedy(self.model, torch.tensor([ids[-room:]]), max_new_tokens=max_new,
+                                          eos=stop_ids, stop=stop_sequences_criteria(self.tokenizer, until,
+                                                                                     min(len(ids), room), 1),
+                                          cache=self._new_cache(), progress=self._within(i),
+                                          should_stop=self._should_stop)
+                    text = postprocess_generated_text(self.tok_decode(run.tokens), until, None)
+                    self.generations.setdefault(request.task_name, []).append(
+                        dict(doc_id=int(request.doc_id), truncated=len(ids) > room, max_new_tokens=max_new,
+                             **run.row()))
+                    out.append(text)
+                    self._done = i + 1
+                    self._tell()
+            return out
 
         def _model_call(self, inps, attn_mask=None, labels=None):
             check_stop(self._should_stop, "The harness run")
@@ -589,16 +882,28 @@ class HarnessRun:
     seconds: float
     batch_size: int
     max_length: int
-    samples: dict = field(default_factory=dict)   # task -> [{doc_id, arguments, loglikelihoods}] (keep_samples)
+    samples: dict = field(default_factory=dict)   # task -> [{doc_id, arguments, loglikelihoods | generation,
+                                                  #           metrics}] (keep_samples)
+    generations: dict = field(default_factory=dict)   # task -> [Generated.row() + doc_id, truncated, max_new_tokens]
 
     def as_dict(self) -> dict:
         return dict(metrics={t: {m: dict(value=v, stderr=s) for m, (v, s) in ms.items()}
                              for t, ms in self.metrics.items()},
                     n_samples=self.n_samples, seconds=self.seconds, batch_size=self.batch_size,
-                    max_length=self.max_length)
+                    max_length=self.max_length, generations=self.generations)
 
 
-def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep_samples: bool) -> HarnessRun:
+def _sample(d: dict) -> dict:
+    """One logged document: its requests' log-likelihoods, or its generation; its metric values."""
+    out = dict(doc_id=int(d["doc_id"]), arguments=[tuple(a) for a in d["arguments"]],
+               metrics={m: d[m] for m in d.get("metrics", ()) if m in d})
+    if d["resps"] and d["resps"][0] and isinstance(d["resps"][0][0], str):
+        return dict(out, generation=d["filtered_resps"][0])             # generate_until: [[text]]
+    return dict(out, loglikelihoods=[float(r[0][0] if isinstance(r[0], (tuple, list)) else r[0]) for r in d["resps"]])
+
+
+def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep_samples: bool,
+           generations: dict) -> HarnessRun:
     metrics, higher, n_samples, samples = {}, {}, {}, {}
     for task, values in results["results"].items():
         ms = {}
@@ -617,37 +922,40 @@ def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep
         n_samples[task] = int(n.get("effective", n.get("original", 0))) if isinstance(n, dict) else 0
     if keep_samples:
         for task, docs in (results.get("samples") or {}).items():
-            samples[task] = [dict(doc_id=int(d["doc_id"]), arguments=[tuple(a) for a in d["arguments"]],
-                                  loglikelihoods=[float(r[0][0] if isinstance(r[0], (tuple, list)) else r[0])
-                                                  for r in d["resps"]]) for d in docs]
-    return HarnessRun(metrics, higher, n_samples, seconds, batch_size, max_length, samples)
+            samples[task] = [_sample(d) for d in docs]
+    return HarnessRun(metrics, higher, n_samples, seconds, batch_size, max_length, samples,
+                      {t: sorted(rows, key=lambda r: r["doc_id"]) for t, rows in generations.items()})
 
 
-def run_harness(model, tokenizer, prepared: PreparedTasks, *, gates=None, adapter=None,
+def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, adapter=None,
                 batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
                 progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessRun:
-    """The prepared tasks on one causal LM in memory (gates [L, H]: under head_mask; None: the model as it
-    is). max_length None: the harness's own (the model's context). keep_samples: every request's
-    log-likelihood too (HarnessRun.samples)."""
+    """The prepared tasks on one causal LM in memory: as it is (cut None), or under a `cut`
+    (analysis.arch.cut.Cut: inside `cut.running(model)`, each generation with its own `cut.new_cache()`,
+    so a KV plan generates with its compact cache). max_length None: the harness's own (the model's context).
+    keep_samples: every request's log-likelihood or generation and each document's metrics too
+    (HarnessRun.samples). Generations run one prompt at a time with a fresh KV cache each
+    (HarnessRun.generations: each row's KV bytes and speed)."""
     require_harness()
     check_whole_number(batch_size, "the harness batch size", low=1, high=2**16)
     check_whole_number(max_length, "the harness max length", low=2, high=2**24, none_ok=True)
     from lm_eval.evaluator import evaluate
 
-    from analysis.arch.head_gates import head_mask      # torch: imported on use (the CLI's parser reads this module)
-    with _quiet():
-        lm = _make_lm(model, tokenizer, batch_size=batch_size, max_length=max_length)
-    _check_logit_memory(prepared, lm, model, batch_size)
-    lm.track(progress, should_stop, len(prepared.request_types()))
-    masked = contextlib.nullcontext() if gates is None else head_mask(model, gates, adapter=adapter)
-    start = time.perf_counter()
+    from analysis.arch.cut import running as cut_running   # torch: imported on use (the CLI's parser reads this)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")       # the harness's bootstrap: no process pool in our process
-    with _quiet(), _offline(), masked:
-        check_stop(should_stop, "The harness run")
-        results = evaluate(lm=lm, task_dict=prepared.loaded, limit=prepared.limit, bootstrap_iters=BOOTSTRAP_ITERS,
-                           log_samples=keep_samples)
+    new_cache = (lambda: None) if cut is None else cut.new_cache
+    with cut_running(cut, model, adapter=adapter) as running:
+        with _quiet():
+            lm = _make_lm(running, tokenizer, batch_size=batch_size, max_length=max_length)
+        _check_logit_memory(prepared, lm, running, batch_size)
+        lm.track(progress, should_stop, len(prepared.request_types()), new_cache=new_cache)
+        start = time.perf_counter()
+        with _quiet(), _offline():
+            check_stop(should_stop, "The harness run")
+            results = evaluate(lm=lm, task_dict=prepared.loaded, limit=prepared.limit,
+                               bootstrap_iters=BOOTSTRAP_ITERS, log_samples=keep_samples)
     report(progress, 1.0, "done")
-    return _parse(results, time.perf_counter() - start, batch_size, lm.max_length, keep_samples)
+    return _parse(results, time.perf_counter() - start, batch_size, lm.max_length, keep_samples, lm.generations)
 
 
 WORSE_STDERRS = 2.0             # a cut is flagged worse beyond this many standard errors of the two runs combined
@@ -705,8 +1013,8 @@ def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessR
     if loaded.kind != "causal-lm":
         raise InputError(f"The harness's tasks score a causal language model's next tokens; {loaded.name} is a "
                          f"{loaded.kind} model.")
-    if cut is not None:
-        cut.check(loaded.geometry)
+    from analysis.arch.cut import checked
+    cut = checked(cut, loaded.geometry)
     run = functools.partial(run_harness, tokenizer=loaded.tokenizer, prepared=prepared, batch_size=batch_size,
                             max_length=max_length, keep_samples=keep_samples, should_stop=should_stop)
     if dense is None:
@@ -714,11 +1022,5 @@ def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessR
         cut_progress = scaled(progress, 0.5, 1.0)
     else:
         cut_progress = progress                             # the dense side was measured before
-    measured = None
-    if cut is not None and cut.kind == "mask":
-        from analysis.arch.head_gates import gates_from_mask
-        measured = run(loaded.model, gates=gates_from_mask(cut.mask), adapter=loaded.adapter, progress=cut_progress)
-    elif cut is not None:
-        with cut.running(loaded.model, adapter=loaded.adapter) as model:
-            measured = run(model, progress=cut_progress)
+    measured = None if cut is None else run(loaded.model, cut=cut, adapter=loaded.adapter, progress=cut_progress)
     return HarnessReport(dense, measured, dict(prepared.sources), prepared.limit)

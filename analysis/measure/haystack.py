@@ -17,13 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from analysis.core.errors import InputError
+from analysis.core.progress import ShouldStop, check_stop
 from analysis.core.text import ARTICLE_SEPARATOR, evaluation_articles
 
 MAX_HAYSTACK_TOKENS = 2**20          # 1 M tokens: far beyond any model this runs on, far below the corpus
 
 
-def haystack(tokenizer, n_tokens: int, *, seed: int = 0) -> torch.Tensor:
-    """ids [n_tokens] of evaluation-half articles in a seeded order (separated as the corpus joins them)."""
+def haystack(tokenizer, n_tokens: int, *, seed: int = 0, should_stop: ShouldStop | None = None) -> torch.Tensor:
+    """ids [n_tokens] of evaluation-half articles in a seeded order (separated as the corpus joins them). A cancel
+    point before every article (a fraction of a millisecond each), so Ctrl-C or Stop ends the build of a long
+    context at once, not after the dozens of 8k-token haystacks a run builds."""
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 1 <= n_tokens <= MAX_HAYSTACK_TOKENS:
         raise InputError(f"A haystack holds 1 to {MAX_HAYSTACK_TOKENS} tokens; got {n_tokens!r}.")
     articles = evaluation_articles()
@@ -31,6 +34,7 @@ def haystack(tokenizer, n_tokens: int, *, seed: int = 0) -> torch.Tensor:
     random.Random(f"headscope-haystack:{seed}").shuffle(order)
     pieces, have = [], 0
     for i in order:
+        check_stop(should_stop, "Building the long contexts")
         ids = tokenizer(articles[i].text + ARTICLE_SEPARATOR, add_special_tokens=False, verbose=False)["input_ids"]
         pieces.append(torch.tensor(ids, dtype=torch.long))
         have += len(ids)

@@ -191,7 +191,7 @@ def needle_content(kind: str, rng: random.Random) -> str:
 
 
 def needle_items(tokenizer, lengths, depths=DEFAULT_DEPTHS, *, needles: int = DEFAULT_NEEDLES,
-                 seed: int = 0) -> list[NeedleItem]:
+                 seed: int = 0, should_stop: ShouldStop | None = None) -> list[NeedleItem]:
     """Items for every length x needle x depth, each exactly `length` tokens: [BOS] text-with-needle
     question answer. Needle n has the same content and the same haystack at every depth (only the
     needle moves) and at every length (a longer haystack starts with the same text: seeded by n)."""
@@ -219,7 +219,7 @@ def needle_items(tokenizer, lengths, depths=DEFAULT_DEPTHS, *, needles: int = DE
                 raise InputError(f"A context of {length} tokens is too short for a retrieval item: its needle, "
                                  f"question and answer take {fixed} tokens, leaving {max(n_text, 0)} of text (it "
                                  f"needs {MIN_HAYSTACK}); use at least {fixed + MIN_HAYSTACK} tokens.")
-            filler = haystack(tokenizer, n_text, seed=hay_seed)          # [n_text]
+            filler = haystack(tokenizer, n_text, seed=hay_seed, should_stop=should_stop)   # [n_text]
             ends = sentence_ends(tokenizer, filler)
             for depth in depths:
                 placed = place(filler, needle, depth, ends=ends)
@@ -308,11 +308,11 @@ class RetrievalDetector:
         """The token count of every forward pass `detect` runs (for time estimates)."""
         return [n for n in self.resolved_lengths(model) for _ in range(self.needles * len(self.depths))]
 
-    def items(self, model) -> list[NeedleItem]:
+    def items(self, model, should_stop: ShouldStop | None = None) -> list[NeedleItem]:
         if self.tokenizer is None:
             raise InputError("The retrieval detector builds its text with the model's tokenizer; this model has none.")
         return needle_items(self.tokenizer, self.resolved_lengths(model), self.depths, needles=self.needles,
-                            seed=self.seed)
+                            seed=self.seed, should_stop=should_stop)
 
     @classmethod
     def for_options(cls, tokenizer, options: dict) -> "RetrievalDetector":
@@ -322,7 +322,7 @@ class RetrievalDetector:
 
     def detect(self, model, ids=None, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
-        items = self.items(model)
+        items = self.items(model, should_stop)
         scores, accuracy = retrieval_scores(model, items, gates=gates, layout=layout, progress=progress,
                                             should_stop=should_stop)
         lengths = sorted({it.length for it in items})
@@ -443,10 +443,11 @@ def streaming_scores(model, sequences, *, window: Window = Window(), queries: in
     return kv_sum / count, head
 
 
-def streaming_text(tokenizer, length: int, *, seed: int = 0) -> torch.Tensor:
+def streaming_text(tokenizer, length: int, *, seed: int = 0, should_stop: ShouldStop | None = None) -> torch.Tensor:
     """ids [length]: [BOS] + built-in text (a haystack without a needle)."""
     bos = _bos(tokenizer)
-    return torch.cat([torch.tensor(bos, dtype=torch.long), haystack(tokenizer, length - len(bos), seed=seed)])
+    text = haystack(tokenizer, length - len(bos), seed=seed, should_stop=should_stop)      # [length - len(bos)]
+    return torch.cat([torch.tensor(bos, dtype=torch.long), text])
 
 
 class StreamingDetector:
@@ -471,11 +472,11 @@ class StreamingDetector:
     def passes(self, model) -> list[int]:
         return [n for n in self.resolved_lengths(model) for _ in range(self.n_sequences)]
 
-    def sequences(self, model) -> list[torch.Tensor]:
+    def sequences(self, model, should_stop: ShouldStop | None = None) -> list[torch.Tensor]:
         if self.tokenizer is None:
             raise InputError("The streaming score reads built-in text through the model's tokenizer; this model has "
                              "none.")
-        return [streaming_text(self.tokenizer, n, seed=self.seed * 1_000_003 + i)
+        return [streaming_text(self.tokenizer, n, seed=self.seed * 1_000_003 + i, should_stop=should_stop)
                 for n in self.resolved_lengths(model) for i in range(self.n_sequences)]
 
     @classmethod
@@ -491,7 +492,7 @@ class StreamingDetector:
         if layout is not None:
             raise InputError("The streaming score is per KV head of the whole model; give the dense model (with a "
                              "mask), not a physically pruned export.")
-        seqs = self.sequences(model)
+        seqs = self.sequences(model, should_stop)
         kv, head = streaming_scores(model, seqs, window=self.window, queries=self.queries,
                                     gates=gates, progress=progress, should_stop=should_stop)
         G = _group_size(model)

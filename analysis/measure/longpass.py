@@ -90,11 +90,23 @@ class ScanRow:
 
 @dataclass
 class Recorded:
-    """What `recording` gathered per row (index into its rows; None until the row's pass ran)."""
+    """What `recording` gathered per row (index into its rows; None until every position the row needs was
+    computed by some forward)."""
     copy: list                   # [L, H] float64: share of the row's answer steps each head copies
     top1: list                   # [k] bool: the model's own top-1 at each read is the target
     stream_head: list            # [L, H] float64: mean relative output change under the window (per query head)
     stream_kv: list              # [L, Hkv] float64: the same per KV head (its G query heads side by side)
+
+
+@dataclass
+class _Seen:
+    """One row's pieces from the forwards that computed some of its positions (a whole-row pass, or a prefill of
+    its prompt and a cached pass over its answer): per layer, (positions, hits [H, k]) and (positions, diff [H, n],
+    norm [H, n]) chunks; the top-1 right or wrong per read position; the positions already computed."""
+    hits: dict = field(default_factory=dict)
+    stream: dict = field(default_factory=dict)
+    top1: dict = field(default_factory=dict)
+    done: set = field(default_factory=set)
 
 
 def _row_index(rows: list[ScanRow]) -> dict:
@@ -105,11 +117,33 @@ def _row_index(rows: list[ScanRow]) -> dict:
     return out
 
 
+def _starting(ids: torch.Tensor, rows: list[ScanRow], index: dict) -> tuple[int | None, int]:
+    """(row, its tokens in `ids`) for a forward that starts a row at position 0: the whole row, the row's first
+    tokens (a prefill of its prompt), or the row right-padded; (None, 0) for anything else or an ambiguous
+    prefix."""
+    i = index.get(ids.numpy().tobytes())
+    if i is not None:
+        return i, int(ids.numel())
+    n = int(ids.numel())
+    prefix = [i for i, r in enumerate(rows) if r.ids.numel() > n and torch.equal(r.ids[:n], ids)]
+    if len(prefix) == 1:
+        return prefix[0], n
+    for length in sorted({int(r.ids.numel()) for r in rows if r.ids.numel() < n}, reverse=True):
+        i = index.get(ids[:length].numpy().tobytes())
+        if i is not None:
+            return i, length
+    return None, 0
+
+
 @contextmanager
 def recording(model, rows: list[ScanRow], *, window: Window = Window(), retrieval: bool = True,
               streaming: bool = True):
-    """Inside the block every forward of `model` whose input rows are among `rows` records them (module
-    docstring); yields the Recorded lists. Hooks and the tap are removed in finally."""
+    """Inside the block every forward of `model` that computes positions of `rows` records them (module docstring);
+    yields the Recorded lists, filled when the block ends. A forward is recognised by its tokens: one that starts
+    at position 0 by its ids (a whole row, a prompt's prefill, a padded row); one that continues a cache (its
+    length the offset) as the next tokens of the row the same batch position started, when they are that row's
+    tokens there. Positions are taken once (a greedy decode step that repeats a position already computed, or
+    writes another token, is left alone). Hooks and the tap are removed in finally."""
     window = window_of(window)
     geo = adapter_for(model).geometry(model)
     modules = attention_layers(model)
@@ -118,7 +152,9 @@ def recording(model, rows: list[ScanRow], *, window: Window = Window(), retrieva
     index = _row_index(rows)
     n = len(rows)
     rec = Recorded([None] * n, [None] * n, [None] * n, [None] * n)
-    current: list = []                                   # per batch row of the forward running: (row index, state)
+    seen = [_Seen() for _ in rows]
+    current: list = []                        # per batch row of the running forward: (row, offset, new positions)
+    started: list = []                        # the rows the last forward from position 0 started, by batch position
     head = model.get_output_embeddings()
     if head is None or model.base_model is model:
         raise InputError("A long-context scan reads a causal language model's predictions; this model has no "
@@ -129,50 +165,61 @@ def recording(model, rows: list[ScanRow], *, window: Window = Window(), retrieva
         x = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             return
-        ids = x.detach().to("cpu", torch.long)
+        cache = kwargs.get("past_key_values")
+        offset = 0 if cache is None else int(cache.get_seq_length())
+        ids = x.detach().to("cpu", torch.long)                           # [b, q]
+        if offset == 0:
+            started[:] = [_starting(ids[j], rows, index)[0] for j in range(ids.shape[0])]
         for j in range(ids.shape[0]):
-            i = index.get(ids[j].numpy().tobytes())
-            if i is None:                                # a padded row: its real tokens are a prefix
-                i = _padded(ids[j], rows, index)
-            current.append((i, {"hits": {}, "stream": {}}))
+            i = started[j] if j < len(started) else None
+            if i is None:
+                current.append((None, offset, None))
+                continue
+            row = rows[i].ids
+            q = min(ids.shape[1], max(0, row.numel() - offset))             # the row's tokens in this forward
+            if q == 0 or not torch.equal(row[offset:offset + q], ids[j, :q]):
+                current.append((None, offset, None))
+                continue
+            new = torch.tensor([p for p in range(offset, offset + q) if p not in seen[i].done], dtype=torch.long)
+            current.append((i, offset, new))
 
     def tap(layer: int, query, key, value) -> None:
-        for j, (i, state) in enumerate(current):
-            if i is None:
+        for j, (i, offset, new) in enumerate(current):
+            if i is None or not new.numel():
                 continue
-            row = rows[i]
-            q, k, v = query[j:j + 1], key[j:j + 1], value[j:j + 1]
-            if retrieval and row.needle is not None and row.reads.numel():
-                _copy_tap(row, q.device, state["hits"], own)(layer, q, k, v)
+            row, state = rows[i], seen[i]
+            q, k, v = query[j:j + 1], key[j:j + 1], value[j:j + 1]          # keys: every position so far
+            if retrieval and row.needle is not None:
+                keep = torch.isin(row.reads, new)                       # [k] the reads this forward computes
+                if keep.any():
+                    part: dict = {}
+                    sub = ScanRow(row.ids, row.reads[keep], row.targets[keep], row.needle, None)
+                    _copy_tap(sub, q.device, part, own)(layer, q, k, v)
+                    state.hits.setdefault(layer, []).append((sub.reads, part[layer].cpu()))
             if streaming and row.queries is not None:
-                _window_tap(row.queries, window, modules, kept, state["stream"])(layer, q, k, v)
+                mine = row.queries[torch.isin(row.queries, new)]          # [n'] its query rows here
+                if mine.numel():
+                    part = {}
+                    _window_tap(mine, window, modules, kept, part)(layer, q, k, v)
+                    diff, norm = part[layer]
+                    state.stream.setdefault(layer, []).append((mine, diff.cpu(), norm.cpu()))
 
     def hidden_states(module, args, output):
-        hidden = output[0]                                               # [r, T, D] (the final norm's output)
-        for j, (i, _) in enumerate(current):
-            if i is None or not rows[i].reads.numel():
+        hidden = output[0]                                               # [b, q, D] (the final norm's output)
+        for j, (i, offset, new) in enumerate(current):
+            if i is None or not new.numel():
                 continue
-            picked = hidden[j, rows[i].reads.to(hidden.device)]          # [k, D]
-            top = head(picked).float().argmax(-1).cpu()                  # [k]
-            rec.top1[i] = (top == rows[i].targets).numpy()
+            row = rows[i]
+            keep = torch.isin(row.reads, new)
+            if keep.any():
+                picked = hidden[j, (row.reads[keep] - offset).to(hidden.device)]       # [k', D]
+                right = (head(picked).float().argmax(-1).cpu() == row.targets[keep]).numpy()
+                seen[i].top1.update(zip(row.reads[keep].tolist(), right.tolist()))
 
     def finished(module, args, kwargs, output):
-        for i, state in current:
-            if i is None:
-                continue
-            hits, stream = state["hits"], state["stream"]
-            if len(hits) == geo.n_layers:
-                rec.copy[i] = np.stack([hits[l].double().mean(-1).cpu().numpy() for l in range(geo.n_layers)])
-            if len(stream) == geo.n_layers:
-                G = geo.group_size
-                heads, kvs = [], []
-                for layer in range(geo.n_layers):
-                    diff, norm = stream[layer]
-                    heads.append(_relative(diff, norm).mean(-1).cpu().numpy())                      # [H]
-                    gd = diff.reshape(geo.n_kv_heads, G, -1).sum(1)                                  # [Hkv, n]
-                    gn = norm.reshape(geo.n_kv_heads, G, -1).sum(1)
-                    kvs.append(_relative(gd, gn).mean(-1).cpu().numpy())                            # [Hkv]
-                rec.stream_head[i], rec.stream_kv[i] = np.stack(heads), np.stack(kvs)
+        for i, _, new in current:
+            if i is not None:
+                seen[i].done.update(new.tolist())
         current.clear()
 
     handles = [model.register_forward_pre_hook(identify, with_kwargs=True),
@@ -181,18 +228,42 @@ def recording(model, rows: list[ScanRow], *, window: Window = Window(), retrieva
     try:
         with tapped(model, tap):
             yield rec
+        for i, (row, state) in enumerate(zip(rows, seen)):
+            _assemble(rec, i, row, state, geo, retrieval, streaming)
     finally:
         for h in handles:
             h.remove()
 
 
-def _padded(ids: torch.Tensor, rows: list[ScanRow], index: dict) -> int | None:
-    """The row whose ids are a proper prefix of `ids` (a right-padded batch row), else None."""
-    for length in sorted({int(r.ids.numel()) for r in rows if r.ids.numel() < ids.numel()}, reverse=True):
-        i = index.get(ids[:length].numpy().tobytes())
-        if i is not None:
-            return i
-    return None
+def _ordered(chunks: list, positions: torch.Tensor) -> list[torch.Tensor] | None:
+    """The chunks' tensors (after their positions) put together along the last axis in the order of `positions`
+    (ascending); None unless they hold each position exactly once."""
+    got = torch.cat([c[0] for c in chunks])                              # [m]
+    order = torch.argsort(got)
+    if not torch.equal(got[order], positions):
+        return None
+    return [torch.cat([c[t] for c in chunks], -1)[..., order] for t in range(1, len(chunks[0]))]
+
+
+def _assemble(rec: Recorded, i: int, row: ScanRow, state: _Seen, geo, retrieval: bool, streaming: bool) -> None:
+    """Row i's per-row values from its chunks, the arithmetic of retrieval_scores / streaming_scores."""
+    if row.reads.numel() and all(int(p) in state.top1 for p in row.reads):
+        rec.top1[i] = np.array([state.top1[int(p)] for p in row.reads], dtype=bool)
+    if retrieval and row.needle is not None and len(state.hits) == geo.n_layers:
+        per_layer = [_ordered(state.hits[l], row.reads) for l in range(geo.n_layers)]
+        if all(p is not None for p in per_layer):
+            rec.copy[i] = np.stack([p[0].double().mean(-1).numpy() for p in per_layer])     # [L, H]
+    if streaming and row.queries is not None and len(state.stream) == geo.n_layers:
+        per_layer = [_ordered(state.stream[l], row.queries) for l in range(geo.n_layers)]
+        if all(p is not None for p in per_layer):
+            G = geo.group_size
+            heads, kvs = [], []
+            for diff, norm in per_layer:
+                heads.append(_relative(diff, norm).mean(-1).numpy())                         # [H]
+                gd = diff.reshape(geo.n_kv_heads, G, -1).sum(1)                              # [Hkv, n]
+                gn = norm.reshape(geo.n_kv_heads, G, -1).sum(1)
+                kvs.append(_relative(gd, gn).mean(-1).numpy())                               # [Hkv]
+            rec.stream_head[i], rec.stream_kv[i] = np.stack(heads), np.stack(kvs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +305,7 @@ class LongScan:
     top1: list                         # per row: [k] bool
     values: dict                       # key index -> (diff [1, n], nll [1, n]) of the probe's items
     seconds: dict                      # key index -> seconds of its passes
+    written: dict                      # key index -> each row's generated answer [S] (None: not generated)
     window: Window
     queries: int
     seed: int
@@ -244,15 +316,16 @@ class LongScan:
 
     # -- the measures -------------------------------------------------------------------------------
     def dense(self, built: dict) -> dict:
-        """(name, length) -> {depth label: ProbeScore}: the probes' dense side of `built` (the items the scan
-        read; analysis.score.longcontext keys it by the items' digest for long_context_report's `dense=`)."""
-        from analysis.measure.probes.longcontext import depth_scores
+        """(name, length) -> LongScores: the probes' dense side of `built` (the items the scan read;
+        analysis.score.longcontext keys it by the items' digest for long_context_report's `dense=`)."""
+        from analysis.measure.probes.longcontext import long_scores
         out = {}
         for k, key in enumerate(self.keys):
             if key in built:
                 spec, probe, items = built[key]
                 diff, nll = self.values[k]
-                out[key] = depth_scores(spec, probe, items, diff, nll, seed=self.seed, seconds=self.seconds.get(k, 0.0))
+                out[key] = long_scores(spec, probe, items, diff, nll, seed=self.seed, seconds=self.seconds.get(k, 0.0),
+                                       written=self.written.get(k))
         return out
 
     def retrieval(self) -> Detection:
@@ -303,7 +376,9 @@ class LongScan:
         return dict(keys=[list(k) for k in self.keys], rows=[list(r) for r in self.rows], copy=self.copy,
                     stream_head=self.stream_head, stream_kv=self.stream_kv, top1=list(self.top1),
                     values={str(k): list(v) for k, v in self.values.items()},
-                    seconds={str(k): float(v) for k, v in self.seconds.items()}, window=self.window.as_dict(),
+                    seconds={str(k): float(v) for k, v in self.seconds.items()},
+                    written={str(k): None if v is None else list(v) for k, v in self.written.items()},
+                    window=self.window.as_dict(),
                     queries=self.queries, seed=self.seed, group_size=self.group_size, precision=self.precision,
                     total_seconds=self.total_seconds, notes=list(self.notes))
 
@@ -319,17 +394,19 @@ class LongScan:
                   for k, v in t["values"].items()}
         if set(values) != set(range(len(keys))):
             raise ValueError("a scan's probe values do not match its probes")
+        written = {int(k): None if v is None else tuple(str(w) for w in v) for k, v in t["written"].items()}
         return cls(keys, rows, copy, sh, skv, [np.asarray(v, dtype=bool) for v in t["top1"]], values,
-                   {int(k): float(v) for k, v in t["seconds"].items()}, Window(**t["window"]), int(t["queries"]),
-                   int(t["seed"]), int(t["group_size"]), str(t["precision"]), float(t["total_seconds"]),
-                   tuple(t["notes"]))
+                   {int(k): float(v) for k, v in t["seconds"].items()}, written, Window(**t["window"]),
+                   int(t["queries"]), int(t["seed"]), int(t["group_size"]), str(t["precision"]),
+                   float(t["total_seconds"]), tuple(t["notes"]))
 
 
-def long_scan(model, built: dict, *, window: Window = Window(), queries: int = DEFAULT_QUERIES, seed: int = 0,
-              precision: str = "float32", progress: Progress | None = None,
+def long_scan(model, built: dict, *, tokenizer=None, window: Window = Window(), queries: int = DEFAULT_QUERIES,
+              seed: int = 0, precision: str = "float32", progress: Progress | None = None,
               should_stop: ShouldStop | None = None) -> LongScan:
-    """The long-context probes `built` on the dense `model` (their own passes: measure_long), with the retrieval
-    and streaming scores recorded from the same passes (module docstring)."""
+    """The long-context probes `built` on the dense `model` (their own passes: measure_long, with the generated
+    answers when given the `tokenizer`), with the retrieval and streaming scores recorded from the same passes
+    (module docstring)."""
     from analysis.measure.probes.longcontext import measure_long
     window = window_of(window)
     listed = probe_rows(built, window=window, queries=queries)
@@ -338,7 +415,8 @@ def long_scan(model, built: dict, *, window: Window = Window(), queries: int = D
     t0 = time.perf_counter()
     kept: dict = {}
     with precision_block(model, precision), recording(model, rows, window=window) as rec:
-        measure_long(model, built, seed=seed, progress=progress, should_stop=should_stop, values=kept)
+        measure_long(model, built, tokenizer=tokenizer, seed=seed, progress=progress, should_stop=should_stop,
+                     values=kept)
     missing = [i for i, r in enumerate(rows) if rec.copy[i] is None or rec.top1[i] is None
                or (r.queries is not None and rec.stream_kv[i] is None)]
     if missing:
@@ -346,14 +424,15 @@ def long_scan(model, built: dict, *, window: Window = Window(), queries: int = D
                            "not recognised); nothing was recorded for them.")
     values = {k: kept[key][:2] for k, key in enumerate(keys)}
     seconds = {k: float(kept[key][2]) for k, key in enumerate(keys)}
+    written = {k: kept[key][3] for k, key in enumerate(keys)}
     meta = [(keys.index(key), r, int(row.ids.numel()), _row_depth(built[key][2], r)) for key, r, row in listed]
     geo = adapter_for(model).geometry(model)
     nan_head, nan_kv = np.full((geo.n_layers, geo.n_heads), np.nan), np.full((geo.n_layers, geo.n_kv_heads), np.nan)
     return LongScan(keys, meta, np.stack(rec.copy),
                     np.stack([nan_head if h is None else h for h in rec.stream_head]),
                     np.stack([nan_kv if k is None else k for k in rec.stream_kv]),
-                    list(rec.top1), values, seconds, window, int(queries), int(seed), geo.group_size, precision,
-                    time.perf_counter() - t0)
+                    list(rec.top1), values, seconds, written, window, int(queries), int(seed), geo.group_size,
+                    precision, time.perf_counter() - t0)
 
 
 def _row_depth(items, r: int) -> str:

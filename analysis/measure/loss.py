@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from analysis.arch.adapters import input_device
-from analysis.core.errors import InputError, UnsupportedModelError
+from analysis.core.errors import InputError, UnsupportedModelError, check_seed
 
 LM_KINDS = ("causal-lm", "masked-lm")
 MLM_PROBABILITY = 0.15
@@ -40,7 +40,7 @@ def summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def masked_positions(shape: torch.Size, seed: int = 0) -> torch.Tensor:
     """The seeded MLM_PROBABILITY share of positions [B, T] to mask, at least one per row (bool)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(check_seed(seed, "The masking seed"))
     chosen = torch.rand(shape, generator=g) < MLM_PROBABILITY            # [B, T]
     chosen[:, 0] |= ~chosen.any(dim=1)
     return chosen

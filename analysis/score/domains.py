@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed, derived_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.core.text import WIKI_ATTRIBUTION, calibration_text, clean_user_text, evaluation_text
 
@@ -102,6 +102,7 @@ def importance(loaded, text: str, name: str, *, max_tokens: int = DEFAULT_SCORE_
                seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, progress: Progress | None = None,
                should_stop: ShouldStop | None = None, team=None) -> Importance:
     from analysis.measure.ablation import head_ablation
+    seed = check_seed(seed, "The domains' seed")                       # before the sweep, not after it
     res = head_ablation(loaded, text, max_tokens=max_tokens, seq_len=seq_len, groups=False, progress=progress,
                         should_stop=should_stop, team=team)
     if res.unit_delta is None:
@@ -171,12 +172,14 @@ def compare_domains(loaded, a: TextSet, b: TextSet, *, sparsity: float = 0.25, p
     """Importance on A and on B, their difference with CIs, and the cuts scored on each evaluated on both."""
     from analysis.score.masks import check_sparsity
     check_sparsity(sparsity)
+    seed = check_seed(seed, "The domains' seed")
     if a.name == b.name:
         b = TextSet(f"{b.name} (B)", b.score_text, b.eval_text, b.attribution)
     t0 = time.perf_counter()
     imp_a = importance(loaded, a.score_text, a.name, max_tokens=max_tokens, seq_len=seq_len, seed=seed,
                        progress=scaled(progress, 0.0, 0.45), should_stop=should_stop, team=team)
-    imp_b = importance(loaded, b.score_text, b.name, max_tokens=max_tokens, seq_len=seq_len, seed=seed + 1,
+    imp_b = importance(loaded, b.score_text, b.name, max_tokens=max_tokens, seq_len=seq_len,
+                       seed=derived_seed(seed, 1),
                        progress=scaled(progress, 0.45, 0.9), should_stop=should_stop, team=team)
     diff = imp_b.mean - imp_a.mean
     diff_ci = None
@@ -196,6 +199,7 @@ def domain_cuts(loaded, a: TextSet, b: TextSet, importances: dict, *, sparsities
     the ablation oracle's scores), all evaluated on the held-out parts of A and B (one batched pass each)."""
     from analysis.score.masks import default_policy, plan_mask
     from analysis.score.scoring import get_scorer
+    seed = check_seed(seed, "The domains' seed")
     G = loaded.geometry.group_size
     policy = policy or default_policy(G)
     labels, masks = [("dense", 0.0)], [np.zeros((loaded.geometry.n_layers, loaded.geometry.n_heads), dtype=bool)]

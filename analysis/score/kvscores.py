@@ -26,7 +26,7 @@ import numpy as np
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.kvplan import PRUNE, WINDOW, KVPlan
 from analysis.arch.window import Window, window_of
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.core.text import check_max_tokens
 from analysis.measure.longheads import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES, RETRIEVAL_THRESHOLD,
@@ -57,6 +57,7 @@ def measure_kv_scores(loaded, *, window: Window = Window(), lengths=None,
     with the `window`, the retrieval score at `retrieval_lengths` (default: `lengths`) when
     `retrieval`, the KV-group ablation at `prune_tokens` when `prune`. Every option is checked before the
     first forward pass."""
+    seed = check_seed(seed, "The KV scores' seed")
     model, geo = loaded.model, loaded.geometry
     streaming = StreamingDetector(lengths, window=window, queries=queries, seed=seed,
                                   tokenizer=loaded.tokenizer)

@@ -56,8 +56,8 @@ def stored_scan(loaded, built: dict, *, window: Window = Window(), queries: int 
     settings = scan_settings(built, window=window, queries=queries, seed=seed, precision=precision)
 
     def measure() -> LongScan:
-        scan = long_scan(loaded.model, built, window=window, queries=queries, seed=seed, precision=precision,
-                         progress=progress, should_stop=should_stop)
+        scan = long_scan(loaded.model, built, tokenizer=loaded.tokenizer, window=window, queries=queries, seed=seed,
+                         precision=precision, progress=progress, should_stop=should_stop)
         store.put(Key(fingerprint, DENSE, dense_settings(built, seed=seed, precision=precision),
                       code_digest(SCAN_MODULES)), values_tree(scan), about=about(loaded, scan.total_seconds))
         return scan
@@ -80,9 +80,17 @@ def dense_settings(built: dict, *, seed: int, precision: str) -> dict:
 
 
 def values_tree(scan: LongScan) -> dict:
-    """The probes' part of a scan: their item values (diff, nll) and seconds per (name, length)."""
-    return dict(keys=[list(k) for k in scan.keys], values=[list(scan.values[k]) for k in range(len(scan.keys))],
-                seconds=[float(scan.seconds.get(k, 0.0)) for k in range(len(scan.keys))])
+    """The probes' part of a scan: their item values (diff, nll), seconds and generated answers per (name, length)."""
+    n = range(len(scan.keys))
+    return side_tree(scan.keys, [(*scan.values[k], scan.seconds.get(k, 0.0), scan.written.get(k)) for k in n])
+
+
+def side_tree(keys, values) -> dict:
+    """One side of the probes as stored: per (name, length) its item values (diff, nll [1, n]), seconds and each
+    row's generated answer (None: not generated)."""
+    return dict(keys=[list(k) for k in keys], values=[[v[0], v[1]] for v in values],
+                seconds=[float(v[2]) for v in values],
+                written=[None if v[3] is None else list(v[3]) for v in values])
 
 
 def stored_dense(loaded, built: dict, *, seed: int = 0, precision: str = "float32", compute: bool = True,
@@ -93,7 +101,7 @@ def stored_dense(loaded, built: dict, *, seed: int = 0, precision: str = "float3
     `window` / `queries` (which stores the scan too); None with the Lookup of a miss when not `compute`."""
     from analysis.arch.stored import model_fingerprint
     from analysis.core.store import Key, Lookup, Store, code_digest
-    from analysis.measure.probes.longcontext import depth_scores
+    from analysis.measure.probes.longcontext import long_scores
     store = store or Store()
     fingerprint = fingerprint or model_fingerprint(loaded)
     key = Key(fingerprint, DENSE, dense_settings(built, seed=seed, precision=precision), code_digest(SCAN_MODULES))
@@ -102,8 +110,8 @@ def stored_dense(loaded, built: dict, *, seed: int = 0, precision: str = "float3
         try:
             values = _values_of(found.value, built)
             return {items_key(name, length, built[(name, length)][2]):
-                    depth_scores(*built[(name, length)], diff, nll, seed=seed, seconds=seconds)
-                    for (name, length), (diff, nll, seconds) in values.items()}, found
+                    long_scores(*built[(name, length)], diff, nll, seed=seed, seconds=seconds, written=written)
+                    for (name, length), (diff, nll, seconds, written) in values.items()}, found
         except (KeyError, ValueError, TypeError) as err:
             found = Lookup("corrupt", path=found.path, why=f"its values do not fit these probes ({err})")
     if found.status in ("corrupt", "foreign") and on_refused is not None:
@@ -160,22 +168,25 @@ def stored_report(loaded, built: dict, cut, *, dense: dict, seed: int = 0, preci
     report = long_context_report(loaded, built=built, dense=dense, cut=cut, seed=seed, per_row=per_row,
                                  progress=progress, should_stop=should_stop)
     keys = list(built)
-    store.put(key, dict(keys=[list(k) for k in keys], values=[list(report.cut_values[k][:2]) for k in keys],
-                        seconds=[float(report.cut_values[k][2]) for k in keys]), about=about(loaded, report.seconds))
+    store.put(key, side_tree(keys, [report.cut_values[k] for k in keys]), about=about(loaded, report.seconds))
     return report, found
 
 
 def _values_of(tree: dict, built: dict) -> dict:
-    """(name, length) -> (diff [1, n], nll [1, n], seconds) of a stored side, checked against `built`."""
+    """(name, length) -> (diff [1, n], nll [1, n], seconds, written) of a stored side (`side_tree`), checked against
+    `built`."""
     import numpy as np
     out = {}
-    for (name, length), (diff, nll), seconds in zip(tree["keys"], tree["values"], tree["seconds"]):
+    for (name, length), (diff, nll), seconds, written in zip(tree["keys"], tree["values"], tree["seconds"],
+                                                             tree["written"]):
         key = (str(name), int(length))
         items = built[key][2]
         diff, nll = np.asarray(diff, dtype=np.float64), np.asarray(nll, dtype=np.float64)
         if diff.shape != (1, items.correct.numel()) or nll.shape != diff.shape:
             raise ValueError("stored item values of another size")
-        out[key] = (diff, nll, float(seconds))
+        if written is not None and len(written) != items.ids.shape[0]:
+            raise ValueError("stored generated answers of another number of rows")
+        out[key] = (diff, nll, float(seconds), None if written is None else tuple(str(w) for w in written))
     if set(out) != set(built):
         raise ValueError("it holds other probes")
     return out

@@ -10,7 +10,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import pytest
 
-from analysis.score.kvplan import MODES
+from analysis.arch.kvplan import MODES
 from tests.e2e.conftest import ARTIFACTS, LOAD_TIMEOUT_MS, needs_chromium
 from tests.e2e.serving import SETTLED
 
@@ -32,7 +32,7 @@ def _metric(page, label: str):
 
 def _expected(modes) -> tuple[str, str]:
     """(KV cache, counts) the page must show for modes [30, 3] at the default band and context."""
-    from analysis.score.kvplan import KVPlan
+    from analysis.arch.kvplan import KVPlan
     from components.longctx import size_words
     plan = KVPlan(np.asarray(modes, np.int8), n_heads=9)
     c = plan.counts()

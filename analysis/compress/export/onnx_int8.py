@@ -96,8 +96,12 @@ FALLBACK = {"dynamic": "weight-only"}          # the variant a failed self-check
 @contextlib.contextmanager
 def quiet_logs():
     """ONNX Runtime's quantizer logs every node at INFO level (and warns about pre-processing);
-    keep the CLI, the app and the tests quiet."""
-    previous = logging.root.manager.disable
+    keep the CLI, the app and the tests quiet. The root logger is left as it was: importing
+    onnxruntime.quantization.matmul_nbits_quantizer (the weight-only method) calls logging.basicConfig(level=
+    INFO), which put every library's INFO records (the gguf writer's "This GGUF file is for Little Endian
+    only") on stderr for the rest of the process."""
+    root = logging.getLogger()
+    previous, handlers, level = logging.root.manager.disable, list(root.handlers), root.level
     logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings():
@@ -105,6 +109,10 @@ def quiet_logs():
             yield
     finally:
         logging.disable(previous)
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
 
 
 def quantize_file(src: Path, dst: Path, method: str, *, block_size: int = DEFAULT_BLOCK,

@@ -62,7 +62,7 @@ from analysis.arch.head_gates import head_mask
 from analysis.measure.loss import next_token_nll
 from analysis.arch.models import mean_pool
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.core.errors import check_seed
+from analysis.core.errors import check_seed, derived_seed
 from analysis.score.scoring import as_subject
 from analysis.compress.surgery import own_tensors
 from analysis.core.text import MAX_TOKENS_LIMIT, calibration_text, tokenize
@@ -195,7 +195,7 @@ def batch_indices(n: int, batch_size: int, micro_step: int, seed: int) -> torch.
     out = []
     for position in range(micro_step * batch_size, (micro_step + 1) * batch_size):
         epoch, offset = divmod(position, n)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(derived_seed(seed * 1_000_003, epoch))    # in torch's range for any seed
         out.append(int(torch.randperm(n, generator=g)[offset]))
     return torch.tensor(out, dtype=torch.long)                             # [batch_size]
 

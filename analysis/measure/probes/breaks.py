@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from analysis.arch.cut import Cut
-from analysis.core.errors import InputError
+from analysis.arch.cut import Cut, checked
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.evaluation import context_length
 from analysis.measure.probes.measure import ProbeScore, build_items, measure_probes
@@ -88,10 +88,16 @@ def _acc(r: dict) -> str:
     return f"{r['accuracy']:.3f} [{r['accuracy_low']:.3f}, {r['accuracy_high']:.3f}]"
 
 
+def is_lost(dense_mean: float, cut_high: float) -> bool:
+    """The rule of a lost capability, for any metric (higher = better) with a CI on the cut's side: the cut's
+    upper bound lies below the dense model's mean."""
+    return float(cut_high) < float(dense_mean)
+
+
 def compare(dense: ProbeScore, cut: ProbeScore, b: int = 0, d: int = 0) -> ProbeChange:
     """Mask b of `cut` against mask d of `dense` (the same probe and items)."""
     high, low = float(cut.accuracy_ci[b, 1]), float(cut.accuracy_ci[b, 0])
-    lost = high < float(dense.accuracy[d])
+    lost = is_lost(dense.accuracy[d], high)
     return ProbeChange(dense.name, dense.label, dense.row(d), cut.row(b), lost, lost and low <= cut.chance,
                        dense.rejected)
 
@@ -135,9 +141,8 @@ def cut_report(loaded, cut: Cut, *, built: dict | None = None, skipped: dict | N
                progress: Progress | None = None, should_stop: ShouldStop | None = None, team=None) -> CutReport:
     """Dense vs a `cut` (analysis.arch.cut.Cut: a mask on `loaded.model`, a KV plan, or a model of its own, e.g.
     recovered); `built` / `dense`: items and dense scores computed before (e.g. cached), else computed here."""
-    if not isinstance(cut, Cut):
-        raise InputError("Give the cut to compare with the dense model (a mask, a KV plan or a model).")
-    cut.check(loaded.geometry)
+    seed = check_seed(seed, "The probes' seed")
+    cut = checked(cut, loaded.geometry, required=True)
     if built is None:
         built, skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
     if cut.kind == "mask" and dense is None:                           # dense and cut in the same passes
@@ -165,7 +170,7 @@ class CapabilityCheck:
 
     def __init__(self, loaded, names=None, *, options: dict | None = None, seed: int = 0,
                  should_stop: ShouldStop | None = None):
-        self.loaded, self.seed, self.should_stop = loaded, seed, should_stop
+        self.loaded, self.seed, self.should_stop = loaded, check_seed(seed, "The probes' seed"), should_stop
         try:
             self.built, self.skipped = build_applicable(loaded, names, options={"seed": seed, **(options or {})})
         except InputError as err:

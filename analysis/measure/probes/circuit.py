@@ -27,7 +27,7 @@ import torch
 
 from analysis.arch.adapters import adapter_for
 from analysis.core.distributed import Team
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, scaled
 from analysis.measure.ablation import FastAblation, ablation_gates, apply_chain, naive_sweep
 from analysis.measure.probes.items import ProbeItems
@@ -128,6 +128,7 @@ def probe_map(model, spec, items: ProbeItems, *, method: str = "fast", groups: b
     pass_tokens: the fast sweep's cost of one more length bucket (`length_buckets`)."""
     if method not in ("fast", "naive"):
         raise InputError(f"Unknown map method {method!r}; use 'fast' or 'naive'.")
+    seed = check_seed(seed, "The probe map's seed")                     # before the sweep, not after it
     t0 = time.perf_counter()
     geo = adapter_for(model).geometry(model)
     if items.kind == "masked-lm":

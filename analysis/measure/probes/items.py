@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.measure.probes.registry import BOS_CHOICES, DEFAULT_ITEMS, MAX_ITEMS, MIN_ITEMS  # noqa: F401 (the options)
 
 
@@ -206,7 +206,7 @@ class Probe:
             raise InputError(f"A probe needs {MIN_ITEMS} to {MAX_ITEMS} items; got {n_items!r}.")
         if bos not in BOS_CHOICES:
             raise InputError(f"bos must be one of {', '.join(BOS_CHOICES)}; got {bos!r}.")
-        self.n_items, self.seed, self.bos = n_items, int(seed), bos
+        self.n_items, self.seed, self.bos = n_items, check_seed(seed, "The probes' seed"), bos
 
     def rng(self) -> random.Random:
         """The probe's own seeded generator (string seeds hash the same on every machine and Python)."""

@@ -10,6 +10,8 @@ Wikipedia text (analysis.measure.haystack: seeded, a needle after the sentence e
   an item; its contrast is another digit (the same digit slot of a random other key). A key whose
   digits the tokenizer does not split one token each (most GPT-2-style tokenizers merge numbers) is
   left out and counted. `exact_match` = the share of keys whose every digit is right.
+- **passkey-once**: the same with the key stated once (" The pass key is 48213. Remember it."), on the same
+  keys, contrasts and text (passkey's random stream), so the two variants compare on the same material.
 - **needle**: two facts, "The special magic number for <city> is <number>." at the depth and the same
   sentence for another city with another number half a context away (depth + 0.5, wrapped), then the
   question about the first city. Items are the number's digits; the contrast of each is the
@@ -19,36 +21,52 @@ Wikipedia text (analysis.measure.haystack: seeded, a needle after the sentence e
   depth, text, then the same ids again at the end; items are the second copy's positions 1 .. span-1
   (the next token of the first copy, against another token of the sequence): induction at distance.
 
+**The generated answer** of the digit-answer probes (passkey, passkey-once, needle), as the field judges them:
+each row's prompt is the row up to the answer (it ends with the question: `Answers`), decoded greedily (the
+model's own argmax, analysis.measure.decode) for the answer's tokens + GENERATE_EXTRA more; the row is right
+(`generated` 1) when the decoded continuation's first number (`first_number`: the first run of ASCII digits) is
+the key. `answer_values` reads a batch of rows of one length from one prefill of their prompts into one cache
+(a cut's own, e.g. a KV plan's compact cache): a copy of it reads the answer's tokens (the teacher-forced items:
+the same logits as one pass over the whole row), the cache itself decodes.
+
 Units: one sequence (one key, one haystack) is one bootstrap unit: the same key and the same text are read
 at every depth (only the needle moves), so depths are compared on the same material, and a sequence's rows
 are resampled together. Conditions are
-"depth 0.5" etc.; `depth_scores` gives accuracy, logit difference and exact match with bootstrap CIs
-per depth and over all depths.
+"depth 0.5" etc.; `depth_scores` gives accuracy, logit difference, exact match and the generated answers'
+exact match with bootstrap CIs per depth and over all depths (the same resamples); `measure_long` returns them
+with each row's generated answer as `LongScores`.
 
 The probes are declared with `long=True` (analysis.measure.probes.registry): never in the default set
 of the short probes, run when asked for by name (at their default length through `headscope probes`,
 at chosen lengths through `headscope longctx` / analysis.score.longcontext).
 
 Cost: a row is one forward pass of `length` tokens, whose attention grows with the square of the length
-(a row of 8,192 tokens cost 2.5x a row of 4,096 on 2 CPU cores). `long_work` counts the rows and tokens per
-length, `row_seconds` estimates one row's seconds at each length on this machine from two cheap timings.
+(a row of 8,192 tokens cost 2.5x a row of 4,096 on 2 CPU cores); a digit-answer row adds, per batch of rows, one
+call for the teacher-forced answer tokens and one decode call per generated token after the first
+(`decode_calls`: the answer's tokens + GENERATE_EXTRA a batch). `long_work` counts the rows and decode calls
+per length, `row_seconds` and `step_seconds` estimate one row's and one decode call's seconds at each length on
+this machine from cheap timings.
 """
 from __future__ import annotations
 
+import copy
+import random
+import re
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from analysis.core.errors import InputError, check_whole_number
-from analysis.core.progress import ShouldStop, check_stop
+from analysis.core.errors import InputError, check_seed, check_whole_number
+from analysis.core.progress import ShouldStop, check_stop, raise_if_signalled
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
-from analysis.measure.probes.measure import _keep_positions, bootstrap, item_values, score_items
+from analysis.measure.probes.measure import (BATCH_TOKENS, _keep_positions, bootstrap, item_values, read_values,
+                                            score_items)
 from analysis.measure.long_options import (DEFAULT_DEPTHS, MAX_PROBE_SEQUENCES, MIN_PROBE_SEQUENCES,  # noqa: F401
                                            PROBE_LENGTH, PROBE_SEQUENCES)
 from analysis.measure.longheads import check_depths, check_lengths
@@ -61,10 +79,12 @@ COPY_SPAN = 16                   # tokens of the long-copying probe's random seq
 MIN_HAYSTACK = 32                # tokens of real text a row must hold at least
 DISTRACTOR_SHIFT = 0.5           # the needle probe's second fact sits this far (wrapped) from the first
 ALL = "all"                      # the depth_scores key over every depth
+GENERATE_EXTRA = 2               # tokens decoded beyond the answer's own (a digit written after the key is caught)
 
 PASSKEY_INSTRUCTION = ("A pass key is hidden somewhere in the text below, among a lot of text that has nothing "
                        "to do with it. Find the pass key and remember it: you will be asked for it at the end.\n\n")
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_ONCE_NEEDLE = " The pass key is {key}. Remember it."          # passkey-once: the key stated once
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
 NEEDLE_INSTRUCTION = ("Special magic numbers for a few cities are hidden in the text below. Remember them: you "
                       "will be asked for one of them at the end.\n\n")
@@ -81,11 +101,27 @@ CITIES = ("Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Madrid", "Berlin", "Dublin
 class Parts:
     """One sequence before the haystack is sized: ids of the instruction, the needles (ids, depth shift:
     0 = at the depth asked, s = at depth + s wrapped), the question + answer, and the reads (index into
-    `tail`, contrast id) in order."""
+    `tail`, contrast id) in order. A digit answer also says where in `tail` the answer starts (`answer_at`: the
+    question ends there) and the number it is (`answer`), for the generated answer; -1 / "": none."""
     head: tuple[int, ...]
     needles: tuple[tuple[tuple[int, ...], float], ...]
     tail: tuple[int, ...]
     reads: tuple[tuple[int, int], ...]
+    answer_at: int = -1
+    answer: str = ""
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What a digit-answer probe's rows ask the model to write (the generated answer): row r's prompt is
+    `ids[r, :prompt[r]]` (the row up to the answer: it ends with the question), its answer the number `key[r]`."""
+    prompt: torch.Tensor             # [S] tokens of each row's prompt
+    key: tuple[str, ...]             # [S] the number each row asks for
+
+    def steps(self, items: ProbeItems) -> torch.Tensor:
+        """[S] tokens greedy decoding writes per row: the answer's own tokens (its whitespace and digits), then
+        GENERATE_EXTRA more."""
+        return items.lengths - self.prompt + 1 + GENERATE_EXTRA
 
 
 def digit_answer(vocab: Vocabulary, prompt: str, number: str) -> tuple[list[int], list[int]] | None:
@@ -123,7 +159,14 @@ def digit_parts(vocab: Vocabulary, head: str, needles, prompt: str, number: str,
     (tail, at), (tail_c, _) = answer, other
     question = vocab.encode(prompt)
     return Parts(tuple(vocab.encode(head)), tuple((tuple(vocab.encode(t)), s) for t, s in needles),
-                 tuple(question + tail), tuple((len(question) + i, tail_c[i]) for i in at))
+                 tuple(question + tail), tuple((len(question) + i, tail_c[i]) for i in at), len(question), number)
+
+
+def first_number(text: str) -> str | None:
+    """The first run of ASCII digits in `text` (the generated answer's rule: "48213." -> "48213", "4 8213" -> "4",
+    "482135" -> "482135"), None when it has none."""
+    found = re.search(r"[0-9]+", text)
+    return None if found is None else found.group(0)
 
 
 def insert(filler: torch.Tensor, needles, ends: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -148,9 +191,12 @@ def depth_label(depth: float) -> str:
 
 class LongProbe(Probe):
     """Base of the long-context probes: `parts` (one sequence's pieces) laid out at every depth, the haystack
-    sized so each row is exactly `length` tokens. n_items = sequences per depth (each a bootstrap unit)."""
+    sized so each row is exactly `length` tokens. n_items = sequences per depth (each a bootstrap unit).
+    After `build`, a digit-answer probe's `answers` says what each row asks the model to write (None: a probe
+    without one)."""
     abstract = True                  # a base, not a probe: no registry record names it (tests/test_cli_fast.py)
-    digit_answers = True             # items are a number's digits: exact match per key is reported
+    digit_answers = True             # items are a number's digits: exact match and the generated answer reported
+    answers: Answers | None = None
 
     def __init__(self, n_items: int = DEFAULT_SEQUENCES, seed: int = 0, bos: str = "auto",
                  length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS):
@@ -172,6 +218,7 @@ class LongProbe(Probe):
         bos = self.bos_ids(vocab.tokenizer)
         rng, out, made = self.rng(), [], 0
         self._row_sequence, seen = [], set()                         # the sequence of each row, in layout order
+        self._row_answer = []                                        # (prompt tokens, number) of each row, same order
         self.needle_spans = []                       # per row: (start, end) of the asked needle in the row's ids
         for _ in range(4 * self.n_items):
             if made >= self.n_items:
@@ -191,12 +238,13 @@ class LongProbe(Probe):
                 needles = [(ids, depth if not s else (depth + s) % 1.0) for ids, s in p.needles]
                 body, starts = insert(filler, needles, ends)
                 tokens = tuple(p.head) + tuple(body.tolist()) + tuple(p.tail)
+                start = len(p.head) + body.numel()
                 if tokens not in seen:                                # depths that land on one spot share a row
                     seen.add(tokens)
                     self._row_sequence.append(made)
+                    self._row_answer.append((len(bos) + start + p.answer_at, p.answer))
                     first = len(bos) + len(p.head) + starts[0]
                     self.needle_spans.append((first, first + len(p.needles[0][0])))
-                start = len(p.head) + body.numel()
                 out += [Draft(tokens, start + at, contrast, depth_label(depth)) for at, contrast in p.reads]
             made += 1
         return out
@@ -207,6 +255,8 @@ class LongProbe(Probe):
         items = super().build(tokenizer, kind)
         sequence = torch.tensor(self._row_sequence, dtype=torch.long)      # [S] row -> sequence
         items = replace(items, unit=sequence[items.row])
+        self.answers = None if not self.digit_answers else Answers(
+            torch.tensor([n for n, _ in self._row_answer], dtype=torch.long), tuple(k for _, k in self._row_answer))
         return replace(items, notes=self.notes(items))
 
     def row_exact(self, items: ProbeItems, diff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -233,12 +283,22 @@ class LongProbe(Probe):
 
 
 class PasskeyProbe(LongProbe):
-    """The pass key hidden in text: its digits read one by one."""
+    """The pass key hidden in text (stated twice in its needle): its digits read one by one."""
+    needle = PASSKEY_NEEDLE
 
     def parts(self, vocab: Vocabulary, i: int, rng) -> Parts | None:
         key = random_key(rng)
-        return digit_parts(vocab, PASSKEY_INSTRUCTION, [(PASSKEY_NEEDLE.format(key=key), 0.0)], PASSKEY_QUESTION,
+        return digit_parts(vocab, PASSKEY_INSTRUCTION, [(self.needle.format(key=key), 0.0)], PASSKEY_QUESTION,
                            key, other_digits(key, rng), "keys whose digits are not one token each")
+
+
+class PasskeyOnceProbe(PasskeyProbe):
+    """The pass key stated once (" The pass key is 48213. Remember it."): the same keys, contrasts and text as
+    `passkey` at the same seed (its random stream), so the two variants are compared on the same material."""
+    needle = PASSKEY_ONCE_NEEDLE
+
+    def rng(self) -> random.Random:
+        return random.Random(f"headscope-probe:passkey:{self.seed}")
 
 
 class NeedleProbe(LongProbe):
@@ -279,17 +339,21 @@ class LongCopyingProbe(LongProbe):
 # -- building at chosen lengths ---------------------------------------------------------------------------
 
 def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n_items: int = DEFAULT_SEQUENCES,
-               seed: int = 0, bos: str = "auto", limit: int | None = None,
+               seed: int = 0, bos: str = "auto", limit: int | None = None, should_stop: ShouldStop | None = None,
                **options) -> dict[tuple[str, int], tuple]:
     """(name, length) -> (spec, probe, items) for every long probe in `names` (None: all) at every length:
-    rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length."""
+    rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length.
+    should_stop is checked before each probe and length; Ctrl-C (the signal flag) also before every
+    haystack article (`haystack`), so a build of dozens of 8k-token rows stops at once."""
     from analysis.measure.probes.registry import probe_spec
+    seed = check_seed(seed, "The long-context probes' seed")
     picked = long_chosen(names, kind)
     lengths, depths = check_lengths(lengths, limit), check_depths(depths)
     out = {}
     for name in picked:
         spec = probe_spec(name)
         for length in lengths:
+            check_stop(should_stop, "Building the long-context probes")
             probe = spec.make(n_items=n_items, seed=seed, bos=bos, length=length, depths=depths, **options)
             out[(name, length)] = (spec, probe, probe.build(tokenizer, kind))
     return out
@@ -307,24 +371,152 @@ def subset(items: ProbeItems, keep: np.ndarray) -> ProbeItems:
                    conditions=tuple(c for c, kept in zip(items.conditions, keep) if kept))
 
 
+def row_units(items: ProbeItems) -> np.ndarray:
+    """[S] the bootstrap unit (sequence) of each row (every item of a row has its row's unit)."""
+    units = np.zeros(items.ids.shape[0], dtype=np.int64)
+    units[items.row.numpy()] = items.unit.numpy()
+    return units
+
+
+def label_rows(items: ProbeItems) -> dict:
+    """depth label (and ALL) -> the rows [R] (sorted) its scored items read (a row two depths share is in both)."""
+    s = items.scored.numpy()
+    rows, conds = items.row.numpy()[s], np.array(items.conditions)[s]
+    out = {ALL: np.unique(rows)}
+    for label in dict.fromkeys(conds.tolist()):
+        out[label] = np.unique(rows[conds == label])
+    return out
+
+
+def with_generated(score, generated: np.ndarray, rows: np.ndarray, units: np.ndarray, *, seed: int = 0):
+    """`score` (a ProbeScore of one mask) with the generated answers' exact match of `rows` in its extras: the mean
+    of generated [S] over those rows and its percentile bootstrap CI over their units (the same units and seed as
+    the score's own intervals: the same resamples)."""
+    mean, ci = bootstrap(generated[rows][None], units[rows], seed=seed)   # [1], [1, 2]
+    return replace(score, extras={**score.extras, "generated": mean, "generated_low": ci[:, 0],
+                                  "generated_high": ci[:, 1]})
+
+
 def depth_scores(spec, probe, items: ProbeItems, diff: np.ndarray, nll: np.ndarray, *, seed: int = 0,
-                 seconds: float = 0.0) -> dict:
-    """depth label (and ALL) -> ProbeScore of those items (accuracy, logit difference, exact match, CIs [B])."""
+                 seconds: float = 0.0, generated: np.ndarray | None = None) -> dict:
+    """depth label (and ALL) -> ProbeScore of those items (accuracy, logit difference, exact match, CIs [B]; with
+    generated [S] per row (one mask): the generated answers' exact match and its CI in the extras)."""
     conds = np.array(items.conditions)
     out = {ALL: score_items(spec, probe, items, diff, nll, seed=seed, seconds=seconds)}
     for label in dict.fromkeys(items.conditions):
         keep = conds == label
         out[label] = score_items(spec, probe, subset(items, keep), diff[:, keep], nll[:, keep], seed=seed)
+    if generated is not None:
+        units, rows = row_units(items), label_rows(items)
+        out = {label: with_generated(score, generated, rows[label], units, seed=seed) for label, score in out.items()}
     return out
+
+
+@dataclass(frozen=True)
+class LongScores:
+    """One long probe at one length on one model: each depth's scores, and each row's generated answer."""
+    depths: dict                              # depth label (and ALL) -> ProbeScore (depth_scores)
+    generated: np.ndarray | None = None       # [S] 1.0 where the row's generated answer is its key (None: none)
+    written: tuple[str, ...] | None = None    # [S] each row's decoded continuation
+    rows: dict = field(default_factory=dict)  # depth label (and ALL) -> the rows [R] of that cell (label_rows)
+
+
+def long_scores(spec, probe, items: ProbeItems, diff: np.ndarray, nll: np.ndarray, *, seed: int = 0,
+                seconds: float = 0.0, written=None) -> LongScores:
+    """LongScores of one probe at one length from its item values (diff, nll [1, n]) and, for a digit-answer probe,
+    each row's decoded continuation `written` [S] (None: not generated): what measure_long makes of its passes."""
+    answers = getattr(probe, "answers", None)
+    generated = None if written is None or answers is None else generated_right(written, answers)
+    scores = depth_scores(spec, probe, items, diff, nll, seed=seed, seconds=seconds, generated=generated)
+    return LongScores(scores, generated, None if written is None else tuple(written), label_rows(items))
+
+
+# -- the generated answer ----------------------------------------------------------------------------------
+
+def answer_batches(items: ProbeItems, answers: Answers, batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+    """The rows of a digit-answer probe in batches: rows of one prompt length and one row length together (no
+    padding), at most `batch_tokens` tokens a batch (one row at least)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r, (p, n) in enumerate(zip(answers.prompt.tolist(), items.lengths.tolist())):
+        groups.setdefault((p, n), []).append(r)
+    out = []
+    for (_, n), rows in groups.items():
+        per = max(1, batch_tokens // max(1, n))
+        out += [rows[k:k + per] for k in range(0, len(rows), per)]
+    return out
+
+
+def decode_calls(items: ProbeItems, answers: Answers | None, batch_tokens: int = BATCH_TOKENS) -> int:
+    """The forward calls a digit-answer probe's rows take beyond their prefills: per batch, one for the teacher-forced
+    answer tokens and one per generated token after the first (`Answers.steps`). 0 for a probe without answers."""
+    if answers is None:
+        return 0
+    steps = answers.steps(items)
+    return int(sum(int(steps[rows].max()) for rows in answer_batches(items, answers, batch_tokens)))
+
+
+@torch.no_grad()
+def answer_values(model, items: ProbeItems, answers: Answers, *, tokenizer=None, new_cache=None,
+                  batch_tokens: int = BATCH_TOKENS, progress=None,
+                  should_stop: ShouldStop | None = None) -> tuple[np.ndarray, np.ndarray, tuple[str, ...] | None]:
+    """A digit-answer probe's rows read once each: (diff [1, n], nll [1, n], each row's decoded continuation [S]
+    or None without a tokenizer).
+
+    Per batch (`answer_batches`): the prompts (the rows up to the answer) are prefilled into one fresh cache
+    (`new_cache()`: a cut's own, e.g. a KV plan's compact cache; None: the model's DynamicCache); a copy of it
+    reads the answer's tokens (teacher forcing: the same logits as one pass over the whole row), and the cache
+    itself decodes greedily (analysis.measure.decode) the answer's tokens + GENERATE_EXTRA more, which the
+    tokenizer writes out. Call it inside the cut's `running()`."""
+    from analysis.arch.adapters import input_device
+    from analysis.core.progress import report
+    from analysis.measure.decode import decode, prefill
+    n = items.correct.numel()
+    by_row: dict[int, list[int]] = {}
+    for i, r in enumerate(items.row.tolist()):
+        by_row.setdefault(r, []).append(i)
+    steps = answers.steps(items)
+    diff, nll = np.zeros((1, n)), np.zeros((1, n))
+    written = [""] * items.ids.shape[0]
+    device = input_device(model)
+    batches = answer_batches(items, answers, batch_tokens)
+    for j, rows in enumerate(batches):
+        check_stop(should_stop, "The long-context probes")
+        P, T = int(answers.prompt[rows[0]]), int(items.lengths[rows[0]])
+        x = items.ids[rows, :T]                                           # [b, T]
+        last, cache = prefill(model, x[:, :P], cache=None if new_cache is None else new_cache())   # [b, V]
+        logits = last[:, None]                                            # [b, 1, V] position P - 1
+        if T > P:
+            forced = copy.deepcopy(cache) if tokenizer is not None else cache
+            rest = model(input_ids=x[:, P:].to(device), past_key_values=forced, use_cache=True).logits   # [b, T-P, V]
+            logits = torch.cat([logits, rest.to(logits.device)], 1)      # [b, T-P+1, V] positions P-1 .. T-1
+            del forced, rest
+        ri, ii = (torch.tensor(v) for v in zip(*[(k, i) for k, r in enumerate(rows) for i in by_row.get(r, [])]))
+        picked = logits[ri.to(logits.device), (items.position[ii] - (P - 1)).to(logits.device)]   # [m, V]
+        d, l = read_values(picked[None], items.correct[ii], items.contrast[ii])                   # [1, m]
+        diff[:, ii.numpy()], nll[:, ii.numpy()] = d, l
+        if tokenizer is not None:
+            run = decode(model, last, cache, int(steps[rows].max()))     # tokens [b, steps]
+            for r, tokens in zip(rows, run.tokens.tolist()):
+                written[r] = tokenizer.decode(tokens)
+        del cache, logits
+        report(progress, (j + 1) / len(batches), f"{items.name}: batch {j + 1}/{len(batches)}")
+    return diff, nll, (tuple(written) if tokenizer is not None else None)
+
+
+def generated_right(written, answers: Answers) -> np.ndarray:
+    """[S] 1.0 where the continuation's first number (`first_number`) is the row's key, else 0.0."""
+    return np.array([first_number(w) == k for w, k in zip(written, answers.key)], dtype=np.float64)
 
 
 # -- cost: rows, tokens, seconds ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class LongWork:
-    """What a run reads: rows per length (one pass), and how many passes (dense, cut) go over them."""
+    """What a run reads: rows per length (one prefill each), the decode calls of the generated answers per length
+    (`decode_calls`), and how many passes (dense, cut) go over them."""
     rows: dict                     # length -> rows
     passes: int = 1
+    steps: dict = field(default_factory=dict)     # length -> decode calls (one token a row each)
 
     @property
     def tokens(self) -> dict:
@@ -335,16 +527,49 @@ class LongWork:
     def total_tokens(self) -> int:
         return int(sum(self.tokens.values()))
 
-    def seconds(self, per_row: dict) -> float:
-        """The whole run's seconds from one row's seconds at each length (`row_seconds`)."""
-        return float(sum(per_row[n] * r * self.passes for n, r in self.rows.items()))
+    def seconds(self, per_row: dict, per_step: dict | None = None) -> float:
+        """The whole run's seconds from one row's seconds at each length (`row_seconds`) and one decode call's
+        (`step_seconds`; None: decode calls not counted)."""
+        rows = sum(per_row[n] * r for n, r in self.rows.items())
+        steps = sum(per_step[n] * c for n, c in self.steps.items()) if per_step is not None else 0.0
+        return float((rows + steps) * self.passes)
+
+
+def item_work(probe, items: ProbeItems) -> tuple[int, int]:
+    """(rows, decode calls) one pass over a long probe's items takes."""
+    return int(items.ids.shape[0]), decode_calls(items, getattr(probe, "answers", None))
 
 
 def long_work(built: dict, passes: int = 1) -> LongWork:
     rows: dict[int, int] = {}
-    for (_, length), (_, _, items) in built.items():
-        rows[length] = rows.get(length, 0) + int(items.ids.shape[0])
-    return LongWork(dict(sorted(rows.items())), passes)
+    steps: dict[int, int] = {}
+    for (_, length), (_, probe, items) in built.items():
+        r, c = item_work(probe, items)
+        rows[length] = rows.get(length, 0) + r
+        steps[length] = steps.get(length, 0) + c
+    return LongWork(dict(sorted(rows.items())), passes, {n: c for n, c in sorted(steps.items()) if c})
+
+
+def _best_of_two(fn, device) -> float:
+    """The faster of two timed calls of fn (seconds; a CUDA device synchronized)."""
+    best = float("inf")
+    for _ in range(2):
+        raise_if_signalled()                                            # Ctrl-C between the timings
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _kernel_seconds(g, dtype, device, keys: int, queries: int | None = None, rows: int = 1) -> float:
+    """One sdpa call's seconds: `queries` rows (None: `keys`, causal) against `keys` keys, rows x H heads."""
+    q = torch.randn(rows, g.n_heads, keys if queries is None else queries, g.head_dim, dtype=dtype,
+                    device=device)                                         # [rows, H, q, d]
+    k = torch.randn(rows, g.n_heads, keys, g.head_dim, dtype=dtype, device=device)   # [rows, H, T, d]
+    return _best_of_two(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=queries is None),
+                        device)
 
 
 @torch.no_grad()
@@ -359,40 +584,51 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
     g = geometry or adapter_for(model).geometry(model)
     device = input_device(model)
     dtype = next(model.parameters()).dtype
-
-    def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    def kernel(T: int) -> float:
-        q = torch.randn(1, g.n_heads, T, g.head_dim, dtype=dtype, device=device)          # [1, H, T, d]
-        return timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
-
     n = min(short, context_length(model, default=short))
     x = torch.randint(0, model.get_input_embeddings().weight.shape[0], (rows, n), device=device)   # [rows, n]
     handle = model.base_model.register_forward_hook(_keep_positions(torch.arange(rows), torch.full((rows,), n - 1)))  # one logit a row
     try:
-        whole = timed(lambda: model(input_ids=x, use_cache=False))
+        with stop_between_layers(model, None, "The time estimate"):    # Ctrl-C within a layer, not the whole pass
+            whole = _best_of_two(lambda: model(input_ids=x, use_cache=False), device)
     finally:
         handle.remove()
-    per_token = max(whole - rows * g.n_layers * kernel(n), 0.0) / (rows * n)
-    return {int(T): per_token * T + g.n_layers * kernel(int(T)) for T in lengths}
+    per_token = max(whole - rows * g.n_layers * _kernel_seconds(g, dtype, device, n), 0.0) / (rows * n)
+    return {int(T): per_token * T + g.n_layers * _kernel_seconds(g, dtype, device, int(T)) for T in lengths}
+
+
+@torch.no_grad()
+def step_seconds(model, lengths, *, batch_tokens: int = BATCH_TOKENS, short: int = 8,
+                 geometry=None) -> dict[int, float]:
+    """length -> seconds of one decode call of a generated-answer batch at that length (`answer_batches`: the rows
+    of one batch, one token each, against `length` cached keys), from two cheap timings: a decode call after a
+    `short`-token prompt (everything but attention over the long context: at these sizes mostly the call's fixed
+    cost) and the attention kernel of one query per row over `length` keys, times the number of layers; each the
+    faster of two. An estimate, as `row_seconds`."""
+    from analysis.arch.adapters import adapter_for, input_device
+    from analysis.measure.decode import prefill
+    g = geometry or adapter_for(model).geometry(model)
+    device = input_device(model)
+    dtype = next(model.parameters()).dtype
+    vocab = model.get_input_embeddings().weight.shape[0]
+    base: dict[int, float] = {}
+    out = {}
+    for T in lengths:
+        b = max(1, batch_tokens // max(1, int(T)))                       # the rows answer_batches puts together
+        if b not in base:
+            _, cache = prefill(model, torch.randint(0, vocab, (b, short), device=device))           # [b, short]
+            token = torch.randint(0, vocab, (b, 1), device=device)                                  # [b, 1]
+            base[b] = _best_of_two(lambda: model(input_ids=token, past_key_values=cache, use_cache=True,
+                                                 logits_to_keep=1), device)
+        out[int(T)] = base[b] + g.n_layers * _kernel_seconds(g, dtype, device, int(T), queries=1, rows=b)
+    return out
 
 
 # -- running ---------------------------------------------------------------------------------------------
 
 @contextmanager
 def stop_between_layers(model, should_stop: ShouldStop | None, what: str = "The long-context probes") -> Iterator:
-    """A cancel check before every decoder layer, so Stop ends an 8k-token forward within a layer's time."""
-    if should_stop is None:
-        yield
-        return
+    """A cancel check before every decoder layer, so Stop (should_stop) or Ctrl-C (the signal flag, also without
+    a should_stop: the CLI's) ends an 8k-token forward within a layer's time, not the row's minutes."""
     from analysis.arch.adapters import adapter_for
     from analysis.arch.hooks import attached
     with attached() as hooks:
@@ -401,14 +637,17 @@ def stop_between_layers(model, should_stop: ShouldStop | None, what: str = "The 
         yield
 
 
-def measure_long(model, built: dict, *, gates=None, seed: int = 0, progress=None,
+def measure_long(model, built: dict, *, tokenizer=None, new_cache=None, seed: int = 0, progress=None,
                  should_stop: ShouldStop | None = None, weights: dict | None = None,
                  values: dict | None = None) -> dict:
-    """(name, length) -> depth_scores of `built` (build_long) on `model` under gates [B, L, H] (None: as it is;
-    wrap the call in a KV plan's `applied` for a plan). weights: (name, length) -> share of the time (progress).
-    values: a dict that gets (name, length) -> (diff [B, n], nll [B, n], seconds), the item values the scores
-    were made from (analysis.measure.longpass stores them)."""
+    """(name, length) -> LongScores of `built` (build_long) on `model` as it is: call it inside a cut's
+    `running()` for a cut, with `new_cache=cut.new_cache` (None: the model's own cache). A digit-answer probe's
+    rows are read by `answer_values` (teacher forcing and, given the model's `tokenizer`, the generated answer,
+    from one prefill), the others by one pass each (`item_values`). weights: (name, length) -> share of the time
+    (progress). values: a dict that gets (name, length) -> (diff [1, n], nll [1, n], seconds, written), what the
+    scores were made from (`long_scores` makes them again: analysis.measure.longpass stores them)."""
     from analysis.core.progress import report, scaled
+    seed = check_seed(seed, "The long-context probes' seed")           # before the passes, not after them
     keys = list(built)
     w = np.array([float((weights or {}).get(k, built[k][2].n_tokens)) for k in keys])
     edges = np.concatenate([[0.0], np.cumsum(w) / max(w.sum(), 1e-12)])
@@ -421,10 +660,16 @@ def measure_long(model, built: dict, *, gates=None, seed: int = 0, progress=None
             part = scaled(progress, edges[i], edges[i + 1])
             named = None if part is None else (lambda f, m, part=part, key=key:
                                                part(f, f"{key[0]} at {key[1]:,} tokens ({m.split(': ')[-1]})"))
-            diff, nll = item_values(model, items, gates, progress=named, should_stop=should_stop)
+            answers = getattr(probe, "answers", None)
+            written = None
+            if answers is None:
+                diff, nll = item_values(model, items, progress=named, should_stop=should_stop)
+            else:
+                diff, nll, written = answer_values(model, items, answers, tokenizer=tokenizer, new_cache=new_cache,
+                                                   progress=named, should_stop=should_stop)
             seconds = time.perf_counter() - t0
-            out[key] = depth_scores(spec, probe, items, diff, nll, seed=seed, seconds=seconds)
+            out[key] = long_scores(spec, probe, items, diff, nll, seed=seed, seconds=seconds, written=written)
             if values is not None:
-                values[key] = (diff, nll, seconds)
+                values[key] = (diff, nll, seconds, written)
     report(progress, 1.0, "long-context probes done")
     return out

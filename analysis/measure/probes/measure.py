@@ -32,7 +32,7 @@ import torch
 
 from analysis.arch.adapters import input_device
 from analysis.core.distributed import SOLO, Team
-from analysis.core.errors import InputError
+from analysis.core.errors import InputError, check_seed
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.evaluation import context_length, gate_batch
 from analysis.measure.loss import token_nll
@@ -112,6 +112,17 @@ def pool(items_list: list[ProbeItems]) -> tuple[ProbeItems, list[int]]:
                    rejected={}, notes=()), offsets
 
 
+def read_values(logits: torch.Tensor, correct: torch.Tensor, contrast: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(diff [b, m], nll [b, m]) float64 of m items from their logits [b, m, V] (b masks), correct / contrast [m]
+    (the module docstring's formulas; half logits are read in float32)."""
+    b = logits.shape[0]
+    logits = logits.float() if logits.dtype not in (torch.float32, torch.float64) else logits
+    c, k = correct.to(logits.device).expand(b, -1), contrast.to(logits.device).expand(b, -1)   # [b, m]
+    diff = (logits.gather(-1, c[..., None]) - logits.gather(-1, k[..., None]))[..., 0]
+    nll = token_nll(logits, c)                                           # [b, m]
+    return diff.double().cpu().numpy(), nll.double().cpu().numpy()
+
+
 @torch.no_grad()
 def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, batch_tokens: int = BATCH_TOKENS,
                 pass_tokens: int = PASS_TOKENS, progress: Progress | None = None,
@@ -154,13 +165,9 @@ def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, 
                 logits = model(input_ids=x.repeat(b, 1).to(device), use_cache=False, **kwargs).logits  # [1, b*m, V]
         finally:
             handle.remove()
-        picked = logits.reshape(b, ii.numel(), -1)                      # [b, m, V]
-        picked = picked.float() if picked.dtype not in (torch.float32, torch.float64) else picked
-        c, k = items.correct[ii].to(picked.device), items.contrast[ii].to(picked.device)  # [m]
-        diff = (picked.gather(-1, c.expand(b, -1)[..., None]) - picked.gather(-1, k.expand(b, -1)[..., None]))[..., 0]
-        nll = token_nll(picked, c.expand(b, -1))                         # [b, m]
+        diff, nll = read_values(logits.reshape(b, ii.numel(), -1), items.correct[ii], items.contrast[ii])  # [b, m]
         report(progress, (j + 1) / len(jobs), f"{items.name}: pass {j + 1}/{len(jobs)}")
-        return diff.double().cpu().numpy(), nll.double().cpu().numpy(), ii.tolist()
+        return diff, nll, ii.tolist()
 
     diff, nll = np.zeros((B, n)), np.zeros((B, n))
     for (rows, m0), (d, l, ii) in zip(jobs, (team or SOLO).map(run, len(jobs), what="the probes")):
@@ -173,6 +180,7 @@ def bootstrap(values: np.ndarray, units: np.ndarray, *, n_boot: int = N_BOOT, se
               level: float = LEVEL) -> tuple[np.ndarray, np.ndarray]:
     """(mean [B], CI [B, 2]) of values [B, n] with a percentile bootstrap over units [n] (ids): units
     are resampled with replacement, a resample's mean is its items' mean. Same resamples for any B."""
+    seed = check_seed(seed, "The bootstrap's seed")
     uniq, inverse = np.unique(units, return_inverse=True)
     U = uniq.size
     sums = np.zeros((values.shape[0], U))
@@ -267,6 +275,7 @@ def measure_probes(model, built: dict, *, gates=None, pruned=None, seed: int = 0
     """Every probe of `built` (build_items) on `model` under the masks gates [B, L, H] / pruned (None: dense),
     all probes' rows in shared passes (`pooled_values`); a probe's `seconds` is its share of the passes'
     time by its tokens."""
+    seed = check_seed(seed, "The probes' seed")                        # before the passes, not after them
     g = gate_batch(model, gates, pruned)                                # [B, L, H] | None
     t0 = time.perf_counter()
     values = pooled_values(model, [items for _, _, items in built.values()], g, batch_tokens=batch_tokens,
@@ -282,6 +291,7 @@ def run_probes(loaded, names=None, *, gates=None, pruned=None, options: dict | N
                progress: Progress | None = None, should_stop: ShouldStop | None = None,
                team: Team | None = None) -> dict[str, ProbeScore]:
     """Build and measure the probes `names` (None = all that apply) on a LoadedModel under a mask."""
+    seed = check_seed(seed, "The probes' seed")
     built = build_items(names, loaded.tokenizer, loaded.kind, options={"seed": seed, **(options or {})})
     return measure_probes(loaded.model, built, gates=gates, pruned=pruned, seed=seed, progress=progress,
                           should_stop=should_stop, team=team)

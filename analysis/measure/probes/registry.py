@@ -162,6 +162,12 @@ for _spec in (
               "find a 5-digit pass key hidden in long text and repeat it digit by digit (long context)",
               "Mohtashami & Jaggi 2023, 'Landmark Attention' (the pass key retrieval task); digits read one by one",
               f"{_HERE}.longcontext:PasskeyProbe", kinds=("causal-lm",), long=True),
+    ProbeSpec("passkey-once", "Pass key stated once",
+              "find a 5-digit pass key stated once in long text ('The pass key is 48213. Remember it.'); the same "
+              "keys and text as passkey",
+              "Mohtashami & Jaggi 2023, 'Landmark Attention' (the pass key retrieval task; their needle states the "
+              "key twice, this one once); digits read one by one, and the answer generated",
+              f"{_HERE}.longcontext:PasskeyOnceProbe", kinds=("causal-lm",), long=True),
     ProbeSpec("needle", "Needle with a distractor",
               "give the magic number of the city asked for when another city's number is also in the long text",
               "Kamradt 2023, 'Needle in a Haystack'; Hsieh et al. 2024, 'RULER' (multi-key needles)",

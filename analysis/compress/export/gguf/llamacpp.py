@@ -14,12 +14,15 @@ The measurements of the deployment report and of the GGUF tests come from llama.
   loader reports it ("llama_kv_cache: size = ... MiB"; K and V in f16). Without flash attention
   llama.cpp pads the V cache of every layer to the widest layer ("padding V cache to ..."), so a cut
   with uneven layers saves its full KV memory only with flash attention on.
-llama_cpp is imported lazily: nothing else in headscope needs it.
+llama_cpp is imported lazily, only through `llama_cpp_module` (the k-quant writer too), which closes the two /dev/null
+files it leaves open at exit.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import statistics
@@ -30,20 +33,39 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from analysis.core.errors import InputError, ModelLoadError, first_line
+from analysis.core.errors import InputError, ModelLoadError, check_seed, first_line
 
 DEFAULT_THREADS = 2
 _GGML_TYPES = {"f32": 0, "f16": 1}          # ggml_type ids of the KV cache's element type
 _KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB .*K \((\w+)\): +([\d.]+) MiB, V \((\w+)\): +([\d.]+) MiB")
 
 
-def _llama_cpp():
+@functools.cache
+def llama_cpp_module():
+    """llama_cpp, imported once (headscope's one import of it), its /dev/null files closed at exit."""
     try:
         import llama_cpp
     except ImportError as err:                # pragma: no cover - the dependency is required
         raise ModelLoadError("llama-cpp-python is not installed; run `bash scripts/setup.sh` "
                              "(or `pip install llama-cpp-python==0.3.36`).") from err
+    atexit.register(_close_devnull)
     return llama_cpp
+
+
+# llama-cpp-python opens /dev/null twice when it is imported (llama_cpp._utils: where its suppress_stdout_stderr
+# sends llama.cpp's console output) and never closes the files: at exit Python reported each as "ResourceWarning:
+# unclosed file <... name='/dev/null'>" on stderr (under -W default), after the CLI's one error line
+_DEVNULL_FILES = ("outnull_file", "errnull_file")
+
+
+def _close_devnull() -> None:
+    """Close llama_cpp's /dev/null files at exit (atexit: before the interpreter's teardown; what still runs of
+    llama_cpp after it, its objects' __del__, never uses them: only a Llama being loaded does)."""
+    from llama_cpp import _utils
+    for name in _DEVNULL_FILES:
+        handle = getattr(_utils, name, None)
+        if handle is not None:
+            handle.close()
 
 
 # llama.cpp's log callback is process-wide: the line lists of the llama_log blocks now open, outermost
@@ -56,7 +78,7 @@ _LOG_BLOCKS: list[tuple[list[str], object]] = []
 @contextlib.contextmanager
 def llama_log() -> Iterator[list[str]]:
     """Collect llama.cpp's log lines (and keep them off the console) while the block runs."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     lines: list[str] = []
     targets = [outer for outer, _ in _LOG_BLOCKS] + [lines]
 
@@ -107,7 +129,7 @@ def load(path: str | os.PathLike, *, n_ctx: int = 512, logits_all: bool = True, 
     (`analysis.compress.export.gguf.reader.read_gguf`): llama.cpp never sees a file it would crash on."""
     from analysis.compress.export.gguf.reader import read_gguf
     from analysis.core.threads import check_threads
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     path = Path(path)
     threads = check_threads(threads, "llama.cpp threads")
     read_gguf(path)
@@ -207,6 +229,7 @@ def speed(path: str | os.PathLike, context: int, *, decode_tokens: int = 16, rep
           threads: int = DEFAULT_THREADS, seed: int = 0, warmup: bool = True) -> Speed:
     """Prefill of `context` random token ids, then `decode_tokens` single-token steps after them;
     medians of `repeats` runs (after one warm-up run unless warmup=False). Tokens/s of each."""
+    seed = check_seed(seed, "The random ids' seed")
     llm = load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
                n_batch=min(context, 512))
     rng = np.random.default_rng(seed)
@@ -257,6 +280,7 @@ def paired_speed(paths: dict, context: int, *, decode_tokens: int = 32, rounds: 
     `paths` (name -> GGUF file) in turn, `rounds` timed rounds after `warmup` untimed ones. All files
     stay loaded, so every round times the same llama.cpp state of each."""
     from analysis.core.progress import check_stop
+    seed = check_seed(seed, "The random ids' seed")
     llms = {name: load(path, n_ctx=context + decode_tokens + 8, logits_all=False, threads=threads,
                        n_batch=min(context, 512), flash_attn=flash_attn) for name, path in paths.items()}
     rng = np.random.default_rng(seed)
@@ -285,6 +309,7 @@ def paired_decode_at(paths: dict, context: int, *, tokens_per_round: int = 16, r
     files decode `tokens_per_round` tokens each in turn, `rounds` timed rounds after `warmup` ones
     (the context grows by the decoded tokens, a small share of it)."""
     from analysis.core.progress import check_stop
+    seed = check_seed(seed, "The random ids' seed")
     total = context + (warmup + rounds) * tokens_per_round + 8
     llms = {name: load(path, n_ctx=total, logits_all=False, threads=threads, n_batch=512, flash_attn=flash_attn)
             for name, path in paths.items()}

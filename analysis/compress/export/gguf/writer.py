@@ -446,14 +446,15 @@ def llama_quantize(source: Path, target: Path, weight_type: str, *, threads: int
     """llama.cpp's own quantizer (`llama_model_quantize`) from an F32/F16 GGUF to a k-quant one;
     embedding_type (not "auto"): its token_embedding_type and output_tensor_type parameters."""
     import gguf
-    import llama_cpp
+
+    from analysis.compress.export.gguf.llamacpp import llama_cpp_module, llama_log
+    llama_cpp = llama_cpp_module()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_" + WEIGHT_TYPES[weight_type][1])
     explicit = EMBEDDING_TYPES[check_embedding_type(embedding_type, weight_type)]
     if explicit is not None:                # ggml_type ids: the gguf package's GGMLQuantizationType
         params.token_embedding_type = params.output_tensor_type = int(gguf.GGMLQuantizationType[explicit])
     params.nthread = threads or (os.cpu_count() or 1)
-    from analysis.compress.export.gguf.llamacpp import llama_log
     with llama_log():                       # its per-tensor fallback notes stay off the console
         status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
     if status != 0:

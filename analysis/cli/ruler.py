@@ -1,0 +1,112 @@
+"""`python -m analysis ruler`: RULER's offline tasks (lm-evaluation-harness's `ruler` group, rows generated here)
+on the model, greedy generations scored by the harness's string match, per task and length with CIs
+(analysis.measure.ruler).
+
+    python -m analysis ruler [--model M] [--tasks all|niah_single_1,ruler_vt,...] [--lengths 1024,2048]
+                             [--samples 25] [--ruler-seed S] [--rows-out rows.jsonl [--rows-only]]
+                             [--sparsity S (+ scorer / policy options) | --mask-file F | --kv-plan F | --export DIR]
+                             [--format json|csv] [--out F] [--quiet]
+
+Dense, and (given one) a cut: the cut options every report takes (analysis.cli.common.add_cut_arguments); a KV
+plan generates with its compact cache, an export folder under its kv_plan.json.
+Before the generations the command prints an estimate of the time on stderr (at most: every row's prefill
+from analysis.measure.probes.longcontext.row_seconds and every token it may generate at this machine's
+decode step). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
+max_new_tokens, stop strings) as soon as they are made, so a peer tool can run the very same rows;
+--rows-only stops there.
+JSON: {"model", "estimate_s", "per_row_s", "step_s", "rows_out", "report":
+analysis.measure.ruler.RulerReport.as_dict()}; CSV: one row per task x length (and the average over tasks):
+score [CI], seconds, decode speed and KV bytes per row.
+Bad input (a task that downloads or is unknown, a length that is not RULER's or is above the model's context,
+--samples outside 1..500, a tokenizer that cannot make the rows) is one line, and nothing is written.
+"""
+from __future__ import annotations
+
+from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, check_one_cut,
+                                 cut_from, progress_bar, register)
+from analysis.core.errors import InputError
+
+
+def _arguments(parser):
+    from analysis.measure.ruler import DEFAULT_LENGTHS, DEFAULT_SAMPLES, MAX_SAMPLES, OFFLINE_TASKS, RULER_LENGTHS
+    add_source_arguments(parser, streaming=False)
+    parser.add_argument("--tasks", default="all",
+                        help=f"comma-separated RULER tasks, or all (default): {', '.join(OFFLINE_TASKS)} "
+                             "(qa_squad / qa_hotpot download their data: refused)")
+    parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+                        help=f"row lengths in tokens, comma-separated, among {', '.join(map(str, RULER_LENGTHS))} "
+                             "(at most the model's context)")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                        help=f"rows per task and length, 1 to {MAX_SAMPLES} (default {DEFAULT_SAMPLES})")
+    parser.add_argument("--ruler-seed", dest="ruler_seed", type=int, default=0,
+                        help="which rows (and the bootstrap's resamples); --seed is the random scorer's")
+    parser.add_argument("--rows-out", dest="rows_out", default=None,
+                        help="write the exact rows here as JSONL (token ids split into context / question, "
+                             "references, max_new_tokens, stop strings) for a peer tool")
+    parser.add_argument("--rows-only", dest="rows_only", action="store_true",
+                        help="with --rows-out: make and write the rows, generate nothing")
+    add_cut_arguments(parser)
+    add_output_arguments(parser)
+
+
+def _lengths(text: str) -> tuple:
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise InputError(f"--lengths takes comma-separated whole numbers of tokens; got {text!r}.") from None
+
+
+def run_ruler(ns):
+    from analysis.core.atomic import check_output_file
+    from analysis.measure.ruler import check_ruler_lengths, check_samples, check_tasks
+    names = check_tasks(ns.tasks)                                   # bad options fail before the model loads
+    lengths = check_ruler_lengths(_lengths(ns.lengths))
+    check_samples(ns.samples, "--samples")
+    from analysis.core.errors import check_seed
+    check_seed(ns.ruler_seed, "--ruler-seed")
+    if ns.rows_only and ns.rows_out is None:
+        raise InputError("--rows-only writes the rows only: give --rows-out FILE with it.")
+    if ns.rows_out is not None:
+        check_output_file(ns.rows_out, "The rows file")
+    check_one_cut(ns)
+    from analysis.measure.harness import require_harness
+    require_harness()
+    cut, loaded, info = cut_from(ns)
+    if loaded.kind != "causal-lm":
+        raise InputError(f"RULER scores a causal language model's generations; {loaded.name} is a {loaded.kind} model.")
+    from analysis.core.atomic import atomic_write
+    from analysis.core.progress import duration_words, with_estimate
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.probes.longcontext import row_seconds
+    from analysis.measure.ruler import build_ruler, export_rows, ruler_report, ruler_work, rows_jsonl, step_seconds
+    limit = context_length(loaded.model, default=2**31)
+    check_ruler_lengths(lengths, limit)                              # above the model's context: before any row
+    with progress_bar("making RULER's rows", not ns.quiet) as report:
+        rows = build_ruler(names, loaded.tokenizer, lengths, samples=ns.samples, seed=ns.ruler_seed, limit=limit,
+                           progress=report)
+    if ns.rows_out is not None:
+        atomic_write(ns.rows_out, rows_jsonl(export_rows(rows, loaded.tokenizer)), what="The rows file")
+    if ns.rows_only:
+        return dict(model=info, rows_out=ns.rows_out, rows=rows.n_rows(), ruler=rows.info()), None
+    work = ruler_work(rows, cut=cut is not None)
+    per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry)
+    step = step_seconds(loaded.model)
+    estimate = work.seconds(per_row, step)
+    if not ns.quiet:
+        import sys
+        sys.stderr.write(f"estimate: at most {duration_words(estimate)} for {rows.n_rows()} rows ("
+                         + ", ".join(f"{r} x {n:,} tokens" for n, r in work.rows.items())
+                         + f", up to {work.new_tokens:,} generated tokens; this machine: "
+                         + ", ".join(f"{n:,} tokens {duration_words(s)} a prefill" for n, s in per_row.items())
+                         + f", {step:.2f} s a decode step)\n")
+    with progress_bar("RULER", not ns.quiet) as report:
+        rep = ruler_report(loaded, rows, cut=cut, progress=with_estimate(report))
+    payload = dict(model=info, estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, step_s=step,
+                   rows_out=ns.rows_out, report=rep.as_dict())
+    return payload, rep.table()
+
+
+register("ruler", "RULER's offline tasks (needles, variable tracking, common / frequent words) at chosen lengths: "
+         "greedy generations scored by the harness's string match, with CIs; the exact rows as JSONL", _arguments,
+         run_ruler)
