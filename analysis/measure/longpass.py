@@ -23,9 +23,12 @@ times. Here one pass per row records all three:
   give), `to_tree` / `from_tree` its stored form (analysis.core.store: the raw per-row and per-item values,
   from which everything else is recomputed).
 
-Exactness: each number is computed by the same code from the same tensors as the separate run on the same
-rows (tests/test_longpass.py: the scan equals retrieval_scores, streaming_scores and measure_long, float64,
-exactly). The sums over rows follow the separate runs' order.
+Exactness: the probes' dense side is the probes' own passes, number for number. The retrieval and streaming
+taps are the detectors' own functions on the q / k / v of those passes: a whole-row pass gives exactly what
+retrieval_scores / streaming_scores give on the row; a digit-answer row is read as the probes read it (a prefill
+of its prompt, then its answer through the cache), which differs from one pass over the row only by the rotary
+embedding's float32 rounding (tests/test_longpass.py: top-1 keys equal, streaming within 1e-6 relative, float64).
+The sums over rows follow the separate runs' order.
 
 A seam for more readers (RULER's dense answers: analysis/measure/ruler.py + harness.py, being built): a reader
 that runs its own forwards over rows (a prefill, then greedy decoding) calls them inside `recording(model,
