@@ -92,3 +92,21 @@ def test_one_scan_fills_the_scores_and_a_restart_reads_them_back(tiny_long, resu
     assert Store(results).entries() == []
     assert any(b.key == "long.scores.scan" for b in at.button)              # measured again from here on
     assert not any(b.key == "long.store.clear" for b in at.button)
+
+
+def test_a_class_warmed_by_the_cli_finds_its_results_on_the_page(tiny_long, results, capsys, downloads):
+    """`headscope cache warm` with the page's defaults (here: the model's whole 512-token context, the link's window)
+    stores what the page then shows at once, with no button and no pass: the CLI and the app share the store."""
+    from tests._input_checks import run_captured
+    code, out, err = run_captured(capsys, "cache", "warm", "--model", tiny_long, "--sinks", 2, "--recent", 16,
+                                  "--quiet")
+    assert code == 0, err
+    assert [r["status"] for r in json.loads(out)["stored"]] == ["miss", "miss"]
+    at = new_app(tiny_long, page="long_context", sinks=2, recent=16)
+    no_exception(at)
+    captions = " ".join(c.value for c in at.caption)
+    assert captions.count("Read from this machine's stored results") == 3, captions   # scores, importance, probes
+    assert not any(b.key in ("long.scores.scan", "long.scores.importance") for b in at.button)
+    assert "dense is measured" in next(b.label for b in at.button if b.key == "long.probes.run")
+    shown = json.loads(downloads["long_context.json"])                          # the dense probes' report, shown
+    assert shown["cut"] is None and shown["lengths"] == [512] and len(shown["cells"]) == 4
