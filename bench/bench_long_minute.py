@@ -106,11 +106,15 @@ def main(argv=None) -> int:
                bf16_native=fast_bfloat16("cpu"), load_before=load_average(), jobs=[], effect={})
     print(f"{lm.name}: the Long context page's passes at {args.length} tokens ({n_rows} probe rows), "
           f"{torch.get_num_threads()} torch threads, load {load_text(load_average())}", flush=True)
-    t_rows, per_row = _timed(lambda: row_seconds(lm.model, [args.length, tokens], geometry=g))
+    from analysis.score.longscan import importance_ablations
+    t_rows, per_row = _timed(lambda: row_seconds(lm.model, [args.length], geometry=g))
     work = long_work(built)
     t_steps, per_step = _timed(lambda: step_seconds(lm.model, sorted(work.steps), geometry=g) if work.steps else {})
+    t_imp, imp_row = _timed(lambda: row_seconds(lm.model, [tokens], short=tokens, rows=importance_ablations(g),
+                                                geometry=g))
     est_pass = work.seconds(per_row, per_step)
-    est_imp = importance_seconds(g, tokens, per_row[tokens])
+    est_imp = importance_seconds(g, tokens, imp_row[tokens])
+    t_rows += t_imp
     jobs = out["jobs"]
     _job(jobs, "timing this machine (row_seconds + step_seconds, once)", None, t_rows + t_steps, side="setup")
 
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
         from analysis.measure.detectors import get_detector
         stream_passes = get_detector("streaming", lm.tokenizer, lengths=(args.length,)).passes(lm.model)
         retr_passes = get_detector("retrieval", lm.tokenizer, lengths=(args.length,), needles=2).passes(lm.model)
-        est = lambda passes: sum(per_row[n] for n in passes)                       # noqa: E731
+        est = lambda passes: sum(per_row[n] for n in passes)                       # noqa: E731 (one length)
         s, _ = _timed(lambda: detect_heads(lm, ["streaming"], options=dict(lengths=(args.length,))))
         _job(jobs, f"streaming score ({len(stream_passes)} pass)", est(stream_passes), s, side="separate")
         s, _ = _timed(lambda: detect_heads(lm, ["retrieval"], options=dict(lengths=(args.length,), needles=2)))
@@ -155,10 +159,16 @@ def main(argv=None) -> int:
     # -- bf16 -------------------------------------------------------------------------------------------------
     if args.bf16 and fast_bfloat16("cpu"):
         print("shared (bfloat16 passes):", flush=True)
+        t16, (row16, imp_row16) = _timed(lambda: (
+            row_seconds(lm.model, [args.length], geometry=g, precision="bfloat16"),
+            row_seconds(lm.model, [tokens], short=tokens, rows=importance_ablations(g), geometry=g,
+                        precision="bfloat16")))
+        _job(jobs, "timing this machine in bfloat16 (once)", None, t16, side="setup")
+        est_pass16, est_imp16 = work.seconds(row16, per_step), importance_seconds(g, tokens, imp_row16[tokens])
         s, (imp16, _) = _timed(lambda: stored_importance(lm, tokens, precision="bfloat16"))
-        _job(jobs, f"KV groups' importance, bfloat16 ({tokens} tokens)", est_imp, s, side="bf16")
+        _job(jobs, f"KV groups' importance, bfloat16 ({tokens} tokens)", est_imp16, s, side="bf16")
         s, (scan16, _) = _timed(lambda: stored_scan(lm, built, window=window, precision="bfloat16"))
-        _job(jobs, f"shared scan, bfloat16 ({n_rows} rows)", est_pass, s, side="bf16")
+        _job(jobs, f"shared scan, bfloat16 ({n_rows} rows)", est_pass16, s, side="bf16")
         dense16, _ = stored_dense(lm, built, precision="bfloat16")
         plan16 = plan_of(scan16, imp16)
         cut16 = Cut.of_plan(plan16, info=dict(source="bench"))
@@ -167,7 +177,7 @@ def main(argv=None) -> int:
             with precision_block(lm.model, "bfloat16"):
                 return stored_report(lm, built, cut16, dense=dense16, precision="bfloat16")
         s, (rep16, _) = _timed(plan16_side)
-        _job(jobs, f"the plan's side, bfloat16 ({n_rows} rows)", est_pass, s, side="bf16")
+        _job(jobs, f"the plan's side, bfloat16 ({n_rows} rows)", est_pass16, s, side="bf16")
         out["effect"] = effect(scan32, scan16, plan, plan16, rep32, rep16, imp, imp16)
         for k, v in out["effect"].items():
             print(f"  {k}: {v}", flush=True)

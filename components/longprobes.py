@@ -97,7 +97,7 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
 
 # -- the section -----------------------------------------------------------------------------------
 
-def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool) -> float:
+def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool, precision: str = "float32") -> float:
     """The run's predicted seconds (components/jobs.py's "long-plan"): its rows (the dense side's unless stored,
     the plan's) x this machine's seconds per row at the length, and the generated answers' decode calls x the
     seconds of one (components/longscan.per_row, per_step)."""
@@ -105,7 +105,7 @@ def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool) -> float:
 
     from . import longscan
     work = long_work(built, passes=(0 if dense_known else 1) + cut)
-    return longscan.work_seconds(key, work) if work.passes else 0.0
+    return longscan.work_seconds(key, work, precision) if work.passes else 0.0
 
 
 def _ci(row: dict, side: str) -> str:
@@ -203,7 +203,8 @@ def probe_section(lm, plan, context: int) -> None:
             f"Run the long-context probes on this plan ({rows} rows of {length:,} tokens, {sides})",
             button_key="long.probes.run", slot="long.probes", run_key=run_key,
             fn=plan_report, args=(state.model_key(), *args, plan, precision),
-            label="Running the long-context probes", kind="long-plan", work=_work(state.model_key(), built, known, cut),
+            label="Running the long-context probes", kind="long-plan",
+            work=0.0 if stored is not None else _work(state.model_key(), built, known, cut, precision),
             view=f"{counts['full']} full / {counts['window']} window / {counts['prune']} prune, {length:,} tokens",
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
         if rep is not None:

@@ -73,12 +73,12 @@ def fingerprint(key: ModelKey) -> str:
 
 
 @st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def per_row(key: ModelKey, lengths: tuple) -> dict:
+def per_row(key: ModelKey, lengths: tuple, precision: str = "float32", short: int = 256, rows: int = 8) -> dict:
     """length -> this machine's seconds for one row (analysis.measure.probes.longcontext.row_seconds: a forward of
-    8 x 256 tokens and the attention kernel at each length), once per server and model."""
+    `rows` x `short` tokens in `precision` and the attention kernel at each length), once per server and model."""
     from analysis.measure.probes.longcontext import row_seconds
     with cache.exclusive(key, what="Timing this machine's long passes") as lm:
-        return row_seconds(lm.model, list(lengths), geometry=lm.geometry)
+        return row_seconds(lm.model, list(lengths), geometry=lm.geometry, precision=precision, short=short, rows=rows)
 
 
 def built(key: ModelKey, settings: tuple) -> dict:
@@ -155,17 +155,17 @@ def per_step(key: ModelKey, lengths: tuple) -> dict:
         return step_seconds(lm.model, list(lengths), geometry=lm.geometry)
 
 
-def work_seconds(key: ModelKey, work) -> float:
-    """The predicted seconds of a LongWork: its rows x this machine's seconds per row, its decode calls x the
-    seconds of one (`per_row`, `per_step`)."""
+def work_seconds(key: ModelKey, work, precision: str = "float32") -> float:
+    """The predicted seconds of a LongWork: its rows x this machine's seconds per row in `precision`, its decode calls
+    x the seconds of one (`per_row`, `per_step`)."""
     steps = per_step(key, tuple(sorted(work.steps))) if work.steps else None
-    return work.seconds(per_row(key, tuple(sorted(work.rows))), steps)
+    return work.seconds(per_row(key, tuple(sorted(work.rows)), precision), steps)
 
 
-def scan_seconds(key: ModelKey, rows: dict) -> float:
+def scan_seconds(key: ModelKey, rows: dict, precision: str = "float32") -> float:
     """The predicted seconds of one pass over `rows` (the probes' rows and their generated answers' decode calls)."""
     from analysis.measure.probes.longcontext import long_work
-    return work_seconds(key, long_work(rows))
+    return work_seconds(key, long_work(rows), precision)
 
 
 def heads_scores(lm, window: Window, context: int):
@@ -190,7 +190,7 @@ def heads_scores(lm, window: Window, context: int):
             f"Measure the heads' scores ({where}; one pass a row also gives the probes' dense side)",
             button_key="long.scores.scan", slot="long.scores.scan", run_key=run_key, fn=scan,
             args=(key, settings, window, prec), label="Measuring the heads' scores", kind="long-scan",
-            work=scan_seconds(key, rows), view=where,
+            work=scan_seconds(key, rows, prec), view=where,
             stale_note="The probes' rows, the window or the precision changed since ({view}); press the button "
                        "again.")
     if result is None:
@@ -212,15 +212,17 @@ def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
         f"Measure the KV groups' importance (ablation on {tokens} tokens, {prec})",
         button_key="long.scores.importance", slot="long.scores.importance", run_key=(key, tokens, prec),
         fn=importance, args=(key, tokens, prec), label="Removing each KV group", kind="kv-importance",
-        work=importance_seconds(key, g, tokens), stale_note="({view})", view="another model or precision")
+        work=importance_seconds(key, g, tokens, prec), stale_note="({view})", view="another model or precision")
     return None if result is None else result[0]
 
 
-def importance_seconds(key: ModelKey, g, tokens: int) -> float:
+def importance_seconds(key: ModelKey, g, tokens: int, precision: str = "float32") -> float:
     """The predicted seconds of the KV groups' ablation (analysis.score.longscan.importance_seconds) at this
-    machine's seconds per row of `tokens` tokens."""
-    from analysis.score.longscan import importance_seconds as predicted
-    return predicted(g, tokens, per_row(key, (int(tokens),))[int(tokens)])
+    machine's seconds per row of `tokens` tokens, timed in batches of the sweep's own size."""
+    from analysis.score.longscan import importance_ablations, importance_seconds as predicted
+    tokens = int(tokens)
+    timed = per_row(key, (tokens,), precision, short=tokens, rows=importance_ablations(g))
+    return predicted(g, tokens, timed[tokens])
 
 
 def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float32"):

@@ -15,6 +15,9 @@ transformers dispatches attention through `AttentionInterface` by the name in
 
 "sdpa-float32" is registered in transformers' AttentionInterface once, when this module is
 imported (the documented way to add a kernel); nothing else is written outside the model.
+
+`precision_block(model, precision)` is the long passes' precision (the long-context scan, a plan's probes, their
+time estimate): bfloat16 autocast with `float32_attention`, offered where `core.placement.fast_bfloat16`.
 """
 from __future__ import annotations
 
@@ -80,3 +83,29 @@ def eager_attention(model):
 def float32_attention(model):
     """SDPA in float32 inside the block (for bfloat16 autocast training); other kernels untouched."""
     return attention_implementation(model, SDPA_FLOAT32, only_from=("sdpa",))
+
+
+def check_precision(precision: str, device) -> None:
+    """InputError for a precision other than core.placement.PASS_PRECISIONS, or bfloat16 where this machine has no
+    native bfloat16 matrix kernels (core.placement.fast_bfloat16: it would be slower than float32 there)."""
+    from analysis.core.errors import InputError
+    from analysis.core.placement import PASS_PRECISIONS, fast_bfloat16
+    if precision not in PASS_PRECISIONS:
+        raise InputError(f"The precision of the long passes is one of {', '.join(PASS_PRECISIONS)}; got {precision!r}.")
+    if precision == "bfloat16" and not fast_bfloat16(getattr(device, "type", str(device))):
+        raise InputError("This machine has no fast bfloat16 matrix kernels (AVX-512 BF16 or AMX on a CPU, or a GPU "
+                         "with bfloat16): bfloat16 would be slower than float32 here; use float32.")
+
+
+@contextmanager
+def precision_block(model, precision: str):
+    """The passes of the block in `precision`: float32, the model as it is; bfloat16, torch.autocast (matrix products
+    in bfloat16, the model's weights untouched) with the attention kernel in float32 (`float32_attention`: on a CPU
+    bfloat16 SDPA was slower than float32's, 1.45x on SmolLM2), restored after."""
+    if precision == "float32":
+        yield
+        return
+    device = next(model.parameters()).device
+    check_precision(precision, device)
+    with torch.autocast(device.type, dtype=torch.bfloat16), float32_attention(model):
+        yield

@@ -207,6 +207,9 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "mps" else torch.float32
 
 
+# the precisions a run of long passes may choose (analysis.arch.attention.precision_block): float32 as the model is,
+# or bfloat16 autocast where fast_bfloat16
+PASS_PRECISIONS = ("float32", "bfloat16")
 # CPU flags (Linux /proc/cpuinfo names) whose instructions multiply bfloat16 matrices natively: AVX-512 BF16
 # (AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids) and AMX (Intel Sapphire Rapids and later)
 FAST_BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")

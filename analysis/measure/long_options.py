@@ -4,6 +4,8 @@
 
 The window (sinks + recent) and its defaults are analysis.arch.window's (one value for every measurement and plan).
 """
+from analysis.core.placement import PASS_PRECISIONS  # noqa: E402 (light: no torch)
+
 RETRIEVAL_LENGTHS = (1024, 2048)     # tokens per retrieval item (the whole row) when none are given
 STREAMING_LENGTHS = (2048,)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
@@ -29,4 +31,4 @@ PAGE_PROBES = ("passkey",)           # the probes the page picks first
 PAGE_LENGTH = 2048                   # tokens per row (clipped to the model's context)
 PAGE_SEQUENCES = 2                   # sequences per depth: the least that gives a CI (10 items)
 PAGE_IMPORTANCE_TOKENS = DEFAULT_PRUNE_TOKENS   # tokens of the KV groups' ablation a plan prunes by
-PRECISION_CHOICES = ("float32", "bfloat16")     # the long-context passes' precision (analysis.measure.longpass)
+PRECISION_CHOICES = PASS_PRECISIONS             # the long-context passes' precision (arch.attention.precision_block)

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from analysis.arch.adapters import adapter_for
+from analysis.arch.attention import check_precision, precision_block  # noqa: F401 (re-exported: the scan's precision)
 from analysis.arch.spans import attention_layers, tapped
 from analysis.arch.window import Window, window_of
 from analysis.core.errors import InputError, check_whole_number
@@ -441,31 +442,6 @@ def long_scan(model, built: dict, *, tokenizer=None, window: Window = Window(), 
 def _row_depth(items, r: int) -> str:
     i = int(torch.nonzero(items.row == r).flatten()[0])
     return items.conditions[i]
-
-
-def check_precision(precision: str, device) -> None:
-    """InputError for a precision other than PRECISIONS, or bfloat16 where this machine has no fast kernels."""
-    from analysis.core.placement import fast_bfloat16
-    if precision not in PRECISIONS:
-        raise InputError(f"The precision of a long-context scan is one of {', '.join(PRECISIONS)}; got {precision!r}.")
-    if precision == "bfloat16" and not fast_bfloat16(getattr(device, "type", str(device))):
-        raise InputError("This machine has no fast bfloat16 matrix kernels (AVX-512 BF16 or AMX on a CPU, or a GPU "
-                         "with bfloat16): bfloat16 would be slower than float32 here; use float32.")
-
-
-@contextmanager
-def precision_block(model, precision: str):
-    """float32: as the model is; bfloat16: torch.autocast over the passes (matrix products in bfloat16, the model's
-    weights untouched) with the attention kernel in float32 (arch.attention.float32_attention: on a CPU, bfloat16
-    SDPA is slower than float32's), restored after."""
-    if precision == "float32":
-        yield
-        return
-    from analysis.arch.attention import float32_attention
-    device = next(model.parameters()).device
-    check_precision(precision, device)
-    with torch.autocast(device.type, dtype=torch.bfloat16), float32_attention(model):
-        yield
 
 
 __all__ = ["ScanRow", "recording", "probe_rows", "LongScan", "long_scan", "PRECISIONS", "SCAN_MODULES",

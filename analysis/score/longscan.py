@@ -350,16 +350,21 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
 
 # -- what the passes cost (the app's estimates, the bench) ------------------------------------------------------
 
+def importance_ablations(geometry) -> int:
+    """The ablations group_importance runs per layer (one batch of the fast sweep): the Hkv groups on a GQA model,
+    the H heads on an MHA one."""
+    return geometry.n_kv_heads if geometry.group_size > 1 else geometry.n_heads
+
+
 def importance_seconds(geometry, tokens: int, row_at_tokens: float) -> float:
-    """Predicted seconds of the KV groups' ablation (analysis.measure.ablation's fast sweep): for each of the Hkv (H on
-    an MHA model) ablations of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, over
-    `tokens` tokens, plus one dense pass; `row_at_tokens`: this machine's seconds for one row of `tokens` tokens
-    (analysis.measure.probes.longcontext.row_seconds)."""
+    """Predicted seconds of the KV groups' ablation (analysis.measure.ablation's fast sweep): for each of the
+    `importance_ablations` of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, over
+    `tokens` tokens, plus one dense pass; `row_at_tokens`: this machine's seconds for one row of `tokens` tokens,
+    timed in batches of the ablations' number (analysis.measure.probes.longcontext.row_seconds(rows=...))."""
     g = geometry
-    ablations = g.n_kv_heads if g.group_size > 1 else g.n_heads      # group_importance: the KV groups alone on GQA
-    return (ablations * (g.n_layers + 1) / 2 + 1) * float(row_at_tokens)
+    return (importance_ablations(g) * (g.n_layers + 1) / 2 + 1) * float(row_at_tokens)
 
 
-__all__ = ["importance_seconds", "stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
+__all__ = ["importance_seconds", "importance_ablations", "stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
            "ROWS", "scan_settings", "SCAN",
            "IMPORTANCE", "DETECTOR", "MEASURES", "detection_tree", "detection_of_tree"]

@@ -573,13 +573,15 @@ def _kernel_seconds(g, dtype, device, keys: int, queries: int | None = None, row
 
 
 @torch.no_grad()
-def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=None) -> dict[int, float]:
+def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=None,
+                precision: str = "float32") -> dict[int, float]:
     """length -> seconds of one forward pass of one row on this machine, estimated from two cheap timings: a
     forward of `rows` x `short` tokens (what everything but attention costs per token: about the same at any
     length, once the matrices are that large) and the attention kernel alone (sdpa, causal, [1, H, T, d]) at
     each length, times the number of layers; each timing the faster of two (the kernel's share grows with the
     length: on 2 CPU cores, 6 of 17 s a row at 4,096 tokens, docs/results.md). An estimate: windowed heads (a KV plan) run a masked kernel, slower than the
-    causal one timed here, and a busy machine is slower than it was while timing."""
+    causal one timed here, and a busy machine is slower than it was while timing. precision: the forward timed in
+    the passes' precision (analysis.arch.attention.precision_block; the attention kernel stays float32 there)."""
     from analysis.arch.adapters import adapter_for, input_device
     g = geometry or adapter_for(model).geometry(model)
     device = input_device(model)
@@ -588,8 +590,9 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
     x = torch.randint(0, model.get_input_embeddings().weight.shape[0], (rows, n), device=device)   # [rows, n]
     handle = model.base_model.register_forward_hook(_keep_positions(torch.arange(rows), torch.full((rows,), n - 1)))  # one logit a row
     try:
-        with stop_between_layers(model, None, "The time estimate"):    # Ctrl-C within a layer, not the whole pass
-            whole = _best_of_two(lambda: model(input_ids=x, use_cache=False), device)
+        from analysis.arch.attention import precision_block
+        with stop_between_layers(model, None, "The time estimate"), precision_block(model, precision):
+            whole = _best_of_two(lambda: model(input_ids=x, use_cache=False), device)   # Ctrl-C within a layer
     finally:
         handle.remove()
     per_token = max(whole - rows * g.n_layers * _kernel_seconds(g, dtype, device, n), 0.0) / (rows * n)
