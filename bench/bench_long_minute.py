@@ -106,14 +106,14 @@ def main(argv=None) -> int:
                bf16_native=fast_bfloat16("cpu"), load_before=load_average(), jobs=[], effect={})
     print(f"{lm.name}: the Long context page's passes at {args.length} tokens ({n_rows} probe rows), "
           f"{torch.get_num_threads()} torch threads, load {load_text(load_average())}", flush=True)
-    from analysis.score.longscan import importance_ablations
+    from analysis.score.longscan import head_fraction, importance_ablations
     t_rows, per_row = _timed(lambda: row_seconds(lm.model, [args.length], geometry=g))
     work = long_work(built)
     t_steps, per_step = _timed(lambda: step_seconds(lm.model, sorted(work.steps), geometry=g) if work.steps else {})
     t_imp, imp_row = _timed(lambda: row_seconds(lm.model, [tokens], short=tokens, rows=importance_ablations(g),
                                                 geometry=g))
     est_pass = work.seconds(per_row, per_step)
-    est_imp = importance_seconds(g, tokens, imp_row[tokens])
+    est_imp = importance_seconds(g, tokens, imp_row[tokens], head_fraction(lm.model))
     t_rows += t_imp
     jobs = out["jobs"]
     _job(jobs, "timing this machine (row_seconds + step_seconds, once)", None, t_rows + t_steps, side="setup")
@@ -164,7 +164,8 @@ def main(argv=None) -> int:
             row_seconds(lm.model, [tokens], short=tokens, rows=importance_ablations(g), geometry=g,
                         precision="bfloat16")))
         _job(jobs, "timing this machine in bfloat16 (once)", None, t16, side="setup")
-        est_pass16, est_imp16 = work.seconds(row16, per_step), importance_seconds(g, tokens, imp_row16[tokens])
+        est_pass16 = work.seconds(row16, per_step)
+        est_imp16 = importance_seconds(g, tokens, imp_row16[tokens], head_fraction(lm.model))
         s, (imp16, _) = _timed(lambda: stored_importance(lm, tokens, precision="bfloat16"))
         _job(jobs, f"KV groups' importance, bfloat16 ({tokens} tokens)", est_imp16, s, side="bf16")
         s, (scan16, _) = _timed(lambda: stored_scan(lm, built, window=window, precision="bfloat16"))

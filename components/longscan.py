@@ -219,10 +219,10 @@ def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
 def importance_seconds(key: ModelKey, g, tokens: int, precision: str = "float32") -> float:
     """The predicted seconds of the KV groups' ablation (analysis.score.longscan.importance_seconds) at this
     machine's seconds per row of `tokens` tokens, timed in batches of the sweep's own size."""
-    from analysis.score.longscan import importance_ablations, importance_seconds as predicted
+    from analysis.score.longscan import head_fraction, importance_ablations, importance_seconds as predicted
     tokens = int(tokens)
     timed = per_row(key, (tokens,), precision, short=tokens, rows=importance_ablations(g))
-    return predicted(g, tokens, timed[tokens])
+    return predicted(g, tokens, timed[tokens], head_fraction(cache.load(key).model))
 
 
 def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float32"):

@@ -356,15 +356,28 @@ def importance_ablations(geometry) -> int:
     return geometry.n_kv_heads if geometry.group_size > 1 else geometry.n_heads
 
 
-def importance_seconds(geometry, tokens: int, row_at_tokens: float) -> float:
+def head_fraction(model) -> float:
+    """The language-model head's share of a forward's cost per token: its weights over the decoder layers' (the
+    multiply-adds of both grow with them)."""
+    from analysis.arch.adapters import adapter_for
+    head = model.get_output_embeddings()
+    layers = adapter_for(model).layers(model)
+    stack = sum(p.numel() for layer in layers for p in layer.parameters())
+    return float(head.weight.numel()) / max(1, stack) if head is not None else 0.0
+
+
+def importance_seconds(geometry, tokens: int, row_at_tokens: float, head_share: float = 0.0) -> float:
     """Predicted seconds of the KV groups' ablation (analysis.measure.ablation's fast sweep): for each of the
-    `importance_ablations` of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, over
-    `tokens` tokens, plus one dense pass; `row_at_tokens`: this machine's seconds for one row of `tokens` tokens,
-    timed in batches of the ablations' number (analysis.measure.probes.longcontext.row_seconds(rows=...))."""
+    `importance_ablations` of layer l it replays the layers from l on, about (L + 1) / 2 layers on average, and
+    reads the loss through the LM head at every one of the `tokens` positions (`head_share` of a forward: see
+    `head_fraction`; 27 % on SmolLM2), plus one dense pass; `row_at_tokens`: this machine's seconds for one row of
+    `tokens` tokens, timed in batches of the ablations' number (analysis.measure.probes.longcontext.row_seconds
+    with rows=...: one logit a row, so without the head)."""
     g = geometry
-    return (importance_ablations(g) * (g.n_layers + 1) / 2 + 1) * float(row_at_tokens)
+    per_ablation = (g.n_layers + 1) / 2 + g.n_layers * head_share        # rows' worth of work, per layer swept
+    return (importance_ablations(g) * per_ablation + 1 + head_share) * float(row_at_tokens)
 
 
-__all__ = ["importance_seconds", "importance_ablations", "stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
+__all__ = ["importance_seconds", "importance_ablations", "head_fraction", "stored_scan", "stored_dense", "stored_report", "CUT", "dense_settings", "values_tree", "DENSE", "dense_of", "stored_detections", "stored_importance", "stored_kv_scores", "page_rows",
            "ROWS", "scan_settings", "SCAN",
            "IMPORTANCE", "DETECTOR", "MEASURES", "detection_tree", "detection_of_tree"]
