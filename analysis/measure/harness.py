@@ -546,8 +546,8 @@ class Generated:
     tokens: list                   # the generated ids (an EOS that stopped it included)
     stopped: str                   # "eos" | "until" (a stop sequence) | "length" (max_new_tokens)
     prompt_tokens: int
-    prefill_s: float               # the prompt's forward pass and the first token
-    decode_s: float                # every later token: one forward step each
+    prefill_s: float               # the prompt's forward pass (its last logits give the first token)
+    decode_s: float                # forwards of every later token, summed (each read after the device finished)
     kv_bytes_prompt: int           # the KV cache's real K / V bytes after the prompt
     kv_bytes_end: int              # ... after the last step (the prompt and every new token but the last)
 
