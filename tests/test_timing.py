@@ -76,6 +76,8 @@ def test_every_kind_of_cut_is_measured():
     _untouched(model, before)
     with pytest.raises(InputError, match="Cut.of_mask"):
         measure(model, _mask(), **kw)
+    with pytest.raises(InputError, match="rounds"):
+        measure(model, Cut.of_plan(plan), **{**kw, "repeats": 0})
 
 
 def test_every_time_is_read_after_a_device_sync(monkeypatch):

@@ -311,13 +311,20 @@ def measure(model: nn.Module, cut: Cut, *, kv_policy: str = "auto", prefill: tup
             threads: int | None = None, batch: int = 1, seed: int = 0, measure_files: bool = True, block: int = 0,
             progress: Progress | None = None, should_stop: ShouldStop | None = None) -> SpeedReport:
     """Measure dense vs the cut on the dense model ("masked") vs its deployable form ("pruned") for `cut` (a Cut of
-    any kind; module docstring). kv_policy: how surgery cuts a mask. `model` is not changed (the cut's hooks are
-    removed after each call; its twin shares the untouched weights and only runs forward)."""
+    any kind; module docstring): a prefill of each length in `prefill` and, on a causal LM, `decode_steps` decode
+    steps after `decode_context` tokens. kv_policy: how surgery cuts a mask; block: queries per block of a compact
+    cache's banded prefill (0: its default). `model` is not changed (the cut's hooks are removed after each call;
+    its twin shares the untouched weights and only runs forward)."""
     report = progress or no_progress
     adapter = adapter_for(model)
     g = adapter.geometry(model)
     cut = checked(cut, g, required=True)
     decode_steps = check_whole_number(decode_steps, "The decode steps", low=1)
+    decode_context = check_whole_number(decode_context, "The decode context", low=1)
+    repeats = check_whole_number(repeats, "The rounds", low=1)
+    warmup = check_whole_number(warmup, "The warm-up rounds", low=0)
+    batch = check_whole_number(batch, "The batch size", low=1)
+    prefill = tuple(check_whole_number(s, "A prefill length", low=1) for s in prefill)
     report(0.0, "building the deployable form of the cut")
     deployed = physical(cut, model, kv_policy=kv_policy)
     variants = [Variant(DENSE, None)] + ([] if cut.kind == "model" else [Variant("masked", cut)]) + \
