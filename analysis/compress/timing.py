@@ -44,7 +44,7 @@ from analysis.compress.cost import FLOP_NOTE, attention_weights, cut_flops, kv_b
 from analysis.compress.kvruntime import physical
 from analysis.compress.surgery import predicted_counts
 from analysis.core.clock import Clock
-from analysis.core.errors import InputError, check_whole_number
+from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, no_progress
 from analysis.core.threads import torch_threads
 from analysis.measure import decode as decoding
@@ -325,6 +325,7 @@ def measure(model: nn.Module, cut: Cut, *, kv_policy: str = "auto", prefill: tup
     warmup = check_whole_number(warmup, "The warm-up rounds", low=0)
     batch = check_whole_number(batch, "The batch size", low=1)
     prefill = tuple(check_whole_number(s, "A prefill length", low=1) for s in prefill)
+    seed = check_seed(seed, "The random ids' seed")
     report(0.0, "building the deployable form of the cut")
     deployed = physical(cut, model, kv_policy=kv_policy)
     variants = [Variant(DENSE, None)] + ([] if cut.kind == "model" else [Variant("masked", cut)]) + \
@@ -430,6 +431,7 @@ def measure_kv(source, plans: dict[str, KVPlan], *, context: int, decode_steps: 
     decode_steps = check_whole_number(decode_steps, "The decode steps", low=1)
     repeats = check_whole_number(repeats, "The rounds", low=1)
     warmup = check_whole_number(warmup, "The warm-up rounds", low=0)
+    seed = check_seed(seed, "The random ids' seed")
     limit = context_length(model, default=1 << 30)
     if context + decode_steps > limit:
         raise InputError(f"A context of {context} tokens (and {decode_steps} decoded after it) is longer than this "

@@ -62,7 +62,7 @@ import torch
 
 from analysis.core.clock import Clock
 from analysis.core.errors import InputError, check_whole_number
-from analysis.core.progress import ShouldStop, check_stop
+from analysis.core.progress import ShouldStop, check_stop, raise_if_signalled
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
@@ -538,6 +538,7 @@ def _best_of_two(fn, device) -> float:
     """The faster of two timed calls of fn (wall seconds, read after the device finished: analysis.core.clock)."""
     clock, best = Clock(device), float("inf")
     for _ in range(2):
+        raise_if_signalled()                                            # Ctrl-C between the timings
         start = clock.now()
         fn()
         best = min(best, clock.since(start)[0])
