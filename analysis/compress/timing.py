@@ -316,16 +316,16 @@ def measure(model: nn.Module, cut: Cut, *, kv_policy: str = "auto", prefill: tup
     cache's banded prefill (0: its default). `model` is not changed (the cut's hooks are removed after each call;
     its twin shares the untouched weights and only runs forward)."""
     report = progress or no_progress
-    adapter = adapter_for(model)
-    g = adapter.geometry(model)
-    cut = checked(cut, g, required=True)
+    seed = check_seed(seed, "The random ids' seed")               # the settings first, before any model work
     decode_steps = check_whole_number(decode_steps, "The decode steps", low=1)
     decode_context = check_whole_number(decode_context, "The decode context", low=1)
     repeats = check_whole_number(repeats, "The rounds", low=1)
     warmup = check_whole_number(warmup, "The warm-up rounds", low=0)
     batch = check_whole_number(batch, "The batch size", low=1)
     prefill = tuple(check_whole_number(s, "A prefill length", low=1) for s in prefill)
-    seed = check_seed(seed, "The random ids' seed")
+    adapter = adapter_for(model)
+    g = adapter.geometry(model)
+    cut = checked(cut, g, required=True)
     report(0.0, "building the deployable form of the cut")
     deployed = physical(cut, model, kv_policy=kv_policy)
     variants = [Variant(DENSE, None)] + ([] if cut.kind == "model" else [Variant("masked", cut)]) + \
