@@ -1,5 +1,5 @@
 """Long context in the app: the per-head KV plan (full / window / prune per KV head, analysis.arch.kvplan),
-what it costs at a context (KV memory, predicted speed: analysis.compress.plan_speed), its file, and the
+what it costs at a context (KV memory, predicted speed: analysis.compress.cost), its file, and the
 Walkthrough's real head (where its attention goes over a long text: analysis.measure.longheads.last_rows).
 
 Pages call one function each: the Long context page `window_inputs` (the context and the window, one
@@ -402,14 +402,15 @@ def _speed_metric(where, label: str, speedup: float, help: str) -> None:
 def plan_view(lm, plan: KVPlan, context: int) -> None:
     """Beside the grid: the KV memory at the context (MiB and x dense), the predicted speed, the counts and
     the plan as a three-colour heatmap."""
-    from analysis.compress.plan_speed import predict
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import predict
     from analysis.compress.verdict import speed_words
     g = lm.geometry
     with shown_errors("Predicting the plan's cost"):
-        p = predict(lm.model, plan, context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
+        p = predict(lm.model, Cut.of_plan(plan), context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
         c = plan.counts()
         m1, m2 = st.columns(2)
-        m1.metric(f"KV cache at {context:,} tokens", size_words(p.plan.kv_bytes),
+        m1.metric(f"KV cache at {context:,} tokens", size_words(p.cut.kv_bytes),
                   f"{plan.kv_ratio(context):.2f}x dense ({size_words(p.dense.kv_bytes)})", delta_color="off",
                   delta_arrow="off",
                   help=f"Keys and values of every kept token of every KV head, {p.dtype_bytes} bytes a value "
@@ -438,17 +439,18 @@ def plan_view(lm, plan: KVPlan, context: int) -> None:
 
 
 def prediction_table(lm, plan: KVPlan, context: int) -> None:
-    from analysis.compress.plan_speed import predict
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import predict
     with shown_errors("Predicting the plan's cost"):
-        p = predict(lm.model, plan, context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
+        p = predict(lm.model, Cut.of_plan(plan), context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
         st.dataframe([{**r, "dense": round(r["dense"], 3), "plan": round(r["plan"], 3),
-                       "dense / plan": round(r["dense / plan"], 3)} for r in p.rows()], hide_index=True,
+                       "dense / plan": round(r["dense / plan"], 3)} for r in p.rows("plan")], hide_index=True,
                      width="stretch")
 
 
 def memory_chart(lm, plan: KVPlan, context: int) -> None:
     """KV memory vs context (1k .. 8k, up to the model's limit) for dense, the Prune page's mask and the plan."""
-    from analysis.compress.plan_speed import kv_curve
+    from analysis.compress.cost import kv_curve
     limit = context_limit(lm)
     points = [c for c in CURVE_CONTEXTS if c <= limit] or list(np.linspace(1, limit, 8).round().astype(int))
     points = sorted({*points, context})

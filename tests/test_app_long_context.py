@@ -45,17 +45,18 @@ def _plan(modes, sinks, recent):
 def _expected(model_dir, plan, context) -> dict:
     """What the page must show for `plan` at `context`, from the library."""
     from analysis.arch.models import load_model
-    from analysis.compress.plan_speed import predict
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import predict
     from analysis.compress.verdict import speed_words
     from components.longctx import size_words
-    p = predict(load_model(str(model_dir)).model, plan, context)
+    p = predict(load_model(str(model_dir)).model, Cut.of_plan(plan), context)
     c = plan.counts()
     def speed(ratio):       # "1.96x" over "faster than dense" (the page's metric: value, delta)
         words = speed_words(ratio)
         return ("1.00x", "same as dense") if words.startswith("same") else (
             words.split()[0], f"{words.split()[1]} than dense")
 
-    return {f"KV cache at {context:,} tokens": (size_words(p.plan.kv_bytes),
+    return {f"KV cache at {context:,} tokens": (size_words(p.cut.kv_bytes),
                                                 f"{plan.kv_ratio(context):.2f}x dense ({size_words(p.dense.kv_bytes)})"),
             "Full / window / prune": (f"{c['full']} / {c['window']} / {c['prune']}", ""),
             "Prefill (predicted)": speed(p.ratio("prefill_flops")),
