@@ -223,7 +223,7 @@ def test_plans_from_either_score_at_the_same_shares_hold_the_same_kv_bytes():
         assert (a.windowed != b.windowed).any()                          # the scores choose other heads ...
         assert a.counts() == b.counts()                                  # ... as many of them
         for name, plan in plans.items():
-            assert plan.notes[0].startswith(f"windowed by the {name} score")
+            assert plan.notes[0].startswith(f"windowed: the lowest {name} scores")
             cut = Cut.of_plan(plan)
             with torch.no_grad(), cut.running(model) as run:
                 cache = cut.new_cache()
@@ -262,7 +262,7 @@ def test_kv_plan_windows_the_lowest_retrieval_aware_heads_and_says_so(long_tiny,
     aware = np.array(summary["scores"]["retrieval-aware"])               # [L, Hkv]
     assert summary["plan"]["window_score"] == "retrieval-aware" and "streaming" not in summary["scores"]
     assert plan.counts()["window"] == 4 and aware[plan.windowed].max() <= aware[~plan.windowed].min()
-    assert plan.notes[0].startswith("windowed by the retrieval-aware score") and "256 tokens" in plan.notes[0]
+    assert plan.notes[0].startswith("windowed: the lowest retrieval-aware scores") and "256 tokens" in plan.notes[0]
     assert summary["scores"]["retrieval_aware_rows"]["n_items"] == 2
     with pytest.raises(SystemExit) as stop:                              # argparse's refusal: one line, exit 2
         cli.main(["kv-plan", "--model", str(long_tiny), "--window-score", "nope", "--out", str(tmp_path / "other.json")])

@@ -148,9 +148,9 @@ def plan_from_scores(geometry: HeadGeometry, scores: KVScores, *, window_share: 
                    prune_scores=scores.importance, prune_share=prune_share, keep=keep, window=window, model=model)
     det = scores.detections.get(window_score)
     lengths = det.extras["lengths"] if det is not None else []
-    notes = [f"windowed by the {window_score} score: the {plan.counts()['window']} KV heads lowest on it "
-             f"({detector_spec(window_score).title}), under {plan.window.describe()}"
-             + (f", measured at {', '.join(map(str, lengths))} tokens" if lengths else "")]
+    notes = [f"windowed: the lowest {window_score} scores, under {plan.window.describe()}"
+             + (f", measured at {', '.join(map(str, lengths))} tokens" if lengths else "")
+             + f" (the {window_score} score: {detector_spec(window_score).title})"]
     if keep is not None:
         notes.append(f"kept full: {int(keep.sum())} KV heads with a retrieval head (score >= {retrieval_threshold:g}): "
                      + (", ".join(f"L{l}KV{j}" for l, j in zip(*np.nonzero(keep))) or "none"))
