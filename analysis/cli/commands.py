@@ -236,6 +236,22 @@ def _deploy_arguments(parser):
     add_output_arguments(parser)
 
 
+def _refuse_windows(folder) -> None:
+    """An export folder whose kv_plan.json windows KV heads: llama.cpp runs every head full, so this report
+    would measure the model without the plan's windows; refused with the reason (pruned KV heads are in the
+    file itself: fine)."""
+    from analysis.compress.export.kvfile import has_kv_plan, read_export_plan
+    from analysis.core.atomic import path_problem
+    if path_problem(folder) is not None or not folder.is_dir() or not has_kv_plan(folder):
+        return
+    plan = read_export_plan(folder)
+    if plan.windowed.any():
+        raise InputError(f"{folder}'s kv_plan.json windows {int(plan.windowed.sum())} KV heads, and llama.cpp runs "
+                         f"every head full (it has no per-head windows): this report would measure the model "
+                         f"without them. Measure the plan in PyTorch (headscope longctx / ruler / evaluate --export "
+                         f"{folder}), or export the GGUF without the plan.")
+
+
 def run_deploy_report(ns):
     """llama.cpp's numbers for a dense and pruned GGUF files (size, perplexity, speed, KV cache)."""
     from pathlib import Path
@@ -255,6 +271,8 @@ def run_deploy_report(ns):
         return path, None
 
     files = [file_of(ns.dense)] + [file_of(p) for p in ns.pruned]
+    for given in [ns.dense, *ns.pruned]:                               # a plan is applied or refused, never dropped
+        _refuse_windows(Path(given))
     check_files(files[0][0], [path for path, _ in files[1:]])          # every header, before any work
     masks = {path: read_mask_json(mask_file) for path, mask_file in files if mask_file is not None}
     loaded = load_model(ns.model, cache_dir=ns.cache_dir)

@@ -15,6 +15,19 @@ kv_plan.json's notes name the window score.
 `--out` gets kv_plan.json (atomic; checked before any work); stdout gets a JSON summary: the plan's
 counts, its KV cache against dense at the measured lengths and the model's context, the scores per KV
 head and the seconds spent.
+
+Plans that travel (DuoAttention's pattern folder, analysis.compress.export.duo; docs/PEERS.md):
+
+    python -m analysis kv-plan ... --to-duo DIR [--duo-pruned refuse|full|window]
+    python -m analysis kv-plan --plan kv_plan.json --to-duo DIR          # an existing plan, nothing measured
+    python -m analysis kv-plan [--model M] --from-duo DIR [--duo-threshold 0.5 | --duo-sparsity S] --out kv_plan.json
+    ... --compare kv_plan.json|DIR                                         # which KV heads both keep full
+
+`--to-duo` writes full_attention_heads.tsv + config.json (what DuoAttention and kvpress's DuoAttentionPress
+read) and the plan's kv_plan.json into a new folder (atomic). `--from-duo` takes the plan from a pattern
+folder instead of measuring (the gates thresholded as DuoAttention does; the model's layers and KV heads
+checked). `--plan` takes an existing kv_plan.json. `--compare` adds the agreement on full KV heads with another
+plan (a kv_plan.json, or a pattern folder thresholded by the same --duo-threshold / --duo-sparsity).
 """
 from __future__ import annotations
 
@@ -60,18 +73,102 @@ def _arguments(parser):
     parser.add_argument("--seed", type=int, default=0, help="seed of the texts and needles")
     parser.add_argument("--out", dest="plan_out", default=None, help="write kv_plan.json here (atomic)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--plan", dest="plan_file", default=None, metavar="FILE",
+                       help="an existing kv_plan.json instead of measuring (for --to-duo / --compare)")
+    given.add_argument("--from-duo", dest="from_duo", default=None, metavar="DIR",
+                       help="the plan from a DuoAttention pattern folder (full_attention_heads.tsv + config.json) "
+                            "instead of measuring")
+    parser.add_argument("--to-duo", dest="to_duo", default=None, metavar="DIR",
+                        help="also write the plan as a DuoAttention pattern folder (new or empty; atomic)")
+    parser.add_argument("--duo-pruned", dest="duo_pruned", choices=("refuse", "full", "window"), default="refuse",
+                        help="a pruned KV head in --to-duo: refused (default), or written as a full / streaming "
+                             "gate (for a model whose pruned heads are zeroed)")
+    duo = parser.add_mutually_exclusive_group()
+    duo.add_argument("--duo-threshold", dest="duo_threshold", type=float, default=None,
+                     help="a pattern's KV head is full when its gate >= this (default 0.5, DuoAttention's)")
+    duo.add_argument("--duo-sparsity", dest="duo_sparsity", type=float, default=None,
+                     help="instead: this share of a pattern's KV heads streaming, lowest gates first "
+                          "(DuoAttention's quantile rule)")
+    parser.add_argument("--compare", default=None, metavar="PLAN",
+                        help="a kv_plan.json or a DuoAttention pattern folder: which KV heads both plans keep full")
 
 
 def run(ns):
-    from analysis.arch.window import Window
+    from analysis.compress.export.duo import check_gate_rule, check_pattern_target, looked_up
+    from analysis.core.atomic import check_output_file
+    if ns.plan_out is not None:
+        check_output_file(ns.plan_out, "--out")
+    if ns.plan_file is not None:
+        looked_up(ns.plan_file, "--plan")                # a name too long is one line (read_kv_plan's is_dir raises)
+    if ns.to_duo is not None:
+        check_pattern_target(ns.to_duo)
+    check_gate_rule(ns.duo_threshold, ns.duo_sparsity)
+    other = _read_compare(ns.compare) if ns.compare is not None else None    # its own checks before any work
+    if ns.plan_file is not None or ns.from_duo is not None:
+        plan, payload = _given_plan(ns)
+    else:
+        plan, payload = _measured_plan(ns)
+    return _travel(ns, plan, payload, other), None
+
+
+def _given_plan(ns):
+    """(plan, payload) of --plan FILE or --from-duo DIR: nothing measured."""
+    from analysis.arch.kvplan import read_kv_plan
+    if ns.plan_file is not None:
+        plan = read_kv_plan(ns.plan_file)
+        info = dict(source=ns.plan_file, model=plan.model)
+    else:
+        from analysis.compress.export.duo import plan_from_pattern, read_pattern
+        pattern = read_pattern(ns.from_duo)                  # the files' own checks before the model loads
+        with progress_bar("loading", not ns.quiet) as report:
+            _, loaded, info = load_source(ns, report)
+        plan = plan_from_pattern(pattern, loaded.geometry, threshold=ns.duo_threshold, sparsity=ns.duo_sparsity,
+                                 model=loaded.name)
+    _write_plan(ns, plan)
+    return plan, dict(model=info, plan=_plan_summary(plan), out=ns.plan_out)
+
+
+def _travel(ns, plan, payload: dict, other) -> dict:
+    """--compare and --to-duo, after the plan is made (and written)."""
+    from analysis.compress.export import duo
+    if other is not None:
+        if isinstance(other, duo.DuoPattern):
+            other = duo.plan_from_pattern(other, n_heads=plan.n_heads, threshold=ns.duo_threshold,
+                                          sparsity=ns.duo_sparsity)
+        payload["agreement"] = dict(plan=ns.compare, **duo.full_agreement(plan, other).as_dict(("this", "other")))
+    if ns.to_duo is not None:
+        duo.write_pattern(ns.to_duo, duo.pattern_from_plan(plan, pruned=ns.duo_pruned), plan=plan)
+        payload["duo"] = ns.to_duo
+    return payload
+
+
+def _read_compare(source: str):
+    """--compare's plan: a DuoPattern (a folder holding full_attention_heads.tsv) or a KVPlan (kv_plan.json)."""
+    from analysis.compress.export.duo import is_pattern_folder, read_pattern
+    from analysis.arch.kvplan import read_kv_plan
+    return read_pattern(source) if is_pattern_folder(source) else read_kv_plan(source)
+
+
+def _write_plan(ns, plan) -> None:
     from analysis.core import progress as cancel
-    from analysis.core.atomic import atomic_write, check_output_file
+    from analysis.core.atomic import atomic_write
+    cancel.raise_if_signalled()                          # stopped after the last cancel point: write nothing
+    if ns.plan_out is not None:
+        atomic_write(ns.plan_out, plan.to_json() + "\n", what="--out")
+
+
+def _plan_summary(plan) -> dict:
+    return dict(describe=plan.describe(), counts=plan.counts(), **plan.window.as_dict(), notes=list(plan.notes),
+                modes=plan.as_dict()["modes"])
+
+
+def _measured_plan(ns):
+    from analysis.arch.window import Window
     from analysis.core.errors import SEED_MAX, InputError
     from analysis.measure.evaluation import context_length
     from analysis.measure.longheads import DEFAULT_DEPTHS, MAX_NEEDLES, MAX_QUERIES, check_depths, check_lengths
     from analysis.score.kvscores import check_plan_options, kv_heads_summary, measure_kv_scores, plan_from_scores
-    if ns.plan_out is not None:
-        check_output_file(ns.plan_out, "--out")
     check_counts(ns, {"needles": (1, MAX_NEEDLES), "queries": (1, MAX_QUERIES), "prune_tokens": (2, 2**20),
                       "seed": (0, SEED_MAX)})
     window = Window(ns.sinks, ns.recent)
@@ -100,19 +197,15 @@ def run(ns):
     limit = context_length(loaded.model)
     dense, size = KVPlan.full(geo), loaded.model.dtype.itemsize
     contexts = sorted(set(scores.detections[ns.window_score].extras["lengths"]) | {limit})
-    cancel.raise_if_signalled()                          # stopped after the last cancel point: write nothing
-    if ns.plan_out is not None:
-        atomic_write(ns.plan_out, plan.to_json() + "\n", what="--out")
-    payload = dict(model=info, plan=dict(describe=plan.describe(), counts=plan.counts(), **plan.window.as_dict(),
-                                         window_share=ns.window_share, window_score=ns.window_score,
-                                         prune_share=ns.prune_share,
-                                         keep_retrieval=ns.keep_retrieval, notes=list(plan.notes),
-                                         modes=plan.as_dict()["modes"]),
+    _write_plan(ns, plan)
+    payload = dict(model=info, plan=dict(_plan_summary(plan), window_share=ns.window_share,
+                                         window_score=ns.window_score, prune_share=ns.prune_share,
+                                         keep_retrieval=ns.keep_retrieval),
                    kv_ratio={str(c): plan.kv_ratio(c) for c in contexts},
                    kv_bytes={str(c): plan.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
                    dense_kv_bytes={str(c): dense.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
                    scores=kv_heads_summary(scores, geo.group_size), out=ns.plan_out)
-    return payload, None
+    return plan, payload
 
 
 register("kv-plan", "measure streaming (or retrieval-aware) and retrieval heads on long built-in text and write a "
