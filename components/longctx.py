@@ -245,16 +245,18 @@ def _long_scores(lm, name: str, options: dict):
                             view=", ".join(f"{k} {v}" for k, v in opts))
 
 
-def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_share: float, prune_share: float,
-                 keep_retrieval: bool, window: Window) -> None:
-    """streaming, retrieval: the detectors' Detections (retrieval may be None); importance [L, Hkv] or None."""
+def _fill_scores(geometry, model: str, window_score: str, windowing, retrieval, importance, window_share: float,
+                 prune_share: float, keep_retrieval: bool, window: Window) -> None:
+    """windowing, retrieval: the detectors' Detections (the window score's; retrieval may be None); importance
+    [L, Hkv] or None."""
     from analysis.score.kvscores import KVScores, plan_from_scores
-    dets = {name: d for name, d in (("streaming", streaming), ("retrieval", retrieval)) if d is not None}
-    scores = KVScores(streaming.extras["kv_scores"], None if retrieval is None else retrieval.extras["kv_scores"],
-                      importance, dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0)
+    dets = {name: d for name, d in ((window_score, windowing), ("retrieval", retrieval)) if d is not None}
+    scores = KVScores(retrieval=None if retrieval is None else retrieval.extras["kv_scores"], importance=importance,
+                      detections=dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0
+                      ).with_window_score(window_score, windowing.extras["kv_scores"])
     try:
         plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
-                                keep_retrieval=keep_retrieval, window=window, model=model)
+                                keep_retrieval=keep_retrieval, window=window, window_score=window_score, model=model)
     except InputError as err:
         state.remember(_NOTE, str(err))
         return
@@ -262,21 +264,36 @@ def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_
     state.remember(_NOTES, (state.get("kv"), plan.notes))
 
 
+def _window_options(name: str, length: int, window: Window) -> dict:
+    """The options a window score is measured with on this page: its length and the page's window (and two needles
+    per depth for the retrieval-aware rows, as the retrieval score's)."""
+    return dict(lengths=(length,), **window.as_dict(), **({"needles": 2} if name == "retrieval-aware" else {}))
+
+
 def score_fills(lm, window: Window) -> None:
-    """Fill the grid from the heads' own scores: window the most streaming share of KV heads (the lowest output
-    change under this page's window), keep the KV heads that hold a retrieval head full, prune the least
+    """Fill the grid from the heads' own scores: window the share of KV heads lowest on the chosen window score
+    (streaming: the output change under this page's window; retrieval-aware: the needle answers' log-probability
+    lost when the KV head alone reads it), keep the KV heads that hold a retrieval head full, prune the least
     important share (KV-group ablation); each score measured on its own button (expected time, Stop)."""
+    from analysis.measure.detector_registry import detector_spec
+    from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
     g = lm.geometry
     limit = context_limit(lm)
-    with st.expander("Fill from the heads' scores (streaming, retrieval, importance)", expanded=False):
+    with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
+                     expanded=False):
         st.caption("The scores the Heads page measures, at this page's window. Each runs the model on long built-in "
                    "text on its own button.")
         with shown_errors("Measuring the heads' scores"):
             length = int(st.number_input("Measured at (tokens)", 64, max(64, limit), step=256,
                                          key=state.widget_key("long.scores.length", value=min(SCORE_LENGTH, limit)),
-                                         help="The context the streaming and retrieval scores read (one length)."))
+                                         help="The context the window and retrieval scores read (one length)."))
             length = min(length, limit)
-            streaming = _long_scores(lm, "streaming", dict(lengths=(length,), **window.as_dict()))
+            window_score = st.radio(
+                "Window the KV heads lowest on", WINDOW_SCORES, horizontal=True,
+                key=state.widget_key("long.scores.by", value=DEFAULT_WINDOW_SCORE),
+                format_func=lambda name: f"the {name} score",
+                help="; ".join(f"{name}: {detector_spec(name).help}" for name in WINDOW_SCORES) + ".")
+            windowing = _long_scores(lm, window_score, _window_options(window_score, length, window))
             retrieval = _long_scores(lm, "retrieval", dict(lengths=(length,), needles=2))
             importance = cache.run_button(
                 f"Measure the KV groups' importance (ablation on {IMPORTANCE_TOKENS} tokens)",
@@ -285,11 +302,11 @@ def score_fills(lm, window: Window) -> None:
                 label="Removing each KV group", kind="ablation",
                 work=IMPORTANCE_TOKENS * (g.n_total_heads + g.n_layers * g.n_kv_heads),
                 stale_note="({view})", view="another model")
-        if streaming is None:
-            st.caption("Measure the streaming scores to fill the grid from them.")
+        if windowing is None:
+            st.caption(f"Measure the {window_score} scores to fill the grid from them.")
             return
         c1, c2 = st.columns(2)
-        share = c1.slider("Window the most streaming (% of KV heads)", 0, 100, step=5,
+        share = c1.slider(f"Window the lowest on the {window_score} score (% of KV heads)", 0, 100, step=5,
                           key=state.widget_key("long.scores.window", value=50))
         prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
                           key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
@@ -297,12 +314,13 @@ def score_fills(lm, window: Window) -> None:
         keep = st.checkbox("Keep KV heads with a retrieval head full", disabled=retrieval is None,
                            key=state.widget_key("long.scores.keep", value=True),
                            help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
-                                "2024) stays full whatever its streaming score." if retrieval is not None else
+                                "2024) stays full whatever its window score." if retrieval is not None else
                            "Measure the retrieval scores first.")
-        st.button(f"Fill the grid: window {share} %, prune {prune if importance is not None else 0} %"
+        st.button(f"Fill the grid: window {share} % by the {window_score} score, prune "
+                  f"{prune if importance is not None else 0} %"
                   + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
                   on_click=_fill_scores, type="primary",
-                  args=(g, lm.name, streaming, retrieval, importance, share / 100,
+                  args=(g, lm.name, window_score, windowing, retrieval, importance, share / 100,
                         (prune / 100) if importance is not None else 0.0,
                         bool(keep) and retrieval is not None, window))
 
