@@ -62,7 +62,8 @@ def window_share_for(ratio: float, length: int, window, n_kv: int) -> float:
 
 
 def grid_plans(loaded, scores: dict, length: int, window) -> dict:
-    """{"<score>@<kv>": plan}: for each score [L, Hkv] (higher = keep full), the lowest windowed to each KV ratio."""
+    """{"<score>@<kv>": plan}: for each score [L, Hkv] (higher = keep full), the lowest windowed to each KV ratio at
+    `length` tokens (the rows' median prompt: what the cache holds when the answer starts, as kvpress's ratio)."""
     from analysis.score.kvscores import plan_kv
     g = loaded.geometry
     out = {}
@@ -71,18 +72,19 @@ def grid_plans(loaded, scores: dict, length: int, window) -> dict:
             share = window_share_for(ratio, length, window, g.n_layers * g.n_kv_heads)
             plan = plan_kv(g, values, window_share=share, window=window, model=loaded.name)
             out[f"{name}@{ratio:g}"] = plan.with_modes(plan.modes, f"windowed: the lowest {name} scores, {share:.0%} "
-                                                                   f"of the KV heads (KV {ratio:g}x of dense at {length:,})")
+                                                                   f"of the KV heads (KV {ratio:g}x of dense at "
+                                                                   f"{length:,} tokens, the rows' median prompt)")
     return out
 
 
-def plans_for(loaded, kv_scores, length: int, window, args) -> dict:
+def plans_for(loaded, kv_scores, length: int, window, args, prompt: int) -> dict:
     from bench.bench_kv_quality import plans_of
     named = plans_of(loaded, kv_scores, argparse.Namespace(cut=0.5, window_share=0.5, wider_share=0.55,
                                                             prune_share=0.25, sinks=window.sinks,
                                                             recent=window.recent))
     plans = {k: named[k] for k in ("cut", "duo+", "mix")}
     grid_scores = {"streaming": kv_scores.streaming, "retrieval-aware": kv_scores.retrieval_aware}
-    plans.update(grid_plans(loaded, {k: v for k, v in grid_scores.items() if v is not None}, length, window))
+    plans.update(grid_plans(loaded, {k: v for k, v in grid_scores.items() if v is not None}, prompt, window))
     return plans
 
 
@@ -396,7 +398,9 @@ def main(argv=None) -> int:
             rows = build_ruler(tasks, loaded.tokenizer, (length,), samples=args.samples, seed=args.seed)
             rows_file = Path(args.out or "bench_ruler.json").with_name(f"rows-{length}.jsonl")
             rows_file.write_text(rows_jsonl(export_rows(rows, loaded.tokenizer)))
-            plans = plans_for(loaded, kv_scores, length, window, args)
+            from analysis.measure.ruler import prompt_lengths
+            prompt = int(np.median(list(prompt_lengths(rows, loaded.tokenizer).values())))
+            plans = plans_for(loaded, kv_scores, length, window, args, prompt)
             if args.configs:
                 keep = set(args.configs.split(","))
                 unknown = sorted(keep - set(plans) - {"dense"})
