@@ -348,11 +348,17 @@ def _uploaded(key: str, geometry, limit: int) -> None:
     except InputError as err:
         state.remember(_NOTE, f"{upload.name}: {err}")
         return
-    _set_plan(plan.modes, "file")
+    adopt(plan, "file", limit)
+    state.remember("long.file", (upload.name, plan.model))
+
+
+def adopt(plan: KVPlan, source: str, limit: int) -> None:
+    """A plan from elsewhere (a kv_plan.json, a DuoAttention pattern) becomes the view's plan, with its window
+    (each number within the model's limit). source: a key of state.PLAN_SOURCES."""
+    _set_plan(plan.modes, source)
     for name, value in plan.window.as_dict().items():
         state.set(name, min(int(value), limit))
         state.reset_widget(name)
-    state.remember("long.file", (upload.name, plan.model))
 
 
 def plan_file(lm, plan: KVPlan) -> None:

@@ -415,3 +415,39 @@ def KVPlan_of(lm, modes, sinks, recent):
     from analysis.arch.kvplan import KVPlan
     from analysis.arch.window import Window
     return KVPlan(np.asarray(modes, np.int8), Window(sinks, recent), lm.geometry.n_heads, lm.name)
+
+
+def test_a_duoattention_pattern_shows_beside_the_plan_and_becomes_it(tiny_long, downloads):
+    """The DuoAttention section: an uploaded pattern (full_attention_heads.tsv + config.json) is compared with the
+    grid's plan by analysis.compress.export.duo.full_agreement (the metrics are its counts), 'Use' makes it the
+    plan (its window too), the plan downloads as a pattern that reads back as the same plan, and a malformed file
+    is one line with the plan unchanged."""
+    import io
+    import zipfile
+
+    from analysis.compress.export import duo
+    theirs = _plan([[0, 1], [1, 1], [1, 0], [0, 0]], 3, 40)
+    pattern = duo.pattern_from_plan(theirs)
+    files = [(duo.HEADS_FILE, duo.heads_text(pattern.gates).encode(), "text/tab-separated-values"),
+             (duo.CONFIG_FILE, json.dumps(pattern.config_dict()).encode(), "application/json")]
+    at = _open(tiny_long, kv="ww.ff.ff.wf", sinks=2, recent=16)
+    mine = _plan(_grid(at), 2, 16)
+    at.file_uploader(key="hs.w.long.duo.upload").set_value(files).run()
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    counts = duo.full_agreement(theirs, mine).as_dict(("pattern", "plan"))["counts"]
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["KV heads full in both"] == str(counts["both"])
+    assert shown["Full in one only"] == str(counts["only_pattern"] + counts["only_plan"])
+    at.button(key="long.duo.use").click().run()
+    no_exception(at)
+    np.testing.assert_array_equal(_grid(at), theirs.modes)
+    assert (at.query_params["plan"], at.query_params["sinks"], at.query_params["recent"]) == ("duo", "3", "40")
+    with zipfile.ZipFile(io.BytesIO(downloads["duo_pattern.zip"])) as z:
+        back = duo.pattern_from_texts(z.read(duo.HEADS_FILE).decode(), z.read(duo.CONFIG_FILE).decode())
+    np.testing.assert_array_equal(duo.plan_from_pattern(back, n_heads=H).modes, theirs.modes)
+    at.file_uploader(key="hs.w.long.duo.upload").set_value(
+        [(duo.HEADS_FILE, b"1\t0\nnan\t1\n", "text/tab-separated-values")]).run()
+    no_exception(at)
+    assert any("gate" in w.value for w in at.warning), [w.value for w in at.warning]
+    np.testing.assert_array_equal(_grid(at), theirs.modes)
