@@ -10,7 +10,7 @@ package or those before it; tests/test_layering.py checks it):
     measure   row-norm profiles (also streamed), losses, evaluation, ablation, attribution, roles, redundancy,
               head detectors (induction, duplicate-token, copying, successor, DLA), capability probes
     score     the scorer registry, masks and policies, z sweeps, sparsity curves, domains
-    compress  surgery, exports (format registry), speed, distillation, INT8, the pipeline and its report
+    compress  surgery, exports (format registry), cost and timing, distillation, INT8, the pipeline and its report
     cli       `python -m analysis ...` (nothing else imports it)
 
 docs/ARCHITECTURE.md has one paragraph per package and the module table.
@@ -59,7 +59,7 @@ API: dict[str, str] = {
     "read_mask_json": "analysis.compress.export", "distill": "analysis.compress.recover.distill",
     "DistillConfig": "analysis.compress.recover.distill", "run_pipeline": "analysis.compress.recover.pipeline",
     "PipelineConfig": "analysis.compress.recover.pipeline", "compression_report": "analysis.compress.recover.report",
-    "kv_plan_model": "analysis.compress.kvruntime", "measure_kv": "analysis.compress.kvspeed",
+    "kv_plan_model": "analysis.compress.kvruntime", "measure_kv": "analysis.compress.timing",
     "load_planned": "analysis.compress.export.planned",
     "cut_of_folder": "analysis.compress.export.planned",
     # errors

@@ -14,7 +14,7 @@
 2. Speed vs context: dense vs groups-50% (distilled) at Q8_0, prefill of 512 and 4096 tokens and
    decode of 8 tokens after them, timed in interleaved pairs by bench/_timing.compare (min / median /
    max of each side and of the per-pair ratio, load average), next to the FLOP prediction of
-   analysis.compress.speed.forward_flops (whole forward: projections + MLP + LM head + scores), the
+   analysis.compress.cost.forward_flops (whole forward: projections + MLP + LM head + causal scores), the
    seed's claim being that the saving grows with the context.
 Timing: llama.cpp at a fixed thread count; on a shared machine the tokens/s are noisy (the ratios of
 interleaved pairs less so).
@@ -37,7 +37,7 @@ from analysis.compress.export.gguf.deploy import gguf_facts, measure_gguf       
 from analysis.compress.recover.distill import DistillConfig                              # noqa: E402
 from analysis.compress.export.gguf.writer import source_gguf, write_gguf                # noqa: E402
 from analysis.compress.recover.pipeline import PipelineConfig, run_pipeline              # noqa: E402
-from analysis.compress.speed import forward_flops                                # noqa: E402
+from analysis.compress.cost import forward_flops                                 # noqa: E402
 from analysis.compress.surgery import prune_heads                                # noqa: E402
 from analysis.measure.evaluation import default_text, token_ids                  # noqa: E402
 from bench._timing import compare, load_average                                  # noqa: E402
@@ -103,7 +103,7 @@ def _speed_fns(llm, context: int, rng) -> tuple:
     return prefill, decode
 
 
-def speed_vs_context(lm, dense_path: Path, cut_path: Path, small, layout, args) -> list[dict]:
+def speed_vs_context(lm, dense_path: Path, cut_path: Path, small, args) -> list[dict]:
     out = []
     for context in SPEED_CONTEXTS:
         llms = {k: llamacpp.load(p, n_ctx=context + DECODE_TOKENS + 8, logits_all=False, threads=args.threads,
@@ -124,9 +124,9 @@ def speed_vs_context(lm, dense_path: Path, cut_path: Path, small, layout, args) 
                             for k in ("dense", "pruned")},
                          "load": [c.load_before, c.load_after]}
         del llms
-        pre_dense = forward_flops(lm.model, context, context)
-        pre_cut = forward_flops(small, context, context, layout=layout)
-        dec_dense, dec_cut = forward_flops(lm.model, 1, context), forward_flops(small, 1, context, layout=layout)
+        pre_dense = forward_flops(lm.model, context, context, logits=1)      # llama.cpp's prefill: the last logits
+        pre_cut = forward_flops(small, context, context, logits=1)
+        dec_dense, dec_cut = forward_flops(lm.model, 1, context), forward_flops(small, 1, context)
         row["prefill_flop_speedup"] = pre_dense.total / pre_cut.total
         row["decode_flop_speedup"] = dec_dense.total / dec_cut.total
         out.append(row)
@@ -184,7 +184,7 @@ def measure_all(args) -> tuple[list[dict], list[dict], float]:
     speed_cut = None
     for name, smaller, layout, info in build_cuts(lm, args):
         if name == "groups-0.5":
-            speed_cut = smaller, layout
+            speed_cut = smaller
         for t, emb in TYPES:
             path = work / f"{name}-{t}{'' if emb == 'auto' else '-emb-' + emb}.gguf"
             t0 = time.perf_counter()
@@ -194,8 +194,7 @@ def measure_all(args) -> tuple[list[dict], list[dict], float]:
                    "heads_per_layer": gguf_facts(path)["head_counts"], **measure_gguf(path, ids, **measure)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    small, layout = speed_cut
-    speed = speed_vs_context(lm, work / "dense-q8_0.gguf", work / "groups-0.5-q8_0.gguf", small, layout, args)
+    speed = speed_vs_context(lm, work / "dense-q8_0.gguf", work / "groups-0.5-q8_0.gguf", speed_cut, args)
     wall = time.perf_counter() - started
     print(f"\nwall {wall:.0f} s, load average {load_average()}", flush=True)
     if args.out:
@@ -273,7 +272,7 @@ def write_docs(rows: list[dict], speed: list[dict], args, wall: float) -> None:
     lines += ["", "Pruned (groups 50%, distilled) vs dense, both Q8_0: dense time / pruned time of the same work "
               f"(> 1 = pruned faster; prefill of the context, then decode of {DECODE_TOKENS} tokens after it), timed in "
               "interleaved pairs (bench/_timing.compare, median in bold), next to the FLOP prediction of the whole "
-              "forward (analysis.compress.speed.forward_flops). Pairs: 5 to 15 at 512 tokens (stopped at 90 s), 3 to 5 at "
+              "forward (analysis.compress.cost.forward_flops). Pairs: 5 to 15 at 512 tokens (stopped at 90 s), 3 to 5 at "
               "4096 (stopped at 60 s): at 4096 tokens one prefill takes 1 to 2 minutes here, so the 4096 ratios rest on "
               "3 to 4 pairs and their spread is not settled; the load average (before ; after) says how busy the machine "
               "was:", ""]
@@ -284,8 +283,9 @@ def write_docs(rows: list[dict], speed: list[dict], args, wall: float) -> None:
               "\"q4_k_m, embedding q4_0\" are the same Q4_K_M mix with llama.cpp's token_embedding_type / "
               "output_tensor_type set to Q4_0 (the gguf format's `gguf_embedding_type` option): still a Q4_K_M file "
               "(general.file_type), its token_embd Q4_0, every other tensor as in the Q4_K_M row. The FLOP "
-              "prediction is the same for prefill of S tokens and decode at context S (prefill = S x decode in both "
-              "the matmuls and the scores).", EDGE_MARKERS[1]]
+              "prediction counts the causal attention scores (S (S + 1) / 2 (query, key) pairs per head for a prefill "
+              "of S tokens, C for a decode step at context C) and a prefill's LM head on its last token, as llama.cpp "
+              "computes them (docs/DEFINITIONS.md, \"FLOPs\").", EDGE_MARKERS[1]]
     write_section(Path(__file__).resolve().parents[1] / "docs" / "results.md", "\n".join(lines), *EDGE_MARKERS,
                   what="docs/results.md")
 

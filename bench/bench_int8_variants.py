@@ -35,7 +35,7 @@ from analysis.compress.export import export
 from analysis.compress.export.onnx import OnnxLM
 from analysis.compress.export.onnx_int8 import quiet_logs, weight_matmuls
 from analysis.measure.outliers import int8_keep_float, int8_output_errors, outlier_calibration, output_head_names
-from analysis.compress.speed import torch_threads
+from analysis.core.threads import torch_threads
 from analysis.core.text import evaluation_text
 from analysis.measure.evaluation import token_ids
 

@@ -4,7 +4,7 @@
 For SmolLM2-135M (or --model), at each context in --contexts (default 1,024, 2,048, 4,096 and 8,192 tokens,
 the built-in model's limit), the dense model and each plan as headscope runs it
 (`analysis.compress.kvruntime.kv_plan_model`: the physically pruned twin, its windowed KV heads on the compact
-cache) are measured side by side in interleaved rounds (`analysis.compress.kvspeed.measure_kv`): the real bytes
+cache) are measured side by side in interleaved rounds (`analysis.compress.timing.measure_kv`): the real bytes
 of the KV cache after the prefill, the prefill time, the per-token decode time, their ratios to dense (min /
 median / max over the rounds) next to the predicted ratios (FLOPs of the weights plus the attention scores over
 the tokens each head keeps; KV bytes read per decode step).
@@ -40,7 +40,7 @@ import numpy as np
 
 from analysis.arch.kvplan import KVPlan, read_kv_plan
 from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
-from analysis.compress.kvspeed import measure_kv
+from analysis.compress.timing import measure_kv
 from analysis.compress.recover.report import KV_POLICIES_MARKERS
 from analysis.core.atomic import write_section
 from analysis.core.errors import HeadscopeError, InputError
@@ -184,7 +184,7 @@ def clamp_line(out: dict) -> str:
     got = [c["context"] for c in out["contexts"]]
     moved = [(a, g) for a, g in zip(asked, got) if a != g]
     return "".join(f" A context of {a:,} was measured at {g:,}: the model reads at most {a:,} tokens and the decode "
-                   f"rounds add {a - g} after the prompt." for a, g in moved)
+                   f"steps add {a - g} after the prompt." for a, g in moved)
 
 
 def markdown(out: dict) -> str:
@@ -197,7 +197,8 @@ def markdown(out: dict) -> str:
         f"thread{'s' if a['threads'] != 1 else ''}, float32, {out['model']}; per context: the dense model (transformers' DynamicCache) and each plan "
         f"as headscope runs it (the physically pruned twin, its windowed KV heads on the compact cache), "
         f"{a['rounds']} interleaved rounds after a warm-up: a prefill of the context (random tokens, last logits "
-        f"only), then {a['decode_steps']} greedy decode steps from the cache it left (median per step); {cpu}; "
+        f"only), then {a['decode_steps']} greedy decode steps from a copy of the cache a prefill left (the same "
+        f"context every round; median per step); {cpu}; "
         f"load average at the end {tuple(round(x, 2) for x in out['load'])}. Command: `{command(out)}`."
         f"{clamp_line(out)}", "",
         "Plans (" + ORDER_NOTE + "):", "", *plan_lines(out), "",
@@ -271,7 +272,7 @@ def main(argv=None) -> int:
                                                          prune_share=args.prune_share, window=window)
         plans.update(given_plans(args.plan, loaded.geometry))
         # the last context may not leave room for the decode steps after it: measure at the limit minus them
-        room = args.decode_steps * (args.warmup + args.rounds) + 1
+        room = args.decode_steps                 # every round decodes from a copy of the prompt's cache
         clamped = [c for c in contexts if c > limit - room]
         contexts = [min(c, limit - room) for c in contexts]
     except HeadscopeError as err:

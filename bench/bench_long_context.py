@@ -7,7 +7,7 @@ GGUF (--gguf-type, default Q8_0) by headscope's export. For each context in --co
 and 16,384 tokens), each cut is timed against the dense file in interleaved rounds after warm-up rounds
 (`llamacpp.paired_decode_at`: the context prefilled once untimed, then --tokens decode steps per round,
 the files in rotating order, flash attention on), and the ratio of per-round medians is printed next to:
-- the FLOP prediction of one decode step at that context (`analysis.compress.speed.forward_flops` with
+- the FLOP prediction of one decode step at that context (`analysis.compress.cost.forward_flops` with
   tokens = 1: projections + MLP + LM head + the attention scores over the context), and
 - the KV bytes read per decode step (the cut's / dense: the share of KV heads kept),
 because the seed's claim is that the saving grows with the sequence length: the attention scores and
@@ -33,7 +33,7 @@ from analysis.arch.models import load_model
 from analysis.compress.export.gguf import llamacpp
 from analysis.compress.export.gguf.format import tokenizer_source
 from analysis.compress.export.gguf.writer import write_gguf
-from analysis.compress.speed import forward_flops
+from analysis.compress.cost import forward_flops
 from analysis.compress.surgery import prune_heads
 from analysis.score.masks import plan_mask
 from analysis.score.scoring import get_scorer
@@ -63,7 +63,7 @@ def predictions(loaded, pruned: np.ndarray, context: int) -> dict:
     """Dense / cut FLOPs of one decode step at `context`, and the KV bytes it reads (cut / dense)."""
     small, layout = prune_heads(loaded.model, pruned)
     dense = forward_flops(loaded.model, 1, context).total
-    cut = forward_flops(small, 1, context, layout=layout).total
+    cut = forward_flops(small, 1, context).total
     g = loaded.geometry
     kv = sum(len(k) for k in layout.kv_heads) / (g.n_layers * g.n_kv_heads)
     return {"flop_speedup": dense / cut, "kv_ratio": kv}
@@ -145,7 +145,7 @@ def markdown(out: dict) -> str:
         f"Command: `python -m bench.bench_long_context --out FILE --write-docs`.", "",
         *table(out["rows"]), "",
         "FLOP prediction: one decode step at that context (projections, MLP, LM head and the attention scores "
-        "over the context, `analysis.compress.speed.forward_flops`), dense over cut; KV bytes: the share of KV "
+        "over the context, `analysis.compress.cost.forward_flops`), dense over cut; KV bytes: the share of KV "
         "heads kept, what each step reads from the cache. The saving grows with the context, as the seed's "
         "method claims: the weights are the same at every context, the attention and the KV cache are not.",
         "", LONG_CONTEXT_MARKERS[1], ""])

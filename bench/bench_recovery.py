@@ -68,7 +68,8 @@ from analysis.compress.export.onnx_int8 import quantize_onnx
 from analysis.compress.recover.quantize import compare_onnx, torch_int8_report
 from analysis.measure.outliers import int8_keep_float_for
 from analysis.compress.recover.report import RECOVERY_MARKERS, kv_bytes_per_token, speedup, speedup_text
-from analysis.compress.speed import saved_bytes, torch_threads
+from analysis.compress.timing import saved_bytes
+from analysis.core.threads import torch_threads
 from analysis.compress.surgery import prune_heads
 from analysis.core.atomic import atomic_write, write_section
 from analysis.core.errors import InputError

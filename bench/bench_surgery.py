@@ -6,8 +6,8 @@ with rotating order, a warm-up and a fixed torch thread count. Ratios are median
 within-round ratios, so load that drifts between rounds (other work on a shared machine)
 cancels; they are given for wall-clock time and for process CPU time (steadier when the machine
 is busy: time spent descheduled is not counted).
-The FLOP prediction counts the whole forward (attention projections + scores + MLP + LM head,
-analysis.compress.speed.forward_flops). Pass: measured time saving of pruned over masked >= 70% of the
+The FLOP prediction counts the whole forward (attention projections + causal scores + MLP + LM head,
+analysis.compress.cost.forward_flops). Pass: measured time saving of pruned over masked >= 70% of the
 FLOP-predicted saving. Masked vs dense is reported too (expected ~1.0: zeroing saves nothing).
 
 Masks (MP-G scores, z = 2.0; 135 of 270 heads each):
@@ -34,7 +34,7 @@ against a deep copy then `apply_layout` of the same layout (what prune_heads did
 Usage: .venv/bin/python -m bench.bench_surgery [--threads 1] [--repeats 9] [--seq 512] [--full]
        [--tiny]   (a 4-layer random Llama instead of SmolLM2, for developing the script)
        [--cost-only]   (only the surgery cost, no prefill timing)
---masks uniform,global picks masks; --full adds analysis.compress.speed.measure's report for the first
+--masks uniform,global picks masks; --full adds analysis.compress.timing.measure's report for the first
 mask (prefill 128/512/1024, decode).
 """
 from __future__ import annotations
@@ -52,9 +52,11 @@ import torch
 from analysis.arch.adapters import adapter_for  # noqa: E402
 from analysis.score.masks import plan_mask  # noqa: E402
 from analysis.score.scoring import MPGScorer  # noqa: E402
-from analysis.compress.speed import (alternating_times, count_parameters, forward_flops, masked_call, measure,  # noqa: E402
-                            saving_ratio, torch_threads)
-from analysis.arch.head_gates import gates_from_mask  # noqa: E402
+from analysis.arch.cut import Cut  # noqa: E402
+from analysis.arch.models import count_parameters  # noqa: E402
+from analysis.compress.cost import forward_flops  # noqa: E402
+from analysis.compress.timing import alternating_times, cut_call, measure, saving_ratio  # noqa: E402
+from analysis.core.threads import torch_threads  # noqa: E402
 from analysis.compress.surgery import HeadLayout, apply_layout, prune_heads  # noqa: E402
 from bench._memory import fixed_mmap_threshold, peak_growth  # noqa: E402
 from bench._timing import alternate_times  # noqa: E402
@@ -184,12 +186,12 @@ def main(argv=None) -> int:
         smaller, layout = prune_heads(model, pruned, adapter=adapter)
         pruned_models[label] = (smaller, layout, pruned)
         calls = {"dense": lambda: model(input_ids=ids),
-                 "masked": masked_call(model, gates_from_mask(pruned), lambda: model(input_ids=ids), adapter),
+                 "masked": cut_call(Cut.of_mask(pruned), model, lambda m: m(input_ids=ids)),
                  "pruned": lambda m=smaller: m(input_ids=ids)}
         with torch_threads(args.threads):
             times = alternating_times(calls, repeats=args.repeats, warmup=1)
         ms = times.median_ms("wall")
-        predicted = dense_flops.total / forward_flops(smaller, args.seq, args.seq, layout=layout, adapter=adapter).total
+        predicted = dense_flops.total / forward_flops(smaller, args.seq, args.seq, adapter=adapter).total
         verdicts = []
         for clock in ("wall", "cpu"):
             measured = times.paired_ratio("masked", "pruned", clock)
@@ -216,14 +218,15 @@ def main(argv=None) -> int:
 
     if args.full:
         smaller, layout, pruned = pruned_models[next(iter(pruned_models))]
-        print("\nfull report, uniform mask (analysis.compress.speed.measure):")
-        report = measure(model, pruned, threads=args.threads, repeats=max(3, args.repeats // 2), decode_steps=16)
+        print("\nfull report, uniform mask (analysis.compress.timing.measure):")
+        report = measure(model, Cut.of_mask(pruned), threads=args.threads, repeats=max(3, args.repeats // 2),
+                         decode_steps=16)
         for row in report.rows():
             print("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
         print(f"  CPU ms: {report.cpu_ms}")
         print(f"  parameters {report.parameters}, file bytes {report.file_bytes}")
-        print(f"  attention parameters {report.attention_parameters}; KV cache values/token "
-              f"{report.kv_cache['cache_values_per_token_before']} -> {report.kv_cache['cache_values_per_token_after']}")
+        print(f"  attention parameters {report.attention_parameters}; KV cache bytes after "
+              f"{report.kv_bytes} (predicted {report.kv_bytes_predicted})")
         if report.skipped:
             print(f"  skipped: {report.skipped}")
     return 1 if failures or missed else 0

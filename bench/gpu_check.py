@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from analysis.core.clock import synchronize  # noqa: E402
 from analysis.core.errors import first_line  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,8 +49,7 @@ SPEEDUP_FRACTION = 0.8
 
 
 def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    synchronize(device)                       # analysis.core.clock: CUDA / MPS wait for their kernels
 
 
 def synced(fn, device: str):
@@ -176,24 +176,25 @@ def check_ablation(args) -> bool:
 
 @torch.no_grad()
 def check_prefill(args) -> bool:
-    from analysis.arch.head_gates import gates_from_mask
-    from analysis.compress.speed import forward_flops, masked_call, saving_ratio
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import forward_flops
+    from analysis.compress.timing import cut_call, saving_ratio
     from analysis.compress.surgery import prune_heads
     from bench.bench_surgery import PASS_FRACTION
 
     lm = load(args)
     model, adapter = lm.model, lm.adapter
     pruned = half_mask(lm)
-    smaller, layout = prune_heads(model, pruned, adapter=adapter)
+    smaller, _ = prune_heads(model, pruned, adapter=adapter)
     seq = 128 if args.quick else 1024
     x = eval_ids(lm, 4 * seq)[:seq].unsqueeze(0).to(next(model.parameters()).device)       # [1, seq]
-    calls = {"masked": masked_call(model, gates_from_mask(pruned), lambda: model(input_ids=x), adapter),
+    calls = {"masked": cut_call(Cut.of_mask(pruned), model, lambda m: m(input_ids=x)),
              "pruned": lambda: smaller(input_ids=x), "dense": lambda: model(input_ids=x)}
     rounds = device_rounds(calls, [("masked", "pruned"), ("dense", "pruned")], args.repeats * 3, args.device)
     for (a, b), c in rounds.items():
         c.report(f"  prefill {x.shape[1]} tokens, {int(pruned.sum())} heads pruned: {a} vs {b}")
     predicted = forward_flops(model, seq, seq, adapter=adapter).total / \
-        forward_flops(smaller, seq, seq, layout=layout, adapter=adapter).total
+        forward_flops(smaller, seq, seq, adapter=adapter).total
     measured = rounds[("masked", "pruned")].ratio               # the median of the per-round ratios
     ratio = saving_ratio(measured, predicted)
     ok = ratio >= PASS_FRACTION

@@ -23,7 +23,7 @@ from torch import nn
 
 from analysis.arch.models import load_model  # noqa: E402
 from analysis.measure.outliers import fake_int8, int8_keep_float_for, output_head_names
-from analysis.compress.speed import torch_threads  # noqa: E402
+from analysis.core.threads import torch_threads  # noqa: E402
 from analysis.core.text import evaluation_text  # noqa: E402
 from analysis.measure.evaluation import token_ids  # noqa: E402
 

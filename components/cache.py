@@ -546,11 +546,12 @@ def forward_rate(key: ModelKey) -> float:
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=KEY_HASH)
 def speed_report(key: ModelKey, pruned, prefill: tuple, repeats: int, kv_policy: str = "auto",
                  _progress=None, _should_stop=None):
-    """`analysis.compress.speed.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
-    from analysis.compress import speed
+    """`analysis.compress.timing.measure`: size, FLOPs and latency of dense vs masked vs physically pruned."""
+    from analysis.arch.cut import Cut
+    from analysis.compress import timing
     with exclusive(key, _progress, _should_stop) as lm:
-        return speed.measure(lm.model, pruned, kv_policy=kv_policy, prefill=prefill, repeats=repeats,
-                             progress=_progress, should_stop=_should_stop)
+        return timing.measure(lm.model, Cut.of_mask(pruned), kv_policy=kv_policy, prefill=prefill, repeats=repeats,
+                              progress=_progress, should_stop=_should_stop)
 
 
 # formats whose files hold the full-shape weights (a cut saves nothing on disk)

@@ -497,6 +497,34 @@ def score_vs_effect(scores: np.ndarray, effect: np.ndarray, *, x_title: str, y_t
 KV_MODE_COLORS = {"full": "#2e86c1", "window": "#f39c12", "prune": PRUNED_COLOR}   # blue, orange, red
 
 
+def kv_agreement_heatmap(agreement, *, group_size: int, names: tuple[str, str]) -> go.Figure:
+    """[L, Hkv] which of two KV plans keeps each KV head full (analysis.compress.export.duo.Agreement: both, the
+    first only, the second only, neither) in four colours, layer on y, KV head on x."""
+    kinds = (("both", "full in both", KV_MODE_COLORS["full"]), ("only_first", f"full in {names[0]} only", "#8e44ad"),
+             ("only_second", f"full in {names[1]} only", "#16a085"), ("neither", "windowed in both",
+                                                                       KV_MODE_COLORS["window"]))
+    codes = np.zeros(agreement.both.shape, dtype=np.int8)                 # [L, Hkv]
+    for i, (field, _, _) in enumerate(kinds):
+        codes[getattr(agreement, field)] = i
+    L, Hkv = codes.shape
+    G = max(1, int(group_size))
+    text = [[kinds[c][1] + (f"<br>query heads {j * G}-{j * G + G - 1}" if G > 1 else "") for j, c in enumerate(row)]
+            for row in codes.tolist()]
+    n, scale = len(kinds), []
+    for i, (_, _, color) in enumerate(kinds):
+        scale += [[i / n, color], [(i + 1) / n, color]]
+    fig = go.Figure(go.Heatmap(z=codes, x=np.arange(Hkv), y=np.arange(L), zmin=-0.5, zmax=n - 0.5, colorscale=scale,
+                               xgap=2, ygap=1, text=text, showscale=False,
+                               hovertemplate="layer %{y}, KV head %{x}: %{text}<extra></extra>"))
+    for _, name, color in kinds:                                          # the key, as legend entries
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, showlegend=True,
+                                 marker=dict(symbol="square", size=12, color=color)))
+    fig.update_layout(title=f"{names[0].capitalize()} beside {names[1]}", plot_bgcolor="white",
+                      legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", xanchor="left"))
+    _axes(fig, L, Hkv, x_title="KV head")
+    return fig.update_layout(margin=dict(l=50, r=20, t=80, b=40))
+
+
 def kv_plan_heatmap(modes: np.ndarray, *, group_size: int, window: Window, title: str) -> go.Figure:
     """A KV plan's modes [L, Hkv] (analysis.arch.kvplan.KV_MODES' codes) in their colours, layer on y, KV head
     on x; hover names the query heads of each KV head and what it keeps."""

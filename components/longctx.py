@@ -1,5 +1,5 @@
 """Long context in the app: the per-head KV plan (full / window / prune per KV head, analysis.arch.kvplan),
-what it costs at a context (KV memory, predicted speed: analysis.compress.plan_speed), its file, and the
+what it costs at a context (KV memory, predicted speed: analysis.compress.cost), its file, and the
 Walkthrough's real head (where its attention goes over a long text: analysis.measure.longheads.last_rows).
 
 Pages call one function each: the Long context page `window_inputs` (the context and the window, one
@@ -221,16 +221,34 @@ IMPORTANCE_TOKENS = PAGE_IMPORTANCE_TOKENS      # tokens of the KV-group ablatio
 _NOTES = "long.notes"             # (plan link text, the notes of the plan the scores made)
 
 
-def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_share: float, prune_share: float,
-                 keep_retrieval: bool, window: Window) -> None:
-    """streaming, retrieval: the detectors' Detections (retrieval may be None); importance [L, Hkv] or None."""
+def _long_scores(lm, name: str, options: dict):
+    """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
+    as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
+    from analysis.measure.detectors import get_detector
+    from components import taxonomy
+    passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
+    opts = tuple(sorted(options.items()))
+    return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
+                            f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
+                            run_key=(lm.name, name, opts), fn=taxonomy.long_detection,
+                            args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
+                            kind="long-detectors", work=taxonomy.long_work(passes),
+                            stale_note="The window or the length changed since ({view}); press the button again.",
+                            view=", ".join(f"{k} {v}" for k, v in opts))
+
+
+def _fill_scores(geometry, model: str, window_score: str, windowing, retrieval, importance, window_share: float,
+                 prune_share: float, keep_retrieval: bool, window: Window) -> None:
+    """windowing, retrieval: the detectors' Detections (the window score's; retrieval may be None); importance
+    [L, Hkv] or None."""
     from analysis.score.kvscores import KVScores, plan_from_scores
-    dets = {name: d for name, d in (("streaming", streaming), ("retrieval", retrieval)) if d is not None}
-    scores = KVScores(streaming.extras["kv_scores"], None if retrieval is None else retrieval.extras["kv_scores"],
-                      importance, dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0)
+    dets = {name: d for name, d in ((window_score, windowing), ("retrieval", retrieval)) if d is not None}
+    scores = KVScores(retrieval=None if retrieval is None else retrieval.extras["kv_scores"], importance=importance,
+                      detections=dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0
+                      ).with_window_score(window_score, windowing.extras["kv_scores"])
     try:
         plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
-                                keep_retrieval=keep_retrieval, window=window, model=model)
+                                keep_retrieval=keep_retrieval, window=window, window_score=window_score, model=model)
     except InputError as err:
         state.remember(_NOTE, str(err))
         return
@@ -238,28 +256,49 @@ def _fill_scores(geometry, model: str, streaming, retrieval, importance, window_
     state.remember(_NOTES, (state.get("kv"), plan.notes))
 
 
+def _window_options(name: str, length: int, window: Window) -> dict:
+    """The options a window score is measured with on this page: its length and the page's window (and two needles
+    per depth for the retrieval-aware rows, as the retrieval score's)."""
+    return dict(lengths=(length,), **window.as_dict(), **({"needles": 2} if name == "retrieval-aware" else {}))
+
+
 def score_fills(lm, window: Window) -> None:
-    """Fill the grid from the heads' own scores: window the most streaming share of KV heads (the lowest output
-    change under this page's window), keep the KV heads that hold a retrieval head full, prune the least
+    """Fill the grid from the heads' own scores: window the share of KV heads lowest on the chosen window score
+    (streaming: the output change under this page's window; retrieval-aware: the needle answers' log-probability
+    lost when the KV head alone reads it), keep the KV heads that hold a retrieval head full, prune the least
     important share (KV-group ablation). The streaming and retrieval scores come from one pass over the probes'
-    rows (components/longscan.py, which also gives the probes' dense side); every score is kept on disk and
-    shown at once when this machine holds it."""
+    rows (components/longscan.py, which also gives the probes' dense side), the retrieval-aware score from its own
+    rows at the probes' length; every score is kept on disk and shown at once when this machine holds it."""
+    from analysis.measure.detector_registry import detector_spec
+    from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
+
     from . import longscan
     g = lm.geometry
-    with st.expander("Fill from the heads' scores (streaming, retrieval, importance)", expanded=False):
+    with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
+                     expanded=False):
         st.caption("The streaming and retrieval scores, read from one pass over the rows of the long-context probes "
                    "below (their probes, tokens per row, depths and sequences, and the precision there), at this "
                    "page's window; the importance from a short ablation on built-in text.")
-        streaming = retrieval = importance = None
+        windowing = retrieval = importance = None
+        window_score = st.radio(
+            "Window the KV heads lowest on", WINDOW_SCORES, horizontal=True,
+            key=state.widget_key("long.scores.by", value=DEFAULT_WINDOW_SCORE),
+            format_func=lambda name: f"the {name} score",
+            help="; ".join(f"{name}: {detector_spec(name).help}" for name in WINDOW_SCORES) + ".")
         with shown_errors("Measuring the heads' scores"):
-            streaming, retrieval = longscan.heads_scores(lm, window, view_window(lm)[0])
+            context = view_window(lm)[0]
+            streaming, retrieval = longscan.heads_scores(lm, window, context)
+            windowing = streaming
+            if window_score != "streaming":                   # its own rows, at the probes' length
+                length = longscan.probe_settings(lm, context)[1]
+                windowing = _long_scores(lm, window_score, _window_options(window_score, length, window))
         with shown_errors("Measuring the KV groups' importance"):
             importance = longscan.importance_scores(lm, IMPORTANCE_TOKENS)
-        if streaming is None:
-            st.caption("Measure the streaming scores to fill the grid from them.")
+        if windowing is None:
+            st.caption(f"Measure the {window_score} scores to fill the grid from them.")
             return
         c1, c2 = st.columns(2)
-        share = c1.slider("Window the most streaming (% of KV heads)", 0, 100, step=5,
+        share = c1.slider(f"Window the lowest on the {window_score} score (% of KV heads)", 0, 100, step=5,
                           key=state.widget_key("long.scores.window", value=50))
         prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
                           key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
@@ -267,12 +306,13 @@ def score_fills(lm, window: Window) -> None:
         keep = st.checkbox("Keep KV heads with a retrieval head full", disabled=retrieval is None,
                            key=state.widget_key("long.scores.keep", value=True),
                            help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
-                                "2024) stays full whatever its streaming score." if retrieval is not None else
+                                "2024) stays full whatever its window score." if retrieval is not None else
                            "Measure the retrieval scores first.")
-        st.button(f"Fill the grid: window {share} %, prune {prune if importance is not None else 0} %"
+        st.button(f"Fill the grid: window {share} % by the {window_score} score, prune "
+                  f"{prune if importance is not None else 0} %"
                   + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
                   on_click=_fill_scores, type="primary",
-                  args=(g, lm.name, streaming, retrieval, importance, share / 100,
+                  args=(g, lm.name, window_score, windowing, retrieval, importance, share / 100,
                         (prune / 100) if importance is not None else 0.0,
                         bool(keep) and retrieval is not None, window))
 
@@ -300,11 +340,17 @@ def _uploaded(key: str, geometry, limit: int) -> None:
     except InputError as err:
         state.remember(_NOTE, f"{upload.name}: {err}")
         return
-    _set_plan(plan.modes, "file")
+    adopt(plan, "file", limit)
+    state.remember("long.file", (upload.name, plan.model))
+
+
+def adopt(plan: KVPlan, source: str, limit: int) -> None:
+    """A plan from elsewhere (a kv_plan.json, a DuoAttention pattern) becomes the view's plan, with its window
+    (each number within the model's limit). source: a key of state.PLAN_SOURCES."""
+    _set_plan(plan.modes, source)
     for name, value in plan.window.as_dict().items():
         state.set(name, min(int(value), limit))
         state.reset_widget(name)
-    state.remember("long.file", (upload.name, plan.model))
 
 
 def plan_file(lm, plan: KVPlan) -> None:
@@ -372,14 +418,15 @@ def _speed_metric(where, label: str, speedup: float, help: str) -> None:
 def plan_view(lm, plan: KVPlan, context: int) -> None:
     """Beside the grid: the KV memory at the context (MiB and x dense), the predicted speed, the counts and
     the plan as a three-colour heatmap."""
-    from analysis.compress.plan_speed import predict
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import predict
     from analysis.compress.verdict import speed_words
     g = lm.geometry
     with shown_errors("Predicting the plan's cost"):
-        p = predict(lm.model, plan, context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
+        p = predict(lm.model, Cut.of_plan(plan), context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
         c = plan.counts()
         m1, m2 = st.columns(2)
-        m1.metric(f"KV cache at {context:,} tokens", size_words(p.plan.kv_bytes),
+        m1.metric(f"KV cache at {context:,} tokens", size_words(p.cut.kv_bytes),
                   f"{plan.kv_ratio(context):.2f}x dense ({size_words(p.dense.kv_bytes)})", delta_color="off",
                   delta_arrow="off",
                   help=f"Keys and values of every kept token of every KV head, {p.dtype_bytes} bytes a value "
@@ -408,17 +455,18 @@ def plan_view(lm, plan: KVPlan, context: int) -> None:
 
 
 def prediction_table(lm, plan: KVPlan, context: int) -> None:
-    from analysis.compress.plan_speed import predict
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import predict
     with shown_errors("Predicting the plan's cost"):
-        p = predict(lm.model, plan, context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
+        p = predict(lm.model, Cut.of_plan(plan), context, dtype_bytes=dtype_bytes(lm), adapter=lm.adapter)
         st.dataframe([{**r, "dense": round(r["dense"], 3), "plan": round(r["plan"], 3),
-                       "dense / plan": round(r["dense / plan"], 3)} for r in p.rows()], hide_index=True,
+                       "dense / plan": round(r["dense / plan"], 3)} for r in p.rows("plan")], hide_index=True,
                      width="stretch")
 
 
 def memory_chart(lm, plan: KVPlan, context: int) -> None:
     """KV memory vs context (1k .. 8k, up to the model's limit) for dense, the Prune page's mask and the plan."""
-    from analysis.compress.plan_speed import kv_curve
+    from analysis.compress.cost import kv_curve
     limit = context_limit(lm)
     points = [c for c in CURVE_CONTEXTS if c <= limit] or list(np.linspace(1, limit, 8).round().astype(int))
     points = sorted({*points, context})

@@ -93,7 +93,10 @@ def show_summary(summary: masks.MaskSummary, *, flops_len: int, zero_label: str 
                    _delta(ratio - 1, f"{100 * (ratio - 1):+.0f}% vs dense ({ratio:.3g}x)"), delta_color="inverse")
     flops_change = -summary.attention_flops_removed
     row.metric(f"Attention FLOPs at {flops_len} tokens", f"{summary.attention_flops_after / 1e9:,.3g} G",
-               _delta(flops_change, f"{-100 * summary.flops_removed_fraction:+.1f}%"), delta_color="inverse")
+               _delta(flops_change, f"{-100 * summary.flops_removed_fraction:+.1f}%"), delta_color="inverse",
+               help="The Q, K, V and O projections and the attention scores of one sequence, 2 FLOPs per "
+                    "multiply-add; the scores causal: each token reads the tokens up to itself, n (n + 1) / 2 "
+                    "pairs per head (docs/DEFINITIONS.md, \"FLOPs\").")
     if zero_label:
         row.metric(zero_label, summary.zero_score_heads,
                    help="Heads in the bulk (no outlier row). The tie-break (plain magnitude, then layer/head) "

@@ -117,6 +117,7 @@ CONTEXT_MAX = 2**20            # what a link may carry; the page's box stops at 
 KV_LETTERS = "".join(m.letter for m in KV_MODES)   # by code: f full, w window, p prune (analysis.arch.kvplan)
 KV_TEXT_MAX = 20_000           # letters of a plan in a link (a 126-layer x 16-KV-head model needs ~2,150)
 PLAN_SOURCES = {"full": "every KV head full (the dense model)", "mask": "the Prune page's mask",
+                "duo": "a DuoAttention pattern (full_attention_heads.tsv)",
                 "edited": "edited by hand", "file": "a kv_plan.json file",
                 "scores": "the heads' streaming / retrieval / importance scores"}
 

@@ -233,6 +233,7 @@ def _long_options(lm, name: str, spec) -> dict:
     """The widgets of one long detector -> its options (the context clamped to the model's)."""
     from analysis.measure.evaluation import context_length
     from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
+    from analysis.measure.long_options import WINDOW_SCORES
     limit = context_length(lm.model)
     cols = st.columns(3)
     context = int(cols[0].number_input(f"Context (tokens, at most {limit:,})", 64, max(64, limit), step=256,
@@ -242,11 +243,11 @@ def _long_options(lm, name: str, spec) -> dict:
     if name == "retrieval":
         options["needles"] = int(cols[1].number_input("Needles per depth (depths 0.1, 0.5, 0.9)", 1, 16,
                                                       key=state.widget_key("heads.long.retrieval.needles", value=2)))
-    elif name == "streaming":
+    elif name in WINDOW_SCORES:
         options["sinks"] = int(cols[1].number_input("Sink tokens", 0, 1024, key=state.widget_key(
-            "heads.long.streaming.sinks", value=DEFAULT_SINKS)))
+            f"heads.long.{name}.sinks", value=DEFAULT_SINKS)))
         options["recent"] = int(cols[2].number_input("Recent tokens (window)", 1, max(1, limit), key=state.widget_key(
-            "heads.long.streaming.recent", value=DEFAULT_RECENT)))
+            f"heads.long.{name}.recent", value=DEFAULT_RECENT)))
     return options
 
 
@@ -258,6 +259,14 @@ def _long_summary(name: str, r) -> str:
                 f"writes {e['answer_accuracy']:.0%} of the needle's tokens right itself (teacher-forced top-1) over "
                 f"{e['n_items']} items at {', '.join(map(str, e['lengths']))} tokens.")
     kv = r.extras["kv_scores"]
+    if name == "retrieval-aware":
+        e = r.extras
+        return (f"{int((kv >= r.threshold).sum())} of {kv.size} KV heads, each windowed alone to {e['sinks']} sink + "
+                f"{e['recent']} recent tokens, lose at least ln 2 nats of the needle answer (half its probability; "
+                f"median {float(np.median(kv)):.3f} nats), over {e['n_items']} rows whose needle the window hides "
+                f"({e['left_out']} left out: the window reads their needle); the dense model writes "
+                f"{e['answer_accuracy']:.0%} of the answers' tokens right itself. The lowest are the heads a KV plan "
+                f"windows with `headscope kv-plan --window-score retrieval-aware`.")
     return (f"{int((kv >= r.threshold).sum())} of {kv.size} KV heads change their output by >= {r.threshold:g} under "
             f"{r.extras['sinks']} sink + {r.extras['recent']} recent tokens (median {float(np.median(kv)):.2f}); the "
             f"lowest are the streaming heads a KV plan windows (`headscope kv-plan`).")

@@ -9,7 +9,7 @@ import numpy as np
 import streamlit as st
 
 from analysis.compress import export as export_mod
-from analysis.compress import speed
+from analysis.compress import timing
 from analysis.compress.export.gguf import deploy
 from components import cache, charts, controls, explain, exports, figures, numbers, shell, state, tools, views, weights
 from components import harness as harness_ui
@@ -219,7 +219,7 @@ st.subheader("Measured report")
 kv_policy = state.get("kv_policy")           # the view's (Export's box for a physical format sets it too)
 with shown_errors("Measuring"):
     c1, c2 = st.columns([2, 1])
-    lengths = c1.multiselect("Prefill lengths (tokens)", list(speed.PREFILL_LENGTHS),
+    lengths = c1.multiselect("Prefill lengths (tokens)", list(timing.PREFILL_LENGTHS),
                              key=state.widget_key("export.speed.lengths", value=[128]))
     repeats = int(c2.number_input("Repeats", 1, 50, step=1, key=state.widget_key("export.speed.repeats",
                                                                                   value=MIN_REPEATS),
@@ -261,7 +261,8 @@ with shown_errors("Measuring"):
             f"KV cache {predicted['kv_cache_ratio']:.3g}x dense": lm.kind != "encoder" and predicted["kv_cache_ratio"] > 1,
         }.items() if grew])
         numbers.wide_table(report.rows())
-        st.caption(speed.RATIO_NOTE)
+        for note in report.notes:              # how to read the ratios; the one FLOP convention
+            st.caption(note)
         if report.skipped:
             st.caption("Skipped: " + "; ".join(report.skipped))
 

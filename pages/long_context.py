@@ -5,7 +5,7 @@ probes, dense vs the plan: components/longprobes.py; RULER: components/ruler.py)
 and the context live in the URL (components/state.py); the logic is components/longctx.py."""
 import streamlit as st
 
-from components import cache, longctx, longprobes, ruler, shell, state
+from components import cache, duo, longctx, longprobes, ruler, shell, state
 
 shell.ensure_app()
 
@@ -33,6 +33,7 @@ with right:
     longctx.plan_view(lm, plan, context)
 with left:
     longctx.plan_file(lm, plan)
+    duo.duo_section(lm, plan, window)
 st.subheader(f"KV memory and predicted cost at {context:,} tokens")
 longctx.memory_chart(lm, plan, context)
 longctx.prediction_table(lm, plan, context)

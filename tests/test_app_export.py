@@ -91,6 +91,8 @@ def test_measured_report_shows_the_pruned_size(tiny_dir, out_root):
     assert 0 < shown < dense
     assert any(m.label == "Heads pruned" and m.value == "8 / 16" for m in at.metric)
     assert at.table, "no timing table"
+    from analysis.compress.cost import FLOP_NOTE
+    assert FLOP_NOTE in [c.value for c in at.caption]          # the one FLOP convention, said under the table
 
 
 def test_default_folder_name_follows_the_settings_until_edited(tiny_dir, out_root):

@@ -45,17 +45,18 @@ def _plan(modes, sinks, recent):
 def _expected(model_dir, plan, context) -> dict:
     """What the page must show for `plan` at `context`, from the library."""
     from analysis.arch.models import load_model
-    from analysis.compress.plan_speed import predict
+    from analysis.arch.cut import Cut
+    from analysis.compress.cost import predict
     from analysis.compress.verdict import speed_words
     from components.longctx import size_words
-    p = predict(load_model(str(model_dir)).model, plan, context)
+    p = predict(load_model(str(model_dir)).model, Cut.of_plan(plan), context)
     c = plan.counts()
     def speed(ratio):       # "1.96x" over "faster than dense" (the page's metric: value, delta)
         words = speed_words(ratio)
         return ("1.00x", "same as dense") if words.startswith("same") else (
             words.split()[0], f"{words.split()[1]} than dense")
 
-    return {f"KV cache at {context:,} tokens": (size_words(p.plan.kv_bytes),
+    return {f"KV cache at {context:,} tokens": (size_words(p.cut.kv_bytes),
                                                 f"{plan.kv_ratio(context):.2f}x dense ({size_words(p.dense.kv_bytes)})"),
             "Full / window / prune": (f"{c['full']} / {c['window']} / {c['prune']}", ""),
             "Prefill (predicted)": speed(p.ratio("prefill_flops")),
@@ -424,3 +425,39 @@ def KVPlan_of(lm, modes, sinks, recent):
     from analysis.arch.kvplan import KVPlan
     from analysis.arch.window import Window
     return KVPlan(np.asarray(modes, np.int8), Window(sinks, recent), lm.geometry.n_heads, lm.name)
+
+
+def test_a_duoattention_pattern_shows_beside_the_plan_and_becomes_it(tiny_long, downloads):
+    """The DuoAttention section: an uploaded pattern (full_attention_heads.tsv + config.json) is compared with the
+    grid's plan by analysis.compress.export.duo.full_agreement (the metrics are its counts), 'Use' makes it the
+    plan (its window too), the plan downloads as a pattern that reads back as the same plan, and a malformed file
+    is one line with the plan unchanged."""
+    import io
+    import zipfile
+
+    from analysis.compress.export import duo
+    theirs = _plan([[0, 1], [1, 1], [1, 0], [0, 0]], 3, 40)
+    pattern = duo.pattern_from_plan(theirs)
+    files = [(duo.HEADS_FILE, duo.heads_text(pattern.gates).encode(), "text/tab-separated-values"),
+             (duo.CONFIG_FILE, json.dumps(pattern.config_dict()).encode(), "application/json")]
+    at = _open(tiny_long, kv="ww.ff.ff.wf", sinks=2, recent=16)
+    mine = _plan(_grid(at), 2, 16)
+    at.file_uploader(key="hs.w.long.duo.upload").set_value(files).run()
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    counts = duo.full_agreement(theirs, mine).as_dict(("pattern", "plan"))["counts"]
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["KV heads full in both"] == str(counts["both"])
+    assert shown["Full in one only"] == str(counts["only_pattern"] + counts["only_plan"])
+    at.button(key="long.duo.use").click().run()
+    no_exception(at)
+    np.testing.assert_array_equal(_grid(at), theirs.modes)
+    assert (at.query_params["plan"], at.query_params["sinks"], at.query_params["recent"]) == ("duo", "3", "40")
+    with zipfile.ZipFile(io.BytesIO(downloads["duo_pattern.zip"])) as z:
+        back = duo.pattern_from_texts(z.read(duo.HEADS_FILE).decode(), z.read(duo.CONFIG_FILE).decode())
+    np.testing.assert_array_equal(duo.plan_from_pattern(back, n_heads=H).modes, theirs.modes)
+    at.file_uploader(key="hs.w.long.duo.upload").set_value(
+        [(duo.HEADS_FILE, b"1\t0\nnan\t1\n", "text/tab-separated-values")]).run()
+    no_exception(at)
+    assert any("gate" in w.value for w in at.warning), [w.value for w in at.warning]
+    np.testing.assert_array_equal(_grid(at), theirs.modes)

@@ -44,8 +44,7 @@ def test_default_scorer_follows_the_model_until_the_user_picks(tiny_dir, mha_dir
 
 
 def _counts_of_surgery(model_dir, pruned, kv_policy):
-    from analysis.arch.models import load_model
-    from analysis.compress.speed import count_parameters
+    from analysis.arch.models import count_parameters, load_model
     from analysis.compress.surgery import prune_heads
     lm = load_model(str(model_dir))
     smaller, layout = prune_heads(lm.model, pruned, kv_policy=kv_policy)

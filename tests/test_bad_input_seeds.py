@@ -66,7 +66,7 @@ def test_the_largest_seed_is_accepted():
 
 def _library_calls():
     from analysis.compress.export.gguf.llamacpp import paired_decode_at, paired_speed, speed
-    from analysis.compress.speed import measure
+    from analysis.compress.timing import measure
     from analysis.measure.detectors import repeated_random_tokens
     from analysis.measure.evaluation import bootstrap_perplexity
     from analysis.measure.loss import masked_positions
@@ -117,7 +117,7 @@ def test_library_entry_points_refuse_a_bad_seed(name, value):
 
 def test_measure_kv_refuses_a_bad_seed():
     """measure_kv checks its model first, then the seed, before building the plans' twins."""
-    from analysis.compress.kvspeed import measure_kv
+    from analysis.compress.timing import measure_kv
     from tests._tiny import tiny_model
     for value in BAD_SEEDS.values():
         with pytest.raises(InputError, match=r"seed must be a whole number from 0"):

@@ -1,14 +1,14 @@
 """bench/bench_kv_policies.py on a tiny model (a seconds-long run of the function, not the benchmark): the
 default plans (cut, duo, mix) have the counts the bench says, every context gives dense + each plan with the
 measured KV bytes equal to the plan's, the markdown section carries its markers,
-and a given plan of another model is one line. The measure itself: analysis.compress.kvspeed.measure_kv."""
+and a given plan of another model is one line. The measure itself: analysis.compress.timing.measure_kv."""
 import numpy as np
 import pytest
 
 from analysis.arch.adapters import adapter_for
 from analysis.arch.kvplan import KVPlan
 from analysis.arch.models import LoadedModel
-from analysis.compress.kvspeed import measure_kv
+from analysis.compress.timing import measure_kv
 from analysis.compress.recover.report import KV_POLICIES_MARKERS
 from analysis.arch.window import Window
 from analysis.core.errors import InputError
@@ -64,15 +64,3 @@ def test_given_plans_and_bad_input_are_one_line(tmp_path):
     with pytest.raises(InputError, match="dense"):
         measure_kv(loaded, {"dense": KVPlan.full(g)}, context=16, decode_steps=1, repeats=1, warmup=0)
 
-
-def test_the_predicted_flops_count_the_keys_each_query_reads():
-    from analysis.compress.kvspeed import planned_flops, read_keys
-    from analysis.compress.speed import forward_flops
-    for tokens, context, cap in ((1, 9, 4), (9, 9, 4), (9, 9, 20), (3, 7, 1)):
-        assert read_keys(tokens, context, cap) == sum(min(p + 1, cap) for p in range(context - tokens, context))
-    model = tiny_model("llama")
-    full = [[False, False]] * 2
-    dense = planned_flops(model, full, window=Window(0, 1), tokens=1, context=30)
-    assert dense.total == forward_flops(model, 1, 30).total             # a decode step: the same count
-    half = planned_flops(model, [[True, False]] * 2, window=Window(2, 3), tokens=1, context=30)
-    assert half.matmul == dense.matmul and half.attention_scores == dense.attention_scores * (30 + 5) // 60

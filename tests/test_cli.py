@@ -260,7 +260,7 @@ def test_default_scorer_follows_the_model(checkpoint, mha_checkpoint, capsys):
 
 
 def test_mask_summary_is_what_surgery_builds_for_each_kv_policy(checkpoint, capsys):
-    from analysis.compress.speed import count_parameters
+    from analysis.arch.models import count_parameters
     from analysis.compress.surgery import prune_heads
 
     folder, model = checkpoint

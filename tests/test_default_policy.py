@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from analysis.arch.adapters import adapter_for
 from analysis.compress.recover.pipeline import PipelineConfig
-from analysis.compress.speed import count_parameters
+from analysis.arch.models import count_parameters
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import InputError
 from analysis.score.masks import default_policy, plan_mask, surgery_counts

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "analysis"
 ORDER = ("core", "arch", "measure", "score", "compress", "cli")
 RANK = {name: i for i, name in enumerate(ORDER)}
-# inside compress/: the concept folders in import order (surgery and speed at compress/'s top come first)
+# inside compress/: the concept folders in import order (surgery, cost and timing at compress/'s top come first)
 INNER = {"compress": ("export", "recover")}
 
 

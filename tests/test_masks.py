@@ -138,7 +138,8 @@ def test_summary_by_hand():
     head_params, group_params = 2 * 8 + 2 * 8, 2 * (2 * 8)  # Q rows + O columns; K + V rows
     assert summary.params_removed == 3 * head_params + 1 * group_params
     assert summary.attention_params == 2 * (4 * head_params + 2 * group_params)
-    head_flops = 2 * 10 * 8 * 2 + 2 * 10 * 10 * 2 + 2 * 10 * 10 * 2 + 2 * 10 * 2 * 8
+    pairs = sum(q + 1 for q in range(10))                    # causal: query q reads keys 0 .. q
+    head_flops = 2 * 10 * 8 * 2 + 2 * pairs * 2 + 2 * pairs * 2 + 2 * 10 * 2 * 8   # Q, QK^T, AV, O
     group_flops = 2 * (2 * 10 * 8 * 2)
     assert summary.attention_flops_removed == 3 * head_flops + group_flops
     assert summary.flops_removed_fraction == pytest.approx((3 * head_flops + group_flops)

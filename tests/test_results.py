@@ -67,7 +67,7 @@ def test_perplexities_equal_the_library_on_the_same_ids(tiny_run):
 
 
 def test_policy_rows_count_what_surgery_removes(tiny_run):
-    from analysis.compress.speed import count_parameters
+    from analysis.arch.models import count_parameters
     from analysis.compress.surgery import prune_heads
     loaded, options, text, data = tiny_run
     for (policy, s), plan in data["policy_plans"].items():

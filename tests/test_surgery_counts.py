@@ -11,7 +11,8 @@ import torch
 
 from analysis.core.errors import InputError
 from analysis.score.masks import GQA_POLICIES, KV_POLICIES, POLICIES, MaskPlan, plan_mask, summarize_mask, surgery_counts
-from analysis.compress.speed import count_parameters, forward_flops
+from analysis.arch.models import count_parameters
+from analysis.compress.cost import forward_flops
 from analysis.compress.surgery import prune_heads
 from tests._tiny import tiny_input_ids, tiny_model
 
@@ -100,7 +101,7 @@ def test_summary_equals_surgery_for_every_policy(tiny):
             assert summary.kv_heads - summary.kv_heads_removed == sum(real["k_heads"]), case
             assert summary.kv_cache_bytes_per_token_after == real["cache_bytes"], case
             assert summary.checkpoint_bytes_change == real["bytes_change"], case
-            flops = forward_flops(smaller, T, T, layout=layout, adapter=adapter).attention
+            flops = forward_flops(smaller, T, T, adapter=adapter).attention
             assert summary.attention_flops - summary.attention_flops_removed == flops, case
             assert summary.attention_flops == forward_flops(model, T, T, adapter=adapter).attention, case
             if summary.expanded_layers:

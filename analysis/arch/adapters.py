@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Iterator, Mapping
+from typing import Callable, ClassVar, Iterator, Mapping
 
 import torch
 from accelerate.utils import align_module_device, has_offloaded_params
@@ -91,6 +91,7 @@ class Separate:
     k: str
     v: str
     o: str
+    o_input_axis: ClassVar[int] = 1          # O's weight axis that holds its inputs (H*d): nn.Linear's [out, in]
 
     def paths(self) -> dict[str, str]:
         return {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
@@ -125,6 +126,7 @@ class FusedQKV:
     split into heads (`split`) and merge back (`merge`)."""
     qkv: str
     o: str
+    o_input_axis: ClassVar[int] = 1
 
     def paths(self) -> dict[str, str]:
         return {"qkv": self.qkv, "o": self.o}
@@ -178,6 +180,7 @@ class Interleaved(FusedQKV):
 @dataclass(frozen=True)
 class GPT2Conv1D(FusedQKV):
     """GPT-2: Conv1D weights are [in, out] (transposed vs nn.Linear); c_attn's columns are [Q|K|V]."""
+    o_input_axis: ClassVar[int] = 0
 
     def split(self, t, g):
         H, d = g.n_heads, g.head_dim
@@ -304,6 +307,12 @@ class Adapter:
     def o_proj(self, model: nn.Module, layer: int) -> nn.Module:
         """The output projection; its input is [..., H*d], one head after another."""
         return submodule_at(self.attention(model, layer), self.family.layout.o)
+
+    def query_heads(self, model: nn.Module) -> list[int]:
+        """[L] query heads each layer of `model` computes, read off its O projection's input width (H'_l * d): a
+        pruned twin's own counts, 0 for an emptied layer, H everywhere on a dense model."""
+        d, axis = self.geometry(model).head_dim, self.family.layout.o_input_axis
+        return [int(self.o_proj(model, layer).weight.shape[axis]) // d for layer in range(len(self.layers(model)))]
 
     def projection_modules(self, model: nn.Module, layer: int) -> dict[str, nn.Module]:
         """Role ("q","k","v","o" or "qkv","o") -> the projection module of that layer."""

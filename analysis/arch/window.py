@@ -12,6 +12,10 @@ Its cache is a ring (analysis.arch.kvcache): sink token p < sinks in slot p, tok
 sinks + (p - sinks) % recent, so a new token overwrites the one that just left every later query's band and
 the ring never holds more than `size` = sinks + recent tokens.
 
+A query at position p reads min(p + 1, sinks + recent) keys: `read_keys` counts the (query, key) pairs of the last
+`tokens` queries of a context, the one count of attention work every FLOP figure uses (a full head is the same
+count without a cap: causal attention, each query reading every earlier key and itself).
+
 `Window` holds the two numbers with their checks and every formula above; it works on plain ints, numpy
 arrays and torch tensors alike (operators only), and imports neither torch nor numpy (the CLI's parser and
 the app's inputs read its defaults).
@@ -62,6 +66,10 @@ class Window:
         qp, kp = q_positions[:, None], k_positions[None, :]                        # [q, 1], [1, S]
         return (kp <= qp) & ((kp < self.sinks) | (qp - kp < self.recent))        # [q, S]
 
+    def read_keys(self, tokens: int, context: int) -> int:
+        """(query, key) pairs a windowed head computes for the last `tokens` queries of `context` tokens."""
+        return read_keys(tokens, context, self.size)
+
     def slot(self, position):
         """The ring slot of a kept position (an int, or an integer array / tensor of positions)."""
         past = position - self.sinks
@@ -72,6 +80,18 @@ class Window:
 
     def as_dict(self) -> dict:
         return dict(sinks=self.sinks, recent=self.recent)
+
+
+def read_keys(tokens: int, context: int, cap: int | None = None) -> int:
+    """(query, key) pairs of the last `tokens` queries of a context of `context` tokens, each query reading every
+    earlier key and itself (causal), at most `cap` of them (None: no cap): the sum over positions
+    p = context - tokens .. context - 1 of min(p + 1, cap). A prefill of S tokens: read_keys(S, S) = S (S + 1) / 2;
+    a decode step at context C: read_keys(1, C) = C."""
+    cap = context if cap is None else cap
+    first, last = context - tokens + 1, context                          # keys read by the first / last query
+    top = min(last, cap)
+    growing = (first + top) * (top - first + 1) // 2 if top >= first else 0
+    return growing + max(0, last - max(first, cap + 1) + 1) * cap
 
 
 def window_of(value) -> Window:

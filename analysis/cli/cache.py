@@ -1,7 +1,7 @@
 """`python -m analysis cache`: the results kept on disk (analysis.core.store): list them, clear them, or warm them
 for a class.
 
-    python -m analysis cache list  [--format json|csv]
+    python -m analysis cache [list] [--format json|csv]
     python -m analysis cache clear [--model M] [--measure long-scan|long-dense|kv-importance|detector-...]
     python -m analysis cache warm  [--model M] [--lengths 2048] [--probe passkey ...] [--depths 0.1,0.5,0.9]
                                    [--items 2] [--sinks 4] [--recent 256] [--precision float32|bfloat16]
@@ -32,8 +32,9 @@ def _arguments(parser):
     from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
     from analysis.measure.long_options import DEFAULT_DEPTHS, PAGE_IMPORTANCE_TOKENS, PAGE_SEQUENCES
     from analysis.measure.probes.registry import PROBES
-    parser.add_argument("action", choices=ACTIONS, help="list the stored results, clear them, or warm the Long "
-                                                        "context page's for a model")
+    parser.add_argument("action", choices=ACTIONS, nargs="?", default="list",
+                        help="list the stored results (the default), clear them, or warm the Long context page's for "
+                             "a model")
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--measure", default=None, help="clear: only this measure's results (see `cache list`)")
     parser.add_argument("--probe", action="append", default=None,

@@ -34,7 +34,8 @@ def _mask_arguments(parser):
     parser.add_argument("--sparsity", type=float, required=True, help="fraction of heads to prune, in [0, 1)")
     add_policy_arguments(parser)
     parser.add_argument("--flops-seq-len", dest="flops_seq_len", type=int, default=512,
-                        help="sequence length for the attention FLOP count")
+                        help="sequence length for the attention FLOP count (projections + causal scores: "
+                             "n (n + 1) / 2 pairs per head)")
     add_kv_policy_argument(parser)
 
 

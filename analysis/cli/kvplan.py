@@ -1,13 +1,17 @@
-"""`python -m analysis kv-plan`: measure the streaming (and retrieval) scores, write a per-KV-head plan.
+"""`python -m analysis kv-plan`: measure a window score (and the retrieval score), write a per-KV-head plan.
 
     python -m analysis kv-plan [--model M] --window-share 0.5 [--prune-share 0.25] [--no-keep-retrieval]
+                               [--window-score streaming|retrieval-aware]
                                [--sinks 4] [--recent 256] [--lengths 2048] [--depths 0.1,0.5,0.9]
                                [--prune-tokens 256] --out kv_plan.json
 
 The plan (analysis.score.kvscores.plan_from_scores -> plan_kv): the `--prune-share`
 of KV heads with the lowest KV-group ablation loss (on --prune-tokens tokens of the built-in text) are
-pruned, then the `--window-share` with the lowest streaming score are windowed (sinks + recent tokens),
+pruned, then the `--window-share` with the lowest `--window-score` are windowed (sinks + recent tokens;
+streaming: the output change under the window on plain text, the default; retrieval-aware: the needle
+answers' log-probability lost when the KV head alone is windowed, L x KV heads passes per row, slow),
 KV heads holding a retrieval head stay full (unless --no-keep-retrieval, which also skips measuring it).
+kv_plan.json's notes name the window score.
 `--out` gets kv_plan.json (atomic; checked before any work); stdout gets a JSON summary: the plan's
 counts, its KV cache against dense at the measured lengths and the model's context, the scores per KV
 head and the seconds spent. Every score is kept on disk (analysis.score.longscan, `headscope cache`): run again
@@ -39,10 +43,16 @@ from analysis.cli.roles import number_list
 
 def _arguments(parser):
     from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
-    from analysis.measure.long_options import DEFAULT_NEEDLES, DEFAULT_PRUNE_TOKENS, DEFAULT_QUERIES, RETRIEVAL_THRESHOLD
+    from analysis.measure.long_options import (DEFAULT_NEEDLES, DEFAULT_PRUNE_TOKENS, DEFAULT_QUERIES,
+                                               DEFAULT_WINDOW_SCORE, RETRIEVAL_THRESHOLD, WINDOW_SCORES)
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--window-share", dest="window_share", type=float, default=0.5,
-                        help="share of the KV heads to window, lowest streaming score first (0 to 1; default 0.5)")
+                        help="share of the KV heads to window, lowest window score first (0 to 1; default 0.5)")
+    parser.add_argument("--window-score", dest="window_score", choices=WINDOW_SCORES, default=DEFAULT_WINDOW_SCORE,
+                        help=f"the score that chooses the windowed KV heads (default {DEFAULT_WINDOW_SCORE}): streaming = "
+                             f"output change under the window on plain text (one pass per text); retrieval-aware = "
+                             f"needle answers' log-probability lost when the KV head alone is windowed (about 1 + KV "
+                             f"heads x (layers + 1) / 2 passes per needle row)")
     parser.add_argument("--prune-share", dest="prune_share", type=float, default=0.0,
                         help="share of the KV heads to prune, lowest KV-group ablation loss first (default 0)")
     parser.add_argument("--keep-retrieval", dest="keep_retrieval", action=argparse.BooleanOptionalAction,
@@ -57,7 +67,8 @@ def _arguments(parser):
     parser.add_argument("--lengths", default=None,
                         help="context lengths (tokens, comma-separated) the scores are measured at (default 2048 for "
                              "the streaming score, 1024,2048 for retrieval; at most the model's context)")
-    parser.add_argument("--depths", default=None, help="retrieval needle depths, comma-separated (default 0.1,0.5,0.9)")
+    parser.add_argument("--depths", default=None, help="retrieval (and retrieval-aware) needle depths, comma-separated "
+                                                       "(default 0.1,0.5,0.9)")
     parser.add_argument("--needles", type=int, default=DEFAULT_NEEDLES, help="retrieval needles per length and depth")
     parser.add_argument("--queries", type=int, default=DEFAULT_QUERIES,
                         help="query rows sampled beyond the window per sequence (streaming score)")
@@ -186,20 +197,21 @@ def _measured_plan(ns):
     with progress_bar("KV head scores", not ns.quiet) as report:
         scores, found = stored_kv_scores(loaded, rows=ns.rows, window=window, lengths=lengths, depths=depths,
                                          needles=ns.needles, queries=ns.queries, retrieval=ns.keep_retrieval,
-                                         prune=ns.prune_share > 0, prune_tokens=ns.prune_tokens, seed=ns.seed,
-                                         precision=ns.precision, progress=report, refresh=ns.refresh,
-                                         on_refused=refused_line)
+                                         prune=ns.prune_share > 0, prune_tokens=ns.prune_tokens,
+                                         window_score=ns.window_score, seed=ns.seed, precision=ns.precision,
+                                         progress=report, refresh=ns.refresh, on_refused=refused_line)
     stored_words(found, ns.quiet)
     plan = plan_from_scores(geo, scores, window_share=ns.window_share, prune_share=ns.prune_share,
                             keep_retrieval=ns.keep_retrieval, retrieval_threshold=ns.retrieval_threshold,
-                            window=window, model=loaded.name)
+                            window=window, window_score=ns.window_score, model=loaded.name)
     from analysis.arch.kvplan import KVPlan
     limit = context_length(loaded.model)
     dense, size = KVPlan.full(geo), loaded.model.dtype.itemsize
-    contexts = sorted(set(scores.detections["streaming"].extras["lengths"]) | {limit})
+    contexts = sorted(set(scores.detections[ns.window_score].extras["lengths"]) | {limit})
     _write_plan(ns, plan)
     payload = dict(model=info, plan=dict(_plan_summary(plan), window_share=ns.window_share,
-                                         prune_share=ns.prune_share, keep_retrieval=ns.keep_retrieval),
+                                         window_score=ns.window_score, prune_share=ns.prune_share,
+                                         keep_retrieval=ns.keep_retrieval),
                    kv_ratio={str(c): plan.kv_ratio(c) for c in contexts},
                    kv_bytes={str(c): plan.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
                    dense_kv_bytes={str(c): dense.kv_bytes(c, head_dim=geo.head_dim, dtype_bytes=size) for c in contexts},
@@ -208,5 +220,5 @@ def _measured_plan(ns):
     return plan, payload
 
 
-register("kv-plan", "measure streaming and retrieval heads on long built-in text and write a per-KV-head plan "
-         "(full / window / prune) to kv_plan.json", _arguments, run)
+register("kv-plan", "measure streaming (or retrieval-aware) and retrieval heads on long built-in text and write a "
+         "per-KV-head plan (full / window / prune) to kv_plan.json", _arguments, run)

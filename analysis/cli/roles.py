@@ -46,13 +46,17 @@ def _arguments(parser):
                         help="repeated random sequences (induction, duplicate)")
     parser.add_argument("--lengths", default=None,
                         help="long-context detectors: context lengths in tokens, comma-separated (default: retrieval "
-                             "1024,2048, streaming 2048; at most the model's context)")
+                             "1024,2048, streaming and retrieval-aware 2048; at most the model's context)")
     parser.add_argument("--depths", default=None,
-                        help="retrieval: needle depths, fractions of the context, comma-separated (default 0.1,0.5,0.9)")
-    parser.add_argument("--needles", type=int, default=None, help="retrieval: needles per length and depth (default 2)")
-    parser.add_argument("--sinks", type=int, default=None, help="streaming: sink tokens the window keeps (default 4)")
+                        help="retrieval, retrieval-aware: needle depths, fractions of the context, comma-separated "
+                             "(default 0.1,0.5,0.9)")
+    parser.add_argument("--needles", type=int, default=None,
+                        help="retrieval, retrieval-aware: needles per length and depth (default 2)")
+    parser.add_argument("--sinks", type=int, default=None,
+                        help="streaming, retrieval-aware: sink tokens the window keeps (default 4)")
     parser.add_argument("--recent", type=int, default=None,
-                        help="streaming: recent tokens the window keeps, the query's own included (default 256)")
+                        help="streaming, retrieval-aware: recent tokens the window keeps, the query's own included "
+                             "(default 256)")
     parser.add_argument("--queries", type=int, default=None,
                         help="streaming: query rows sampled beyond the window per sequence (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random sequences and permutations")

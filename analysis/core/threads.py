@@ -1,6 +1,6 @@
 """Torch's intra-op thread count, set for a block and restored after (`torch_threads`), and the one
 check of a thread count (`check_threads`, also llama.cpp's): the one home of that setting, used by the
-timing code (analysis.compress.speed) and the streamed profile (analysis.measure.streaming), which
+timing code (analysis.compress.timing) and the streamed profile (analysis.measure.streaming), which
 computes on one thread while its reader thread reads ahead."""
 
 from __future__ import annotations

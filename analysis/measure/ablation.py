@@ -336,6 +336,47 @@ class _DenseCapture:
             t = nxt[1]
         return chain
 
+    def checked_tail(self, logits: torch.Tensor) -> list[torch.nn.Module] | None:
+        """`tail`, kept only when replaying it on the last layer's output gives the model's own logits
+        (None otherwise: logit soft-capping, a tail that is not a chain of modules)."""
+        chain = self.tail(logits)
+        if chain is None or not torch.allclose(apply_chain(chain, self.last_out), logits, atol=1e-5, rtol=1e-4):
+            return None
+        return chain
+
+
+def tail_chain(model, x: torch.Tensor, adapter=None) -> list[torch.nn.Module] | None:
+    """The modules after the last layer (final norm, LM head), found on one dense pass of x [n, T] and checked
+    against the model's own logits; None when they cannot be replayed exactly. The tail does not depend on
+    the input, so a few tokens are enough to find it."""
+    cap = _DenseCapture(model, adapter or adapter_for(model))
+    return cap.checked_tail(cap.run(x))
+
+
+def call_batch_paths(model, calls, x: torch.Tensor) -> list[set]:
+    """Per layer, the paths of the tensors in its captured call that carry the batch (`batch_paths`), from two
+    probes of x[:1] at batch 1 and 2 (only up to the last layer whose call differs: `representative_calls`).
+    x may be shorter than the captured pass: which tensors carry the batch does not depend on the length."""
+    rep = representative_calls(calls)                                   # [L] layer whose call to probe
+    blocks = adapter_for(model).layers(model)
+    one, two = (probe_calls(model, blocks, x[:1].repeat(b, 1), max(rep) + 1) for b in (1, 2))
+    return [batch_paths(one[r], two[r]) for r in rep]
+
+
+def replay(blocks, calls, batched, hidden: torch.Tensor, reps: int, start: int, stop: int | None = None,
+           each: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Layers start .. stop - 1 (default: to the last) of a captured dense pass run again on `hidden`
+    [reps*n, T, D]: each layer's captured call with its batched tensors repeated `reps` times (mask-major) and
+    `hidden` as its input. Returns the last of them's output [reps*n, T, D]; each(j) after layer j (a stop
+    check, progress). Whatever is active around the call (head gates, attention spans) applies."""
+    for j in range(start, len(blocks) if stop is None else stop):
+        args, kwargs = repeat_batched(calls[j], batched[j], reps)
+        args, kwargs = _with_input(args, kwargs, hidden)
+        hidden = _first(blocks[j](*args, **kwargs))                    # [reps*n, T, D]
+        if each is not None:
+            each(j)
+    return hidden
+
 
 def _input_of(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
@@ -383,14 +424,11 @@ class FastAblation:
         logits = cap.run(x)                                              # [n, T, V]
         units = self.readout.dense(logits, x).double().cpu().numpy()     # [U]
         base = float(units.sum() / self.readout.total(x))
-        chain = cap.tail(logits)
-        if chain is None or not torch.allclose(apply_chain(chain, cap.last_out), logits, atol=1e-5, rtol=1e-4):
+        chain = cap.checked_tail(logits)
+        if chain is None:
             return None
         layer_inputs = [_input_of(a, k).detach().clone() for a, k in cap.calls]  # L x [n, T, D]
-        blocks = adapter.layers(model)
-        rep = representative_calls(cap.calls)                           # [L] layer whose call to probe
-        one, two = (probe_calls(model, blocks, x[:1].repeat(b, 1), max(rep) + 1) for b in (1, 2))
-        batched = [batch_paths(one[r], two[r]) for r in rep]            # which call tensors carry the batch
+        batched = call_batch_paths(model, cap.calls, x)
         return PreparedSweep(x, base, cap.calls, batched, layer_inputs, chain, time.perf_counter() - t0, units)
 
     @torch.no_grad()
@@ -415,13 +453,13 @@ class FastAblation:
             r = g.shape[0]
             t1 = time.perf_counter()
             hidden = prep.layer_inputs[layer].repeat(r, 1, 1)            # [r*n, T, D]
+
+            def each(j: int) -> None:
+                if on_part is not None:
+                    on_part((start + r * (j - layer + 1) / (geo.n_layers - layer)) / gates.shape[0])
+
             with head_mask(model, g, adapter=adapter):
-                for j in range(layer, geo.n_layers):
-                    args, kwargs = repeat_batched(prep.calls[j], prep.batched[j], r)
-                    args, kwargs = _with_input(args, kwargs, hidden)
-                    hidden = _first(blocks[j](*args, **kwargs))          # [r*n, T, D]
-                    if on_part is not None:
-                        on_part((start + r * (j - layer + 1) / (geo.n_layers - layer)) / gates.shape[0])
+                hidden = replay(blocks, prep.calls, prep.batched, hidden, r, layer, each=each)   # [r*n, T, D]
             t2 = time.perf_counter()
             units = self.readout.replay(prep.chain, hidden, prep.x, r).double().cpu().numpy()  # [r, U]
             out = np.zeros((gates.shape[0], units.shape[1])) if out is None else out

@@ -162,6 +162,24 @@ show the same value). Near 0: a **streaming head**, it can be windowed and its K
 lowest-scoring KV heads.""",
                  build="analysis.measure.longheads:StreamingDetector.for_options", decoder_only=True, long=True,
                  context=2048),
+    DetectorSpec("retrieval-aware", "Retrieval-aware score (needle answer log-probability lost when the KV head "
+                                    "alone reads only sinks + a window)",
+                 "how much of a needle answer's log-probability windowing the KV head alone loses (long contexts; "
+                 "decoders; L x KV heads passes, slow)",
+                 about="""\
+DuoAttention's criterion (Xiao et al. 2024), measured head by head. The model reads long real text
+with a needle hidden where the window cannot see it from the answer ("The secret words are: ..." or a
+number; the retrieval score's rows, kept only when the needle lies outside the first *sinks* tokens and
+the *recent* latest ones of every answer row), then the question and the needle's content as the
+answer (teacher-forced). For every KV head alone, the model runs again with only that head reading the
+window (the KV plan's own mechanism) and the answer's log-probability is compared with the dense
+model's. Score = nats lost, averaged over the rows (each query head shows its KV head's value). Near 0:
+the answers do not notice, window it; >= ln 2 = 0.69: windowing that head alone at least halves the
+answer's probability, keep it full. Unlike the streaming score (output change on plain text) it asks
+the answer itself; it costs about 1 + KV heads x (layers + 1) / 2 forward passes per row (prefix reuse).
+`headscope kv-plan --window-score retrieval-aware` windows the lowest-scoring KV heads.""",
+                 build="analysis.measure.retrieval_aware:RetrievalAwareDetector.for_options", decoder_only=True,
+                 long=True, context=2048),
 ):
     register_detector(_spec)
 del _spec

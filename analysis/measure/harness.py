@@ -24,8 +24,8 @@ and its `tie_weights` call is skipped for the run (it could re-tie an untied hea
 Generative tasks (`generate_until`) run too, greedily, one prompt at a time: the harness's prompts, its
 stop rules (the task's `until` strings and the tokenizer's EOS, cut from the text as the harness cuts them,
 the model's EOS token id as transformers' generate stops on it) and its `process_results` scoring; the
-decode loop is headscope's own (`generate_greedy`: a prefill, then one token a step with a KV cache), so
-each row's real KV-cache bytes after the prompt and at the end, and its decode speed, are recorded
+decode loop is headscope's own (`generate_greedy` over analysis.measure.decode: a prefill, then one token a step
+with a KV cache), so each row's real KV-cache bytes after the prompt and at the end, and its decode speed, are recorded
 (`HarnessRun.generations`). A sampling task (do_sample, a temperature above 0) is refused with one line.
 
 `lm_eval` is imported only here and only when a run needs it: `harness_missing()` is the one line that says
@@ -647,8 +647,8 @@ class Generated:
     tokens: list                   # the generated ids (an EOS that stopped it included)
     stopped: str                   # "eos" | "until" (a stop sequence) | "length" (max_new_tokens)
     prompt_tokens: int
-    prefill_s: float               # the prompt's forward pass and the first token
-    decode_s: float                # every later token: one forward step each
+    prefill_s: float               # the prompt's forward pass (its last logits give the first token)
+    decode_s: float                # forwards of every later token, summed (each read after the device finished)
     kv_bytes_prompt: int           # the KV cache's real K / V bytes after the prompt
     kv_bytes_end: int              # ... after the last step (the prompt and every new token but the last)
 
@@ -669,47 +669,23 @@ class Generated:
 
 def generate_greedy(model, ids, *, max_new_tokens: int, eos=(), stop=(), cache=None,
                     progress: Progress | None = None, should_stop: ShouldStop | None = None) -> Generated:
-    """Greedy decoding of one prompt ids [1, T] as transformers' generate does it: a prefill, then one token a
-    step with the KV cache `cache` (None: the model's own DynamicCache; a KV plan's compact cache for one
-    prompt), stopping after max_new_tokens, on a token in `eos`, or when a stop rule (`stop`: callables of
-    the whole sequence [1, T + k] and None, the harness's MultiTokenEOSCriteria) says so; the token that
-    stopped it is kept, as generate keeps it."""
-    import torch
-
+    """Greedy decoding of one prompt ids [1, T] as transformers' generate does it, through headscope's decode loop
+    (analysis.measure.decode.greedy): a prefill, then one token a step with the KV cache `cache` (None: the model's
+    own DynamicCache; a KV plan's compact cache for one prompt), stopping after max_new_tokens, on a token in
+    `eos`, or when a stop rule (`stop`: callables of the whole sequence [1, T + k] and None, the harness's
+    MultiTokenEOSCriteria) says so; the token that stopped it is kept, as generate keeps it. The seconds are the
+    prompt's forward and the sum of the decode calls' forwards, each read after the device finished
+    (analysis.core.clock)."""
     from analysis.arch.adapters import input_device
     from analysis.arch.kvcache import kv_cache_bytes
+    from analysis.core.clock import Clock
+    from analysis.measure.decode import Stop, greedy
     check_whole_number(max_new_tokens, "max_new_tokens", low=1)
-    device = input_device(model)
-    ids = ids.to(device)                                                     # [1, T]
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    check_stop(should_stop, "The generation")
-    new, stopped, seq = [], "length", ids
-    with torch.no_grad():
-        t0 = now()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        kv_prompt = kv_cache_bytes(cache)
-        t1 = now()
-        for step in range(max_new_tokens):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)                 # [1, 1]
-            new.append(int(token))
-            seq = torch.cat([seq, token], dim=1)                               # [1, T + k]
-            if new[-1] in eos:
-                stopped = "eos"
-            elif any(bool(rule(seq, None)) for rule in stop):
-                stopped = "until"
-            if stopped != "length" or step + 1 == max_new_tokens:
-                break
-            check_stop(should_stop, "The generation")
-            report(progress, (step + 1) / max_new_tokens, f"{step + 1} tokens")
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        t2 = now()
-    return Generated(new, stopped, int(ids.shape[1]), t1 - t0, t2 - t1, kv_prompt, kv_cache_bytes(cache))
+    run = greedy(model, ids, max_new_tokens, cache=cache, kv_bytes=kv_cache_bytes,
+                 stop=Stop(tuple(int(e) for e in eos), tuple(stop)), clock=Clock(input_device(model)),
+                 keep_logits=False, progress=progress, should_stop=should_stop)
+    return Generated(run.tokens[0].tolist(), run.stopped, int(ids.shape[1]), run.prefill_seconds[0],
+                     sum(wall for wall, _ in run.step_seconds), run.kv_bytes[0], run.kv_bytes[-1])
 
 
 # -- the model behind the harness --------------------------------------------------------------------------

@@ -19,6 +19,17 @@ RETRIEVAL_THRESHOLD = 0.1            # Wu et al. 2024: a retrieval head copies >
 STREAMING_THRESHOLD = 0.5            # at least half the output (relative L2) comes from outside the window
 DEFAULT_PRUNE_TOKENS = 256           # tokens of built-in text for the KV-group ablation a plan prunes by
 
+# the retrieval-aware score (analysis.measure.retrieval_aware): each KV head windowed alone, the needle answers'
+# log-probability lost
+RETRIEVAL_AWARE_LENGTHS = (2048,)
+RETRIEVAL_AWARE_THRESHOLD = 0.6931471805599453   # ln 2 nats: windowing the head alone halves the answer's probability
+RETRIEVAL_AWARE_BATCH = 4            # rows per forward pass (needle rows x KV heads windowed)
+MAX_BATCH = 256
+
+# the per-KV-head scores a KV plan windows by, lowest first (detector names: analysis.measure.detector_registry)
+WINDOW_SCORES = ("streaming", "retrieval-aware")
+DEFAULT_WINDOW_SCORE = "streaming"
+
 # the long-context probes (analysis.measure.probes.longcontext; `headscope longctx`)
 PROBE_LENGTH = 1024                  # tokens per row when a long probe is run without a length
 PROBE_SEQUENCES = 16                 # sequences (a key and its text) per length and depth

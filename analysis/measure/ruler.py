@@ -628,15 +628,17 @@ def ruler_cells(rows: RulerRows, dense, cut_run=None, seed: int = 0) -> list[Rul
             values = np.array([[float(s[i]["metrics"][key]) for i in ids] for s in samples])   # [sides, n]
             costs = [[g[i] for i in ids] for g in gens]
             per_length[length].append((values, costs))
-            cells.append(_cell(task, RULER_TASKS[task].label, length, values, costs, seed))
+            cells.append(score_cell(task, RULER_TASKS[task].label, length, values, costs, seed))
     for length, parts in per_length.items():                          # every task has the same rows per length
         values = np.mean([v for v, _ in parts], axis=0)                 # [sides, n]: row i's mean over tasks
         gens = [[g for _, gs in parts for g in gs[b]] for b in range(values.shape[0])]
-        cells.append(_cell(AVERAGE, "Average over tasks", length, values, gens, seed))
+        cells.append(score_cell(AVERAGE, "Average over tasks", length, values, gens, seed))
     return cells
 
 
-def _cell(task: str, label: str, length: int, values, gens, seed: int) -> RulerCell:
+def score_cell(task: str, label: str, length: int, values, gens, seed: int) -> RulerCell:
+    """One cell from values [sides, n] (row scores; dense first, then the cut: paired resamples of the rows, the
+    change cut - dense as a third row) and each side's per-row costs (generations; dicts with COSTS keys)."""
     import numpy as np
 
     from analysis.measure.probes.breaks import is_lost

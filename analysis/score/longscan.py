@@ -285,52 +285,54 @@ def page_rows(loaded, lengths=None, depths=None, *, probes=None, n_items: int | 
 
 def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), lengths=None, retrieval_lengths=None,
                      depths=None, needles: int | None = None, queries: int = DEFAULT_QUERIES, retrieval: bool = True,
-                     prune: bool = False, prune_tokens: int | None = None, seed: int = 0, precision: str = "float32",
-                     progress=None, should_stop=None, store=None, refresh: bool = False, on_refused=None):
-    """(analysis.score.kvscores.KVScores, {part: Lookup}): what a KV plan is made from, each part from the store or
-    measured and stored. rows "own": the detectors' own rows (the streaming score on plain built-in text, the
-    retrieval score on its needle items: measure_kv_scores' numbers); rows "probes": one shared scan of the
-    long-context probes' rows (the Long context page's: `page_rows` at `lengths`), both scores from it."""
+                     prune: bool = False, prune_tokens: int | None = None, window_score: str = "streaming",
+                     seed: int = 0, precision: str = "float32", progress=None, should_stop=None, store=None,
+                     refresh: bool = False, on_refused=None):
+    """(analysis.score.kvscores.KVScores, {part: Lookup}): what a KV plan is made from (measure_kv_scores' parts),
+    each from the store or measured and stored. rows "own": each detector on its own rows (the window score's,
+    the retrieval score's needle items: measure_kv_scores' numbers); rows "probes": the streaming and retrieval
+    scores from one shared scan of the long-context probes' rows (the Long context page's: `page_rows` at
+    `lengths`), a retrieval-aware window score on its own rows."""
     import time
 
     from analysis.core.errors import InputError
     from analysis.core.progress import scaled
     from analysis.measure.long_options import DEFAULT_DEPTHS, DEFAULT_NEEDLES, PAGE_IMPORTANCE_TOKENS
-    from analysis.score.kvscores import KVScores
+    from analysis.score.kvscores import KVScores, check_window_score
     if rows not in ROWS:
         raise InputError(f"The KV scores' rows are one of {', '.join(ROWS)}; got {rows!r}.")
+    check_window_score(window_score)
     window = window_of(window)
     geo = loaded.geometry
-    out = KVScores(None)
+    out = KVScores()
     found: dict = {}
     share = 1.0 / (1 + bool(prune))
-    t0 = time.perf_counter()
+    own = dict(lengths=lengths, depths=depths or DEFAULT_DEPTHS, needles=needles or DEFAULT_NEEDLES, queries=queries,
+               seed=seed, **window.as_dict())
+    options = {window_score: own, "retrieval": dict(lengths=retrieval_lengths or lengths, depths=own["depths"],
+                                                    needles=own["needles"], seed=seed)}
+    dets = {}
     if rows == "probes":
+        t0 = time.perf_counter()
         built = page_rows(loaded, lengths, depths, seed=seed)
         scan, found["scan"] = stored_scan(loaded, built, window=window, queries=queries, seed=seed,
-                                          precision=precision, progress=scaled(progress, 0.0, share),
+                                          precision=precision, progress=scaled(progress, 0.0, share / 2),
                                           should_stop=should_stop, store=store, refresh=refresh, on_refused=on_refused)
         dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
         out.seconds["scan"] = time.perf_counter() - t0
-    else:
-        if precision != "float32":
-            raise InputError("The detectors' own rows are measured in float32; bfloat16 is for the shared scan "
-                             "(rows 'probes').")
-        options = {"streaming": dict(lengths=lengths, sinks=window.sinks, recent=window.recent, queries=queries,
-                                     seed=seed),
-                   "retrieval": dict(lengths=retrieval_lengths or lengths, depths=depths or DEFAULT_DEPTHS,
-                                     needles=needles or DEFAULT_NEEDLES, seed=seed)}
-        names = ["streaming"] + (["retrieval"] if retrieval else [])
-        dets = {}
-        for i, name in enumerate(names):
-            part = scaled(progress, share * i / len(names), share * (i + 1) / len(names))
-            t0 = time.perf_counter()
-            got, seen = stored_detections(loaded, [name], options[name], progress=part, should_stop=should_stop,
-                                          store=store, refresh=refresh, on_refused=on_refused)
-            dets[name], found[name] = got[name], seen[name]
-            out.seconds[name] = time.perf_counter() - t0
-    out.streaming = dets["streaming"].extras["kv_scores"]
-    out.detections["streaming"] = dets["streaming"]
+    elif precision != "float32":
+        raise InputError("The detectors' own rows are measured in float32; bfloat16 is for the shared scan "
+                         "(rows 'probes').")
+    names = [n for n in dict.fromkeys([window_score] + (["retrieval"] if retrieval else [])) if n not in dets]
+    for i, name in enumerate(names):
+        part = scaled(progress, share * (i + 1) / (len(names) + 1), share * (i + 2) / (len(names) + 1))
+        t0 = time.perf_counter()
+        got, seen = stored_detections(loaded, [name], options[name], progress=part, should_stop=should_stop,
+                                      store=store, refresh=refresh, on_refused=on_refused)
+        dets[name], found[name] = got[name], seen[name]
+        out.seconds[name] = time.perf_counter() - t0
+    out.with_window_score(window_score, dets[window_score].extras["kv_scores"])
+    out.detections[window_score] = dets[window_score]
     if retrieval:
         out.retrieval = dets["retrieval"].extras["kv_scores"]
         out.detections["retrieval"] = dets["retrieval"]
@@ -343,8 +345,8 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
                                                                 refresh=refresh, on_refused=on_refused)
         out.prune_tokens = tokens
         out.seconds["importance"] = time.perf_counter() - t0
-    if out.streaming.shape != (geo.n_layers, geo.n_kv_heads):
-        raise InputError("The stored streaming scores do not fit this model's KV heads.")
+    if out.window_score(window_score).shape != (geo.n_layers, geo.n_kv_heads):
+        raise InputError("The stored window scores do not fit this model's KV heads.")
     return out, found
 
 

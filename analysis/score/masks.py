@@ -49,6 +49,7 @@ import numpy as np
 from analysis.core.errors import InputError
 from analysis.core.registry import Registry
 from analysis.arch.geometry import kv_groups_emptied
+from analysis.arch.window import read_keys
 
 KV_POLICIES = ("auto", "expand", "strict")
 DEFAULT_GQA_POLICY = "groups"   # never grows the model; on SmolLM2 it beats balanced at 25 % and 50 % (docs/results.md)
@@ -585,15 +586,16 @@ class MaskSummary:
 def attention_costs(head_dim: int, hidden: int, seq_len: int, *, bias: bool = False) -> dict[str, int]:
     """Parameters and FLOPs of one query head (Q rows + O columns, attention) and one KV head.
 
-    q_head params d*D (+d) + d*D; kv head params 2*(d*D (+d)). FLOPs per sequence of T tokens:
-    query head 2*T*D*d (Q) + 2*T*T*d (QK^T) + 2*T*T*d (AV) + 2*T*d*D (O); KV head 2 * 2*T*D*d.
+    q_head params d*D (+d) + d*D; kv head params 2*(d*D (+d)). FLOPs per sequence of T tokens, causal (each
+    query reads the keys up to its own: read_keys(T, T) = T (T + 1) / 2 pairs, docs/DEFINITIONS.md "FLOPs"):
+    query head 2*T*D*d (Q) + 2*d per pair (QK^T) + 2*d per pair (AV) + 2*T*d*D (O); KV head 2 * 2*T*D*d.
     """
     d, D, T = int(head_dim), int(hidden), int(seq_len)
     b = d if bias else 0
     return dict(
         head_params=d * D + b + d * D,
         group_params=2 * (d * D + b),
-        head_flops=2 * T * D * d + 4 * T * T * d + 2 * T * d * D,
+        head_flops=2 * T * D * d + 4 * d * read_keys(T, T) + 2 * T * d * D,
         group_flops=4 * T * D * d,
     )
 

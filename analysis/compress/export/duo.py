@@ -298,8 +298,29 @@ def check_gate_rule(threshold: float | None, sparsity: float | None) -> None:
         _share(sparsity, "The DuoAttention sparsity (share of streaming KV heads)")
 
 
+def pattern_from_texts(heads: str, config: str | None = None, *, window=None) -> DuoPattern:
+    """A DuoPattern from the texts of full_attention_heads.tsv and (optionally) config.json, e.g. uploaded files;
+    without a config the streaming heads' band is `window` (an analysis.arch.window.Window). One InputError for
+    anything malformed, as `read_pattern`."""
+    if len(heads) > MAX_HEADS_BYTES or (config is not None and len(config) > MAX_CONFIG_BYTES):
+        raise InputError(f"The DuoAttention files are larger than any pattern (at most "
+                         f"{MAX_HEADS_BYTES // 2**20} MiB of gates); {_FIX}.")
+    gates = parse_heads(heads)
+    if config is None:
+        if window is None:
+            raise InputError(f"Without {CONFIG_FILE} the pattern's sink_size and recent_size are not known; give it, "
+                             f"or the window to use.")
+        return DuoPattern(gates, window.sinks, window.recent)
+    data = _config_of(config)
+    return DuoPattern(gates, _field(data, "sink_size"), _field(data, "recent_size"),
+                      {k: v for k, v in data.items() if k not in ("sink_size", "recent_size")})
+
+
 def _read_config(path: Path) -> dict:
-    text = read_file_text(path, MAX_CONFIG_BYTES, what="The DuoAttention config.json", fix=_FIX)
+    return _config_of(read_file_text(path, MAX_CONFIG_BYTES, what="The DuoAttention config.json", fix=_FIX))
+
+
+def _config_of(text: str) -> dict:
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except RecursionError:

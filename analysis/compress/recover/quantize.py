@@ -13,7 +13,7 @@ its activations are quantized to 7 bits, so fbgemm's u8 x s8 kernels cannot satu
 
 `compare_onnx` measures an INT8 ONNX file against its float32 source (`export.onnx.OnnxLM` runs
 both): next-token top-1 agreement and perplexity on the same text, file sizes, prefill and 1-token
-latency (alternating calls: speed.alternating_times).
+latency (alternating calls: analysis.compress.timing.alternating_times).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from torch import nn
 from analysis.measure.evaluation import evaluate, token_ids
 from analysis.measure.outliers import int8_keep_float_for
 from analysis.compress.export.onnx import OnnxLM
-from analysis.compress.speed import alternating_times
+from analysis.compress.timing import DecodeSteps, alternating_times
 from analysis.core.threads import torch_threads
 
 def quantize_linear(model: nn.Module, keep_float: Sequence[str] = (), *, per_channel: bool = True) -> nn.Module:
@@ -165,7 +165,6 @@ def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 
     """PyTorch dynamic INT8 of `model`'s Linear layers (`quantize_linear`; keep_float None = the
     sensitive layers and the LM head, `int8_keep_float` on the calibration split) vs the float32
     model in the same runtime: size, prefill and decode latency (alternating), metric, top-1."""
-    from analysis.compress.speed import decode_step
     if keep_float is None:
         keep_float = int8_keep_float_for(model, loaded.tokenizer)
     q = quantize_linear(model, keep_float)
@@ -177,7 +176,7 @@ def torch_int8_report(loaded, model: nn.Module, text=None, *, max_tokens: int = 
         agree = top1_agreement(model, q, all_ids, window)
         times = alternating_times({"fp32": lambda: model(input_ids=ids), "int8": lambda: q(input_ids=ids)},
                                   repeats=repeats, warmup=1)
-        decode = alternating_times({"fp32": decode_step(model, ids, 8), "int8": decode_step(q, ids, 8)},
+        decode = alternating_times({"fp32": DecodeSteps(model, ids, 8), "int8": DecodeSteps(q, ids, 8)},
                                    repeats=max(1, repeats), warmup=0, self_timed=True)   # per-token medians
     ms, decode_ms = times.median_ms("wall"), decode.median_ms("wall")
     sizes = {"fp32": state_bytes(model), "int8": state_bytes(q)}

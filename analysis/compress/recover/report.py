@@ -34,7 +34,9 @@ from analysis.score.masks import plan_mask, surgery_counts
 from analysis.score.scoring import get_scorer
 from analysis.arch.cut import Cut
 from analysis.arch.models import count_parameters
-from analysis.compress.speed import decode_step, alternating_times, forward_flops, saved_bytes
+from analysis.arch.adapters import input_device
+from analysis.compress.cost import forward_flops
+from analysis.compress.timing import DecodeSteps, alternating_times, saved_bytes
 from analysis.core.threads import torch_threads
 from analysis.compress.surgery import prune_heads
 from analysis.compress import verdict
@@ -193,18 +195,18 @@ def kv_bytes_per_token(loaded, pruned, kv_policy: str, dtype: torch.dtype = torc
     return counts.kv_cache_bytes_per_token_after
 
 
-def measure_stage(name: str, loaded, model, layout, sparsity: float, eval_text, *, eval_tokens: int, seq_len: int,
+def measure_stage(name: str, loaded, model, sparsity: float, eval_text, *, eval_tokens: int, seq_len: int,
                   repeats: int, threads: int | None, causal: bool, metric: float | None = None,
                   top1: float | None = None, pruned=None, kv_policy: str = "auto") -> Stage:
-    """Stage numbers of a physically pruned `model` (layout None = dense) cut by pruned [L, H]
-    (None = nothing pruned). metric/top1 given: not measured again."""
-    x = _ids(loaded, seq_len)                                              # [1, T]
+    """Stage numbers of `model` (the dense one, or a physically pruned one cut by pruned [L, H]; None = nothing
+    pruned), counted on the model itself (analysis.compress.cost). metric/top1 given: not measured again."""
+    x = _ids(loaded, seq_len).to(input_device(model))                      # [1, T]
     calls = {"prefill": lambda: model(input_ids=x)}
     with torch_threads(threads):
-        ms = alternating_times(calls, repeats=repeats, warmup=1).median_ms("wall")
+        ms = alternating_times(calls, repeats=repeats, warmup=1, device=x.device).median_ms("wall")
         decode = None
         if causal:
-            step = decode_step(model, x, 8)
+            step = DecodeSteps(model, x, 8)
             with torch.inference_mode():
                 step()
                 decode = 1e3 * float(np.median([step()[0] for _ in range(repeats)]))   # per token
@@ -215,7 +217,7 @@ def measure_stage(name: str, loaded, model, layout, sparsity: float, eval_text, 
     kv = kv_bytes_per_token(loaded, pruned, kv_policy, next(model.parameters()).dtype) if causal else None
     return Stage(name=name, sparsity=float(sparsity), parameters=count_parameters(model),
                  size_mb=saved_bytes(model) / 2 ** 20,
-                 attention_flops=forward_flops(model, seq_len, seq_len, layout=layout).attention,
+                 attention_flops=forward_flops(model, seq_len, seq_len).attention,
                  prefill_ms=ms["prefill"], decode_ms=decode, metric=float(metric), kv_bytes_per_token=kv,
                  top1=None if top1 is None else float(top1))
 
@@ -274,13 +276,13 @@ def compression_report(loaded, config: PipelineConfig, *, train_data=None, eval_
 
     common = dict(eval_tokens=config.eval_tokens, seq_len=seq_len, repeats=repeats, threads=threads, causal=causal)
     report(0.0, "measuring the dense model")
-    stages = [measure_stage("dense", loaded, loaded.model, None, 0.0, eval_text, **common)]
+    stages = [measure_stage("dense", loaded, loaded.model, 0.0, eval_text, **common)]
     check, capabilities = _capability_check(loaded, probes, should_stop), []
 
     def measure_round(r, model, mask):
-        small, layout = prune_heads(model, mask, kv_policy=config.kv_policy)
+        small, _ = prune_heads(model, mask, kv_policy=config.kv_policy)
         name = f"round {r.index}" + (" recovered" if recovering else "")
-        stage = measure_stage(name, loaded, small, layout, r.sparsity, eval_text, metric=r.metric, top1=r.accuracy,
+        stage = measure_stage(name, loaded, small, r.sparsity, eval_text, metric=r.metric, top1=r.accuracy,
                               pruned=mask, kv_policy=config.kv_policy, **common)
         cut = stage
         if recovering:                           # the cut has the recovered model's shapes: timed once

@@ -60,6 +60,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from analysis.core.clock import Clock
 from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import ShouldStop, check_stop, raise_if_signalled
 from analysis.measure.evaluation import context_length
@@ -495,7 +496,7 @@ def answer_values(model, items: ProbeItems, answers: Answers, *, tokenizer=None,
         d, l = read_values(picked[None], items.correct[ii], items.contrast[ii])                   # [1, m]
         diff[:, ii.numpy()], nll[:, ii.numpy()] = d, l
         if tokenizer is not None:
-            run = decode(model, last, cache, int(steps[rows].max()))     # tokens [b, steps]
+            run = decode(model, last, cache, int(steps[rows].max()), keep_logits=False)   # tokens [b, steps]
             for r, tokens in zip(rows, run.tokens.tolist()):
                 written[r] = tokenizer.decode(tokens)
         del cache, logits
@@ -551,15 +552,13 @@ def long_work(built: dict, passes: int = 1) -> LongWork:
 
 
 def _best_of_two(fn, device) -> float:
-    """The faster of two timed calls of fn (seconds; a CUDA device synchronized)."""
-    best = float("inf")
+    """The faster of two timed calls of fn (wall seconds, read after the device finished: analysis.core.clock)."""
+    clock, best = Clock(device), float("inf")
     for _ in range(2):
         raise_if_signalled()                                            # Ctrl-C between the timings
-        t0 = time.perf_counter()
+        start = clock.now()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock.since(start)[0])
     return best
 
 
