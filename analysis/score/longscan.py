@@ -5,8 +5,9 @@
   fingerprint, the probes' items (their digest: tokenizer, seed, lengths, depths, sequences, BOS), the window,
   the query rows, the bootstrap seed, the precision and the code (analysis.arch.stored.remembered). `dense_of`
   gives its probes' dense side keyed as analysis.score.longcontext.long_context_report's `dense=` takes it.
-- `stored_detections(loaded, names, options)`: the long detectors (retrieval, streaming) on their own rows
-  (`roles --detector retrieval`, the Heads page), one stored result per detector and options.
+- `stored_detections(loaded, names, options)`: the long detectors (retrieval, streaming, retrieval-aware) on their
+  own rows (`roles --detector retrieval`, the Heads page, kv-plan), one stored result per detector and its
+  effective settings.
 - `stored_importance(loaded, tokens)`: the KV groups' ablation a KV plan prunes by (analysis.score.kvscores.
   group_importance), stored per tokens.
 
@@ -26,7 +27,8 @@ DENSE = "long-dense"                 # the probes' dense side of a scan, apart (
 IMPORTANCE = "kv-importance"
 DETECTOR = "detector-{}"
 MEASURES = (SCAN, DENSE, "long-cut", IMPORTANCE, DETECTOR.format("retrieval"), DETECTOR.format("streaming"))
-DETECTOR_MODULES = ("analysis.measure.longheads", "analysis.measure.long_options", "analysis.measure.detectors",
+DETECTOR_MODULES = ("analysis.measure.longheads", "analysis.measure.retrieval_aware", "analysis.measure.ablation",
+                    "analysis.measure.long_options", "analysis.measure.detectors",
                     "analysis.measure.detector_registry", "analysis.measure.haystack", "analysis.measure.headmaps",
                     "analysis.core.text", "analysis.arch.spans", "analysis.arch.window", "analysis.score.longscan")
 IMPORTANCE_MODULES = ("analysis.measure.ablation", "analysis.measure.loss", "analysis.measure.evaluation",
