@@ -6,7 +6,9 @@ $HEADSCOPE_TEST_CACHE, else a fixed folder under the system temp dir, so repeate
 one machine convert once (a fresh machine converts, which exercises the conversion; set
 HEADSCOPE_TEST_FRESH_CACHE=1 to force it into a per-session temp folder).
 """
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,6 +34,7 @@ def _worker_threads() -> int | None:
 # Results a test stores (analysis.core.store) go to a folder of this session's, never the user's cache, and no
 # stored result of an earlier run is served to a test; command lines the tests start inherit it.
 os.environ["HEADSCOPE_RESULTS"] = tempfile.mkdtemp(prefix="headscope-test-results-")
+atexit.register(shutil.rmtree, os.environ["HEADSCOPE_RESULTS"], ignore_errors=True)
 
 _THREADS = _worker_threads()
 if _THREADS and "OMP_NUM_THREADS" not in os.environ:
