@@ -80,7 +80,7 @@ def _work(rows, dense_known: bool, cut: bool) -> float:
     work = ruler_work(rows)
     sides = (0 if dense_known else 1) + cut
     prompts = sum(r * n * (1 + n / 2048) for n, r in work.rows.items())
-    return float(sides * (prompts + work.new_tokens * DECODE_STEP_TOKENS))
+    return float(sides * (prompts + work.steps * DECODE_STEP_TOKENS))
 
 
 def table_rows(table: list[dict]) -> list[dict]:

@@ -255,3 +255,13 @@ def test_the_command_writes_the_rows_and_the_report(capsys, tmp_path, tiny_dirs)
     assert [line.split(",")[0] for line in lines[1:]] == ["niah_single_1", R.AVERAGE]
     record = json.loads(rows_out.read_text())
     assert record["task"] == "niah_single_1" and len(record["context_ids"]) > 500
+
+
+def test_the_command_estimates_each_length_with_its_own_prefill_and_decode_step(capsys, tiny_dirs):
+    code, stdout, err = run_captured(capsys, "ruler", "--model", tiny_dirs[1], "--tasks", "niah_single_1",
+                                     "--samples", "1", "--format", "json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert set(data["per_step_s"]) == set(data["per_row_s"]) and all(s > 0 for s in data["per_step_s"].values())
+    assert data["estimate_s"] >= sum(data["per_row_s"].values())          # at most: prefills plus every step
+    assert "a decode step" in err and "a prefill" in err                  # the estimate line, per length

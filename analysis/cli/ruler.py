@@ -11,10 +11,10 @@ Dense, and (given one) a cut: the cut options every report takes (analysis.cli.c
 plan generates with its compact cache, an export folder under its kv_plan.json.
 Before the generations the command prints an estimate of the time on stderr (at most: every row's prefill
 from analysis.measure.probes.longcontext.row_seconds and every token it may generate at this machine's
-decode step). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
+decode step at that length). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
 max_new_tokens, stop strings) as soon as they are made, so a peer tool can run the very same rows;
 --rows-only stops there.
-JSON: {"model", "estimate_s", "per_row_s", "step_s", "rows_out", "report":
+JSON: {"model", "estimate_s", "per_row_s", "per_step_s", "rows_out", "report":
 analysis.measure.ruler.RulerReport.as_dict()}; CSV: one row per task x length (and the average over tasks):
 score [CI], seconds, decode speed and KV bytes per row.
 Bad input (a task that downloads or is unknown, a length that is not RULER's or is above the model's context,
@@ -78,8 +78,8 @@ def run_ruler(ns):
     from analysis.core.atomic import atomic_write
     from analysis.core.progress import duration_words, with_estimate
     from analysis.measure.evaluation import context_length
-    from analysis.measure.probes.longcontext import row_seconds
-    from analysis.measure.ruler import build_ruler, export_rows, ruler_report, ruler_work, rows_jsonl, step_seconds
+    from analysis.measure.probes.longcontext import row_seconds, step_seconds
+    from analysis.measure.ruler import build_ruler, export_rows, ruler_report, ruler_work, rows_jsonl
     limit = context_length(loaded.model, default=2**31)
     check_ruler_lengths(lengths, limit)                              # above the model's context: before any row
     with progress_bar("making RULER's rows", not ns.quiet) as report:
@@ -91,18 +91,19 @@ def run_ruler(ns):
         return dict(model=info, rows_out=ns.rows_out, rows=rows.n_rows(), ruler=rows.info()), None
     work = ruler_work(rows, cut=cut is not None)
     per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry)
-    step = step_seconds(loaded.model)
-    estimate = work.seconds(per_row, step)
+    per_step = step_seconds(loaded.model, sorted(work.rows), batch_tokens=1, geometry=loaded.geometry)  # row by row
+    estimate = work.seconds(per_row, per_step)
     if not ns.quiet:
         import sys
         sys.stderr.write(f"estimate: at most {duration_words(estimate)} for {rows.n_rows()} rows ("
                          + ", ".join(f"{r} x {n:,} tokens" for n, r in work.rows.items())
-                         + f", up to {work.new_tokens:,} generated tokens; this machine: "
-                         + ", ".join(f"{n:,} tokens {duration_words(s)} a prefill" for n, s in per_row.items())
-                         + f", {step:.2f} s a decode step)\n")
+                         + f", up to {work.steps:,} generated tokens; this machine: "
+                         + ", ".join(f"{n:,} tokens {duration_words(s)} a prefill, {per_step[n]:.2f} s a decode step"
+                                     for n, s in per_row.items()) + ")\n")
     with progress_bar("RULER", not ns.quiet) as report:
         rep = ruler_report(loaded, rows, cut=cut, progress=with_estimate(report))
-    payload = dict(model=info, estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()}, step_s=step,
+    payload = dict(model=info, estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()},
+                   per_step_s={str(n): s for n, s in per_step.items()},
                    rows_out=ns.rows_out, report=rep.as_dict())
     return payload, rep.table()
 

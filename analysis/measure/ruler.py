@@ -686,39 +686,32 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
 
 # -- the time a run takes ------------------------------------------------------------------------------------
 
-def step_seconds(model, *, context: int = 256, steps: int = 4) -> float:
-    """Seconds of one decode step on this machine: `steps` greedy steps after a prompt of `context` random
-    tokens, through the harness bridge's own decode loop (analysis.measure.harness.generate_greedy). A step
-    after a long prompt reads more keys and is slower: an estimate."""
-    import torch
-
-    from analysis.measure.evaluation import context_length
-    from analysis.measure.harness import generate_greedy
-    n = min(context, context_length(model, default=context) - steps)
-    ids = torch.randint(0, model.get_input_embeddings().weight.shape[0], (1, n))   # [1, n]
-    run = generate_greedy(model, ids, max_new_tokens=steps + 1)
-    return run.decode_s / max(run.decode_steps, 1)
-
-
 @dataclass(frozen=True)
 class RulerWork:
-    """What a run costs: rows per length, generated tokens at most, passes (dense, cut)."""
+    """What a run costs: rows and generated tokens (at most) per length, passes (dense, cut)."""
     rows: dict                      # length -> rows
-    new_tokens: int                 # at most: every row's max_gen_toks
+    new_tokens: dict                # length -> tokens generated at most: its rows' max_gen_toks
     passes: int = 1
 
-    def seconds(self, per_row: dict, step_s: float) -> float:
-        """At most this long: each row's prefill (`row_seconds` at its length) and every token it may generate."""
-        return self.passes * (sum(per_row[n] * r for n, r in self.rows.items()) + self.new_tokens * step_s)
+    @property
+    def steps(self) -> int:
+        """Decode steps at most, every length."""
+        return sum(self.new_tokens.values())
+
+    def seconds(self, per_row: dict, per_step: dict) -> float:
+        """At most this long: each row's prefill (`row_seconds` at its length) and every token it may generate
+        (`step_seconds` at its length, one row a batch: the harness bridge generates row by row), both from
+        analysis.measure.probes.longcontext."""
+        return self.passes * sum(per_row[n] * r + per_step[n] * self.new_tokens[n] for n, r in self.rows.items())
 
 
 def ruler_work(rows: RulerRows, *, cut: bool = False) -> RulerWork:
     from analysis.measure.harness import generation_rules
     per: dict = {}
-    new = 0
+    new: dict = {}
     for task in rows.tasks:
         for doc_id, _, gen_kwargs in rows.contexts(task):
             length = rows.docs[task][doc_id]["max_length"]
             per[length] = per.get(length, 0) + 1
-            new += generation_rules(gen_kwargs, None)[1]
-    return RulerWork(dict(sorted(per.items())), new, 2 if cut else 1)
+            new[length] = new.get(length, 0) + generation_rules(gen_kwargs, None)[1]
+    return RulerWork(dict(sorted(per.items())), dict(sorted(new.items())), 2 if cut else 1)
