@@ -236,9 +236,10 @@ def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float
 def _forget(key: ModelKey) -> None:
     """on_click: remove this model's stored results (every measure) and the server's cached copies of them."""
     from analysis.core.store import Store
-    from . import longprobes, taxonomy
+    from . import longprobes, ruler, taxonomy
     removed = Store().clear(model=fingerprint(key))
-    for fn in (scan, importance, longprobes.plan_report, taxonomy.long_detection):
+    for fn in (scan, importance, longprobes.plan_report, taxonomy.long_detection, ruler.dense_side,
+               ruler.plan_report, ruler.dense_measured):
         fn.clear()
     state.remember("long.forgot", removed)
 

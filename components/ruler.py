@@ -15,7 +15,7 @@ import streamlit as st
 
 from analysis.arch.kvplan import KVPlan
 
-from . import cache, numbers, state
+from . import cache, longscan, numbers, state
 from .errors import shown_errors
 from .harness import csv_text
 from .state import ModelKey
@@ -38,7 +38,7 @@ def ruler_rows(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int
 
 
 @st.cache_resource(show_spinner=False)
-def _dense_measured() -> set:
+def dense_measured() -> set:
     """The dense sides this server has cached (their keys): a second plan's estimate is the plan's alone."""
     return set()
 
@@ -46,13 +46,28 @@ def _dense_measured() -> set:
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def dense_side(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int, _progress=None,
                _should_stop=None):
-    """The dense model's run of the rows (RulerReport.dense: pass back as dense=)."""
-    from analysis.measure.ruler import ruler_report
+    """The dense model's run of the rows (RulerReport.dense: pass back as dense=): read from this machine's store
+    when the CLI or an earlier server measured it, else generated and stored (analysis.measure.ruler.stored_dense)."""
+    from analysis.measure.ruler import stored_dense
     rows = ruler_rows(key, tasks, length, samples, seed)
     with cache.exclusive(key, _progress, _should_stop) as lm:
-        rep = ruler_report(lm, rows, progress=_progress, should_stop=_should_stop)
-    _dense_measured().add((repr(key), tasks, length, samples, seed))
-    return rep.dense
+        dense, _ = stored_dense(lm, rows, progress=_progress, should_stop=_should_stop,
+                                fingerprint=longscan.fingerprint(key))
+    dense_measured().add((repr(key), tasks, length, samples, seed))
+    return dense
+
+
+def dense_known(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int) -> bool:
+    """Whether the dense side costs nothing: measured by this server, or on this machine's disk (then remembered,
+    so the file is read once)."""
+    from analysis.measure.ruler import stored_dense
+    known = dense_measured()
+    if (repr(key), tasks, length, samples, seed) not in known:
+        run, _ = stored_dense(cache.load(key), ruler_rows(key, tasks, length, samples, seed), compute=False,
+                              fingerprint=longscan.fingerprint(key))
+        if run is not None:
+            known.add((repr(key), tasks, length, samples, seed))
+    return (repr(key), tasks, length, samples, seed) in known
 
 
 @st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)   # it holds the rows (a resource)
@@ -63,7 +78,7 @@ def plan_report(key: ModelKey, tasks: tuple, length: int, samples: int, seed: in
     from analysis.arch.cut import Cut
     from analysis.core.progress import scaled
     from analysis.measure.ruler import ruler_report
-    known = (repr(key), tasks, length, samples, seed) in _dense_measured()
+    known = dense_known(key, tasks, length, samples, seed)
     rows = ruler_rows(key, tasks, length, samples, seed)
     dense = dense_side(key, tasks, length, samples, seed, _should_stop=_should_stop,     # before the lock
                        _progress=None if known else scaled(_progress, 0.0, 0.5))
@@ -73,12 +88,12 @@ def plan_report(key: ModelKey, tasks: tuple, length: int, samples: int, seed: in
                             progress=_progress if known else scaled(_progress, 0.5, 1.0))
 
 
-def _work(rows, dense_known: bool, cut: bool) -> float:
+def _work(rows, known: bool, cut: bool) -> float:
     """Forward-token units of the run (components/jobs.py's "ruler"): a prompt of n tokens costs n * (1 + n / 2048)
     (its attention grows with the context), a decode step DECODE_STEP_TOKENS; every token a row may generate."""
     from analysis.measure.ruler import ruler_work
     work = ruler_work(rows)
-    sides = (0 if dense_known else 1) + cut
+    sides = (0 if known else 1) + cut
     prompts = sum(r * n * (1 + n / 2048) for n, r in work.rows.items())
     return float(sides * (prompts + work.steps * DECODE_STEP_TOKENS))
 
@@ -140,7 +155,7 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
         rows = ruler_rows(state.model_key(), *args)
     if rows is None:
         return
-    known = (repr(state.model_key()), *args) in _dense_measured()
+    known = dense_known(state.model_key(), *args)
     cut = not plan.is_full
     if not cut:
         st.caption("Every KV head is full: the plan is the dense model, so the run measures dense alone.")

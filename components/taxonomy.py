@@ -11,6 +11,7 @@ import numpy as np
 import plotly.graph_objects as go
 import streamlit as st
 
+from analysis.core.errors import InputError
 from components import cache, charts, controls, explain, figures, numbers, state
 from components.errors import shown_errors
 
@@ -292,7 +293,11 @@ def long_section(lm) -> None:
         with shown_errors(spec.title):
             from analysis.measure.detectors import get_detector
             options = _long_options(lm, name, spec)
-            passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
+            try:
+                passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
+            except InputError as err:              # the model's (or the chosen) context is too short for its rows
+                st.caption(f"Not at this context: {err}")
+                continue
             result = cache.run_button(f"Run the {name} detector ({len(passes)} passes of {passes[0]:,} tokens)",
                                       button_key=f"heads.long.{name}", slot=f"heads.long.{name}",
                                       run_key=(lm.name, name, tuple(sorted(options.items()))), fn=long_detection,

@@ -310,9 +310,9 @@ def test_smollm2_has_induction_heads(smollm2):
 
 def test_registry_lists_every_detector():
     assert set(DETECTORS) == {"previous-token", "induction", "duplicate-token", "copying", "successor", "dla",
-                              "retrieval", "streaming"}
+                              "retrieval", "streaming", "retrieval-aware"}
     assert default_detectors() == ["previous-token", "induction", "duplicate-token", "copying", "successor", "dla"]
-    assert {n for n, spec in DETECTORS.items() if spec.long} == {"retrieval", "streaming"}
+    assert {n for n, spec in DETECTORS.items() if spec.long} == {"retrieval", "streaming", "retrieval-aware"}
     assert isinstance(get_detector("duplicate-token", length=5), DuplicateTokenDetector)
 
 

@@ -257,7 +257,9 @@ def test_the_command_writes_the_rows_and_the_report(capsys, tmp_path, tiny_dirs)
     assert record["task"] == "niah_single_1" and len(record["context_ids"]) > 500
 
 
-def test_the_command_estimates_each_length_with_its_own_prefill_and_decode_step(capsys, tiny_dirs):
+def test_the_command_estimates_each_length_with_its_own_prefill_and_decode_step(capsys, tmp_path, tiny_dirs,
+                                                                              monkeypatch):
+    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))      # nothing stored: every side runs
     code, stdout, err = run_captured(capsys, "ruler", "--model", tiny_dirs[1], "--tasks", "niah_single_1",
                                      "--samples", "1", "--format", "json")
     assert code == 0, err
@@ -265,3 +267,23 @@ def test_the_command_estimates_each_length_with_its_own_prefill_and_decode_step(
     assert set(data["per_step_s"]) == set(data["per_row_s"]) and all(s > 0 for s in data["per_step_s"].values())
     assert data["estimate_s"] >= sum(data["per_row_s"].values())          # at most: prefills plus every step
     assert "a decode step" in err and "a prefill" in err                  # the estimate line, per length
+
+
+def test_the_dense_side_is_kept_on_disk_and_read_back_exactly(capsys, tmp_path, tiny_dirs, monkeypatch):
+    """The CLI's second run reads the dense side back (no generation: the store's file is the only source), the
+    report number for number; other rows (another seed) are another result; --refresh generates again."""
+    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))
+    argv = ("ruler", "--model", tiny_dirs[1], "--tasks", "niah_single_1", "--samples", "2", "--format", "json")
+    code, first, err1 = run_captured(capsys, *argv)
+    assert code == 0, err1
+    assert "read from the store" not in err1 and list((tmp_path / "results").rglob("*.npz"))
+    code, second, err2 = run_captured(capsys, *argv)
+    assert code == 0, err2
+    assert "read from the store: the dense side" in err2 and "estimate" not in err2
+    a, b = json.loads(first)["report"], json.loads(second)["report"]
+    assert a == b                       # cells, generations and their measured seconds: read back, not generated
+    code, _, err3 = run_captured(capsys, *argv[:-2], "--ruler-seed", "1", "--format", "json")
+    assert code == 0 and "read from the store" not in err3              # other rows: measured, not served
+    code, _, err4 = run_captured(capsys, *argv, "--refresh")
+    assert code == 0 and "read from the store" not in err4
+

@@ -5,13 +5,16 @@ on the model, greedy generations scored by the harness's string match, per task 
     python -m analysis ruler [--model M] [--tasks all|niah_single_1,ruler_vt,...] [--lengths 1024,2048]
                              [--samples 25] [--ruler-seed S] [--rows-out rows.jsonl [--rows-only]]
                              [--sparsity S (+ scorer / policy options) | --mask-file F | --kv-plan F | --export DIR]
-                             [--format json|csv] [--out F] [--quiet]
+                             [--refresh] [--format json|csv] [--out F] [--quiet]
 
 Dense, and (given one) a cut: the cut options every report takes (analysis.cli.common.add_cut_arguments); a KV
 plan generates with its compact cache, an export folder under its kv_plan.json.
-Before the generations the command prints an estimate of the time on stderr (at most: every row's prefill
-from analysis.measure.probes.longcontext.row_seconds and every token it may generate at this machine's
-decode step at that length). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
+The dense side is kept on disk (analysis.core.store, measure "ruler-dense": this model's run of these very rows
+by this code), so the next run, another cut or the app's Long context page reads it back (--refresh measures
+it again; `cache list` / `cache clear` show and free it). Before the generations the command prints an
+estimate of the time on stderr (at most: every row's prefill from analysis.measure.probes.longcontext.
+row_seconds and every token it may generate at this machine's decode step at that length, for the sides
+that run). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
 max_new_tokens, stop strings) as soon as they are made, so a peer tool can run the very same rows;
 --rows-only stops there.
 JSON: {"model", "estimate_s", "per_row_s", "per_step_s", "rows_out", "report":
@@ -22,8 +25,8 @@ Bad input (a task that downloads or is unknown, a length that is not RULER's or 
 """
 from __future__ import annotations
 
-from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, check_one_cut,
-                                 cut_from, progress_bar, register)
+from analysis.cli.common import (add_cut_arguments, add_output_arguments, add_source_arguments, add_store_arguments,
+                                 check_one_cut, cut_from, progress_bar, refused_line, register, stored_words)
 from analysis.core.errors import InputError
 
 
@@ -46,6 +49,7 @@ def _arguments(parser):
     parser.add_argument("--rows-only", dest="rows_only", action="store_true",
                         help="with --rows-out: make and write the rows, generate nothing")
     add_cut_arguments(parser)
+    add_store_arguments(parser, precision=False)
     add_output_arguments(parser)
 
 
@@ -76,10 +80,11 @@ def run_ruler(ns):
     if loaded.kind != "causal-lm":
         raise InputError(f"RULER scores a causal language model's generations; {loaded.name} is a {loaded.kind} model.")
     from analysis.core.atomic import atomic_write
-    from analysis.core.progress import duration_words, with_estimate
+    from analysis.core.progress import duration_words, scaled, with_estimate
     from analysis.measure.evaluation import context_length
     from analysis.measure.probes.longcontext import row_seconds, step_seconds
-    from analysis.measure.ruler import build_ruler, export_rows, ruler_report, ruler_work, rows_jsonl
+    from analysis.measure.ruler import (build_ruler, export_rows, ruler_report, ruler_work, rows_jsonl,
+                                        stored_dense)
     limit = context_length(loaded.model, default=2**31)
     check_ruler_lengths(lengths, limit)                              # above the model's context: before any row
     with progress_bar("making RULER's rows", not ns.quiet) as report:
@@ -89,19 +94,28 @@ def run_ruler(ns):
         atomic_write(ns.rows_out, rows_jsonl(export_rows(rows, loaded.tokenizer)), what="The rows file")
     if ns.rows_only:
         return dict(model=info, rows_out=ns.rows_out, rows=rows.n_rows(), ruler=rows.info()), None
-    work = ruler_work(rows, cut=cut is not None)
+    dense, found = stored_dense(loaded, rows, compute=False, refresh=ns.refresh, on_refused=refused_line)
+    work = ruler_work(rows, cut=cut is not None, dense=dense is None)
     per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry)
     per_step = step_seconds(loaded.model, sorted(work.rows), batch_tokens=1, geometry=loaded.geometry)  # row by row
     estimate = work.seconds(per_row, per_step)
     if not ns.quiet:
         import sys
-        sys.stderr.write(f"estimate: at most {duration_words(estimate)} for {rows.n_rows()} rows ("
-                         + ", ".join(f"{r} x {n:,} tokens" for n, r in work.rows.items())
-                         + f", up to {work.steps:,} generated tokens; this machine: "
-                         + ", ".join(f"{n:,} tokens {duration_words(s)} a prefill, {per_step[n]:.2f} s a decode step"
-                                     for n, s in per_row.items()) + ")\n")
+        stored_words({"the dense side": found})
+        if work.passes:
+            sides = ("dense and cut" if work.passes == 2 else "the cut's" if cut is not None else "dense")
+            sys.stderr.write(f"estimate: at most {duration_words(estimate)} for {rows.n_rows()} rows ("
+                             + ", ".join(f"{r} x {n:,} tokens" for n, r in work.rows.items())
+                             + f", up to {work.steps:,} generated tokens a side, {sides}; this machine: "
+                             + ", ".join(f"{n:,} tokens {duration_words(s)} a prefill, {per_step[n]:.2f} s a decode "
+                                         "step" for n, s in per_row.items()) + ")\n")
     with progress_bar("RULER", not ns.quiet) as report:
-        rep = ruler_report(loaded, rows, cut=cut, progress=with_estimate(report))
+        progress = with_estimate(report)
+        share = 0.0 if dense is not None else (1.0 if cut is None else 0.5)
+        if dense is None:                          # generated, then kept on disk for the next run and the app
+            dense, _ = stored_dense(loaded, rows, refresh=ns.refresh, on_refused=refused_line,
+                                    progress=scaled(progress, 0.0, share))
+        rep = ruler_report(loaded, rows, cut=cut, dense=dense, progress=scaled(progress, share, 1.0))
     payload = dict(model=info, estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()},
                    per_step_s={str(n): s for n, s in per_step.items()},
                    rows_out=ns.rows_out, report=rep.as_dict())

@@ -370,6 +370,15 @@ class RulerRows:
             harness_task.build_all_requests(limit=None, rank=0, world_size=1)
         return [(int(i.doc_id), i.args[0], i.args[1]) for i in harness_task.instances]
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 of every prompt and its generation rules, as the harness builds them (computed once)."""
+        digest = hashlib.sha256()
+        for task in self.tasks:
+            for doc_id, prompt, gen_kwargs in self.contexts(task):
+                digest.update(json.dumps([task, doc_id, prompt, gen_kwargs], sort_keys=True, default=str).encode())
+        return digest.hexdigest()
+
     def info(self) -> dict:
         return dict(tasks={t: dict(label=RULER_TASKS[t].label, config=RULER_TASKS[t].config,
                                    haystack=RULER_TASKS[t].haystack or RULER_TASKS[t].generator)
@@ -684,6 +693,40 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
                        None if cut is None else cut.as_dict())
 
 
+# -- the dense side kept on disk -------------------------------------------------------------------------------
+
+DENSE_MEASURE = "ruler-dense"        # the store's name of a dense side (analysis.core.store)
+DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.harness", "analysis.measure.decode")
+
+
+def rows_settings(rows: RulerRows) -> dict:
+    """The identity of `rows` for the store: the settings that made them and a digest of every prompt and its
+    generation rules exactly as the harness builds them (another tokenizer or lm-eval's templates: other rows)."""
+    import importlib.metadata
+    return dict(tasks=list(rows.tasks), lengths=list(rows.lengths), samples=int(rows.samples), seed=int(rows.seed),
+                rows=rows.digest, lm_eval=importlib.metadata.version("lm_eval"))
+
+
+def stored_dense(loaded, rows: RulerRows, *, compute: bool = True, refresh: bool = False, store=None,
+                 on_refused=None, progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                 fingerprint: str | None = None):
+    """(HarnessRun | None, Lookup): the dense model's run of `rows` (ruler_report's `dense=`), read back when this
+    model's run of these very rows by this code is stored (analysis.core.store), else (`compute`) generated and
+    stored; None with the Lookup of a miss when not `compute`. The CLI and the app share it: the dense side of a
+    4k run costs minutes to hours on 2 cores and survives a restart."""
+    from dataclasses import asdict
+
+    from analysis.arch.stored import remembered
+    from analysis.measure.harness import HarnessRun
+
+    def run():
+        return ruler_report(loaded, rows, progress=progress, should_stop=should_stop).dense
+
+    return remembered(loaded, DENSE_MEASURE, rows_settings(rows), run if compute else None, modules=DENSE_MODULES,
+                      to_tree=asdict, from_tree=lambda tree: HarnessRun(**tree), store=store, refresh=refresh,
+                      on_refused=on_refused, fingerprint=fingerprint)
+
+
 # -- the time a run takes ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -705,7 +748,8 @@ class RulerWork:
         return self.passes * sum(per_row[n] * r + per_step[n] * self.new_tokens[n] for n, r in self.rows.items())
 
 
-def ruler_work(rows: RulerRows, *, cut: bool = False) -> RulerWork:
+def ruler_work(rows: RulerRows, *, cut: bool = False, dense: bool = True) -> RulerWork:
+    """The rows' work for the sides that run: dense (False when it is stored) and the cut."""
     from analysis.measure.harness import generation_rules
     per: dict = {}
     new: dict = {}
@@ -714,4 +758,4 @@ def ruler_work(rows: RulerRows, *, cut: bool = False) -> RulerWork:
             length = rows.docs[task][doc_id]["max_length"]
             per[length] = per.get(length, 0) + 1
             new[length] = new.get(length, 0) + generation_rules(gen_kwargs, None)[1]
-    return RulerWork(dict(sorted(per.items())), dict(sorted(new.items())), 2 if cut else 1)
+    return RulerWork(dict(sorted(per.items())), dict(sorted(new.items())), int(dense) + int(cut))
