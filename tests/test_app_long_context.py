@@ -386,7 +386,7 @@ def tiny_ruler(tmp_path_factory, smollm2):
 def test_ruler_of_the_plan_is_the_librarys(tiny_ruler, downloads):
     """The RULER section: its run is analysis.measure.ruler.ruler_report of the grid's plan, generating with the
     plan's compact cache (the same rows, the same paired resamples: every cell equal), the dense side cached per
-    model and settings, the downloads hold the report."""
+    model and settings and kept on disk (a restarted server finds it), the downloads hold the report."""
     from analysis.arch.cut import Cut
     from analysis.arch.models import load_model
     from analysis.measure.ruler import build_ruler, ruler_report
@@ -415,6 +415,13 @@ def test_ruler_of_the_plan_is_the_librarys(tiny_ruler, downloads):
     assert [g["kv_bytes_prompt"] for g in got["generations"]["cut"]["niah_single_1"]] == [
         plan.kv_bytes(n, head_dim=head_dim) for n in prompts]             # the compact cache holds the plan's bytes
     assert downloads["ruler.csv"].decode().splitlines()[0].startswith("task,label,length,n")
+    at = _open(tiny_ruler, kv="ww.ff", sinks=2, recent=64)
+    at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
+    at.number_input(key="hs.w.long.ruler.samples").set_value(2).run()
+    assert "dense is measured" in next(b.label for b in at.button if b.key == "long.ruler.run")
+    from components import ruler as ruler_section
+    ruler_section.dense_side.clear()
+    ruler_section.dense_measured.clear()                                # a restarted server: the disk store alone
     at = _open(tiny_ruler, kv="ww.ff", sinks=2, recent=64)
     at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
     at.number_input(key="hs.w.long.ruler.samples").set_value(2).run()
