@@ -50,9 +50,19 @@ def _edit(page, row: int, col: int, mode: str) -> None:
     for _ in range(col):
         page.keyboard.press("ArrowRight")
     page.keyboard.press("Enter")
-    page.wait_for_timeout(300)
+    _shown(page.get_by_role("option").first)               # the choice box is open (a loaded machine is slow)
     page.keyboard.type(mode)
+    _shown(page.get_by_role("option", name=mode, exact=True).first)   # filtered to the mode: Enter picks it
     page.keyboard.press("Enter")
+
+
+def _shown(locator, timeout_ms: int = 10_000) -> None:
+    """Wait for `locator` to be visible; if it never is, go on (the edit's own check then fails or retries)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    try:
+        locator.wait_for(state="visible", timeout=timeout_ms)
+    except PlaywrightTimeout:
+        pass
 
 
 def _edit_until(page, row: int, col: int, mode: str, counts: str, tries: int = 2) -> None:
