@@ -79,3 +79,7 @@ def test_the_goal_line_follows_from_the_cells():
     assert any("duo(x)" in line and "**below it**" in line for line in lines)  # KV read 0.5: compared, and beaten
     entry["configs"] = {"ours@0.5": _cfg("headscope", 0.5, 0.4, 0.6)}
     assert "goal missed" in B.goal_lines(entry, 4096)[0]
+    entry["configs"] = {"ours@0.5": _cfg("headscope", 0.8, 0.7, 0.9, held=0.5 * (1 + B.GOAL_SLACK / 2))}
+    assert "ours@0.5" in B.goal_lines(entry, 4096)[0]                            # 0.5 within the slack
+    entry["configs"] = {"ours@0.55": _cfg("headscope", 0.8, 0.7, 0.9, held=0.55)}
+    assert "no headscope plan" in B.goal_lines(entry, 4096)[0]                   # above it: not at the goal's KV
