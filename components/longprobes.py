@@ -214,25 +214,12 @@ def probe_section(lm, plan, context: int) -> None:
 
 
 def _show(rep) -> None:
-    if rep.cut is not None and rep.warnings():
-        st.error("This plan LOSES long-context retrieval: " + "; ".join(rep.warnings()) + ". Keep more KV heads "
-                 "full (the retrieval heads first), or widen the window.", icon=":material/warning:")
-    elif rep.cut is not None:
-        st.success("No cell lost: the plan's accuracy interval reaches the dense accuracy everywhere.",
-                   icon=":material/check_circle:")
-    rows = table_rows(rep.rows())
-    if rep.cut is None:
-        numbers.wide_table(rows)
-    else:
-        numbers.flagged_table(rows, flag="")
-    if rep.notes:
-        st.caption(" ".join(dict.fromkeys(rep.notes)))
-    d1, d2 = st.columns(2)
-    d1.download_button("Long-context probes (CSV)", csv_text(rep.rows()), file_name="long_context.csv",
-                       mime="text/csv", key="long.probes.csv", icon=":material/download:")
-    d2.download_button("Long-context probes (JSON)", json.dumps(rep.as_dict(), indent=1, default=str),
-                       file_name="long_context.json", mime="application/json", key="long.probes.json",
-                       icon=":material/download:")
+    numbers.cut_verdict(table_rows(rep.rows()), cut=rep.cut is not None, warnings=rep.warnings(),
+                        lost="long-context retrieval",
+                        kept="No cell lost: the plan's accuracy interval reaches the dense accuracy everywhere.",
+                        notes=" ".join(dict.fromkeys(rep.notes)), title="Long-context probes", file="long_context",
+                        key="long.probes", csv=csv_text(rep.rows()),
+                        as_json=json.dumps(rep.as_dict(), indent=1, default=str))
 
 
 HOW_TO_READ = """

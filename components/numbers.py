@@ -204,3 +204,25 @@ def deployment_table(dense: dict, pruned: dict) -> list[dict]:
     rows.append({"measure": "tensor types", "dense": dense.get("tensor_types", ""),
                  "pruned": pruned.get("tensor_types", ""), "pruned vs dense": "", "worse": ""})
     return rows
+
+
+def cut_verdict(rows: list[dict], *, cut: bool, warnings: list[str], lost: str, kept: str, notes: str = "",
+                title: str, file: str, key: str, csv: str, as_json: str) -> None:
+    """A long-context report of dense and (cut) a plan: the verdict (LOSES `lost`, naming `warnings`, or `kept`),
+    its table (lost rows red), `notes`, and CSV / JSON downloads named `title` / `file`, keyed `key`.csv / .json."""
+    if cut and warnings:
+        st.error(f"This plan LOSES {lost}: " + "; ".join(warnings) + ". Keep more KV heads full (the retrieval "
+                 "heads first), or widen the window.", icon=":material/warning:")
+    elif cut:
+        st.success(kept, icon=":material/check_circle:")
+    if cut:
+        flagged_table(rows, flag="")
+    else:
+        wide_table(rows)
+    if notes:
+        st.caption(notes)
+    d1, d2 = st.columns(2)
+    d1.download_button(f"{title} (CSV)", csv, file_name=f"{file}.csv", mime="text/csv", key=f"{key}.csv",
+                       icon=":material/download:")
+    d2.download_button(f"{title} (JSON)", as_json, file_name=f"{file}.json", mime="application/json",
+                       key=f"{key}.json", icon=":material/download:")

@@ -174,21 +174,8 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
 
 
 def _show(rep) -> None:
-    if rep.cut is not None and rep.warnings():
-        st.error("This plan LOSES on RULER: " + "; ".join(rep.warnings()) + ". Keep more KV heads full (the retrieval "
-                 "heads first), or widen the window.", icon=":material/warning:")
-    elif rep.cut is not None:
-        st.success("No task lost: the plan's interval reaches dense's score on every task.",
-                   icon=":material/check_circle:")
-    rows = table_rows(rep.table())
-    if rep.cut is None:
-        numbers.wide_table(rows)
-    else:
-        numbers.flagged_table(rows, flag="")
-    if rep.rows.notes:
-        st.caption("Note: " + "; ".join(dict.fromkeys(rep.rows.notes)) + ".")
-    d1, d2 = st.columns(2)
-    d1.download_button("RULER (CSV)", csv_text(rep.table()), file_name="ruler.csv", mime="text/csv",
-                       key="long.ruler.csv", icon=":material/download:")
-    d2.download_button("RULER (JSON)", json.dumps(rep.as_dict(), indent=1, default=str), file_name="ruler.json",
-                       mime="application/json", key="long.ruler.json", icon=":material/download:")
+    numbers.cut_verdict(table_rows(rep.table()), cut=rep.cut is not None, warnings=rep.warnings(), lost="on RULER",
+                        kept="No task lost: the plan's interval reaches dense's score on every task.",
+                        notes=("Note: " + "; ".join(dict.fromkeys(rep.rows.notes)) + ".") if rep.rows.notes else "",
+                        title="RULER", file="ruler", key="long.ruler", csv=csv_text(rep.table()),
+                        as_json=json.dumps(rep.as_dict(), indent=1, default=str))
