@@ -192,10 +192,13 @@ def kvpress_runs(rows_file: Path, length: int, model_dir: str, args, out: dict, 
     for d in duo_todo.values():
         cmd += ["--duo", str(d)]
     log(f"{length}: kvpress: {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
+    seconds = time.perf_counter() - t0
     peer = json.loads(result.read_text())
     dense = entry["dense"]
-    for name, records in _peer_settings(peer, duo_todo).items():
+    settings = _peer_settings(peer, duo_todo)
+    for name, records in settings.items():
         values = {t: [None] * len(v) for t, v in dense["values"].items()}
         costs = {t: [None] * len(v) for t, v in dense["values"].items()}
         for r in records:
@@ -205,7 +208,7 @@ def kvpress_runs(rows_file: Path, length: int, model_dir: str, args, out: dict, 
                                                 tokens_per_s=r.get("decode_tokens_per_s"),
                                                 prefill_s=r.get("prefill_s"), decode_s=None, new_tokens=None)
         entry["configs"][f"kvpress:{name}"] = dict(
-            tool="kvpress", values=values, costs=costs,
+            tool="kvpress", values=values, costs=costs, seconds=seconds / len(settings),   # the run's share
             cells=cells_of(dense["values"], values, (dense["costs"], costs), length, args.seed))
     save()
 
@@ -246,6 +249,11 @@ def kv_measured(cfg: dict, dense: dict) -> tuple[float, float | None]:
     return float(np.mean(held)), float(np.mean(read)) if read else None
 
 
+def minutes(cfg: dict) -> str:
+    """The config's run in minutes ('-' where it was not timed)."""
+    return "-" if cfg.get("seconds") is None else f"{cfg['seconds'] / 60:.0f}"
+
+
 def speed(cfg: dict) -> float | None:
     xs = [r.get("tokens_per_s") for recs in cfg["costs"].values() for r in recs if r and r.get("tokens_per_s")]
     return float(np.median(xs)) if xs else None
@@ -273,7 +281,10 @@ def markdown(out: dict) -> str:
              "KV read = what attention reads (kvpress's DuoAttentionPress hides keys but frees nothing: held = 1). "
              "headscope's plans generate with their compact cache on the physically pruned twin; kvpress compresses "
              "the context after its full prefill and reads the question through the compressed cache (its own "
-             f"benchmark's setting). Command: `{out['command']}`.", ""]
+             f"benchmark's setting). Minutes: the config's whole run on these rows (kvpress: its process's share). "
+             f"Last command: `{out['command']}`.", ""]
+    if out.get("note"):
+        lines += [out["note"], ""]
     for length, entry in out["lengths"].items():
         if "dense" not in entry:
             continue
@@ -281,12 +292,12 @@ def markdown(out: dict) -> str:
         tasks = list(dense["values"])
         base = next(iter(entry["configs"].values()), None)
         lines += [f"### {int(length):,} tokens", "",
-                  "| config | tool | KV held | KV read | decode tok/s | " + " | ".join(tasks)
+                  "| config | tool | minutes | KV held | KV read | decode tok/s | " + " | ".join(tasks)
                   + " | average [95 % CI] | - dense [95 % CI] | inside dense's CI |",
-                  "|---|---|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---|"]
+                  "|---|---|---:|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---|"]
         if base is not None:
             d = {c["task"]: c for c in base["cells"]}
-            lines.append(f"| dense | - | 1.000 | 1.000 | {speed(dense) or 0:.1f} | "
+            lines.append(f"| dense | - | {minutes(dense)} | 1.000 | 1.000 | {speed(dense) or 0:.1f} | "
                          + " | ".join(f"{d[t]['dense_score']:.2f}" for t in tasks)
                          + f" | {d['average']['dense_score']:.3f} [{d['average']['dense_low']:.3f}, "
                            f"{d['average']['dense_high']:.3f}] | - | - |")
@@ -295,7 +306,7 @@ def markdown(out: dict) -> str:
             c = {x["task"]: x for x in cfg["cells"]}
             avg = c["average"]
             held, read = kv_measured(cfg, dense)
-            lines.append(f"| {name} | {cfg['tool']} | {held:.3f} | {read:.3f} | {speed(cfg) or 0:.1f} | "
+            lines.append(f"| {name} | {cfg['tool']} | {minutes(cfg)} | {held:.3f} | {read:.3f} | {speed(cfg) or 0:.1f} | "
                          + " | ".join(f"{c[t]['cut_score']:.2f}" + (" **L**" if c[t]["lost"] else "") for t in tasks)
                          + f" | {avg['cut_score']:.3f} [{avg['cut_low']:.3f}, {avg['cut_high']:.3f}] | "
                            f"{avg['change']:+.3f} [{avg['change_low']:+.3f}, {avg['change_high']:+.3f}] | "
@@ -366,11 +377,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--write-docs", dest="write_docs", action="store_true")
     p.add_argument("--render-only", dest="render_only", default=None, metavar="FILE.json")
+    p.add_argument("--note", default=None, help="a paragraph kept with the results and shown under the header (what "
+                                                "the run was sized to, what it left out)")
     args = p.parse_args(argv)
     if args.render_only:
         out = json.loads(Path(args.render_only).read_text())
+        if args.note is not None:
+            out["note"] = args.note
         print(markdown(out))
-        finish(out, argparse.Namespace(out=None, write_docs=args.write_docs))
+        finish(out, argparse.Namespace(out=args.render_only if args.note is not None else None,
+                                       write_docs=args.write_docs))
         return 0
     import torch
 
@@ -384,6 +400,8 @@ def main(argv=None) -> int:
     out.setdefault("lengths", {})
     out.update(args=vars(args), model=args.model, machine=platform.processor() or platform.machine(),
                command="python -m bench.bench_ruler " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if args.note is not None:
+        out["note"] = args.note
 
     def save():
         out.update(load=load_average(), when=datetime.now(timezone.utc).isoformat())

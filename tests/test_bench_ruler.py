@@ -83,3 +83,28 @@ def test_the_goal_line_follows_from_the_cells():
     assert "ours@0.5" in B.goal_lines(entry, 4096)[0]                            # 0.5 within the slack
     entry["configs"] = {"ours@0.55": _cfg("headscope", 0.8, 0.7, 0.9, held=0.55)}
     assert "no headscope plan" in B.goal_lines(entry, 4096)[0]                   # above it: not at the goal's KV
+
+
+def test_the_section_shows_every_config_its_minutes_and_the_note():
+    dense_values = {"niah_single_1": [1.0] * 6}
+    rec = dict(prefill_s=1.0, decode_s=1.0, tokens_per_s=2.0, new_tokens=3, kv_bytes_prompt=100, kv_bytes_end=120)
+    dense_costs = {"niah_single_1": [rec] * 6}
+    half = dict(rec, kv_bytes_prompt=50)
+    cfg_values = {"niah_single_1": [0.0] * 6}
+    cfg_costs = {"niah_single_1": [half] * 6}
+    cells = B.cells_of(dense_values, cfg_values, (dense_costs, cfg_costs), 4096, seed=0)
+    out = dict(args=dict(threads=2, dtype="float32", samples=6, seed=0), machine="x86_64", load=(1.0, 1.0, 1.0),
+               model="smollm2-135m", tasks=["niah_single_1"], command="python -m bench.bench_ruler --samples 6",
+               note="Sized to this session.",
+               lengths={"4096": dict(dense=dict(values=dense_values, costs=dense_costs, seconds=600.0),
+                                     configs={"streaming@0.5": dict(tool="headscope", values=cfg_values,
+                                                                    costs=cfg_costs, cells=cells, seconds=1200.0),
+                                              "kvpress:snapkv@0.5": dict(tool="kvpress", values=cfg_values,
+                                                                         costs=cfg_costs, cells=cells)})})
+    text = B.markdown(out)
+    assert "Sized to this session." in text and "| config | tool | minutes |" in text
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert " | 10 | 1.000 | 1.000 |" in rows["dense"]                        # 600 s: 10 minutes
+    assert " | 20 | 0.500 | 0.500 |" in rows["streaming@0.5"]                # held half of dense's bytes
+    assert " | - | 0.500 |" in rows["kvpress:snapkv@0.5"]                    # not timed: said, not invented
+    assert "**no**" in rows["streaming@0.5"] and "**L**" in rows["streaming@0.5"]   # every row lost
