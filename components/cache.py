@@ -303,7 +303,7 @@ def estimate_words(key: ModelKey, kind: str, work: float) -> str:
         return ""
     basis = ("this machine's pace on the last runs of this job" if board.knows(kind, repr(key)) else
              "two short timings on this machine: a forward of 8 x 256 tokens and the attention kernel at the "
-             "length" if predicted else
+             "length" + (f"; {jobs.PREDICTED_BOUNDS[kind]}" if kind in jobs.PREDICTED_BOUNDS else "") if predicted else
              "this machine's measured forward speed; the first run measures this job's own pace")
     return f"Expected: about {jobs.seconds_words(seconds)} ({basis})."
 

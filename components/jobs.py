@@ -48,8 +48,6 @@ FORWARD_TOKENS = {
     "attribution": 3.0,     # tokens x integration steps: a forward and a backward each
     "detectors": 6.0,       # tokens: several detectors, each its own passes
     "long-detectors": 1.0,  # n * (1 + n / 2048) per pass of n tokens (taxonomy.long_work): one forward each
-    "ruler": 1.0,           # n * (1 + n / 2048) per prompt of n tokens and side, + ruler.DECODE_STEP_TOKENS per
-                            # token a row may generate (ruler._work): one forward each
     "speed": 4.0,           # timed forward tokens (dense, masked and pruned, repeats)
     "deploy": 40.0,         # tokens: two GGUF files written and run in llama.cpp, two PyTorch perplexities
     "export": 200.0,        # the model's parameters in millions: a copy, the cut and the files written
@@ -60,7 +58,8 @@ FORWARD_TOKENS = {
 # kinds whose work is already this machine's predicted seconds (the long-context passes: rows x the seconds of one
 # row at its length, analysis.measure.longpass.scan_seconds from analysis.measure.probes.longcontext.row_seconds'
 # two short timings): the prior is the work itself, and the measured pace corrects it run after run
-PREDICTED_SECONDS = ("long-scan", "long-plan", "kv-importance")
+PREDICTED_SECONDS = ("long-scan", "long-plan", "kv-importance", "ruler")   # ruler: RulerWork.seconds (components/ruler)
+PREDICTED_BOUNDS = {"ruler": "every row writing all the tokens it may, so at most"}   # what a prior counts, said
 PACE_POINTS = 6             # the last runs of a kind kept for its pace (seconds = fixed + per unit x work)
 PRIOR_TRUST = 0.25          # how much a job's own progress must show before its own pace replaces the prior
 

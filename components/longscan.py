@@ -147,12 +147,14 @@ def _stored_words(found) -> str:
 
 
 @st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def per_step(key: ModelKey, lengths: tuple) -> dict:
+def per_step(key: ModelKey, lengths: tuple, batch_tokens: int | None = None) -> dict:
     """length -> this machine's seconds for one decode call of the generated answers at that length
-    (analysis.measure.probes.longcontext.step_seconds), once per server and model."""
-    from analysis.measure.probes.longcontext import step_seconds
+    (analysis.measure.probes.longcontext.step_seconds: the probes' batches, or `batch_tokens` = 1 for one row a
+    call, RULER's), once per server and model."""
+    from analysis.measure.probes.longcontext import BATCH_TOKENS, step_seconds
     with cache.exclusive(key, what="Timing this machine's long passes") as lm:
-        return step_seconds(lm.model, list(lengths), geometry=lm.geometry)
+        return step_seconds(lm.model, list(lengths), geometry=lm.geometry,
+                            batch_tokens=BATCH_TOKENS if batch_tokens is None else batch_tokens)
 
 
 def work_seconds(key: ModelKey, work, precision: str = "float32") -> float:

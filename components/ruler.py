@@ -23,7 +23,6 @@ from .state import ModelKey
 APP_SAMPLES = 5                    # rows per task the page suggests: a first look (the bench takes 25 and more)
 MAX_SAMPLES_APP = 100
 APP_TASKS = ("niah_single_1", "niah_multikey_2")
-DECODE_STEP_TOKENS = 150           # forward-token units of one decode step of one row (components/jobs.py's pace)
 
 
 @st.cache_resource(show_spinner=False, max_entries=4, hash_funcs=cache.KEY_HASH)
@@ -88,14 +87,17 @@ def plan_report(key: ModelKey, tasks: tuple, length: int, samples: int, seed: in
                             progress=_progress if known else scaled(_progress, 0.5, 1.0))
 
 
-def _work(rows, known: bool, cut: bool) -> float:
-    """Forward-token units of the run (components/jobs.py's "ruler"): a prompt of n tokens costs n * (1 + n / 2048)
-    (its attention grows with the context), a decode step DECODE_STEP_TOKENS; every token a row may generate."""
+def _seconds(key: ModelKey, rows, known: bool, cut: bool) -> float:
+    """This machine's predicted seconds of the run (components/jobs.py's "ruler"), the ruler command's estimate:
+    analysis.measure.ruler.RulerWork.seconds, every row's prefill and every token it may generate at this machine's
+    decode step for its length (one row a batch, as the harness generates), for the sides that run (at most: a row
+    that stops at its answer is faster; the measured pace corrects it run after run)."""
     from analysis.measure.ruler import ruler_work
-    work = ruler_work(rows)
-    sides = (0 if known else 1) + cut
-    prompts = sum(r * n * (1 + n / 2048) for n, r in work.rows.items())
-    return float(sides * (prompts + work.steps * DECODE_STEP_TOKENS))
+    work = ruler_work(rows, cut=cut, dense=not known)
+    if not work.passes:
+        return 0.0
+    lengths = tuple(sorted(work.rows))
+    return work.seconds(longscan.per_row(key, lengths), longscan.per_step(key, lengths, batch_tokens=1))
 
 
 def table_rows(table: list[dict]) -> list[dict]:
@@ -166,7 +168,7 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
             f"Run RULER on this plan ({rows.n_rows()} rows of {length:,} tokens, {sides})",
             button_key="long.ruler.run", slot="long.ruler", run_key=(state.model_key(), *args, plan.to_json()),
             fn=plan_report, args=(state.model_key(), *args, plan), label="Running RULER", kind="ruler",
-            work=_work(rows, known, cut),
+            work=_seconds(state.model_key(), rows, known, cut),
             view=f"{counts['full']} full / {counts['window']} window / {counts['prune']} prune, {length:,} tokens",
             stale_note="The plan or RULER's settings changed since the last run ({view}); press the button again.")
         if rep is not None:

@@ -383,6 +383,29 @@ def tiny_ruler(tmp_path_factory, smollm2):
     return path
 
 
+def test_rulers_expected_time_is_the_commands_estimate(tiny_ruler, monkeypatch, tmp_path):
+    """The page's expected time is the ruler command's estimate (RulerWork.seconds: every row's prefill and every
+    token it may generate, both sides) from this machine's timings: with the timings fixed, the caption says those
+    seconds, as an upper bound. (Before a RULER job has run here: the first ruler test of this module.)"""
+    from analysis.arch.models import load_model
+    from analysis.measure.ruler import build_ruler, ruler_work
+    from components import jobs, longscan
+    monkeypatch.setattr(longscan, "per_row", lambda key, lengths, *a, **k: {n: 7.0 for n in lengths})
+    monkeypatch.setattr(longscan, "per_step", lambda key, lengths, *a, **k: {n: 0.5 for n in lengths})
+    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))        # nothing stored: both sides run
+    at = _open(tiny_ruler, kv="wf.pw", sinks=2, recent=64)
+    at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()
+    at.number_input(key="hs.w.long.ruler.samples").set_value(3).run()
+    lm = load_model(str(tiny_ruler))
+    rows = build_ruler(["niah_single_1"], lm.tokenizer, (1024,), samples=3, seed=0, limit=1024)
+    work = ruler_work(rows, cut=True)
+    want = work.seconds({1024: 7.0}, {1024: 0.5})
+    assert work.passes == 2 and want == 2 * (3 * 7.0 + 0.5 * work.new_tokens[1024])
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith(f"Expected: about {jobs.seconds_words(want)} ") and "at most" in c
+               for c in captions), captions
+
+
 def test_ruler_of_the_plan_is_the_librarys(tiny_ruler, downloads):
     """The RULER section: its run is analysis.measure.ruler.ruler_report of the grid's plan, generating with the
     plan's compact cache (the same rows, the same paired resamples: every cell equal), the dense side cached per
