@@ -45,10 +45,13 @@ def _edit(page, row: int, col: int, mode: str) -> None:
     grid = page.get_by_test_id("stDataFrame").first
     box = grid.bounding_box()
     page.mouse.click(box["x"] + INDEX_PX + 40, box["y"] + ROW_PX + ROW_PX / 2)      # focus: layer 0, KV head 0
+    page.wait_for_timeout(400)                             # the grid takes the focus before the arrows
     for _ in range(row):
         page.keyboard.press("ArrowDown")
+        page.wait_for_timeout(100)
     for _ in range(col):
         page.keyboard.press("ArrowRight")
+        page.wait_for_timeout(100)
     page.keyboard.press("Enter")
     _shown(page.get_by_role("option").first)               # the choice box is open (a loaded machine is slow)
     page.keyboard.type(mode)
