@@ -107,19 +107,12 @@ def stored_dense(loaded, built: dict, *, seed: int = 0, precision: str = "float3
     store = store or Store()
     fingerprint = fingerprint or model_fingerprint(loaded)
     key = Key(fingerprint, DENSE, dense_settings(built, seed=seed, precision=precision), code_digest(SCAN_MODULES))
-    found = Lookup("miss") if refresh else store.get(key)
-    if found.hit:
-        try:
-            values = _values_of(found.value, built)
-            return {items_key(name, length, built[(name, length)][2]):
-                    long_scores(*built[(name, length)], diff, nll, seed=seed, seconds=seconds, written=written)
-                    for (name, length), (diff, nll, seconds, written) in values.items()}, found
-        except (KeyError, ValueError, TypeError) as err:
-            found = Lookup("corrupt", path=found.path, why=f"its values do not fit these probes ({err})")
-    if found.status in ("corrupt", "foreign") and on_refused is not None:
-        on_refused(found)
-    if not compute:
-        return None, found
+    got, found = _read_back(store, key, built, lambda values: {
+        items_key(name, length, built[(name, length)][2]):
+        long_scores(*built[(name, length)], diff, nll, seed=seed, seconds=seconds, written=written)
+        for (name, length), (diff, nll, seconds, written) in values.items()}, refresh=refresh, on_refused=on_refused)
+    if got is not None or not compute:
+        return got, found
     scan, seen = stored_scan(loaded, built, window=window, queries=queries, seed=seed, precision=precision,
                              progress=progress, should_stop=should_stop, store=store, refresh=refresh,
                              on_refused=on_refused, fingerprint=fingerprint)
@@ -156,22 +149,31 @@ def stored_report(loaded, built: dict, cut, *, dense: dict, seed: int = 0, preci
     store = store or Store()
     settings = dict(dense_settings(built, seed=seed, precision=precision), cut=cut.key(), kind=cut.kind)
     key = Key(fingerprint or model_fingerprint(loaded), CUT, settings, code_digest(CUT_MODULES))
-    found = Lookup("miss") if refresh else store.get(key)
-    if found.hit:
-        try:
-            values = _values_of(found.value, built)
-            return long_context_report(loaded, built=built, dense=dense, cut=cut, seed=seed, cut_values=values), found
-        except (KeyError, ValueError, TypeError) as err:
-            found = Lookup("corrupt", path=found.path, why=f"its values do not fit these probes ({err})")
-    if found.status in ("corrupt", "foreign") and on_refused is not None:
-        on_refused(found)
-    if not compute:
-        return None, found
+    got, found = _read_back(store, key, built, lambda values: long_context_report(
+        loaded, built=built, dense=dense, cut=cut, seed=seed, cut_values=values), refresh=refresh,
+        on_refused=on_refused)
+    if got is not None or not compute:
+        return got, found
     report = long_context_report(loaded, built=built, dense=dense, cut=cut, seed=seed, per_row=per_row,
                                  progress=progress, should_stop=should_stop)
     keys = list(built)
     store.put(key, side_tree(keys, [report.cut_values[k] for k in keys]), about=about(loaded, report.seconds))
     return report, found
+
+
+def _read_back(store, key, built: dict, make, *, refresh: bool, on_refused) -> tuple:
+    """(make(the probes' per-row values stored under `key`), Lookup), or (None, Lookup) on a miss; a file whose
+    values do not fit `built` is "corrupt". A corrupt or foreign file is reported to `on_refused`."""
+    from analysis.core.store import Lookup
+    found = Lookup("miss") if refresh else store.get(key)
+    if found.hit:
+        try:
+            return make(_values_of(found.value, built)), found
+        except (KeyError, ValueError, TypeError) as err:
+            found = Lookup("corrupt", path=found.path, why=f"its values do not fit these probes ({err})")
+    if found.status in ("corrupt", "foreign") and on_refused is not None:
+        on_refused(found)
+    return None, found
 
 
 def _values_of(tree: dict, built: dict) -> dict:
