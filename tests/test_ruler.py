@@ -287,3 +287,31 @@ def test_the_dense_side_is_kept_on_disk_and_read_back_exactly(capsys, tmp_path, 
     code, _, err4 = run_captured(capsys, *argv, "--refresh")
     assert code == 0 and "read from the store" not in err4
 
+
+
+def test_calibration_rows_are_drawn_apart_from_the_test_rows(rows, tok):
+    """Issue 52 item 2: the test split is the rows as they always were (a stored dense side stays valid);
+    calibration rows come from the other half of the built-in text with other keys, checked apart token for
+    token; rows that meet, or the splits the wrong way round, are one line."""
+    from analysis.core.text import calibration_text
+    cal = R.build_ruler("all", tok, [LENGTH], samples=SAMPLES, seed=0, split="calibration")
+    assert rows.split == "test" and cal.split == "calibration" and rows.info()["split"] == "test"
+    assert R.rows_settings(cal)["split"] == "calibration" and R.rows_settings(cal)["rows"] != rows.digest
+    R.check_apart(cal, rows, tok)
+    theirs, mine = _inputs(cal), _inputs(rows)
+    for task in rows.tasks:
+        assert all(a != b for (a, _), (b, _) in zip(theirs[task], mine[task]))
+        assert {tuple(o) for _, o in theirs[task]}.isdisjoint({tuple(o) for _, o in mine[task]})
+    essay = cal.docs["niah_single_2"][0]["input"]
+    words = [w for w in essay.split() if len(w) > 9 and w.isalpha()][:5]
+    assert words and all(w in calibration_text(max_chars=R.ESSAY_CHARS_PER_TOKEN * LENGTH) for w in words)
+    for a, b in ((rows, rows), (cal, cal), (rows, cal)):
+        with pytest.raises(InputError) as err:
+            R.check_apart(a, b, tok)
+        assert "\n" not in str(err.value)
+    import dataclasses
+    same = dataclasses.replace(rows, split="calibration")         # test rows labelled calibration: they meet
+    with pytest.raises(InputError, match="overlap"):
+        R.check_apart(same, rows, tok)
+    with pytest.raises(InputError, match="one split"):
+        R.build_ruler(["niah_single_1"], tok, [LENGTH], samples=SAMPLES, split="train")

@@ -2,7 +2,8 @@
 
 One home for what the long-context probes (analysis/measure/probes/) and the retrieval / streaming head
 measurements read. The haystack is English Wikipedia lead paragraphs from the built-in evaluation half
-(analysis.core.text; CC BY-SA 4.0), drawn in a seeded order and tokenized article by article until it
+(analysis.core.text; CC BY-SA 4.0) for test rows, the calibration half for calibration rows
+(analysis.measure.splits), drawn in a seeded order and tokenized article by article until it
 holds the tokens asked for, so items with different seeds read different text and no item needs the
 whole corpus tokenized. A needle (any token ids) goes in at a depth in [0, 1] of the haystack, right
 after the sentence end nearest that depth, so it never splits a word.
@@ -18,20 +19,24 @@ import torch
 
 from analysis.core.errors import InputError
 from analysis.core.progress import ShouldStop, check_stop
-from analysis.core.text import ARTICLE_SEPARATOR, evaluation_articles
+from analysis.core.text import ARTICLE_SEPARATOR, calibration_articles, evaluation_articles
+from analysis.measure.splits import TEST, salted, text_half
 
+HALVES = {"evaluation": evaluation_articles, "calibration": calibration_articles}
 MAX_HAYSTACK_TOKENS = 2**20          # 1 M tokens: far beyond any model this runs on, far below the corpus
 
 
-def haystack(tokenizer, n_tokens: int, *, seed: int = 0, should_stop: ShouldStop | None = None) -> torch.Tensor:
-    """ids [n_tokens] of evaluation-half articles in a seeded order (separated as the corpus joins them). A cancel
-    point before every article (a fraction of a millisecond each), so Ctrl-C or Stop ends the build of a long
-    context at once, not after the dozens of 8k-token haystacks a run builds."""
+def haystack(tokenizer, n_tokens: int, *, seed: int = 0, split: str = TEST,
+             should_stop: ShouldStop | None = None) -> torch.Tensor:
+    """ids [n_tokens] of articles in a seeded order (separated as the corpus joins them): the evaluation half of
+    the built-in text for the test split, the calibration half for calibration rows (analysis.measure.splits). A
+    cancel point before every article (a fraction of a millisecond each), so Ctrl-C or Stop ends the build of a
+    long context at once, not after the dozens of 8k-token haystacks a run builds."""
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 1 <= n_tokens <= MAX_HAYSTACK_TOKENS:
         raise InputError(f"A haystack holds 1 to {MAX_HAYSTACK_TOKENS} tokens; got {n_tokens!r}.")
-    articles = evaluation_articles()
+    articles = HALVES[text_half(split)]()
     order = list(range(len(articles)))
-    random.Random(f"headscope-haystack:{seed}").shuffle(order)
+    random.Random(salted(split, f"headscope-haystack:{seed}")).shuffle(order)
     pieces, have = [], 0
     for i in order:
         check_stop(should_stop, "Building the long contexts")

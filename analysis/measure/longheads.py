@@ -52,6 +52,7 @@ from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
+from analysis.measure.splits import TEST, salted
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place as place_heads, zero_pruned
 
 from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES,  # noqa: F401,E402
@@ -191,10 +192,12 @@ def needle_content(kind: str, rng: random.Random) -> str:
 
 
 def needle_items(tokenizer, lengths, depths=DEFAULT_DEPTHS, *, needles: int = DEFAULT_NEEDLES,
-                 seed: int = 0, should_stop: ShouldStop | None = None) -> list[NeedleItem]:
+                 seed: int = 0, split: str = TEST, should_stop: ShouldStop | None = None) -> list[NeedleItem]:
     """Items for every length x needle x depth, each exactly `length` tokens: [BOS] text-with-needle
     question answer. Needle n has the same content and the same haystack at every depth (only the
-    needle moves) and at every length (a longer haystack starts with the same text: seeded by n)."""
+    needle moves) and at every length (a longer haystack starts with the same text: seeded by n). `split`:
+    test rows (the evaluation half of the built-in text) or calibration rows (the other half, other needles;
+    analysis.measure.splits)."""
     lengths = check_lengths(lengths)
     depths = check_depths(depths)
     needles = check_whole_number(needles, "The number of needles", low=1, high=MAX_NEEDLES)
@@ -204,7 +207,7 @@ def needle_items(tokenizer, lengths, depths=DEFAULT_DEPTHS, *, needles: int = DE
     made = []
     for n in range(needles):
         kind = kinds[n % len(kinds)]
-        content = needle_content(kind, random.Random(f"headscope-needle:{seed}:{n}"))
+        content = needle_content(kind, random.Random(salted(split, f"headscope-needle:{seed}:{n}")))
         lead, question = NEEDLE_KINDS[kind]
         answer = _encode(tokenizer, content)
         needle = _encode(tokenizer, lead) + answer + _encode(tokenizer, ".")
@@ -219,7 +222,7 @@ def needle_items(tokenizer, lengths, depths=DEFAULT_DEPTHS, *, needles: int = DE
                 raise InputError(f"A context of {length} tokens is too short for a retrieval item: its needle, "
                                  f"question and answer take {fixed} tokens, leaving {max(n_text, 0)} of text (it "
                                  f"needs {MIN_HAYSTACK}); use at least {fixed + MIN_HAYSTACK} tokens.")
-            filler = haystack(tokenizer, n_text, seed=hay_seed, should_stop=should_stop)   # [n_text]
+            filler = haystack(tokenizer, n_text, seed=hay_seed, split=split, should_stop=should_stop)   # [n_text]
             ends = sentence_ends(tokenizer, filler)
             for depth in depths:
                 placed = place(filler, needle, depth, ends=ends)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, report
+from analysis.measure.splits import TEST, check_split, disjoint, salted
 
 RULER_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # RULER's lengths, and 1k / 2k
 DEFAULT_LENGTHS = (1024,)
@@ -210,34 +211,35 @@ def sentences(text: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _essay_words(chars: int) -> tuple[str, ...]:
-    """The built-in evaluation text as the harness's essay haystack is made: white space runs to one space,
-    split into words."""
-    from analysis.core.text import evaluation_text
-    return tuple(re.sub(r"\s+", " ", evaluation_text(max_chars=chars)).split(" "))
+def _essay_words(chars: int, split: str = TEST) -> tuple[str, ...]:
+    """The built-in text as the harness's essay haystack is made: white space runs to one space, split into
+    words; the evaluation half for test rows, the calibration half for calibration rows (analysis.measure.splits)."""
+    from analysis.core.text import calibration_text, evaluation_text
+    text = (evaluation_text if split == TEST else calibration_text)(max_chars=chars)
+    return tuple(re.sub(r"\s+", " ", text).split(" "))
 
 
-def _niah_rows(spec: RulerTask, tokenizer, length: int, n: int) -> list[dict]:
+def _niah_rows(spec: RulerTask, tokenizer, length: int, n: int, split: str = TEST) -> list[dict]:
     m = _modules()
     kind = spec.haystack
-    haystack = (list(_essay_words(ESSAY_CHARS_PER_TOKEN * length)) if kind == "essay"
+    haystack = (list(_essay_words(ESSAY_CHARS_PER_TOKEN * length, split)) if kind == "essay"
                 else m["prepare"].get_haystack(type_haystack=kind))
     return m["prepare"].generate_samples(haystack, TOKENIZER=tokenizer, max_seq_length=length,
                                          template=m["niah"].TEMPLATE, num_samples=n, **spec.options)
 
 
-def _vt_rows(spec: RulerTask, tokenizer, length: int, n: int) -> list[dict]:
+def _vt_rows(spec: RulerTask, tokenizer, length: int, n: int, split: str = TEST) -> list[dict]:
     vt = _modules()["vt"]                                        # as vt_utils.get_dataset, n samples
     icl = vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=1, max_seq_length=VT_ICL_LENGTH,
                                          incremental=VT_ICL_STEP)[0]
     return vt.sys_vartrack_w_noise_random(tokenizer=tokenizer, num_samples=n, max_seq_length=length, icl_example=icl)
 
 
-def _cwe_rows(spec: RulerTask, tokenizer, length: int, n: int) -> list[dict]:
+def _cwe_rows(spec: RulerTask, tokenizer, length: int, n: int, split: str = TEST) -> list[dict]:
     return _modules()["cwe"].sys_word_pair_random(num_samples=n, max_seq_length=length, tokenizer=tokenizer)
 
 
-def _fwe_rows(spec: RulerTask, tokenizer, length: int, n: int) -> list[dict]:
+def _fwe_rows(spec: RulerTask, tokenizer, length: int, n: int, split: str = TEST) -> list[dict]:
     return _modules()["fwe"].sys_kwext(tokenizer=tokenizer, max_seq_length=length, num_samples=n)
 
 
@@ -272,7 +274,8 @@ def _fwe_floor(tokenizer, length: int) -> int:
 
 @dataclass(frozen=True)
 class Generator:
-    """How one kind of RULER task makes its rows: `rows(spec, tokenizer, length, n)` (the harness's generator),
+    """How one kind of RULER task makes its rows: `rows(spec, tokenizer, length, n, split)` (the harness's
+    generator; the split picks the essay haystack's half of the built-in text),
     `floor(tokenizer, length)` (tokens its smallest prompt lacks; None: the generator says so itself) and
     `reserve` (tokens it is first given less than the length: fwe sizes its text to the whole length, leaving
     no room for its 50 generated tokens)."""
@@ -285,9 +288,10 @@ GENERATORS = {"niah": Generator(_niah_rows), "vt": Generator(_vt_rows, _vt_floor
               "cwe": Generator(_cwe_rows, _cwe_floor), "fwe": Generator(_fwe_rows, _fwe_floor, reserve=50)}
 
 
-def row_seed(task: str, length: int, seed: int) -> int:
-    """The global RNG seed of one (task, length, seed) block: a digest, so tasks and lengths draw apart."""
-    digest = hashlib.sha256(f"{SEED_SALT}:{task}:{length}:{seed}".encode()).digest()
+def row_seed(task: str, length: int, seed: int, split: str = TEST) -> int:
+    """The global RNG seed of one (task, length, seed) block: a digest, so tasks, lengths and splits draw apart
+    (the test split's is the seed rows were always made with)."""
+    digest = hashlib.sha256(salted(split, f"{SEED_SALT}:{task}:{length}:{seed}").encode()).digest()
     return int.from_bytes(digest[:4], "big")
 
 
@@ -322,18 +326,18 @@ def seeded_generators(seed: int):
         m["cwe"].RNG.setstate(states[2])
 
 
-def _generate(name: str, tokenizer, length: int, room: int, n: int, seed: int) -> list[dict]:
+def _generate(name: str, tokenizer, length: int, room: int, n: int, seed: int, split: str = TEST) -> list[dict]:
     """n rows of task `name` made by its generator for `room` tokens (InputError when it cannot make them)."""
     from analysis.measure.harness import _quiet
     spec = RULER_TASKS[name]
     gen = GENERATORS[spec.generator]
-    with _quiet(), seeded_generators(row_seed(name, length, seed)):
+    with _quiet(), seeded_generators(row_seed(name, length, seed, split)):
         short = 0 if gen.floor is None else gen.floor(tokenizer, room)
         if short > 0:
             raise InputError(f"RULER's {name} does not fit {length} tokens with this tokenizer: its smallest prompt "
                              f"and answer take {short} tokens more (the tokenizer splits its words finely).")
         try:
-            docs = gen.rows(spec, tokenizer, room, n)
+            docs = gen.rows(spec, tokenizer, room, n, split)
         except (ValueError, AssertionError, RuntimeError) as err:
             raise InputError(f"RULER's {name} could not make rows of {length} tokens with this tokenizer: "
                              f"{str(err).splitlines()[0][:200]}") from None
@@ -355,6 +359,7 @@ class RulerRows:
     prepared: object               # harness.PreparedTasks
     reserve: dict                  # (task, length) -> tokens the generator was given less than the length
     notes: tuple = ()
+    split: str = TEST              # analysis.measure.splits: test rows (verdicts) or calibration rows (searches)
 
     def doc_ids(self, task: str, length: int) -> list[int]:
         return [i for i, d in enumerate(self.docs[task]) if d["max_length"] == length]
@@ -383,7 +388,7 @@ class RulerRows:
         return dict(tasks={t: dict(label=RULER_TASKS[t].label, config=RULER_TASKS[t].config,
                                    haystack=RULER_TASKS[t].haystack or RULER_TASKS[t].generator)
                            for t in self.tasks},
-                    lengths=list(self.lengths), samples=self.samples, seed=self.seed,
+                    lengths=list(self.lengths), samples=self.samples, seed=self.seed, split=self.split,
                     reserve={f"{t}@{n}": r for (t, n), r in self.reserve.items() if r}, notes=list(self.notes))
 
 
@@ -420,17 +425,20 @@ def _prepared(names, docs: dict, lengths):
 
 
 def build_ruler(names, tokenizer, lengths=DEFAULT_LENGTHS, *, samples: int = DEFAULT_SAMPLES, seed: int = 0,
-                limit: int | None = None, progress: Progress | None = None,
+                split: str = TEST, limit: int | None = None, progress: Progress | None = None,
                 should_stop: ShouldStop | None = None) -> RulerRows:
     """The rows of RULER tasks `names` (None / "all": every offline task) at `lengths` (at most `limit`, the
-    model's context), `samples` per task and length, deterministic per seed and tokenizer. InputError (one
-    line, before any row is made) for a task that downloads, an unknown task, a length above the limit or
-    not RULER's, a sample count out of 1..500, a tokenizer that cannot make the rows."""
+    model's context), `samples` per task and length, deterministic per seed, split and tokenizer (`split`:
+    test rows, what verdicts read, or calibration rows drawn apart from them; analysis.measure.splits).
+    InputError (one line, before any row is made) for a task that downloads, an unknown task, a length above
+    the limit or not RULER's, a sample count out of 1..500, an unknown split, a tokenizer that cannot make the
+    rows."""
     from analysis.core.progress import check_stop
     names = check_tasks(names)
     lengths = check_ruler_lengths(lengths, limit)
     samples = check_samples(samples)
     seed = check_seed(seed, "The RULER seed")
+    split = check_split(split)
     missing = _ruler_missing()
     if missing:
         raise InputError(missing)
@@ -443,12 +451,13 @@ def build_ruler(names, tokenizer, lengths=DEFAULT_LENGTHS, *, samples: int = DEF
         for i, (name, length) in enumerate(todo):
             check_stop(should_stop, "Making RULER's rows")
             report(progress, i / len(todo), f"making {name} rows at {length:,} tokens")
-            made = _generate(name, tokenizer, length, length - reserve[name, length], samples, seed)
+            made = _generate(name, tokenizer, length, length - reserve[name, length], samples, seed, split)
             for doc in made:
                 doc["max_length"] = length                      # the budget, whatever room the generator had
             docs[name] = sorted([d for d in docs[name] if d["max_length"] != length] + made,
                                 key=lambda d: d["max_length"])
-        rows = RulerRows(names, lengths, samples, seed, docs, _prepared(names, docs, lengths), dict(reserve))
+        rows = RulerRows(names, lengths, samples, seed, docs, _prepared(names, docs, lengths), dict(reserve),
+                         split=split)
         over = _overflow(rows, tokenizer)
         if not over:
             break
@@ -469,6 +478,23 @@ def prompt_lengths(rows: RulerRows, tokenizer) -> dict:
     from analysis.measure.harness import prompt_ids
     return {(task, doc_id): len(prompt_ids(tokenizer, prompt))
             for task in rows.tasks for doc_id, prompt, _ in rows.contexts(task)}
+
+
+def row_keys(rows: RulerRows, tokenizer) -> dict:
+    """task -> [(prompt token ids, references)] of every row, as the model reads it: what `check_apart` compares."""
+    from analysis.measure.harness import prompt_ids
+    return {task: [(tuple(prompt_ids(tokenizer, prompt)), tuple(rows.docs[task][doc_id]["outputs"]))
+                   for doc_id, prompt, _ in rows.contexts(task)] for task in rows.tasks}
+
+
+def check_apart(calibration: RulerRows, test: RulerRows, tokenizer) -> None:
+    """InputError (one line) unless `calibration` are calibration rows, `test` test rows, and no prompt (token for
+    token) or answer of one is in the other (analysis.measure.splits.disjoint)."""
+    from analysis.measure.splits import CALIBRATION
+    if calibration.split != CALIBRATION or test.split != TEST:
+        raise InputError(f"A plan is chosen on calibration rows and judged on test rows; got {calibration.split} "
+                         f"rows to choose on and {test.split} rows to judge on.")
+    disjoint(row_keys(calibration, tokenizer), row_keys(test, tokenizer), "RULER rows")
 
 
 def _overflow(rows: RulerRows, tokenizer) -> dict:
@@ -704,7 +730,7 @@ def rows_settings(rows: RulerRows) -> dict:
     generation rules exactly as the harness builds them (another tokenizer or lm-eval's templates: other rows)."""
     import importlib.metadata
     return dict(tasks=list(rows.tasks), lengths=list(rows.lengths), samples=int(rows.samples), seed=int(rows.seed),
-                rows=rows.digest, lm_eval=importlib.metadata.version("lm_eval"))
+                split=rows.split, rows=rows.digest, lm_eval=importlib.metadata.version("lm_eval"))
 
 
 def stored_dense(loaded, rows: RulerRows, *, compute: bool = True, refresh: bool = False, store=None,
