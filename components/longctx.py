@@ -27,7 +27,6 @@ MIB = 2 ** 20
 PLAN_MAP_TITLE = "The plan, layer by layer"
 CURVE_CONTEXTS = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GRID_ROW_PX, GRID_MAX_PX = 35, 460
-_NOTE = "long.note"                # a fill's or an upload's refusal, shown once under the grid
 
 
 
@@ -109,7 +108,7 @@ def current_plan(lm, window: Window | None = None, *, notes: bool = True) -> KVP
     """The view's KVPlan (every KV head full until the Long context page or a link sets one) with `window` (None:
     the view's), with the notes of the scores that made it while it is unedited."""
     window = window or view_window(lm)[1]
-    made = state.recall("long.notes")
+    made = state.recall(state.PLAN_NOTES)
     why = tuple(made[1]) if made and made[0] == state.get("kv") and state.get("plan") == "scores" else ()
     return KVPlan(current_modes(lm, notes=notes), window, lm.geometry.n_heads, lm.name, why)
 
@@ -158,28 +157,21 @@ def plan_grid(lm) -> np.ndarray:
     return modes
 
 
-def _set_plan(modes, source: str) -> None:
-    state.set("kv", state.kv_text(modes))
-    state.set("plan", source)
-    state.new_kv_editor()
-    state.forget(_NOTE)
-
-
 def _fill_full(shape: tuple[int, int]) -> None:
-    _set_plan(np.zeros(shape, np.int8), "full")
+    state.set_plan(np.zeros(shape, np.int8), "full")
 
 
 def _fill_mask(pruned, geometry) -> None:
     try:
-        _set_plan(KVPlan.from_mask(pruned, geometry).modes, "mask")
+        state.set_plan(KVPlan.from_mask(pruned, geometry).modes, "mask")
     except InputError as err:
-        state.remember(_NOTE, str(err))
+        state.remember(state.PLAN_NOTE, str(err))
 
 
 def _fill_range(shape, layers: tuple[int, int], kv_heads: list[int], mode: str) -> None:
     modes = state.kv_modes(state.get("kv"), shape).copy()
     modes[layers[0]:layers[1] + 1, kv_heads] = MODES.index(mode)
-    _set_plan(modes, "edited")
+    state.set_plan(modes, "edited")
 
 
 def fill_buttons(lm) -> None:
@@ -218,7 +210,6 @@ def fill_buttons(lm) -> None:
 # -- fills from the heads' scores (analysis.score.kvscores: streaming, retrieval, KV-group importance) ------
 
 IMPORTANCE_TOKENS = PAGE_IMPORTANCE_TOKENS      # tokens of the KV-group ablation that ranks what a plan prunes
-_NOTES = "long.notes"             # (plan link text, the notes of the plan the scores made)
 
 
 def _long_scores(lm, name: str, options: dict):
@@ -250,10 +241,10 @@ def _fill_scores(geometry, model: str, window_score: str, windowing, retrieval, 
         plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
                                 keep_retrieval=keep_retrieval, window=window, window_score=window_score, model=model)
     except InputError as err:
-        state.remember(_NOTE, str(err))
+        state.remember(state.PLAN_NOTE, str(err))
         return
-    _set_plan(plan.modes, "scores")
-    state.remember(_NOTES, (state.get("kv"), plan.notes))
+    state.set_plan(plan.modes, "scores")
+    state.remember(state.PLAN_NOTES, (state.get("kv"), plan.notes))
 
 
 def _window_options(name: str, length: int, window: Window) -> dict:
@@ -324,7 +315,7 @@ def _uploaded(key: str, geometry, limit: int) -> None:
     recent); anything else is one line, and the plan stays as it was."""
     from analysis.core import schemas
     upload = st.session_state.get(key)
-    state.forget(_NOTE)
+    state.forget(state.PLAN_NOTE)
     if upload is None:
         return
     fix = f"upload a {KV_PLAN_FILE} written by headscope for this model"
@@ -338,19 +329,10 @@ def _uploaded(key: str, geometry, limit: int) -> None:
             raise InputError(f"The uploaded KV plan must hold a JSON object; {fix}.")
         plan = KVPlan.from_dict(data, geometry=geometry)
     except InputError as err:
-        state.remember(_NOTE, f"{upload.name}: {err}")
+        state.remember(state.PLAN_NOTE, f"{upload.name}: {err}")
         return
-    adopt(plan, "file", limit)
+    state.adopt_plan(plan, "file", limit)
     state.remember("long.file", (upload.name, plan.model))
-
-
-def adopt(plan: KVPlan, source: str, limit: int) -> None:
-    """A plan from elsewhere (a kv_plan.json, a DuoAttention pattern) becomes the view's plan, with its window
-    (each number within the model's limit). source: a key of state.PLAN_SOURCES."""
-    _set_plan(plan.modes, source)
-    for name, value in plan.window.as_dict().items():
-        state.set(name, min(int(value), limit))
-        state.reset_widget(name)
 
 
 def plan_file(lm, plan: KVPlan) -> None:
@@ -371,7 +353,7 @@ def plan_file(lm, plan: KVPlan) -> None:
 
 def show_note() -> None:
     """A fill's or an upload's refusal (kept until the next fill or upload)."""
-    note = state.recall(_NOTE)
+    note = state.recall(state.PLAN_NOTE)
     if note:
         st.error(note, icon=":material/error:")
 

@@ -158,18 +158,18 @@ def probe_section(lm, plan, context: int) -> None:
     limit = context_limit(lm)
     c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
     probes = c1.multiselect("Probes", names, format_func=lambda n: PROBES[n].label,
-                            key=state.widget_key("long.probes.names", value=list(PAGE_PROBES)))
+                            key=state.widget_key(state.PROBE_NAMES, value=list(PAGE_PROBES)))
     length = int(c2.number_input(f"Tokens per row (at most {limit:,})", 64, max(64, limit), step=256,
-                                 key=state.widget_key("long.probes.length", value=min(context, APP_LENGTH, limit)),
+                                 key=state.widget_key(state.PROBE_LENGTH, value=min(context, APP_LENGTH, limit)),
                                  help="Every row is exactly this long: instruction, text, the needle at its depth, "
                                       "the question. The page's context is the default up to "
                                       f"{APP_LENGTH:,} tokens (a row's cost grows with its square)."))
     length = min(length, limit)
     depths = c3.multiselect("Depths (where the needle sits)", list(DEPTH_CHOICES),
-                            key=state.widget_key("long.probes.depths", value=list(DEFAULT_DEPTHS)),
+                            key=state.widget_key(state.PROBE_DEPTHS, value=list(DEFAULT_DEPTHS)),
                             format_func=lambda d: f"{d:g}")
     n_items = int(c4.number_input("Sequences per depth", MIN_PROBE_SEQUENCES, MAX_SEQUENCES_APP, step=1,
-                                  key=state.widget_key("long.probes.sequences", value=APP_SEQUENCES),
+                                  key=state.widget_key(state.PROBE_SEQUENCES, value=APP_SEQUENCES),
                                   help="One sequence = one key and its text, read at every depth (a bootstrap "
                                        "unit). More sequences: narrower intervals, proportionally longer."))
     if not probes or not depths:

@@ -24,7 +24,6 @@ from analysis.measure.long_options import (DEFAULT_DEPTHS, PAGE_IMPORTANCE_TOKEN
 from . import cache, state
 from .state import ModelKey
 
-PRECISION_KEY = "long.precision"
 _PRECISION_WORDS = {"float32": "float32 (the reference)", "bfloat16": "bfloat16 (faster on this CPU)"}
 
 
@@ -35,15 +34,15 @@ def probe_settings(lm, context: int) -> tuple:
     defaults before), the length clipped to the model's context."""
     from .longctx import context_limit
     limit = context_limit(lm)
-    probes = tuple(state.kept("long.probes.names", list(PAGE_PROBES)) or PAGE_PROBES)
-    length = min(int(state.kept("long.probes.length", min(context, PAGE_LENGTH, limit))), limit)
-    depths = tuple(sorted(float(d) for d in (state.kept("long.probes.depths", list(DEFAULT_DEPTHS)) or DEFAULT_DEPTHS)))
-    return probes, length, depths, int(state.kept("long.probes.sequences", PAGE_SEQUENCES))
+    probes = tuple(state.kept(state.PROBE_NAMES, list(PAGE_PROBES)) or PAGE_PROBES)
+    length = min(int(state.kept(state.PROBE_LENGTH, min(context, PAGE_LENGTH, limit))), limit)
+    depths = tuple(sorted(float(d) for d in (state.kept(state.PROBE_DEPTHS, list(DEFAULT_DEPTHS)) or DEFAULT_DEPTHS)))
+    return probes, length, depths, int(state.kept(state.PROBE_SEQUENCES, PAGE_SEQUENCES))
 
 
 def precision() -> str:
     """The long passes' precision as the radio last said (float32 before)."""
-    value = state.kept(PRECISION_KEY, "float32")
+    value = state.kept(state.LONG_PRECISION, "float32")
     return value if value in PRECISION_CHOICES else "float32"
 
 
@@ -53,7 +52,7 @@ def precision_choice(lm) -> str:
     fast = fast_bfloat16(lm.device.type)
     value = st.radio("Precision of the long passes", list(PRECISION_CHOICES), horizontal=True,
                      format_func=_PRECISION_WORDS.get, disabled=not fast,
-                     key=state.widget_key(PRECISION_KEY, value="float32"),
+                     key=state.widget_key(state.LONG_PRECISION, value="float32"),
                      help="bfloat16 multiplies the matrices in bfloat16 (AVX-512 BF16 or AMX on a CPU); the heads' "
                           "taps stay float32. What it changes on SmolLM2 (the scores' rank correlation, the top "
                           "heads, the probes' accuracy) and what it saves: docs/results.md, 'Long context in a "
