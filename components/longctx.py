@@ -263,7 +263,7 @@ def score_fills(lm, window: Window) -> None:
     from analysis.measure.detector_registry import detector_spec
     from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
 
-    from . import longscan
+    from . import longstate
     g = lm.geometry
     with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
                      expanded=False):
@@ -278,13 +278,13 @@ def score_fills(lm, window: Window) -> None:
             help="; ".join(f"{name}: {detector_spec(name).help}" for name in WINDOW_SCORES) + ".")
         with shown_errors("Measuring the heads' scores"):
             context = view_window(lm)[0]
-            streaming, retrieval = longscan.heads_scores(lm, window, context)
+            streaming, retrieval = longstate.heads_scores(lm, window, context)
             windowing = streaming
             if window_score != "streaming":                   # its own rows, at the probes' length
-                length = longscan.probe_settings(lm, context)[1]
+                length = longstate.probe_settings(lm, context)[1]
                 windowing = _long_scores(lm, window_score, _window_options(window_score, length, window))
         with shown_errors("Measuring the KV groups' importance"):
-            importance = longscan.importance_scores(lm, IMPORTANCE_TOKENS)
+            importance = longstate.importance_scores(lm, IMPORTANCE_TOKENS)
         if windowing is None:
             st.caption(f"Measure the {window_score} scores to fill the grid from them.")
             return

@@ -48,7 +48,7 @@ def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, plan: KVPlan,
                 precision: str = "float32", _progress=None, _should_stop=None):
-    """LongContextReport of the plan (cached by its contents) against the dense side (components/longscan.dense:
+    """LongContextReport of the plan (cached by its contents) against the dense side (components/longstate.dense:
     stored, else one scan of these rows, which stores the heads' scores too, with its own share of the progress);
     a plan with every KV head full is the dense side. Both sides run in `precision`."""
     from analysis.arch.cut import Cut
@@ -57,15 +57,15 @@ def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_item
     from analysis.score.longcontext import long_context_report
     from analysis.score.longscan import stored_report
 
-    from . import longscan
+    from . import longstate
     settings = (probes, length, depths, n_items)
     built = long_items(key, probes, length, depths, n_items)
-    known = longscan.stored_dense(key, settings, precision)[0] is not None
-    dense = longscan.dense(key, settings, precision, _should_stop=_should_stop,     # before the lock
+    known = longstate.stored_dense(key, settings, precision)[0] is not None
+    dense = longstate.dense(key, settings, precision, _should_stop=_should_stop,     # before the lock
                            _progress=None if known else scaled(_progress, 0.0, 0.5))
     cut = None if plan.is_full else Cut.of_plan(plan, info=dict(source="the Long context page"))
     lm = cache.load(key)
-    fingerprint = longscan.fingerprint(key)
+    fingerprint = longstate.fingerprint(key)
     rep, _ = stored_report(lm, built, cut, dense=dense, precision=precision, compute=False, fingerprint=fingerprint)
     if rep is not None or cut is None:                                   # stored, or dense alone: no pass left
         return rep if rep is not None else long_context_report(lm, built=built, dense=dense)
@@ -82,16 +82,16 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
     from analysis.score.longcontext import long_context_report
     from analysis.score.longscan import stored_report
 
-    from . import longscan
+    from . import longstate
     key = state.model_key()
-    dense, _ = longscan.stored_dense(key, settings, precision)
+    dense, _ = longstate.stored_dense(key, settings, precision)
     if dense is None:
         return None
     if plan.is_full:
         return long_context_report(lm, built=built, dense=dense)
     cut = Cut.of_plan(plan, info=dict(source="the Long context page"))
     rep, _ = stored_report(lm, built, cut, dense=dense, precision=precision, compute=False,
-                           fingerprint=longscan.fingerprint(key))
+                           fingerprint=longstate.fingerprint(key))
     return rep
 
 
@@ -100,12 +100,12 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
 def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool, precision: str = "float32") -> float:
     """The run's predicted seconds (components/jobs.py's "long-plan"): its rows (the dense side's unless stored,
     the plan's) x this machine's seconds per row at the length, and the generated answers' decode calls x the
-    seconds of one (components/longscan.per_row, per_step)."""
+    seconds of one (components/longstate.per_row, per_step)."""
     from analysis.measure.probes.longcontext import long_work
 
-    from . import longscan
+    from . import longstate
     work = long_work(built, passes=(0 if dense_known else 1) + cut)
-    return longscan.work_seconds(key, work, precision) if work.passes else 0.0
+    return longstate.work_seconds(key, work, precision) if work.passes else 0.0
 
 
 def _ci(row: dict, side: str) -> str:
@@ -175,15 +175,15 @@ def probe_section(lm, plan, context: int) -> None:
     if not probes or not depths:
         st.caption("Pick at least one probe and one depth.")
         return
-    from . import longscan
-    precision = longscan.precision_choice(lm)
+    from . import longstate
+    precision = longstate.precision_choice(lm)
     args = (tuple(probes), length, tuple(sorted(float(d) for d in depths)), n_items)
     built = None
     with shown_errors("Building the long-context rows"):
         built = long_items(state.model_key(), *args)
     if built is None:
         return
-    known = longscan.stored_dense(state.model_key(), args, precision)[0] is not None
+    known = longstate.stored_dense(state.model_key(), args, precision)[0] is not None
     rows = sum(items.ids.shape[0] for (_, _, items) in built.values())
     counts = plan.counts()
     cut = not plan.is_full
@@ -209,7 +209,7 @@ def probe_section(lm, plan, context: int) -> None:
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
         if rep is not None:
             _show(rep)
-    longscan.forget_button(lm)
+    longstate.forget_button(lm)
     explain.fold("how to read the long-context probes", HOW_TO_READ)
 
 

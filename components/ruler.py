@@ -15,7 +15,7 @@ import streamlit as st
 
 from analysis.arch.kvplan import KVPlan
 
-from . import cache, longscan, numbers, state
+from . import cache, longstate, numbers, state
 from .errors import shown_errors
 from .harness import csv_text
 from .state import ModelKey
@@ -51,7 +51,7 @@ def dense_side(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int
     rows = ruler_rows(key, tasks, length, samples, seed)
     with cache.exclusive(key, _progress, _should_stop) as lm:
         dense, _ = stored_dense(lm, rows, progress=_progress, should_stop=_should_stop,
-                                fingerprint=longscan.fingerprint(key))
+                                fingerprint=longstate.fingerprint(key))
     dense_measured().add((repr(key), tasks, length, samples, seed))
     return dense
 
@@ -63,7 +63,7 @@ def dense_known(key: ModelKey, tasks: tuple, length: int, samples: int, seed: in
     known = dense_measured()
     if (repr(key), tasks, length, samples, seed) not in known:
         run, _ = stored_dense(cache.load(key), ruler_rows(key, tasks, length, samples, seed), compute=False,
-                              fingerprint=longscan.fingerprint(key))
+                              fingerprint=longstate.fingerprint(key))
         if run is not None:
             known.add((repr(key), tasks, length, samples, seed))
     return (repr(key), tasks, length, samples, seed) in known
@@ -97,7 +97,7 @@ def _seconds(key: ModelKey, rows, known: bool, cut: bool) -> float:
     if not work.passes:
         return 0.0
     lengths = tuple(sorted(work.rows))
-    return work.seconds(longscan.per_row(key, lengths), longscan.per_step(key, lengths, batch_tokens=1))
+    return work.seconds(longstate.per_row(key, lengths), longstate.per_step(key, lengths, batch_tokens=1))
 
 
 def table_rows(table: list[dict]) -> list[dict]:
