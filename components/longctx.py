@@ -19,7 +19,7 @@ from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.core.errors import InputError
 from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
 
-from . import cache, charts, explain, figures, state, views
+from . import cache, charts, explain, figures, longstate, state, views
 from .errors import show_exception, shown_errors
 from .state import ModelKey
 
@@ -32,15 +32,9 @@ GRID_ROW_PX, GRID_MAX_PX = 35, 460
 
 # -- the view: context, window, plan ----------------------------------------------------------------
 
-def context_limit(lm) -> int:
-    """The longest context the model reads (its config's max_position_embeddings or equivalent)."""
-    from analysis.measure.evaluation import context_length
-    return int(context_length(lm.model))
-
-
 def view_window(lm) -> tuple[int, Window]:
     """(context, Window) of the view, each number within the model's limit (defaults where unset)."""
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     context = state.get("context") or min(state.DEFAULT_CONTEXT, limit)
     sinks, recent = state.get("sinks"), state.get("recent")
     return min(int(context), limit), Window(min(DEFAULT_SINKS if sinks is None else int(sinks), limit),
@@ -49,7 +43,7 @@ def view_window(lm) -> tuple[int, Window]:
 
 def _too_long(lm) -> None:
     """A link's context, sinks or recent beyond the model's limit: one line each, and the limit instead."""
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     for name, what in (("context", "context"), ("sinks", "number of sink tokens"), ("recent", "window")):
         value = state.get(name)
         if value is not None and int(value) > limit:
@@ -63,7 +57,7 @@ def window_inputs(lm) -> tuple[int, Window]:
     """The context, sinks and recent boxes (view fields) -> (context, Window): the context stops at the model's
     limit, the window starts at 1 (a window of 0 reads nothing)."""
     _too_long(lm)
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     context, window = view_window(lm)
     sinks, recent = window.sinks, window.recent
     c1, c2, c3 = st.columns(3)
@@ -216,14 +210,13 @@ def _long_scores(lm, name: str, options: dict):
     """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
     as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
     from analysis.measure.detectors import get_detector
-    from components import taxonomy
     passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
     opts = tuple(sorted(options.items()))
     return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
                             f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
-                            run_key=(lm.name, name, opts), fn=taxonomy.long_detection,
+                            run_key=(lm.name, name, opts), fn=longstate.long_detection,
                             args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
-                            kind="long-detectors", work=taxonomy.long_work(passes),
+                            kind="long-detectors", work=longstate.long_work(passes),
                             stale_note="The window or the length changed since ({view}); press the button again.",
                             view=", ".join(f"{k} {v}" for k, v in opts))
 
@@ -262,8 +255,6 @@ def score_fills(lm, window: Window) -> None:
     rows at the probes' length; every score is kept on disk and shown at once when this machine holds it."""
     from analysis.measure.detector_registry import detector_spec
     from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
-
-    from . import longstate
     g = lm.geometry
     with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
                      expanded=False):
@@ -342,7 +333,7 @@ def plan_file(lm, plan: KVPlan) -> None:
                        key="long.download", icon=":material/download:",
                        help="The plan as headscope writes it next to an exported model (and reads back).")
     st.file_uploader(f"Upload a {KV_PLAN_FILE}", type=["json"], key=key, on_change=_uploaded,
-                     args=(key, lm.geometry, context_limit(lm)),
+                     args=(key, lm.geometry, longstate.context_limit(lm)),
                      help="A plan written by headscope for a model of this shape (layers, heads, KV heads). "
                           "Another model's plan, or one naming a head this model does not have, is refused "
                           "and the grid stays as it is.")
@@ -449,7 +440,7 @@ def prediction_table(lm, plan: KVPlan, context: int) -> None:
 def memory_chart(lm, plan: KVPlan, context: int) -> None:
     """KV memory vs context (1k .. 8k, up to the model's limit) for dense, the Prune page's mask and the plan."""
     from analysis.compress.cost import kv_curve
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     points = [c for c in CURVE_CONTEXTS if c <= limit] or list(np.linspace(1, limit, 8).round().astype(int))
     points = sorted({*points, context})
     g = lm.geometry
@@ -586,7 +577,7 @@ def walkthrough_section(lm) -> None:
     if weights.needs_model(lm, "Reading a head's attention on a long text", stop=False):
         return
     g = lm.geometry
-    n_tokens = min(WALK_TOKENS, context_limit(lm))
+    n_tokens = min(WALK_TOKENS, longstate.context_limit(lm))
     if n_tokens < walk_needs(lm.tokenizer):
         st.markdown(f"This model reads at most {n_tokens} tokens, too few for this section's example text "
                     f"({walk_needs(lm.tokenizer)} tokens): long context needs a model with a longer one, such as "

@@ -20,7 +20,7 @@ import streamlit as st
 from analysis.arch.kvplan import KVPlan
 from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES
 
-from . import cache, explain, numbers, state
+from . import cache, explain, longstate, numbers, state
 from .errors import shown_errors
 from .harness import csv_text
 from .state import ModelKey
@@ -34,17 +34,7 @@ MAX_SEQUENCES_APP = 64
 
 # -- cached calls ---------------------------------------------------------------------------------
 
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int):
-    """(name, length) -> (spec, probe, items): the rows the probes read (the tokenizer only; InputError for a
-    length above the model's context, a tokenizer that merges digits, ...)."""
-    from analysis.measure.evaluation import context_length
-    from analysis.measure.probes.longcontext import build_long
-    lm = cache.load(key)
-    return build_long(list(probes), lm.tokenizer, lm.kind, (length,), depths=depths, n_items=n_items,
-                      limit=context_length(lm.model))
-
-
+@longstate.forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, plan: KVPlan,
                 precision: str = "float32", _progress=None, _should_stop=None):
@@ -56,10 +46,8 @@ def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_item
     from analysis.measure.longpass import precision_block
     from analysis.score.longcontext import long_context_report
     from analysis.score.longscan import stored_report
-
-    from . import longstate
     settings = (probes, length, depths, n_items)
-    built = long_items(key, probes, length, depths, n_items)
+    built = longstate.long_items(key, probes, length, depths, n_items)
     known = longstate.stored_dense(key, settings, precision)[0] is not None
     dense = longstate.dense(key, settings, precision, _should_stop=_should_stop,     # before the lock
                            _progress=None if known else scaled(_progress, 0.0, 0.5))
@@ -81,8 +69,6 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
     from analysis.arch.cut import Cut
     from analysis.score.longcontext import long_context_report
     from analysis.score.longscan import stored_report
-
-    from . import longstate
     key = state.model_key()
     dense, _ = longstate.stored_dense(key, settings, precision)
     if dense is None:
@@ -102,8 +88,6 @@ def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool, precision: s
     the plan's) x this machine's seconds per row at the length, and the generated answers' decode calls x the
     seconds of one (components/longstate.per_row, per_step)."""
     from analysis.measure.probes.longcontext import long_work
-
-    from . import longstate
     work = long_work(built, passes=(0 if dense_known else 1) + cut)
     return longstate.work_seconds(key, work, precision) if work.passes else 0.0
 
@@ -154,8 +138,7 @@ def probe_section(lm, plan, context: int) -> None:
     st.caption("Find a pass key, the right one of two numbers, or a random sequence far back in built-in text: "
                "the dense model and this plan read the same rows; a cell is LOST when the plan's 95 % interval lies "
                "below the dense accuracy, LOST generated when the answers the plan writes itself fall below dense's.")
-    from .longctx import context_limit
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
     probes = c1.multiselect("Probes", names, format_func=lambda n: PROBES[n].label,
                             key=state.widget_key(state.PROBE_NAMES, value=list(PAGE_PROBES)))
@@ -175,12 +158,11 @@ def probe_section(lm, plan, context: int) -> None:
     if not probes or not depths:
         st.caption("Pick at least one probe and one depth.")
         return
-    from . import longstate
     precision = longstate.precision_choice(lm)
     args = (tuple(probes), length, tuple(sorted(float(d) for d in depths)), n_items)
     built = None
     with shown_errors("Building the long-context rows"):
-        built = long_items(state.model_key(), *args)
+        built = longstate.long_items(state.model_key(), *args)
     if built is None:
         return
     known = longstate.stored_dense(state.model_key(), args, precision)[0] is not None

@@ -1,9 +1,15 @@
-"""The Long context page's long passes, measured once: the shared scan, its stored results, the precision.
+"""What the Long context page's sections stand on: the model's context, the probes' settings, the precision, the
+long passes measured once and their stored results, and the store's Clear button.
+
+The sections (components/longctx.py: the plan; longscan.py: the fills from the heads' scores; longprobes.py: the
+probes; ruler.py: RULER; duo.py: DuoAttention patterns) import this module and never one another; the session keys
+they share are named in components/state.py.
 
 One set of dense passes over the rows of the page's long-context probes ("What the plan keeps at long context":
 probes, tokens per row, depths, sequences) gives the heads' scores the grid fills from (streaming, retrieval)
 and the probes' dense side (analysis.measure.longpass.long_scan); the KV groups' importance is its own short
-ablation. Each is kept on disk by analysis.score.longscan (through analysis.arch.stored.remembered, the one
+ablation; the long detectors (retrieval, streaming, retrieval-aware) run on their own rows, shared with the Heads
+page. Each is kept on disk by analysis.score.longscan (through analysis.arch.stored.remembered, the one
 function the CLI uses too): a result this machine already holds for this model, these settings and this code is
 shown at once, without a button (a second visit, a restart, a class warmed by `headscope cache warm`); anything
 else is one button with its expected time (rows x this machine's seconds per row, `per_row`, then the measured
@@ -11,7 +17,8 @@ pace of earlier runs: components/jobs.py PREDICTED_SECONDS) and a Stop.
 
 The cached calls look in the store before they take the model's lock, so a stored result neither waits behind
 another job nor counts as a run of the job's pace. The precision (float32, or bfloat16 where the CPU multiplies
-it natively) is one radio for every long pass of the page.
+it natively) is one radio for every long pass of the page. A section's own cached call that holds stored results
+says so with `@forgotten_with_store`, and the Clear button (`forget_button`) empties it with the store.
 """
 from __future__ import annotations
 
@@ -29,10 +36,15 @@ _PRECISION_WORDS = {"float32": "float32 (the reference)", "bfloat16": "bfloat16 
 
 # -- the settings the page's long passes share --------------------------------------------------------------
 
+def context_limit(lm) -> int:
+    """The longest context the model reads (its config's max_position_embeddings or equivalent)."""
+    from analysis.measure.evaluation import context_length
+    return int(context_length(lm.model))
+
+
 def probe_settings(lm, context: int) -> tuple:
     """(probes, tokens per row, depths, sequences per depth) of the probes section's boxes as last set (the page's
     defaults before), the length clipped to the model's context."""
-    from .longctx import context_limit
     limit = context_limit(lm)
     probes = tuple(state.kept(state.PROBE_NAMES, list(PAGE_PROBES)) or PAGE_PROBES)
     length = min(int(state.kept(state.PROBE_LENGTH, min(context, PAGE_LENGTH, limit))), limit)
@@ -64,6 +76,15 @@ def precision_choice(lm) -> str:
 
 # -- cached calls -----------------------------------------------------------------------------------------------
 
+_WITH_STORE: dict = {}            # "module.name" -> a cached call whose results come from the store
+
+
+def forgotten_with_store(fn):
+    """Decorator over a cached call whose results come from (or go to) the store: the Clear button empties it."""
+    _WITH_STORE[f"{fn.__module__}.{fn.__qualname__}"] = fn
+    return fn
+
+
 @st.cache_resource(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def fingerprint(key: ModelKey) -> str:
     """The model's fingerprint (analysis.arch.stored.model_fingerprint), once per server and model."""
@@ -80,9 +101,19 @@ def per_row(key: ModelKey, lengths: tuple, precision: str = "float32", short: in
         return row_seconds(lm.model, list(lengths), geometry=lm.geometry, precision=precision, short=short, rows=rows)
 
 
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int):
+    """(name, length) -> (spec, probe, items): the rows the probes read (the tokenizer only; InputError for a
+    length above the model's context, a tokenizer that merges digits, ...)."""
+    from analysis.measure.evaluation import context_length
+    from analysis.measure.probes.longcontext import build_long
+    lm = cache.load(key)
+    return build_long(list(probes), lm.tokenizer, lm.kind, (length,), depths=depths, n_items=n_items,
+                      limit=context_length(lm.model))
+
+
 def built(key: ModelKey, settings: tuple) -> dict:
-    """The probes' rows of `settings` (probe_settings' tuple): components/longprobes.long_items."""
-    from .longprobes import long_items
+    """The probes' rows of `settings` (probe_settings' tuple): `long_items`."""
     probes, length, depths, n_items = settings
     return long_items(key, tuple(probes), int(length), tuple(depths), int(n_items))
 
@@ -101,6 +132,7 @@ def stored_dense(key: ModelKey, settings: tuple, precision: str):
                   fingerprint=fingerprint(key))
 
 
+@forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def scan(key: ModelKey, settings: tuple, window: Window, precision: str, _progress=None, _should_stop=None):
     """(LongScan, Lookup) of the probes' rows: from the store, else measured under the model's lock and stored."""
@@ -125,6 +157,7 @@ def dense(key: ModelKey, settings: tuple, precision: str, _progress=None, _shoul
     return dense_of(sc, built(key, settings))
 
 
+@forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def importance(key: ModelKey, tokens: int, precision: str = "float32", _progress=None, _should_stop=None):
     """([L, Hkv] loss increase per removed KV group, Lookup): from the store, else measured and stored."""
@@ -135,6 +168,26 @@ def importance(key: ModelKey, tokens: int, precision: str = "float32", _progress
     with cache.exclusive(key, _progress, _should_stop) as lm:
         return stored_importance(lm, tokens, precision=precision, progress=_progress, should_stop=_should_stop,
                                  fingerprint=fingerprint(key))
+
+
+@forgotten_with_store
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
+def long_detection(key, name: str, options: tuple, _progress=None, _should_stop=None):
+    """One long-context detector (retrieval, streaming) on the dense model; options: sorted (name, value). Kept on
+    disk (analysis.score.longscan.stored_detections): read back without the model's lock when stored. The Heads
+    page's long detectors and the Long context page's window scores share it."""
+    from analysis.score.longscan import stored_detections
+    found, _ = stored_detections(cache.load(key), [name], dict(options), compute=False)
+    if found.get(name) is not None:
+        return found[name]
+    with cache.exclusive(key, _progress, _should_stop) as lm:
+        return stored_detections(lm, [name], dict(options), progress=_progress, should_stop=_should_stop)[0][name]
+
+
+def long_work(passes: list[int]) -> float:
+    """Forward-token units of a long detector's passes: attention grows with the context, so a token of a
+    4k pass costs about twice one of a 1k pass here (n * (1 + n / 2048) per pass; components/jobs.py)."""
+    return float(sum(n * (1 + n / 2048) for n in passes))
 
 
 # -- what the page shows ------------------------------------------------------------------------------------------
@@ -235,12 +288,11 @@ def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float
 # -- clearing ------------------------------------------------------------------------------------------------
 
 def _forget(key: ModelKey) -> None:
-    """on_click: remove this model's stored results (every measure) and the server's cached copies of them."""
+    """on_click: remove this model's stored results (every measure) and the server's cached copies of them (every
+    call marked `forgotten_with_store`)."""
     from analysis.core.store import Store
-    from . import longprobes, ruler, taxonomy
     removed = Store().clear(model=fingerprint(key))
-    for fn in (scan, importance, longprobes.plan_report, taxonomy.long_detection, ruler.dense_side,
-               ruler.plan_report, ruler.dense_measured):
+    for fn in _WITH_STORE.values():
         fn.clear()
     state.remember("long.forgot", removed)
 

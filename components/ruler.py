@@ -36,12 +36,14 @@ def ruler_rows(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int
                        limit=context_length(lm.model))
 
 
+@longstate.forgotten_with_store
 @st.cache_resource(show_spinner=False)
 def dense_measured() -> set:
     """The dense sides this server has cached (their keys): a second plan's estimate is the plan's alone."""
     return set()
 
 
+@longstate.forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def dense_side(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int, _progress=None,
                _should_stop=None):
@@ -69,6 +71,7 @@ def dense_known(key: ModelKey, tasks: tuple, length: int, samples: int, seed: in
     return (repr(key), tasks, length, samples, seed) in known
 
 
+@longstate.forgotten_with_store
 @st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)   # it holds the rows (a resource)
 def plan_report(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int, plan: KVPlan,
                 _progress=None, _should_stop=None):
@@ -127,8 +130,7 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
         from analysis.measure.harness import harness_missing
         st.info(harness_missing(), icon=":material/download:")
         return
-    from .longctx import context_limit
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     lengths = [n for n in RULER_LENGTHS if n <= limit]
     if not lengths:
         st.caption(f"RULER's shortest rows are {RULER_LENGTHS[0]:,} tokens; this model reads {limit:,}.")

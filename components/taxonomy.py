@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from analysis.core.errors import InputError
-from components import cache, charts, controls, explain, figures, numbers, state
+from components import cache, charts, controls, explain, figures, longstate, numbers, state
 from components.errors import shown_errors
 
 
@@ -26,18 +26,6 @@ def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=N
     with cache.exclusive(key, _progress, _should_stop) as lm:
         return detect_heads(lm, list(names), text, max_tokens=max_tokens, progress=_progress,
                             should_stop=_should_stop)
-
-
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def long_detection(key, name: str, options: tuple, _progress=None, _should_stop=None):
-    """One long-context detector (retrieval, streaming) on the dense model; options: sorted (name, value). Kept on
-    disk (analysis.score.longscan.stored_detections): read back without the model's lock when stored."""
-    from analysis.score.longscan import stored_detections
-    found, _ = stored_detections(cache.load(key), [name], dict(options), compute=False)
-    if found.get(name) is not None:
-        return found[name]
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        return stored_detections(lm, [name], dict(options), progress=_progress, should_stop=_should_stop)[0][name]
 
 
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
@@ -224,12 +212,6 @@ score against its role strength; the table below it, which roles the current mas
 
 # -- heads for long contexts ----------------------------------------------------------------------------
 
-def long_work(passes: list[int]) -> float:
-    """Forward-token units of a long detector's passes: attention grows with the context, so a token of a
-    4k pass costs about twice one of a 1k pass here (n * (1 + n / 2048) per pass; components/jobs.py)."""
-    return float(sum(n * (1 + n / 2048) for n in passes))
-
-
 def _long_options(lm, name: str, spec) -> dict:
     """The widgets of one long detector -> its options (the context clamped to the model's)."""
     from analysis.measure.evaluation import context_length
@@ -300,10 +282,10 @@ def long_section(lm) -> None:
                 continue
             result = cache.run_button(f"Run the {name} detector ({len(passes)} passes of {passes[0]:,} tokens)",
                                       button_key=f"heads.long.{name}", slot=f"heads.long.{name}",
-                                      run_key=(lm.name, name, tuple(sorted(options.items()))), fn=long_detection,
+                                      run_key=(lm.name, name, tuple(sorted(options.items()))), fn=longstate.long_detection,
                                       args=(state.model_key(), name, tuple(sorted(options.items()))),
                                       label=f"Running the {name} detector", kind="long-detectors",
-                                      work=long_work(passes),
+                                      work=longstate.long_work(passes),
                                       stale_note="The settings changed since the last run; press the button again.")
             if result is None:
                 continue
