@@ -17,7 +17,6 @@ import streamlit as st
 from analysis.arch.kvplan import KV_PLAN_FILE, MODES, KVPlan
 from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.core.errors import InputError
-from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
 
 from . import cache, charts, explain, figures, longstate, state, views
 from .errors import show_exception, shown_errors
@@ -31,15 +30,6 @@ GRID_ROW_PX, GRID_MAX_PX = 35, 460
 
 
 # -- the view: context, window, plan ----------------------------------------------------------------
-
-def view_window(lm) -> tuple[int, Window]:
-    """(context, Window) of the view, each number within the model's limit (defaults where unset)."""
-    limit = longstate.context_limit(lm)
-    context = state.get("context") or min(state.DEFAULT_CONTEXT, limit)
-    sinks, recent = state.get("sinks"), state.get("recent")
-    return min(int(context), limit), Window(min(DEFAULT_SINKS if sinks is None else int(sinks), limit),
-                                           min(DEFAULT_RECENT if recent is None else int(recent), limit))
-
 
 def _too_long(lm) -> None:
     """A link's context, sinks or recent beyond the model's limit: one line each, and the limit instead."""
@@ -58,7 +48,7 @@ def window_inputs(lm) -> tuple[int, Window]:
     limit, the window starts at 1 (a window of 0 reads nothing)."""
     _too_long(lm)
     limit = longstate.context_limit(lm)
-    context, window = view_window(lm)
+    context, window = longstate.view_window(lm)
     sinks, recent = window.sinks, window.recent
     c1, c2, c3 = st.columns(3)
     context = int(c1.number_input(
@@ -101,7 +91,7 @@ def current_modes(lm, *, notes: bool = True) -> np.ndarray:
 def current_plan(lm, window: Window | None = None, *, notes: bool = True) -> KVPlan:
     """The view's KVPlan (every KV head full until the Long context page or a link sets one) with `window` (None:
     the view's), with the notes of the scores that made it while it is unedited."""
-    window = window or view_window(lm)[1]
+    window = window or longstate.view_window(lm)[1]
     made = state.recall(state.PLAN_NOTES)
     why = tuple(made[1]) if made and made[0] == state.get("kv") and state.get("plan") == "scores" else ()
     return KVPlan(current_modes(lm, notes=notes), window, lm.geometry.n_heads, lm.name, why)
@@ -199,104 +189,6 @@ def fill_buttons(lm) -> None:
         st.button(f"Set layers {layers[0]}-{layers[1]}, KV heads {', '.join(map(str, heads)) or '(none)'} to {mode}",
                   key="long.range.apply", on_click=_fill_range, args=(_shape(lm), layers, heads, mode),
                   disabled=not heads)
-
-
-# -- fills from the heads' scores (analysis.score.kvscores: streaming, retrieval, KV-group importance) ------
-
-IMPORTANCE_TOKENS = PAGE_IMPORTANCE_TOKENS      # tokens of the KV-group ablation that ranks what a plan prunes
-
-
-def _long_scores(lm, name: str, options: dict):
-    """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
-    as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
-    from analysis.measure.detectors import get_detector
-    passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
-    opts = tuple(sorted(options.items()))
-    return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
-                            f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
-                            run_key=(lm.name, name, opts), fn=longstate.long_detection,
-                            args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
-                            kind="long-detectors", work=longstate.long_work(passes),
-                            stale_note="The window or the length changed since ({view}); press the button again.",
-                            view=", ".join(f"{k} {v}" for k, v in opts))
-
-
-def _fill_scores(geometry, model: str, window_score: str, windowing, retrieval, importance, window_share: float,
-                 prune_share: float, keep_retrieval: bool, window: Window) -> None:
-    """windowing, retrieval: the detectors' Detections (the window score's; retrieval may be None); importance
-    [L, Hkv] or None."""
-    from analysis.score.kvscores import KVScores, plan_from_scores
-    dets = {name: d for name, d in ((window_score, windowing), ("retrieval", retrieval)) if d is not None}
-    scores = KVScores(retrieval=None if retrieval is None else retrieval.extras["kv_scores"], importance=importance,
-                      detections=dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0
-                      ).with_window_score(window_score, windowing.extras["kv_scores"])
-    try:
-        plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
-                                keep_retrieval=keep_retrieval, window=window, window_score=window_score, model=model)
-    except InputError as err:
-        state.remember(state.PLAN_NOTE, str(err))
-        return
-    state.set_plan(plan.modes, "scores")
-    state.remember(state.PLAN_NOTES, (state.get("kv"), plan.notes))
-
-
-def _window_options(name: str, length: int, window: Window) -> dict:
-    """The options a window score is measured with on this page: its length and the page's window (and two needles
-    per depth for the retrieval-aware rows, as the retrieval score's)."""
-    return dict(lengths=(length,), **window.as_dict(), **({"needles": 2} if name == "retrieval-aware" else {}))
-
-
-def score_fills(lm, window: Window) -> None:
-    """Fill the grid from the heads' own scores: window the share of KV heads lowest on the chosen window score
-    (streaming: the output change under this page's window; retrieval-aware: the needle answers' log-probability
-    lost when the KV head alone reads it), keep the KV heads that hold a retrieval head full, prune the least
-    important share (KV-group ablation). The streaming and retrieval scores come from one pass over the probes'
-    rows (components/longscan.py, which also gives the probes' dense side), the retrieval-aware score from its own
-    rows at the probes' length; every score is kept on disk and shown at once when this machine holds it."""
-    from analysis.measure.detector_registry import detector_spec
-    from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
-    g = lm.geometry
-    with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
-                     expanded=False):
-        st.caption("The streaming and retrieval scores, read from one pass over the rows of the long-context probes "
-                   "below (their probes, tokens per row, depths and sequences, and the precision there), at this "
-                   "page's window; the importance from a short ablation on built-in text.")
-        windowing = retrieval = importance = None
-        window_score = st.radio(
-            "Window the KV heads lowest on", WINDOW_SCORES, horizontal=True,
-            key=state.widget_key("long.scores.by", value=DEFAULT_WINDOW_SCORE),
-            format_func=lambda name: f"the {name} score",
-            help="; ".join(f"{name}: {detector_spec(name).help}" for name in WINDOW_SCORES) + ".")
-        with shown_errors("Measuring the heads' scores"):
-            context = view_window(lm)[0]
-            streaming, retrieval = longstate.heads_scores(lm, window, context)
-            windowing = streaming
-            if window_score != "streaming":                   # its own rows, at the probes' length
-                length = longstate.probe_settings(lm, context)[1]
-                windowing = _long_scores(lm, window_score, _window_options(window_score, length, window))
-        with shown_errors("Measuring the KV groups' importance"):
-            importance = longstate.importance_scores(lm, IMPORTANCE_TOKENS)
-        if windowing is None:
-            st.caption(f"Measure the {window_score} scores to fill the grid from them.")
-            return
-        c1, c2 = st.columns(2)
-        share = c1.slider(f"Window the lowest on the {window_score} score (% of KV heads)", 0, 100, step=5,
-                          key=state.widget_key("long.scores.window", value=50))
-        prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
-                          key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
-                          help=None if importance is not None else "Measure the KV groups' importance first.")
-        keep = st.checkbox("Keep KV heads with a retrieval head full", disabled=retrieval is None,
-                           key=state.widget_key("long.scores.keep", value=True),
-                           help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
-                                "2024) stays full whatever its window score." if retrieval is not None else
-                           "Measure the retrieval scores first.")
-        st.button(f"Fill the grid: window {share} % by the {window_score} score, prune "
-                  f"{prune if importance is not None else 0} %"
-                  + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
-                  on_click=_fill_scores, type="primary",
-                  args=(g, lm.name, window_score, windowing, retrieval, importance, share / 100,
-                        (prune / 100) if importance is not None else 0.0,
-                        bool(keep) and retrieval is not None, window))
 
 
 # -- the file ---------------------------------------------------------------------------------------
@@ -583,7 +475,7 @@ def walkthrough_section(lm) -> None:
                     f"({walk_needs(lm.tokenizer)} tokens): long context needs a model with a longer one, such as "
                     "the built-in SmolLM2 (8,192).")
         return
-    view = view_window(lm)[1]
+    view = longstate.view_window(lm)[1]
     window = Window(view.sinks, min(view.recent, max(1, n_tokens // 4)))   # one that leaves something far back
     sinks, recent = window.sinks, window.recent
     st.markdown(f"""

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis.arch.window import Window
-from analysis.measure.long_options import (DEFAULT_DEPTHS, PAGE_IMPORTANCE_TOKENS, PAGE_LENGTH, PAGE_PROBES,
-                                           PAGE_SEQUENCES, PRECISION_CHOICES)
+from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
+from analysis.measure.long_options import DEFAULT_DEPTHS, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES, PRECISION_CHOICES
 
 from . import cache, state
 from .state import ModelKey
@@ -34,12 +33,21 @@ from .state import ModelKey
 _PRECISION_WORDS = {"float32": "float32 (the reference)", "bfloat16": "bfloat16 (faster on this CPU)"}
 
 
-# -- the settings the page's long passes share --------------------------------------------------------------
+# -- the view's context and window, the settings the long passes share ---------------------------------------
 
 def context_limit(lm) -> int:
     """The longest context the model reads (its config's max_position_embeddings or equivalent)."""
     from analysis.measure.evaluation import context_length
     return int(context_length(lm.model))
+
+
+def view_window(lm) -> tuple[int, Window]:
+    """(context, Window) of the view, each number within the model's limit (defaults where unset)."""
+    limit = context_limit(lm)
+    context = state.get("context") or min(state.DEFAULT_CONTEXT, limit)
+    sinks, recent = state.get("sinks"), state.get("recent")
+    return min(int(context), limit), Window(min(DEFAULT_SINKS if sinks is None else int(sinks), limit),
+                                           min(DEFAULT_RECENT if recent is None else int(recent), limit))
 
 
 def probe_settings(lm, context: int) -> tuple:
@@ -190,13 +198,7 @@ def long_work(passes: list[int]) -> float:
     return float(sum(n * (1 + n / 2048) for n in passes))
 
 
-# -- what the page shows ------------------------------------------------------------------------------------------
-
-def _stored_words(found) -> str:
-    about = found.about or {}
-    return (f"Read from this machine's stored results (measured {about.get('stored', 'earlier')} in "
-            f"{float(about.get('seconds', 0)):.0f} s); `headscope cache clear` removes them.")
-
+# -- expected times, and the words under a stored result ----------------------------------------------------
 
 @st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def per_step(key: ModelKey, lengths: tuple, batch_tokens: int | None = None) -> dict:
@@ -222,54 +224,6 @@ def scan_seconds(key: ModelKey, rows: dict, precision: str = "float32") -> float
     return work_seconds(key, long_work(rows), precision)
 
 
-def heads_scores(lm, window: Window, context: int):
-    """(streaming Detection, retrieval Detection) measured on the probes section's rows with `window` (stored: shown
-    at once; else a button with its expected time), or (None, None) before they are measured."""
-    key = state.model_key()
-    settings = probe_settings(lm, context)
-    prec = precision()
-    rows = built(key, settings)
-    n_rows = sum(items.ids.shape[0] for (_, _, items) in rows.values())
-    probes, length = settings[0], settings[1]
-    where = (f"{n_rows} rows of {length:,} tokens of the probes below ({', '.join(probes)}), with this page's window, "
-             f"in {prec}")
-    found = stored_scan(key, settings, window, prec)
-    run_key = (key, settings, window, prec)
-    if found[0] is not None:
-        state.remember_run("long.scores.scan", run_key, found, view=where)
-        st.caption(f"The heads' scores on {where}. " + _stored_words(found[1]))
-        result = found
-    else:
-        result = cache.run_button(
-            f"Measure the heads' scores ({where}; one pass a row also gives the probes' dense side)",
-            button_key="long.scores.scan", slot="long.scores.scan", run_key=run_key, fn=scan,
-            args=(key, settings, window, prec), label="Measuring the heads' scores", kind="long-scan",
-            work=scan_seconds(key, rows, prec), view=where,
-            stale_note="The probes' rows, the window or the precision changed since ({view}); press the button "
-                       "again.")
-    if result is None:
-        return None, None
-    sc = result[0]
-    return sc.streaming(), sc.retrieval()
-
-
-def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
-    """[L, Hkv] KV groups' importance: stored, shown at once; else a button."""
-    key = state.model_key()
-    g = lm.geometry
-    prec = precision()
-    found = stored_importance_lookup(key, tokens, prec)
-    if found[0] is not None:
-        st.caption(f"The KV groups' importance (ablation on {tokens} tokens, {prec}). " + _stored_words(found[1]))
-        return found[0]
-    result = cache.run_button(
-        f"Measure the KV groups' importance (ablation on {tokens} tokens, {prec})",
-        button_key="long.scores.importance", slot="long.scores.importance", run_key=(key, tokens, prec),
-        fn=importance, args=(key, tokens, prec), label="Removing each KV group", kind="kv-importance",
-        work=importance_seconds(key, g, tokens, prec), stale_note="({view})", view="another model or precision")
-    return None if result is None else result[0]
-
-
 def importance_seconds(key: ModelKey, g, tokens: int, precision: str = "float32") -> float:
     """The predicted seconds of the KV groups' ablation (analysis.score.longscan.importance_seconds) at this
     machine's seconds per row of `tokens` tokens, timed in batches of the sweep's own size."""
@@ -283,6 +237,13 @@ def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float
     """(importance or None, Lookup): what this machine holds (no model time)."""
     from analysis.score.longscan import stored_importance
     return stored_importance(cache.load(key), tokens, precision=precision, compute=False, fingerprint=fingerprint(key))
+
+
+def stored_words(found) -> str:
+    """The caption under a result read from the store (a Lookup): when it was measured and in how long."""
+    about = found.about or {}
+    return (f"Read from this machine's stored results (measured {about.get('stored', 'earlier')} in "
+            f"{float(about.get('seconds', 0)):.0f} s); `headscope cache clear` removes them.")
 
 
 # -- clearing ------------------------------------------------------------------------------------------------
@@ -313,7 +274,3 @@ def forget_button(lm) -> None:
               on_click=_forget, args=(key,),
               help="The long-context results this machine keeps for this model (heads' scores, probes, plans, "
                    "importance; `headscope cache list`): removed for every session; the next run measures again.")
-
-
-__all__ = ["probe_settings", "precision", "precision_choice", "scan", "dense", "importance", "per_row",
-           "stored_scan", "stored_dense", "heads_scores", "importance_scores", "scan_seconds", "forget_button"]

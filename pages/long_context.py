@@ -5,7 +5,7 @@ probes, dense vs the plan: components/longprobes.py; RULER: components/ruler.py)
 and the context live in the URL (components/state.py); the logic is components/longctx.py."""
 import streamlit as st
 
-from components import cache, duo, longctx, longprobes, ruler, shell, state
+from components import cache, duo, longctx, longprobes, longscan, ruler, shell, state
 
 shell.ensure_app()
 
@@ -27,7 +27,7 @@ with left:
     modes = longctx.plan_grid(lm)
     longctx.show_note()
     longctx.fill_buttons(lm)
-    longctx.score_fills(lm, window)
+    longscan.score_fills(lm, window)
 plan = longctx.current_plan(lm, window, notes=False)
 with right:
     longctx.plan_view(lm, plan, context)
