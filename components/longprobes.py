@@ -22,7 +22,6 @@ from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES, P
 
 from . import cache, explain, longstate, numbers, state
 from .errors import shown_errors
-from .harness import csv_text
 from .state import ModelKey
 
 APP_LENGTH = PAGE_LENGTH          # tokens per row the page suggests (clipped to the model's context)
@@ -200,7 +199,7 @@ def _show(rep) -> None:
                         lost="long-context retrieval",
                         kept="No cell lost: the plan's accuracy interval reaches the dense accuracy everywhere.",
                         notes=" ".join(dict.fromkeys(rep.notes)), title="Long-context probes", file="long_context",
-                        key="long.probes", csv=csv_text(rep.rows()),
+                        key="long.probes", csv=numbers.csv_text(rep.rows()),
                         as_json=json.dumps(rep.as_dict(), indent=1, default=str))
 
 

@@ -17,7 +17,6 @@ from analysis.arch.kvplan import KVPlan
 
 from . import cache, longstate, numbers, state
 from .errors import shown_errors
-from .harness import csv_text
 from .state import ModelKey
 
 APP_SAMPLES = 5                    # rows per task the page suggests: a first look (the bench takes 25 and more)
@@ -181,5 +180,5 @@ def _show(rep) -> None:
     numbers.cut_verdict(table_rows(rep.table()), cut=rep.cut is not None, warnings=rep.warnings(), lost="on RULER",
                         kept="No task lost: the plan's interval reaches dense's score on every task.",
                         notes=("Note: " + "; ".join(dict.fromkeys(rep.rows.notes)) + ".") if rep.rows.notes else "",
-                        title="RULER", file="ruler", key="long.ruler", csv=csv_text(rep.table()),
+                        title="RULER", file="ruler", key="long.ruler", csv=numbers.csv_text(rep.table()),
                         as_json=json.dumps(rep.as_dict(), indent=1, default=str))

@@ -40,12 +40,6 @@ def sentence_dla(key, sentence: str):
     return tokens, parts.heads[0], parts
 
 
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def mpg(key, z: float):
-    from analysis.score.specialization import mpg_scores
-    return mpg_scores(cache.load(key), z)
-
-
 # -- figures -----------------------------------------------------------------------------------------
 
 def token_heads_heatmap(per_token: np.ndarray, tokens: list[str], *, top: int = 12) -> go.Figure:
@@ -178,7 +172,7 @@ def _specialization(lm, result: dict) -> None:
     from components import views
     st.markdown("#### Does MP find the specialized heads?")
     with shown_errors("MP-G versus roles"):
-        scores = mpg(state.model_key(), 2.0)
+        scores = cache.mpg(state.model_key(), 2.0)
         strengths = strengths_of(result)
         tests = role_tests(scores.scores, strengths, n_permutations=10_000, seed=0)
         st.dataframe([dict(role=t.role, heads_with_role=t.n_with_role, auc=round(t.auc, 3),
@@ -294,7 +288,7 @@ def long_section(lm) -> None:
                                                     group_size=lm.geometry.group_size), f"heads.long.{name}.map")
             st.caption(spec.help)
             st.markdown(_long_summary(name, r))
-            test = role_tests(mpg(state.model_key(), 2.0).scores, {name: (r.scores, r.threshold)},
+            test = role_tests(cache.mpg(state.model_key(), 2.0).scores, {name: (r.scores, r.threshold)},
                               n_permutations=10_000, seed=0)[0]
             st.markdown(f"Does MP find them? MP-G (z = 2) ROC AUC for '{name}' heads: "
                         + ("n/a (no head has the role, or every head has it)" if not np.isfinite(test.auc) else
