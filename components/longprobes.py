@@ -6,7 +6,7 @@ generated) when the plan's CI lies below dense; the expected time before the run
 CSV / JSON downloads after.
 
 The dense side depends on the probes' settings only: it is measured once per model and settings by the
-page's shared scan (components/longscan.py, which gives the heads' scores of the same rows) and kept on disk, so
+page's shared scan (components/longstate.py, which gives the heads' scores of the same rows) and kept on disk, so
 every later plan, visit, restart or CLI run reads it back and editing the grid and running again costs the plan's
 passes alone (the estimate says which). The precision radio (float32, or bfloat16 where the CPU has it) sets
 both sides' passes.
