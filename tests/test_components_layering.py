@@ -144,3 +144,13 @@ def test_imports_are_read_in_every_spelling():
                      "def f():\n    from .jobs import board\n")
     assert sorted(name for _, name in imports_of(tree)) == sorted(
         ["cache", "state", "errors", "views", "longstate", "charts", "app", "pages", "jobs"])
+
+
+def test_the_clear_button_still_reaches_the_sections_caches():
+    """longstate's Clear button no longer imports the sections to name their caches: each marks its own
+    (`@forgotten_with_store`), and the button empties the same calls it named before the floors."""
+    from components import longprobes, longstate, ruler  # noqa: F401 - the page imports them all
+    assert sorted(longstate._WITH_STORE) == sorted(
+        ["components.longstate.scan", "components.longstate.importance", "components.longstate.long_detection",
+         "components.longprobes.plan_report", "components.ruler.dense_side", "components.ruler.plan_report",
+         "components.ruler.dense_measured"])
