@@ -427,6 +427,14 @@ def scores(key: ModelKey, scorer: str, params: tuple, _progress=None, _should_st
         return instance.score(lm, progress=_progress, should_stop=_should_stop)
 
 
+@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=KEY_HASH)
+def mpg(key, z: float):
+    """MP-G scores at `z` for the "Does MP find the specialized heads?" tests (analysis.score.specialization):
+    the Heads page's roles and the capability probes' heads read the same ones."""
+    from analysis.score.specialization import mpg_scores
+    return mpg_scores(load(key), z)
+
+
 @st.cache_data(show_spinner=False, max_entries=32, hash_funcs=KEY_HASH)
 def evaluate_masks(key: ModelKey, pruned, text: str | None, max_tokens: int,
                    _progress=None, _should_stop=None):

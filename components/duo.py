@@ -15,7 +15,7 @@ import streamlit as st
 from analysis.arch.kvplan import KVPlan
 from analysis.core.errors import InputError
 
-from . import charts, state
+from . import charts, longstate, state
 from .errors import shown_errors
 
 _PATTERN = "long.duo.pattern"          # (file names, the DuoPattern) of the last upload
@@ -63,7 +63,6 @@ def pattern_zip(plan: KVPlan) -> bytes:
 def duo_section(lm, plan: KVPlan, window) -> None:
     """The expander: upload a pattern, see where it agrees with the view's plan, use it; download the plan as one."""
     from analysis.compress.export import duo
-    from .longctx import adopt, context_limit
     g = lm.geometry
     with st.expander("DuoAttention patterns (full_attention_heads.tsv)", expanded=False):
         st.caption("A DuoAttention pattern gives every KV head a gate (1: a retrieval head kept full, 0: a streaming "
@@ -99,7 +98,7 @@ def duo_section(lm, plan: KVPlan, window) -> None:
                 st.plotly_chart(charts.kv_agreement_heatmap(agree, group_size=g.group_size,
                                                             names=("the pattern", "the plan")), key="long.duo.map")
                 st.button(f"Use the pattern as the plan ({theirs.describe()})", key="long.duo.use",
-                          on_click=adopt, args=(theirs, "duo", context_limit(lm)))
+                          on_click=state.adopt_plan, args=(theirs, "duo", longstate.context_limit(lm)))
         with shown_errors("Writing the plan as a DuoAttention pattern"):
             if plan.pruned_kv.any():
                 st.caption("The plan prunes KV heads: a DuoAttention pattern holds only full and streaming heads, so "

@@ -10,8 +10,6 @@ cached on its own, so a second mask runs only the cut.
 """
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 from pathlib import Path
@@ -109,14 +107,6 @@ def table_rows(rows: list[dict]) -> list[dict]:
              "worse": "worse" if r.get("worse") else ""} for r in rows]
 
 
-def csv_text(rows: list[dict]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buffer.getvalue()
-
-
 def task_dir_widget(where_, key_prefix: str) -> str:
     """The task folder: typed (exports `on`), the server's own (`HEADSCOPE_HARNESS_TASKS`), or none on a server
     that takes no typed paths (exports `fixed` / `off`: a folder's helper files would run as Python there)."""
@@ -193,7 +183,7 @@ def panel(lm, pruned: np.ndarray, *, where: str = "export", kv_plan=None) -> Non
                f"{harness.WORSE_STDERRS:g} standard errors of the two combined (any worse perplexity)."
                + (f" Only the first {rep.limit} documents of each task: not the published numbers." if rep.limit else ""))
     d1, d2 = st.columns(2)
-    d1.download_button("Benchmarks (CSV)", csv_text(rows), file_name="harness.csv", mime="text/csv",
+    d1.download_button("Benchmarks (CSV)", numbers.csv_text(rows), file_name="harness.csv", mime="text/csv",
                        key=f"{where}.harness.csv")
     d2.download_button("Benchmarks (JSON)", json.dumps(rep.as_dict(), indent=1, default=str), file_name="harness.json",
                        mime="application/json", key=f"{where}.harness.json")

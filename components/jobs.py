@@ -47,7 +47,7 @@ FORWARD_TOKENS = {
     "redundancy": 3.0,      # tokens: head outputs or patterns kept and compared
     "attribution": 3.0,     # tokens x integration steps: a forward and a backward each
     "detectors": 6.0,       # tokens: several detectors, each its own passes
-    "long-detectors": 1.0,  # n * (1 + n / 2048) per pass of n tokens (taxonomy.long_work): one forward each
+    "long-detectors": 1.0,  # n * (1 + n / 2048) per pass of n tokens (longstate.long_work): one forward each
     "speed": 4.0,           # timed forward tokens (dense, masked and pruned, repeats)
     "deploy": 40.0,         # tokens: two GGUF files written and run in llama.cpp, two PyTorch perplexities
     "export": 200.0,        # the model's parameters in millions: a copy, the cut and the files written

@@ -17,9 +17,8 @@ import streamlit as st
 from analysis.arch.kvplan import KV_PLAN_FILE, MODES, KVPlan
 from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.core.errors import InputError
-from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
 
-from . import cache, charts, explain, figures, state, views
+from . import cache, charts, explain, figures, longstate, state, views
 from .errors import show_exception, shown_errors
 from .state import ModelKey
 
@@ -27,30 +26,14 @@ MIB = 2 ** 20
 PLAN_MAP_TITLE = "The plan, layer by layer"
 CURVE_CONTEXTS = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 GRID_ROW_PX, GRID_MAX_PX = 35, 460
-_NOTE = "long.note"                # a fill's or an upload's refusal, shown once under the grid
 
 
 
 # -- the view: context, window, plan ----------------------------------------------------------------
 
-def context_limit(lm) -> int:
-    """The longest context the model reads (its config's max_position_embeddings or equivalent)."""
-    from analysis.measure.evaluation import context_length
-    return int(context_length(lm.model))
-
-
-def view_window(lm) -> tuple[int, Window]:
-    """(context, Window) of the view, each number within the model's limit (defaults where unset)."""
-    limit = context_limit(lm)
-    context = state.get("context") or min(state.DEFAULT_CONTEXT, limit)
-    sinks, recent = state.get("sinks"), state.get("recent")
-    return min(int(context), limit), Window(min(DEFAULT_SINKS if sinks is None else int(sinks), limit),
-                                           min(DEFAULT_RECENT if recent is None else int(recent), limit))
-
-
 def _too_long(lm) -> None:
     """A link's context, sinks or recent beyond the model's limit: one line each, and the limit instead."""
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     for name, what in (("context", "context"), ("sinks", "number of sink tokens"), ("recent", "window")):
         value = state.get(name)
         if value is not None and int(value) > limit:
@@ -64,8 +47,8 @@ def window_inputs(lm) -> tuple[int, Window]:
     """The context, sinks and recent boxes (view fields) -> (context, Window): the context stops at the model's
     limit, the window starts at 1 (a window of 0 reads nothing)."""
     _too_long(lm)
-    limit = context_limit(lm)
-    context, window = view_window(lm)
+    limit = longstate.context_limit(lm)
+    context, window = longstate.view_window(lm)
     sinks, recent = window.sinks, window.recent
     c1, c2, c3 = st.columns(3)
     context = int(c1.number_input(
@@ -108,8 +91,8 @@ def current_modes(lm, *, notes: bool = True) -> np.ndarray:
 def current_plan(lm, window: Window | None = None, *, notes: bool = True) -> KVPlan:
     """The view's KVPlan (every KV head full until the Long context page or a link sets one) with `window` (None:
     the view's), with the notes of the scores that made it while it is unedited."""
-    window = window or view_window(lm)[1]
-    made = state.recall("long.notes")
+    window = window or longstate.view_window(lm)[1]
+    made = state.recall(state.PLAN_NOTES)
     why = tuple(made[1]) if made and made[0] == state.get("kv") and state.get("plan") == "scores" else ()
     return KVPlan(current_modes(lm, notes=notes), window, lm.geometry.n_heads, lm.name, why)
 
@@ -158,28 +141,21 @@ def plan_grid(lm) -> np.ndarray:
     return modes
 
 
-def _set_plan(modes, source: str) -> None:
-    state.set("kv", state.kv_text(modes))
-    state.set("plan", source)
-    state.new_kv_editor()
-    state.forget(_NOTE)
-
-
 def _fill_full(shape: tuple[int, int]) -> None:
-    _set_plan(np.zeros(shape, np.int8), "full")
+    state.set_plan(np.zeros(shape, np.int8), "full")
 
 
 def _fill_mask(pruned, geometry) -> None:
     try:
-        _set_plan(KVPlan.from_mask(pruned, geometry).modes, "mask")
+        state.set_plan(KVPlan.from_mask(pruned, geometry).modes, "mask")
     except InputError as err:
-        state.remember(_NOTE, str(err))
+        state.remember(state.PLAN_NOTE, str(err))
 
 
 def _fill_range(shape, layers: tuple[int, int], kv_heads: list[int], mode: str) -> None:
     modes = state.kv_modes(state.get("kv"), shape).copy()
     modes[layers[0]:layers[1] + 1, kv_heads] = MODES.index(mode)
-    _set_plan(modes, "edited")
+    state.set_plan(modes, "edited")
 
 
 def fill_buttons(lm) -> None:
@@ -215,108 +191,6 @@ def fill_buttons(lm) -> None:
                   disabled=not heads)
 
 
-# -- fills from the heads' scores (analysis.score.kvscores: streaming, retrieval, KV-group importance) ------
-
-IMPORTANCE_TOKENS = PAGE_IMPORTANCE_TOKENS      # tokens of the KV-group ablation that ranks what a plan prunes
-_NOTES = "long.notes"             # (plan link text, the notes of the plan the scores made)
-
-
-def _long_scores(lm, name: str, options: dict):
-    """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
-    as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
-    from analysis.measure.detectors import get_detector
-    from components import taxonomy
-    passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
-    opts = tuple(sorted(options.items()))
-    return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
-                            f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
-                            run_key=(lm.name, name, opts), fn=taxonomy.long_detection,
-                            args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
-                            kind="long-detectors", work=taxonomy.long_work(passes),
-                            stale_note="The window or the length changed since ({view}); press the button again.",
-                            view=", ".join(f"{k} {v}" for k, v in opts))
-
-
-def _fill_scores(geometry, model: str, window_score: str, windowing, retrieval, importance, window_share: float,
-                 prune_share: float, keep_retrieval: bool, window: Window) -> None:
-    """windowing, retrieval: the detectors' Detections (the window score's; retrieval may be None); importance
-    [L, Hkv] or None."""
-    from analysis.score.kvscores import KVScores, plan_from_scores
-    dets = {name: d for name, d in ((window_score, windowing), ("retrieval", retrieval)) if d is not None}
-    scores = KVScores(retrieval=None if retrieval is None else retrieval.extras["kv_scores"], importance=importance,
-                      detections=dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0
-                      ).with_window_score(window_score, windowing.extras["kv_scores"])
-    try:
-        plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
-                                keep_retrieval=keep_retrieval, window=window, window_score=window_score, model=model)
-    except InputError as err:
-        state.remember(_NOTE, str(err))
-        return
-    _set_plan(plan.modes, "scores")
-    state.remember(_NOTES, (state.get("kv"), plan.notes))
-
-
-def _window_options(name: str, length: int, window: Window) -> dict:
-    """The options a window score is measured with on this page: its length and the page's window (and two needles
-    per depth for the retrieval-aware rows, as the retrieval score's)."""
-    return dict(lengths=(length,), **window.as_dict(), **({"needles": 2} if name == "retrieval-aware" else {}))
-
-
-def score_fills(lm, window: Window) -> None:
-    """Fill the grid from the heads' own scores: window the share of KV heads lowest on the chosen window score
-    (streaming: the output change under this page's window; retrieval-aware: the needle answers' log-probability
-    lost when the KV head alone reads it), keep the KV heads that hold a retrieval head full, prune the least
-    important share (KV-group ablation). The streaming and retrieval scores come from one pass over the probes'
-    rows (components/longscan.py, which also gives the probes' dense side), the retrieval-aware score from its own
-    rows at the probes' length; every score is kept on disk and shown at once when this machine holds it."""
-    from analysis.measure.detector_registry import detector_spec
-    from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
-
-    from . import longscan
-    g = lm.geometry
-    with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
-                     expanded=False):
-        st.caption("The streaming and retrieval scores, read from one pass over the rows of the long-context probes "
-                   "below (their probes, tokens per row, depths and sequences, and the precision there), at this "
-                   "page's window; the importance from a short ablation on built-in text.")
-        windowing = retrieval = importance = None
-        window_score = st.radio(
-            "Window the KV heads lowest on", WINDOW_SCORES, horizontal=True,
-            key=state.widget_key("long.scores.by", value=DEFAULT_WINDOW_SCORE),
-            format_func=lambda name: f"the {name} score",
-            help="; ".join(f"{name}: {detector_spec(name).help}" for name in WINDOW_SCORES) + ".")
-        with shown_errors("Measuring the heads' scores"):
-            context = view_window(lm)[0]
-            streaming, retrieval = longscan.heads_scores(lm, window, context)
-            windowing = streaming
-            if window_score != "streaming":                   # its own rows, at the probes' length
-                length = longscan.probe_settings(lm, context)[1]
-                windowing = _long_scores(lm, window_score, _window_options(window_score, length, window))
-        with shown_errors("Measuring the KV groups' importance"):
-            importance = longscan.importance_scores(lm, IMPORTANCE_TOKENS)
-        if windowing is None:
-            st.caption(f"Measure the {window_score} scores to fill the grid from them.")
-            return
-        c1, c2 = st.columns(2)
-        share = c1.slider(f"Window the lowest on the {window_score} score (% of KV heads)", 0, 100, step=5,
-                          key=state.widget_key("long.scores.window", value=50))
-        prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
-                          key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
-                          help=None if importance is not None else "Measure the KV groups' importance first.")
-        keep = st.checkbox("Keep KV heads with a retrieval head full", disabled=retrieval is None,
-                           key=state.widget_key("long.scores.keep", value=True),
-                           help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
-                                "2024) stays full whatever its window score." if retrieval is not None else
-                           "Measure the retrieval scores first.")
-        st.button(f"Fill the grid: window {share} % by the {window_score} score, prune "
-                  f"{prune if importance is not None else 0} %"
-                  + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
-                  on_click=_fill_scores, type="primary",
-                  args=(g, lm.name, window_score, windowing, retrieval, importance, share / 100,
-                        (prune / 100) if importance is not None else 0.0,
-                        bool(keep) and retrieval is not None, window))
-
-
 # -- the file ---------------------------------------------------------------------------------------
 
 def _uploaded(key: str, geometry, limit: int) -> None:
@@ -324,7 +198,7 @@ def _uploaded(key: str, geometry, limit: int) -> None:
     recent); anything else is one line, and the plan stays as it was."""
     from analysis.core import schemas
     upload = st.session_state.get(key)
-    state.forget(_NOTE)
+    state.forget(state.PLAN_NOTE)
     if upload is None:
         return
     fix = f"upload a {KV_PLAN_FILE} written by headscope for this model"
@@ -338,19 +212,10 @@ def _uploaded(key: str, geometry, limit: int) -> None:
             raise InputError(f"The uploaded KV plan must hold a JSON object; {fix}.")
         plan = KVPlan.from_dict(data, geometry=geometry)
     except InputError as err:
-        state.remember(_NOTE, f"{upload.name}: {err}")
+        state.remember(state.PLAN_NOTE, f"{upload.name}: {err}")
         return
-    adopt(plan, "file", limit)
+    state.adopt_plan(plan, "file", limit)
     state.remember("long.file", (upload.name, plan.model))
-
-
-def adopt(plan: KVPlan, source: str, limit: int) -> None:
-    """A plan from elsewhere (a kv_plan.json, a DuoAttention pattern) becomes the view's plan, with its window
-    (each number within the model's limit). source: a key of state.PLAN_SOURCES."""
-    _set_plan(plan.modes, source)
-    for name, value in plan.window.as_dict().items():
-        state.set(name, min(int(value), limit))
-        state.reset_widget(name)
 
 
 def plan_file(lm, plan: KVPlan) -> None:
@@ -360,7 +225,7 @@ def plan_file(lm, plan: KVPlan) -> None:
                        key="long.download", icon=":material/download:",
                        help="The plan as headscope writes it next to an exported model (and reads back).")
     st.file_uploader(f"Upload a {KV_PLAN_FILE}", type=["json"], key=key, on_change=_uploaded,
-                     args=(key, lm.geometry, context_limit(lm)),
+                     args=(key, lm.geometry, longstate.context_limit(lm)),
                      help="A plan written by headscope for a model of this shape (layers, heads, KV heads). "
                           "Another model's plan, or one naming a head this model does not have, is refused "
                           "and the grid stays as it is.")
@@ -371,7 +236,7 @@ def plan_file(lm, plan: KVPlan) -> None:
 
 def show_note() -> None:
     """A fill's or an upload's refusal (kept until the next fill or upload)."""
-    note = state.recall(_NOTE)
+    note = state.recall(state.PLAN_NOTE)
     if note:
         st.error(note, icon=":material/error:")
 
@@ -467,7 +332,7 @@ def prediction_table(lm, plan: KVPlan, context: int) -> None:
 def memory_chart(lm, plan: KVPlan, context: int) -> None:
     """KV memory vs context (1k .. 8k, up to the model's limit) for dense, the Prune page's mask and the plan."""
     from analysis.compress.cost import kv_curve
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     points = [c for c in CURVE_CONTEXTS if c <= limit] or list(np.linspace(1, limit, 8).round().astype(int))
     points = sorted({*points, context})
     g = lm.geometry
@@ -604,13 +469,13 @@ def walkthrough_section(lm) -> None:
     if weights.needs_model(lm, "Reading a head's attention on a long text", stop=False):
         return
     g = lm.geometry
-    n_tokens = min(WALK_TOKENS, context_limit(lm))
+    n_tokens = min(WALK_TOKENS, longstate.context_limit(lm))
     if n_tokens < walk_needs(lm.tokenizer):
         st.markdown(f"This model reads at most {n_tokens} tokens, too few for this section's example text "
                     f"({walk_needs(lm.tokenizer)} tokens): long context needs a model with a longer one, such as "
                     "the built-in SmolLM2 (8,192).")
         return
-    view = view_window(lm)[1]
+    view = longstate.view_window(lm)[1]
     window = Window(view.sinks, min(view.recent, max(1, n_tokens // 4)))   # one that leaves something far back
     sinks, recent = window.sinks, window.recent
     st.markdown(f"""

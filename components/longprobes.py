@@ -6,7 +6,7 @@ generated) when the plan's CI lies below dense; the expected time before the run
 CSV / JSON downloads after.
 
 The dense side depends on the probes' settings only: it is measured once per model and settings by the
-page's shared scan (components/longscan.py, which gives the heads' scores of the same rows) and kept on disk, so
+page's shared scan (components/longstate.py, which gives the heads' scores of the same rows) and kept on disk, so
 every later plan, visit, restart or CLI run reads it back and editing the grid and running again costs the plan's
 passes alone (the estimate says which). The precision radio (float32, or bfloat16 where the CPU has it) sets
 both sides' passes.
@@ -20,9 +20,8 @@ import streamlit as st
 from analysis.arch.kvplan import KVPlan
 from analysis.measure.long_options import DEFAULT_DEPTHS, MIN_PROBE_SEQUENCES, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES
 
-from . import cache, explain, numbers, state
+from . import cache, explain, longstate, numbers, state
 from .errors import shown_errors
-from .harness import csv_text
 from .state import ModelKey
 
 APP_LENGTH = PAGE_LENGTH          # tokens per row the page suggests (clipped to the model's context)
@@ -34,21 +33,11 @@ MAX_SEQUENCES_APP = 64
 
 # -- cached calls ---------------------------------------------------------------------------------
 
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int):
-    """(name, length) -> (spec, probe, items): the rows the probes read (the tokenizer only; InputError for a
-    length above the model's context, a tokenizer that merges digits, ...)."""
-    from analysis.measure.evaluation import context_length
-    from analysis.measure.probes.longcontext import build_long
-    lm = cache.load(key)
-    return build_long(list(probes), lm.tokenizer, lm.kind, (length,), depths=depths, n_items=n_items,
-                      limit=context_length(lm.model))
-
-
+@longstate.forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, plan: KVPlan,
                 precision: str = "float32", _progress=None, _should_stop=None):
-    """LongContextReport of the plan (cached by its contents) against the dense side (components/longscan.dense:
+    """LongContextReport of the plan (cached by its contents) against the dense side (components/longstate.dense:
     stored, else one scan of these rows, which stores the heads' scores too, with its own share of the progress);
     a plan with every KV head full is the dense side. Both sides run in `precision`."""
     from analysis.arch.cut import Cut
@@ -56,16 +45,14 @@ def plan_report(key: ModelKey, probes: tuple, length: int, depths: tuple, n_item
     from analysis.measure.longpass import precision_block
     from analysis.score.longcontext import long_context_report
     from analysis.score.longscan import stored_report
-
-    from . import longscan
     settings = (probes, length, depths, n_items)
-    built = long_items(key, probes, length, depths, n_items)
-    known = longscan.stored_dense(key, settings, precision)[0] is not None
-    dense = longscan.dense(key, settings, precision, _should_stop=_should_stop,     # before the lock
+    built = longstate.long_items(key, probes, length, depths, n_items)
+    known = longstate.stored_dense(key, settings, precision)[0] is not None
+    dense = longstate.dense(key, settings, precision, _should_stop=_should_stop,     # before the lock
                            _progress=None if known else scaled(_progress, 0.0, 0.5))
     cut = None if plan.is_full else Cut.of_plan(plan, info=dict(source="the Long context page"))
     lm = cache.load(key)
-    fingerprint = longscan.fingerprint(key)
+    fingerprint = longstate.fingerprint(key)
     rep, _ = stored_report(lm, built, cut, dense=dense, precision=precision, compute=False, fingerprint=fingerprint)
     if rep is not None or cut is None:                                   # stored, or dense alone: no pass left
         return rep if rep is not None else long_context_report(lm, built=built, dense=dense)
@@ -81,17 +68,15 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
     from analysis.arch.cut import Cut
     from analysis.score.longcontext import long_context_report
     from analysis.score.longscan import stored_report
-
-    from . import longscan
     key = state.model_key()
-    dense, _ = longscan.stored_dense(key, settings, precision)
+    dense, _ = longstate.stored_dense(key, settings, precision)
     if dense is None:
         return None
     if plan.is_full:
         return long_context_report(lm, built=built, dense=dense)
     cut = Cut.of_plan(plan, info=dict(source="the Long context page"))
     rep, _ = stored_report(lm, built, cut, dense=dense, precision=precision, compute=False,
-                           fingerprint=longscan.fingerprint(key))
+                           fingerprint=longstate.fingerprint(key))
     return rep
 
 
@@ -100,12 +85,10 @@ def stored_plan(lm, settings: tuple, built: dict, plan: KVPlan, precision: str):
 def _work(key: ModelKey, built: dict, dense_known: bool, cut: bool, precision: str = "float32") -> float:
     """The run's predicted seconds (components/jobs.py's "long-plan"): its rows (the dense side's unless stored,
     the plan's) x this machine's seconds per row at the length, and the generated answers' decode calls x the
-    seconds of one (components/longscan.per_row, per_step)."""
+    seconds of one (components/longstate.per_row, per_step)."""
     from analysis.measure.probes.longcontext import long_work
-
-    from . import longscan
     work = long_work(built, passes=(0 if dense_known else 1) + cut)
-    return longscan.work_seconds(key, work, precision) if work.passes else 0.0
+    return longstate.work_seconds(key, work, precision) if work.passes else 0.0
 
 
 def _ci(row: dict, side: str) -> str:
@@ -154,36 +137,34 @@ def probe_section(lm, plan, context: int) -> None:
     st.caption("Find a pass key, the right one of two numbers, or a random sequence far back in built-in text: "
                "the dense model and this plan read the same rows; a cell is LOST when the plan's 95 % interval lies "
                "below the dense accuracy, LOST generated when the answers the plan writes itself fall below dense's.")
-    from .longctx import context_limit
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     c1, c2, c3, c4 = st.columns([3, 2, 3, 2])
     probes = c1.multiselect("Probes", names, format_func=lambda n: PROBES[n].label,
-                            key=state.widget_key("long.probes.names", value=list(PAGE_PROBES)))
+                            key=state.widget_key(state.PROBE_NAMES, value=list(PAGE_PROBES)))
     length = int(c2.number_input(f"Tokens per row (at most {limit:,})", 64, max(64, limit), step=256,
-                                 key=state.widget_key("long.probes.length", value=min(context, APP_LENGTH, limit)),
+                                 key=state.widget_key(state.PROBE_LENGTH, value=min(context, APP_LENGTH, limit)),
                                  help="Every row is exactly this long: instruction, text, the needle at its depth, "
                                       "the question. The page's context is the default up to "
                                       f"{APP_LENGTH:,} tokens (a row's cost grows with its square)."))
     length = min(length, limit)
     depths = c3.multiselect("Depths (where the needle sits)", list(DEPTH_CHOICES),
-                            key=state.widget_key("long.probes.depths", value=list(DEFAULT_DEPTHS)),
+                            key=state.widget_key(state.PROBE_DEPTHS, value=list(DEFAULT_DEPTHS)),
                             format_func=lambda d: f"{d:g}")
     n_items = int(c4.number_input("Sequences per depth", MIN_PROBE_SEQUENCES, MAX_SEQUENCES_APP, step=1,
-                                  key=state.widget_key("long.probes.sequences", value=APP_SEQUENCES),
+                                  key=state.widget_key(state.PROBE_SEQUENCES, value=APP_SEQUENCES),
                                   help="One sequence = one key and its text, read at every depth (a bootstrap "
                                        "unit). More sequences: narrower intervals, proportionally longer."))
     if not probes or not depths:
         st.caption("Pick at least one probe and one depth.")
         return
-    from . import longscan
-    precision = longscan.precision_choice(lm)
+    precision = longstate.precision_choice(lm)
     args = (tuple(probes), length, tuple(sorted(float(d) for d in depths)), n_items)
     built = None
     with shown_errors("Building the long-context rows"):
-        built = long_items(state.model_key(), *args)
+        built = longstate.long_items(state.model_key(), *args)
     if built is None:
         return
-    known = longscan.stored_dense(state.model_key(), args, precision)[0] is not None
+    known = longstate.stored_dense(state.model_key(), args, precision)[0] is not None
     rows = sum(items.ids.shape[0] for (_, _, items) in built.values())
     counts = plan.counts()
     cut = not plan.is_full
@@ -209,7 +190,7 @@ def probe_section(lm, plan, context: int) -> None:
             stale_note="The plan or the probes' settings changed since the last run ({view}); press the button again.")
         if rep is not None:
             _show(rep)
-    longscan.forget_button(lm)
+    longstate.forget_button(lm)
     explain.fold("how to read the long-context probes", HOW_TO_READ)
 
 
@@ -218,7 +199,7 @@ def _show(rep) -> None:
                         lost="long-context retrieval",
                         kept="No cell lost: the plan's accuracy interval reaches the dense accuracy everywhere.",
                         notes=" ".join(dict.fromkeys(rep.notes)), title="Long-context probes", file="long_context",
-                        key="long.probes", csv=csv_text(rep.rows()),
+                        key="long.probes", csv=numbers.csv_text(rep.rows()),
                         as_json=json.dumps(rep.as_dict(), indent=1, default=str))
 
 

@@ -1,198 +1,145 @@
-"""The Long context page's long passes, measured once: the shared scan, its stored results, the precision.
+"""The Long context page's fills from the heads' own scores (analysis.score.kvscores.plan_from_scores): window the
+share of KV heads lowest on a window score, keep the KV heads that hold a retrieval head full, prune the least
+important share; and the buttons that measure those scores.
 
-One set of dense passes over the rows of the page's long-context probes ("What the plan keeps at long context":
-probes, tokens per row, depths, sequences) gives the heads' scores the grid fills from (streaming, retrieval)
-and the probes' dense side (analysis.measure.longpass.long_scan); the KV groups' importance is its own short
-ablation. Each is kept on disk by analysis.score.longscan (through analysis.arch.stored.remembered, the one
-function the CLI uses too): a result this machine already holds for this model, these settings and this code is
-shown at once, without a button (a second visit, a restart, a class warmed by `headscope cache warm`); anything
-else is one button with its expected time (rows x this machine's seconds per row, `per_row`, then the measured
-pace of earlier runs: components/jobs.py PREDICTED_SECONDS) and a Stop.
-
-The cached calls look in the store before they take the model's lock, so a stored result neither waits behind
-another job nor counts as a run of the job's pace. The precision (float32, or bfloat16 where the CPU multiplies
-it natively) is one radio for every long pass of the page.
+The streaming and retrieval scores come from the page's shared scan of the probes' rows (components/longstate.py:
+`scan`, which also gives the probes' dense side), the retrieval-aware score from the long detector shared with the
+Heads page (`longstate.long_detection`), the importance from a short KV-group ablation (`longstate.importance`);
+each is kept on disk, shown at once when this machine holds it, else one button with its expected time and a Stop.
+The page calls `score_fills`; the plan it makes becomes the view's (`state.set_plan`).
 """
 from __future__ import annotations
 
 import streamlit as st
 
 from analysis.arch.window import Window
-from analysis.measure.long_options import (DEFAULT_DEPTHS, PAGE_IMPORTANCE_TOKENS, PAGE_LENGTH, PAGE_PROBES,
-                                           PAGE_SEQUENCES, PRECISION_CHOICES)
+from analysis.core.errors import InputError
+from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
 
-from . import cache, state
-from .state import ModelKey
+from . import cache, longstate, state
+from .errors import shown_errors
 
-PRECISION_KEY = "long.precision"
-_PRECISION_WORDS = {"float32": "float32 (the reference)", "bfloat16": "bfloat16 (faster on this CPU)"}
-
-
-# -- the settings the page's long passes share --------------------------------------------------------------
-
-def probe_settings(lm, context: int) -> tuple:
-    """(probes, tokens per row, depths, sequences per depth) of the probes section's boxes as last set (the page's
-    defaults before), the length clipped to the model's context."""
-    from .longctx import context_limit
-    limit = context_limit(lm)
-    probes = tuple(state.kept("long.probes.names", list(PAGE_PROBES)) or PAGE_PROBES)
-    length = min(int(state.kept("long.probes.length", min(context, PAGE_LENGTH, limit))), limit)
-    depths = tuple(sorted(float(d) for d in (state.kept("long.probes.depths", list(DEFAULT_DEPTHS)) or DEFAULT_DEPTHS)))
-    return probes, length, depths, int(state.kept("long.probes.sequences", PAGE_SEQUENCES))
+IMPORTANCE_TOKENS = PAGE_IMPORTANCE_TOKENS      # tokens of the KV-group ablation that ranks what a plan prunes
 
 
-def precision() -> str:
-    """The long passes' precision as the radio last said (float32 before)."""
-    value = state.kept(PRECISION_KEY, "float32")
-    return value if value in PRECISION_CHOICES else "float32"
+def _long_scores(lm, name: str, options: dict):
+    """The button and the result (a Detection, or None) of one long detector, computed by the same cached call
+    as the Heads page's (so a score measured there with these options is read here, and the other way round)."""
+    from analysis.measure.detectors import get_detector
+    passes = get_detector(name, lm.tokenizer, **options).passes(lm.model)
+    opts = tuple(sorted(options.items()))
+    return cache.run_button(f"Measure the {name} scores ({len(passes)} pass{'es' if len(passes) > 1 else ''} of "
+                            f"{passes[0]:,} tokens)", button_key=f"long.scores.{name}", slot=f"long.scores.{name}",
+                            run_key=(lm.name, name, opts), fn=longstate.long_detection,
+                            args=(state.model_key(), name, opts), label=f"Measuring the {name} scores",
+                            kind="long-detectors", work=longstate.long_work(passes),
+                            stale_note="The window or the length changed since ({view}); press the button again.",
+                            view=", ".join(f"{k} {v}" for k, v in opts))
 
 
-def precision_choice(lm) -> str:
-    """The radio of the long passes' precision: bfloat16 offered where the CPU (or GPU) has native kernels."""
-    from analysis.core.placement import fast_bfloat16
-    fast = fast_bfloat16(lm.device.type)
-    value = st.radio("Precision of the long passes", list(PRECISION_CHOICES), horizontal=True,
-                     format_func=_PRECISION_WORDS.get, disabled=not fast,
-                     key=state.widget_key(PRECISION_KEY, value="float32"),
-                     help="bfloat16 multiplies the matrices in bfloat16 (AVX-512 BF16 or AMX on a CPU); the heads' "
-                          "taps stay float32. What it changes on SmolLM2 (the scores' rank correlation, the top "
-                          "heads, the probes' accuracy) and what it saves: docs/results.md, 'Long context in a "
-                          "minute'." if fast else
-                          "This machine has no native bfloat16 matrix kernels (AVX-512 BF16 or AMX): bfloat16 would "
-                          "be slower here than float32.")
-    return value if fast and value in PRECISION_CHOICES else "float32"
+def _fill_scores(geometry, model: str, window_score: str, windowing, retrieval, importance, window_share: float,
+                 prune_share: float, keep_retrieval: bool, window: Window) -> None:
+    """windowing, retrieval: the detectors' Detections (the window score's; retrieval may be None); importance
+    [L, Hkv] or None."""
+    from analysis.score.kvscores import KVScores, plan_from_scores
+    dets = {name: d for name, d in ((window_score, windowing), ("retrieval", retrieval)) if d is not None}
+    scores = KVScores(retrieval=None if retrieval is None else retrieval.extras["kv_scores"], importance=importance,
+                      detections=dets, prune_tokens=IMPORTANCE_TOKENS if importance is not None else 0
+                      ).with_window_score(window_score, windowing.extras["kv_scores"])
+    try:
+        plan = plan_from_scores(geometry, scores, window_share=window_share, prune_share=prune_share,
+                                keep_retrieval=keep_retrieval, window=window, window_score=window_score, model=model)
+    except InputError as err:
+        state.remember(state.PLAN_NOTE, str(err))
+        return
+    state.set_plan(plan.modes, "scores")
+    state.remember(state.PLAN_NOTES, (state.get("kv"), plan.notes))
 
 
-# -- cached calls -----------------------------------------------------------------------------------------------
-
-@st.cache_resource(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def fingerprint(key: ModelKey) -> str:
-    """The model's fingerprint (analysis.arch.stored.model_fingerprint), once per server and model."""
-    from analysis.arch.stored import model_fingerprint
-    return model_fingerprint(cache.load(key))
+def _window_options(name: str, length: int, window: Window) -> dict:
+    """The options a window score is measured with on this page: its length and the page's window (and two needles
+    per depth for the retrieval-aware rows, as the retrieval score's)."""
+    return dict(lengths=(length,), **window.as_dict(), **({"needles": 2} if name == "retrieval-aware" else {}))
 
 
-@st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def per_row(key: ModelKey, lengths: tuple, precision: str = "float32", short: int = 256, rows: int = 8) -> dict:
-    """length -> this machine's seconds for one row (analysis.measure.probes.longcontext.row_seconds: a forward of
-    `rows` x `short` tokens in `precision` and the attention kernel at each length), once per server and model."""
-    from analysis.measure.probes.longcontext import row_seconds
-    with cache.exclusive(key, what="Timing this machine's long passes") as lm:
-        return row_seconds(lm.model, list(lengths), geometry=lm.geometry, precision=precision, short=short, rows=rows)
+def score_fills(lm, window: Window) -> None:
+    """Fill the grid from the heads' own scores: window the share of KV heads lowest on the chosen window score
+    (streaming: the output change under this page's window; retrieval-aware: the needle answers' log-probability
+    lost when the KV head alone reads it), keep the KV heads that hold a retrieval head full, prune the least
+    important share (KV-group ablation). The streaming and retrieval scores come from one pass over the probes'
+    rows (components/longstate.scan, which also gives the probes' dense side), the retrieval-aware score from its own
+    rows at the probes' length; every score is kept on disk and shown at once when this machine holds it."""
+    from analysis.measure.detector_registry import detector_spec
+    from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
+    g = lm.geometry
+    with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
+                     expanded=False):
+        st.caption("The streaming and retrieval scores, read from one pass over the rows of the long-context probes "
+                   "below (their probes, tokens per row, depths and sequences, and the precision there), at this "
+                   "page's window; the importance from a short ablation on built-in text.")
+        windowing = retrieval = importance = None
+        window_score = st.radio(
+            "Window the KV heads lowest on", WINDOW_SCORES, horizontal=True,
+            key=state.widget_key("long.scores.by", value=DEFAULT_WINDOW_SCORE),
+            format_func=lambda name: f"the {name} score",
+            help="; ".join(f"{name}: {detector_spec(name).help}" for name in WINDOW_SCORES) + ".")
+        with shown_errors("Measuring the heads' scores"):
+            context = longstate.view_window(lm)[0]
+            streaming, retrieval = heads_scores(lm, window, context)
+            windowing = streaming
+            if window_score != "streaming":                   # its own rows, at the probes' length
+                length = longstate.probe_settings(lm, context)[1]
+                windowing = _long_scores(lm, window_score, _window_options(window_score, length, window))
+        with shown_errors("Measuring the KV groups' importance"):
+            importance = importance_scores(lm, IMPORTANCE_TOKENS)
+        if windowing is None:
+            st.caption(f"Measure the {window_score} scores to fill the grid from them.")
+            return
+        c1, c2 = st.columns(2)
+        share = c1.slider(f"Window the lowest on the {window_score} score (% of KV heads)", 0, 100, step=5,
+                          key=state.widget_key("long.scores.window", value=50))
+        prune = c2.slider("Prune the least important (% of KV heads)", 0, 100, step=5,
+                          key=state.widget_key("long.scores.prune", value=0), disabled=importance is None,
+                          help=None if importance is not None else "Measure the KV groups' importance first.")
+        keep = st.checkbox("Keep KV heads with a retrieval head full", disabled=retrieval is None,
+                           key=state.widget_key("long.scores.keep", value=True),
+                           help="A KV head one of whose query heads copies at least 10 % of a needle (Wu et al. "
+                                "2024) stays full whatever its window score." if retrieval is not None else
+                           "Measure the retrieval scores first.")
+        st.button(f"Fill the grid: window {share} % by the {window_score} score, prune "
+                  f"{prune if importance is not None else 0} %"
+                  + (", retrieval heads full" if keep and retrieval is not None else ""), key="long.scores.fill",
+                  on_click=_fill_scores, type="primary",
+                  args=(g, lm.name, window_score, windowing, retrieval, importance, share / 100,
+                        (prune / 100) if importance is not None else 0.0,
+                        bool(keep) and retrieval is not None, window))
 
 
-def built(key: ModelKey, settings: tuple) -> dict:
-    """The probes' rows of `settings` (probe_settings' tuple): components/longprobes.long_items."""
-    from .longprobes import long_items
-    probes, length, depths, n_items = settings
-    return long_items(key, tuple(probes), int(length), tuple(depths), int(n_items))
-
-
-def stored_scan(key: ModelKey, settings: tuple, window: Window, precision: str):
-    """(LongScan, Lookup) when this machine holds the scan, else (None, Lookup): no model time."""
-    from analysis.score.longscan import stored_scan as lookup
-    return lookup(cache.load(key), built(key, settings), window=window, precision=precision, compute=False,
-                  fingerprint=fingerprint(key))
-
-
-def stored_dense(key: ModelKey, settings: tuple, precision: str):
-    """(the probes' dense side or None, Lookup): what any stored scan of these rows left (no model time)."""
-    from analysis.score.longscan import stored_dense as lookup
-    return lookup(cache.load(key), built(key, settings), precision=precision, compute=False,
-                  fingerprint=fingerprint(key))
-
-
-@st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def scan(key: ModelKey, settings: tuple, window: Window, precision: str, _progress=None, _should_stop=None):
-    """(LongScan, Lookup) of the probes' rows: from the store, else measured under the model's lock and stored."""
-    from analysis.score.longscan import stored_scan as measured
-    found = stored_scan(key, settings, window, precision)
-    if found[0] is not None:
-        return found
-    rows = built(key, settings)
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        return measured(lm, rows, window=window, precision=precision, progress=_progress, should_stop=_should_stop,
-                        fingerprint=fingerprint(key))
-
-
-def dense(key: ModelKey, settings: tuple, precision: str, _progress=None, _should_stop=None) -> dict:
-    """The probes' dense side (long_context_report's `dense=`): stored, else from a scan with the page's window
-    (which stores the heads' scores of these rows as well)."""
-    got, _ = stored_dense(key, settings, precision)
-    if got is not None:
-        return got
-    from analysis.score.longscan import dense_of
-    sc, _ = scan(key, settings, Window(), precision, _progress=_progress, _should_stop=_should_stop)
-    return dense_of(sc, built(key, settings))
-
-
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def importance(key: ModelKey, tokens: int, precision: str = "float32", _progress=None, _should_stop=None):
-    """([L, Hkv] loss increase per removed KV group, Lookup): from the store, else measured and stored."""
-    from analysis.score.longscan import stored_importance
-    found = stored_importance_lookup(key, tokens, precision)
-    if found[0] is not None:
-        return found
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        return stored_importance(lm, tokens, precision=precision, progress=_progress, should_stop=_should_stop,
-                                 fingerprint=fingerprint(key))
-
-
-# -- what the page shows ------------------------------------------------------------------------------------------
-
-def _stored_words(found) -> str:
-    about = found.about or {}
-    return (f"Read from this machine's stored results (measured {about.get('stored', 'earlier')} in "
-            f"{float(about.get('seconds', 0)):.0f} s); `headscope cache clear` removes them.")
-
-
-@st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def per_step(key: ModelKey, lengths: tuple, batch_tokens: int | None = None) -> dict:
-    """length -> this machine's seconds for one decode call of the generated answers at that length
-    (analysis.measure.probes.longcontext.step_seconds: the probes' batches, or `batch_tokens` = 1 for one row a
-    call, RULER's), once per server and model."""
-    from analysis.measure.probes.longcontext import BATCH_TOKENS, step_seconds
-    with cache.exclusive(key, what="Timing this machine's long passes") as lm:
-        return step_seconds(lm.model, list(lengths), geometry=lm.geometry,
-                            batch_tokens=BATCH_TOKENS if batch_tokens is None else batch_tokens)
-
-
-def work_seconds(key: ModelKey, work, precision: str = "float32") -> float:
-    """The predicted seconds of a LongWork: its rows x this machine's seconds per row in `precision`, its decode calls
-    x the seconds of one (`per_row`, `per_step`)."""
-    steps = per_step(key, tuple(sorted(work.steps))) if work.steps else None
-    return work.seconds(per_row(key, tuple(sorted(work.rows)), precision), steps)
-
-
-def scan_seconds(key: ModelKey, rows: dict, precision: str = "float32") -> float:
-    """The predicted seconds of one pass over `rows` (the probes' rows and their generated answers' decode calls)."""
-    from analysis.measure.probes.longcontext import long_work
-    return work_seconds(key, long_work(rows), precision)
-
+# -- the scores' buttons ---------------------------------------------------------------------------
 
 def heads_scores(lm, window: Window, context: int):
     """(streaming Detection, retrieval Detection) measured on the probes section's rows with `window` (stored: shown
     at once; else a button with its expected time), or (None, None) before they are measured."""
     key = state.model_key()
-    settings = probe_settings(lm, context)
-    prec = precision()
-    rows = built(key, settings)
+    settings = longstate.probe_settings(lm, context)
+    prec = longstate.precision()
+    rows = longstate.built(key, settings)
     n_rows = sum(items.ids.shape[0] for (_, _, items) in rows.values())
     probes, length = settings[0], settings[1]
     where = (f"{n_rows} rows of {length:,} tokens of the probes below ({', '.join(probes)}), with this page's window, "
              f"in {prec}")
-    found = stored_scan(key, settings, window, prec)
+    found = longstate.stored_scan(key, settings, window, prec)
     run_key = (key, settings, window, prec)
     if found[0] is not None:
         state.remember_run("long.scores.scan", run_key, found, view=where)
-        st.caption(f"The heads' scores on {where}. " + _stored_words(found[1]))
+        st.caption(f"The heads' scores on {where}. " + longstate.stored_words(found[1]))
         result = found
     else:
         result = cache.run_button(
             f"Measure the heads' scores ({where}; one pass a row also gives the probes' dense side)",
-            button_key="long.scores.scan", slot="long.scores.scan", run_key=run_key, fn=scan,
+            button_key="long.scores.scan", slot="long.scores.scan", run_key=run_key, fn=longstate.scan,
             args=(key, settings, window, prec), label="Measuring the heads' scores", kind="long-scan",
-            work=scan_seconds(key, rows, prec), view=where,
+            work=longstate.scan_seconds(key, rows, prec), view=where,
             stale_note="The probes' rows, the window or the precision changed since ({view}); press the button "
                        "again.")
     if result is None:
@@ -205,64 +152,14 @@ def importance_scores(lm, tokens: int = PAGE_IMPORTANCE_TOKENS):
     """[L, Hkv] KV groups' importance: stored, shown at once; else a button."""
     key = state.model_key()
     g = lm.geometry
-    prec = precision()
-    found = stored_importance_lookup(key, tokens, prec)
+    prec = longstate.precision()
+    found = longstate.stored_importance_lookup(key, tokens, prec)
     if found[0] is not None:
-        st.caption(f"The KV groups' importance (ablation on {tokens} tokens, {prec}). " + _stored_words(found[1]))
+        st.caption(f"The KV groups' importance (ablation on {tokens} tokens, {prec}). " + longstate.stored_words(found[1]))
         return found[0]
     result = cache.run_button(
         f"Measure the KV groups' importance (ablation on {tokens} tokens, {prec})",
         button_key="long.scores.importance", slot="long.scores.importance", run_key=(key, tokens, prec),
-        fn=importance, args=(key, tokens, prec), label="Removing each KV group", kind="kv-importance",
-        work=importance_seconds(key, g, tokens, prec), stale_note="({view})", view="another model or precision")
+        fn=longstate.importance, args=(key, tokens, prec), label="Removing each KV group", kind="kv-importance",
+        work=longstate.importance_seconds(key, g, tokens, prec), stale_note="({view})", view="another model or precision")
     return None if result is None else result[0]
-
-
-def importance_seconds(key: ModelKey, g, tokens: int, precision: str = "float32") -> float:
-    """The predicted seconds of the KV groups' ablation (analysis.score.longscan.importance_seconds) at this
-    machine's seconds per row of `tokens` tokens, timed in batches of the sweep's own size."""
-    from analysis.score.longscan import head_fraction, importance_ablations, importance_seconds as predicted
-    tokens = int(tokens)
-    timed = per_row(key, (tokens,), precision, short=tokens, rows=importance_ablations(g))
-    return predicted(g, tokens, timed[tokens], head_fraction(cache.load(key).model))
-
-
-def stored_importance_lookup(key: ModelKey, tokens: int, precision: str = "float32"):
-    """(importance or None, Lookup): what this machine holds (no model time)."""
-    from analysis.score.longscan import stored_importance
-    return stored_importance(cache.load(key), tokens, precision=precision, compute=False, fingerprint=fingerprint(key))
-
-
-# -- clearing ------------------------------------------------------------------------------------------------
-
-def _forget(key: ModelKey) -> None:
-    """on_click: remove this model's stored results (every measure) and the server's cached copies of them."""
-    from analysis.core.store import Store
-    from . import longprobes, ruler, taxonomy
-    removed = Store().clear(model=fingerprint(key))
-    for fn in (scan, importance, longprobes.plan_report, taxonomy.long_detection, ruler.dense_side,
-               ruler.plan_report, ruler.dense_measured):
-        fn.clear()
-    state.remember("long.forgot", removed)
-
-
-def forget_button(lm) -> None:
-    """What this machine stores for the model (count, size) and a button that clears it (the CLI's `cache clear`)."""
-    from analysis.core.store import Store
-    key = state.model_key()
-    mine = [e for e in Store().entries() if e.key.get("model") == fingerprint(key)]
-    forgot = state.recall("long.forgot")
-    if forgot is not None:
-        st.caption(f"Removed {forgot} stored result{'s' if forgot != 1 else ''} of this model.")
-        state.forget("long.forgot")
-    if not mine:
-        return
-    size = sum(e.bytes for e in mine)
-    st.button(f"Clear this model's stored results ({len(mine)}, {size / 1024:,.0f} KiB)", key="long.store.clear",
-              on_click=_forget, args=(key,),
-              help="The long-context results this machine keeps for this model (heads' scores, probes, plans, "
-                   "importance; `headscope cache list`): removed for every session; the next run measures again.")
-
-
-__all__ = ["probe_settings", "precision", "precision_choice", "scan", "dense", "importance", "per_row",
-           "stored_scan", "stored_dense", "heads_scores", "importance_scores", "scan_seconds", "forget_button"]

@@ -4,9 +4,13 @@ Every number comes from `analysis.score.masks.summarize_mask` under the chosen k
 surgery will build -- so growth (uneven GQA groups: K/V copied per query head) shows as growth,
 with the summary's warnings naming the cause and the policy that avoids it; and from
 `analysis.compress.export.stock_check`: whether a stock config can describe the result, and if not the
-nearest sparsities that can.
+nearest sparsities that can. And the tables every dense-vs-cut report shares: `cut_verdict` (the long-context
+probes' and RULER's verdict, table and downloads), `flagged_table`, `wide_table`, `csv_text`.
 """
 from __future__ import annotations
+
+import csv
+import io
 
 import streamlit as st
 
@@ -204,6 +208,15 @@ def deployment_table(dense: dict, pruned: dict) -> list[dict]:
     rows.append({"measure": "tensor types", "dense": dense.get("tensor_types", ""),
                  "pruned": pruned.get("tensor_types", ""), "pruned vs dense": "", "worse": ""})
     return rows
+
+
+def csv_text(rows: list[dict]) -> str:
+    """Rows (dicts) as CSV text, the columns in the order they first appear: a report's download."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
 
 
 def cut_verdict(rows: list[dict], *, cut: bool, warnings: list[str], lost: str, kept: str, notes: str = "",

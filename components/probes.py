@@ -191,8 +191,7 @@ def _show_map(lm, m, g) -> None:
         st.caption("Roles from the head detectors above. " + "; ".join(
             f"{r['role']}: {r['with_role']} of the top 10 (about {r['expected']:.1f} by chance)" for r in roles.values()))
     from analysis.score.specialization import probe_strengths, role_tests
-    from components.taxonomy import mpg
-    scores = mpg(state.model_key(), 2.0)
+    scores = cache.mpg(state.model_key(), 2.0)
     t = role_tests(scores.scores, probe_strengths({m.name: m}, 10), n_permutations=10_000, seed=0)[0]
     st.caption(f"Does MP find these heads? ROC AUC of the MP-G score (z = 2) for the probe's top 10 heads: "
                f"{t.auc:.3f} (permutation p {t.p_value:.4f}; > 0.5 = MP keeps them, < 0.5 = MP prunes them first).")

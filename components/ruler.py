@@ -15,9 +15,8 @@ import streamlit as st
 
 from analysis.arch.kvplan import KVPlan
 
-from . import cache, longscan, numbers, state
+from . import cache, longstate, numbers, state
 from .errors import shown_errors
-from .harness import csv_text
 from .state import ModelKey
 
 APP_SAMPLES = 5                    # rows per task the page suggests: a first look (the bench takes 25 and more)
@@ -36,12 +35,14 @@ def ruler_rows(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int
                        limit=context_length(lm.model))
 
 
+@longstate.forgotten_with_store
 @st.cache_resource(show_spinner=False)
 def dense_measured() -> set:
     """The dense sides this server has cached (their keys): a second plan's estimate is the plan's alone."""
     return set()
 
 
+@longstate.forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
 def dense_side(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int, _progress=None,
                _should_stop=None):
@@ -51,7 +52,7 @@ def dense_side(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int
     rows = ruler_rows(key, tasks, length, samples, seed)
     with cache.exclusive(key, _progress, _should_stop) as lm:
         dense, _ = stored_dense(lm, rows, progress=_progress, should_stop=_should_stop,
-                                fingerprint=longscan.fingerprint(key))
+                                fingerprint=longstate.fingerprint(key))
     dense_measured().add((repr(key), tasks, length, samples, seed))
     return dense
 
@@ -63,12 +64,13 @@ def dense_known(key: ModelKey, tasks: tuple, length: int, samples: int, seed: in
     known = dense_measured()
     if (repr(key), tasks, length, samples, seed) not in known:
         run, _ = stored_dense(cache.load(key), ruler_rows(key, tasks, length, samples, seed), compute=False,
-                              fingerprint=longscan.fingerprint(key))
+                              fingerprint=longstate.fingerprint(key))
         if run is not None:
             known.add((repr(key), tasks, length, samples, seed))
     return (repr(key), tasks, length, samples, seed) in known
 
 
+@longstate.forgotten_with_store
 @st.cache_resource(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)   # it holds the rows (a resource)
 def plan_report(key: ModelKey, tasks: tuple, length: int, samples: int, seed: int, plan: KVPlan,
                 _progress=None, _should_stop=None):
@@ -97,7 +99,7 @@ def _seconds(key: ModelKey, rows, known: bool, cut: bool) -> float:
     if not work.passes:
         return 0.0
     lengths = tuple(sorted(work.rows))
-    return work.seconds(longscan.per_row(key, lengths), longscan.per_step(key, lengths, batch_tokens=1))
+    return work.seconds(longstate.per_row(key, lengths), longstate.per_step(key, lengths, batch_tokens=1))
 
 
 def table_rows(table: list[dict]) -> list[dict]:
@@ -127,8 +129,7 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
         from analysis.measure.harness import harness_missing
         st.info(harness_missing(), icon=":material/download:")
         return
-    from .longctx import context_limit
-    limit = context_limit(lm)
+    limit = longstate.context_limit(lm)
     lengths = [n for n in RULER_LENGTHS if n <= limit]
     if not lengths:
         st.caption(f"RULER's shortest rows are {RULER_LENGTHS[0]:,} tokens; this model reads {limit:,}.")
@@ -179,5 +180,5 @@ def _show(rep) -> None:
     numbers.cut_verdict(table_rows(rep.table()), cut=rep.cut is not None, warnings=rep.warnings(), lost="on RULER",
                         kept="No task lost: the plan's interval reaches dense's score on every task.",
                         notes=("Note: " + "; ".join(dict.fromkeys(rep.rows.notes)) + ".") if rep.rows.notes else "",
-                        title="RULER", file="ruler", key="long.ruler", csv=csv_text(rep.table()),
+                        title="RULER", file="ruler", key="long.ruler", csv=numbers.csv_text(rep.table()),
                         as_json=json.dumps(rep.as_dict(), indent=1, default=str))

@@ -41,7 +41,9 @@ it is open weights only): the one key of the loaded model and of everything cach
 Other keys this module owns: the stop flag and stop count of long work (`stop_check`), `remember`/`recall` slots that keep
 a button's result on screen across reruns (`remember_run` / `run_result` / `run_view` for the
 (run key, result) pairs of `cache.run_button`, whose run keys start with the model name), and
-which calibration scores were computed for which parameters (`mark_scored` / `is_scored`).
+which calibration scores were computed for which parameters (`mark_scored` / `is_scored`), and the Long
+context page's plan (`set_plan`, `adopt_plan`: the grid starts again from a replaced plan) with the names of
+the slots and widgets more than one of its sections reads (`PLAN_NOTE`, `LONG_PRECISION`, `PROBE_*`).
 """
 from __future__ import annotations
 
@@ -561,3 +563,29 @@ def new_kv_editor() -> None:
     version, _ = ss.get(_KV_EDITOR, (0, None))
     ss.pop(f"{WIDGET_PREFIX}long.grid.{version}", None)
     ss[_KV_EDITOR] = (version + 1, None)
+
+
+# -- the Long context page's plan and the names its sections share ------------------------------------
+
+PLAN_NOTE = "long.note"             # slot: a fill's or an upload's refusal, shown once under the grid
+PLAN_NOTES = "long.notes"           # slot: (plan link text, the notes of the plan the heads' scores made)
+LONG_PRECISION = "long.precision"   # widget: the precision of every long pass of the page
+PROBE_NAMES, PROBE_LENGTH = "long.probes.names", "long.probes.length"          # widgets: the probes section's
+PROBE_DEPTHS, PROBE_SEQUENCES = "long.probes.depths", "long.probes.sequences"  # boxes, read by the shared scan
+
+
+def set_plan(modes, source: str) -> None:
+    """modes [L, Hkv] become the view's plan (source: a key of PLAN_SOURCES); the grid starts again from it."""
+    set("kv", kv_text(modes))
+    set("plan", source)
+    new_kv_editor()
+    forget(PLAN_NOTE)
+
+
+def adopt_plan(plan, source: str, limit: int) -> None:
+    """A KVPlan from elsewhere (a kv_plan.json, a DuoAttention pattern) becomes the view's plan, with its window
+    (each number within the model's limit `limit`). source: a key of PLAN_SOURCES."""
+    set_plan(plan.modes, source)
+    for name, value in plan.window.as_dict().items():
+        set(name, min(int(value), limit))
+        reset_widget(name)

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from analysis.core.errors import InputError
-from components import cache, charts, controls, explain, figures, numbers, state
+from components import cache, charts, controls, explain, figures, longstate, numbers, state
 from components.errors import shown_errors
 
 
@@ -28,18 +28,6 @@ def detections(key, names: tuple, text: str | None, max_tokens: int, _progress=N
                             should_stop=_should_stop)
 
 
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def long_detection(key, name: str, options: tuple, _progress=None, _should_stop=None):
-    """One long-context detector (retrieval, streaming) on the dense model; options: sorted (name, value). Kept on
-    disk (analysis.score.longscan.stored_detections): read back without the model's lock when stored."""
-    from analysis.score.longscan import stored_detections
-    found, _ = stored_detections(cache.load(key), [name], dict(options), compute=False)
-    if found.get(name) is not None:
-        return found[name]
-    with cache.exclusive(key, _progress, _should_stop) as lm:
-        return stored_detections(lm, [name], dict(options), progress=_progress, should_stop=_should_stop)[0][name]
-
-
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
 def sentence_dla(key, sentence: str):
     """(tokens, per-token head DLA [T-1, L, H], parts) of one sentence."""
@@ -50,12 +38,6 @@ def sentence_dla(key, sentence: str):
         parts = logit_parts(lm.model, ids[None])
         tokens = [lm.tokenizer.decode([int(t)]) for t in ids]
     return tokens, parts.heads[0], parts
-
-
-@st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def mpg(key, z: float):
-    from analysis.score.specialization import mpg_scores
-    return mpg_scores(cache.load(key), z)
 
 
 # -- figures -----------------------------------------------------------------------------------------
@@ -190,7 +172,7 @@ def _specialization(lm, result: dict) -> None:
     from components import views
     st.markdown("#### Does MP find the specialized heads?")
     with shown_errors("MP-G versus roles"):
-        scores = mpg(state.model_key(), 2.0)
+        scores = cache.mpg(state.model_key(), 2.0)
         strengths = strengths_of(result)
         tests = role_tests(scores.scores, strengths, n_permutations=10_000, seed=0)
         st.dataframe([dict(role=t.role, heads_with_role=t.n_with_role, auc=round(t.auc, 3),
@@ -223,12 +205,6 @@ score against its role strength; the table below it, which roles the current mas
 
 
 # -- heads for long contexts ----------------------------------------------------------------------------
-
-def long_work(passes: list[int]) -> float:
-    """Forward-token units of a long detector's passes: attention grows with the context, so a token of a
-    4k pass costs about twice one of a 1k pass here (n * (1 + n / 2048) per pass; components/jobs.py)."""
-    return float(sum(n * (1 + n / 2048) for n in passes))
-
 
 def _long_options(lm, name: str, spec) -> dict:
     """The widgets of one long detector -> its options (the context clamped to the model's)."""
@@ -300,10 +276,10 @@ def long_section(lm) -> None:
                 continue
             result = cache.run_button(f"Run the {name} detector ({len(passes)} passes of {passes[0]:,} tokens)",
                                       button_key=f"heads.long.{name}", slot=f"heads.long.{name}",
-                                      run_key=(lm.name, name, tuple(sorted(options.items()))), fn=long_detection,
+                                      run_key=(lm.name, name, tuple(sorted(options.items()))), fn=longstate.long_detection,
                                       args=(state.model_key(), name, tuple(sorted(options.items()))),
                                       label=f"Running the {name} detector", kind="long-detectors",
-                                      work=long_work(passes),
+                                      work=longstate.long_work(passes),
                                       stale_note="The settings changed since the last run; press the button again.")
             if result is None:
                 continue
@@ -312,7 +288,7 @@ def long_section(lm) -> None:
                                                     group_size=lm.geometry.group_size), f"heads.long.{name}.map")
             st.caption(spec.help)
             st.markdown(_long_summary(name, r))
-            test = role_tests(mpg(state.model_key(), 2.0).scores, {name: (r.scores, r.threshold)},
+            test = role_tests(cache.mpg(state.model_key(), 2.0).scores, {name: (r.scores, r.threshold)},
                               n_permutations=10_000, seed=0)[0]
             st.markdown(f"Does MP find them? MP-G (z = 2) ROC AUC for '{name}' heads: "
                         + ("n/a (no head has the role, or every head has it)" if not np.isfinite(test.auc) else

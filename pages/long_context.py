@@ -2,10 +2,11 @@
 a grid beside its heatmap, what it costs at the chosen context (KV memory, predicted prefill and decode
 speed, KV memory vs context for dense, the Prune page's mask and the plan), what it keeps (the long-context
 probes, dense vs the plan: components/longprobes.py; RULER: components/ruler.py), and its kv_plan.json. The plan
-and the context live in the URL (components/state.py); the logic is components/longctx.py."""
+and the context live in the URL (components/state.py); the logic is components/longctx.py (the plan), longscan.py
+(the fills from the heads' scores) and duo.py (DuoAttention patterns), all on components/longstate.py."""
 import streamlit as st
 
-from components import cache, duo, longctx, longprobes, ruler, shell, state
+from components import cache, duo, longctx, longprobes, longscan, ruler, shell, state
 
 shell.ensure_app()
 
@@ -27,7 +28,7 @@ with left:
     modes = longctx.plan_grid(lm)
     longctx.show_note()
     longctx.fill_buttons(lm)
-    longctx.score_fills(lm, window)
+    longscan.score_fills(lm, window)
 plan = longctx.current_plan(lm, window, notes=False)
 with right:
     longctx.plan_view(lm, plan, context)

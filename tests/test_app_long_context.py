@@ -389,9 +389,9 @@ def test_rulers_expected_time_is_the_commands_estimate(tiny_ruler, monkeypatch, 
     seconds, as an upper bound. (Before a RULER job has run here: the first ruler test of this module.)"""
     from analysis.arch.models import load_model
     from analysis.measure.ruler import build_ruler, ruler_work
-    from components import jobs, longscan
-    monkeypatch.setattr(longscan, "per_row", lambda key, lengths, *a, **k: {n: 7.0 for n in lengths})
-    monkeypatch.setattr(longscan, "per_step", lambda key, lengths, *a, **k: {n: 0.5 for n in lengths})
+    from components import jobs, longstate
+    monkeypatch.setattr(longstate, "per_row", lambda key, lengths, *a, **k: {n: 7.0 for n in lengths})
+    monkeypatch.setattr(longstate, "per_step", lambda key, lengths, *a, **k: {n: 0.5 for n in lengths})
     monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))        # nothing stored: both sides run
     at = _open(tiny_ruler, kv="wf.pw", sinks=2, recent=64)
     at.multiselect(key="hs.w.long.ruler.tasks").set_value(["niah_single_1"]).run()

@@ -1,4 +1,4 @@
-"""The Long context page's long passes, measured once (components/longscan.py): one button measures the heads'
+"""The Long context page's long passes, measured once (components/longstate.py): one button measures the heads'
 scores on the probes' rows and they equal the library's scan of those rows; the probes' run then measures the
 plan's side alone (its dense side is the scan's); after a restart (every Streamlit cache cleared) the scores and
 the importance are on the page at once, read from the store, with no button, and the plan's side of a plan

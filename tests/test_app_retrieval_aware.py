@@ -39,7 +39,7 @@ def test_the_heads_page_runs_it_on_its_own_button(tiny_long):
 
 def test_the_long_context_page_fills_the_grid_from_it(tiny_long, downloads, tmp_path, monkeypatch):
     """The retrieval-aware score on its own rows at the probes' row length, the retrieval score from the page's
-    shared scan of the probes' rows (components/longscan.py): the grid is plan_from_scores of the same scores."""
+    shared scan of the probes' rows (components/longstate.py): the grid is plan_from_scores of the same scores."""
     from analysis.arch.kvplan import MODES, read_kv_plan
     from analysis.arch.models import load_model
     from analysis.arch.window import Window
