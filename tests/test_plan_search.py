@@ -5,6 +5,8 @@ the budget holds, every other head is, in the prior's order); a window that cove
 loss (a window >= context == full); the plan's loss equals the answers' NLL of `applied(plan)` computed by hand;
 a stop keeps the plan so far only when asked; bad input is one line before any pass.
 """
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +116,18 @@ def test_a_target_no_window_reaches_and_an_unknown_search_are_one_line():
         P.GreedyPlanSearch().search(LoadedModel(model=None, tokenizer=None, name="x", kind="causal-lm",
                                                 adapter=None, geometry=GEO, source="x"), [])
 
+
+
+def test_the_command_refuses_in_one_line_before_the_model_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    from analysis.cli import common
+    from tests._input_checks import one_error_line, run_captured
+    monkeypatch.setattr(common, "load_source", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    out = tmp_path / "plan.json"
+    for argv, words in ((["--kv-target", "0"], "KV target"), (["--kv-target", "1.5"], "KV target"),
+                        (["--kv-target", "0.5", "--tasks", "ruler_qa_squad"], "download"),
+                        (["--kv-target", "0.5", "--cal-length", "1000"], "RULER length"),
+                        (["--kv-target", "0.5", "--cal-samples", "0"], "--cal-samples"),
+                        (["--kv-target", "0.5", "--block", "0"], "block")):
+        code, _, err = run_captured(capsys, "plan-search", *argv, "--out", out, "--quiet")
+        assert code == 2 and re.search(words, one_error_line(err), re.I), (argv, err)
+        assert not out.exists()

@@ -18,6 +18,7 @@ the shared options and the registry common.py):
             a KV plan or an export (longctx.py)
     ruler   RULER's offline tasks (lm-evaluation-harness's ruler group, rows generated here) at chosen lengths:
             greedy generations, string-match scores with CIs, the exact rows as JSONL (ruler.py)
+    plan-search  a KV plan chosen whole against calibration answers at a target KV (plansearch.py)
     cache   the results kept on disk (analysis.core.store): list, clear, warm the Long context page's (cache.py)
 
 Sources: `--model` (a built-in name, a local folder or a hub id in the local cache) loads the
@@ -51,7 +52,8 @@ single-process numbers; the other commands run on rank 0 alone. Only rank 0 draw
 writes the result; a lost process ends the run with one error line.
 """
 from analysis.cli.common import COMMANDS, register
-from analysis.cli import cache, commands, export, harness, kvplan, longctx, pipeline, probes, roles, ruler  # noqa: F401  (each registers its commands)
+from analysis.cli import (cache, commands, export, harness, kvplan, longctx, pipeline, plansearch, probes,  # noqa: F401
+                          roles, ruler)  # each registers its commands
 from analysis.cli.main import build_parser, main
 
 __all__ = ["COMMANDS", "register", "build_parser", "main"]

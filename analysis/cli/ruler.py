@@ -3,7 +3,8 @@ on the model, greedy generations scored by the harness's string match, per task 
 (analysis.measure.ruler).
 
     python -m analysis ruler [--model M] [--tasks all|niah_single_1,ruler_vt,...] [--lengths 1024,2048]
-                             [--samples 25] [--ruler-seed S] [--rows-out rows.jsonl [--rows-only]]
+                             [--samples 25] [--ruler-seed S] [--split test|calibration]
+                             [--rows-out rows.jsonl [--rows-only]]
                              [--sparsity S (+ scorer / policy options) | --mask-file F | --kv-plan F | --export DIR]
                              [--refresh] [--format json|csv] [--out F] [--quiet]
 
@@ -43,6 +44,9 @@ def _arguments(parser):
                         help=f"rows per task and length, 1 to {MAX_SAMPLES} (default {DEFAULT_SAMPLES})")
     parser.add_argument("--ruler-seed", dest="ruler_seed", type=int, default=0,
                         help="which rows (and the bootstrap's resamples); --seed is the random scorer's")
+    parser.add_argument("--split", choices=("test", "calibration"), default="test",
+                        help="test rows (what verdicts read; the default) or calibration rows drawn apart from them "
+                             "(the other half of the built-in text, other keys: what a plan search reads)")
     parser.add_argument("--rows-out", dest="rows_out", default=None,
                         help="write the exact rows here as JSONL (token ids split into context / question, "
                              "references, max_new_tokens, stop strings) for a peer tool")
@@ -88,8 +92,8 @@ def run_ruler(ns):
     limit = context_length(loaded.model, default=2**31)
     check_ruler_lengths(lengths, limit)                              # above the model's context: before any row
     with progress_bar("making RULER's rows", not ns.quiet) as report:
-        rows = build_ruler(names, loaded.tokenizer, lengths, samples=ns.samples, seed=ns.ruler_seed, limit=limit,
-                           progress=report)
+        rows = build_ruler(names, loaded.tokenizer, lengths, samples=ns.samples, seed=ns.ruler_seed, split=ns.split,
+                           limit=limit, progress=report)
     if ns.rows_out is not None:
         atomic_write(ns.rows_out, rows_jsonl(export_rows(rows, loaded.tokenizer)), what="The rows file")
     if ns.rows_only:

@@ -1,0 +1,232 @@
+"""Benchmark: the KV frontier on dense's test set, plans chosen on calibration rows and judged on test rows (issue 52
+items 2-5; a result, not a test).
+
+- the test set: the cells of dense's map (docs/data/ruler_dense_map.json, bench/bench_ruler_map.py) at --length
+  where dense scores >= 0.8 on >= 25 rows; their test rows (seed 0, the evaluation half of the built-in text) and
+  dense's side read back from the store (the map measured them);
+- the calibration rows: the same tasks at --cal-length, --cal-samples each, split "calibration" (the other half of
+  the built-in text, other keys), checked apart from the test rows token for token (ruler.check_apart) before
+  anything runs;
+- headscope's plans at KV 0.75 / 0.5 / 0.33 / 0.25 of dense (at the test rows' median prompt): `search@r` (the
+  greedy plan search, analysis.score.plansearch, on the calibration answers) and `prior@r` (the same heads' one-pass
+  prior, windowed lowest first with no search: what choosing one head at a time gives); a ratio that windowing
+  alone cannot reach under the window is listed, not run. Each generates with its compact cache on the physically
+  pruned twin (bench_ruler.headscope_runs), paired against dense per cell and on the test-set average;
+- each plan kept as docs/data/plans/<method>-kv<r>.json, named by what it holds, with the rows it was chosen on.
+
+Usage: nice -n 10 .venv/bin/python -m bench.bench_kv_frontier [--length 1024] [--ratios 0.75,0.5,0.33,0.25]
+       [--methods search,prior] [--cal-length 1024] [--cal-samples 2] [--threads 2] [--out docs/data/kv_frontier.json]
+       [--write-docs] [--render-only]
+--out is rewritten after every config; a rerun with the same --out skips what is there (resume).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from analysis.core.atomic import atomic_write, write_section
+from analysis.core.errors import HeadscopeError, InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+FRONTIER_MARKERS = ("<!-- kv-frontier:begin -->", "<!-- kv-frontier:end -->")
+PLANS_DIR = ROOT / "docs" / "data" / "plans"
+RATIOS = (0.75, 0.5, 0.33, 0.25)
+METHODS = ("search", "prior")
+
+
+def test_rows(loaded, dense_map, length: int):
+    """(tasks, test rows of the test cells at `length`, dense's entry for bench_ruler: values and costs per task)."""
+    from analysis.measure.ruler import build_ruler, stored_dense
+    from bench.bench_ruler import _row_costs, _row_values
+    tasks = [t for t, n in dense_map.test_set() if n == length]
+    if not tasks:
+        raise InputError(f"Dense passes no task at {length:,} tokens in the map; pick a length with test cells.")
+    values, costs = {}, {}
+    for task in tasks:                                   # the map's own rows, one task each: its stored dense side
+        one = build_ruler([task], loaded.tokenizer, (length,), samples=dense_map.cells[task, length].n, seed=0)
+        dense, _ = stored_dense(loaded, one)
+        values.update(_row_values(dense, one, length))
+        costs.update(_row_costs(dense, one, length))
+    rows = build_ruler(tasks, loaded.tokenizer, (length,), samples=dense_map.cells[tasks[0], length].n, seed=0)
+    return tasks, rows, dict(values=values, costs=costs, seconds=None)
+
+
+def plan_file(method: str, ratio: float, plan, rows_used: dict) -> Path:
+    """docs/data/plans/<method>-kv<held>.json: the plan, with the rows it was chosen on in its notes."""
+    PLANS_DIR.mkdir(parents=True, exist_ok=True)
+    path = PLANS_DIR / f"{method}-kv{ratio:g}.json"
+    note = f"chosen on: {json.dumps(rows_used, sort_keys=True)}"
+    atomic_write(path, plan.with_modes(plan.modes, note).to_json())
+    return path
+
+
+def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, window, out: dict, log) -> dict:
+    from analysis.score.plansearch import GreedyPlanSearch, answer_prior, heads_for_ratio
+    from analysis.score.kvscores import plan_kv
+    g = loaded.geometry
+    n_kv = g.n_layers * g.n_kv_heads
+    searches = out.setdefault("searches", {})
+    prior = out.get("prior")
+    if prior is None:
+        t0 = time.perf_counter()
+        prior = answer_prior(loaded.model, cal_rows, window, g).tolist()
+        out["prior"], out["prior_seconds"] = prior, time.perf_counter() - t0
+    plans = {}
+    for ratio in ratios:
+        try:
+            need = heads_for_ratio(ratio, prompt, window, n_kv)
+        except InputError as err:
+            out.setdefault("unreachable", {})[f"{ratio:g}"] = str(err)
+            log(f"KV {ratio:g}: {err}")
+            continue
+        for method in methods:
+            name = f"{method}@{ratio:g}"
+            if method == "prior":
+                plan = plan_kv(g, np.array(prior), window_share=(need + 0.5) / n_kv, window=window, model=loaded.name)
+                plan = plan.with_modes(plan.modes, "windowed: the lowest one-pass answer prior (no search), "
+                                                   f"KV {ratio:g} of dense at {prompt:,} tokens")
+            elif name in searches:
+                from analysis.arch.kvplan import KVPlan
+                plan = KVPlan.from_dict(searches[name]["plan"])
+            else:
+                log(f"{name}: searching on {len(cal_rows)} calibration rows ...")
+                result = GreedyPlanSearch(target=ratio, context=prompt, window=window).search(
+                    loaded, cal_rows, prior=np.array(prior), rows_used=rows_used)
+                plan = result.plan
+                searches[name] = dict(result.summary(), plan=plan.as_dict(), trace=result.trace)
+                log(f"{name}: {result.summary()}")
+            plans[name] = plan
+            plan_file(method, ratio, plan, rows_used)
+    return plans
+
+
+def markdown(out: dict) -> str:
+    from bench.bench_ruler import _avg, kv_measured
+    entry = out["entry"]
+    lines = [f"Test set at {out['length']:,} tokens: {', '.join(out['tasks'])} ({out['rows']} test rows); plans chosen on "
+             f"{out['rows_used']['chosen_on']['rows']} calibration rows ({out['rows_used']['chosen_on']['what']}), "
+             f"checked apart from the test rows token for token. Score: RULER's string_match_all of generated "
+             f"answers; change against dense paired over the same rows, 95 % bootstrap CI.", "",
+             "| config | KV held | test-set average [CI] | change [CI] | " + " | ".join(out["tasks"]) + " | minutes |",
+             "|---|---:|---:|---:|" + "---:|" * len(out["tasks"]) + "---:|"]
+    d = _avg(next(iter(entry["configs"].values()))) if entry["configs"] else None
+    if d:
+        lines.append(f"| dense | 1.000 | {d['dense_score']:.3f} [{d['dense_low']:.3f}, {d['dense_high']:.3f}] | - | "
+                     + " | ".join(f"{c['dense_score']:.2f}" for c in next(iter(entry['configs'].values()))['cells']
+                                  if c['task'] != 'average') + " | - |")
+    for name, cfg in entry["configs"].items():
+        a = _avg(cfg)
+        held, _ = kv_measured(cfg, entry["dense"])
+        cells = {c["task"]: c for c in cfg["cells"]}
+        lines.append(f"| {name} | {held:.3f} | {a['cut_score']:.3f} [{a['cut_low']:.3f}, {a['cut_high']:.3f}] | "
+                     f"{a['change']:+.3f} [{a['change_low']:+.3f}, {a['change_high']:+.3f}]"
+                     + (" LOST" if a["lost"] else "") + " | "
+                     + " | ".join(f"{cells[t]['cut_score']:.2f}" + (" LOST" if cells[t]["lost"] else "")
+                                  for t in out["tasks"]) + f" | {cfg['seconds'] / 60:.0f} |")
+    for ratio, why in out.get("unreachable", {}).items():
+        lines.append(f"\nKV {ratio}: not run ({why})")
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: Path) -> None:
+    """Score against KV held, a line per method, dense as the ceiling (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.bench_ruler import _avg, kv_measured
+    entry = out["entry"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by: dict = {}
+    for name, cfg in entry["configs"].items():
+        by.setdefault(name.split("@")[0], []).append((kv_measured(cfg, entry["dense"])[0], _avg(cfg)))
+    for method, pts in sorted(by.items()):
+        pts.sort()
+        ax.errorbar([p[0] for p in pts], [p[1]["cut_score"] for p in pts],
+                    yerr=[[p[1]["cut_score"] - p[1]["cut_low"] for p in pts],
+                          [p[1]["cut_high"] - p[1]["cut_score"] for p in pts]], marker="o", capsize=3, label=method)
+    if by:
+        d = _avg(next(iter(entry["configs"].values())))
+        ax.axhspan(d["dense_low"], d["dense_high"], color="grey", alpha=0.2)
+        ax.axhline(d["dense_score"], color="black", lw=1, label="dense")
+    ax.set_xlabel("KV cache held / dense")
+    ax.set_ylabel("RULER test-set average")
+    ax.set_title(f"{out.get('model', '')}, {out['length']:,} tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(out: dict, args) -> None:
+    atomic_write(args.out, json.dumps(out, indent=1, default=str))
+    if args.write_docs and out.get("entry", {}).get("configs"):
+        write_section(ROOT / "docs" / "results.md", markdown(out), *FRONTIER_MARKERS)
+        plot(out, Path(args.out).with_suffix(".png"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--map", default=str(ROOT / "docs" / "data" / "ruler_dense_map.json"))
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--cal-length", dest="cal_length", type=int, default=1024)
+    p.add_argument("--cal-samples", dest="cal_samples", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "docs" / "data" / "kv_frontier.json"))
+    p.add_argument("--write-docs", dest="write_docs", action="store_true")
+    p.add_argument("--render-only", dest="render_only", action="store_true")
+    args = p.parse_args(argv)
+    out = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    if args.render_only:
+        print(markdown(out))
+        save(out, args)
+        return 0
+    import torch
+
+    from analysis.arch.models import load_model
+    from analysis.arch.window import Window
+    from analysis.measure.densemap import DenseMap
+    from analysis.measure.ruler import build_ruler, check_apart, prompt_lengths
+    from analysis.score.plansearch import ruler_answer_rows
+    from bench.bench_ruler import headscope_runs
+    torch.set_num_threads(args.threads)
+    log = lambda m: print(m, flush=True)                                      # noqa: E731
+    try:
+        loaded = load_model(args.model)
+        window = Window()
+        tasks, rows, dense = test_rows(loaded, DenseMap.read(args.map), args.length)
+        cal = build_ruler(tasks, loaded.tokenizer, (args.cal_length,), samples=args.cal_samples, seed=0,
+                          split="calibration")
+        check_apart(cal, rows, loaded.tokenizer)
+        cal_rows = ruler_answer_rows(cal, loaded.tokenizer)
+        prompt = int(np.median(list(prompt_lengths(rows, loaded.tokenizer).values())))
+        rows_used = dict(chosen_on=dict(split=cal.split, what=f"RULER {', '.join(tasks)} at {args.cal_length:,}, seed 0",
+                                        rows=len(cal_rows), digest=cal.digest),
+                         judged_on=dict(split=rows.split, what=f"RULER {', '.join(tasks)} at {args.length:,}, seed 0",
+                                        rows=rows.n_rows(), digest=rows.digest))
+        out.update(model=args.model, length=args.length, tasks=tasks, rows=rows.n_rows(), prompt=prompt,
+                   rows_used=rows_used, window=window.as_dict(), args=vars(args))
+        entry = out.setdefault("entry", {"configs": {}})
+        entry["dense"] = dense
+        plans = make_plans(loaded, args.methods.split(","), [float(r) for r in args.ratios.split(",")], prompt,
+                           cal_rows, rows_used, window, out, log)
+        holder = {"lengths": {str(args.length): entry}}
+        headscope_runs(loaded, rows, args.length, plans, holder, lambda: save(out, args), log)
+    except HeadscopeError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+    save(out, args)
+    print(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
