@@ -163,7 +163,23 @@ def plot(out: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def points(out: dict) -> dict:
+    """The page's view of the run: per config its KV held and test-set average with CI, dense's average."""
+    from bench.bench_ruler import _avg, kv_measured
+    entry, pts = out["entry"], {}
+    for name, cfg in entry["configs"].items():
+        a = _avg(cfg)
+        pts[name] = dict(method=name.split("@")[0], target=float(name.split("@")[1]),
+                         kv=kv_measured(cfg, entry["dense"])[0], score=a["cut_score"], low=a["cut_low"],
+                         high=a["cut_high"], lost=a["lost"], plan=f"docs/data/plans/{name.replace('@', '-kv')}.json")
+    d = _avg(next(iter(entry["configs"].values()))) if entry["configs"] else None
+    return dict(configs=pts, dense=None if d is None else dict(score=d["dense_score"], low=d["dense_low"],
+                                                                high=d["dense_high"]))
+
+
 def save(out: dict, args) -> None:
+    if out.get("entry", {}).get("configs"):
+        out["points"] = points(out)
     atomic_write(args.out, json.dumps(out, indent=1, default=str))
     if args.write_docs and out.get("entry", {}).get("configs"):
         write_section(ROOT / "docs" / "results.md", markdown(out), *FRONTIER_MARKERS)

@@ -570,3 +570,39 @@ def attention_over_keys(mass: np.ndarray, *, title: str, regions: dict[str, tupl
     fig.update_layout(title=title, height=340, xaxis_title="key position (token)", showlegend=False,
                       yaxis_title="attention (mean of the last queries)", margin=dict(l=60, r=20, t=60, b=45))
     return log_ticks(fig, [max(float(mass.max()), 1e-6), 1e-6])
+
+
+def task_length_heatmap(tasks: list[str], lengths: list[int], scores: np.ndarray, passes: np.ndarray, *,
+                        title: str) -> go.Figure:
+    """Dense's score per task (rows) and length (columns) [n_tasks, n_lengths], 0..1, the numbers written in;
+    cells in the test set (`passes` [n_tasks, n_lengths] bool) starred; NaN: not measured (blank)."""
+    scores = np.asarray(scores, dtype=float)                                           # [n_tasks, n_lengths]
+    text = [["" if np.isnan(v) else f"{v:.2f}" + (" *" if ok else "") for v, ok in zip(row, prow)]
+            for row, prow in zip(scores, passes)]
+    fig = go.Figure(go.Heatmap(z=scores, x=[f"{n:,}" for n in lengths], y=tasks, zmin=0.0, zmax=1.0,
+                               colorscale="RdYlGn", text=text, texttemplate="%{text}", colorbar=dict(title="score"),
+                               hovertemplate="%{y} at %{x} tokens: %{z:.2f}<extra></extra>"))
+    fig.update_layout(title=title, height=140 + 32 * len(tasks), margin=dict(l=140, r=20, t=50, b=50),
+                      xaxis_title="tokens", xaxis_type="category")
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def kv_frontier(lines: dict, dense: tuple[float, float, float], *, title: str, mark: float | None = None) -> go.Figure:
+    """Score against the KV cache held (x, fraction of dense), one line per method: lines[name] = [(kv, score,
+    low, high)]; dense (score, low, high) as the ceiling with its band; `mark`: the KV the view's plan holds."""
+    fig = go.Figure()
+    fig.add_hrect(y0=dense[1], y1=dense[2], fillcolor="#999", opacity=0.2, line_width=0)
+    fig.add_hline(y=dense[0], line=dict(color="black", width=1), annotation_text="dense",
+                  annotation_position="bottom left")
+    for i, (name, pts) in enumerate(sorted(lines.items())):
+        pts = sorted(pts)
+        fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], name=name, mode="lines+markers",
+                                 line=dict(color=PALETTE[i % len(PALETTE)]),
+                                 error_y=dict(type="data", symmetric=False, array=[p[3] - p[1] for p in pts],
+                                              arrayminus=[p[1] - p[2] for p in pts])))
+    if mark is not None:
+        fig.add_vline(x=mark, line=dict(color="#555", dash="dot"), annotation_text="this plan")
+    fig.update_layout(title=title, height=360, xaxis_title="KV cache held / dense", yaxis_title="test-set score (95 % CI)",
+                      yaxis_range=[-0.05, 1.05], margin=dict(l=50, r=20, t=50, b=40))
+    return fig

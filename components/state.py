@@ -121,7 +121,8 @@ KV_TEXT_MAX = 20_000           # letters of a plan in a link (a 126-layer x 16-K
 PLAN_SOURCES = {"full": "every KV head full (the dense model)", "mask": "the Prune page's mask",
                 "duo": "a DuoAttention pattern (full_attention_heads.tsv)",
                 "edited": "edited by hand", "file": "a kv_plan.json file",
-                "scores": "the heads' streaming / retrieval / importance scores"}
+                "scores": "the heads' streaming / retrieval / importance scores",
+                "frontier": "a plan of the KV frontier (docs/data/plans: chosen on calibration rows)"}
 
 
 def _kv_text(raw: str) -> str:

@@ -1,12 +1,13 @@
 """Long context page: a per-head KV plan (full / window / prune for every KV head of every layer) edited in
 a grid beside its heatmap, what it costs at the chosen context (KV memory, predicted prefill and decode
 speed, KV memory vs context for dense, the Prune page's mask and the plan), what it keeps (the long-context
-probes, dense vs the plan: components/longprobes.py; RULER: components/ruler.py), and its kv_plan.json. The plan
+probes, dense vs the plan: components/longprobes.py; RULER: components/ruler.py; dense's task x length map and the
+KV frontier: components/longmap.py), and its kv_plan.json. The plan
 and the context live in the URL (components/state.py); the logic is components/longctx.py (the plan), longscan.py
 (the fills from the heads' scores) and duo.py (DuoAttention patterns), all on components/longstate.py."""
 import streamlit as st
 
-from components import cache, duo, longctx, longprobes, longscan, ruler, shell, state
+from components import cache, duo, longctx, longmap, longprobes, longscan, ruler, shell, state
 
 shell.ensure_app()
 
@@ -40,4 +41,6 @@ longctx.memory_chart(lm, plan, context)
 longctx.prediction_table(lm, plan, context)
 longprobes.probe_section(lm, plan, context)
 ruler.ruler_section(lm, plan, context)
+longmap.map_section(lm)
+longmap.frontier_section(lm, plan)
 longctx.how_to_read()

@@ -491,3 +491,42 @@ def test_a_duoattention_pattern_shows_beside_the_plan_and_becomes_it(tiny_long, 
     no_exception(at)
     assert any("gate" in w.value for w in at.warning), [w.value for w in at.warning]
     np.testing.assert_array_equal(_grid(at), theirs.modes)
+
+
+def test_dense_map_and_the_frontier_show_what_their_files_hold(tiny_long, tmp_path, monkeypatch):
+    """Issue 52: dense's task x length map is the map file's scores, test cells starred; the frontier draws a line
+    per method from the frontier file, and one of its plans becomes the view's plan in one click."""
+    from analysis.arch.kvplan import KVPlan
+    from analysis.arch.models import load_model
+    from analysis.arch.window import Window
+    from analysis.measure.densemap import DenseCell, DenseMap
+    from components import longmap
+    name = load_model(str(tiny_long)).name
+    found = DenseMap(name)
+    for task, length, score in (("niah_single_1", 1024, 1.0), ("niah_single_1", 2048, 0.9), ("ruler_vt", 1024, 0.2)):
+        found.add(DenseCell(task, length, score, score - 0.1, min(score + 0.1, 1.0), 25))
+    (tmp_path / "map.json").write_text(json.dumps(found.as_dict()))
+    modes = np.zeros((L, HKV), np.int8)
+    modes[1:, 0] = 1
+    plan_path = tmp_path / "search-kv0.5.json"
+    plan_path.write_text(KVPlan(modes, Window(4, 60), H, name).to_json())
+    points = dict(configs={"search@0.5": dict(method="search", target=0.5, kv=0.49, score=0.9, low=0.8, high=1.0,
+                                              lost=False, plan=str(plan_path)),
+                           "prior@0.5": dict(method="prior", target=0.5, kv=0.5, score=0.4, low=0.3, high=0.5,
+                                             lost=True, plan=str(plan_path))},
+                  dense=dict(score=0.95, low=0.9, high=1.0))
+    (tmp_path / "frontier.json").write_text(json.dumps(dict(model=name, length=512, rows=50, prompt=400, points=points,
+                                                            rows_used={})))
+    monkeypatch.setattr(longmap, "MAP_FILE", tmp_path / "map.json")
+    monkeypatch.setattr(longmap, "FRONTIER_FILE", tmp_path / "frontier.json")
+    at = _open(tiny_long)
+    z = heatmap_z(figure_titled(at, "RULER score"))
+    np.testing.assert_array_equal(z, found.grid()[2])
+    shown = texts(at)
+    assert "Test set: 2 of 3 cells" in shown and "every measured length: ruler_vt" in shown
+    fig = figure_titled(at, "RULER test set")
+    assert sorted(tr["name"] for tr in fig["data"] if tr.get("type") == "scatter") == ["prior", "search"]
+    at.selectbox(key="long.frontier.pick").select("search@0.5").run()
+    at.button(key="long.frontier.use").click().run()
+    no_exception(at)
+    np.testing.assert_array_equal(_grid(at), modes)

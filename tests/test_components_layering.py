@@ -18,7 +18,7 @@ FLOORS = (
     ("plumbing", ("errors", "state", "jobs", "shell", "tools", "cache", "weights", "exports")),
     ("drawing", ("charts", "controls", "figures", "explain", "numbers", "views")),
     ("long-context state", ("longstate",)),
-    ("sections", ("longctx", "longscan", "longprobes", "ruler", "duo", "taxonomy", "probes", "harness")),
+    ("sections", ("longctx", "longscan", "longprobes", "ruler", "longmap", "duo", "taxonomy", "probes", "harness")),
 )
 SECTIONS = "sections"                 # the floor whose modules never import one another
 OUTSIDE = ("pages", "app")            # what components/ never imports
