@@ -177,7 +177,8 @@ def test_report_rows_and_stop(tiny64, prepared):
 
 def test_oversized_perplexity_batch_is_refused_before_it_runs(tiny64, prepared, monkeypatch):
     model, tok = tiny64
-    monkeypatch.setattr(H, "MEMORY_SHARE", 1e-12)                 # as if the machine had no memory free
+    from analysis.measure.harness import lm
+    monkeypatch.setattr(lm, "MEMORY_SHARE", 1e-12)                # as if the machine had no memory free
     steps = []
     with pytest.raises(InputError, match=r"windows of up to 51 tokens, 6 at a time.*--harness-batch-size"):
         H.run_harness(model, tok, prepared, batch_size=64, progress=lambda f, m: steps.append(f))

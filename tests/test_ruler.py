@@ -287,3 +287,15 @@ def test_the_dense_side_is_kept_on_disk_and_read_back_exactly(capsys, tmp_path, 
     code, _, err4 = run_captured(capsys, *argv, "--refresh")
     assert code == 0 and "read from the store" not in err4
 
+
+
+def test_the_dense_sides_key_covers_every_module_of_the_harness_package():
+    """A stored dense side is made by the harness package's code: each of its modules is in the key's digest
+    (DENSE_MODULES), so editing any one of them measures again."""
+    from pathlib import Path
+
+    import analysis.measure.harness as harness
+    here = Path(harness.__file__).parent
+    modules = {"analysis.measure.harness"} | {f"analysis.measure.harness.{p.stem}" for p in here.glob("*.py")
+                                                if p.name != "__init__.py"}
+    assert modules <= set(R.DENSE_MODULES)

@@ -324,7 +324,7 @@ def seeded_generators(seed: int):
 
 def _generate(name: str, tokenizer, length: int, room: int, n: int, seed: int) -> list[dict]:
     """n rows of task `name` made by its generator for `room` tokens (InputError when it cannot make them)."""
-    from analysis.measure.harness import _quiet
+    from analysis.measure.harness.runtime import _quiet
     spec = RULER_TASKS[name]
     gen = GENERATORS[spec.generator]
     with _quiet(), seeded_generators(row_seed(name, length, seed)):
@@ -364,7 +364,7 @@ class RulerRows:
 
     def contexts(self, task: str) -> list[tuple]:
         """(doc_id, prompt, generation_kwargs) of every request of the task, as the harness builds them."""
-        from analysis.measure.harness import _quiet
+        from analysis.measure.harness.runtime import _quiet
         harness_task = self.prepared.tasks[task]
         with _quiet():
             harness_task.build_all_requests(limit=None, rank=0, world_size=1)
@@ -411,7 +411,8 @@ def _harness_config(name: str, docs: list[dict], lengths) -> dict:
 
 
 def _prepared(names, docs: dict, lengths):
-    from analysis.measure.harness import TaskSource, prepare_configs, _tasks_folder
+    from analysis.measure.harness import TaskSource, prepare_configs
+    from analysis.measure.harness.runtime import _tasks_folder
     configs = {n: _harness_config(n, docs[n], lengths) for n in names}
     sources = {n: TaskSource(n, str(_tasks_folder() / "ruler" / RULER_TASKS[n].config),
                              "generated here (" + (ESSAY_NOTE if RULER_TASKS[n].haystack == "essay"
@@ -696,7 +697,9 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
 # -- the dense side kept on disk -------------------------------------------------------------------------------
 
 DENSE_MEASURE = "ruler-dense"        # the store's name of a dense side (analysis.core.store)
-DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.harness", "analysis.measure.decode")
+# the modules whose source makes a dense side (their bytes are in its key: every module of the harness package)
+DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.decode", "analysis.measure.harness",
+                 *(f"analysis.measure.harness.{name}" for name in ("runtime", "folder", "tasks", "generation", "lm", "runs")))
 
 
 def rows_settings(rows: RulerRows) -> dict:
