@@ -1,5 +1,5 @@
 """A hostile task folder for `harness --task-dir`, issue 47 item 4 class 2: the folder is made safe before the
-harness reads it (analysis.measure.harness._check_folder), and the CLI's stdout carries only the result.
+harness reads it (analysis.measure.harness.folder.check_folder), and the CLI's stdout carries only the result.
 
 Before the fix: a FIFO named pipe.yaml hung the harness's task index (it opens every *.yaml); a config whose
 `include:` reached outside the folder ran a `!function` module from there; `!function this.s` imported `this`

@@ -324,10 +324,10 @@ def seeded_generators(seed: int):
 
 def _generate(name: str, tokenizer, length: int, room: int, n: int, seed: int) -> list[dict]:
     """n rows of task `name` made by its generator for `room` tokens (InputError when it cannot make them)."""
-    from analysis.measure.harness.runtime import _quiet
+    from analysis.measure.harness import quiet
     spec = RULER_TASKS[name]
     gen = GENERATORS[spec.generator]
-    with _quiet(), seeded_generators(row_seed(name, length, seed)):
+    with quiet(), seeded_generators(row_seed(name, length, seed)):
         short = 0 if gen.floor is None else gen.floor(tokenizer, room)
         if short > 0:
             raise InputError(f"RULER's {name} does not fit {length} tokens with this tokenizer: its smallest prompt "
@@ -364,9 +364,9 @@ class RulerRows:
 
     def contexts(self, task: str) -> list[tuple]:
         """(doc_id, prompt, generation_kwargs) of every request of the task, as the harness builds them."""
-        from analysis.measure.harness.runtime import _quiet
+        from analysis.measure.harness import quiet
         harness_task = self.prepared.tasks[task]
-        with _quiet():
+        with quiet():
             harness_task.build_all_requests(limit=None, rank=0, world_size=1)
         return [(int(i.doc_id), i.args[0], i.args[1]) for i in harness_task.instances]
 
@@ -411,10 +411,9 @@ def _harness_config(name: str, docs: list[dict], lengths) -> dict:
 
 
 def _prepared(names, docs: dict, lengths):
-    from analysis.measure.harness import TaskSource, prepare_configs
-    from analysis.measure.harness.runtime import _tasks_folder
+    from analysis.measure.harness import TaskSource, prepare_configs, tasks_folder
     configs = {n: _harness_config(n, docs[n], lengths) for n in names}
-    sources = {n: TaskSource(n, str(_tasks_folder() / "ruler" / RULER_TASKS[n].config),
+    sources = {n: TaskSource(n, str(tasks_folder() / "ruler" / RULER_TASKS[n].config),
                              "generated here (" + (ESSAY_NOTE if RULER_TASKS[n].haystack == "essay"
                                                    else "the harness's own generator") + ")") for n in names}
     return prepare_configs(configs, sources)

@@ -15,7 +15,7 @@ TASK_MODULE_MAX_BYTES = 16 * 2**20   # a `!function` module next to a config
 SKIPPED_FOLDERS = ("__pycache__", ".ipynb_checkpoints")   # what the harness's task index skips (lm_eval.tasks._index)
 
 
-def _check_folder(task_dir) -> Path | None:
+def check_folder(task_dir) -> Path | None:
     """The task folder, resolved, made safe before the harness reads it (InputError, one line, otherwise):
     every *.yaml its task index opens is a regular file inside the folder (a FIFO named pipe.yaml hung it), and
     so is every config one includes and every `!function` module one imports (an include reaching outside the

@@ -137,13 +137,13 @@ def _untied(model):
         del model.tie_weights
 
 
-def _make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
+def make_lm(model, tokenizer, *, batch_size: int, max_length: int | None):
     with _untied(model):
         return _lm_class()(pretrained=model, tokenizer=copy.deepcopy(tokenizer), backend="causal",
                            batch_size=batch_size, max_length=max_length)
 
 
-def _check_logit_memory(prepared: PreparedTasks, lm, model, batch_size: int) -> None:
+def check_logit_memory(prepared: PreparedTasks, lm, model, batch_size: int) -> None:
     """A perplexity task runs windows of up to lm.max_length tokens, batch_size at a time, the longest first:
     refuse (one line) a batch whose logits alone would not fit in the free memory, before the run starts."""
     rolling = {n: t for n, t in prepared.tasks.items() if t.OUTPUT_TYPE == "loglikelihood_rolling"}

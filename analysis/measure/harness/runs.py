@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from analysis.core.errors import InputError, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report, scaled
-from analysis.measure.harness.lm import _check_logit_memory, _make_lm
-from analysis.measure.harness.runtime import HARNESS_VERSION, _offline, _quiet, require_harness
+from analysis.measure.harness.lm import check_logit_memory, make_lm
+from analysis.measure.harness.runtime import HARNESS_VERSION, offline, quiet, require_harness
 from analysis.measure.harness.tasks import PreparedTasks
 
 DEFAULT_BATCH_SIZE = 8
@@ -102,12 +102,12 @@ def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, adapter=
     os.environ.setdefault("DISABLE_MULTIPROC", "1")       # the harness's bootstrap: no process pool in our process
     new_cache = (lambda: None) if cut is None else cut.new_cache
     with cut_running(cut, model, adapter=adapter) as running:
-        with _quiet():
-            lm = _make_lm(running, tokenizer, batch_size=batch_size, max_length=max_length)
-        _check_logit_memory(prepared, lm, running, batch_size)
+        with quiet():
+            lm = make_lm(running, tokenizer, batch_size=batch_size, max_length=max_length)
+        check_logit_memory(prepared, lm, running, batch_size)
         lm.track(progress, should_stop, len(prepared.request_types()), new_cache=new_cache)
         start = time.perf_counter()
-        with _quiet(), _offline():
+        with quiet(), offline():
             check_stop(should_stop, "The harness run")
             results = evaluate(lm=lm, task_dict=prepared.loaded, limit=prepared.limit,
                                bootstrap_iters=BOOTSTRAP_ITERS, log_samples=keep_samples)

@@ -48,7 +48,7 @@ def require_harness() -> None:
         raise InputError(missing)
 
 
-def _tasks_folder() -> Path:
+def tasks_folder() -> Path:
     import lm_eval.tasks
     return Path(lm_eval.tasks.__file__).parent
 
@@ -59,7 +59,7 @@ _saved: dict = {}
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """The harness's and datasets' own logging and progress bars off for a run (headscope reports progress
     itself); restored when the last run in this process ends."""
     global _quiet_depth
@@ -89,7 +89,7 @@ def _quiet():
 
 
 @contextlib.contextmanager
-def _offline():
+def offline():
     """The datasets library offline for the block (nothing from a hub: a hub dataset must be in the cache)."""
     import datasets.config
     import huggingface_hub.constants as hub

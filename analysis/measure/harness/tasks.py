@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis.core.errors import InputError, check_whole_number, first_line
-from analysis.measure.harness.folder import _check_folder
-from analysis.measure.harness.runtime import DOCS, _offline, _quiet, _tasks_folder, require_harness
+from analysis.measure.harness.folder import check_folder
+from analysis.measure.harness.runtime import DOCS, offline, quiet, require_harness, tasks_folder
 
 FEWSHOT_SEED = 1234             # the harness's default (simple_evaluate's fewshot_random_seed)
 LOGLIKELIHOOD_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
@@ -108,7 +108,7 @@ def _folder_manager(folder: Path | None):
 def folder_tasks(task_dir) -> list[str]:
     """The task, group and tag names the folder's configs define (sorted; [] without a folder)."""
     require_harness()
-    folder = _check_folder(task_dir)
+    folder = check_folder(task_dir)
     return [] if folder is None else list(_folder_manager(folder).all_tasks)
 
 
@@ -158,7 +158,7 @@ def _standard_config(name: str, folder: Path | None) -> tuple[dict, TaskSource]:
     """The harness's own config of a standard task, its data pointed at the folder's file when there is one."""
     from lm_eval.tasks._yaml_loader import load_yaml       # the harness's own reader (!function, include:)
     spec = STANDARD_TASKS[name]
-    path = _tasks_folder() / spec.config
+    path = tasks_folder() / spec.config
     cfg = dict(load_yaml(path, resolve_func=True))
     split = _split_of(cfg)
     files = _local_files(folder, name, split)
@@ -239,7 +239,7 @@ def _flat(value) -> list[str]:
 def _no_data_line(name: str, cfg: dict, source: TaskSource, folder: Path | None, err: BaseException) -> str:
     """The one line for a task whose data is not here: where to put which files."""
     split = cfg.get("test_split") or cfg.get("validation_split") or "validation"
-    if name in STANDARD_TASKS and source.config.startswith(str(_tasks_folder())):
+    if name in STANDARD_TASKS and source.config.startswith(str(tasks_folder())):
         spec = STANDARD_TASKS[name]
         where = (f"at {folder / name / (split + '.jsonl')} (or .parquet)" if folder is not None
                  else f"at DIR/{name}/{split}.jsonl (or .parquet) and give the task folder DIR (--task-dir)")
@@ -296,12 +296,12 @@ def prepare_tasks(names, task_dir=None, *, limit: int | None = None) -> Prepared
     names = check_task_names(names)
     if limit is not None:
         check_whole_number(limit, "--limit (documents per task)", low=1)
-    folder = _check_folder(task_dir)
+    folder = check_folder(task_dir)
     manager = _folder_manager(folder)
     own = list(manager.all_tasks)
     merged = {"tasks": {}, "groups": {}, "group_map": {}}
     sources = {}
-    with _quiet(), _offline():
+    with quiet(), offline():
         for name in names:
             entry = manager.task_index.get(name)
             if entry is not None and entry.yaml_path is not None and entry.kind.name == "TASK":
@@ -331,7 +331,7 @@ def prepare_configs(configs: dict, sources: dict, *, limit: int | None = None) -
         check_whole_number(limit, "--limit (documents per task)", low=1)
     manager = _folder_manager(None)
     merged = {"tasks": {}, "groups": {}, "group_map": {}}
-    with _quiet(), _offline():
+    with quiet(), offline():
         for name, cfg in configs.items():
             built = _build(manager, cfg, name, cfg, sources[name], None)
             for key in merged:
@@ -374,7 +374,7 @@ def request_tokens(prepared: PreparedTasks, tokenizer, *, sample: int = 32) -> i
     """About how many tokens one run puts through the model (the work a time estimate scales): each task's
     requests of its first `sample` documents tokenized, scaled to its documents (the limit applied)."""
     total = 0.0
-    with _quiet():
+    with quiet():
         for name, task in prepared.tasks.items():
             n = prepared.n_docs(name)
             k = min(n, sample)
