@@ -185,6 +185,32 @@ def test_a_stop_lands_between_replayed_layers_and_leaves_the_model_as_it_was():
 
 # -- rows, the detector, its record -----------------------------------------------------------------------
 
+def test_both_kv_head_scores_refuse_a_physically_pruned_model_in_one_line():
+    """The streaming and the retrieval-aware scores read every KV head of the whole model (longheads.whole_model):
+    a physically pruned twin is one line, and a detector given an export's head layout one line naming the score."""
+    from analysis.compress.surgery import prune_heads
+    from analysis.measure.longheads import StreamingDetector
+    model = tiny_model("llama", max_position_embeddings=512)
+    geo = model_geometry(model)
+    pruned = np.zeros((geo.n_layers, geo.n_heads), dtype=bool)
+    pruned[0, 0] = True
+    small, layout = prune_heads(model, pruned)
+    item = _random_item(4, 0)
+    calls = {"The streaming score": lambda: streaming_scores(small, [item.ids], window=WINDOW),
+             "The retrieval-aware score": lambda: windowed_answers(small, [item], window=WINDOW)}
+    for call in calls.values():                          # headmaps.head_slots' line: no layout for a pruned model
+        with pytest.raises(InputError, match=r"physically pruned") as err:
+            call()
+        assert "\n" not in str(err.value)
+    tok = trivial_tokenizer()
+    detectors = {"The streaming score": StreamingDetector((256,), window=WINDOW, tokenizer=tok),
+                 "The retrieval-aware score": RetrievalAwareDetector((256,), (0.5,), needles=1, window=WINDOW,
+                                                                     tokenizer=tok)}
+    for what, det in detectors.items():
+        with pytest.raises(InputError, match=rf"^{what} is per KV head of the whole model; .*pruned export\.$"):
+            det.detect(small, layout=layout)
+
+
 def test_only_needles_the_window_hides_are_kept_and_none_is_one_line():
     items = [_random_item(at, 0) for at in (0, 4, 40, 49)]             # T 60: answer rows 54..58
     kept = hidden_needles(items, WINDOW)                                 # sinks 0, 1; recent: the 8 latest
