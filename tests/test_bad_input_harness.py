@@ -18,20 +18,12 @@ import pytest
 
 from analysis.core.errors import InputError
 from analysis.measure import harness as H
+from tests._apptools import datasets_cache  # noqa: F401 - autouse: the datasets cache in a temporary folder
 from tests._input_checks import cli_error, cli_run, in_thread, released_fifo
 
 TASKS = Path(__file__).resolve().parent / "data" / "harness"
 CONTEXT = 128
 MC = (TASKS / "mc.yaml").read_text()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _datasets_cache(tmp_path_factory):
-    """The datasets library's cache in a temporary folder, not the user's ~/.cache."""
-    import datasets.config
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
-        yield
 
 
 def _folder(tmp_path: Path, **configs: str) -> Path:
