@@ -34,11 +34,10 @@ import numpy as np
 
 from analysis.arch.cut import Cut
 from analysis.arch.window import Window
-from analysis.core.atomic import write_section
 from analysis.core.errors import HeadscopeError, InputError
 from analysis.score.longcontext import KV_QUALITY_MARKERS
+from bench._results import save_results
 
-ROOT = Path(__file__).resolve().parents[1]
 GOAL_RATIO = 0.5
 
 
@@ -153,12 +152,7 @@ def goal_lines(out: dict) -> list[str]:
 
 
 def finish(out: dict, args) -> None:
-    if args.out:
-        tmp = Path(args.out + ".tmp")
-        tmp.write_text(json.dumps(out, indent=1, default=str))
-        tmp.replace(args.out)
-    if args.write_docs and "rows" in out and "dense" in out:
-        write_section(ROOT / "docs" / "results.md", markdown(out), *KV_QUALITY_MARKERS)
+    save_results(out, args, markdown=markdown, markers=KV_QUALITY_MARKERS, ready="rows" in out and "dense" in out)
 
 
 def main(argv=None) -> int:

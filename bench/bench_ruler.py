@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.core.atomic import write_section
 from analysis.core.errors import HeadscopeError, InputError
+from bench._results import save_results
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
@@ -343,12 +343,7 @@ def goal_lines(entry: dict, length: int) -> list[str]:
 
 
 def finish(out: dict, args) -> None:
-    if args.out:
-        tmp = Path(args.out + ".tmp")
-        tmp.write_text(json.dumps(out, indent=1, default=str))
-        tmp.replace(args.out)
-    if args.write_docs and out.get("lengths"):
-        write_section(ROOT / "docs" / "results.md", markdown(out), *RULER_MARKERS)
+    save_results(out, args, markdown=markdown, markers=RULER_MARKERS, ready=bool(out.get("lengths")))
 
 
 def main(argv=None) -> int:

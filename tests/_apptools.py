@@ -47,6 +47,18 @@ def tiny_model_dir(path: Path, model_type: str = "llama", **overrides) -> Path:
     return path
 
 
+def tiny_dir_for(path: Path, tokenizer, **overrides) -> Path:
+    """Save a tiny random Llama (tests._tiny's shape unless `overrides` say otherwise) sized to `tokenizer`'s
+    vocabulary, with that tokenizer, to `path` (a real tokenizer: RULER's generators and the long probes need
+    real words and digits)."""
+    from tests._tiny import tiny_model
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_model("llama", vocab_size=len(tokenizer), **overrides).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def new_app(model: str | None = None, page: str | None = None, run: bool = True, **params):
     """AppTest of app.py with ?model=...&page=...&<params> set, run once (unless run=False)."""
     from streamlit.testing.v1 import AppTest
@@ -194,6 +206,24 @@ import pytest  # noqa: E402
 def tiny_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama (4 layers x 4 heads, 2 KV heads, d = 8) with a tokenizer."""
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def datasets_cache(tmp_path_factory):
+    """The datasets library's cache (where it keeps the harness tasks' data as Arrow files) in a temporary
+    folder, not the user's ~/.cache (read at each load_dataset, so patching the setting suffices): on for
+    every test of a module that imports it."""
+    import datasets.config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory) -> Path:
+    """A saved tiny Llama (4 layers x 4 heads, 2 KV heads) that reads 512 tokens, with the character tokenizer
+    (its needles need ~170): the long-context detectors' and kv-plan's tests' model."""
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=512)
 
 
 @pytest.fixture(autouse=False)

@@ -8,20 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests._apptools import downloads, fresh_caches, new_app, no_exception, texts, tiny_dir  # noqa: F401
+from tests._apptools import datasets_cache, downloads, fresh_caches, new_app, no_exception, texts, tiny_dir  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 TASKS = Path(__file__).resolve().parent / "data" / "harness"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _datasets_cache(tmp_path_factory):
-    """The datasets library's cache (where it keeps the tasks' data as Arrow files) in a temporary folder,
-    not the user's ~/.cache (read at each load_dataset, so patching the setting suffices)."""
-    import datasets.config
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
-        yield
 
 
 def _pick(at, tasks, limit=5):

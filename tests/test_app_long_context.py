@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests._apptools import (downloads, figure_titled, fresh_caches, heatmap_z, metric, new_app,  # noqa: F401
-                             no_exception, out_root, texts, tiny_model_dir)
+                             no_exception, out_root, texts, tiny_dir_for, tiny_model_dir)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 LIMIT, L, HKV, H, D = 512, 4, 2, 4, 8
@@ -376,11 +376,7 @@ def test_long_probes_of_the_plan_are_the_librarys(tiny_long, downloads):
 @pytest.fixture(scope="module")
 def tiny_ruler(tmp_path_factory, smollm2):
     """A tiny Llama with SmolLM2's tokenizer (RULER's generators need real words and digits) reading 1,024 tokens."""
-    from tests._tiny import tiny_model
-    path = tmp_path_factory.mktemp("tiny-ruler")
-    tiny_model("llama", vocab_size=len(smollm2.tokenizer), max_position_embeddings=1024).save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path
+    return tiny_dir_for(tmp_path_factory.mktemp("tiny-ruler"), smollm2.tokenizer, max_position_embeddings=1024)
 
 
 def test_rulers_expected_time_is_the_commands_estimate(tiny_ruler, monkeypatch, tmp_path):

@@ -4,15 +4,9 @@ analysis.measure.detectors computes with the same options."""
 import numpy as np
 import pytest
 
-from tests._apptools import figure_titled, fresh_caches, heatmap_z, new_app, no_exception, texts, tiny_model_dir  # noqa: F401
+from tests._apptools import figure_titled, fresh_caches, heatmap_z, long_tiny, new_app, no_exception, texts  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
-
-
-@pytest.fixture(scope="module")
-def long_tiny(tmp_path_factory):
-    """A tiny Llama that reads 512 tokens (the character tokenizer's needles need ~170)."""
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=512)
 
 
 def test_long_detectors_run_on_their_own_buttons(long_tiny):

@@ -6,38 +6,32 @@ kv_plan.json naming the score."""
 import numpy as np
 import pytest
 
-from tests._apptools import (downloads, figure_titled, fresh_caches, heatmap_z, new_app, no_exception,  # noqa: F401
-                             texts, tiny_model_dir)
+from tests._apptools import (downloads, figure_titled, fresh_caches, heatmap_z, long_tiny, new_app,  # noqa: F401
+                             no_exception, texts)
 
 pytestmark = pytest.mark.usefixtures("fresh_caches")
 COLS = ("KV 0 (q 0-1)", "KV 1 (q 2-3)")
 SCORED = 256                     # tokens the scores are measured at here (the character tokenizer's needles need ~170)
 
 
-@pytest.fixture(scope="module")
-def tiny_long(tmp_path_factory):
-    """The apps tests' tiny Llama (4 layers x 4 heads, 2 KV heads) reading 512 tokens."""
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=512)
-
-
-def test_the_heads_page_runs_it_on_its_own_button(tiny_long):
+def test_the_heads_page_runs_it_on_its_own_button(long_tiny):
     from analysis.arch.models import load_model
     from analysis.measure.detectors import detect_heads
-    at = new_app(tiny_long, page="heads")
+    at = new_app(long_tiny, page="heads")
     no_exception(at)
     at.number_input(key="hs.w.heads.long.retrieval-aware.context").set_value(SCORED).run()
     at.number_input(key="hs.w.heads.long.retrieval-aware.recent").set_value(16).run()
     at.button(key="heads.long.retrieval-aware").click().run()
     no_exception(at)
     assert not at.error, [e.value for e in at.error]
-    want = detect_heads(load_model(str(tiny_long)), ["retrieval-aware"],
+    want = detect_heads(load_model(str(long_tiny)), ["retrieval-aware"],
                         options=dict(lengths=(SCORED,), sinks=4, recent=16))["retrieval-aware"]
     np.testing.assert_allclose(heatmap_z(figure_titled(at, "Retrieval-aware score")).astype(float), want.scores,
                                rtol=0, atol=1e-9)
     assert f"over {want.extras['n_items']} rows whose needle the window hides" in texts(at)
 
 
-def test_the_long_context_page_fills_the_grid_from_it(tiny_long, downloads, tmp_path, monkeypatch):
+def test_the_long_context_page_fills_the_grid_from_it(long_tiny, downloads, tmp_path, monkeypatch):
     """The retrieval-aware score on its own rows at the probes' row length, the retrieval score from the page's
     shared scan of the probes' rows (components/longstate.py): the grid is plan_from_scores of the same scores."""
     from analysis.arch.kvplan import MODES, read_kv_plan
@@ -50,7 +44,7 @@ def test_the_long_context_page_fills_the_grid_from_it(tiny_long, downloads, tmp_
     from analysis.score.kvscores import KVScores, plan_from_scores
     monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))    # measured by this test, not read back
     length = 320                                # the passkey rows' length (the character tokenizer's need ~310)
-    at = new_app(tiny_long, page="long_context", sinks=2, recent=32)
+    at = new_app(long_tiny, page="long_context", sinks=2, recent=32)
     no_exception(at)
     at.number_input(key="hs.w.long.probes.length").set_value(length).run()
     at.radio(key="hs.w.long.scores.by").set_value("retrieval-aware").run()
@@ -60,7 +54,7 @@ def test_the_long_context_page_fills_the_grid_from_it(tiny_long, downloads, tmp_
         assert not at.error, [e.value for e in at.error]
     at.button(key="long.scores.fill").click().run()
     no_exception(at)
-    lm = load_model(str(tiny_long))
+    lm = load_model(str(long_tiny))
     window = Window(2, 32)
     aware = detect_heads(lm, ["retrieval-aware"], options=dict(lengths=(length,), needles=2, **window.as_dict()))
     built = build_long(["passkey"], lm.tokenizer, lm.kind, (length,), depths=(0.1, 0.5, 0.9), n_items=2,

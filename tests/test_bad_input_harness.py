@@ -1,5 +1,5 @@
 """A hostile task folder for `harness --task-dir`, issue 47 item 4 class 2: the folder is made safe before the
-harness reads it (analysis.measure.harness._check_folder), and the CLI's stdout carries only the result.
+harness reads it (analysis.measure.harness.folder.check_folder), and the CLI's stdout carries only the result.
 
 Before the fix: a FIFO named pipe.yaml hung the harness's task index (it opens every *.yaml); a config whose
 `include:` reached outside the folder ran a `!function` module from there; `!function this.s` imported `this`
@@ -18,20 +18,12 @@ import pytest
 
 from analysis.core.errors import InputError
 from analysis.measure import harness as H
+from tests._apptools import datasets_cache  # noqa: F401 - autouse: the datasets cache in a temporary folder
 from tests._input_checks import cli_error, cli_run, in_thread, released_fifo
 
 TASKS = Path(__file__).resolve().parent / "data" / "harness"
 CONTEXT = 128
 MC = (TASKS / "mc.yaml").read_text()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _datasets_cache(tmp_path_factory):
-    """The datasets library's cache in a temporary folder, not the user's ~/.cache."""
-    import datasets.config
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
-        yield
 
 
 def _folder(tmp_path: Path, **configs: str) -> Path:

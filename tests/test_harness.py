@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import cli
 from analysis.arch.adapters import adapter_for
 from analysis.arch.cut import Cut
 from analysis.compress.surgery import prune_heads
 from analysis.core.errors import CancelledError, InputError
 from analysis.measure import harness as H
 from analysis.measure.loss import token_nll
-from tests._apptools import tiny_model_dir, trivial_tokenizer
+from tests._apptools import datasets_cache, tiny_model_dir, trivial_tokenizer  # noqa: F401 - datasets_cache: autouse
+from tests._input_checks import run_captured
 from tests._tiny import tiny_model
 from tests._tolerance import EXACT
 
@@ -35,29 +35,13 @@ CONTEXT = 128            # the tiny model's context: every prompt of the test ta
 PRUNED = np.array([[True, False, False, False], [False, False, True, True]])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _datasets_cache(tmp_path_factory):
-    """The datasets library's cache (where it keeps the tasks' data as Arrow files) in a temporary folder,
-    not the user's ~/.cache (read at each load_dataset, so patching the setting suffices)."""
-    import datasets.config
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
-        yield
-
-
-def _run(capsys, *argv):
-    code = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.fixture(scope="module")
 def tiny64():
     return tiny_model("llama", dtype=torch.float64, max_position_embeddings=CONTEXT), trivial_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def prepared(_datasets_cache):
+def prepared(datasets_cache):
     return H.prepare_tasks("tiny_mc,tiny_ppl,boolq", TASKS)
 
 
@@ -177,7 +161,8 @@ def test_report_rows_and_stop(tiny64, prepared):
 
 def test_oversized_perplexity_batch_is_refused_before_it_runs(tiny64, prepared, monkeypatch):
     model, tok = tiny64
-    monkeypatch.setattr(H, "MEMORY_SHARE", 1e-12)                 # as if the machine had no memory free
+    from analysis.measure.harness import lm
+    monkeypatch.setattr(lm, "MEMORY_SHARE", 1e-12)                # as if the machine had no memory free
     steps = []
     with pytest.raises(InputError, match=r"windows of up to 51 tokens, 6 at a time.*--harness-batch-size"):
         H.run_harness(model, tok, prepared, batch_size=64, progress=lambda f, m: steps.append(f))
@@ -211,17 +196,17 @@ def test_bad_folder_tasks_are_one_line(tmp_path, yaml, data, words):
 
 def test_cli_dense_vs_cut_json_and_csv(tiny_dir, capsys, tmp_path):
     out = tmp_path / "h.json"
-    code, _, err = _run(capsys, "harness", "--model", tiny_dir, "--tasks", "tiny_mc,tiny_ppl", "--task-dir", TASKS,
+    code, _, err = run_captured(capsys, "harness", "--model", tiny_dir, "--tasks", "tiny_mc,tiny_ppl", "--task-dir", TASKS,
                         "--sparsity", "0.25", "--quiet", "--out", out)
     assert code == 0, err
     data = json.loads(out.read_text())
     assert data["harness"] == H.HARNESS_VERSION and data["cut"]["n_pruned"] == 4
     assert {r["task"] for r in data["rows"]} == {"tiny_mc", "tiny_ppl"}
     assert data["tasks"]["tiny_mc"]["n_docs"] == 12 and data["max_length"] == CONTEXT
-    code, csv_text, err = _run(capsys, "harness", "--model", tiny_dir, "--tasks", "tiny_mc", "--task-dir", TASKS,
+    code, csv_text, err = run_captured(capsys, "harness", "--model", tiny_dir, "--tasks", "tiny_mc", "--task-dir", TASKS,
                                "--mask-file", tmp_path / "none.json", "--quiet")
     assert code == 2 and err.count("\n") == 1                       # a missing mask file: one line
-    code, csv_text, err = _run(capsys, "harness", "--model", tiny_dir, "--tasks", "tiny_mc", "--task-dir", TASKS,
+    code, csv_text, err = run_captured(capsys, "harness", "--model", tiny_dir, "--tasks", "tiny_mc", "--task-dir", TASKS,
                                "--sparsity", "0.25", "--physical", "--limit", "5", "--format", "csv", "--quiet")
     assert code == 0, err
     lines = csv_text.strip().splitlines()
@@ -231,7 +216,7 @@ def test_cli_dense_vs_cut_json_and_csv(tiny_dir, capsys, tmp_path):
 
 def _refused(capsys, tmp_path, *argv) -> str:
     out = tmp_path / "never.json"
-    code, stdout, err = _run(capsys, "harness", *argv, "--quiet", "--out", out)
+    code, stdout, err = run_captured(capsys, "harness", *argv, "--quiet", "--out", out)
     assert code == 2 and stdout == "" and not out.exists()
     assert err.startswith("error: ") and err.count("\n") == 1, err
     return err
@@ -253,7 +238,7 @@ def test_cli_refusals_are_one_line_and_write_nothing(capsys, tmp_path, monkeypat
 
 
 def test_smollm2_runs_a_few_items(capsys, builtin_cache_dir):
-    code, out, err = _run(capsys, "harness", "--cache-dir", builtin_cache_dir, "--tasks", "boolq,tiny_mc",
+    code, out, err = run_captured(capsys, "harness", "--cache-dir", builtin_cache_dir, "--tasks", "boolq,tiny_mc",
                           "--task-dir", TASKS, "--limit", "4", "--sparsity", "0.3", "--quiet")
     assert code == 0, err
     data = json.loads(out)

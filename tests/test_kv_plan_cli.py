@@ -13,31 +13,19 @@ import json
 import numpy as np
 import pytest
 
-from analysis import cli
 from analysis.arch.geometry import HeadGeometry
 from analysis.arch.kvplan import FULL, PRUNE, WINDOW, read_kv_plan
 from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from analysis.measure.headmaps import Detection
 from analysis.score.kvscores import KVScores, plan_from_scores
-from tests._apptools import tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def long_tiny(tmp_path_factory):
-    """A tiny Llama (4 layers x 4 heads, 2 KV heads) that reads 512 tokens, with the character tokenizer."""
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=512)
-
-
-def _run(capsys, *args):
-    code = cli.main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests._apptools import long_tiny  # noqa: F401 - a fixture
+from tests._input_checks import run_captured
 
 
 def test_kv_plan_writes_a_plan_that_keeps_retrieval_heads_full(long_tiny, tmp_path, capsys):
     out = tmp_path / "kv_plan.json"
-    code, stdout, err = _run(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
+    code, stdout, err = run_captured(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
                              "--lengths", "256", "--needles", "1", "--depths", "0.5", "--sinks", "2", "--recent", "16",
                              "--window-share", "0.5", "--prune-share", "0.25", "--prune-tokens", "32",
                              "--retrieval-threshold", "0.05", "--out", str(out))
@@ -57,7 +45,7 @@ def test_kv_plan_writes_a_plan_that_keeps_retrieval_heads_full(long_tiny, tmp_pa
 
 
 def test_kv_plan_without_retrieval_does_not_measure_it(long_tiny, capsys):
-    code, stdout, err = _run(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
+    code, stdout, err = run_captured(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
                              "--lengths", "64", "--sinks", "1", "--recent", "8", "--no-keep-retrieval")
     assert code == 0, err
     summary = json.loads(stdout)
@@ -76,19 +64,19 @@ def test_kv_plan_without_retrieval_does_not_measure_it(long_tiny, capsys):
 ])
 def test_kv_plan_refuses_bad_input_in_one_line(long_tiny, tmp_path, capsys, args, words):
     out = tmp_path / "kv_plan.json"
-    code, stdout, err = _run(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
+    code, stdout, err = run_captured(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
                              "--out", str(out), *args)
     assert code == 2 and stdout == "" and not out.exists()
     assert err.count("\n") == 1 and words in err, err
 
 
 def test_kv_plan_checks_out_before_any_work(tmp_path, capsys):
-    code, _, err = _run(capsys, "kv-plan", "--model", "no-such-model-anywhere", "--out", str(tmp_path))
+    code, _, err = run_captured(capsys, "kv-plan", "--model", "no-such-model-anywhere", "--out", str(tmp_path))
     assert code == 2 and "folder" in err
 
 
 def test_roles_versus_mpg_has_both_long_roles(long_tiny, capsys):
-    code, stdout, err = _run(capsys, "roles", "--model", str(long_tiny), "--device", "cpu", "--quiet",
+    code, stdout, err = run_captured(capsys, "roles", "--model", str(long_tiny), "--device", "cpu", "--quiet",
                              "--detector", "retrieval", "--detector", "streaming", "--lengths", "200",
                              "--needles", "1", "--depths", "0.5", "--recent", "16", "--versus-mpg",
                              "--permutations", "200")

@@ -34,6 +34,7 @@ from analysis.measure.probes.longcontext import (ALL, GENERATE_EXTRA, PASSKEY_QU
                                                  step_seconds)
 from analysis.measure.probes.measure import BATCH_TOKENS, item_values
 from analysis.score.longcontext import long_context_report, mcnemar_p, report_work
+from tests._apptools import tiny_dir_for
 from tests._evalkit import tiny_loaded
 from tests._input_checks import run_captured
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
@@ -234,11 +235,7 @@ def test_stop_ends_the_decoding(tiny64):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2):
     """A tiny Llama folder with SmolLM2's tokenizer and a 1,024-token context."""
-    from tests._tiny import tiny_model
-    path = tmp_path_factory.mktemp("tiny-generated")
-    tiny_model("llama", vocab_size=len(smollm2.tokenizer), max_position_embeddings=1024).save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path
+    return tiny_dir_for(tmp_path_factory.mktemp("tiny-generated"), smollm2.tokenizer, max_position_embeddings=1024)
 
 
 def test_cli_and_app_show_generated_answers(tiny_dir, capsys, tmp_path):

@@ -25,6 +25,7 @@ from analysis.measure.probes.longcontext import (ALL, NEEDLE_FACT, PASSKEY_INSTR
                                                  row_seconds)
 from analysis.measure.probes.measure import item_values, run_probes
 from analysis.score.longcontext import long_context_report, report_work
+from tests._apptools import tiny_dir_for
 from tests._input_checks import only_error_line as _one_error_line, run_captured as _run
 from tests._evalkit import tiny_loaded
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
@@ -276,11 +277,7 @@ def test_refusals_are_one_line(tiny64, smollm2):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2):
     """A tiny Llama folder with SmolLM2's tokenizer and a 1,024-token context."""
-    from tests._tiny import tiny_model
-    path = tmp_path_factory.mktemp("tiny-longctx")
-    tiny_model("llama", vocab_size=len(smollm2.tokenizer), max_position_embeddings=1024).save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path
+    return tiny_dir_for(tmp_path_factory.mktemp("tiny-longctx"), smollm2.tokenizer, max_position_embeddings=1024)
 
 
 def test_cli_longctx_json_csv_and_cuts(tiny_dir, capsys, tmp_path):

@@ -34,7 +34,8 @@ from analysis.measure.long_options import RETRIEVAL_AWARE_THRESHOLD, WINDOW_SCOR
 from analysis.measure.longheads import NeedleItem, needle_items, streaming_scores
 from analysis.measure.retrieval_aware import RetrievalAwareDetector, hidden_needles, layer_passes, windowed_answers
 from analysis.score.kvscores import KVScores, plan_from_scores
-from tests._apptools import tiny_model_dir, trivial_tokenizer
+from tests._apptools import long_tiny, trivial_tokenizer  # noqa: F401 - long_tiny: a fixture
+from tests._input_checks import run_captured
 from tests._tiny import tiny_model
 from tests._tolerance import EXACT
 
@@ -185,6 +186,33 @@ def test_a_stop_lands_between_replayed_layers_and_leaves_the_model_as_it_was():
 
 # -- rows, the detector, its record -----------------------------------------------------------------------
 
+def test_both_kv_head_scores_refuse_a_physically_pruned_model_in_one_line():
+    """The streaming and the retrieval-aware scores read every KV head of the whole model (longheads.whole_model):
+    a physically pruned twin is one line, and a detector given an export's head layout one line naming the score."""
+    from analysis.compress.surgery import prune_heads
+    from analysis.measure.longheads import StreamingDetector
+    model = tiny_model("llama", max_position_embeddings=512)
+    geo = model_geometry(model)
+    pruned = np.zeros((geo.n_layers, geo.n_heads), dtype=bool)
+    pruned[0, 0] = True
+    small, layout = prune_heads(model, pruned)
+    item = _random_item(4, 0)
+    calls = {"The streaming score": lambda: streaming_scores(small, [item.ids], window=WINDOW),
+             "The retrieval-aware score": lambda: windowed_answers(small, [item], window=WINDOW)}
+    for call in calls.values():                          # headmaps.head_slots' line: no layout for a pruned model
+        with pytest.raises(InputError, match=r"physically pruned") as err:
+            call()
+        assert "\n" not in str(err.value)
+    tok = trivial_tokenizer()
+    detectors = {"The streaming score": StreamingDetector((256,), window=WINDOW, tokenizer=tok),
+                 "The retrieval-aware score": RetrievalAwareDetector((256,), (0.5,), needles=1, window=WINDOW,
+                                                                     tokenizer=tok)}
+    for what, det in detectors.items():
+        with pytest.raises(InputError, match=rf"^{what} is per KV head of the whole model; .*pruned export\.$"):
+            det.detect(small, layout=layout)
+
+
+
 def test_only_needles_the_window_hides_are_kept_and_none_is_one_line():
     items = [_random_item(at, 0) for at in (0, 4, 40, 49)]             # T 60: answer rows 54..58
     kept = hidden_needles(items, WINDOW)                                 # sinks 0, 1; recent: the 8 latest
@@ -238,21 +266,9 @@ def test_plans_from_either_score_at_the_same_shares_hold_the_same_kv_bytes():
 
 # -- the CLI --------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def long_tiny(tmp_path_factory):
-    """A tiny Llama (4 layers x 4 heads, 2 KV heads) that reads 512 tokens, with the character tokenizer."""
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=512)
-
-
-def _run(capsys, *args):
-    code = cli.main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_kv_plan_windows_the_lowest_retrieval_aware_heads_and_says_so(long_tiny, tmp_path, capsys):
     out = tmp_path / "kv_plan.json"
-    code, stdout, err = _run(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
+    code, stdout, err = run_captured(capsys, "kv-plan", "--model", str(long_tiny), "--device", "cpu", "--quiet",
                              "--window-score", "retrieval-aware", "--lengths", "256", "--needles", "1", "--depths",
                              "0.1,0.5", "--sinks", "2", "--recent", "16", "--no-keep-retrieval",
                              "--window-share", "0.5", "--out", str(out))
@@ -272,7 +288,7 @@ def test_kv_plan_windows_the_lowest_retrieval_aware_heads_and_says_so(long_tiny,
 
 
 def test_roles_runs_the_retrieval_aware_detector(long_tiny, capsys):
-    code, stdout, err = _run(capsys, "roles", "--model", str(long_tiny), "--device", "cpu", "--quiet",
+    code, stdout, err = run_captured(capsys, "roles", "--model", str(long_tiny), "--device", "cpu", "--quiet",
                              "--detector", "retrieval-aware", "--lengths", "200", "--needles", "1", "--depths", "0.2",
                              "--sinks", "2", "--recent", "16")
     assert code == 0, err

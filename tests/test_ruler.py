@@ -315,3 +315,15 @@ def test_calibration_rows_are_drawn_apart_from_the_test_rows(rows, tok):
         R.check_apart(same, rows, tok)
     with pytest.raises(InputError, match="one split"):
         R.build_ruler(["niah_single_1"], tok, [LENGTH], samples=SAMPLES, split="train")
+
+
+def test_the_dense_sides_key_covers_every_module_of_the_harness_package():
+    """A stored dense side is made by the harness package's code: each of its modules is in the key's digest
+    (DENSE_MODULES), so editing any one of them measures again."""
+    from pathlib import Path
+
+    import analysis.measure.harness as harness
+    here = Path(harness.__file__).parent
+    modules = {"analysis.measure.harness"} | {f"analysis.measure.harness.{p.stem}" for p in here.glob("*.py")
+                                                if p.name != "__init__.py"}
+    assert modules <= set(R.DENSE_MODULES)

@@ -118,6 +118,21 @@ def default_lengths(preferred: tuple[int, ...], limit: int) -> tuple[int, ...]:
     return tuple(n for n in preferred if n <= limit) or (limit,)
 
 
+def whole_model(model, what: str, layout=None):
+    """(adapter, geometry) of `model`, InputError (one line) unless it is the whole model: no head layout (an
+    export's) and every layer still holding all its heads. `what` (e.g. "The streaming score") is per KV head
+    of the whole model; a cut of it is a mask on the dense model."""
+    if layout is not None:
+        raise InputError(f"{what} is per KV head of the whole model; give the dense model (with a mask), not a "
+                         f"physically pruned export.")
+    adapter = adapter_for(model)
+    geo = adapter.geometry(model)
+    if any(len(r) != geo.n_heads for r in head_slots(model, None, adapter)):
+        raise InputError(f"{what} is per KV head of the whole model; give the dense model (with a mask), not a "
+                         f"physically pruned one.")
+    return adapter, geo
+
+
 def _bos(tokenizer) -> list[int]:
     bos = getattr(tokenizer, "bos_token_id", None)
     return [] if bos is None else [int(bos)]
@@ -413,11 +428,7 @@ def streaming_scores(model, sequences, *, window: Window = Window(), queries: in
     A head the mask prunes is left out of its group (a group with none left scores 0)."""
     window = window_of(window)
     queries = check_whole_number(queries, "The number of query rows", low=1, high=MAX_QUERIES)
-    adapter = adapter_for(model)
-    geo = adapter.geometry(model)
-    if any(len(r) != geo.n_heads for r in head_slots(model, None, adapter)):
-        raise InputError("The streaming score is per KV head of the whole model; give the dense model (with a "
-                         "mask), not a physically pruned one.")
+    _, geo = whole_model(model, "The streaming score")
     g = gates_array(model, gates)
     kept = [torch.ones(geo.n_heads) if g is None else (g[l] != 0).double() for l in range(geo.n_layers)]
     modules = attention_layers(model)
@@ -492,9 +503,7 @@ class StreamingDetector:
 
     def detect(self, model, ids=None, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
-        if layout is not None:
-            raise InputError("The streaming score is per KV head of the whole model; give the dense model (with a "
-                             "mask), not a physically pruned export.")
+        whole_model(model, "The streaming score", layout)
         seqs = self.sequences(model, should_stop)
         kv, head = streaming_scores(model, seqs, window=self.window, queries=self.queries,
                                     gates=gates, progress=progress, should_stop=should_stop)
@@ -626,5 +635,5 @@ def last_rows(model, ids, *, queries: int = 8, window: Window = Window(), progre
 
 __all__ = ["NeedleItem", "needle_items", "retrieval_scores", "RetrievalDetector", "streaming_scores",
            "StreamingDetector", "streaming_text", "attention_rows", "row_attention", "last_rows", "LastRows",
-           "per_kv", "query_rows", "windowing_effect", "WindowingEffect", "check_lengths", "check_depths",
+           "per_kv", "query_rows", "windowing_effect", "WindowingEffect", "check_lengths", "check_depths", "whole_model",
            "RETRIEVAL_THRESHOLD", "STREAMING_THRESHOLD"]

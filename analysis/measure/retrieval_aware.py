@@ -42,11 +42,11 @@ from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.ablation import _input_of, apply_chain, call_batch_paths, probe_calls, replay, tail_chain
 from analysis.measure.evaluation import context_length
-from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, zero_pruned
+from analysis.measure.headmaps import Detection, gates_array, masked, zero_pruned
 from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, MAX_BATCH, MAX_NEEDLES,
                                            RETRIEVAL_AWARE_BATCH, RETRIEVAL_AWARE_LENGTHS, RETRIEVAL_AWARE_THRESHOLD)
 from analysis.measure.longheads import (NeedleItem, _logits_kwargs, check_depths, check_lengths, default_lengths,
-                                        needle_items)
+                                        needle_items, whole_model)
 from analysis.measure.loss import token_nll
 
 METHODS = ("fast", "naive")
@@ -214,11 +214,7 @@ def windowed_answers(model, items: list[NeedleItem], *, window: Window, gates=No
         raise InputError(f"Unknown method {method!r}; use {' or '.join(METHODS)}.")
     window = window_of(window)
     batch_size = check_whole_number(batch_size, "The batch size (rows per pass)", low=1, high=MAX_BATCH)
-    adapter = adapter_for(model)
-    geo = adapter.geometry(model)
-    if any(len(r) != geo.n_heads for r in head_slots(model, None, adapter)):
-        raise InputError("The retrieval-aware score is per KV head of the whole model; give the dense model (with a "
-                         "mask), not a physically pruned one.")
+    adapter, geo = whole_model(model, "The retrieval-aware score")
     g = gates_array(model, gates)
     device = input_device(model)
     t0 = time.perf_counter()
@@ -302,9 +298,7 @@ class RetrievalAwareDetector:
 
     def detect(self, model, ids=None, *, gates=None, layout=None, progress: Progress | None = None,
                should_stop: ShouldStop | None = None) -> Detection:
-        if layout is not None:
-            raise InputError("The retrieval-aware score is per KV head of the whole model; give the dense model "
-                             "(with a mask), not a physically pruned export.")
+        whole_model(model, "The retrieval-aware score", layout)
         items, left_out = self.built(model)
         res = windowed_answers(model, items, window=self.window, gates=gates, batch_size=self.batch_size,
                                method=self.method, progress=progress, should_stop=should_stop)

@@ -328,10 +328,10 @@ def seeded_generators(seed: int):
 
 def _generate(name: str, tokenizer, length: int, room: int, n: int, seed: int, split: str = TEST) -> list[dict]:
     """n rows of task `name` made by its generator for `room` tokens (InputError when it cannot make them)."""
-    from analysis.measure.harness import _quiet
+    from analysis.measure.harness import quiet
     spec = RULER_TASKS[name]
     gen = GENERATORS[spec.generator]
-    with _quiet(), seeded_generators(row_seed(name, length, seed, split)):
+    with quiet(), seeded_generators(row_seed(name, length, seed, split)):
         short = 0 if gen.floor is None else gen.floor(tokenizer, room)
         if short > 0:
             raise InputError(f"RULER's {name} does not fit {length} tokens with this tokenizer: its smallest prompt "
@@ -369,9 +369,9 @@ class RulerRows:
 
     def contexts(self, task: str) -> list[tuple]:
         """(doc_id, prompt, generation_kwargs) of every request of the task, as the harness builds them."""
-        from analysis.measure.harness import _quiet
+        from analysis.measure.harness import quiet
         harness_task = self.prepared.tasks[task]
-        with _quiet():
+        with quiet():
             harness_task.build_all_requests(limit=None, rank=0, world_size=1)
         return [(int(i.doc_id), i.args[0], i.args[1]) for i in harness_task.instances]
 
@@ -416,9 +416,9 @@ def _harness_config(name: str, docs: list[dict], lengths) -> dict:
 
 
 def _prepared(names, docs: dict, lengths):
-    from analysis.measure.harness import TaskSource, prepare_configs, _tasks_folder
+    from analysis.measure.harness import TaskSource, prepare_configs, tasks_folder
     configs = {n: _harness_config(n, docs[n], lengths) for n in names}
-    sources = {n: TaskSource(n, str(_tasks_folder() / "ruler" / RULER_TASKS[n].config),
+    sources = {n: TaskSource(n, str(tasks_folder() / "ruler" / RULER_TASKS[n].config),
                              "generated here (" + (ESSAY_NOTE if RULER_TASKS[n].haystack == "essay"
                                                    else "the harness's own generator") + ")") for n in names}
     return prepare_configs(configs, sources)
@@ -722,7 +722,9 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
 # -- the dense side kept on disk -------------------------------------------------------------------------------
 
 DENSE_MEASURE = "ruler-dense"        # the store's name of a dense side (analysis.core.store)
-DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.harness", "analysis.measure.decode")
+# the modules whose source makes a dense side (their bytes are in its key: every module of the harness package)
+DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.decode", "analysis.measure.harness",
+                 *(f"analysis.measure.harness.{name}" for name in ("runtime", "folder", "tasks", "generation", "lm", "runs")))
 
 
 def rows_settings(rows: RulerRows) -> dict:

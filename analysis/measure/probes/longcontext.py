@@ -66,7 +66,7 @@ from analysis.core.progress import ShouldStop, check_stop, raise_if_signalled
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
 from analysis.measure.probes.items import Draft, Probe, ProbeItems, Vocabulary
-from analysis.measure.probes.measure import (BATCH_TOKENS, _keep_positions, bootstrap, item_values, read_values,
+from analysis.measure.probes.measure import (BATCH_TOKENS, bootstrap, item_values, keep_positions, read_values,
                                             score_items)
 from analysis.measure.long_options import (DEFAULT_DEPTHS, MAX_PROBE_SEQUENCES, MIN_PROBE_SEQUENCES,  # noqa: F401
                                            PROBE_LENGTH, PROBE_SEQUENCES)
@@ -587,7 +587,7 @@ def row_seconds(model, lengths, *, short: int = 256, rows: int = 8, geometry=Non
     dtype = next(model.parameters()).dtype
     n = min(short, context_length(model, default=short))
     x = torch.randint(0, model.get_input_embeddings().weight.shape[0], (rows, n), device=device)   # [rows, n]
-    handle = model.base_model.register_forward_hook(_keep_positions(torch.arange(rows), torch.full((rows,), n - 1)))  # one logit a row
+    handle = model.base_model.register_forward_hook(keep_positions(torch.arange(rows), torch.full((rows,), n - 1)))  # one logit a row
     try:
         from analysis.arch.attention import precision_block
         with stop_between_layers(model, None, "The time estimate"), precision_block(model, precision):

@@ -46,7 +46,7 @@ PASS_TOKENS = 48             # what one more forward pass costs, in padded token
 LAYOUT_WINDOW = 64           # distinct lengths one pass may span (bounds the layout's search)
 
 
-def _keep_positions(rows: torch.Tensor, positions: torch.Tensor):
+def keep_positions(rows: torch.Tensor, positions: torch.Tensor):
     """Forward hook for the base model: keep the hidden states at (rows [m], positions [m]) only, as one
     sequence [1, m, D] (the LM head then runs on the m read positions and nothing else)."""
     def hook(module, args, output):
@@ -158,7 +158,7 @@ def item_values(model, items: ProbeItems, gates: torch.Tensor | None = None, *, 
         x = items.ids[rows, :T]                                         # [r, T]
         ri, ii = (torch.tensor(v) for v in zip(*[(r, i) for r, s in enumerate(rows) for i in by_row[s]]))   # [m]
         keep = (torch.arange(b)[:, None] * len(rows) + ri[None]).reshape(-1)   # [b*m] rows of x.repeat(b, 1)
-        handle = base.register_forward_hook(_keep_positions(keep, items.position[ii].repeat(b)))
+        handle = base.register_forward_hook(keep_positions(keep, items.position[ii].repeat(b)))
         try:
             kwargs = {} if attention is None else {"attention_mask": attention[rows, :T].repeat(b, 1).to(device)}
             with head_mask(model, g) if g is not None else nullcontext():
