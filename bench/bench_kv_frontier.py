@@ -168,10 +168,13 @@ def points(out: dict) -> dict:
     from bench.bench_ruler import _avg, kv_measured
     entry, pts = out["entry"], {}
     for name, cfg in entry["configs"].items():
+        if name.endswith("none@1"):
+            continue                                         # kvpress without a press: dense, checked in the table
         a = _avg(cfg)
         pts[name] = dict(method=name.split("@")[0], target=float(name.split("@")[1]),
                          kv=kv_measured(cfg, entry["dense"])[0], score=a["cut_score"], low=a["cut_low"],
-                         high=a["cut_high"], lost=a["lost"], plan=f"docs/data/plans/{name.replace('@', '-kv')}.json")
+                         high=a["cut_high"], lost=a["lost"],
+                         plan=None if cfg.get("tool") == "kvpress" else f"docs/data/plans/{name.replace('@', '-kv')}.json")
     d = _avg(next(iter(entry["configs"].values()))) if entry["configs"] else None
     return dict(configs=pts, dense=None if d is None else dict(score=d["dense_score"], low=d["dense_low"],
                                                                 high=d["dense_high"]))
@@ -196,6 +199,10 @@ def main(argv=None) -> int:
     p.add_argument("--cal-length", dest="cal_length", type=int, default=1024)
     p.add_argument("--cal-samples", dest="cal_samples", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kvpress", action="store_true", help="also kvpress's presses on the same test rows (.venv-kvpress)")
+    p.add_argument("--presses", default="streaming,snapkv")
+    p.add_argument("--press-ratios", dest="press_ratios", default="0.5,0.67",
+                   help="kvpress compression ratios (share removed: KV 0.5 / 0.33 of dense)")
     p.add_argument("--out", default=str(ROOT / "docs" / "data" / "kv_frontier.json"))
     p.add_argument("--write-docs", dest="write_docs", action="store_true")
     p.add_argument("--render-only", dest="render_only", action="store_true")
@@ -236,6 +243,16 @@ def main(argv=None) -> int:
                            cal_rows, rows_used, window, out, log)
         holder = {"lengths": {str(args.length): entry}}
         headscope_runs(loaded, rows, args.length, plans, holder, lambda: save(out, args), log)
+        if args.kvpress:
+            from analysis.measure.ruler import export_rows, rows_jsonl
+            from bench.bench_ruler import kvpress_runs
+            rows_file = Path(args.out).with_name(f"frontier-rows-{args.length}.jsonl")
+            atomic_write(rows_file, rows_jsonl(export_rows(rows, loaded.tokenizer)))
+            peer = argparse.Namespace(presses=args.presses, ratios=args.press_ratios, threads=args.threads, seed=0)
+            try:
+                kvpress_runs(rows_file, args.length, str(loaded.source), peer, holder, {}, lambda: save(out, args), log)
+            finally:
+                rows_file.unlink(missing_ok=True)
     except HeadscopeError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

@@ -92,7 +92,9 @@ def frontier_section(lm, plan: KVPlan) -> None:
                f"({used.get('chosen_on', {}).get('what', '')}), judged on {used.get('judged_on', {}).get('rows', '?')} "
                f"test rows ({used.get('judged_on', {}).get('what', '')}); the dotted line is the KV the view's plan "
                f"holds at the rows' median prompt.")
-    names = sorted(pts["configs"])
+    names = sorted(n for n, p in pts["configs"].items() if p.get("plan"))          # headscope's plans (files)
+    if not names:
+        return
     pick = st.selectbox("A plan of the frontier", names, key="long.frontier.pick")
     path = Path(__file__).resolve().parents[1] / pts["configs"][pick]["plan"]
     if path.is_file():
