@@ -187,7 +187,7 @@ def _measured_plan(ns):
     if not 0.0 <= ns.retrieval_threshold <= 1.0:
         raise InputError(f"--retrieval-threshold is a share of the needle's tokens, 0 to 1; got {ns.retrieval_threshold}.")
     with progress_bar("loading", not ns.quiet) as report:
-        _, loaded, info = load_source(ns, report, deferred=not ns.refresh)
+        _, loaded, info = load_source(ns, report, deferred=_may_be_stored(ns))
     if loaded.kind != "causal-lm":
         raise InputError(f"A KV plan reads a causal language model's attention over long contexts; {info['source']} "
                          f"is a {loaded.kind}.")
@@ -224,13 +224,18 @@ def _measured_plan(ns):
     return plan, payload
 
 
+def _may_be_stored(ns) -> bool:
+    """Whether `_all_stored` can find these options' parts (else the model loads at once: no deferred load first)."""
+    return not ns.refresh and ns.rows == "probes" and ns.window_score == "streaming"
+
+
 def _all_stored(loaded, ns, window, lengths, depths) -> bool:
     """Whether every part stored_kv_scores reads for these options is stored (lookups only, nothing measured): then
     the weights are never read. Only the shared scan of the probes' rows (--rows probes) with the streaming window
     score, and the KV groups' importance with --prune-share, are looked up; anything else loads the model."""
     from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
     from analysis.score.longscan import page_rows, stored_importance, stored_scan
-    if ns.rows != "probes" or ns.window_score != "streaming":
+    if not _may_be_stored(ns):
         return False
     built = page_rows(loaded, lengths, depths, seed=ns.seed)
     _, found = stored_scan(loaded, built, window=window, queries=ns.queries, seed=ns.seed, precision=ns.precision,
