@@ -10,6 +10,24 @@ and each one's median ratio to `import torch`.
 
     .venv/bin/python -m bench.bench_cli [--rounds 7] [--headscope]
 Target: every CLI call above <= 1 s wall on 2 cores (median), and below `import torch` alone.
+
+`--stored --plan PLAN --before REV` (issue 51 item 4): the long-context commands with everything they read already
+stored (run each once first: `kv-plan --rows probes --out PLAN`, `longctx --kv-plan PLAN`, with the options given),
+each timed as the code of git revision REV (exported with `git archive` into a temporary folder, run from there)
+and as this working tree, in the same rotated rounds: `kv-plan --rows probes` and `longctx --kv-plan PLAN` (plus
+--kv-args / --longctx-args), and `import torch` as the yardstick. The stored results' keys hold the source of the
+measuring modules, so both trees read the same results only where those modules are the same (the bench checks
+each output says "hit"). Prints min / median / max and each "after" median ratio to its "before".
+
+    .venv/bin/python -m bench.bench_cli --stored --plan kv_plan.json --before c132e8d [--rounds 5]
+
+Measured (2026-12-07, 2 shared cores at load average 5-7, SmolLM2 at the defaults, before = c132e8d): kv-plan
+--rows probes 7.91 -> 7.19 s median wall, longctx --kv-plan 8.89 -> 8.48 s; farm-bench pairs (cpu seconds, steadier):
+kv-plan 5.08 -> 4.89 (0.967x), longctx 5.93 -> 5.75 (0.975x); `import torch` alone 2.25 s wall in the same rounds.
+The weights' load (what the deferred load skips) was 0.2-0.75 s of it: transformers 5 already builds the model on
+the meta device and maps the safetensors file. The rest is imports (torch ~1.4 s idle, transformers' modeling
+stack ~1.9 s more, pulled at import by analysis.arch.attention's AttentionInterface registration, a module the
+stored scans' code digest names) and building the probes' rows (0.1-0.5 s).
 """
 import argparse
 import os
@@ -45,12 +63,84 @@ def _runner(argv: list[str], expect: int):
     return run
 
 
+def _stored_runner(argv: list[str], root: Path, parts: tuple[str, ...]):
+    """A callable running `argv` with `root` on PYTHONPATH; it fails unless it exits 0 and its JSON says "hit" for
+    each of `parts` (under "stored")."""
+    import json
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+
+    def run():
+        done = subprocess.run(argv, cwd=root, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(argv)} (from {root}) exited {done.returncode}: {done.stderr[-500:]}")
+        stored = json.loads(done.stdout).get("stored", {})
+        missed = [p for p in parts if stored.get(p) != "hit"]
+        if missed:
+            raise SystemExit(f"{' '.join(argv)} (from {root}) did not find {', '.join(missed)} stored ({stored}): "
+                             f"run it once first to store everything")
+    return run
+
+
+def _export_revision(rev: str, dest: Path) -> Path:
+    """The tracked files of git revision `rev` of this repository, unpacked into `dest`."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def stored_main(args) -> None:
+    """--stored: the long-context commands with everything stored, REV's code against this tree's."""
+    import shlex
+    import tempfile
+    if not args.plan or not args.before:
+        raise SystemExit("--stored needs --plan PLAN (a kv_plan.json) and --before REV (the revision to compare)")
+    plan_out = Path(tempfile.mkdtemp(prefix="bench-cli-")) / "plan.json"
+    commands = {
+        "kv-plan --rows probes": (["kv-plan", "--rows", "probes", "--out", str(plan_out), "--quiet",
+                                   *shlex.split(args.kv_args)], ("scan",)),
+        "longctx --kv-plan": (["longctx", "--kv-plan", str(Path(args.plan).resolve()), "--quiet",
+                               *shlex.split(args.longctx_args)], ("dense", "cut")),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-cli-before-") as tmp:
+        trees = {"before": _export_revision(args.before, Path(tmp)), "after": ROOT}
+        fns = {f"{label} {tree}": _stored_runner([sys.executable, "-m", "analysis", *argv], root, parts)
+               for label, (argv, parts) in commands.items() for tree, root in trees.items()}
+        fns[TORCH] = _runner([sys.executable, "-c", "import torch"], 0)
+        ratios = [(f"{label} after", f"{label} before") for label in commands]
+        yardstick = (f"{next(iter(commands))} after", TORCH)
+        result = compare_rounds(fns, ratios + [yardstick], min_rounds=args.rounds, max_rounds=args.rounds,
+                                max_seconds=None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    first = result[ratios[0]]
+    print(f"everything stored; before = {args.before}, after = this working tree; {args.rounds} rounds (order "
+          f"rotated), wall seconds of the whole process, {cores} cores, load average {load_text(first.load_before)} "
+          f"before, {load_text(load_average())} after")
+    print(f"{'call':>34}  {'min':>6}  {'median':>6}  {'max':>6}  {'after / before':>14}")
+    for label in commands:
+        c = result[(f"{label} after", f"{label} before")]
+        for tree in ("before", "after"):
+            times = c.times[f"{label} {tree}"]
+            tail = f"{c.ratio:13.2f}x" if tree == "after" else ""
+            print(f"{label + ' ' + tree:>34}  {min(times):6.2f}  {statistics.median(times):6.2f}  {max(times):6.2f}  "
+                  f"{tail}")
+    torch_times = result[yardstick].times[TORCH]
+    print(f"{TORCH:>34}  {min(torch_times):6.2f}  {statistics.median(torch_times):6.2f}  {max(torch_times):6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="rounds (every contender once per round)")
     parser.add_argument("--headscope", action="store_true",
                         help="time the installed `headscope` command instead of `python -m analysis`")
+    parser.add_argument("--stored", action="store_true", help="the long-context commands with everything stored, "
+                                                                  "--before REV's code against this tree's")
+    parser.add_argument("--plan", default=None, help="--stored: the kv_plan.json longctx runs under")
+    parser.add_argument("--before", default=None, help="--stored: the git revision to compare with")
+    parser.add_argument("--kv-args", dest="kv_args", default="", help="--stored: more kv-plan options")
+    parser.add_argument("--longctx-args", dest="longctx_args", default="", help="--stored: more longctx options")
     args = parser.parse_args()
+    if args.stored:
+        return stored_main(args)
     prefix = [str(Path(sys.executable).with_name("headscope"))] if args.headscope else [sys.executable, "-m", "analysis"]
     fns = {label: _runner(prefix + argv, 2 if "refused" in label else 0) for label, argv in CALLS.items()}
     fns[TORCH] = _runner([sys.executable, "-c", "import torch"], 0)

@@ -95,16 +95,20 @@ class LoadedModel:
     # the dtype the checkpoint stores its weights in (what an export writes unless asked otherwise);
     # None: unknown (built elsewhere), the model's own dtype then
     source_dtype: torch.dtype | None = None
+    # load_deferred's: the load_model keywords that load the weights (`materialize`); None: the weights are loaded
+    deferred: dict | None = None
 
     @property
     def device(self) -> torch.device:
-        """Where token ids go (the input embedding's device)."""
+        """Where token ids go (the input embedding's device; a deferred load's: where it will load)."""
+        if self.deferred is not None and self.placement is not None:
+            return self.placement.device
         from analysis.arch.adapters import input_device
         return input_device(self.model)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self.model.dtype            # a deferred load's meta model has the dtype it will load in
 
 
 @dataclass(frozen=True)
@@ -637,6 +641,47 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
                        source_dtype=stored_dtype(source, config) if is_local else _config_dtype(config))
 
 
+def load_deferred(name: str, *, trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
+                  dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+                  progress: Progress | None = None) -> LoadedModel:
+    """`name` as load_model would load it, without reading its weights: the config, the geometry, the tokenizer
+    and the resolved placement, with the model built on the meta device (structure, config, attention kernel; no
+    memory, no values). For a command that finds every result it needs stored (headscope kv-plan / longctx): the
+    stored results' keys need only these; `materialize` loads the weights on a miss. A built-in is converted
+    first as load_model does; the same one-line errors for a bad name or config. Placement with accelerate
+    (device_map) is not deferred: load it with load_model."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
+                             f"a local folder, or a Hugging Face hub id.")
+    name = name.strip()
+    resolved = Placement.of(device, dtype, None, None, None).resolve()
+    report = stoppable(progress, None, f"Reading {name}")
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    with quiet_progress_bars(), quiet_load_report():
+        source, is_local = _locate(name, cache_root, report)
+        config = _load_config(source, name, is_local, trust_remote_code)
+        adapter = adapter_for(config)
+        kind = model_kind(config)
+        with torch.device("meta"):
+            model = AUTO_CLASS_BY_KIND[kind].from_config(config, trust_remote_code=bool(trust_remote_code),
+                                                         dtype=resolved.dtype)
+        tokenizer = _load_tokenizer(source, name, is_local, kind, trust_remote_code)
+    report(1.0, "read (weights deferred)")
+    keywords = dict(trust_remote_code=trust_remote_code, cache_dir=cache_dir, dtype=dtype, device=device)
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
+                       geometry=adapter.geometry(config), source=source, placement=resolved,
+                       source_dtype=stored_dtype(source, config) if is_local else _config_dtype(config),
+                       deferred=keywords)
+
+
+def materialize(loaded: LoadedModel, progress: Progress | None = None) -> LoadedModel:
+    """`loaded` with its weights: itself when they are loaded, else load_model with load_deferred's keywords (a new
+    LoadedModel; the deferred one is left as it is)."""
+    if loaded.deferred is None:
+        return loaded
+    return load_model(loaded.name, progress=progress, **loaded.deferred)
+
+
 def stored_dtype(folder, config=None) -> torch.dtype | None:
     """The floating dtype that holds most of a checkpoint folder's weight bytes (its safetensors headers:
     what the file really stores, whatever config.json says), else the config's dtype, else None."""
@@ -697,4 +742,4 @@ def open_weights_only(path, *, trust_remote_code: bool = False) -> LoadedModel:
 def is_weights_only(loaded: LoadedModel) -> bool:
     """Whether `loaded` came from `open_weights_only` (its weights are not in memory)."""
     tensor = next(loaded.model.parameters(), None)
-    return tensor is not None and tensor.device.type == "meta"
+    return tensor is not None and tensor.device.type == "meta" and loaded.deferred is None

@@ -100,8 +100,10 @@ def model_fingerprint(loaded) -> str:
     """The text that names what computes a result (module docstring): weights, dtype, device type, kernel."""
     model = loaded.model
     config = getattr(model, "config", None)
-    runs = dict(dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-                device=next(model.parameters()).device.type,
+    first = next(model.parameters())
+    # a deferred load (analysis.arch.models.load_deferred: meta model) names the device its weights will load on
+    device = loaded.placement.device.type if getattr(loaded, "deferred", None) is not None else first.device.type
+    runs = dict(dtype=str(first.dtype).replace("torch.", ""), device=device,
                 attention=getattr(config, "_attn_implementation", None))
     weights = _builtin_fingerprint(loaded.name, loaded.source)
     if weights is None:

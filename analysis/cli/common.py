@@ -273,8 +273,12 @@ def check_counts(ns: argparse.Namespace, bounds: dict[str, tuple[int, int]]) -> 
         check_whole_number(getattr(ns, dest), f"--{dest.replace('_', '-')}", low=low, high=high, none_ok=True)
 
 
-def load_source(ns: argparse.Namespace, report):
-    """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint."""
+def load_source(ns: argparse.Namespace, report, *, deferred: bool = False):
+    """(target for scoring, LoadedModel or None, geometry-ish info dict) for --model / --checkpoint.
+
+    deferred: the weights are not read (analysis.arch.models.load_deferred) unless the placement options ask for
+    accelerate; a command that finds its results stored needs no more, `analysis.arch.models.materialize` loads
+    them on a miss."""
     for option in ("model", "checkpoint"):
         value = getattr(ns, option, None)
         if value is not None and not value.strip():
@@ -291,10 +295,16 @@ def load_source(ns: argparse.Namespace, report):
         ords = (2, 1) if getattr(ns, "ord", 2) == 1 else (2,)  # the norms the scorer reads, from one read
         profile = profile_checkpoint(ns.checkpoint, progress=report, trust_remote_code=trust, ords=ords)
         return profile, None, dict(source=ns.checkpoint, **geometry.as_dict())
-    from analysis.arch.models import DEFAULT_MODEL, load_model
+    from analysis.arch.models import DEFAULT_MODEL, load_deferred, load_model
 
-    loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
-                        cache_dir=ns.cache_dir, progress=report, **placement_kwargs(ns))
+    placement = placement_kwargs(ns)
+    if deferred and all(placement[k] is None for k in ("device_map", "max_memory", "offload_folder")):
+        loaded = load_deferred(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
+                               cache_dir=ns.cache_dir, progress=report, device=placement["device"],
+                               dtype=placement["dtype"])
+    else:
+        loaded = load_model(ns.model or DEFAULT_MODEL, trust_remote_code=ns.trust_remote_code,
+                            cache_dir=ns.cache_dir, progress=report, **placement)
     return loaded, loaded, dict(source=loaded.name, kind=loaded.kind, placement=loaded.placement.describe(),
                                 **loaded.geometry.as_dict())
 
@@ -390,11 +400,12 @@ def check_one_cut(ns: argparse.Namespace, *, required: bool = False) -> str | No
     return given[0] if given else None
 
 
-def cut_from(ns: argparse.Namespace, *, required: bool = False):
+def cut_from(ns: argparse.Namespace, *, required: bool = False, deferred: bool = False):
     """(Cut | None, LoadedModel, info) from the cut options: the model loaded (and scored for --sparsity), the
     cut read and checked against it. A file's own checks (a mask.json's or a kv_plan.json's schema) come
     before the model loads; an export folder's kv_plan.json is applied, or refused with the reason
-    (analysis.compress.export.planned.cut_of_folder)."""
+    (analysis.compress.export.planned.cut_of_folder). deferred: the model's weights are not read (`load_source`)
+    for a cut that needs none (a mask file, a KV plan, none); --sparsity and --export load them."""
     from analysis.arch.cut import Cut
     kind = check_one_cut(ns, required=required)
     if kind == "sparsity":
@@ -406,7 +417,7 @@ def cut_from(ns: argparse.Namespace, *, required: bool = False):
         from analysis.arch.kvplan import read_kv_plan
         plan = read_kv_plan(ns.kv_plan)
     with progress_bar("loading", not ns.quiet) as report:
-        _, loaded, info = load_source(ns, report)
+        _, loaded, info = load_source(ns, report, deferred=deferred and kind != "export_dir")
     if kind == "mask_file":
         from analysis.compress.export import read_mask_json
         record = read_mask_json(ns.mask_file, geometry=loaded.geometry)

@@ -187,12 +187,16 @@ def _measured_plan(ns):
     if not 0.0 <= ns.retrieval_threshold <= 1.0:
         raise InputError(f"--retrieval-threshold is a share of the needle's tokens, 0 to 1; got {ns.retrieval_threshold}.")
     with progress_bar("loading", not ns.quiet) as report:
-        _, loaded, info = load_source(ns, report)
+        _, loaded, info = load_source(ns, report, deferred=_may_be_stored(ns))
     if loaded.kind != "causal-lm":
         raise InputError(f"A KV plan reads a causal language model's attention over long contexts; {info['source']} "
                          f"is a {loaded.kind}.")
     geo = loaded.geometry
     check_plan_options(geo, window_share=ns.window_share, prune_share=ns.prune_share)
+    if loaded.deferred is not None and not _all_stored(loaded, ns, window, lengths, depths):
+        from analysis.arch.models import materialize
+        with progress_bar("loading", not ns.quiet) as report:
+            loaded = materialize(loaded, report)                  # something to measure: the weights
     from analysis.score.longscan import stored_kv_scores
     with progress_bar("KV head scores", not ns.quiet) as report:
         scores, found = stored_kv_scores(loaded, rows=ns.rows, window=window, lengths=lengths, depths=depths,
@@ -218,6 +222,30 @@ def _measured_plan(ns):
                    scores=kv_heads_summary(scores, geo.group_size), out=ns.plan_out,
                    rows=ns.rows, precision=ns.precision, stored={part: f.status for part, f in found.items()})
     return plan, payload
+
+
+def _may_be_stored(ns) -> bool:
+    """Whether `_all_stored` can find these options' parts (else the model loads at once: no deferred load first)."""
+    return not ns.refresh and ns.rows == "probes" and ns.window_score == "streaming"
+
+
+def _all_stored(loaded, ns, window, lengths, depths) -> bool:
+    """Whether every part stored_kv_scores reads for these options is stored (lookups only, nothing measured): then
+    the weights are never read. Only the shared scan of the probes' rows (--rows probes) with the streaming window
+    score, and the KV groups' importance with --prune-share, are looked up; anything else loads the model."""
+    from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
+    from analysis.score.longscan import page_rows, stored_importance, stored_scan
+    if not _may_be_stored(ns):
+        return False
+    built = page_rows(loaded, lengths, depths, seed=ns.seed)
+    _, found = stored_scan(loaded, built, window=window, queries=ns.queries, seed=ns.seed, precision=ns.precision,
+                           compute=False)
+    if not found.hit:
+        return False
+    if ns.prune_share > 0:
+        tokens = int(ns.prune_tokens or PAGE_IMPORTANCE_TOKENS)
+        _, found = stored_importance(loaded, tokens, precision=ns.precision, compute=False)
+    return found.hit
 
 
 register("kv-plan", "measure streaming (or retrieval-aware) and retrieval heads on long built-in text and write a "

@@ -90,7 +90,8 @@ def run_longctx(ns):
     from analysis.measure.evaluation import context_length
     from analysis.measure.probes.longcontext import build_long, row_seconds, step_seconds
     from analysis.score.longcontext import report_work
-    cut, loaded, info = cut_from(ns)
+    from analysis.arch.models import materialize
+    cut, loaded, info = cut_from(ns, deferred=not ns.refresh)     # the weights are read on a miss only
     limit = context_length(loaded.model, default=2**31)
     if cut is not None and cut.kind == "model":
         limit = min(limit, context_length(cut.model, default=2**31))
@@ -103,6 +104,9 @@ def run_longctx(ns):
     dense, found = stored_dense(loaded, built, compute=False, **stored)
     rep, found_cut = (None, None) if dense is None else stored_report(loaded, built, cut, dense=dense, compute=False,
                                                                       **stored)
+    if dense is None or (cut is not None and rep is None):
+        with progress_bar("loading", not ns.quiet) as report:
+            loaded = materialize(loaded, report)                  # something to measure: the weights
     work = report_work(built, dense, cut=cut is not None and rep is None)
     per_row = row_seconds(loaded.model, sorted(work.rows), geometry=loaded.geometry) if work.rows else {}
     per_step = step_seconds(loaded.model, sorted(work.steps), geometry=loaded.geometry) if work.steps else {}
