@@ -65,7 +65,8 @@ def plan_file(method: str, ratio: float, plan, rows_used: dict) -> Path:
     return path
 
 
-def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, window, out: dict, log) -> dict:
+def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, window, out: dict, log,
+               save=lambda: None) -> dict:
     from analysis.score.plansearch import GreedyPlanSearch, answer_prior, heads_for_ratio
     from analysis.score.kvscores import plan_kv
     g = loaded.geometry
@@ -76,6 +77,7 @@ def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, 
         t0 = time.perf_counter()
         prior = answer_prior(loaded.model, cal_rows, window, g).tolist()
         out["prior"], out["prior_seconds"] = prior, time.perf_counter() - t0
+        save()
     plans = {}
     for ratio in ratios:
         try:
@@ -99,6 +101,7 @@ def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, 
                     loaded, cal_rows, prior=np.array(prior), rows_used=rows_used)
                 plan = result.plan
                 searches[name] = dict(result.summary(), plan=plan.as_dict(), trace=result.trace)
+                save()                                           # a search costs minutes: kept before the next
                 log(f"{name}: {result.summary()}")
             plans[name] = plan
             plan_file(method, ratio, plan, rows_used)
@@ -240,7 +243,7 @@ def main(argv=None) -> int:
         entry = out.setdefault("entry", {"configs": {}})
         entry["dense"] = dense
         plans = make_plans(loaded, args.methods.split(","), [float(r) for r in args.ratios.split(",")], prompt,
-                           cal_rows, rows_used, window, out, log)
+                           cal_rows, rows_used, window, out, log, lambda: save(out, args))
         holder = {"lengths": {str(args.length): entry}}
         headscope_runs(loaded, rows, args.length, plans, holder, lambda: save(out, args), log)
         if args.kvpress:
