@@ -266,7 +266,8 @@ class GreedyPlanSearch:
     def choose(self, evaluate, dense_nll: np.ndarray, prior, geometry, step=None):
         """(chosen [L * Hkv] bool, within budget, trace): the greedy block search itself. evaluate(windowed [L, Hkv]
         bool) -> the calibration rows' NLL [n] under that plan; dense_nll [n]; prior [L, Hkv] (lowest tried first).
-        A CancelledError inside `evaluate` ends the search (_Stopped carries the plan so far)."""
+        A stop inside `evaluate` (CancelledError, KeyboardInterrupt) ends the search (_Stopped carries the plan so
+        far)."""
         g = geometry
         shape = (g.n_layers, g.n_kv_heads)
         need = self.needed(g)
@@ -285,12 +286,12 @@ class GreedyPlanSearch:
             blk = queue.pop(0)[: need - int(chosen.sum())]
             trial = chosen.copy()
             trial[blk] = True
-            if step is not None:
-                step(done, expected, f"the plan search: {int(chosen.sum())} of {need} KV heads windowed, trying "
-                                     f"{len(blk)}")
             try:
+                if step is not None:
+                    step(done, expected, f"the plan search: {int(chosen.sum())} of {need} KV heads windowed, "
+                                         f"trying {len(blk)}")
                 nll = np.asarray(evaluate(trial.reshape(shape)), np.float64)
-            except CancelledError as err:
+            except (CancelledError, KeyboardInterrupt) as err:         # Stop, or Ctrl-C in the CLI
                 raise _Stopped(err, chosen, trace) from None
             done += 1
             rise = float((nll - dense_nll).mean())
@@ -329,7 +330,7 @@ class GreedyPlanSearch:
 
 class _Stopped(Exception):
     """A search stopped part way: the CancelledError, and the plan so far."""
-    def __init__(self, error: CancelledError, chosen: np.ndarray, trace: list):
+    def __init__(self, error: BaseException, chosen: np.ndarray, trace: list):
         super().__init__(str(error))
         self.error, self.chosen, self.trace = error, chosen, trace
 
