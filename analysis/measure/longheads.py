@@ -175,17 +175,10 @@ def _readable(rows: torch.Tensor, T: int, own: int | None) -> torch.Tensor:
 # Retrieval heads
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class NeedleItem:
-    """One retrieval item: ids [T]; the needle sentence at ids[needle_start:needle_end]; the answer (the
-    needle's content, teacher-forced) at ids[answer:] (it ends the row)."""
+class Answered:
+    """A row that ends with its answer: `ids` [T] and the answer at ids[answer:] (teacher-forced)."""
     ids: torch.Tensor
-    needle_start: int
-    needle_end: int
     answer: int
-    length: int
-    depth: float
-    kind: str
 
     @property
     def rows(self) -> torch.Tensor:
@@ -196,6 +189,19 @@ class NeedleItem:
     def targets(self) -> torch.Tensor:
         """[k] the answer tokens."""
         return self.ids[self.answer:]
+
+
+@dataclass(frozen=True)
+class NeedleItem(Answered):
+    """One retrieval item: ids [T]; the needle sentence at ids[needle_start:needle_end]; the answer (the
+    needle's content, teacher-forced) at ids[answer:] (it ends the row)."""
+    ids: torch.Tensor
+    needle_start: int
+    needle_end: int
+    answer: int
+    length: int
+    depth: float
+    kind: str
 
 
 def needle_content(kind: str, rng: random.Random) -> str:

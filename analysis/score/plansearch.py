@@ -35,7 +35,7 @@ from analysis.arch.spans import attention_layers, tapped
 from analysis.arch.window import Window, window_of
 from analysis.core.errors import CancelledError, InputError, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
-from analysis.measure.longheads import attention_rows
+from analysis.measure.longheads import Answered, attention_rows
 from analysis.measure.loss import token_nll
 from analysis.measure.probes.longcontext import stop_between_layers
 
@@ -45,20 +45,11 @@ WHAT = "The plan search"
 
 
 @dataclass(frozen=True)
-class AnswerRow:
+class AnswerRow(Answered):
     """One calibration row: ids [T] (prompt, then the answer it asks for), the answer at ids[answer:]."""
     ids: torch.Tensor
     answer: int
     source: str = ""
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """[k] the query rows that predict each answer token."""
-        return torch.arange(self.answer - 1, self.ids.numel() - 1)
-
-    @property
-    def targets(self) -> torch.Tensor:
-        return self.ids[self.answer:]
 
 
 def ruler_answer_rows(rows, tokenizer) -> list[AnswerRow]:
