@@ -102,7 +102,7 @@ def test_keyboard_edits_change_the_kv_memory_and_page_switches_keep_the_plan(ser
     modes = np.zeros((30, 3), np.int8)
     kv, counts = _expected(modes)
     expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=LOAD_TIMEOUT_MS)
-    _settled(page)
+    _settled(page, LOAD_TIMEOUT_MS)     # the first visit of a server times its long passes (components/longscan.py)
     for row, col, mode in ((1, 0, "window"), (2, 2, "prune")):
         _edit(page, row, col, mode)
         modes[row, col] = MODES.index(mode)
