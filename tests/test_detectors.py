@@ -3,8 +3,6 @@ hand-set 2-layer attention-only GPT-2 must be found exactly, DLA must equal a ha
 its parts must sum to the logit, masks and physically pruned models must line up, and bad input
 must give one clear line."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -266,8 +264,21 @@ def test_encoders_and_short_text_give_one_clear_line(minilm):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "analysis", "roles", *args], capture_output=True, text=True,
-                          timeout=600)
+    """`headscope roles ARGS` in this process (cli.main, as tests/_bad_input.py's CLI cases run): its exit status,
+    stdout and stderr, without a fresh interpreter importing torch and transformers for each call (about 10 s
+    of the module's 90 s each, on 2 busy cores). The process entry itself is tests/test_cli*.py's."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from analysis import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(["roles", *args])
+        except SystemExit as stop:                   # argparse's refusals
+            code = stop.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_refuses_bad_input_with_one_line(tmp_path, builtin_cache_dir):

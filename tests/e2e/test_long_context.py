@@ -20,10 +20,10 @@ ROW_PX, INDEX_PX = 35, 52           # the grid's row height and index column (co
 
 
 def _settled(page, timeout_ms: int = 60_000) -> None:
+    """The script's run has ended. Called only after waiting for what the action changes (a heading, a metric's
+    text, a cell's value), so the run that action started has begun: no fixed sleep."""
     from playwright.sync_api import expect
-    for _ in range(3):
-        page.wait_for_timeout(400)
-        expect(page.locator(SETTLED)).to_have_count(1, timeout=timeout_ms)
+    expect(page.locator(SETTLED)).to_have_count(1, timeout=timeout_ms)
 
 
 def _metric(page, label: str):
@@ -39,49 +39,51 @@ def _expected(modes) -> tuple[str, str]:
     return size_words(plan.kv_bytes(CONTEXT, head_dim=64)), f"{c['full']} / {c['window']} / {c['prune']}"
 
 
-def _edit(page, row: int, col: int, mode: str) -> None:
-    """Keyboard only, once the grid has focus: move to (row, col) from the top-left data cell, Enter opens
-    the cell's choice box, typing the mode filters it, Enter picks it."""
-    grid = page.get_by_test_id("stDataFrame").first
-    box = grid.bounding_box()
-    page.mouse.click(box["x"] + INDEX_PX + 40, box["y"] + ROW_PX + ROW_PX / 2)      # focus: layer 0, KV head 0
-    page.wait_for_timeout(400)                             # the grid takes the focus before the arrows
-    for _ in range(row):
-        page.keyboard.press("ArrowDown")
-        page.wait_for_timeout(100)
-    for _ in range(col):
-        page.keyboard.press("ArrowRight")
-        page.wait_for_timeout(100)
-    page.keyboard.press("Enter")
-    _shown(page.get_by_role("option").first)               # the choice box is open (a loaded machine is slow)
-    page.keyboard.type(mode)
-    _shown(page.get_by_role("option", name=mode, exact=True).first)   # filtered to the mode: Enter picks it
-    page.keyboard.press("Enter")
+def _cell(page, row: int, col: int):
+    """The grid's cell of layer `row`, KV head `col` in glide-data-grid's accessible table behind the canvas
+    (its column 0 is the layer index); the grid's current cell is the focused one."""
+    return page.get_by_test_id("stDataFrame").first.get_by_test_id(f"glide-cell-{col + 1}-{row}")
 
 
-def _shown(locator, timeout_ms: int = 10_000) -> None:
-    """Wait for `locator` to be visible; if it never is, go on (the edit's own check then fails or retries)."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-    try:
-        locator.wait_for(state="visible", timeout=timeout_ms)
-    except PlaywrightTimeout:
-        pass
-
-
-def _edit_until(page, row: int, col: int, mode: str, counts: str, tries: int = 2) -> None:
-    """_edit, then wait for the counts metric; on a loaded machine a key press that lands while the grid is
-    still mounting (just after a reload) is lost, so the edit is typed once more after the page settles (at
-    most `tries` times: an edit the page never takes still fails)."""
+def _until_focused(page, act, cell, came_from=None, tries: int = 2) -> None:
+    """`act()` (a click or a key), then wait for `cell` to take the focus. A press the browser drops (a loaded
+    machine, the grid still mounting) leaves the focus where it was (`came_from`, or no grid cell for the
+    click): then, and only then, it is done once more; anywhere else is a failure."""
     from playwright.sync_api import expect
     for attempt in range(tries):
-        _edit(page, row, col, mode)
+        act()
         try:
-            expect(_metric(page, "Full / window / prune")).to_have_text(counts, timeout=30_000)
+            expect(cell).to_be_focused(timeout=15_000)
             return
         except AssertionError:
-            if attempt == tries - 1:
+            stayed = (came_from.evaluate("e => e === document.activeElement") if came_from is not None else
+                      page.evaluate("() => !(document.activeElement?.id || '').startsWith('glide-cell-')"))
+            if attempt == tries - 1 or not stayed:
                 raise
-            _settled(page)
+
+
+def _edit(page, row: int, col: int, mode: str) -> None:
+    """Keyboard only, once the grid has focus: move to (row, col) from the top-left data cell, Enter opens
+    the cell's choice box, typing the mode filters it, Enter picks it. Each step waits for what it changes
+    (the focused cell, the count of options, the cell's value), never for a time."""
+    from playwright.sync_api import expect
+    grid = page.get_by_test_id("stDataFrame").first
+    box = grid.bounding_box()
+    _until_focused(page, lambda: page.mouse.click(box["x"] + INDEX_PX + 40, box["y"] + ROW_PX + ROW_PX / 2),
+                   _cell(page, 0, 0))                                             # focus: layer 0, KV head 0
+    at = (0, 0)
+    for key, step in [("ArrowDown", (1, 0))] * row + [("ArrowRight", (0, 1))] * col:
+        to = (at[0] + step[0], at[1] + step[1])
+        _until_focused(page, lambda: page.keyboard.press(key), _cell(page, *to), _cell(page, *at))
+        at = to
+    options = page.get_by_role("option")
+    page.keyboard.press("Enter")
+    expect(options).to_have_count(len(MODES), timeout=15_000)                     # the choice box is open
+    page.keyboard.type(mode)
+    expect(options).to_have_count(1)                                              # filtered to the mode
+    expect(options.first).to_have_text(mode)
+    page.keyboard.press("Enter")
+    expect(_cell(page, row, col)).to_have_text(mode)                              # picked
 
 
 def _query(page) -> dict[str, str]:
@@ -100,7 +102,7 @@ def test_keyboard_edits_change_the_kv_memory_and_page_switches_keep_the_plan(ser
     modes = np.zeros((30, 3), np.int8)
     kv, counts = _expected(modes)
     expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv, timeout=LOAD_TIMEOUT_MS)
-    _settled(page)
+    _settled(page, LOAD_TIMEOUT_MS)     # the first visit of a server times its long passes (components/longscan.py)
     for row, col, mode in ((1, 0, "window"), (2, 2, "prune")):
         _edit(page, row, col, mode)
         modes[row, col] = MODES.index(mode)
@@ -128,7 +130,8 @@ def test_keyboard_edits_change_the_kv_memory_and_page_switches_keep_the_plan(ser
     _settled(page)
     modes[1, 0] = 0
     kv, counts = _expected(modes)
-    _edit_until(page, 1, 0, "full", counts)                                       # and the grid edits on from it
+    _edit(page, 1, 0, "full")                                                     # and the grid edits on from it
+    expect(_metric(page, "Full / window / prune")).to_have_text(counts, timeout=60_000)
     expect(_metric(page, "KV cache at 4,096 tokens")).to_have_text(kv)
     assert page.get_by_test_id("stException").count() == 0
     page.screenshot(path=str(ARTIFACTS / "e2e_long_context_after.png"))
