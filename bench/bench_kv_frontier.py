@@ -157,6 +157,7 @@ def plot(out: dict, path: Path) -> None:
         d = _avg(next(iter(entry["configs"].values())))
         ax.axhspan(d["dense_low"], d["dense_high"], color="grey", alpha=0.2)
         ax.axhline(d["dense_score"], color="black", lw=1, label="dense")
+    ax.set_xlim(0.0, 1.05)
     ax.set_xlabel("KV cache held / dense")
     ax.set_ylabel("RULER test-set average")
     ax.set_title(f"{out.get('model', '')}, {out['length']:,} tokens")
