@@ -21,7 +21,8 @@ BAD_SEEDS = {"negative": -1, "2**70": 2**70}
 # what a command needs besides the seed for its parser to accept the line (nothing runs: the seed is refused first)
 REQUIRED = {"mask": ["--sparsity", "0.25"], "evaluate": ["--sparsity", "0.25"], "sweep": ["--sparsity", "0.25"],
             "export": ["--out-dir", "unused", "--name", "unused"], "pipeline": ["--out-dir", "unused", "--name", "unused"],
-            "harness": ["--tasks", "boolq"], "deploy-report": ["--dense", "unused", "--pruned", "unused"]}
+            "harness": ["--tasks", "boolq"],
+            "plan-search": ["--kv-target", "0.5", "--out", "unused"], "deploy-report": ["--dense", "unused", "--pruned", "unused"]}
 
 
 def seed_options() -> list[tuple[str, str]]:

@@ -131,3 +131,8 @@ def test_the_command_refuses_in_one_line_before_the_model_and_writes_nothing(tmp
         code, _, err = run_captured(capsys, "plan-search", *argv, "--out", out, "--quiet")
         assert code == 2 and re.search(words, one_error_line(err), re.I), (argv, err)
         assert not out.exists()
+
+
+def test_every_search_is_declared_where_the_parser_reads_it():
+    from analysis.measure.long_options import PLAN_SEARCHES
+    assert tuple(P.PLAN_SEARCHES) == PLAN_SEARCHES

@@ -26,7 +26,9 @@ from analysis.core.errors import InputError
 
 def _arguments(parser):
     from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS
-    from analysis.score.plansearch import DEFAULT_BLOCK, DEFAULT_BUDGET, PLAN_SEARCHES
+    from analysis.measure.long_options import DEFAULT_SEARCH_BLOCK as DEFAULT_BLOCK
+    from analysis.measure.long_options import DEFAULT_SEARCH_BUDGET as DEFAULT_BUDGET
+    from analysis.measure.long_options import PLAN_SEARCHES
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--kv-target", dest="kv_target", type=float, required=True,
                         help="the KV cache the plan may hold, as a fraction of dense's (above 0, at most 1)")

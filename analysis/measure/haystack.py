@@ -22,7 +22,6 @@ from analysis.core.progress import ShouldStop, check_stop
 from analysis.core.text import ARTICLE_SEPARATOR, calibration_articles, evaluation_articles
 from analysis.measure.splits import TEST, salted, text_half
 
-HALVES = {"evaluation": evaluation_articles, "calibration": calibration_articles}
 MAX_HAYSTACK_TOKENS = 2**20          # 1 M tokens: far beyond any model this runs on, far below the corpus
 
 
@@ -34,7 +33,7 @@ def haystack(tokenizer, n_tokens: int, *, seed: int = 0, split: str = TEST,
     long context at once, not after the dozens of 8k-token haystacks a run builds."""
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 1 <= n_tokens <= MAX_HAYSTACK_TOKENS:
         raise InputError(f"A haystack holds 1 to {MAX_HAYSTACK_TOKENS} tokens; got {n_tokens!r}.")
-    articles = HALVES[text_half(split)]()
+    articles = calibration_articles() if text_half(split) == "calibration" else evaluation_articles()
     order = list(range(len(articles)))
     random.Random(salted(split, f"headscope-haystack:{seed}")).shuffle(order)
     pieces, have = [], 0

@@ -29,6 +29,9 @@ MAX_BATCH = 256
 # the per-KV-head scores a KV plan windows by, lowest first (detector names: analysis.measure.detector_registry)
 WINDOW_SCORES = ("streaming", "retrieval-aware")
 DEFAULT_WINDOW_SCORE = "streaming"
+PLAN_SEARCHES = ("greedy",)          # searches that choose a whole plan (analysis.score.plansearch registers each)
+DEFAULT_SEARCH_BLOCK = 8             # KV heads the greedy search tries at once
+DEFAULT_SEARCH_BUDGET = 0.1          # nats a row a plan may lose on the calibration answers
 
 # the long-context probes (analysis.measure.probes.longcontext; `headscope longctx`)
 PROBE_LENGTH = 1024                  # tokens per row when a long probe is run without a length

@@ -35,12 +35,11 @@ from analysis.arch.spans import attention_layers, tapped
 from analysis.arch.window import Window, window_of
 from analysis.core.errors import CancelledError, InputError, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
+from analysis.measure.long_options import DEFAULT_SEARCH_BLOCK as DEFAULT_BLOCK
+from analysis.measure.long_options import DEFAULT_SEARCH_BUDGET as DEFAULT_BUDGET
 from analysis.measure.longheads import Answered, attention_rows
 from analysis.measure.loss import token_nll
 from analysis.measure.probes.longcontext import stop_between_layers
-
-DEFAULT_BLOCK = 8                 # KV heads tried at once
-DEFAULT_BUDGET = 0.1              # nats a row the plan may lose on the calibration answers (mean over rows)
 WHAT = "The plan search"
 
 
@@ -330,7 +329,7 @@ def _name(i: int, g) -> str:
     return f"L{i // g.n_kv_heads}KV{i % g.n_kv_heads}"
 
 
-PLAN_SEARCHES = {GreedyPlanSearch.name: GreedyPlanSearch}
+PLAN_SEARCHES = {GreedyPlanSearch.name: GreedyPlanSearch}          # declared by name in measure/long_options
 
 
 def plan_search(name: str, **options):
