@@ -604,5 +604,5 @@ def kv_frontier(lines: dict, dense: tuple[float, float, float], *, title: str, m
     if mark is not None:
         fig.add_vline(x=mark, line=dict(color="#555", dash="dot"), annotation_text="this plan")
     fig.update_layout(title=title, height=360, xaxis_title="KV cache held / dense", yaxis_title="test-set score (95 % CI)",
-                      yaxis_range=[-0.05, 1.05], margin=dict(l=50, r=20, t=50, b=40))
+                      xaxis_range=[0.0, 1.05], yaxis_range=[-0.05, 1.05], margin=dict(l=50, r=20, t=50, b=40))
     return fig
