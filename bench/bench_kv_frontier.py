@@ -189,7 +189,8 @@ def save(out: dict, args) -> None:
         out["points"] = points(out)
     atomic_write(args.out, json.dumps(out, indent=1, default=str))
     if args.write_docs and out.get("entry", {}).get("configs"):
-        write_section(ROOT / "docs" / "results.md", markdown(out), *FRONTIER_MARKERS)
+        write_section(ROOT / "docs" / "results.md", "\n".join([FRONTIER_MARKERS[0], markdown(out), FRONTIER_MARKERS[1]]),
+                      *FRONTIER_MARKERS)
         plot(out, Path(args.out).with_suffix(".png"))
 
 

@@ -42,7 +42,8 @@ def render(dense_map, path: Path, write_docs: bool) -> None:
     import json
     atomic_write(path, json.dumps(dense_map.as_dict(), indent=1))
     if write_docs:
-        write_section(ROOT / "docs" / "results.md", dense_map.markdown(), *MAP_MARKERS)
+        write_section(ROOT / "docs" / "results.md", "\n".join([MAP_MARKERS[0], dense_map.markdown(), MAP_MARKERS[1]]),
+                      *MAP_MARKERS)
 
 
 def main(argv=None) -> int:
