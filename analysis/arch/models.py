@@ -438,13 +438,26 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 
 
+def _model_name(name) -> str:
+    """`name` stripped; ModelLoadError (one line, what to give) when it is not a non-empty string."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
+                             f"a local folder, or a Hugging Face hub id.")
+    return name.strip()
+
+
+def _cache_root(cache_dir) -> Path:
+    """headscope's cache root for converted built-ins: `cache_dir`, else default_cache_dir()."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
 def conversion_pending(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
     """Whether loading `name` starts with converting a built-in (no converted cache of this
     format yet): the slow cold first load, worth a Stop button. Anything else: False."""
     builtin = BUILTIN_MODELS.get(name)
     if builtin is None or not builtin.converts:
         return False
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = _cache_root(cache_dir)
     marker = read_marker(root / "models" / builtin.name)
     return not isinstance(marker, dict) or marker.get("format") != _CACHE_FORMAT
 
@@ -613,13 +626,10 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
     raises CancelledError and leaves no cache behind.
     Raises ModelLoadError / UnsupportedModelError / InputError / OutputError with a message saying
     how to fix the problem."""
-    if not isinstance(name, str) or not name.strip():
-        raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
-                             f"a local folder, or a Hugging Face hub id.")
-    name = name.strip()
+    name = _model_name(name)
     resolved = Placement.of(device, dtype, device_map, max_memory, offload_folder).resolve()
     report = stoppable(progress, should_stop, f"Loading {name}")
-    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_root = _cache_root(cache_dir)
     with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)
         # a built-in's first load spends its time converting (0 .. 0.9, above); the rest is quick
@@ -650,13 +660,10 @@ def load_deferred(name: str, *, trust_remote_code: bool = False, cache_dir: str 
     stored results' keys need only these; `materialize` loads the weights on a miss. A built-in is converted
     first as load_model does; the same one-line errors for a bad name or config. Placement with accelerate
     (device_map) is not deferred: load it with load_model."""
-    if not isinstance(name, str) or not name.strip():
-        raise ModelLoadError(f"Give a model: a built-in name ({', '.join(BUILTIN_MODELS)}), "
-                             f"a local folder, or a Hugging Face hub id.")
-    name = name.strip()
+    name = _model_name(name)
     resolved = Placement.of(device, dtype, None, None, None).resolve()
     report = stoppable(progress, None, f"Reading {name}")
-    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_root = _cache_root(cache_dir)
     with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)
         config = _load_config(source, name, is_local, trust_remote_code)
