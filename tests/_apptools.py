@@ -226,6 +226,14 @@ def long_tiny(tmp_path_factory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=512)
 
 
+@pytest.fixture
+def results_store(tmp_path, monkeypatch):
+    """A results store of the test's own (analysis.core.store.Store), where every command it starts stores."""
+    from analysis.core.store import Store
+    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))
+    return Store(tmp_path / "results")
+
+
 @pytest.fixture(autouse=False)
 def fresh_caches():
     """st.cache_data / st.cache_resource outlive a test: clear them before and after."""

@@ -8,24 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from analysis.core.store import Store
-from tests._apptools import tiny_model_dir
+from tests._apptools import long_tiny, results_store  # noqa: F401 (fixtures)
 from tests._input_checks import only_error_line, run_captured
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 LENGTH = 320
 WINDOW = ("--sinks", 2, "--recent", 16)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-store"), max_position_embeddings=512)
-
-
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))
-    return Store(tmp_path / "results")
 
 
 def _json(capsys, *argv) -> dict:
@@ -34,10 +22,10 @@ def _json(capsys, *argv) -> dict:
     return json.loads(out)
 
 
-def test_longctx_reads_its_dense_side_and_a_plans_side_back(tiny, results, capsys, tmp_path):
+def test_longctx_reads_its_dense_side_and_a_plans_side_back(long_tiny, results_store, capsys, tmp_path):
     from analysis.arch.kvplan import KVPlan
     from analysis.arch.window import Window
-    base = ("longctx", "--model", tiny, "--lengths", LENGTH, "--items", 2, "--probe", "passkey")
+    base = ("longctx", "--model", long_tiny, "--lengths", LENGTH, "--items", 2, "--probe", "passkey")
     first, second = _json(capsys, *base), _json(capsys, *base)
     assert (first["stored"]["dense"], second["stored"]["dense"]) == ("miss", "hit")
     assert first["report"]["cells"] == second["report"]["cells"] and second["estimate_s"] == 0.0
@@ -55,19 +43,19 @@ def test_longctx_reads_its_dense_side_and_a_plans_side_back(tiny, results, capsy
     assert refreshed["report"]["cells"] == cut1["report"]["cells"]
 
 
-def test_warm_then_kv_plan_reads_the_pages_scan(tiny, results, capsys):
+def test_warm_then_kv_plan_reads_the_pages_scan(long_tiny, results_store, capsys):
     from analysis.arch.models import load_model
     from analysis.arch.window import Window
     from analysis.score.kvscores import KVScores, plan_from_scores
     from analysis.score.longscan import page_rows, stored_scan
-    warm = _json(capsys, "cache", "warm", "--model", tiny, "--lengths", LENGTH, *WINDOW, "--importance-tokens", 64)
+    warm = _json(capsys, "cache", "warm", "--model", long_tiny, "--lengths", LENGTH, *WINDOW, "--importance-tokens", 64)
     assert [r["status"] for r in warm["stored"]] == ["miss", "miss"]
-    again = _json(capsys, "cache", "warm", "--model", tiny, "--lengths", LENGTH, *WINDOW, "--importance-tokens", 64)
+    again = _json(capsys, "cache", "warm", "--model", long_tiny, "--lengths", LENGTH, *WINDOW, "--importance-tokens", 64)
     assert [r["status"] for r in again["stored"]] == ["hit", "hit"]
-    out = _json(capsys, "kv-plan", "--model", tiny, "--rows", "probes", "--lengths", LENGTH, *WINDOW,
+    out = _json(capsys, "kv-plan", "--model", long_tiny, "--rows", "probes", "--lengths", LENGTH, *WINDOW,
                 "--window-share", 0.5, "--prune-share", 0.25, "--prune-tokens", 64)
     assert out["stored"] == {"scan": "hit", "importance": "hit"}
-    lm = load_model(str(tiny))
+    lm = load_model(str(long_tiny))
     scan, found = stored_scan(lm, page_rows(lm, (LENGTH,)), window=Window(2, 16), compute=False)
     assert found.hit
     dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
@@ -80,30 +68,30 @@ def test_warm_then_kv_plan_reads_the_pages_scan(tiny, results, capsys):
     assert sorted(r["measure"] for r in listed["results"]) == ["kv-importance", "long-dense", "long-scan"]
     assert _json(capsys, "cache", "clear", "--measure", "long-dense")["removed"] == 1
     assert _json(capsys, "cache", "clear", "--model", "someone-else")["removed"] == 0
-    assert _json(capsys, "cache", "clear", "--model", str(tiny))["removed"] == 2
-    assert results.entries() == []
+    assert _json(capsys, "cache", "clear", "--model", str(long_tiny))["removed"] == 2
+    assert results_store.entries() == []
 
 
-def test_the_same_detector_asked_by_two_commands_is_one_result(tiny, results, capsys):
-    roles = _json(capsys, "roles", "--model", tiny, "--detector", "streaming", "--lengths", LENGTH, *WINDOW)
-    plan = _json(capsys, "kv-plan", "--model", tiny, "--lengths", LENGTH, *WINDOW, "--no-keep-retrieval")
+def test_the_same_detector_asked_by_two_commands_is_one_result(long_tiny, results_store, capsys):
+    roles = _json(capsys, "roles", "--model", long_tiny, "--detector", "streaming", "--lengths", LENGTH, *WINDOW)
+    plan = _json(capsys, "kv-plan", "--model", long_tiny, "--lengths", LENGTH, *WINDOW, "--no-keep-retrieval")
     assert roles["stored"] == {"streaming": "miss"} and plan["stored"] == {"streaming": "hit"}
-    again = _json(capsys, "roles", "--model", tiny, "--detector", "streaming", "--lengths", LENGTH, *WINDOW)
+    again = _json(capsys, "roles", "--model", long_tiny, "--detector", "streaming", "--lengths", LENGTH, *WINDOW)
     assert again["stored"] == {"streaming": "hit"}
     assert again["detectors"]["streaming"]["scores"] == roles["detectors"]["streaming"]["scores"]
-    assert len(results.entries()) == 1
+    assert len(results_store.entries()) == 1
 
 
-def test_bad_input_is_one_line(tiny, results, capsys, monkeypatch):
+def test_bad_input_is_one_line(long_tiny, results_store, capsys, monkeypatch):
     from analysis.core import placement
     monkeypatch.setattr(placement, "fast_bfloat16", lambda device_type="cpu", flags=None: False)
-    for argv, words in ((("cache", "warm", "--model", tiny, "--measure", "long-scan"), "--measure is for"),
-                        (("cache", "warm", "--model", tiny, "--items", 0), "--items"),
-                        (("cache", "warm", "--model", tiny, "--precision", "bfloat16"), "no fast bfloat16"),
-                        (("longctx", "--model", tiny, "--lengths", LENGTH, "--precision", "bfloat16"), "no fast bfloat16"),
-                        (("kv-plan", "--model", tiny, "--precision", "bfloat16", "--lengths", LENGTH), "float32"),
-                        (("kv-plan", "--model", tiny, "--rows", "probes", "--precision", "bfloat16"),
+    for argv, words in ((("cache", "warm", "--model", long_tiny, "--measure", "long-scan"), "--measure is for"),
+                        (("cache", "warm", "--model", long_tiny, "--items", 0), "--items"),
+                        (("cache", "warm", "--model", long_tiny, "--precision", "bfloat16"), "no fast bfloat16"),
+                        (("longctx", "--model", long_tiny, "--lengths", LENGTH, "--precision", "bfloat16"), "no fast bfloat16"),
+                        (("kv-plan", "--model", long_tiny, "--precision", "bfloat16", "--lengths", LENGTH), "float32"),
+                        (("kv-plan", "--model", long_tiny, "--rows", "probes", "--precision", "bfloat16"),
                          "no fast bfloat16")):
         code, out, err = run_captured(capsys, *argv)
         assert code == 2 and out == "" and words in only_error_line(err), (argv, err)
-    assert results.entries() == []
+    assert results_store.entries() == []

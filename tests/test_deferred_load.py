@@ -9,24 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from analysis.core.store import Store
-from tests._apptools import tiny_model_dir
+from tests._apptools import long_tiny, results_store  # noqa: F401 (fixtures)
 from tests._input_checks import run_captured
 from tests._threads import one_torch_thread  # noqa: F401 (autouse)
 
 LENGTH = 320
 WINDOW = ("--sinks", 2, "--recent", 16)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny-deferred"), max_position_embeddings=512)
-
-
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))
-    return Store(tmp_path / "results")
 
 
 def _same_tensors(a, b) -> None:
@@ -57,10 +45,10 @@ def test_deferred_builtin_is_the_loaded_one(smollm2, builtin_cache_dir):
     assert next(lazy.model.parameters()).device.type == "meta"                    # the deferred one unchanged
 
 
-def test_deferred_tiny_model_materializes_as_loaded(tiny):
+def test_deferred_tiny_model_materializes_as_loaded(long_tiny):
     from analysis.arch.models import is_weights_only, load_deferred, load_model, materialize
     from analysis.arch.stored import model_fingerprint
-    lazy, loaded = load_deferred(str(tiny)), load_model(str(tiny))
+    lazy, loaded = load_deferred(str(long_tiny)), load_model(str(long_tiny))
     assert model_fingerprint(lazy) == model_fingerprint(loaded) and not is_weights_only(lazy)
     _same_tensors(materialize(lazy).model, loaded.model)
 
@@ -80,11 +68,11 @@ def _no_weights(monkeypatch):
     monkeypatch.setattr(models, "load_model", refused)
 
 
-def test_stored_commands_read_no_weights(tiny, results, capsys, tmp_path, monkeypatch):
+def test_stored_commands_read_no_weights(long_tiny, results_store, capsys, tmp_path, monkeypatch):
     plan = tmp_path / "kv_plan.json"
-    kv = ("kv-plan", "--model", tiny, "--rows", "probes", "--lengths", LENGTH, *WINDOW, "--window-share", 0.5,
+    kv = ("kv-plan", "--model", long_tiny, "--rows", "probes", "--lengths", LENGTH, *WINDOW, "--window-share", 0.5,
           "--prune-share", 0.25, "--prune-tokens", 64, "--out", plan)
-    lc = ("longctx", "--model", tiny, "--lengths", LENGTH, "--items", 2, "--probe", "passkey", "--kv-plan", plan)
+    lc = ("longctx", "--model", long_tiny, "--lengths", LENGTH, "--items", 2, "--probe", "passkey", "--kv-plan", plan)
     first = _json(capsys, *kv)                                      # misses: measured (the weights loaded on the miss)
     assert first["stored"] == {"scan": "miss", "importance": "miss"}
     written = plan.read_text()
