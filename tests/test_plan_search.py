@@ -136,3 +136,18 @@ def test_the_command_refuses_in_one_line_before_the_model_and_writes_nothing(tmp
 def test_every_search_is_declared_where_the_parser_reads_it():
     from analysis.measure.long_options import PLAN_SEARCHES
     assert tuple(P.PLAN_SEARCHES) == PLAN_SEARCHES
+
+
+def test_a_plan_measured_once_is_read_back_not_run_again():
+    """The search's result is its last kept plan: PlanLoss reads it back instead of another pass over the rows."""
+    model = tiny_model("llama", vocab_size=128, num_hidden_layers=2, max_position_embeddings=256)
+    adapter = adapter_for(model)
+    gen = torch.Generator().manual_seed(1)
+    rows = [P.AnswerRow(torch.randint(4, 128, (64,), generator=gen), 60)]
+    loss = P.PlanLoss(model, rows, Window(2, 16), adapter.geometry(model))
+    windowed = np.array([[True, False], [False, False]])
+    first = loss.of(windowed)
+    again = loss.of(windowed.copy())
+    assert loss.evaluations == 1 and np.array_equal(first[0], again[0])
+    loss.of(None)
+    assert loss.evaluations == 2
