@@ -66,11 +66,13 @@ BUILDERS = {
 
 @pytest.mark.parametrize("name", BUILDERS)
 def test_a_signal_stops_a_builder_at_the_next_article(name, smollm2, long_model, flag, monkeypatch):
-    articles = Interrupting(haystack_module.evaluation_articles(), AFTER)
-    monkeypatch.setattr(haystack_module, "evaluation_articles", lambda: articles)
+    halves = {half: Interrupting(getattr(haystack_module, half)(), AFTER)       # a score reads the calibration
+              for half in ("evaluation_articles", "calibration_articles")}    # half, a verdict the evaluation one
+    for half, articles in halves.items():
+        monkeypatch.setattr(haystack_module, half, lambda articles=articles: articles)
     with pytest.raises(KeyboardInterrupt):
         BUILDERS[name](smollm2.tokenizer, long_model, None)
-    assert articles.reads == AFTER
+    assert sorted(a.reads for a in halves.values()) == [0, AFTER]            # one half read, stopped at AFTER
 
 
 @pytest.mark.parametrize("name", BUILDERS)

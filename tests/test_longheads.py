@@ -29,7 +29,8 @@ from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from analysis.measure.attribution import rank_correlation
 from analysis.measure.longheads import (NeedleItem, RetrievalDetector, StreamingDetector, attention_rows,
-                                        needle_items, query_rows, retrieval_scores, streaming_scores, windowing_effect)
+                                        needle_items, query_rows, retrieval_scores, streaming_scores, streaming_text,
+                                        windowing_effect)
 from tests._tiny import tiny_model
 
 ROPE = {"rope_type": "default", "rope_theta": 1e32}
@@ -281,3 +282,39 @@ def test_a_stop_lands_inside_a_pass_and_leaves_the_model_as_it_was():
     assert current_implementation(m) == "sdpa"
     kv, _ = streaming_scores(m, list(_streaming_ids()), window=BAND)
     assert int(kv.argmax()) == 7
+
+
+def test_every_head_score_reads_the_calibration_rows_not_a_verdicts(monkeypatch):
+    """Retrieval, streaming, retrieval-aware and the KV groups' importance read the calibration split (the other
+    half of the built-in text, other needles), so no verdict's rows (RULER's test rows, the probes) chose the plan
+    it judges. Each is compared with the rows of both splits built by hand: equal to one, not to the other."""
+    from analysis.core.text import calibration_text
+    from analysis.measure import ablation
+    from analysis.measure.retrieval_aware import RetrievalAwareDetector
+    from analysis.measure.splits import CALIBRATION, TEST
+    from analysis.score.kvscores import group_importance
+    from tests._apptools import trivial_tokenizer
+    tok, m = trivial_tokenizer(), tiny_model("llama", max_position_embeddings=512)
+    got = RetrievalDetector((200,), (0.5,), needles=2, tokenizer=tok).items(m)
+    for split, same in ((CALIBRATION, True), (TEST, False)):
+        want = needle_items(tok, (200,), (0.5,), needles=2, split=split)
+        assert all(torch.equal(a.ids, b.ids) for a, b in zip(got, want)) is same, split
+    streamed = StreamingDetector([200], tokenizer=tok, n_sequences=1).sequences(m)
+    assert torch.equal(streamed[0], streaming_text(tok, 200, split=CALIBRATION))
+    assert not torch.equal(streamed[0], streaming_text(tok, 200, split=TEST))
+    aware, _ = RetrievalAwareDetector((256,), (0.5, 1.0), needles=1, window=Window(2, 100), tokenizer=tok).built(m)
+    calibration = needle_items(tok, (256,), (0.5, 1.0), needles=1, split=CALIBRATION)
+    assert all(any(torch.equal(a.ids, c.ids) for c in calibration) for a in aware)
+    seen = []
+    monkeypatch.setattr(ablation, "head_ablation", lambda loaded, text, **kw: seen.append(text) or _Delta())
+    group_importance(_Loaded(), 64)
+    assert seen and calibration_text().startswith(seen[0])
+
+
+class _Delta:
+    group_delta, head_delta = np.zeros((2, 1)), np.zeros((2, 2))
+
+
+class _Loaded:
+    class geometry:
+        group_size = 2

@@ -33,6 +33,7 @@ from analysis.measure.detector_registry import DETECTORS, default_detectors
 from analysis.measure.long_options import RETRIEVAL_AWARE_THRESHOLD, WINDOW_SCORES
 from analysis.measure.longheads import NeedleItem, needle_items, streaming_scores
 from analysis.measure.retrieval_aware import RetrievalAwareDetector, hidden_needles, layer_passes, windowed_answers
+from analysis.measure.splits import SCORE_SPLIT
 from analysis.score.kvscores import KVScores, plan_from_scores
 from tests._apptools import long_tiny, trivial_tokenizer  # noqa: F401 - long_tiny: a fixture
 from tests._input_checks import run_captured
@@ -220,7 +221,7 @@ def test_only_needles_the_window_hides_are_kept_and_none_is_one_line():
     tok = trivial_tokenizer()
     model = tiny_model("llama", max_position_embeddings=512)
     det = RetrievalAwareDetector((256,), (0.1, 0.5, 1.0), needles=1, window=Window(2, 100), tokenizer=tok)
-    every = needle_items(tok, (256,), (0.1, 0.5, 1.0), needles=1)
+    every = needle_items(tok, (256,), (0.1, 0.5, 1.0), needles=1, split=SCORE_SPLIT)
     items, left_out = det.built(model)
     assert [it.depth for it in items] == [it.depth for it in hidden_needles(every, Window(2, 100))]
     assert 0 < len(items) < len(every) and left_out == len(every) - len(items)

@@ -52,7 +52,7 @@ from analysis.core.errors import InputError, check_seed, check_whole_number
 from analysis.core.progress import Progress, ShouldStop, check_stop, report
 from analysis.measure.evaluation import context_length
 from analysis.measure.haystack import haystack, place, sentence_ends
-from analysis.measure.splits import TEST, salted
+from analysis.measure.splits import SCORE_SPLIT, TEST, salted
 from analysis.measure.headmaps import Detection, gates_array, head_slots, masked, place as place_heads, zero_pruned
 
 from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES,  # noqa: F401,E402
@@ -336,7 +336,7 @@ class RetrievalDetector:
         if self.tokenizer is None:
             raise InputError("The retrieval detector builds its text with the model's tokenizer; this model has none.")
         return needle_items(self.tokenizer, self.resolved_lengths(model), self.depths, needles=self.needles,
-                            seed=self.seed, should_stop=should_stop)
+                            seed=self.seed, split=SCORE_SPLIT, should_stop=should_stop)
 
     @classmethod
     def for_options(cls, tokenizer, options: dict) -> "RetrievalDetector":
@@ -463,10 +463,13 @@ def streaming_scores(model, sequences, *, window: Window = Window(), queries: in
     return kv_sum / count, head
 
 
-def streaming_text(tokenizer, length: int, *, seed: int = 0, should_stop: ShouldStop | None = None) -> torch.Tensor:
-    """ids [length]: [BOS] + built-in text (a haystack without a needle)."""
+def streaming_text(tokenizer, length: int, *, seed: int = 0, split: str = SCORE_SPLIT,
+                   should_stop: ShouldStop | None = None) -> torch.Tensor:
+    """ids [length]: [BOS] + built-in text (a haystack without a needle), from the half of `split` (a score's
+    rows: the calibration half, apart from every verdict's rows; analysis.measure.splits)."""
     bos = _bos(tokenizer)
-    text = haystack(tokenizer, length - len(bos), seed=seed, should_stop=should_stop)      # [length - len(bos)]
+    text = haystack(tokenizer, length - len(bos), seed=seed, split=split,
+                    should_stop=should_stop)                                             # [length - len(bos)]
     return torch.cat([torch.tensor(bos, dtype=torch.long), text])
 
 

@@ -5,7 +5,8 @@ The streaming score (analysis.measure.longheads) asks how much a KV head's *outp
 on plain text; a head whose output barely changes there can still be the one that carries a needle from far
 back to the answer. This score asks the answer directly:
 
-- rows: the retrieval score's needle items (`longheads.needle_items`: [BOS], built-in text with a needle
+- rows: the retrieval score's needle items (`longheads.needle_items` of the calibration split, apart from every
+  verdict's rows: [BOS], built-in text with a needle
   sentence at a depth, the question, the needle's content as the answer, teacher-forced), kept only when the
   window hides the whole needle from every answer row (`hidden_needles`: a needle the window still reads
   measures nothing about retrieval);
@@ -48,6 +49,7 @@ from analysis.measure.long_options import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, MAX_
 from analysis.measure.longheads import (NeedleItem, _logits_kwargs, check_depths, check_lengths, default_lengths,
                                         needle_items, whole_model)
 from analysis.measure.loss import token_nll
+from analysis.measure.splits import SCORE_SPLIT
 
 METHODS = ("fast", "naive")
 TAIL_TOKENS = 8                      # tokens of the short pass that finds the tail (final norm, LM head)
@@ -270,7 +272,8 @@ class RetrievalAwareDetector:
             raise InputError("The retrieval-aware score builds its rows with the model's tokenizer; this model has "
                              "none.")
         lengths = self.resolved_lengths(model)
-        every = needle_items(self.tokenizer, lengths, self.depths, needles=self.needles, seed=self.seed)
+        every = needle_items(self.tokenizer, lengths, self.depths, needles=self.needles, seed=self.seed,
+                             split=SCORE_SPLIT)
         kept = hidden_needles(every, self.window)
         if not kept:
             raise InputError(f"At {', '.join(map(str, lengths))} tokens the window ({self.window.describe()}) still "

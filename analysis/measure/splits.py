@@ -23,6 +23,7 @@ from analysis.core.errors import InputError
 TEST = "test"
 CALIBRATION = "calibration"
 SPLITS = (TEST, CALIBRATION)
+SCORE_SPLIT = CALIBRATION        # the rows every head score reads (retrieval, streaming, retrieval-aware, importance)
 TEXT_HALF = {TEST: "evaluation", CALIBRATION: "calibration"}      # analysis.core.text's halves
 SEED_SALT = {TEST: "", CALIBRATION: "calibration:"}              # prefixed to a generator's seed string
 

@@ -122,10 +122,12 @@ def measure_kv_scores(loaded, *, window: Window = Window(), lengths=None,
 def group_importance(loaded, tokens: int, *, progress: Progress | None = None,
                      should_stop: ShouldStop | None = None) -> np.ndarray:
     """[L, Hkv] loss increase when each whole KV group is removed (the fast ablation sweep of the KV groups alone
-    on `tokens` tokens of the built-in evaluation text, one sequence); MHA: the single-head deltas."""
+    on `tokens` tokens of the built-in calibration text, one sequence: like every score, apart from the rows a
+    verdict reads, analysis.measure.splits); MHA: the single-head deltas."""
+    from analysis.core.text import calibration_text
     from analysis.measure.ablation import head_ablation
     gqa = loaded.geometry.group_size > 1                 # the groups alone: a quarter of the sweep on SmolLM2
-    res = head_ablation(loaded, max_tokens=tokens, seq_len=tokens, heads=not gqa, progress=progress,
+    res = head_ablation(loaded, calibration_text(max_chars=16 * tokens), max_tokens=tokens, seq_len=tokens, heads=not gqa, progress=progress,
                         should_stop=should_stop)
     return np.asarray(res.group_delta if res.group_delta is not None else res.head_delta, dtype=np.float64)
 
