@@ -12,10 +12,16 @@ items 2-5; a result, not a test).
   prior, windowed lowest first with no search: what choosing one head at a time gives); a ratio that windowing
   alone cannot reach under the window is listed, not run. Each generates with its compact cache on the physically
   pruned twin (bench_ruler.headscope_runs), paired against dense per cell and on the test-set average;
+- beside them the plans chosen one head at a time from scores (measured on calibration rows: splits.SCORE_SPLIT):
+  `duo+@r` (the lowest streaming scores windowed, KV heads holding a retrieval head kept full: DuoAttention's
+  score with headscope's retrieval guard) and `retrieval-aware@r` (the lowest retrieval-aware scores windowed);
+- the window: sinks 4 + recent 256 (analysis.arch.window's default), except where windowing every KV head under it
+  cannot reach the ratio at the test rows' prompts (at 1k: 0.33, 0.25), which get a shorter one (--recent-for,
+  default 0.33:128,0.25:64); each score and prior is measured under the window of the plans it chooses;
 - each plan kept as docs/data/plans/<method>-kv<r>.json, named by what it holds, with the rows it was chosen on.
 
 Usage: nice -n 10 .venv/bin/python -m bench.bench_kv_frontier [--length 1024] [--ratios 0.75,0.5,0.33,0.25]
-       [--methods search,prior] [--cal-length 1024] [--cal-samples 2] [--threads 2] [--out docs/data/kv_frontier.json]
+       [--methods search,prior,duo+,retrieval-aware] [--recent-for 0.33:128,0.25:64] [--cal-length 1024] [--cal-samples 2] [--threads 2] [--out docs/data/kv_frontier.json]
        [--write-docs] [--render-only]
 --out is rewritten after every config; a rerun with the same --out skips what is there (resume).
 """
@@ -36,7 +42,32 @@ ROOT = Path(__file__).resolve().parents[1]
 FRONTIER_MARKERS = ("<!-- kv-frontier:begin -->", "<!-- kv-frontier:end -->")
 PLANS_DIR = ROOT / "docs" / "data" / "plans"
 RATIOS = (0.75, 0.5, 0.33, 0.25)
-METHODS = ("search", "prior")
+METHODS = ("search", "prior", "duo+", "retrieval-aware")
+SCORE_METHODS = {"duo+": "streaming", "retrieval-aware": "retrieval-aware"}    # method -> the window score it ranks by
+RECENT_FOR = "0.33:128,0.25:64"     # ratio:recent where the default window cannot reach the ratio at 1k prompts
+
+
+def recent_for(text: str) -> dict:
+    """{ratio: recent tokens} of --recent-for ("0.33:128,0.25:64"; empty: the default window everywhere)."""
+    out = {}
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        ratio, _, recent = part.partition(":")
+        try:
+            out[round(float(ratio), 4)] = int(recent)
+        except ValueError:
+            raise InputError(f"--recent-for takes ratio:recent pairs (0.33:128); got {part!r}.") from None
+    return out
+
+
+def window_for(ratio: float, recents: dict):
+    """The plans' window at a KV ratio: the default one, or sinks + the shorter recent --recent-for gives it."""
+    from analysis.arch.window import Window
+    recent = recents.get(round(float(ratio), 4))
+    return Window() if recent is None else Window(recent=recent)
+
+
+def window_key(window) -> str:
+    return f"{window.sinks}+{window.recent}"
 
 
 def test_rows(loaded, dense_map, length: int):
@@ -65,40 +96,100 @@ def plan_file(method: str, ratio: float, plan, rows_used: dict) -> Path:
     return path
 
 
-def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, window, out: dict, log,
-               save=lambda: None) -> dict:
-    from analysis.score.plansearch import GreedyPlanSearch, answer_prior, heads_for_ratio
+def prior_of(loaded, cal_rows, window, out: dict, save) -> np.ndarray:
+    """[L, Hkv] the search's one-pass answer prior under `window` on the calibration rows (kept in out["priors"])."""
+    from analysis.arch.window import Window
+    from analysis.score.plansearch import answer_prior
+    priors = out.setdefault("priors", {})
+    if "prior" in out:                                   # a run before per-ratio windows: the default window's
+        priors.setdefault(window_key(Window()), out.pop("prior"))
+    key = window_key(window)
+    if key not in priors:
+        t0 = time.perf_counter()
+        priors[key] = answer_prior(loaded.model, cal_rows, window, loaded.geometry).tolist()
+        if not isinstance(out.get("prior_seconds"), dict):
+            out["prior_seconds"] = {window_key(Window()): out["prior_seconds"]} if "prior_seconds" in out else {}
+        out["prior_seconds"][key] = time.perf_counter() - t0
+        save()
+    return np.array(priors[key])
+
+
+def scores_of(loaded, window, length: int, out: dict, save, log) -> dict:
+    """{"streaming", "retrieval", "retrieval-aware": [L, Hkv]} measured on calibration rows (splits.SCORE_SPLIT) at
+    `length` tokens under `window`, kept in out["scores"] (they cost minutes)."""
+    from analysis.score.kvscores import measure_kv_scores
+    kept = out.setdefault("scores", {})
+    key = window_key(window)
+    if key not in kept:
+        t0 = time.perf_counter()
+        log(f"scores under {window.describe()} at {length:,} tokens (calibration rows) ...")
+        a = measure_kv_scores(loaded, window=window, lengths=(length,), window_score="streaming", retrieval=True)
+        b = measure_kv_scores(loaded, window=window, lengths=(length,), window_score="retrieval-aware",
+                              retrieval=False)
+        kept[key] = dict(streaming=a.streaming.tolist(), retrieval=a.retrieval.tolist(),
+                         **{"retrieval-aware": b.retrieval_aware.tolist()}, length=length,
+                         seconds=time.perf_counter() - t0)
+        save()
+        log(f"scores under {window.describe()}: {kept[key]['seconds']:.0f} s")
+    return {k: np.array(v) for k, v in kept[key].items() if k not in ("length", "seconds")}
+
+
+def score_plan(loaded, method: str, ratio: float, prompt: int, scores: dict, window, length: int):
+    """The plan of a score method at a KV ratio: the lowest scores windowed (duo+: KV heads holding a retrieval head
+    kept full, so it may hold more than asked: the table shows what it holds)."""
+    from analysis.score.kvscores import plan_kv
+    from analysis.measure.longheads import RETRIEVAL_THRESHOLD
+    from bench.bench_ruler import window_share_for
+    g = loaded.geometry
+    share = window_share_for(ratio, prompt, window, g.n_layers * g.n_kv_heads)
+    keep = scores["retrieval"] >= RETRIEVAL_THRESHOLD if method == "duo+" else None
+    plan = plan_kv(g, scores[SCORE_METHODS[method]], window_share=share, keep=keep, window=window, model=loaded.name)
+    note = (f"windowed: the lowest {SCORE_METHODS[method]} scores ({share:.0%} of the KV heads asked, for KV {ratio:g} "
+            f"of dense at {prompt:,} tokens), measured on calibration needle rows at {length:,} tokens")
+    if keep is not None:
+        note += f"; {int(keep.sum())} KV heads with a retrieval head (score >= {RETRIEVAL_THRESHOLD:g}) kept full"
+    return plan.with_modes(plan.modes, note)
+
+
+def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, recents: dict, out: dict, log,
+               save=lambda: None, cal_length: int = 1024) -> dict:
+    from analysis.score.plansearch import GreedyPlanSearch, heads_for_ratio
     from analysis.score.kvscores import plan_kv
     g = loaded.geometry
     n_kv = g.n_layers * g.n_kv_heads
     searches = out.setdefault("searches", {})
-    prior = out.get("prior")
-    if prior is None:
-        t0 = time.perf_counter()
-        prior = answer_prior(loaded.model, cal_rows, window, g).tolist()
-        out["prior"], out["prior_seconds"] = prior, time.perf_counter() - t0
-        save()
     plans = {}
     for ratio in ratios:
+        window = window_for(ratio, recents)
         try:
             need = heads_for_ratio(ratio, prompt, window, n_kv)
         except InputError as err:
             out.setdefault("unreachable", {})[f"{ratio:g}"] = str(err)
             log(f"KV {ratio:g}: {err}")
             continue
+        out.get("unreachable", {}).pop(f"{ratio:g}", None)
         for method in methods:
             name = f"{method}@{ratio:g}"
+            if method in SCORE_METHODS:
+                plan = score_plan(loaded, method, ratio, prompt, scores_of(loaded, window, cal_length, out, save, log),
+                                  window, cal_length)
+                used = dict(chosen_on=dict(split="calibration", what=f"needle items at {cal_length:,} tokens "
+                                           "(the scores' rows: analysis.measure.splits.SCORE_SPLIT)"))
+                plans[name] = plan
+                plan_file(method, ratio, plan, used)
+                continue
+            prior = prior_of(loaded, cal_rows, window, out, save)
             if method == "prior":
-                plan = plan_kv(g, np.array(prior), window_share=(need + 0.5) / n_kv, window=window, model=loaded.name)
+                plan = plan_kv(g, prior, window_share=(need + 0.5) / n_kv, window=window, model=loaded.name)
                 plan = plan.with_modes(plan.modes, "windowed: the lowest one-pass answer prior (no search), "
                                                    f"KV {ratio:g} of dense at {prompt:,} tokens")
             elif name in searches:
                 from analysis.arch.kvplan import KVPlan
                 plan = KVPlan.from_dict(searches[name]["plan"])
             else:
-                log(f"{name}: searching on {len(cal_rows)} calibration rows ...")
+                log(f"{name}: searching on {len(cal_rows)} calibration rows under {window.describe()} ...")
                 result = GreedyPlanSearch(target=ratio, context=prompt, window=window).search(
-                    loaded, cal_rows, prior=np.array(prior), rows_used=rows_used)
+                    loaded, cal_rows, prior=prior, rows_used=rows_used)
                 plan = result.plan
                 searches[name] = dict(result.summary(), plan=plan.as_dict(), trace=result.trace)
                 save()                                           # a search costs minutes: kept before the next
@@ -201,6 +292,8 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--recent-for", dest="recent_for", default=RECENT_FOR,
+                   help="ratio:recent pairs: the window's recent tokens at those KV ratios (others: the default)")
     p.add_argument("--cal-length", dest="cal_length", type=int, default=1024)
     p.add_argument("--cal-samples", dest="cal_samples", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -229,7 +322,6 @@ def main(argv=None) -> int:
     log = lambda m: print(m, flush=True)                                      # noqa: E731
     try:
         loaded = load_model(args.model)
-        window = Window()
         tasks, rows, dense = test_rows(loaded, DenseMap.read(args.map), args.length)
         cal = build_ruler(tasks, loaded.tokenizer, (args.cal_length,), samples=args.cal_samples, seed=0,
                           split="calibration")
@@ -241,11 +333,16 @@ def main(argv=None) -> int:
                          judged_on=dict(split=rows.split, what=f"RULER {', '.join(tasks)} at {args.length:,}, seed 0",
                                         rows=rows.n_rows(), digest=rows.digest))
         out.update(model=args.model, length=args.length, tasks=tasks, rows=rows.n_rows(), prompt=prompt,
-                   rows_used=rows_used, window=window.as_dict(), args=vars(args))
+                   rows_used=rows_used, window=Window().as_dict(), recent_for=args.recent_for,
+                   args=vars(args))
         entry = out.setdefault("entry", {"configs": {}})
         entry["dense"] = dense
-        plans = make_plans(loaded, args.methods.split(","), [float(r) for r in args.ratios.split(",")], prompt,
-                           cal_rows, rows_used, window, out, log, lambda: save(out, args))
+        methods = args.methods.split(",")
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise InputError(f"Unknown method(s) {', '.join(unknown)}; the frontier's are {', '.join(METHODS)}.")
+        plans = make_plans(loaded, methods, [float(r) for r in args.ratios.split(",")], prompt, cal_rows, rows_used,
+                           recent_for(args.recent_for), out, log, lambda: save(out, args), args.cal_length)
         holder = {"lengths": {str(args.length): entry}}
         headscope_runs(loaded, rows, args.length, plans, holder, lambda: save(out, args), log)
         if args.kvpress:

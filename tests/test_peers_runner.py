@@ -71,7 +71,10 @@ def test_settings_are_checked_before_any_work(tmp_path):
     names = [s.name for s in settings("--ratios", "0.25,0.5", "--duo", str(tmp_path / "plan"))]
     assert names == ["none", "streaming@0.25", "streaming@0.5", "snapkv@0.25", "snapkv@0.5", "expected@0.25",
                      "expected@0.5", "duo:plan"]
-    with pytest.raises(runner.Refused, match="unknown knorm"):
-        settings("--presses", "none,knorm")
+    with pytest.raises(runner.Refused, match="unknown tova"):
+        settings("--presses", "none,tova")
+    aware = settings("--presses", "snapkv+q,knorm", "--ratios", "0.5")
+    assert [(s.name, s.press, s.query_aware) for s in aware] == [("snapkv+q@0.5", "snapkv", True),
+                                                                 ("knorm@0.5", "knorm", False)]
     with pytest.raises(runner.Refused, match="above 0 and below 1"):
         settings("--ratios", "0.5,1")

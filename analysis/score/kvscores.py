@@ -161,7 +161,7 @@ def plan_from_scores(geometry: HeadGeometry, scores: KVScores, *, window_share: 
                      + (", ".join(f"L{l}KV{j}" for l, j in zip(*np.nonzero(keep))) or "none"))
     if prune_share:
         notes.append(f"pruned: the lowest KV-group ablation loss increases on {scores.prune_tokens} tokens of the "
-                     f"built-in evaluation text")
+                     f"built-in calibration text")
     return plan.with_modes(plan.modes, *notes)
 
 

@@ -33,6 +33,9 @@ Presses (kvpress's `compression_ratio` = the share of the context's KV pairs REM
     streaming   StreamingLLMPress(compression_ratio, n_sink=--sinks)
     snapkv      SnapKVPress(compression_ratio, window_size=--snap-window)
     expected    ExpectedAttentionPress(compression_ratio)
+    knorm       KnormPress(compression_ratio): keeps the keys of the lowest L2 norm
+    kvzip       KVzipPress(compression_ratio): scores each pair by how well the context is reconstructed from it
+    <press>+q   any of the above with the question in view (query-aware for that setting only: as --query-aware)
     duo         --duo DIR (repeatable): a DuoAttention pattern folder, e.g. headscope's own plan written by
                 `python -m analysis kv-plan ... --to-duo DIR`, as a DuoAttentionPress with that folder's
                 streaming heads, sink_size and recent_size (analysis.compress.kvpress_bridge.duo_press); a
@@ -99,9 +102,10 @@ class Row:
 @dataclass(frozen=True)
 class Setting:
     name: str          # "none", "streaming@0.5", "duo:<folder>"
-    press: str         # "none" | "streaming" | "snapkv" | "expected" | "duo"
+    press: str         # "none" | "streaming" | "snapkv" | "expected" | "knorm" | "kvzip" | "duo"
     ratio: float | None
     folder: str | None = None
+    query_aware: bool = False          # a "+q" press: the question compressed with the context
 
 
 # ---- scoring -------------------------------------------------------------------------------------
@@ -166,10 +170,10 @@ def _row(data, where: str, fix: str) -> Row:
 
 def settings_of(ns) -> list[Setting]:
     names = [p.strip() for p in ns.presses.split(",") if p.strip()]
-    unknown = [p for p in names if p not in RATIO_PRESSES and p != "none"]
+    unknown = [p for p in names if p.removesuffix(QUESTION_IN_VIEW) not in RATIO_PRESSES and p != "none"]
     if unknown:
         raise Refused(f"--presses: unknown {', '.join(unknown)}; choose from none, {', '.join(RATIO_PRESSES)} "
-                      f"(duo comes from --duo DIR).")
+                      f"(each with {QUESTION_IN_VIEW} for the question in view; duo comes from --duo DIR).")
     try:
         ratios = [float(r) for r in ns.ratios.split(",") if r.strip()]
     except ValueError:
@@ -177,7 +181,8 @@ def settings_of(ns) -> list[Setting]:
     if not ratios or any(not 0.0 < r < 1.0 for r in ratios):
         raise Refused("--ratios: each compression ratio (the share of KV pairs removed) is above 0 and below 1.")
     out = [Setting("none", "none", None)] if "none" in names else []
-    out += [Setting(f"{p}@{r:g}", p, r) for p in names if p != "none" for r in ratios]
+    out += [Setting(f"{p}@{r:g}", p.removesuffix(QUESTION_IN_VIEW), r, query_aware=p.endswith(QUESTION_IN_VIEW))
+            for p in names if p != "none" for r in ratios]
     out += [Setting(f"duo:{Path(d).name}", "duo", None, d) for d in ns.duo]
     if not out:
         raise Refused("Nothing to run: give --presses and/or --duo.")
@@ -190,7 +195,10 @@ RATIO_PRESSES = {
     "streaming": lambda kv, r, ns: kv.StreamingLLMPress(compression_ratio=r, n_sink=ns.sinks),
     "snapkv": lambda kv, r, ns: kv.SnapKVPress(compression_ratio=r, window_size=ns.snap_window),
     "expected": lambda kv, r, ns: kv.ExpectedAttentionPress(compression_ratio=r),
+    "knorm": lambda kv, r, ns: kv.KnormPress(compression_ratio=r),
+    "kvzip": lambda kv, r, ns: kv.KVzipPress(compression_ratio=r),
 }
+QUESTION_IN_VIEW = "+q"             # a press name's suffix: that setting compresses the context with the question
 
 
 def make_press(setting: Setting, ns):
@@ -214,12 +222,13 @@ def hidden_keys(model) -> list:
     return [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
 
 
-def run_row(model, tokenizer, row: Row, press, ns, stop_ids: set) -> tuple[dict, list]:
-    """One row under one press: greedy answer, score, cache bytes, times; and kvpress's hidden keys."""
+def run_row(model, tokenizer, row: Row, press, ns, stop_ids: set, query_aware: bool = False) -> tuple[dict, list]:
+    """One row under one press: greedy answer, score, cache bytes, times; and kvpress's hidden keys. The question
+    is compressed with the context under --query-aware or when the setting asks (`query_aware`)."""
     import torch
     from transformers import DynamicCache
     context, question = list(row.context_ids), list(row.question_ids)
-    if ns.query_aware:
+    if ns.query_aware or query_aware:
         context, question = context + question[:-1], question[-1:]
     config, dtype_bytes = model.config, next(model.parameters()).element_size()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -363,7 +372,7 @@ def run(ns) -> dict:
     results, started = [], time.perf_counter()
     for i, row in enumerate(rows):
         for s in settings:
-            result, hidden = run_row(model, tokenizer, row, presses[s.name], ns, stop_ids)
+            result, hidden = run_row(model, tokenizer, row, presses[s.name], ns, stop_ids, s.query_aware)
             if s.press == "duo":
                 press = presses[s.name]
                 ok = check_hidden(hidden, press.streaming_mask.cpu().numpy(), press.sink_size, press.recent_size,
