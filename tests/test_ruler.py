@@ -327,3 +327,55 @@ def test_the_dense_sides_key_covers_every_module_of_the_harness_package():
     modules = {"analysis.measure.harness"} | {f"analysis.measure.harness.{p.stem}" for p in here.glob("*.py")
                                                 if p.name != "__init__.py"}
     assert modules <= set(R.DENSE_MODULES)
+
+
+def test_a_test_set_makes_only_its_cells_and_each_cell_its_own_rows(tok):
+    """cells=: the pairs asked, none other; a cell's rows are the rows it gets when made alone."""
+    sparse = R.build_ruler(None, tok, cells=[("niah_single_1", LENGTH), ("niah_single_2", 2048)], samples=1)
+    assert sparse.tasks == ("niah_single_1", "niah_single_2") and sparse.lengths == (LENGTH, 2048)
+    assert sparse.has("niah_single_1", LENGTH) and not sparse.has("niah_single_1", 2048)
+    assert sparse.doc_ids("niah_single_2", LENGTH) == [] and len(sparse.doc_ids("niah_single_2", 2048)) == 1
+    alone = R.build_ruler(["niah_single_1"], tok, [LENGTH], samples=1)
+    assert _inputs(alone)["niah_single_1"] == _inputs(sparse)["niah_single_1"]
+    assert sparse.info()["made"] == ["niah_single_1@1024", "niah_single_2@2048"]
+    with pytest.raises(InputError, match="No RULER cells"):
+        R.build_ruler(None, tok, cells=[], samples=1)
+
+
+def test_the_command_keeps_dense_map_and_judges_only_its_test_cells(capsys, tmp_path, tiny_dirs, monkeypatch):
+    """--map-out keeps dense's cells; --test-set runs only the map's test cells and refuses, in one line and
+    before the model loads, a cell dense does not pass, a map of another model and calibration rows."""
+    from analysis.measure.densemap import DenseCell, DenseMap
+    monkeypatch.setenv("HEADSCOPE_RESULTS", str(tmp_path / "results"))
+    model = str(tiny_dirs[1])
+    measured = tmp_path / "map.json"
+    code, _, err = run_captured(capsys, "ruler", "--model", model, "--tasks", "niah_single_1", "--samples", "1",
+                                "--map-out", measured, "--quiet", "--format", "json")
+    assert code == 0, err
+    kept = DenseMap.read(measured)
+    assert list(kept.cells) == [("niah_single_1", LENGTH)] and kept.cells["niah_single_1", LENGTH].n == 1
+    passing = DenseMap(model)
+    passing.add(DenseCell("niah_single_2", LENGTH, 0.96, 0.88, 1.0, 25))
+    passing.add(DenseCell("niah_single_1", LENGTH, 0.40, 0.20, 0.60, 25))
+    good = tmp_path / "passing.json"
+    good.write_text(json.dumps(passing.as_dict()))
+    code, stdout, err = run_captured(capsys, "ruler", "--model", model, "--samples", "1", "--test-set", good,
+                                     "--quiet", "--format", "json")
+    assert code == 0, err
+    cells = {(c["task"], c["length"]) for c in json.loads(stdout)["report"]["cells"]}
+    assert cells == {("niah_single_2", LENGTH), (R.AVERAGE, LENGTH)}
+    other = DenseMap("another-model")
+    other.add(DenseCell("niah_single_2", LENGTH, 0.96, 0.88, 1.0, 25))
+    (tmp_path / "other.json").write_text(json.dumps(other.as_dict()))
+    out = tmp_path / "never.json"
+    for argv, words in [(["--test-set", measured], "no test cell"),
+                        (["--test-set", good, "--tasks", "niah_single_1"], "not a test cell"),
+                        (["--test-set", good, "--lengths", "2048"], "no test cell"),
+                        (["--test-set", tmp_path / "other.json"], "measured on another-model"),
+                        (["--test-set", good, "--split", "calibration"], "calibration"),
+                        (["--map-out", tmp_path / "other.json"], "dense map of another-model")]:
+        code, stdout, err = run_captured(capsys, "ruler", "--model", model, "--samples", "1", *argv, "--quiet",
+                                         "--out", out)
+        assert code == 2 and stdout == "", (argv, err)
+        one_error_line(err, words)
+        assert not out.exists()

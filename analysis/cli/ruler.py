@@ -4,7 +4,7 @@ on the model, greedy generations scored by the harness's string match, per task 
 
     python -m analysis ruler [--model M] [--tasks all|niah_single_1,ruler_vt,...] [--lengths 1024,2048]
                              [--samples 25] [--ruler-seed S] [--split test|calibration]
-                             [--rows-out rows.jsonl [--rows-only]]
+                             [--rows-out rows.jsonl [--rows-only]] [--test-set MAP] [--map-out MAP]
                              [--sparsity S (+ scorer / policy options) | --mask-file F | --kv-plan F | --export DIR]
                              [--refresh] [--format json|csv] [--out F] [--quiet]
 
@@ -18,11 +18,16 @@ row_seconds and every token it may generate at this machine's decode step at tha
 that run). --rows-out writes the exact rows as JSONL (token ids split into context / question, references,
 max_new_tokens, stop strings) as soon as they are made, so a peer tool can run the very same rows;
 --rows-only stops there.
+--map-out MAP keeps dense's score on every task x length cell of the run in a dense map (JSON,
+analysis.measure.densemap; cells added to the file's own when it is this model's map), whose test cells (dense >=
+0.8 on >= 25 rows) `--test-set MAP` then judges on: with --tasks all the map's test cells at --lengths, with tasks
+named each asked cell must be one (a task dense never passes there is refused: no loss could show on it).
 JSON: {"model", "estimate_s", "per_row_s", "per_step_s", "rows_out", "report":
 analysis.measure.ruler.RulerReport.as_dict()}; CSV: one row per task x length (and the average over tasks):
 score [CI], seconds, decode speed and KV bytes per row.
 Bad input (a task that downloads or is unknown, a length that is not RULER's or is above the model's context,
---samples outside 1..500, a tokenizer that cannot make the rows) is one line, and nothing is written.
+--samples outside 1..500, a tokenizer that cannot make the rows, a --test-set map of another model or a cell
+outside its test set, --test-set with calibration rows) is one line, and nothing is written.
 """
 from __future__ import annotations
 
@@ -52,6 +57,12 @@ def _arguments(parser):
                              "references, max_new_tokens, stop strings) for a peer tool")
     parser.add_argument("--rows-only", dest="rows_only", action="store_true",
                         help="with --rows-out: make and write the rows, generate nothing")
+    parser.add_argument("--test-set", dest="test_set", default=None, metavar="MAP",
+                        help="judge only on this dense map's test cells (dense >= 0.8 on >= 25 rows): with --tasks "
+                             "all, its test cells at --lengths; named tasks must each be one")
+    parser.add_argument("--map-out", dest="map_out", default=None, metavar="MAP",
+                        help="keep dense's score per task x length in this dense map (JSON; cells added to the "
+                             "file's own when it is this model's map)")
     add_cut_arguments(parser)
     add_store_arguments(parser, precision=False)
     add_output_arguments(parser)
@@ -63,6 +74,63 @@ def _lengths(text: str) -> tuple:
         return tuple(int(p) for p in parts)
     except ValueError:
         raise InputError(f"--lengths takes comma-separated whole numbers of tokens; got {text!r}.") from None
+
+
+def _model(ns) -> str:
+    """The model's name as given (a dense map names the model it was measured on so)."""
+    from analysis.arch.models import DEFAULT_MODEL
+    return ns.model or DEFAULT_MODEL
+
+
+def judged_cells(ns, names: tuple, lengths: tuple):
+    """The (task, length) cells to run: every task at every length, or with --test-set the map's test cells among
+    them (InputError, one line: a map of another model, calibration rows, a named cell dense does not pass)."""
+    if ns.test_set is None:
+        return None
+    from analysis.measure.densemap import DenseMap
+    from analysis.measure.splits import TEST
+    if ns.split != TEST:
+        raise InputError("--test-set judges on test rows; it cannot be given with --split calibration.")
+    dense_map = DenseMap.read(ns.test_set)
+    if dense_map.model != _model(ns):
+        raise InputError(f"The dense map {ns.test_set} was measured on {dense_map.model}, not {_model(ns)}: its test "
+                         f"set says nothing about this model (make one with --map-out).")
+    if str(ns.tasks).strip().lower() != "all":
+        return dense_map.check_test_cells([(t, n) for t in names for n in lengths])
+    cells = [(t, n) for t, n in dense_map.test_set() if n in lengths]
+    if not cells:
+        raise InputError(f"The dense map {ns.test_set} has no test cell at {', '.join(f'{n:,}' for n in lengths)} "
+                         f"tokens (dense passes nothing measured there); pick other --lengths.")
+    return cells
+
+
+def write_map(path: str, model: str, rep) -> None:
+    """Dense's cells of a report added to the dense map at `path` (this model's; a new one when absent)."""
+    import json
+    from pathlib import Path
+
+    from analysis.core.atomic import atomic_write
+    from analysis.measure.densemap import DenseCell, DenseMap
+    from analysis.measure.ruler import AVERAGE
+    dense_map = DenseMap.read(path) if Path(path).exists() else DenseMap(model)
+    for c in rep.cells:
+        if c.task != AVERAGE:
+            dense_map.add(DenseCell(c.task, c.length, c.dense["score"], c.dense["low"], c.dense["high"], c.n,
+                                    split=rep.rows.split))
+    atomic_write(path, json.dumps(dense_map.as_dict(), indent=1), what="The dense map")
+
+
+def _check_map_out(ns) -> None:
+    from pathlib import Path
+
+    from analysis.core.atomic import check_output_file
+    from analysis.measure.densemap import DenseMap
+    check_output_file(ns.map_out, "--map-out")
+    if Path(ns.map_out).exists():
+        found = DenseMap.read(ns.map_out)
+        if found.model != _model(ns):
+            raise InputError(f"--map-out {ns.map_out} is a dense map of {found.model}, not {_model(ns)}; give "
+                             f"another file.")
 
 
 def run_ruler(ns):
@@ -77,6 +145,9 @@ def run_ruler(ns):
         raise InputError("--rows-only writes the rows only: give --rows-out FILE with it.")
     if ns.rows_out is not None:
         check_output_file(ns.rows_out, "The rows file")
+    if ns.map_out is not None:
+        _check_map_out(ns)
+    cells = judged_cells(ns, names, lengths)                        # a cell outside the test set: before the model
     check_one_cut(ns)
     from analysis.measure.harness import require_harness
     require_harness()
@@ -93,7 +164,7 @@ def run_ruler(ns):
     check_ruler_lengths(lengths, limit)                              # above the model's context: before any row
     with progress_bar("making RULER's rows", not ns.quiet) as report:
         rows = build_ruler(names, loaded.tokenizer, lengths, samples=ns.samples, seed=ns.ruler_seed, split=ns.split,
-                           limit=limit, progress=report)
+                           limit=limit, cells=cells, progress=report)
     if ns.rows_out is not None:
         atomic_write(ns.rows_out, rows_jsonl(export_rows(rows, loaded.tokenizer)), what="The rows file")
     if ns.rows_only:
@@ -120,6 +191,8 @@ def run_ruler(ns):
             dense, _ = stored_dense(loaded, rows, refresh=ns.refresh, on_refused=refused_line,
                                     progress=scaled(progress, 0.0, share))
         rep = ruler_report(loaded, rows, cut=cut, dense=dense, progress=scaled(progress, share, 1.0))
+    if ns.map_out is not None:
+        write_map(ns.map_out, _model(ns), rep)
     payload = dict(model=info, estimate_s=estimate, per_row_s={str(n): s for n, s in per_row.items()},
                    per_step_s={str(n): s for n, s in per_step.items()},
                    rows_out=ns.rows_out, report=rep.as_dict())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -105,7 +106,7 @@ class DenseMap:
     @classmethod
     def read(cls, path) -> "DenseMap":
         try:
-            return cls.from_dict(json.loads(open(path, encoding="utf-8").read()))
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
         except (OSError, ValueError) as err:
             raise InputError(f"Cannot read the dense map {path}: {err}.") from None
 

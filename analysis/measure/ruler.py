@@ -360,6 +360,11 @@ class RulerRows:
     reserve: dict                  # (task, length) -> tokens the generator was given less than the length
     notes: tuple = ()
     split: str = TEST              # analysis.measure.splits: test rows (verdicts) or calibration rows (searches)
+    cells: tuple = ()              # the (task, length) pairs made, when not every task at every length (a test set)
+
+    def has(self, task: str, length: int) -> bool:
+        """Whether rows of `task` at `length` were made (every pair of tasks x lengths unless `cells` says)."""
+        return not self.cells or (task, length) in self.cells
 
     def doc_ids(self, task: str, length: int) -> list[int]:
         return [i for i, d in enumerate(self.docs[task]) if d["max_length"] == length]
@@ -389,7 +394,8 @@ class RulerRows:
                                    haystack=RULER_TASKS[t].haystack or RULER_TASKS[t].generator)
                            for t in self.tasks},
                     lengths=list(self.lengths), samples=self.samples, seed=self.seed, split=self.split,
-                    reserve={f"{t}@{n}": r for (t, n), r in self.reserve.items() if r}, notes=list(self.notes))
+                    reserve={f"{t}@{n}": r for (t, n), r in self.reserve.items() if r}, notes=list(self.notes),
+                    **({"made": [f"{t}@{n}" for t, n in self.cells]} if self.cells else {}))
 
 
 def _scorer(process_results, lengths):
@@ -425,15 +431,23 @@ def _prepared(names, docs: dict, lengths):
 
 
 def build_ruler(names, tokenizer, lengths=DEFAULT_LENGTHS, *, samples: int = DEFAULT_SAMPLES, seed: int = 0,
-                split: str = TEST, limit: int | None = None, progress: Progress | None = None,
+                split: str = TEST, limit: int | None = None, cells=None, progress: Progress | None = None,
                 should_stop: ShouldStop | None = None) -> RulerRows:
     """The rows of RULER tasks `names` (None / "all": every offline task) at `lengths` (at most `limit`, the
     model's context), `samples` per task and length, deterministic per seed, split and tokenizer (`split`:
     test rows, what verdicts read, or calibration rows drawn apart from them; analysis.measure.splits).
+    `cells` ((task, length) pairs; None: every task at every length): only those, e.g. dense's test set
+    (analysis.measure.densemap), where a task passes at some lengths only; `names` and `lengths` are then theirs.
+    A cell's rows are the same rows whichever other cells are made with it.
     InputError (one line, before any row is made) for a task that downloads, an unknown task, a length above
     the limit or not RULER's, a sample count out of 1..500, an unknown split, a tokenizer that cannot make the
     rows."""
     from analysis.core.progress import check_stop
+    if cells is not None:
+        cells = tuple(dict.fromkeys((str(t), int(n)) for t, n in cells))
+        if not cells:
+            raise InputError("No RULER cells to make: give at least one (task, length).")
+        names, lengths = tuple(dict.fromkeys(t for t, _ in cells)), tuple(sorted({n for _, n in cells}))
     names = check_tasks(names)
     lengths = check_ruler_lengths(lengths, limit)
     samples = check_samples(samples)
@@ -444,7 +458,8 @@ def build_ruler(names, tokenizer, lengths=DEFAULT_LENGTHS, *, samples: int = DEF
         raise InputError(missing)
     if _tokens(tokenizer, "The quick brown fox jumps over the lazy dog.") == 0:
         raise InputError("This tokenizer encodes text to no tokens: RULER's rows cannot be sized with it.")
-    reserve = {(n, length): GENERATORS[RULER_TASKS[n].generator].reserve for n in names for length in lengths}
+    reserve = {(n, length): GENERATORS[RULER_TASKS[n].generator].reserve for n in names for length in lengths
+               if cells is None or (n, length) in cells}
     docs: dict = {n: [] for n in names}
     todo = list(reserve)
     for _ in range(FIT_TRIES):
@@ -457,7 +472,7 @@ def build_ruler(names, tokenizer, lengths=DEFAULT_LENGTHS, *, samples: int = DEF
             docs[name] = sorted([d for d in docs[name] if d["max_length"] != length] + made,
                                 key=lambda d: d["max_length"])
         rows = RulerRows(names, lengths, samples, seed, docs, _prepared(names, docs, lengths), dict(reserve),
-                         split=split)
+                         split=split, cells=() if cells is None else cells)
         over = _overflow(rows, tokenizer)
         if not over:
             break
@@ -658,13 +673,15 @@ def ruler_cells(rows: RulerRows, dense, cut_run=None, seed: int = 0) -> list[Rul
         samples = [_logged(r, task) for r in runs]
         gens = [{g["doc_id"]: g for g in r.generations.get(task, [])} for r in runs]
         for length in rows.lengths:
+            if not rows.has(task, length):
+                continue
             ids = rows.doc_ids(task, length)
             key = str(length)
             values = np.array([[float(s[i]["metrics"][key]) for i in ids] for s in samples])   # [sides, n]
             costs = [[g[i] for i in ids] for g in gens]
             per_length[length].append((values, costs))
             cells.append(score_cell(task, RULER_TASKS[task].label, length, values, costs, seed))
-    for length, parts in per_length.items():                          # every task has the same rows per length
+    for length, parts in per_length.items():          # every task made at a length has the same rows there
         values = np.mean([v for v, _ in parts], axis=0)                 # [sides, n]: row i's mean over tasks
         gens = [[g for _, gs in parts for g in gs[b]] for b in range(values.shape[0])]
         cells.append(score_cell(AVERAGE, "Average over tasks", length, values, gens, seed))
