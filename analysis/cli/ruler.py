@@ -97,7 +97,8 @@ def judged_cells(ns, names: tuple, lengths: tuple):
                          f"set says nothing about this model (make one with --map-out).")
     if str(ns.tasks).strip().lower() != "all":
         return dense_map.check_test_cells([(t, n) for t in names for n in lengths])
-    cells = [(t, n) for t, n in dense_map.test_set() if n in lengths]
+    from analysis.measure.ruler import OFFLINE_TASKS
+    cells = [(t, n) for t, n in dense_map.test_set() if n in lengths and t in OFFLINE_TASKS]   # the map's probes: longctx's
     if not cells:
         raise InputError(f"The dense map {ns.test_set} has no test cell at {', '.join(f'{n:,}' for n in lengths)} "
                          f"tokens (dense passes nothing measured there); pick other --lengths.")
