@@ -15,6 +15,7 @@ import streamlit as st
 from analysis.arch.window import Window
 from analysis.core.errors import InputError
 from analysis.measure.long_options import PAGE_IMPORTANCE_TOKENS
+from analysis.measure.splits import SCORE_SPLIT
 
 from . import cache, longstate, state
 from .errors import shown_errors
@@ -66,17 +67,19 @@ def score_fills(lm, window: Window) -> None:
     """Fill the grid from the heads' own scores: window the share of KV heads lowest on the chosen window score
     (streaming: the output change under this page's window; retrieval-aware: the needle answers' log-probability
     lost when the KV head alone reads it), keep the KV heads that hold a retrieval head full, prune the least
-    important share (KV-group ablation). The streaming and retrieval scores come from one pass over the probes'
-    rows (components/longstate.scan, which also gives the probes' dense side), the retrieval-aware score from its own
-    rows at the probes' length; every score is kept on disk and shown at once when this machine holds it."""
+    important share (KV-group ablation). The streaming and retrieval scores come from one pass over calibration rows
+    of the probes (components/longstate.scan with SCORE_SPLIT: apart from the rows the probes' verdicts read), the
+    retrieval-aware score from its own calibration rows at the probes' length, the importance from the calibration
+    text; every score is kept on disk and shown at once when this machine holds it."""
     from analysis.measure.detector_registry import detector_spec
     from analysis.measure.long_options import DEFAULT_WINDOW_SCORE, WINDOW_SCORES
     g = lm.geometry
     with st.expander("Fill from the heads' scores (streaming or retrieval-aware, retrieval, importance)",
                      expanded=False):
-        st.caption("The streaming and retrieval scores, read from one pass over the rows of the long-context probes "
-                   "below (their probes, tokens per row, depths and sequences, and the precision there), at this "
-                   "page's window; the importance from a short ablation on built-in text.")
+        st.caption("The streaming and retrieval scores, read from one pass over calibration rows of the long-context "
+                   "probes below (their probes, tokens per row, depths and sequences, and the precision there, with "
+                   "other keys and the other half of the built-in text, so a plan is never chosen on the rows it is "
+                   "judged on), at this page's window; the importance from a short ablation on the calibration text.")
         windowing = retrieval = importance = None
         window_score = st.radio(
             "Window the KV heads lowest on", WINDOW_SCORES, horizontal=True,
@@ -118,27 +121,29 @@ def score_fills(lm, window: Window) -> None:
 # -- the scores' buttons ---------------------------------------------------------------------------
 
 def heads_scores(lm, window: Window, context: int):
-    """(streaming Detection, retrieval Detection) measured on the probes section's rows with `window` (stored: shown
-    at once; else a button with its expected time), or (None, None) before they are measured."""
+    """(streaming Detection, retrieval Detection) measured with `window` on calibration rows of the probes section's
+    probes (other keys, the other half of the built-in text: apart from the rows the probes' verdicts read;
+    analysis.measure.splits.SCORE_SPLIT), stored: shown at once; else a button with its expected time; or
+    (None, None) before they are measured."""
     key = state.model_key()
     settings = longstate.probe_settings(lm, context)
     prec = longstate.precision()
-    rows = longstate.built(key, settings)
+    rows = longstate.built(key, settings, SCORE_SPLIT)
     n_rows = sum(items.ids.shape[0] for (_, _, items) in rows.values())
     probes, length = settings[0], settings[1]
-    where = (f"{n_rows} rows of {length:,} tokens of the probes below ({', '.join(probes)}), with this page's window, "
-             f"in {prec}")
-    found = longstate.stored_scan(key, settings, window, prec)
-    run_key = (key, settings, window, prec)
+    where = (f"{n_rows} calibration rows of {length:,} tokens of the probes below ({', '.join(probes)}: other keys, the "
+             f"other half of the text than the rows they are judged on), with this page's window, in {prec}")
+    found = longstate.stored_scan(key, settings, window, prec, SCORE_SPLIT)
+    run_key = (key, settings, window, prec, SCORE_SPLIT)
     if found[0] is not None:
         state.remember_run("long.scores.scan", run_key, found, view=where)
         st.caption(f"The heads' scores on {where}. " + longstate.stored_words(found[1]))
         result = found
     else:
         result = cache.run_button(
-            f"Measure the heads' scores ({where}; one pass a row also gives the probes' dense side)",
+            f"Measure the heads' scores ({where})",
             button_key="long.scores.scan", slot="long.scores.scan", run_key=run_key, fn=longstate.scan,
-            args=(key, settings, window, prec), label="Measuring the heads' scores", kind="long-scan",
+            args=(key, settings, window, prec, SCORE_SPLIT), label="Measuring the heads' scores", kind="long-scan",
             work=longstate.scan_seconds(key, rows, prec), view=where,
             stale_note="The probes' rows, the window or the precision changed since ({view}); press the button "
                        "again.")

@@ -27,6 +27,8 @@ import streamlit as st
 from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
 from analysis.measure.long_options import DEFAULT_DEPTHS, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES, PRECISION_CHOICES
 
+from analysis.measure.splits import TEST
+
 from . import cache, state
 from .state import ModelKey
 
@@ -110,26 +112,27 @@ def per_row(key: ModelKey, lengths: tuple, precision: str = "float32", short: in
 
 
 @st.cache_data(show_spinner=False, max_entries=8, hash_funcs=cache.KEY_HASH)
-def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int):
+def long_items(key: ModelKey, probes: tuple, length: int, depths: tuple, n_items: int, split: str = TEST):
     """(name, length) -> (spec, probe, items): the rows the probes read (the tokenizer only; InputError for a
-    length above the model's context, a tokenizer that merges digits, ...)."""
+    length above the model's context, a tokenizer that merges digits, ...), of `split`: test rows (the verdicts')
+    or calibration rows (the heads' scores', apart from them: analysis.measure.splits)."""
     from analysis.measure.evaluation import context_length
     from analysis.measure.probes.longcontext import build_long
     lm = cache.load(key)
     return build_long(list(probes), lm.tokenizer, lm.kind, (length,), depths=depths, n_items=n_items,
-                      limit=context_length(lm.model))
+                      limit=context_length(lm.model), split=split)
 
 
-def built(key: ModelKey, settings: tuple) -> dict:
-    """The probes' rows of `settings` (probe_settings' tuple): `long_items`."""
+def built(key: ModelKey, settings: tuple, split: str = TEST) -> dict:
+    """The probes' rows of `settings` (probe_settings' tuple) for `split`: `long_items`."""
     probes, length, depths, n_items = settings
-    return long_items(key, tuple(probes), int(length), tuple(depths), int(n_items))
+    return long_items(key, tuple(probes), int(length), tuple(depths), int(n_items), split)
 
 
-def stored_scan(key: ModelKey, settings: tuple, window: Window, precision: str):
-    """(LongScan, Lookup) when this machine holds the scan, else (None, Lookup): no model time."""
+def stored_scan(key: ModelKey, settings: tuple, window: Window, precision: str, split: str = TEST):
+    """(LongScan, Lookup) when this machine holds the scan of `split`'s rows, else (None, Lookup): no model time."""
     from analysis.score.longscan import stored_scan as lookup
-    return lookup(cache.load(key), built(key, settings), window=window, precision=precision, compute=False,
+    return lookup(cache.load(key), built(key, settings, split), window=window, precision=precision, compute=False,
                   fingerprint=fingerprint(key))
 
 
@@ -142,13 +145,15 @@ def stored_dense(key: ModelKey, settings: tuple, precision: str):
 
 @forgotten_with_store
 @st.cache_data(show_spinner=False, max_entries=16, hash_funcs=cache.KEY_HASH)
-def scan(key: ModelKey, settings: tuple, window: Window, precision: str, _progress=None, _should_stop=None):
-    """(LongScan, Lookup) of the probes' rows: from the store, else measured under the model's lock and stored."""
+def scan(key: ModelKey, settings: tuple, window: Window, precision: str, split: str = TEST, _progress=None,
+         _should_stop=None):
+    """(LongScan, Lookup) of the probes' rows of `split` (the heads' scores read SCORE_SPLIT's; the dense side the
+    test rows'): from the store, else measured under the model's lock and stored."""
     from analysis.score.longscan import stored_scan as measured
-    found = stored_scan(key, settings, window, precision)
+    found = stored_scan(key, settings, window, precision, split)
     if found[0] is not None:
         return found
-    rows = built(key, settings)
+    rows = built(key, settings, split)
     with cache.exclusive(key, _progress, _should_stop) as lm:
         return measured(lm, rows, window=window, precision=precision, progress=_progress, should_stop=_should_stop,
                         fingerprint=fingerprint(key))

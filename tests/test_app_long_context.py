@@ -293,8 +293,9 @@ SCORED = 320                     # tokens per row of the probes the heads' score
 
 def test_fill_from_the_heads_scores(tiny_long, downloads, tmp_path, monkeypatch):
     """Window 50 %, prune 25 %, retrieval heads full: the grid is kvscores.plan_from_scores of the same scores
-    (measured here by the library on the page's rows: the shared scan of the probes' rows with the page's window,
-    and the KV groups' importance), and its kv_plan.json says where it came from."""
+    (measured here by the library on the page's rows: the shared scan of the probes' calibration rows with the page's
+    window, never the test rows its probes judge on, and the KV groups' importance), and its kv_plan.json says where
+    it came from."""
     from analysis.arch.models import load_model
     from analysis.arch.kvplan import read_kv_plan
     from analysis.arch.window import Window
@@ -314,8 +315,13 @@ def test_fill_from_the_heads_scores(tiny_long, downloads, tmp_path, monkeypatch)
     at.button(key="long.scores.fill").click().run()
     no_exception(at)
     lm = load_model(str(tiny_long))
-    built = build_long(["passkey"], lm.tokenizer, lm.kind, (SCORED,), depths=(0.1, 0.5, 0.9), n_items=2,
-                       limit=context_length(lm.model))
+    from analysis.measure.splits import SCORE_SPLIT, TEST
+    from analysis.score.longscan import stored_scan
+    rows = {split: build_long(["passkey"], lm.tokenizer, lm.kind, (SCORED,), depths=(0.1, 0.5, 0.9), n_items=2,
+                              limit=context_length(lm.model), split=split) for split in (SCORE_SPLIT, TEST)}
+    stored = {split: stored_scan(lm, rows[split], window=Window(2, 64), compute=False)[0] for split in rows}
+    assert stored[SCORE_SPLIT] is not None and stored[TEST] is None    # the page scored calibration rows, not test ones
+    built = rows[SCORE_SPLIT]
     scan = long_scan(lm.model, built, tokenizer=lm.tokenizer, window=Window(2, 64))
     dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
     scores = KVScores(dets["streaming"].extras["kv_scores"], dets["retrieval"].extras["kv_scores"],

@@ -47,17 +47,19 @@ def test_warm_then_kv_plan_reads_the_pages_scan(long_tiny, results_store, capsys
     from analysis.arch.models import load_model
     from analysis.arch.window import Window
     from analysis.score.kvscores import KVScores, plan_from_scores
+    from analysis.measure.splits import SCORE_SPLIT
     from analysis.score.longscan import page_rows, stored_scan
     warm = _json(capsys, "cache", "warm", "--model", long_tiny, "--lengths", LENGTH, *WINDOW, "--importance-tokens", 64)
-    assert [r["status"] for r in warm["stored"]] == ["miss", "miss"]
+    assert [(r["part"], r["status"]) for r in warm["stored"]] == [("scan", "miss"), ("dense", "miss"),
+                                                                  ("importance", "miss")]
     again = _json(capsys, "cache", "warm", "--model", long_tiny, "--lengths", LENGTH, *WINDOW, "--importance-tokens", 64)
-    assert [r["status"] for r in again["stored"]] == ["hit", "hit"]
+    assert [r["status"] for r in again["stored"]] == ["hit", "hit", "hit"]
     out = _json(capsys, "kv-plan", "--model", long_tiny, "--rows", "probes", "--lengths", LENGTH, *WINDOW,
                 "--window-share", 0.5, "--prune-share", 0.25, "--prune-tokens", 64)
     assert out["stored"] == {"scan": "hit", "importance": "hit"}
     lm = load_model(str(long_tiny))
-    scan, found = stored_scan(lm, page_rows(lm, (LENGTH,)), window=Window(2, 16), compute=False)
-    assert found.hit
+    scan, found = stored_scan(lm, page_rows(lm, (LENGTH,), split=SCORE_SPLIT), window=Window(2, 16), compute=False)
+    assert found.hit                                        # the scores: a scan of the calibration rows
     dets = {"streaming": scan.streaming(), "retrieval": scan.retrieval()}
     importance = np.asarray(out["scores"]["importance"])
     want = plan_from_scores(lm.geometry, KVScores(dets["streaming"].extras["kv_scores"],
@@ -65,10 +67,11 @@ def test_warm_then_kv_plan_reads_the_pages_scan(long_tiny, results_store, capsys
                             window_share=0.5, prune_share=0.25, window=Window(2, 16))
     assert out["plan"]["modes"] == want.as_dict()["modes"]
     listed = _json(capsys, "cache", "list")
-    assert sorted(r["measure"] for r in listed["results"]) == ["kv-importance", "long-dense", "long-scan"]
-    assert _json(capsys, "cache", "clear", "--measure", "long-dense")["removed"] == 1
+    # a scan and its dense side for each split: the scores' calibration rows, the verdicts' test rows
+    assert sorted(r["measure"] for r in listed["results"]) == ["kv-importance"] + ["long-dense"] * 2 + ["long-scan"] * 2
+    assert _json(capsys, "cache", "clear", "--measure", "long-dense")["removed"] == 2
     assert _json(capsys, "cache", "clear", "--model", "someone-else")["removed"] == 0
-    assert _json(capsys, "cache", "clear", "--model", str(long_tiny))["removed"] == 2
+    assert _json(capsys, "cache", "clear", "--model", str(long_tiny))["removed"] == 3
     assert results_store.entries() == []
 
 

@@ -9,9 +9,10 @@ for a class.
 
 `warm` measures what the app's Long context page fills from the heads' scores and its probes' dense side, with
 the page's defaults (analysis.measure.long_options PAGE_*: the pass key at 2,048 tokens clipped to the model's
-context, depths 0.1 / 0.5 / 0.9, 2 sequences, 4 sink + 256 recent tokens, float32) or the options given: one shared
-scan (analysis.score.longscan.stored_scan: the probes' dense side and the retrieval and streaming scores) and the
-KV groups' importance (256 tokens). Every page, session and command of this machine that asks the same of the
+context, depths 0.1 / 0.5 / 0.9, 2 sequences, 4 sink + 256 recent tokens, float32) or the options given: the scan
+of the probes' calibration rows (analysis.score.longscan.stored_scan: the retrieval and streaming scores a plan is
+chosen by, on other keys and the other half of the built-in text), the probes' dense side on their test rows (what
+their verdicts read: stored_dense) and the KV groups' importance (256 tokens). Every page, session and command of this machine that asks the same of the
 same model then reads them (docs/CLASS.md). Stored results are keyed by the model's fingerprint, the settings and
 the code, so nothing stale is ever served; `clear` frees the disk (`--model` matches the name a result was
 measured under or its fingerprint).
@@ -100,13 +101,19 @@ def warm(ns, store):
         raise InputError(f"The Long context page's results are a causal language model's; {info['source']} is a "
                          f"{loaded.kind}.")
     check_precision(ns.precision, loaded.device)
-    built = page_rows(loaded, lengths, depths, probes=ns.probe, n_items=ns.items)
+    from analysis.measure.splits import SCORE_SPLIT, TEST
+    from analysis.score.longscan import stored_dense
+    scored = page_rows(loaded, lengths, depths, probes=ns.probe, n_items=ns.items, split=SCORE_SPLIT)
+    judged = page_rows(loaded, lengths, depths, probes=ns.probe, n_items=ns.items, split=TEST)
     found = {}
     with progress_bar("warming", not ns.quiet) as report:
-        split = 0.8 if ns.importance else 1.0
-        scan, found["scan"] = stored_scan(loaded, built, window=window, precision=ns.precision,
-                                          progress=scaled(report, 0.0, split), refresh=ns.refresh,
+        split = 0.8 if ns.importance else 1.0                 # the heads' scores on calibration rows, the probes'
+        scan, found["scan"] = stored_scan(loaded, scored, window=window, precision=ns.precision,   # dense side on
+                                          progress=scaled(report, 0.0, split / 2), refresh=ns.refresh,  # test rows
                                           on_refused=refused_line)
+        _, found["dense"] = stored_dense(loaded, judged, window=window, precision=ns.precision,
+                                         progress=scaled(report, split / 2, split), refresh=ns.refresh,
+                                         on_refused=refused_line)
         if ns.importance:
             _, found["importance"] = stored_importance(loaded, ns.importance_tokens, precision=ns.precision,
                                                        progress=scaled(report, split, 1.0), refresh=ns.refresh,

@@ -237,7 +237,8 @@ def _all_stored(loaded, ns, window, lengths, depths) -> bool:
     from analysis.score.longscan import page_rows, stored_importance, stored_scan
     if not _may_be_stored(ns):
         return False
-    built = page_rows(loaded, lengths, depths, seed=ns.seed)
+    from analysis.measure.splits import SCORE_SPLIT
+    built = page_rows(loaded, lengths, depths, seed=ns.seed, split=SCORE_SPLIT)      # what stored_kv_scores reads
     _, found = stored_scan(loaded, built, window=window, queries=ns.queries, seed=ns.seed, precision=ns.precision,
                            compute=False)
     if not found.hit:

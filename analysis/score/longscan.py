@@ -275,16 +275,17 @@ ROWS = ("own", "probes")             # where kv-plan reads the streaming and ret
 
 
 def page_rows(loaded, lengths=None, depths=None, *, probes=None, n_items: int | None = None, seed: int = 0,
-              bos: str = "auto") -> dict:
-    """The long-context probes' rows the Long context page scans (its defaults: analysis.measure.long_options
-    PAGE_*), at `lengths` (default: PAGE_LENGTH clipped to the model's context)."""
+              bos: str = "auto", split: str = "test") -> dict:
+    """The long-context probes' rows the Long context page reads (its defaults: analysis.measure.long_options
+    PAGE_*), at `lengths` (default: PAGE_LENGTH clipped to the model's context), of `split`: test rows (what its
+    verdicts read) or calibration rows (what its heads' scores read: splits.SCORE_SPLIT)."""
     from analysis.measure.evaluation import context_length
     from analysis.measure.long_options import DEFAULT_DEPTHS, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES
     from analysis.measure.probes.longcontext import build_long
     limit = context_length(loaded.model)
     return build_long(list(probes or PAGE_PROBES), loaded.tokenizer, loaded.kind, lengths or (min(PAGE_LENGTH, limit),),
                       depths=depths or DEFAULT_DEPTHS, n_items=n_items or PAGE_SEQUENCES, seed=seed, bos=bos,
-                      limit=limit)
+                      limit=limit, split=split)
 
 
 def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), lengths=None, retrieval_lengths=None,
@@ -295,8 +296,9 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
     """(analysis.score.kvscores.KVScores, {part: Lookup}): what a KV plan is made from (measure_kv_scores' parts),
     each from the store or measured and stored. rows "own": each detector on its own rows (the window score's,
     the retrieval score's needle items: measure_kv_scores' numbers); rows "probes": the streaming and retrieval
-    scores from one shared scan of the long-context probes' rows (the Long context page's: `page_rows` at
-    `lengths`), a retrieval-aware window score on its own rows."""
+    scores from one shared scan of the long-context probes' calibration rows (the Long context page's scores:
+    `page_rows` at `lengths`, split SCORE_SPLIT, apart from the probe rows a verdict reads), a retrieval-aware
+    window score on its own rows."""
     import time
 
     from analysis.core.errors import InputError
@@ -318,7 +320,8 @@ def stored_kv_scores(loaded, *, rows: str = "own", window: Window = Window(), le
     dets = {}
     if rows == "probes":
         t0 = time.perf_counter()
-        built = page_rows(loaded, lengths, depths, seed=seed)
+        from analysis.measure.splits import SCORE_SPLIT
+        built = page_rows(loaded, lengths, depths, seed=seed, split=SCORE_SPLIT)
         scan, found["scan"] = stored_scan(loaded, built, window=window, queries=queries, seed=seed,
                                           precision=precision, progress=scaled(progress, 0.0, share / 2),
                                           should_stop=should_stop, store=store, refresh=refresh, on_refused=on_refused)

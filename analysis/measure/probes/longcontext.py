@@ -72,6 +72,7 @@ from analysis.measure.long_options import (DEFAULT_DEPTHS, MAX_PROBE_SEQUENCES, 
                                            PROBE_LENGTH, PROBE_SEQUENCES)
 from analysis.measure.longheads import check_depths, check_lengths
 from analysis.measure.probes.registry import long_chosen
+from analysis.measure.splits import TEST, check_split, salted
 
 DEFAULT_LENGTH, DEFAULT_SEQUENCES = PROBE_LENGTH, PROBE_SEQUENCES     # declared in long_options (light)
 MIN_SEQUENCES, MAX_SEQUENCES = MIN_PROBE_SEQUENCES, MAX_PROBE_SEQUENCES
@@ -200,12 +201,25 @@ class LongProbe(Probe):
     answers: Answers | None = None
 
     def __init__(self, n_items: int = DEFAULT_SEQUENCES, seed: int = 0, bos: str = "auto",
-                 length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS):
+                 length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS, split: str = TEST):
         super().__init__(MIN_SEQUENCES * 4, seed, bos)                    # checks seed and bos; n_items is ours
         self.n_items = check_whole_number(n_items, "The number of sequences per depth", low=MIN_SEQUENCES,
                                           high=MAX_SEQUENCES)
         self.length = check_whole_number(length, "The context length (tokens)", low=1)
         self.depths = check_depths(depths)
+        self.split = check_split(split)       # test: a verdict's rows; calibration: a score's (analysis.measure.splits)
+
+    def stream_key(self) -> str:
+        """The seed string of the probe's random stream (keys, contrasts) for the test split."""
+        return f"headscope-probe:{self.name}:{self.seed}"
+
+    def rng(self) -> random.Random:
+        """The probe's random stream: as it always was for test rows, drawn apart (salted) for calibration rows."""
+        return random.Random(salted(self.split, self.stream_key()))
+
+    def split_seed(self) -> int:
+        """An integer seed of the split (the test split's is the probe's own seed)."""
+        return self.seed if self.split == TEST else random.Random(salted(self.split, self.stream_key())).getrandbits(31)
 
     def parts(self, vocab: Vocabulary, i: int, rng) -> Parts | None:
         raise NotImplementedError
@@ -233,7 +247,7 @@ class LongProbe(Probe):
                 raise InputError(f"A context of {self.length} tokens is too short for the {self.label} probe: its "
                                  f"instruction, needle and question take {fixed}, leaving {max(n, 0)} of text "
                                  f"(it needs {MIN_HAYSTACK}); use at least {fixed + MIN_HAYSTACK} tokens.")
-            filler = haystack(vocab.tokenizer, n, seed=self.haystack_seed(made))         # [n]
+            filler = haystack(vocab.tokenizer, n, seed=self.haystack_seed(made), split=self.split)   # [n]
             ends = sentence_ends(vocab.tokenizer, filler)
             for depth in self.depths:
                 needles = [(ids, depth if not s else (depth + s) % 1.0) for ids, s in p.needles]
@@ -298,8 +312,8 @@ class PasskeyOnceProbe(PasskeyProbe):
     `passkey` at the same seed (its random stream), so the two variants are compared on the same material."""
     needle = PASSKEY_ONCE_NEEDLE
 
-    def rng(self) -> random.Random:
-        return random.Random(f"headscope-probe:passkey:{self.seed}")
+    def stream_key(self) -> str:
+        return f"headscope-probe:passkey:{self.seed}"
 
 
 class NeedleProbe(LongProbe):
@@ -320,8 +334,8 @@ class LongCopyingProbe(LongProbe):
     digit_answers = False
 
     def __init__(self, n_items: int = DEFAULT_SEQUENCES, seed: int = 0, bos: str = "auto",
-                 length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS, span: int = COPY_SPAN):
-        super().__init__(n_items, seed, bos, length, depths)
+                 length: int = DEFAULT_LENGTH, depths=DEFAULT_DEPTHS, span: int = COPY_SPAN, split: str = TEST):
+        super().__init__(n_items, seed, bos, length, depths, split)
         self.span = check_whole_number(span, "The copied sequence's length (tokens)", low=4, high=512)
         self._sequences = None
 
@@ -329,7 +343,8 @@ class LongCopyingProbe(LongProbe):
         from analysis.measure.detectors import repeated_random_tokens
         if self._sequences is None:
             exclude = tuple(getattr(vocab.tokenizer, "all_special_ids", ()) or ())
-            self._sequences = repeated_random_tokens(len(vocab.tokenizer), self.n_items, self.span, seed=self.seed,
+            self._sequences = repeated_random_tokens(len(vocab.tokenizer), self.n_items, self.span,
+                                                     seed=self.split_seed(),
                                                      exclude=exclude)[:, :self.span].tolist()    # [n, span]
         r = tuple(self._sequences[i])
         N = len(r)
@@ -340,10 +355,12 @@ class LongCopyingProbe(LongProbe):
 # -- building at chosen lengths ---------------------------------------------------------------------------
 
 def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n_items: int = DEFAULT_SEQUENCES,
-               seed: int = 0, bos: str = "auto", limit: int | None = None, should_stop: ShouldStop | None = None,
-               **options) -> dict[tuple[str, int], tuple]:
+               seed: int = 0, bos: str = "auto", limit: int | None = None, split: str = TEST,
+               should_stop: ShouldStop | None = None, **options) -> dict[tuple[str, int], tuple]:
     """(name, length) -> (spec, probe, items) for every long probe in `names` (None: all) at every length:
     rows of exactly `length` tokens, `n_items` sequences per depth. limit: the model's context length.
+    split: test rows (what a verdict reads; the default) or calibration rows (what a score reads: other keys, the
+    other half of the built-in text; analysis.measure.splits).
     should_stop is checked before each probe and length; Ctrl-C (the signal flag) also before every
     haystack article (`haystack`), so a build of dozens of 8k-token rows stops at once."""
     from analysis.measure.probes.registry import probe_spec
@@ -355,7 +372,8 @@ def build_long(names, tokenizer, kind: str, lengths, *, depths=DEFAULT_DEPTHS, n
         spec = probe_spec(name)
         for length in lengths:
             check_stop(should_stop, "Building the long-context probes")
-            probe = spec.make(n_items=n_items, seed=seed, bos=bos, length=length, depths=depths, **options)
+            probe = spec.make(n_items=n_items, seed=seed, bos=bos, length=length, depths=depths, split=split,
+                              **options)
             out[(name, length)] = (spec, probe, probe.build(tokenizer, kind))
     return out
 
