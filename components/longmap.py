@@ -17,43 +17,17 @@ import streamlit as st
 
 from analysis.arch.kvplan import KVPlan, read_kv_plan
 from analysis.core.errors import HeadscopeError
-from analysis.measure.densemap import MIN_ROWS, PASS, DenseMap
+from analysis.measure.densemap import MIN_ROWS, PASS
 
 from . import charts, longstate, state
 
-DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
-MAP_FILE = DATA / "ruler_dense_map.json"
-FRONTIER_FILE = DATA / "kv_frontier.json"
-
-
-@st.cache_data(show_spinner=False)
-def _read(path: str, mtime: float) -> dict | None:
-    """The JSON at `path` (None when absent or unreadable); `mtime` keys the cache to the file's version."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _json(path: Path) -> dict | None:
-    return _read(str(path), path.stat().st_mtime) if path.is_file() else None
-
-
-def dense_map(model: str) -> DenseMap | None:
-    """The shipped map when it was measured on `model`, else None."""
-    data = _json(MAP_FILE)
-    if data is None or data.get("model") != model:
-        return None
-    try:
-        return DenseMap.from_dict(data)
-    except HeadscopeError:
-        return None
+FRONTIER_FILE = longstate.DATA / "kv_frontier.json"
 
 
 def map_section(lm) -> None:
     """Dense's task x length heatmap, its test set and the tasks it fails everywhere, and the map's JSON."""
     st.subheader("Where dense passes: RULER's task x length map")
-    found = dense_map(lm.name)
+    found = longstate.dense_map(lm.name)
     if found is None:
         st.caption(f"Dense's map is measured for the built-in SmolLM2 (docs/data/ruler_dense_map.json). For this "
                    f"model: `python -m bench.bench_ruler_map --model {lm.name} --out map.json` (each cell's dense "
@@ -74,7 +48,7 @@ def map_section(lm) -> None:
 
 def frontier_section(lm, plan: KVPlan) -> None:
     """Score against KV held per method on the test set, the view's plan marked at its KV, each plan adoptable."""
-    data = _json(FRONTIER_FILE)
+    data = longstate.project_json(FRONTIER_FILE)
     if data is None or data.get("model") != lm.name or not data.get("points"):
         return
     st.subheader("The KV frontier: plans chosen on calibration rows, judged on test rows")

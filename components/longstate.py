@@ -22,6 +22,9 @@ says so with `@forgotten_with_store`, and the Clear button (`forget_button`) emp
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import streamlit as st
 
 from analysis.arch.window import DEFAULT_RECENT, DEFAULT_SINKS, Window
@@ -279,3 +282,36 @@ def forget_button(lm) -> None:
               on_click=_forget, args=(key,),
               help="The long-context results this machine keeps for this model (heads' scores, probes, plans, "
                    "importance; `headscope cache list`): removed for every session; the next run measures again.")
+
+
+# -- the measured results kept with the project (docs/data) ------------------------------------------------------
+
+DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
+MAP_FILE = DATA / "ruler_dense_map.json"
+
+
+@st.cache_data(show_spinner=False)
+def _read(path: str, mtime: float) -> dict | None:
+    """The JSON at `path` (None when absent or unreadable); `mtime` keys the cache to the file's version."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def project_json(path: Path) -> dict | None:
+    """A JSON result kept with the project (docs/data/...), read once per version of the file; None when absent."""
+    return _read(str(path), path.stat().st_mtime) if path.is_file() else None
+
+
+def dense_map(model: str):
+    """The shipped dense map (analysis.measure.densemap.DenseMap) when it was measured on `model`, else None."""
+    from analysis.core.errors import HeadscopeError
+    from analysis.measure.densemap import DenseMap
+    data = project_json(MAP_FILE)
+    if data is None or data.get("model") != model:
+        return None
+    try:
+        return DenseMap.from_dict(data)
+    except HeadscopeError:
+        return None

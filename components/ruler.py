@@ -14,6 +14,7 @@ import json
 import streamlit as st
 
 from analysis.arch.kvplan import KVPlan
+from analysis.measure.densemap import MIN_ROWS, PASS
 
 from . import cache, longstate, numbers, state
 from .errors import shown_errors
@@ -119,6 +120,15 @@ def table_rows(table: list[dict]) -> list[dict]:
     return out
 
 
+def not_test_cells(dense_map, tasks, length: int) -> list[str]:
+    """The tasks that are not test cells at `length` in `dense_map` (analysis.measure.densemap; none when there is
+    no map for the model)."""
+    if dense_map is None:
+        return []
+    test = set(dense_map.test_set())
+    return [t for t in tasks if (t, int(length)) not in test]
+
+
 def ruler_section(lm, plan: KVPlan, context: int) -> None:
     """RULER of `plan` (a KVPlan of this model) at a length the user picks (RULER's lengths up to the model's
     context; 1k by default, what a CPU reads in minutes)."""
@@ -152,6 +162,11 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
     if not tasks:
         st.caption("Pick at least one task.")
         return
+    outside = not_test_cells(longstate.dense_map(lm.name), tasks, length)
+    if outside:
+        st.warning(f"Dense does not pass {', '.join(RULER_TASKS[t].label for t in outside)} at {length:,} tokens in "
+                   f"its map (below {PASS} on {MIN_ROWS} rows, or not measured): a plan's loss cannot show there, so "
+                   "judge the plan on the map's test cells (Where dense passes, above).", icon=":material/rule:")
     args = (tuple(tasks), length, samples, 0)
     rows = None
     with shown_errors("Making RULER's rows"):

@@ -502,7 +502,7 @@ def test_dense_map_and_the_frontier_show_what_their_files_hold(tiny_long, tmp_pa
     from analysis.arch.models import load_model
     from analysis.arch.window import Window
     from analysis.measure.densemap import DenseCell, DenseMap
-    from components import longmap
+    from components import longmap, longstate
     name = load_model(str(tiny_long)).name
     found = DenseMap(name)
     for task, length, score in (("niah_single_1", 1024, 1.0), ("niah_single_1", 2048, 0.9), ("ruler_vt", 1024, 0.2)):
@@ -519,7 +519,7 @@ def test_dense_map_and_the_frontier_show_what_their_files_hold(tiny_long, tmp_pa
                   dense=dict(score=0.95, low=0.9, high=1.0))
     (tmp_path / "frontier.json").write_text(json.dumps(dict(model=name, length=512, rows=50, prompt=400, points=points,
                                                             rows_used={})))
-    monkeypatch.setattr(longmap, "MAP_FILE", tmp_path / "map.json")
+    monkeypatch.setattr(longstate, "MAP_FILE", tmp_path / "map.json")
     monkeypatch.setattr(longmap, "FRONTIER_FILE", tmp_path / "frontier.json")
     at = _open(tiny_long)
     z = heatmap_z(figure_titled(at, "RULER score"))
@@ -532,3 +532,16 @@ def test_dense_map_and_the_frontier_show_what_their_files_hold(tiny_long, tmp_pa
     at.button(key="long.frontier.use").click().run()
     no_exception(at)
     np.testing.assert_array_equal(_grid(at), modes)
+
+
+def test_the_ruler_section_names_the_tasks_dense_does_not_pass_at_its_length():
+    """A task outside dense's test set at the chosen length is named (a loss cannot show there); none without a
+    map for the model."""
+    from analysis.measure.densemap import DenseCell, DenseMap
+    from components.ruler import not_test_cells
+    found = DenseMap("m")
+    for task, length, score in (("niah_single_1", 1024, 1.0), ("niah_single_1", 2048, 0.6), ("ruler_vt", 1024, 0.2)):
+        found.add(DenseCell(task, length, score, score - 0.1, min(score + 0.1, 1.0), 25))
+    assert not_test_cells(found, ["niah_single_1", "ruler_vt"], 1024) == ["ruler_vt"]
+    assert not_test_cells(found, ["niah_single_1", "ruler_cwe"], 2048) == ["niah_single_1", "ruler_cwe"]
+    assert not_test_cells(None, ["ruler_vt"], 1024) == []
