@@ -200,28 +200,37 @@ def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, 
 
 
 def markdown(out: dict) -> str:
-    from bench.bench_ruler import _avg, kv_measured
+    from bench.bench_ruler import _avg, kv_measured, speed
     entry = out["entry"]
     lines = [f"Test set at {out['length']:,} tokens: {', '.join(out['tasks'])} ({out['rows']} test rows); plans chosen on "
              f"{out['rows_used']['chosen_on']['rows']} calibration rows ({out['rows_used']['chosen_on']['what']}), "
              f"checked apart from the test rows token for token. Score: RULER's string_match_all of generated "
-             f"answers; change against dense paired over the same rows, 95 % bootstrap CI.", "",
-             "| config | KV held | test-set average [CI] | change [CI] | " + " | ".join(out["tasks"]) + " | minutes |",
-             "|---|---:|---:|---:|" + "---:|" * len(out["tasks"]) + "---:|"]
+             f"answers; change against dense paired over the same rows, 95 % bootstrap CI. KV held: the cache's bytes after "
+             f"the prompt over dense's, mean over rows; KV read: what attention reads (kvpress's DuoAttention and KVzip "
+             f"presses mask keys they keep); tok/s: decode tokens per second, median over rows (runs made at different "
+             f"times of a shared 2-core machine: compare with care).", "",
+             "| config | KV held | KV read | test-set average [CI] | change [CI] | " + " | ".join(out["tasks"])
+             + " | tok/s | minutes |",
+             "|---|---:|---:|---:|---:|" + "---:|" * len(out["tasks"]) + "---:|---:|"]
     d = _avg(next(iter(entry["configs"].values()))) if entry["configs"] else None
     if d:
-        lines.append(f"| dense | 1.000 | {d['dense_score']:.3f} [{d['dense_low']:.3f}, {d['dense_high']:.3f}] | - | "
-                     + " | ".join(f"{c['dense_score']:.2f}" for c in next(iter(entry['configs'].values()))['cells']
-                                  if c['task'] != 'average') + " | - |")
+        dense_speed = speed(entry["dense"]) if entry["dense"].get("costs") else None
+        lines.append(f"| dense | 1.000 | 1.000 | {d['dense_score']:.3f} [{d['dense_low']:.3f}, {d['dense_high']:.3f}] | "
+                     "- | " + " | ".join(f"{c['dense_score']:.2f}" for c in next(iter(entry['configs'].values()))['cells']
+                                         if c['task'] != 'average')
+                     + f" | {'-' if dense_speed is None else f'{dense_speed:.1f}'} | - |")
     for name, cfg in entry["configs"].items():
         a = _avg(cfg)
-        held, _ = kv_measured(cfg, entry["dense"])
+        held, read = kv_measured(cfg, entry["dense"])
         cells = {c["task"]: c for c in cfg["cells"]}
-        lines.append(f"| {name} | {held:.3f} | {a['cut_score']:.3f} [{a['cut_low']:.3f}, {a['cut_high']:.3f}] | "
+        tps = speed(cfg)
+        lines.append(f"| {name} | {held:.3f} | {'-' if read is None else f'{read:.3f}'} | "
+                     f"{a['cut_score']:.3f} [{a['cut_low']:.3f}, {a['cut_high']:.3f}] | "
                      f"{a['change']:+.3f} [{a['change_low']:+.3f}, {a['change_high']:+.3f}]"
                      + (" LOST" if a["lost"] else "") + " | "
                      + " | ".join(f"{cells[t]['cut_score']:.2f}" + (" LOST" if cells[t]["lost"] else "")
-                                  for t in out["tasks"]) + f" | {cfg['seconds'] / 60:.0f} |")
+                                  for t in out["tasks"]) + f" | {'-' if tps is None else f'{tps:.1f}'} | "
+                     f"{cfg['seconds'] / 60:.0f} |")
     for ratio, why in out.get("unreachable", {}).items():
         lines.append(f"\nKV {ratio}: not run ({why})")
     return "\n".join(lines)
