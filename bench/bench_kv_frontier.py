@@ -199,6 +199,64 @@ def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, 
     return plans
 
 
+GOAL_SLACK = 0.01          # a plan made for r at the rows' median prompt holds a little more on the shorter ones
+
+
+def _held(cfg: dict, dense: dict) -> float:
+    """The KV a config holds over dense's, or reads where that is less (kvpress presses that mask kept keys)."""
+    from bench.bench_ruler import kv_measured
+    held, read = kv_measured(cfg, dense)
+    return min(held, read) if read is not None else held
+
+
+def goal_lines(out: dict) -> list[str]:
+    """Issue 52's goal said from the cells: (1) at KV <= 0.5 some headscope plan whose paired change against dense
+    reaches 0 (its CI's top >= 0) on the test-set average and on every test cell; (2) at KV <= 0.33 the best headscope
+    plan's average above every kvpress press's at that KV. Where it is not reached, which plan comes closest."""
+    from bench.bench_ruler import _avg
+    entry = out.get("entry", {})
+    dense, configs = entry.get("dense"), entry.get("configs", {})
+    if not configs or dense is None:
+        return []
+
+    def at(limit: float, tool: str) -> dict:
+        return {n: c for n, c in configs.items() if c.get("tool") == tool and _held(c, dense) <= limit * (1 + GOAL_SLACK)}
+
+    def kept(cfg: dict) -> bool:
+        return all(c["change_high"] >= 0 for c in cfg["cells"])                  # every cell and the average
+
+    lines = []
+    ours = at(0.5, "headscope")
+    if not ours:
+        lines.append("- Goal at KV <= 0.5: no headscope plan measured there.")
+    else:
+        good = sorted((n for n, c in ours.items() if kept(c)), key=lambda n: _held(configs[n], dense))
+        if good:
+            n = good[0]
+            lines.append(f"- Goal at KV <= 0.5: **met** by {', '.join(good)} (the smallest, {n}, holds "
+                         f"{_held(configs[n], dense):.3f}): the paired change reaches 0 on the average and on every "
+                         f"test cell.")
+        else:
+            n, c = max(ours.items(), key=lambda kv: _avg(kv[1])["cut_score"])
+            worst = min(c["cells"], key=lambda x: x["change_high"])
+            lines.append(f"- Goal at KV <= 0.5: **missed**; closest {n} (average {_avg(c)['cut_score']:.3f}), whose "
+                         f"change on {worst['task']} is {worst['change']:+.3f} [{worst['change_low']:+.3f}, "
+                         f"{worst['change_high']:+.3f}].")
+    ours, theirs = at(0.33, "headscope"), at(0.33, "kvpress")
+    if not ours:
+        why = out.get("unreachable", {}).get("0.33", "no headscope plan measured there")
+        lines.append(f"- Goal at KV <= 0.33: not judged ({why}).")
+    elif not theirs:
+        lines.append("- Goal at KV <= 0.33: not judged (no kvpress press measured there).")
+    else:
+        n, c = max(ours.items(), key=lambda kv: _avg(kv[1])["cut_score"])
+        m, d = max(theirs.items(), key=lambda kv: _avg(kv[1])["cut_score"])
+        a, b = _avg(c)["cut_score"], _avg(d)["cut_score"]
+        lines.append(f"- Goal at KV <= 0.33: headscope's best, {n} ({a:.3f}, holds {_held(c, dense):.3f}), is "
+                     + ("**above** " if a > b else "**not above** ") + f"kvpress's best there, {m} ({b:.3f}).")
+    return lines
+
+
 def markdown(out: dict) -> str:
     from bench.bench_ruler import _avg, kv_measured, speed
     entry = out["entry"]
@@ -233,7 +291,8 @@ def markdown(out: dict) -> str:
                      f"{cfg['seconds'] / 60:.0f} |")
     for ratio, why in out.get("unreachable", {}).items():
         lines.append(f"\nKV {ratio}: not run ({why})")
-    return "\n".join(lines)
+    goals = goal_lines(out)
+    return "\n".join(lines + ([""] + goals if goals else []))
 
 
 def plot(out: dict, path: Path) -> None:
