@@ -18,6 +18,10 @@ items 2-5; a result, not a test).
 - the window: sinks 4 + recent 256 (analysis.arch.window's default), except where windowing every KV head under it
   cannot reach the ratio at the test rows' prompts (at 1k: 0.33, 0.25), which get a shorter one (--recent-for,
   default 0.33:128,0.25:64); each score and prior is measured under the window of the plans it chooses;
+- with --kvpress, kvpress's presses on the same rows (their own environment: bench/peers/kvpress_ruler.py), and the
+  plans of --duo-plans run again by kvpress's DuoAttentionPress from their DuoAttention pattern files (an
+  independent implementation of the same plan; kvpress masks the evicted keys, so it reads what the plan reads but
+  holds dense's cache);
 - each plan kept as docs/data/plans/<method>-kv<r>.json, named by what it holds, with the rows it was chosen on.
 
 Usage: nice -n 10 .venv/bin/python -m bench.bench_kv_frontier [--length 1024] [--ratios 0.75,0.5,0.33,0.25]
@@ -367,6 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kvpress", action="store_true", help="also kvpress's presses on the same test rows (.venv-kvpress)")
     p.add_argument("--presses", default="streaming,snapkv")
+    p.add_argument("--duo-plans", dest="duo_plans", default="search@0.5",
+                   help="headscope plans run again as kvpress's DuoAttentionPress (its pattern files), comma-separated")
     p.add_argument("--press-ratios", dest="press_ratios", default="0.5,0.67",
                    help="kvpress compression ratios (share removed: KV 0.5 / 0.33 of dense)")
     p.add_argument("--out", default=str(ROOT / "docs" / "data" / "kv_frontier.json"))
@@ -419,10 +425,20 @@ def main(argv=None) -> int:
             rows_file = Path(args.out).with_name(f"frontier-rows-{args.length}.jsonl")
             atomic_write(rows_file, rows_jsonl(export_rows(rows, loaded.tokenizer)))
             peer = argparse.Namespace(presses=args.presses, ratios=args.press_ratios, threads=args.threads, seed=0)
+            duo = {}
+            for name in (n.strip() for n in args.duo_plans.split(",") if n.strip()):
+                if name in plans:                              # the plan as DuoAttention's pattern: kvpress runs it
+                    from analysis.compress.export.duo import pattern_from_plan, write_pattern
+                    duo[name] = rows_file.with_name(f"duo-{name}-{args.length}")
+                    write_pattern(duo[name], pattern_from_plan(plans[name]), plan=plans[name])
             try:
-                kvpress_runs(rows_file, args.length, str(loaded.source), peer, holder, {}, lambda: save(out, args), log)
+                kvpress_runs(rows_file, args.length, str(loaded.source), peer, holder, duo, lambda: save(out, args),
+                             log)
             finally:
+                import shutil
                 rows_file.unlink(missing_ok=True)
+                for folder in duo.values():
+                    shutil.rmtree(folder, ignore_errors=True)
     except HeadscopeError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
