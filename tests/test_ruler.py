@@ -373,9 +373,10 @@ def test_the_command_keeps_dense_map_and_judges_only_its_test_cells(capsys, tmp_
                         (["--test-set", good, "--lengths", "2048"], "no test cell"),
                         (["--test-set", tmp_path / "other.json"], "measured on another-model"),
                         (["--test-set", good, "--split", "calibration"], "calibration"),
-                        (["--map-out", tmp_path / "other.json"], "dense map of another-model")]:
+                        (["--map-out", tmp_path / "other.json"], "dense map of another-model"),
+                        (["--map-out", tmp_path / "new.json", "--split", "calibration"], "test rows")]:
         code, stdout, err = run_captured(capsys, "ruler", "--model", model, "--samples", "1", *argv, "--quiet",
                                          "--out", out)
         assert code == 2 and stdout == "", (argv, err)
         one_error_line(err, words)
-        assert not out.exists()
+        assert not out.exists() and not (tmp_path / "new.json").exists()

@@ -27,7 +27,7 @@ analysis.measure.ruler.RulerReport.as_dict()}; CSV: one row per task x length (a
 score [CI], seconds, decode speed and KV bytes per row.
 Bad input (a task that downloads or is unknown, a length that is not RULER's or is above the model's context,
 --samples outside 1..500, a tokenizer that cannot make the rows, a --test-set map of another model or a cell
-outside its test set, --test-set with calibration rows) is one line, and nothing is written.
+outside its test set, --test-set or --map-out with calibration rows) is one line, and nothing is written.
 """
 from __future__ import annotations
 
@@ -126,7 +126,11 @@ def _check_map_out(ns) -> None:
 
     from analysis.core.atomic import check_output_file
     from analysis.measure.densemap import DenseMap
+    from analysis.measure.splits import TEST
     check_output_file(ns.map_out, "--map-out")
+    if ns.split != TEST:
+        raise InputError("--map-out keeps dense's map of test rows (what the test set is); it cannot be given with "
+                         "--split calibration.")
     if Path(ns.map_out).exists():
         found = DenseMap.read(ns.map_out)
         if found.model != _model(ns):
