@@ -23,7 +23,8 @@ cost `steps - 1` decode calls after the prefill). Optional, per call:
 
 `cache` is whatever the model takes as `past_key_values`: None (the model's own DynamicCache), or a cut's
 cache (analysis.arch.cut.Cut.new_cache: a KV plan's compact cache, used inside `cut.running()`). Rows of a
-batch share their length (no padding: a windowed head's band starts at token 0).
+batch share their length (no padding: a windowed head's band starts at token 0). Prompts of different lengths
+in one batch (left padded, a stop rule per row): analysis.measure.decode_rows.greedy_rows.
 """
 from __future__ import annotations
 
