@@ -21,8 +21,9 @@ calls of `decode.greedy`).
 The cache: None (the model's own DynamicCache) or a cut's cache whose rows may be left padded: a cache that
 keeps every token of the heads it keeps (DynamicCache; a KV plan's CompactCache without windowed heads). A
 windowed head's cache or band numbers keys from index 0 (analysis.arch.spans, analysis.arch.kvcache), so left
-padding would make pads its sinks: such a cache is refused here (`check_paddable`); run those prompts one at a
-time (the harness does).
+padding would make pads its sinks: such a cache is refused here for prompts of different lengths
+(`check_paddable`); run those one at a time (the harness does). A windowed plan on the masked path (spans
+windows over a DynamicCache) cannot be told from its cache: its caller must not batch it either.
 
 What is recorded (`RowsRun`), per row, from shared batch costs:
 - `kv_bytes[i]` = (after the prompt, before the row's last choice): the cache's bytes x the row's own tokens /
@@ -131,7 +132,6 @@ def greedy_rows(model: nn.Module, prompts: Sequence[Sequence[int]], steps: int |
     prompt + new tokens [1, n_i + k]. kv_bytes(cache): the cache's bytes, read before every choice and shared out
     per row; `clock` times the prefill and every decode call; `progress` reports the fraction of the largest
     budget; `should_stop` is checked before the prefill and every decode call."""
-    check_paddable(cache)
     B = len(prompts)
     budgets = [int(steps)] * B if isinstance(steps, int) else [int(s) for s in steps]
     stops = [None] * B if stops is None else list(stops)
@@ -142,6 +142,8 @@ def greedy_rows(model: nn.Module, prompts: Sequence[Sequence[int]], steps: int |
     lengths = [len(p) for p in prompts]
     ids, mask, positions = left_padded(prompts, pad_id, device)                    # [B, T] each
     padded = len(set(lengths)) > 1
+    if padded:
+        check_paddable(cache)
     seqs = [torch.as_tensor([list(p)], dtype=torch.long) if s is not None and s.until else None
             for p, s in zip(prompts, stops)]                                        # [1, n_i] each (or None)
     check_stop(should_stop, what)
