@@ -61,13 +61,16 @@ def test_left_padding_puts_each_row_at_position_zero():
     assert positions.tolist() == [[0, 1, 2], [0, 0, 0]]
 
 
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["prefilled one by one", "one padded prefill"])
 @pytest.mark.parametrize("family,implementation", [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "eager")])
-def test_a_batch_of_prompts_of_different_lengths_is_each_prompt_alone(family, implementation):
+def test_a_batch_of_prompts_of_different_lengths_is_each_prompt_alone(family, implementation, one_by_one):
     model = _model(family, implementation)
     prompts = _prompts()
     alone = _alone(model, prompts)
-    run = greedy_rows(model, prompts, STEPS, kv_bytes=kv_cache_bytes)
+    run = greedy_rows(model, prompts, STEPS, kv_bytes=kv_cache_bytes, prefill_one_by_one=one_by_one)
     for i, one in enumerate(alone):
+        if one_by_one:                                   # the first token's logits are the row's own prefill
+            assert torch.equal(run.logits[i][0], one.logits[0, 0])
         tol = float32_inside_tolerance(model, float(one.logits.abs().max()))
         assert _margin(one.logits[0]) > 2 * tol          # a rounding difference inside tol cannot flip a choice
         assert run.tokens[i] == one.tokens[0].tolist() and run.stopped[i] == "length"
@@ -76,10 +79,26 @@ def test_a_batch_of_prompts_of_different_lengths_is_each_prompt_alone(family, im
     assert all(len(rows) == len(prompts) for rows in run.step_rows)          # nobody stopped: all fed every step
 
 
+def test_a_model_with_sliding_layers_gets_its_own_masks():
+    """Mistral reading a 5-token sliding window (shorter than most prompts): the 2-D mask, transformers' own
+    sliding masks built from it, one padded prefill (its cache keeps a window only)."""
+    model = tiny_model("mistral", dtype=torch.float64, max_position_embeddings=128, sliding_window=5)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    prompts = _prompts()
+    run = greedy_rows(model, prompts, STEPS)
+    assert run.row_prefill is None
+    for i, one in enumerate(_alone(model, prompts)):
+        tol = float32_inside_tolerance(model, float(one.logits.abs().max()))
+        assert run.tokens[i] == one.tokens[0].tolist()
+        assert (run.logits[i] - one.logits[0]).abs().max() <= tol
+
+
 def test_float32_rows_stay_within_the_float32_bound():
     model = _model("llama", "eager", dtype=torch.float32)
     prompts = _prompts()
-    run = greedy_rows(model, prompts, 1)                 # the first token's logits: same input on both sides
+    run = greedy_rows(model, prompts, 1, prefill_one_by_one=False)   # the first token: one padded prefill
     for i, p in enumerate(prompts):
         one = greedy(model, torch.tensor([p]), 1)
         assert (run.logits[i] - one.logits[0]).abs().max() <= float32_inside_tolerance(model, float(
@@ -90,8 +109,8 @@ def test_the_pad_id_changes_nothing():
     """No real query reads a pad: another pad token gives the same logits, bit for bit."""
     model = _model("llama", "eager")
     prompts = _prompts()
-    a = greedy_rows(model, prompts, 4, pad_id=0)
-    b = greedy_rows(model, prompts, 4, pad_id=77)
+    a = greedy_rows(model, prompts, 4, pad_id=0, prefill_one_by_one=False)
+    b = greedy_rows(model, prompts, 4, pad_id=77, prefill_one_by_one=False)
     assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
@@ -122,12 +141,18 @@ def test_a_row_that_stops_early_leaves_the_others_unchanged():
     assert run.tokens[0] == alone[0].tokens[0].tolist() and run.tokens[2] == alone[2].tokens[0].tolist()
 
 
-def test_the_seconds_of_a_batch_are_shared_out_per_row():
+@pytest.mark.parametrize("one_by_one", [True, False])
+def test_the_seconds_of_a_batch_are_shared_out_per_row(one_by_one):
     from analysis.core.clock import Clock
     model = _model("llama", "eager")
-    run = greedy_rows(model, _prompts(), [STEPS, 2, STEPS, STEPS, STEPS], clock=Clock(torch.device("cpu")))
+    run = greedy_rows(model, _prompts(), [STEPS, 2, STEPS, STEPS, STEPS], clock=Clock(torch.device("cpu")),
+                      prefill_one_by_one=one_by_one)
     shares = [run.seconds(i) for i in range(len(LENGTHS))]
-    assert sum(p for p, _ in shares) == pytest.approx(run.prefill_seconds[0])
+    assert (run.row_prefill is not None) == one_by_one
+    if one_by_one:                                       # each row's own; the stacking is the rest
+        assert sum(p for p, _ in shares) <= run.prefill_seconds[0]
+    else:
+        assert sum(p for p, _ in shares) == pytest.approx(run.prefill_seconds[0])
     assert sum(d for _, d in shares) == pytest.approx(sum(w for w, _ in run.step_seconds))
     assert len(run.step_seconds) == STEPS - 1
 
