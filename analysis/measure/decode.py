@@ -1,7 +1,8 @@
 """Greedy decoding with any KV cache: a prompt's prefill, then one token a step (the model's own argmax).
 
 The one decode loop of headscope. Its callers keep their own outputs:
-- the harness's generations (analysis.measure.harness.generate_greedy: stop rules, seconds, KV bytes per row);
+- the harness's one-prompt generations (analysis.measure.harness.generate_greedy: stop rules, seconds, KV bytes
+  per row; the harness's own generate_until runs analysis.measure.decode_rows, this loop's batched sibling);
 - the long-context probes' generated answers (analysis.measure.probes.longcontext: a prefill, a branch of the
   cache for the teacher-forced digits, then `decode`);
 - the KV plan's tests (analysis.compress.kvruntime re-exports `greedy`);

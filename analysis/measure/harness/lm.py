@@ -80,13 +80,6 @@ def _lm_class():
                 self._pending = None
             return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
 
-        def _within(self, row: int) -> Progress:
-            """Progress inside one generated row: `row` rows done and a fraction of this one."""
-            def at(fraction: float, message: str) -> None:
-                self._done = row + fraction
-                self._tell()
-            return at
-
         def _within_batch(self, first: int, rows: int) -> Progress:
             """Progress inside one batch of generated rows: `first` rows done before it, `rows` in it."""
             def at(fraction: float, message: str) -> None:
