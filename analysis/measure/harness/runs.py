@@ -172,7 +172,9 @@ class HarnessReport:
 
     def as_dict(self) -> dict:
         return dict(harness=HARNESS_VERSION, limit=self.limit, batch_size=self.dense.batch_size,
-                    max_length=self.dense.max_length, tasks={n: s.as_dict() for n, s in self.sources.items()},
+                    max_length=self.dense.max_length, generation_batch=dict(
+                        dense=self.dense.generation_batch, cut=None if self.cut is None else self.cut.generation_batch),
+                    tasks={n: s.as_dict() for n, s in self.sources.items()},
                     rows=self.rows(), seconds=dict(dense=self.dense.seconds,
                                                    cut=None if self.cut is None else self.cut.seconds))
 
