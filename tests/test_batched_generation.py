@@ -9,7 +9,8 @@ stopped early (its EOS, a stop rule, its budget) leaves the batch and the other 
 cache's bytes shared out per row are each row's one-row bytes. Through the harness: the texts and every
 generation record but the seconds are the same batched and one at a time, for the dense model, a head-mask cut
 and a KV plan without windows (its compact cache batched); a windowed plan generates one row at a time, and its
-compact cache refuses left-padded rows.
+compact cache refuses left-padded rows; a model with sliding layers gets its own masks; the generation batch is
+capped by an estimate of a row's memory.
 """
 from __future__ import annotations
 
@@ -250,3 +251,17 @@ def test_a_windowed_plan_generates_one_row_at_a_time(tiny):
     model, tok = tiny
     run, _, _ = _run(model, tok, _prepared([]), 8, Cut.of_plan(_plan([[0, 1], [1, 0]])))
     assert run.generation_batch == 1 and {r["batch"] for r in run.generations["tiny_gen"]} == {1}
+
+
+def test_the_generation_batch_is_capped_by_memory(monkeypatch):
+    """rows_that_fit: the requested rows, fewer where row_bytes of them would pass MEMORY_SHARE of the free
+    memory, never fewer than one; row_bytes is the KV cache (2 x L x Hkv x d a token) and the prefill's widths."""
+    from analysis.measure.harness import lm
+    model = _model("llama", "sdpa")
+    tokens = 100
+    one = lm.row_bytes(model, tokens)
+    assert one == tokens * (2 * 2 * 2 * 8 + lm.TRANSIENT_WIDTHS * 32) * 8          # L 2, Hkv 2, d 8, D 32, float64
+    monkeypatch.setattr(lm, "_free_bytes", lambda device: int(3.5 * one / lm.MEMORY_SHARE))
+    assert lm.rows_that_fit(model, 8, tokens) == 3 and lm.rows_that_fit(model, 2, tokens) == 2
+    monkeypatch.setattr(lm, "_free_bytes", lambda device: 0)
+    assert lm.rows_that_fit(model, 8, tokens) == 1
