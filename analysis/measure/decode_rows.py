@@ -178,7 +178,8 @@ def _share(total: int, own: int, rows: int, length: int) -> int:
 @torch.no_grad()
 def greedy_rows(model: nn.Module, prompts: Sequence[Sequence[int]], steps: int | Sequence[int], *,
                 stops: Sequence[Stop | None] | None = None, cache=None, pad_id: int = 0,
-                prefill_one_by_one: bool = True, kv_bytes: Callable[[object], int] | None = None, clock: Clock | None = None,
+                prefill_one_by_one: bool = True, kv_bytes: Callable[[object], int] | None = None,
+                clock: Clock | None = None,
                 keep_logits: bool = True, progress: Progress | None = None,
                 should_stop: ShouldStop | None = None, what: str = "The generation") -> RowsRun:
     """Up to steps[i] greedy tokens for each of the B prompts (lists of ids, any lengths), in one left-padded

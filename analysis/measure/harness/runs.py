@@ -19,7 +19,7 @@ from analysis.measure.harness.runtime import HARNESS_VERSION, offline, quiet, re
 from analysis.measure.harness.tasks import PreparedTasks
 
 DEFAULT_BATCH_SIZE = 8
-DEFAULT_GENERATION_BATCH = 8    # prompts generated together (capped by memory: analysis.measure.harness.lm.rows_that_fit)
+DEFAULT_GENERATION_BATCH = 8    # prompts generated together (capped by memory: harness.lm.rows_that_fit)
 BOOTSTRAP_ITERS = 1000          # the harness's resampled stderrs (median, F1, ...); acc's is in closed form
 
 
