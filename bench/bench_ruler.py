@@ -148,7 +148,7 @@ def headscope_runs(loaded, rows, length: int, plans: dict, out: dict, save, log)
     from analysis.measure.harness import run_harness
     entry = out["lengths"].setdefault(str(length), {"configs": {}})
     run = lambda **kw: run_harness(loaded.model, loaded.tokenizer, rows.prepared, batch_size=1, keep_samples=True,
-                                   **kw)
+                                   generation_batch=1, **kw)      # per-row seconds, compared across configs
     if "dense" not in entry:
         t0 = time.perf_counter()
         log(f"{length}: dense, {rows.n_rows()} rows ...")

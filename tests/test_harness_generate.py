@@ -150,6 +150,8 @@ def test_a_cut_gives_each_prompt_a_cache_of_its_own(tiny):
     made = []
 
     class Recording:
+        windowed = False                  # rows may be left padded (analysis.measure.harness.generation_batch_for)
+
         @contextlib.contextmanager
         def running(self, dense, *, adapter=None):
             yield dense
@@ -157,7 +159,7 @@ def test_a_cut_gives_each_prompt_a_cache_of_its_own(tiny):
         def new_cache(self):
             made.append(DynamicCache())
             return made[-1]
-    run = H.run_harness(model, tok, _prepared([]), cut=Recording())
+    run = H.run_harness(model, tok, _prepared([]), cut=Recording(), generation_batch=1)
     rows = run.generations["tiny_gen"]
     assert len(made) == len(rows) == len(QUESTIONS) and len({id(c) for c in made}) == len(made)
     assert sorted(kv_cache_bytes(c) for c in made) == sorted(r["kv_bytes_end"] for r in rows)

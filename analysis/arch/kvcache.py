@@ -19,9 +19,13 @@ real tensors. The positions of a ring's slots are not stored: they follow from S
 
 Each layer's `update` returns a `analysis.arch.spans.CompactKV` instead of key / value tensors; only the
 "headscope-spans" kernel reads it, so a model runs this cache inside `analysis.arch.spans.spans(...)`
-(`compact(model, rows, window)` below does both; analysis.arch.cut.Cut.new_cache for a cut). Rows must start at token 0 and share their length (a
-batch of prompts of one length, or right padding during a prefill); decode steps append one token to
-every row.
+(`compact(model, rows, window)` below does both; analysis.arch.cut.Cut.new_cache for a cut). With windowed
+heads, rows must start at token 0 and share their length (a batch of prompts of one length, or right padding
+during a prefill): a ring's slots and sinks are numbered from index 0, so left padding would make pads the
+sinks; batched generation (analysis.measure.decode_rows) refuses such a cache and the harness generates a
+windowed plan one prompt at a time. A cache without windowed heads (full and pruned KV heads) holds every
+token of its full heads as DynamicCache does, so it takes left-padded rows (the model's mask hides the pads);
+`batch_select_indices` drops finished rows. Decode steps append one token to every row.
 """
 from __future__ import annotations
 
@@ -137,6 +141,13 @@ class CompactLayer(CacheLayerMixin):
         self.keys = self.values = self.ring_keys = self.ring_values = None
         self.length = 0
         self.is_initialized = False
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` [b'] of the batch (a batched generation's finished rows leave it)."""
+        for name in ("keys", "values", "ring_keys", "ring_values"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, indices.to(t.device)))       # [b', h, n, d]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise InputError("A compact KV cache cannot be rolled back: a windowed head has dropped the tokens.")

@@ -3,6 +3,7 @@ WinoGrande, ARC-e, ARC-c, OpenBookQA, WikiText-2 perplexity, or a local task fol
 model and on a cut, offline, with the harness's stderr for each metric (analysis.measure.harness).
 
     python -m analysis harness --tasks boolq,piqa [--task-dir DIR] [--limit N] [--harness-batch-size B] [--max-length T]
+                               [--generation-batch B]
                                [--model M] [--sparsity S (+ scorer / policy options) | --mask-file mask.json|DIR
                                | --kv-plan F | --export DIR] [--physical [--kv-policy P]] [--format json|csv] [--out F]
 
@@ -27,7 +28,7 @@ from analysis.core.errors import InputError
 
 
 def _arguments(parser):
-    from analysis.measure.harness import DEFAULT_BATCH_SIZE, STANDARD_TASKS
+    from analysis.measure.harness import DEFAULT_BATCH_SIZE, DEFAULT_GENERATION_BATCH, STANDARD_TASKS
     add_source_arguments(parser, streaming=False)
     parser.add_argument("--tasks", required=True,
                         help="comma-separated task names: the task folder's own, or the standard ones "
@@ -39,6 +40,10 @@ def _arguments(parser):
     parser.add_argument("--harness-batch-size", dest="harness_batch_size", type=int, default=DEFAULT_BATCH_SIZE,
                         help=f"sequences per forward pass of the harness (default {DEFAULT_BATCH_SIZE}; --batch-size "
                              "is a calibration scorer's)")
+    parser.add_argument("--generation-batch", dest="generation_batch", type=int, default=DEFAULT_GENERATION_BATCH,
+                        help=f"prompts a generative task generates together, left padded (default "
+                             f"{DEFAULT_GENERATION_BATCH}, fewer where memory would not hold them; a cut with "
+                             "windowed KV heads generates one at a time)")
     parser.add_argument("--max-length", dest="max_length", type=int, default=None,
                         help="tokens per window (default: the model's context, as the harness reads it)")
     add_cut_arguments(parser)
@@ -52,7 +57,8 @@ def _arguments(parser):
 def run_harness(ns):
     from analysis.measure.harness import harness_report, prepare_tasks, require_harness
     require_harness()                                              # before anything else: what to install
-    check_counts(ns, {"limit": (1, 2**31), "harness_batch_size": (1, 2**16), "max_length": (2, 2**24)})
+    check_counts(ns, {"limit": (1, 2**31), "harness_batch_size": (1, 2**16), "generation_batch": (1, 2**16),
+                     "max_length": (2, 2**24)})
     kind = check_one_cut(ns)
     if ns.physical and kind not in ("sparsity", "mask_file", "kv_plan"):
         raise InputError("--physical runs surgery's physically pruned copy of a mask or a KV plan: give --sparsity, "
@@ -66,7 +72,7 @@ def run_harness(ns):
         cut = physical(cut, loaded, kv_policy=ns.kv_policy)
     with progress_bar("harness", not ns.quiet) as report:
         rep = harness_report(loaded, prepared, cut=cut, batch_size=ns.harness_batch_size, max_length=ns.max_length,
-                             progress=report)
+                             generation_batch=ns.generation_batch, progress=report)
     payload = dict(model=info, **rep.as_dict())
     if cut is not None:
         payload["cut"] = cut.as_dict()

@@ -1,7 +1,8 @@
 """Greedy decoding with any KV cache: a prompt's prefill, then one token a step (the model's own argmax).
 
 The one decode loop of headscope. Its callers keep their own outputs:
-- the harness's generations (analysis.measure.harness.generate_greedy: stop rules, seconds, KV bytes per row);
+- the harness's one-prompt generations (analysis.measure.harness.generate_greedy: stop rules, seconds, KV bytes
+  per row; the harness's own generate_until runs analysis.measure.decode_rows, this loop's batched sibling);
 - the long-context probes' generated answers (analysis.measure.probes.longcontext: a prefill, a branch of the
   cache for the teacher-forced digits, then `decode`);
 - the KV plan's tests (analysis.compress.kvruntime re-exports `greedy`);
@@ -23,7 +24,8 @@ cost `steps - 1` decode calls after the prefill). Optional, per call:
 
 `cache` is whatever the model takes as `past_key_values`: None (the model's own DynamicCache), or a cut's
 cache (analysis.arch.cut.Cut.new_cache: a KV plan's compact cache, used inside `cut.running()`). Rows of a
-batch share their length (no padding: a windowed head's band starts at token 0).
+batch share their length (no padding: a windowed head's band starts at token 0). Prompts of different lengths
+in one batch (left padded, a stop rule per row): analysis.measure.decode_rows.greedy_rows.
 """
 from __future__ import annotations
 

@@ -725,8 +725,10 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
         if cut.model is not None:
             limit = min(limit, context_length(cut.model, default=2**31))
     check_ruler_lengths(rows.lengths, limit)
+    # one row at a time on both sides: each row's prefill and decode seconds are compared with the cut's, and a
+    # windowed cut generates one at a time (analysis.measure.harness.generation_batch_for)
     run = functools.partial(run_harness, loaded.model, loaded.tokenizer, rows.prepared, batch_size=1,
-                            keep_samples=True, should_stop=should_stop)
+                            keep_samples=True, generation_batch=1, should_stop=should_stop)
     cut_progress = progress
     if dense is None:
         dense = run(progress=scaled(progress, 0.0, 0.5 if cut is not None else 1.0))

@@ -2,7 +2,9 @@
 `prompt_ids`), a request's stop strings and token budget (`generation_rules`), the model's EOS token ids
 (`eos_ids`, as transformers' generate stops on them), and `generate_greedy`: headscope's decode loop
 (analysis.measure.decode: a prefill, then one token a step with a KV cache) recording each row's real
-KV-cache bytes after the prompt and at the end, and its decode speed (`Generated`).
+KV-cache bytes after the prompt and at the end, and its decode speed (`Generated`); `generate_rows`: the same
+for several prompts in one left-padded batch (analysis.measure.decode_rows), each row's costs its share of the
+batch's (`Generated.batch` says how many rows shared it).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Generated:
     decode_s: float                # forwards of every later token, summed (each read after the device finished)
     kv_bytes_prompt: int           # the KV cache's real K / V bytes after the prompt
     kv_bytes_end: int              # ... after the last step (the prompt and every new token but the last)
+    batch: int = 1                 # rows generated together: seconds and bytes are this row's share of the batch's
 
     @property
     def decode_steps(self) -> int:
@@ -67,7 +70,7 @@ class Generated:
     def row(self) -> dict:
         return dict(prompt_tokens=self.prompt_tokens, new_tokens=len(self.tokens), stopped=self.stopped,
                     prefill_s=self.prefill_s, decode_s=self.decode_s, tokens_per_s=self.tokens_per_s,
-                    kv_bytes_prompt=self.kv_bytes_prompt, kv_bytes_end=self.kv_bytes_end)
+                    kv_bytes_prompt=self.kv_bytes_prompt, kv_bytes_end=self.kv_bytes_end, batch=self.batch)
 
 
 def generate_greedy(model, ids, *, max_new_tokens: int, eos=(), stop=(), cache=None,
@@ -89,3 +92,32 @@ def generate_greedy(model, ids, *, max_new_tokens: int, eos=(), stop=(), cache=N
                  keep_logits=False, progress=progress, should_stop=should_stop)
     return Generated(run.tokens[0].tolist(), run.stopped, int(ids.shape[1]), run.prefill_seconds[0],
                      sum(wall for wall, _ in run.step_seconds), run.kv_bytes[0], run.kv_bytes[-1])
+
+
+def generate_rows(model, prompts, *, max_new_tokens, eos=(), stops=None, cache=None, pad_id: int = 0,
+                  progress: Progress | None = None, should_stop: ShouldStop | None = None) -> list[Generated]:
+    """`generate_greedy` for B prompts (lists of ids, any lengths) in one left-padded batch
+    (analysis.measure.decode_rows.greedy_rows): max_new_tokens one number or one per row; stops[i] row i's stop
+    rules (callables of its own sequence [1, n_i + k] and None; None: none); `eos` ends any row; `cache` one for
+    the whole batch (None: the model's own; a compact cache only without windowed heads). Each row's seconds
+    and KV bytes are its share of the batch's (decode_rows' docstring: the prefill's seconds / B, each decode
+    call's seconds / the rows it fed; the cache's bytes by the row's own tokens), `batch` = B."""
+    from analysis.arch.adapters import input_device
+    from analysis.arch.kvcache import kv_cache_bytes
+    from analysis.core.clock import Clock
+    from analysis.measure.decode import Stop
+    from analysis.measure.decode_rows import greedy_rows
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    for budget in budgets:
+        check_whole_number(budget, "max_new_tokens", low=1)
+    eos = tuple(int(e) for e in eos)
+    rules = [()] * len(prompts) if stops is None else [tuple(r or ()) for r in stops]
+    run = greedy_rows(model, prompts, budgets, stops=[Stop(eos, r) for r in rules], cache=cache, pad_id=pad_id,
+                      kv_bytes=kv_cache_bytes, clock=Clock(input_device(model)), keep_logits=False,
+                      progress=progress, should_stop=should_stop)
+    out = []
+    for i, prompt in enumerate(prompts):
+        prefill_s, decode_s = run.seconds(i)
+        out.append(Generated(run.tokens[i], run.stopped[i], len(prompt), prefill_s, decode_s, *run.kv_bytes[i],
+                             batch=len(prompts)))
+    return out

@@ -19,6 +19,7 @@ from analysis.measure.harness.runtime import HARNESS_VERSION, offline, quiet, re
 from analysis.measure.harness.tasks import PreparedTasks
 
 DEFAULT_BATCH_SIZE = 8
+DEFAULT_GENERATION_BATCH = 8    # prompts generated together (capped by memory: harness.lm.rows_that_fit)
 BOOTSTRAP_ITERS = 1000          # the harness's resampled stderrs (median, F1, ...); acc's is in closed form
 
 
@@ -42,12 +43,13 @@ class HarnessRun:
     samples: dict = field(default_factory=dict)   # task -> [{doc_id, arguments, loglikelihoods | generation,
                                                   #           metrics}] (keep_samples)
     generations: dict = field(default_factory=dict)   # task -> [Generated.row() + doc_id, truncated, max_new_tokens]
+    generation_batch: int = 1     # prompts generated together (1: one at a time; see generation_batch_for)
 
     def as_dict(self) -> dict:
         return dict(metrics={t: {m: dict(value=v, stderr=s) for m, (v, s) in ms.items()}
                              for t, ms in self.metrics.items()},
                     n_samples=self.n_samples, seconds=self.seconds, batch_size=self.batch_size,
-                    max_length=self.max_length, generations=self.generations)
+                    max_length=self.max_length, generations=self.generations, generation_batch=self.generation_batch)
 
 
 def _sample(d: dict) -> dict:
@@ -59,8 +61,15 @@ def _sample(d: dict) -> dict:
     return dict(out, loglikelihoods=[float(r[0][0] if isinstance(r[0], (tuple, list)) else r[0]) for r in d["resps"]])
 
 
+def generation_batch_for(cut, requested: int) -> int:
+    """Prompts generated together under `cut`: `requested`, or 1 for a cut whose windowed heads number keys from
+    a row's first slot (a KV plan with windows, or a model of its own under one: left padding would make pads
+    their sinks; analysis.arch.kvcache)."""
+    return 1 if cut is not None and cut.windowed else int(requested)
+
+
 def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep_samples: bool,
-           generations: dict) -> HarnessRun:
+           generations: dict, generation_batch: int = 1) -> HarnessRun:
     metrics, higher, n_samples, samples = {}, {}, {}, {}
     for task, values in results["results"].items():
         ms = {}
@@ -81,20 +90,25 @@ def _parse(results: dict, seconds: float, batch_size: int, max_length: int, keep
         for task, docs in (results.get("samples") or {}).items():
             samples[task] = [_sample(d) for d in docs]
     return HarnessRun(metrics, higher, n_samples, seconds, batch_size, max_length, samples,
-                      {t: sorted(rows, key=lambda r: r["doc_id"]) for t, rows in generations.items()})
+                      {t: sorted(rows, key=lambda r: r["doc_id"]) for t, rows in generations.items()},
+                      generation_batch)
 
 
 def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, adapter=None,
                 batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
+                generation_batch: int = DEFAULT_GENERATION_BATCH,
                 progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessRun:
     """The prepared tasks on one causal LM in memory: as it is (cut None), or under a `cut`
     (analysis.arch.cut.Cut: inside `cut.running(model)`, each generation with its own `cut.new_cache()`,
     so a KV plan generates with its compact cache). max_length None: the harness's own (the model's context).
     keep_samples: every request's log-likelihood or generation and each document's metrics too
-    (HarnessRun.samples). Generations run one prompt at a time with a fresh KV cache each
-    (HarnessRun.generations: each row's KV bytes and speed)."""
+    (HarnessRun.samples). Generations run `generation_batch` prompts at a time in one left-padded batch (fewer
+    where the memory would not hold them; one at a time under a windowed cut: `generation_batch_for`), a fresh
+    KV cache for each batch (HarnessRun.generations: each row's KV bytes and speed, in a batch its share of the
+    batch's)."""
     require_harness()
     check_whole_number(batch_size, "the harness batch size", low=1, high=2**16)
+    check_whole_number(generation_batch, "the harness generation batch", low=1, high=2**16)
     check_whole_number(max_length, "the harness max length", low=2, high=2**24, none_ok=True)
     from lm_eval.evaluator import evaluate
 
@@ -105,14 +119,16 @@ def run_harness(model, tokenizer, prepared: PreparedTasks, *, cut=None, adapter=
         with quiet():
             lm = make_lm(running, tokenizer, batch_size=batch_size, max_length=max_length)
         check_logit_memory(prepared, lm, running, batch_size)
-        lm.track(progress, should_stop, len(prepared.request_types()), new_cache=new_cache)
+        rows = generation_batch_for(cut, generation_batch)
+        lm.track(progress, should_stop, len(prepared.request_types()), new_cache=new_cache, generation_batch=rows)
         start = time.perf_counter()
         with quiet(), offline():
             check_stop(should_stop, "The harness run")
             results = evaluate(lm=lm, task_dict=prepared.loaded, limit=prepared.limit,
                                bootstrap_iters=BOOTSTRAP_ITERS, log_samples=keep_samples)
     report(progress, 1.0, "done")
-    return _parse(results, time.perf_counter() - start, batch_size, lm.max_length, keep_samples, lm.generations)
+    return _parse(results, time.perf_counter() - start, batch_size, lm.max_length, keep_samples, lm.generations,
+                  rows)
 
 
 WORSE_STDERRS = 2.0             # a cut is flagged worse beyond this many standard errors of the two runs combined
@@ -156,13 +172,16 @@ class HarnessReport:
 
     def as_dict(self) -> dict:
         return dict(harness=HARNESS_VERSION, limit=self.limit, batch_size=self.dense.batch_size,
-                    max_length=self.dense.max_length, tasks={n: s.as_dict() for n, s in self.sources.items()},
+                    max_length=self.dense.max_length, generation_batch=dict(
+                        dense=self.dense.generation_batch, cut=None if self.cut is None else self.cut.generation_batch),
+                    tasks={n: s.as_dict() for n, s in self.sources.items()},
                     rows=self.rows(), seconds=dict(dense=self.dense.seconds,
                                                    cut=None if self.cut is None else self.cut.seconds))
 
 
 def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessRun | None = None,
                    batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None, keep_samples: bool = False,
+                   generation_batch: int = DEFAULT_GENERATION_BATCH,
                    progress: Progress | None = None, should_stop: ShouldStop | None = None) -> HarnessReport:
     """The prepared tasks on `loaded` (dense; reused when `dense` is given) and on a `cut`
     (analysis.arch.cut.Cut: a mask as gates on loaded.model, a KV plan, or a model of its own); no cut: the
@@ -173,7 +192,8 @@ def harness_report(loaded, prepared: PreparedTasks, *, cut=None, dense: HarnessR
     from analysis.arch.cut import checked
     cut = checked(cut, loaded.geometry)
     run = functools.partial(run_harness, tokenizer=loaded.tokenizer, prepared=prepared, batch_size=batch_size,
-                            max_length=max_length, keep_samples=keep_samples, should_stop=should_stop)
+                            max_length=max_length, keep_samples=keep_samples, generation_batch=generation_batch,
+                            should_stop=should_stop)
     if dense is None:
         dense = run(loaded.model, progress=scaled(progress, 0.0, 0.5 if cut is not None else 1.0))
         cut_progress = scaled(progress, 0.5, 1.0)
