@@ -319,7 +319,7 @@ def test_calibration_rows_are_drawn_apart_from_the_test_rows(rows, tok):
 
 def test_the_dense_sides_key_covers_every_module_of_the_harness_package():
     """A stored dense side is made by the harness package's code: each of its modules is in the key's digest
-    (DENSE_MODULES), so editing any one of them measures again."""
+    (DENSE_MODULES), and so is each decode loop it generates with, so editing any one of them measures again."""
     from pathlib import Path
 
     import analysis.measure.harness as harness
@@ -327,6 +327,10 @@ def test_the_dense_sides_key_covers_every_module_of_the_harness_package():
     modules = {"analysis.measure.harness"} | {f"analysis.measure.harness.{p.stem}" for p in here.glob("*.py")
                                                 if p.name != "__init__.py"}
     assert modules <= set(R.DENSE_MODULES)
+    import re
+    decoders = {f"analysis.measure.{m}" for f in here.glob("*.py")             # the decode loops it generates with
+                for m in re.findall(r"analysis\.measure\.(decode\w*)", f.read_text())}
+    assert decoders and decoders <= set(R.DENSE_MODULES), decoders - set(R.DENSE_MODULES)
 
 
 def test_a_test_set_makes_only_its_cells_and_each_cell_its_own_rows(tok):
