@@ -742,7 +742,8 @@ def ruler_report(loaded, rows: RulerRows, *, cut=None, dense=None, progress: Pro
 
 DENSE_MEASURE = "ruler-dense"        # the store's name of a dense side (analysis.core.store)
 # the modules whose source makes a dense side (their bytes are in its key: every module of the harness package)
-DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.decode", "analysis.measure.decode_rows", "analysis.measure.harness",
+DENSE_MODULES = ("analysis.measure.ruler", "analysis.measure.decode", "analysis.measure.decode_rows",
+                 "analysis.measure.harness",
                  *(f"analysis.measure.harness.{name}" for name in ("runtime", "folder", "tasks", "generation", "lm", "runs")))
 
 
