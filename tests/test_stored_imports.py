@@ -74,8 +74,9 @@ def test_kernels_register_before_their_first_use():
               "    with tapped(m, lambda layer, q, k, v: seen.append(layer)):\n"
               "        spans = m(x).logits\n"
               f"after = [k for k in {KERNELS!r} if k in AttentionInterface()]\n"
-              "print(json.dumps(dict(before=before, after=after, kernel=kernel, taps=len(seen),\n"
-              "                      f32=(f32 - dense).abs().max().item(), spans=(spans - dense).abs().max().item())))\n")
+              "gap = lambda a: (a - dense).abs().max().item()\n"
+              "print(json.dumps(dict(before=before, after=after, kernel=kernel, taps=len(seen), f32=gap(f32),\n"
+              "                      spans=gap(spans))))\n")
     got = _fresh(script)
     assert got["before"] == [] and got["after"] == list(KERNELS)
     assert got["kernel"] == "sdpa-float32" and got["taps"] > 0
