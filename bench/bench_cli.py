@@ -28,6 +28,23 @@ The weights' load (what the deferred load skips) was 0.2-0.75 s of it: transform
 the meta device and maps the safetensors file. The rest is imports (torch ~1.4 s idle, transformers' modeling
 stack ~1.9 s more, pulled at import by analysis.arch.attention's AttentionInterface registration, a module the
 stored scans' code digest names) and building the probes' rows (0.1-0.5 s).
+
+Measured (2026-12-08, 2 shared cores at load average 6.5-7.2 before, 5.6-6.5 after; before = 35e5db7; kv-plan at the
+defaults, longctx with --longctx-args "--lengths 1024 --items 2 --probe passkey"; 5 rounds): kv-plan --rows probes
+9.19 -> 8.29 s median wall (0.92x; min 8.86 -> 5.25), longctx --kv-plan 8.76 -> 7.43 s (0.85x; min 7.51 -> 6.54);
+`import torch` alone 2.46 s median in the same rounds; a second run (load 4.9-5.9): kv-plan 9.32 -> 8.00 s (0.89x),
+longctx 9.03 -> 7.46 s (0.87x), torch 2.56 s; user + sys cpu of kv-plan, two pairs: 5.88 -> 4.95 s and 5.63 -> 5.43
+s (the config chain below still imports torch._dynamo, so the saving is modeling_utils, the family's modeling module
+and the meta build: ~0.5-0.9 cpu s). After: the kernels register on first use (no modeling import for the code
+digest) and the deferred load builds no model (the built model's dtype and kernel read back from the cache's meta/),
+so a full hit imports neither transformers.modeling_utils nor the family's modeling module
+(tests/test_stored_imports.py). Not reached: 2 s. What is left (cProfile / -X importtime of the stored kv-plan, same
+load): torch's import (~1.7 s here), transformers' config class itself: AutoConfig.from_pretrained imports
+configuration_llama, whose `utils.type_validators` imports `activations` -> `integrations.hub_kernels` ->
+`flash_attention` -> `generation.continuous_batching` -> torch._dynamo and torch.distributed.tensor (~1.7 s under
+importtime, the largest single item; _load_config 3.2 s of the 9.5 s under cProfile), the tokenizer base (~0.4 s),
+and the probes' rows (page_rows, 0.8 s under cProfile). Going below would need the hit path to read neither a
+transformers config nor its tokenizer (a stored copy of both: another key to keep exact), not attempted here.
 """
 import argparse
 import os

@@ -13,8 +13,10 @@ transformers dispatches attention through `AttentionInterface` by the name in
   (analysis.compress.recover.distill) keeps the attention core in float32 while its Linear layers run in
   bfloat16. Models whose attention is not "sdpa" (eager, custom code) are left as they are.
 
-"sdpa-float32" is registered in transformers' AttentionInterface once, when this module is
-imported (the documented way to add a kernel); nothing else is written outside the model.
+"sdpa-float32" is registered in transformers' AttentionInterface (the documented way to add a kernel) once, the
+first time a model is switched to it (`register`), not at import: importing this module (the stored results' code
+digest names it) must not pull transformers' modeling stack (about 2 s of imports). Nothing else is written outside
+the model.
 
 `precision_block(model, precision)` is the long passes' precision (the long-context scan, a plan's probes, their
 time estimate): bfloat16 autocast with `float32_attention`, offered where `core.placement.fast_bfloat16`.
@@ -22,6 +24,7 @@ time estimate): bfloat16 autocast with `float32_attention`, offered where `core.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 
@@ -45,12 +48,12 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.element_size() < 4 else x
 
 
-def _register() -> None:
+@cache
+def register() -> None:
+    """Add "sdpa-float32" to transformers' AttentionInterface, once per process (functools.cache: later calls
+    return at once; its lock-free first call only writes the same entry twice if two threads race)."""
     from transformers import AttentionInterface
     AttentionInterface.register(SDPA_FLOAT32, sdpa_float32)
-
-
-_register()
 
 
 def current_implementation(model) -> str | None:
@@ -82,6 +85,7 @@ def eager_attention(model):
 
 def float32_attention(model):
     """SDPA in float32 inside the block (for bfloat16 autocast training); other kernels untouched."""
+    register()
     return attention_implementation(model, SDPA_FLOAT32, only_from=("sdpa",))
 
 

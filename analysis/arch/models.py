@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -34,14 +35,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlparse
 
 import psutil
 import torch
 from safetensors import SafetensorError
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
-                          AutoTokenizer, PreTrainedModel)
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 from transformers.utils import logging as hf_logging
@@ -53,6 +53,9 @@ from analysis.core.errors import first_line as _first_line
 from analysis.arch.geometry import HeadGeometry
 from analysis.core.placement import Placement, ResolvedPlacement, check_fit
 from analysis.core.progress import Progress, ShouldStop, no_progress, scaled, stoppable, with_estimate
+
+if TYPE_CHECKING:                 # transformers.modeling_utils costs ~2 s of imports; a deferred load needs none
+    from transformers import PreTrainedModel
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -82,9 +85,19 @@ _TRUTHY = {"1", "true", "yes", "on"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """What load_deferred read instead of the weights: load_model's keywords that load them (`materialize`), the
+    config, and what building the model sets that a stored result's key names (`_meta_facts`)."""
+    keywords: dict
+    config: Any
+    dtype: torch.dtype          # the dtype the weights will load in
+    attention: str | None       # the attention kernel the built model runs (config._attn_implementation)
+
+
 @dataclass
 class LoadedModel:
-    model: PreTrainedModel
+    model: PreTrainedModel | None    # None: a deferred load's (`deferred`), no model built yet
     tokenizer: Any
     name: str        # what the user asked for ("smollm2-135m", "org/model", "/path/to/dir")
     kind: str        # "causal-lm" | "masked-lm" | "encoder"
@@ -95,8 +108,8 @@ class LoadedModel:
     # the dtype the checkpoint stores its weights in (what an export writes unless asked otherwise);
     # None: unknown (built elsewhere), the model's own dtype then
     source_dtype: torch.dtype | None = None
-    # load_deferred's: the load_model keywords that load the weights (`materialize`); None: the weights are loaded
-    deferred: dict | None = None
+    # load_deferred's (the weights not read, no model built); None: the weights are loaded
+    deferred: Deferred | None = None
 
     @property
     def device(self) -> torch.device:
@@ -108,7 +121,19 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype            # a deferred load's meta model has the dtype it will load in
+        return self.deferred.dtype if self.deferred is not None else self.model.dtype
+
+    @property
+    def config(self):
+        """The model's config (a deferred load's: the one read from its folder)."""
+        return self.deferred.config if self.deferred is not None else self.model.config
+
+    @property
+    def attention(self) -> str | None:
+        """The attention kernel the model runs (a deferred load's: the one it will run once built)."""
+        if self.deferred is not None:
+            return self.deferred.attention
+        return getattr(getattr(self.model, "config", None), "_attn_implementation", None)
 
 
 @dataclass(frozen=True)
@@ -654,31 +679,68 @@ def load_model(name: str, *, trust_remote_code: bool = False, cache_dir: str | o
 def load_deferred(name: str, *, trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
                   dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                   progress: Progress | None = None) -> LoadedModel:
-    """`name` as load_model would load it, without reading its weights: the config, the geometry, the tokenizer
-    and the resolved placement, with the model built on the meta device (structure, config, attention kernel; no
-    memory, no values). For a command that finds every result it needs stored (headscope kv-plan / longctx): the
-    stored results' keys need only these; `materialize` loads the weights on a miss. A built-in is converted
-    first as load_model does; the same one-line errors for a bad name or config. Placement with accelerate
-    (device_map) is not deferred: load it with load_model."""
+    """`name` as load_model would load it, without reading its weights or building the model: the config, the
+    geometry, the tokenizer, the resolved placement and what the built model's stored-results key names (its dtype
+    and attention kernel, `_meta_facts`), in `deferred`; `model` is None. For a command that finds every result it
+    needs stored (headscope kv-plan / longctx): the stored results' keys need only these; `materialize` loads the
+    weights on a miss. A built-in is converted first as load_model does; the same one-line errors for a bad name or
+    config. Placement with accelerate (device_map) is not deferred, nor a hub id (its results' key hashes the loaded
+    tensors): those load with load_model."""
     name = _model_name(name)
     resolved = Placement.of(device, dtype, None, None, None).resolve()
     report = stoppable(progress, None, f"Reading {name}")
     cache_root = _cache_root(cache_dir)
+    keywords = dict(trust_remote_code=trust_remote_code, cache_dir=cache_dir, dtype=dtype, device=device)
     with quiet_progress_bars(), quiet_load_report():
         source, is_local = _locate(name, cache_root, report)
+        if not is_local:
+            return load_model(name, progress=progress, **keywords)
         config = _load_config(source, name, is_local, trust_remote_code)
         adapter = adapter_for(config)
         kind = model_kind(config)
-        with torch.device("meta"):
-            model = AUTO_CLASS_BY_KIND[kind].from_config(config, trust_remote_code=bool(trust_remote_code),
-                                                         dtype=resolved.dtype)
+        built_dtype, attention = _meta_facts(config, kind, resolved.dtype, trust_remote_code, cache_root)
         tokenizer = _load_tokenizer(source, name, is_local, kind, trust_remote_code)
     report(1.0, "read (weights deferred)")
-    keywords = dict(trust_remote_code=trust_remote_code, cache_dir=cache_dir, dtype=dtype, device=device)
-    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
+    return LoadedModel(model=None, tokenizer=tokenizer, name=name, kind=kind, adapter=adapter,
                        geometry=adapter.geometry(config), source=source, placement=resolved,
-                       source_dtype=stored_dtype(source, config) if is_local else _config_dtype(config),
-                       deferred=keywords)
+                       source_dtype=stored_dtype(source, config),
+                       deferred=Deferred(keywords, config, built_dtype, attention))
+
+
+_META = "meta"          # folder under the cache root: what building a config's model sets, one small file per config
+
+
+def _meta_facts(config, kind: str, dtype: torch.dtype, trust_remote_code: bool,
+                cache_root: Path) -> tuple[torch.dtype, str | None]:
+    """(model dtype, attention kernel) of `config`'s model built in `dtype`, what transformers' from_config sets
+    (the kernel it picks: sdpa where the family has it). Found by building it on the meta device (no memory, no
+    values; but its family's modeling code imported, ~2 s), once: kept under cache_root/meta keyed by the config,
+    kind, dtype, the torch / transformers / headscope versions and this module's source, and read back after. A
+    model with custom code (trust_remote_code) is built every time (its code files are not in the key)."""
+    from analysis.core.store import canonical, code_digest, versions
+    key = canonical(dict(config=json.loads(config.to_json_string(use_diff=False)), kind=kind, dtype=str(dtype),
+                         versions=versions(), code=code_digest((__name__,))))
+    memo = cache_root / _META / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
+    if not trust_remote_code:
+        try:
+            known = json.loads(memo.read_text(encoding="utf-8"))
+            built = getattr(torch, str(known["dtype"]).removeprefix("torch."), None)
+            if isinstance(built, torch.dtype) and (known["attention"] is None or isinstance(known["attention"], str)):
+                return built, known["attention"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass                                             # not kept yet, or unreadable: build it
+    with torch.device("meta"), quiet_load_report():
+        model = AUTO_CLASS_BY_KIND[kind].from_config(config, trust_remote_code=bool(trust_remote_code), dtype=dtype)
+    built, attention = next(model.parameters()).dtype, getattr(model.config, "_attn_implementation", None)
+    if not trust_remote_code:
+        try:
+            from analysis.core.atomic import replaced_atomically
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            with replaced_atomically(memo) as out:
+                out.write(json.dumps(dict(dtype=str(built), attention=attention)).encode("utf-8"))
+        except OSError:
+            pass                                             # a read-only cache: build it again next time
+    return built, attention
 
 
 def materialize(loaded: LoadedModel, progress: Progress | None = None) -> LoadedModel:
@@ -686,7 +748,7 @@ def materialize(loaded: LoadedModel, progress: Progress | None = None) -> Loaded
     LoadedModel; the deferred one is left as it is)."""
     if loaded.deferred is None:
         return loaded
-    return load_model(loaded.name, progress=progress, **loaded.deferred)
+    return load_model(loaded.name, progress=progress, **loaded.deferred.keywords)
 
 
 def stored_dtype(folder, config=None) -> torch.dtype | None:
@@ -748,5 +810,7 @@ def open_weights_only(path, *, trust_remote_code: bool = False) -> LoadedModel:
 
 def is_weights_only(loaded: LoadedModel) -> bool:
     """Whether `loaded` came from `open_weights_only` (its weights are not in memory)."""
+    if loaded.deferred is not None:
+        return False
     tensor = next(loaded.model.parameters(), None)
-    return tensor is not None and tensor.device.type == "meta" and loaded.deferred is None
+    return tensor is not None and tensor.device.type == "meta"

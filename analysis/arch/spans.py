@@ -7,7 +7,8 @@ is not a span: it is the mask (analysis.arch.head_gates), which composes with th
 not even keep its keys (below).
 
 Mechanism: one attention function, "headscope-spans", registered in transformers' AttentionInterface
-(as arch/attention.py registers "sdpa-float32"), with the sdpa mask builder registered under the same
+(as arch/attention.py registers "sdpa-float32"; `register`, once, when the first block opens: importing this
+module pulls no transformers modeling code), with the sdpa mask builder registered under the same
 name so padding masks survive. `spans(model, ...)` switches the model to it for the block (restored in
 `finally`) and puts the block's per-layer spans in a context variable keyed by the attention module;
 the function splits each layer's KV heads into full and windowed ones and runs the model's own kernel
@@ -49,7 +50,7 @@ import contextvars
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Callable, Iterator
 
 import numpy as np
@@ -309,14 +310,14 @@ def compact_attention(kernel: Callable, base: str, module, query, kv: CompactKV,
     return out, None
 
 
-def _register() -> None:
+@cache
+def register() -> None:
+    """Add "headscope-spans" (and its mask builder, sdpa's) to transformers' interfaces, once per process, the first
+    time a `spans` block opens (not at import: module docstring)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(SPANS, _spans_attention)
     AttentionMaskInterface.register(SPANS, sdpa_mask)
-
-
-_register()
 
 
 def attention_layers(model) -> list:
@@ -382,6 +383,7 @@ def spans(model, *, windowed=None, window: Window | None = None, tap: Tap | None
     active = dict(_ACTIVE.get() or {})
     for l, (m, r) in enumerate(zip(modules, rows)):
         active[id(m)] = _Entry(base, LayerSpan(l, r, window), tap)
+    register()
     token = _ACTIVE.set(active)
     try:
         with attention_implementation(model, SPANS):

@@ -99,12 +99,16 @@ def tensors_digest(model) -> str:
 def model_fingerprint(loaded) -> str:
     """The text that names what computes a result (module docstring): weights, dtype, device type, kernel."""
     model = loaded.model
-    config = getattr(model, "config", None)
-    first = next(model.parameters())
-    # a deferred load (analysis.arch.models.load_deferred: meta model) names the device its weights will load on
-    device = loaded.placement.device.type if getattr(loaded, "deferred", None) is not None else first.device.type
-    runs = dict(dtype=str(first.dtype).replace("torch.", ""), device=device,
-                attention=getattr(config, "_attn_implementation", None))
+    if getattr(loaded, "deferred", None) is not None:
+        # a deferred load (analysis.arch.models.load_deferred: no model built): the dtype, device and kernel it will
+        # load with
+        runs = dict(dtype=str(loaded.deferred.dtype), device=loaded.placement.device.type,
+                    attention=loaded.deferred.attention)
+    else:
+        first = next(model.parameters())
+        runs = dict(dtype=str(first.dtype), device=first.device.type,
+                    attention=getattr(getattr(model, "config", None), "_attn_implementation", None))
+    runs["dtype"] = runs["dtype"].replace("torch.", "")
     weights = _builtin_fingerprint(loaded.name, loaded.source)
     if weights is None:
         source = Path(str(loaded.source)).expanduser()

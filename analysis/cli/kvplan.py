@@ -209,8 +209,8 @@ def _measured_plan(ns):
                             keep_retrieval=ns.keep_retrieval, retrieval_threshold=ns.retrieval_threshold,
                             window=window, window_score=ns.window_score, model=loaded.name)
     from analysis.arch.kvplan import KVPlan
-    limit = context_length(loaded.model)
-    dense, size = KVPlan.full(geo), loaded.model.dtype.itemsize
+    limit = context_length(loaded)                           # a deferred load has no model: its config
+    dense, size = KVPlan.full(geo), loaded.dtype.itemsize
     contexts = sorted(set(scores.detections[ns.window_score].extras["lengths"]) | {limit})
     _write_plan(ns, plan)
     payload = dict(model=info, plan=dict(_plan_summary(plan), window_share=ns.window_share,

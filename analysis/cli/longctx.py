@@ -92,7 +92,7 @@ def run_longctx(ns):
     from analysis.score.longcontext import report_work
     from analysis.arch.models import materialize
     cut, loaded, info = cut_from(ns, deferred=not ns.refresh)     # the weights are read on a miss only
-    limit = context_length(loaded.model, default=2**31)
+    limit = context_length(loaded, default=2**31)             # a deferred load has no model: its config
     if cut is not None and cut.kind == "model":
         limit = min(limit, context_length(cut.model, default=2**31))
     built = build_long(ns.probe, loaded.tokenizer, loaded.kind, lengths, depths=depths, n_items=ns.items,

@@ -113,7 +113,8 @@ def gate_batch(model, gates=None, pruned=None) -> torch.Tensor | None:
 
 
 def context_length(model, default: int = 512) -> int:
-    """The model's maximum sequence length (max_position_embeddings or equivalent)."""
+    """The model's maximum sequence length (max_position_embeddings or equivalent); `model` is anything with the
+    model's `config` (a model, or an analysis.arch.models.LoadedModel, a deferred one too)."""
     cfg = model.config
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):

@@ -214,7 +214,7 @@ def long_context_report(loaded, probes=None, lengths=(DEFAULT_LENGTH,), depths=D
     from an earlier report of the same cut and items (`LongContextReport.cut_values`): its passes are skipped."""
     seed = check_seed(seed, "The long-context probes' seed")
     cut = checked(cut, loaded.geometry)
-    limit = context_length(loaded.model, default=2**31)
+    limit = context_length(loaded, default=2**31)          # a deferred load: its config
     if cut is not None and cut.kind == "model":
         limit = min(limit, context_length(cut.model, default=2**31))
     if built is None:

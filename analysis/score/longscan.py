@@ -282,7 +282,7 @@ def page_rows(loaded, lengths=None, depths=None, *, probes=None, n_items: int | 
     from analysis.measure.evaluation import context_length
     from analysis.measure.long_options import DEFAULT_DEPTHS, PAGE_LENGTH, PAGE_PROBES, PAGE_SEQUENCES
     from analysis.measure.probes.longcontext import build_long
-    limit = context_length(loaded.model)
+    limit = context_length(loaded)
     return build_long(list(probes or PAGE_PROBES), loaded.tokenizer, loaded.kind, lengths or (min(PAGE_LENGTH, limit),),
                       depths=depths or DEFAULT_DEPTHS, n_items=n_items or PAGE_SEQUENCES, seed=seed, bos=bos,
                       limit=limit, split=split)
