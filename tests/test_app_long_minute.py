@@ -55,8 +55,9 @@ def test_one_scan_fills_the_scores_and_a_restart_reads_them_back(tiny_long, resu
         assert not at.error, [e.value for e in at.error]
     assert any(b.key == "long.scores.fill" for b in at.button)
     lm = load_model(str(tiny_long))
+    from analysis.measure.splits import SCORE_SPLIT
     built = build_long(["passkey"], lm.tokenizer, lm.kind, (LENGTH,), depths=(0.1, 0.5, 0.9), n_items=2,
-                       limit=context_length(lm.model))
+                       limit=context_length(lm.model), split=SCORE_SPLIT)       # the scores' rows: calibration
     want = long_scan(lm.model, built, window=Window(2, 16))
     (entry,) = [e for e in Store(results).entries() if e.measure == "long-scan"]
     stored = Store(results).get(Key(**{k: entry.key[k] for k in ("model", "measure", "settings", "code")}))
@@ -64,7 +65,7 @@ def test_one_scan_fills_the_scores_and_a_restart_reads_them_back(tiny_long, resu
     assert np.array_equal(got.stream_kv, want.stream_kv) and np.array_equal(got.copy, want.copy)
 
     label = next(b.label for b in at.button if b.key == "long.probes.run")
-    assert "dense is measured" in label                                     # the scan gave the dense side
+    assert "dense and plan" in label          # the scores' scan read calibration rows: the probes' dense side is apart
     at.button(key="long.probes.run").click().run()
     no_exception(at)
     first = json.loads(downloads["long_context.json"])
@@ -86,7 +87,8 @@ def test_one_scan_fills_the_scores_and_a_restart_reads_them_back(tiny_long, resu
     no_exception(at)
     assert len([e for e in Store(results).entries() if e.measure == "long-cut"]) == 2
 
-    assert "(5, " in next(b.label for b in at.button if b.key == "long.store.clear")
+    # a scan and its dense side of the scores' calibration rows and of the probes' test rows, 2 cuts, the importance
+    assert "(7, " in next(b.label for b in at.button if b.key == "long.store.clear")
     at.button(key="long.store.clear").click().run()                          # the page's clear: every measure
     no_exception(at)
     assert Store(results).entries() == []
@@ -101,7 +103,8 @@ def test_a_class_warmed_by_the_cli_finds_its_results_on_the_page(tiny_long, resu
     code, out, err = run_captured(capsys, "cache", "warm", "--model", tiny_long, "--sinks", 2, "--recent", 16,
                                   "--quiet")
     assert code == 0, err
-    assert [r["status"] for r in json.loads(out)["stored"]] == ["miss", "miss"]
+    stored = json.loads(out)["stored"]                 # the scores' calibration scan, the probes' dense side, importance
+    assert [(r["part"], r["status"]) for r in stored] == [("scan", "miss"), ("dense", "miss"), ("importance", "miss")]
     at = new_app(tiny_long, page="long_context", sinks=2, recent=16)
     no_exception(at)
     captions = " ".join(c.value for c in at.caption)

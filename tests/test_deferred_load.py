@@ -79,7 +79,7 @@ def test_stored_commands_read_no_weights(long_tiny, results_store, capsys, tmp_p
     assert first["stored"] == {"scan": "miss", "importance": "miss"}
     written = plan.read_text()
     lc_first = _json(capsys, *lc)
-    assert lc_first["stored"] == {"dense": "hit", "cut": "miss"}               # the scan stored the dense side
+    assert lc_first["stored"] == {"dense": "miss", "cut": "miss"}    # kv-plan scored calibration rows, not these
     with monkeypatch.context() as m:
         _no_weights(m)
         again = _json(capsys, *kv)
