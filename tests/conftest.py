@@ -44,7 +44,10 @@ if _THREADS and "OMP_NUM_THREADS" not in os.environ:
 # The longest test modules first, so N workers (`--dist loadfile`: a module stays on one worker,
 # its module fixtures built once) end together instead of one waiting on the other's last long
 # module (longest-first is the classic schedule: what is left at the end are the short modules).
-# Ranks only: the order inside a module, and of the rest, is pytest's. By their summed test times
+# Ranks only: the order inside a module, and of the rest, is pytest's. xdist keeps this order only with
+# --no-loadscope-reorder (scripts/test.sh passes it): by default `--dist loadfile` re-sorts the modules by
+# their number of tests, which sent the long modules with few tests (the browser journeys, multi-process)
+# to the workers late, one of them running alone at the end. By their summed test times
 # in a full two-worker run here (issue 51, seconds): gguf 362, journeys 192, quantize 130, distributed
 # 125, selfcheck 114, newcomer 112, app_long_context 107, bad_input_cli 78, bad_input_kills 64, fit 62,
 # browser 56, streamed_export 56 (the next are below 52 s).
