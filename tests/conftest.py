@@ -69,6 +69,33 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_module_rank)          # stable: pytest's order within each rank
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _llama_cpp_on_the_workers_share():
+    """Under pytest-xdist: llama.cpp runs on this worker's share of the cores too. Its default is a
+    fixed 2 threads (analysis.compress.export.gguf.llamacpp.DEFAULT_THREADS, so deployment speeds compare
+    across runs), and ggml's threads spin at every step: beside another worker on 2 cores, one of the two
+    is always waiting for the other (measured here with one other process on the cores: SmolLM2's three
+    GGUF perplexities 48.5 s on 2 threads, 20.8 s on 1). Each dot product is one thread's, so the numbers
+    a test checks are the same; speeds are only checked for their shape. Command lines the tests start
+    keep the default."""
+    if not _THREADS or _THREADS >= 2:
+        yield
+        return
+    import functools
+    from analysis.compress.export.gguf import llamacpp
+    real = llamacpp.load
+
+    @functools.wraps(real)
+    def load(path, *, threads: int = llamacpp.DEFAULT_THREADS, **options):
+        if type(threads) is int and threads > _THREADS:      # a bad count still reaches the library's check
+            threads = _THREADS
+        return real(path, threads=threads, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llamacpp, "load", load)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _hub_offline(monkeypatch):
     """No test may reach a model hub (a test could unset them; this restores them)."""
