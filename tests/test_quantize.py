@@ -104,9 +104,11 @@ def smollm2_fp32(smollm2, tmp_path_factory):
 @pytest.mark.slow
 def test_smollm2_int8_onnx_agrees_with_float32(smollm2, smollm2_fp32, tmp_path):
     """The issue's INT8 acceptance on the real model (about 50 s here): top-1 agreement >= 95 %,
-    perplexity within 5 %, file <= 0.35x float32."""
+    perplexity within 5 %, file <= 0.35x float32. The comparison's latencies are not part of it (timed on
+    8 tokens, not the default 128: 3 rounds of 4 runs of SmolLM2 were ~8 s of the test; the timing
+    fields themselves are test_compare_onnx_reports_everything's)."""
     int8 = quantize_onnx(smollm2_fp32, tmp_path / "int8")
-    c = compare_onnx(smollm2, smollm2_fp32, int8, max_tokens=512, repeats=2)
+    c = compare_onnx(smollm2, smollm2_fp32, int8, max_tokens=512, latency_tokens=8, repeats=2)
     assert c.top1_agreement >= 0.95, c.as_dict()
     assert c.perplexity_ratio <= 1.05, c.as_dict()
     assert c.size_ratio <= 0.35, c.as_dict()
