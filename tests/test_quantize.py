@@ -65,6 +65,14 @@ def test_compare_onnx_reports_everything(onnx_pair):
     assert c["latency_ms_fp32"] > 0 and c["latency_ms_int8"] > 0
 
 
+def test_onnx_sessions_run_on_torchs_thread_count_unless_told(onnx_pair):
+    """ONNX Runtime's own default is every physical core, whatever torch (or OMP_NUM_THREADS) is held to."""
+    loaded, _, fp32, _ = onnx_pair
+    threads = lambda lm: lm.session.get_session_options().intra_op_num_threads   # noqa: E731
+    assert threads(OnnxLM(fp32, loaded.model.config)) == torch.get_num_threads() == 1    # one_torch_thread
+    assert threads(OnnxLM(fp32, loaded.model.config, threads=3)) == 3
+
+
 def test_onnx_bad_input(onnx_pair, tmp_path):
     _, _, fp32, root = onnx_pair
     with pytest.raises(InputError, match="not an ONNX file"):
