@@ -1,7 +1,8 @@
 """INT8 (analysis/compress/recover/quantize.py): ONNX weight-only and dynamic INT8 files run in ONNX Runtime, the
 ONNX perplexity path equals the PyTorch one, torch dynamic INT8 of the Linear layers; SmolLM2's
 INT8 ONNX check against float32 (top-1, perplexity, file size; bench/bench_recovery.py measures it on
-the pruned and distilled models too)."""
+the pruned and distilled models too) and SmolLM2's self-checked "onnx-int8" export (its quality; the
+self-check itself: tests/test_selfcheck.py), the two on one float32 trace of SmolLM2."""
 from dataclasses import replace
 
 import numpy as np
@@ -64,6 +65,14 @@ def test_compare_onnx_reports_everything(onnx_pair):
     assert c["latency_ms_fp32"] > 0 and c["latency_ms_int8"] > 0
 
 
+def test_onnx_sessions_run_on_torchs_thread_count_unless_told(onnx_pair):
+    """ONNX Runtime's own default is every physical core, whatever torch (or OMP_NUM_THREADS) is held to."""
+    loaded, _, fp32, _ = onnx_pair
+    threads = lambda lm: lm.session.get_session_options().intra_op_num_threads   # noqa: E731
+    assert threads(OnnxLM(fp32, loaded.model.config)) == torch.get_num_threads() == 1    # one_torch_thread
+    assert threads(OnnxLM(fp32, loaded.model.config, threads=3)) == 3
+
+
 def test_onnx_bad_input(onnx_pair, tmp_path):
     _, _, fp32, root = onnx_pair
     with pytest.raises(InputError, match="not an ONNX file"):
@@ -92,16 +101,59 @@ def test_torch_dynamic_int8_of_linear_layers():
     assert state_bytes(q) < state_bytes(model)
 
 
+@pytest.fixture(scope="module")
+def smollm2_fp32(smollm2, tmp_path_factory):
+    """SmolLM2's float32 ONNX export folder (nothing pruned), traced once for the module's two SmolLM2 INT8
+    tests (a trace of the 135M model is ~13 s on a quiet core)."""
+    root = tmp_path_factory.mktemp("smollm2-onnx")
+    return export("onnx", smollm2.model, np.zeros((30, 9), dtype=bool), root, "fp32").path
+
+
 @pytest.mark.slow
-def test_smollm2_int8_onnx_agrees_with_float32(smollm2, tmp_path):
+def test_smollm2_int8_onnx_agrees_with_float32(smollm2, smollm2_fp32, tmp_path):
     """The issue's INT8 acceptance on the real model (about 50 s here): top-1 agreement >= 95 %,
-    perplexity within 5 %, file <= 0.35x float32."""
-    fp32 = export("onnx", smollm2.model, np.zeros((30, 9), dtype=bool), tmp_path, "fp32")
-    int8 = quantize_onnx(fp32.path, tmp_path / "int8")
-    c = compare_onnx(smollm2, fp32.path, int8, max_tokens=512, repeats=2)
+    perplexity within 5 %, file <= 0.35x float32. The comparison's latencies are not part of it (timed on
+    8 tokens, not the default 128: 3 rounds of 4 runs of SmolLM2 were ~8 s of the test; the timing
+    fields themselves are test_compare_onnx_reports_everything's)."""
+    int8 = quantize_onnx(smollm2_fp32, tmp_path / "int8")
+    c = compare_onnx(smollm2, smollm2_fp32, int8, max_tokens=512, latency_tokens=8, repeats=2)
     assert c.top1_agreement >= 0.95, c.as_dict()
     assert c.perplexity_ratio <= 1.05, c.as_dict()
     assert c.size_ratio <= 0.35, c.as_dict()
+
+
+@pytest.mark.slow
+def test_smollm2_int8_export_keeps_its_quality(smollm2, smollm2_fp32, tmp_path, monkeypatch):
+    """The integer INT8 file of SmolLM2 (issue 23's perplexity target), self-checked on its own 512
+    held-back tokens: within 5 % of float32 in perplexity and far above the old per-tensor variant's
+    agreement (0.56; 0.17 with saturating kernels). The agreement target 0.95 is not reached by this
+    route (docs/EXPORT.md): not asserted. The export's own float32 trace of the same (unpruned) model at
+    the same opset is the module's `smollm2_fp32` file, copied in (one SmolLM2 trace for the two tests);
+    the trace inside the "onnx-int8" export is tests/test_selfcheck.py's, on the tiny models."""
+    import shutil
+    import warnings
+    from analysis.compress.export import onnx_int8
+    from analysis.compress.export.onnx import ONNX_FILE
+    copied = []
+
+    def same_trace(model, path, *, opset=17):
+        assert opset == 17 and model.config.num_hidden_layers == 30
+        assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3   # nothing cut
+        shutil.copyfile(smollm2_fp32 / ONNX_FILE, path)
+        copied.append(path)
+
+    monkeypatch.setattr(onnx_int8, "write_onnx", same_trace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = export("onnx-int8", smollm2.model, np.zeros((30, 9), bool), tmp_path, "int8",
+                        tokenizer=smollm2.tokenizer)
+    assert len(copied) == 1
+    check = result.checks[-1]
+    assert check["artifact"] == "INT8 ONNX (dynamic)" and check["text"] == "held-back tokens", check
+    keep = check["details"]["keep_float"]                 # the outlier layers (MLP down projections) and the head
+    assert "lm_head" in keep and any("down_proj" in name for name in keep), keep
+    assert check["agreement"] > 0.8, check
+    assert check["perplexity_ratio"] <= 1.05, check
 
 
 # -- integer INT8 (issue 23) ----------------------------------------------------------------------

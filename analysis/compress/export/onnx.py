@@ -99,8 +99,10 @@ class OnnxLM(nn.Module):
         super().__init__()
         import onnxruntime as ort
         options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = int(threads)
+        # torch's thread count unless told (ONNX Runtime's own default is every physical core, whatever
+        # OMP_NUM_THREADS or torch.set_num_threads say: its threads spin at each step, so more threads than
+        # the process is given wait on each other, e.g. two pytest-xdist workers on two cores)
+        options.intra_op_num_threads = int(threads or torch.get_num_threads())
         self.path = onnx_file(path)
         self.session = ort.InferenceSession(str(self.path), options, providers=["CPUExecutionProvider"])
         self.config = config
