@@ -299,6 +299,15 @@ def markdown(out: dict) -> str:
     return "\n".join(lines + ([""] + goals if goals else []))
 
 
+def method_of(name: str) -> tuple[str, float]:
+    """(method, target KV) of a config name: "search@0.5", "kvpress:snapkv+q@0.33", and "kvpress:duo(search@0.33)"
+    (kvpress running headscope's plan: method "kvpress:duo", the plan's target)."""
+    method, _, target = name.rpartition("@")
+    if target.endswith(")"):
+        method, target = name[:name.index("(")], target.rstrip(")")
+    return method, float(target)
+
+
 def plot(out: dict, path: Path) -> None:
     """Score against KV held, a line per method, dense as the ceiling (PNG)."""
     import matplotlib
@@ -310,7 +319,7 @@ def plot(out: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     by: dict = {}
     for name, cfg in entry["configs"].items():
-        by.setdefault(name.split("@")[0], []).append((kv_measured(cfg, entry["dense"])[0], _avg(cfg)))
+        by.setdefault(method_of(name)[0], []).append((kv_measured(cfg, entry["dense"])[0], _avg(cfg)))
     for method, pts in sorted(by.items()):
         pts.sort()
         ax.errorbar([p[0] for p in pts], [p[1]["cut_score"] for p in pts],
@@ -338,7 +347,8 @@ def points(out: dict) -> dict:
         if name.endswith("none@1"):
             continue                                         # kvpress without a press: dense, checked in the table
         a = _avg(cfg)
-        pts[name] = dict(method=name.split("@")[0], target=float(name.split("@")[1]),
+        method, target = method_of(name)
+        pts[name] = dict(method=method, target=target,
                          kv=kv_measured(cfg, entry["dense"])[0], score=a["cut_score"], low=a["cut_low"],
                          high=a["cut_high"], lost=a["lost"],
                          plan=None if cfg.get("tool") == "kvpress" else f"docs/data/plans/{name.replace('@', '-kv')}.json")

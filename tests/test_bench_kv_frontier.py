@@ -63,3 +63,10 @@ def test_the_goal_is_said_from_the_cells():
     missed, below = goal_lines(dict(entry=dict(dense=dense, configs=configs)))
     assert "**missed**; closest search@0.5" in missed and "on t1" in missed
     assert "**not above** kvpress's best there, kvpress:streaming@0.33 (0.750)" in below
+
+
+def test_config_names_give_their_method_and_target():
+    from bench.bench_kv_frontier import method_of
+    assert method_of("search@0.5") == ("search", 0.5)
+    assert method_of("kvpress:snapkv+q@0.33") == ("kvpress:snapkv+q", 0.33)
+    assert method_of("kvpress:duo(search@0.33)") == ("kvpress:duo", 0.33)
