@@ -54,7 +54,8 @@ def test_the_goal_is_said_from_the_cells():
     configs = {"search@0.5": _config("headscope", 0.497, 0.90, (0.04, 0.01)),
                "prior@0.5": _config("headscope", 0.497, 0.88, (0.04, -0.01)),         # one cell lost
                "search@0.33": _config("headscope", 0.33, 0.70, (0.0, -0.1)),
-               "kvpress:snapkv@0.33": _config("kvpress", 0.329, 0.13, (-0.7, -0.7))}
+               "kvpress:snapkv@0.33": _config("kvpress", 0.329, 0.13, (-0.7, -0.7)),
+               "kvpress:duo(search@0.33)": _config("kvpress", 0.33, 0.95, (0.0, 0.0))}     # our plan, not a press
     met, above = goal_lines(dict(entry=dict(dense=dense, configs=configs)))
     assert "**met** by search@0.5 " in met and "prior" not in met
     assert "search@0.33 (0.700" in above and "**above** kvpress's best there, kvpress:snapkv@0.33" in above
