@@ -141,9 +141,24 @@ def _check_view(page, came_from: str, name: str, controls: dict | None = None) -
     assert page.get_by_test_id("stException").count() == 0, where
 
 
+OPEN_TRIES = 3                # a rerun that lands between the click and the list redraws the box, closed
+
+
 def _choose(page, label: str, option: str) -> None:
-    _box(page, "stSelectbox", label).click()
-    page.get_by_role("option", name=option).first.click()
+    """Pick `option` in the select box `label`: open it, wait for the option to be listed (open it again, once the
+    script has settled, when a rerun closed the list first), click it, wait for the run it starts."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    wanted = page.get_by_role("option", name=option).first
+    for attempt in range(OPEN_TRIES):
+        _box(page, "stSelectbox", label).click()
+        try:
+            wanted.wait_for(state="visible", timeout=10_000)
+            break
+        except PlaywrightTimeout:
+            if attempt + 1 == OPEN_TRIES:
+                raise
+            _settled(page)
+    wanted.click()
     _settled(page)
 
 
