@@ -166,7 +166,7 @@ def ruler_section(lm, plan: KVPlan, context: int) -> None:
     if outside:
         st.warning(f"Dense does not pass {', '.join(RULER_TASKS[t].label for t in outside)} at {length:,} tokens in "
                    f"its map (below {PASS} on {MIN_ROWS} rows, or not measured): a plan's loss cannot show there, so "
-                   "judge the plan on the map's test cells (Where dense passes, above).", icon=":material/rule:")
+                   "judge the plan on the map's test cells (Where dense passes, below).", icon=":material/rule:")
     args = (tuple(tasks), length, samples, 0)
     rows = None
     with shown_errors("Making RULER's rows"):
