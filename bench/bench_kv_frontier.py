@@ -139,20 +139,19 @@ def scores_of(loaded, window, length: int, out: dict, save, log) -> dict:
 
 
 def score_plan(loaded, method: str, ratio: float, prompt: int, scores: dict, window, length: int):
-    """The plan of a score method at a KV ratio: the lowest scores windowed (duo+: KV heads holding a retrieval head
-    kept full, so it may hold more than asked: the table shows what it holds)."""
-    from analysis.score.kvscores import plan_kv
-    from analysis.measure.longheads import RETRIEVAL_THRESHOLD
+    """The plan of a score method at a KV ratio (analysis.score.kvscores.plan_from_scores): the lowest scores windowed
+    (duo+: KV heads holding a retrieval head kept full, so it may hold more than asked: the table shows what it
+    holds)."""
+    from analysis.score.kvscores import KVScores, plan_from_scores
     from bench.bench_ruler import window_share_for
     g = loaded.geometry
     share = window_share_for(ratio, prompt, window, g.n_layers * g.n_kv_heads)
-    keep = scores["retrieval"] >= RETRIEVAL_THRESHOLD if method == "duo+" else None
-    plan = plan_kv(g, scores[SCORE_METHODS[method]], window_share=share, keep=keep, window=window, model=loaded.name)
-    note = (f"windowed: the lowest {SCORE_METHODS[method]} scores ({share:.0%} of the KV heads asked, for KV {ratio:g} "
-            f"of dense at {prompt:,} tokens), measured on calibration needle rows at {length:,} tokens")
-    if keep is not None:
-        note += f"; {int(keep.sum())} KV heads with a retrieval head (score >= {RETRIEVAL_THRESHOLD:g}) kept full"
-    return plan.with_modes(plan.modes, note)
+    measured = KVScores(streaming=scores["streaming"], retrieval=scores["retrieval"],
+                        retrieval_aware=scores["retrieval-aware"])
+    plan = plan_from_scores(g, measured, window_share=share, keep_retrieval=method == "duo+", window=window,
+                            window_score=SCORE_METHODS[method], model=loaded.name)
+    return plan.with_modes(plan.modes, f"{share:.0%} of the KV heads asked, for KV {ratio:g} of dense at {prompt:,} "
+                                       f"tokens; the scores measured on calibration needle rows at {length:,} tokens")
 
 
 def make_plans(loaded, methods, ratios, prompt: int, cal_rows, rows_used: dict, recents: dict, out: dict, log,

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from analysis.core.atomic import atomic_write, write_section
+from analysis.core.atomic import write_section
 from analysis.core.errors import HeadscopeError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +41,7 @@ def measure_cell(loaded, task: str, length: int, samples: int):
     t0 = time.perf_counter()
     dense, _ = stored_dense(loaded, rows)
     cell = next(c for c in ruler_cells(rows, dense) if c.task == task)
-    return DenseCell(task, length, cell.dense["score"], cell.dense["low"], cell.dense["high"], cell.n,
-                     round(time.perf_counter() - t0, 1), rows.split)
+    return DenseCell.of_ruler(cell, rows.split, round(time.perf_counter() - t0, 1))
 
 
 PROBE_PREFIX = "probe:"
@@ -67,8 +66,7 @@ def measure_probes(loaded, names, length: int, depths, rows: int) -> list:
 
 
 def render(dense_map, path: Path, write_docs: bool) -> None:
-    import json
-    atomic_write(path, json.dumps(dense_map.as_dict(), indent=1))
+    dense_map.write(path)
     if write_docs:
         write_section(ROOT / "docs" / "results.md", "\n".join([MAP_MARKERS[0], dense_map.markdown(), MAP_MARKERS[1]]),
                       *MAP_MARKERS)

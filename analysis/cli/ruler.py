@@ -107,18 +107,15 @@ def judged_cells(ns, names: tuple, lengths: tuple):
 
 def write_map(path: str, model: str, rep) -> None:
     """Dense's cells of a report added to the dense map at `path` (this model's; a new one when absent)."""
-    import json
     from pathlib import Path
 
-    from analysis.core.atomic import atomic_write
     from analysis.measure.densemap import DenseCell, DenseMap
     from analysis.measure.ruler import AVERAGE
     dense_map = DenseMap.read(path) if Path(path).exists() else DenseMap(model)
     for c in rep.cells:
         if c.task != AVERAGE:
-            dense_map.add(DenseCell(c.task, c.length, c.dense["score"], c.dense["low"], c.dense["high"], c.n,
-                                    split=rep.rows.split))
-    atomic_write(path, json.dumps(dense_map.as_dict(), indent=1), what="The dense map")
+            dense_map.add(DenseCell.of_ruler(c, rep.rows.split))
+    dense_map.write(path)
 
 
 def _check_map_out(ns) -> None:

@@ -38,6 +38,12 @@ class DenseCell:
     def passes(self) -> bool:
         return self.score >= PASS and self.n >= MIN_ROWS
 
+    @classmethod
+    def of_ruler(cls, cell, split: str, seconds: float | None = None) -> "DenseCell":
+        """Dense's side of a RULER report's cell (analysis.measure.ruler.RulerCell) as a map cell."""
+        return cls(cell.task, cell.length, cell.dense["score"], cell.dense["low"], cell.dense["high"], cell.n,
+                   seconds, split)
+
 
 @dataclass
 class DenseMap:
@@ -102,6 +108,11 @@ class DenseMap:
         except (KeyError, TypeError, ValueError) as err:
             raise InputError(f"Not a dense map (task x length cells): {err}.") from None
         return out
+
+    def write(self, path) -> None:
+        """The map as JSON at `path`, written atomically (never half a file)."""
+        from analysis.core.atomic import atomic_write
+        atomic_write(path, json.dumps(self.as_dict(), indent=1), what="The dense map")
 
     @classmethod
     def read(cls, path) -> "DenseMap":
